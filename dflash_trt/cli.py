@@ -1,0 +1,77 @@
+"""The ``dflash-trt`` console command.
+
+Each subcommand is owned by its pipeline stage: the module named in
+``COMMANDS`` defines ``add_arguments(parser)`` and ``run(args) -> int``.
+A stage that has not landed yet answers with a clear message instead of a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from dflash_trt import __version__
+from dflash_trt.errors import DFlashError
+
+# name -> (module owning it, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "export": ("dflash_trt.export.command", "trace target, drafts and verifiers to ONNX + manifest"),
+    "build": ("dflash_trt.engines.command", "build TensorRT / TensorRT-RTX engines from exported graphs"),
+    "selfcheck": ("dflash_trt.engines.selfcheck", "compare every engine with ONNX Runtime on random inputs"),
+    "run": ("dflash_trt.runtime.command", "serve a prompt file through the runtime, write outputs + stats"),
+    "demo": ("dflash_trt.runtime.demo", "run the embedded default pair end to end on this machine"),
+    "report": ("dflash_trt.analysis.command", "summarize stats Parquet files: tables, plots, JSON"),
+    "generate": ("dflash_trt.export.generate_command", "reference (PyTorch eager) generation from checkpoints"),
+    "train": ("dflash_trt.export.train.command", "train a tokenizer, target and DFlash draft"),
+}
+
+
+def _load(module_name: str):
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name and module_name.startswith(error.name):
+            return None
+        raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash-trt", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"dflash-trt {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        module = _load(module_name)
+        if module is None:
+            command.set_defaults(_run=_missing(name))
+        else:
+            module.add_arguments(command)
+            command.set_defaults(_run=module.run)
+    return parser
+
+
+def _missing(name: str):
+    def run(_args: argparse.Namespace) -> int:
+        print(f"dflash-trt {name}: not available yet in this version.", file=sys.stderr)
+        return 2
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except DFlashError as error:
+        print(f"dflash-trt {args.command}: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

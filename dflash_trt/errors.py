@@ -1,0 +1,54 @@
+"""Typed errors raised at the library's boundaries.
+
+Every message names what was wrong, the valid range and the value seen, so a
+caller can act on it without reading our source. One hierarchy for the whole
+pipeline: catch ``DFlashError`` to catch them all.
+"""
+
+
+class DFlashError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class CheckpointError(DFlashError):
+    """A Hugging Face checkpoint (config or tensors) cannot be used."""
+
+
+class ConfigError(CheckpointError):
+    """A config.json field is missing, unsupported or inconsistent."""
+
+
+class TensorError(CheckpointError):
+    """A checkpoint tensor is missing, unexpected or has the wrong shape."""
+
+
+class PairError(CheckpointError):
+    """A draft does not fit its target (hidden size, vocabulary, taps, mask)."""
+
+
+class TokenizerError(DFlashError):
+    """Tokenizer files are missing or do not match the model."""
+
+
+class SamplingError(DFlashError):
+    """Sampling parameters are out of range (temperature, top_k, top_p, seed)."""
+
+
+class ManifestError(DFlashError):
+    """An artifact manifest is malformed or disagrees with its files."""
+
+
+class EngineError(DFlashError):
+    """An engine could not be built, loaded, or disagrees with the contract."""
+
+
+class SessionError(DFlashError):
+    """A runtime call names an unknown, closed or poisoned session."""
+
+
+class InputError(DFlashError):
+    """A runtime input is invalid (token, position, size); nothing changed."""
+
+
+class PoisonedError(SessionError):
+    """A failure after mutation left these sessions unusable until closed."""
