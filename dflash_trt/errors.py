@@ -52,3 +52,7 @@ class InputError(DFlashError):
 
 class PoisonedError(SessionError):
     """A failure after mutation left these sessions unusable until closed."""
+
+
+class StatsError(DFlashError):
+    """A stats Parquet file is missing, of another kind or schema version, or mistyped."""

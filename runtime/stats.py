@@ -132,3 +132,17 @@ def write_parquet(frame: pl.DataFrame, path: str | Path, kind: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     frame.write_parquet(path, metadata={KIND_KEY: kind, VERSION_KEY: str(SCHEMA_VERSION)})
     return path
+
+
+def stats_paths(stem: str | Path) -> tuple[Path, Path]:
+    """Where a run's two tables live: ``STEM.parquet`` and ``STEM.executes.parquet``.
+
+    The runtime writes both through this function and ``dflash-trt report``
+    finds the executes table beside the cycles file through it, so the naming
+    is defined once. A stem that already ends in ``.parquet`` (a cycles path)
+    has that suffix dropped first, so ``stats_paths(cycles_path)`` round-trips.
+    """
+    stem = Path(stem)
+    if stem.suffix == ".parquet":
+        stem = stem.with_suffix("")
+    return stem.with_name(stem.name + ".parquet"), stem.with_name(stem.name + ".executes.parquet")
