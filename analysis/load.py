@@ -1,0 +1,130 @@
+"""Open stats Parquet files lazily, after checking they are what we expect.
+
+The runtime writes two tables per run (``runtime/stats.py``): cycles
+(``CYCLE_SCHEMA``, one row per owner per cycle) and executes
+(``EXECUTE_SCHEMA``, one row per ``execute()``), named by ``stats_paths``:
+``X.parquet`` and ``X.executes.parquet``. Each file carries its kind and
+schema version as Parquet key-value metadata.
+
+Only the footer is read to validate (``pyarrow.parquet.read_metadata``); the
+rows stay on disk until a query collects, so a multi-gigabyte log costs
+nothing to open.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dflash_trt.errors import StatsError
+from dflash_trt.runtime.stats import (
+    CYCLE_SCHEMA,
+    EXECUTE_SCHEMA,
+    KIND_KEY,
+    SCHEMA_VERSION,
+    VERSION_KEY,
+    stats_paths,
+)
+
+SCHEMAS: dict[str, Mapping[str, pl.DataType]] = {"cycles": CYCLE_SCHEMA, "executes": EXECUTE_SCHEMA}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run's stats: the cycles table and, when present, the executes table.
+
+    | field | type | meaning |
+    | --- | --- | --- |
+    | name | str | label in tables and plots (the cycles file's stem) |
+    | cycles | LazyFrame | ``CYCLE_SCHEMA`` columns, validated |
+    | executes | LazyFrame or None | ``EXECUTE_SCHEMA`` columns, when the file exists |
+    """
+
+    name: str
+    cycles: pl.LazyFrame
+    executes: pl.LazyFrame | None = None
+
+
+def executes_beside(cycles_path: str | Path) -> Path | None:
+    """The executes table that belongs to a cycles file, if it exists."""
+    path = stats_paths(cycles_path)[1]
+    return path if path.exists() else None
+
+
+def scan_run(cycles_path: str | Path, name: str | None = None) -> Run:
+    """Validate and scan a cycles file and the executes file beside it."""
+    cycles_path = Path(cycles_path)
+    executes_path = executes_beside(cycles_path)
+    return Run(
+        name=name or stats_paths(cycles_path)[0].stem,
+        cycles=scan_stats(cycles_path, "cycles"),
+        executes=None if executes_path is None else scan_stats(executes_path, "executes"),
+    )
+
+
+def scan_stats(path: str | Path, kind: str) -> pl.LazyFrame:
+    """A validated lazy scan of one stats table, restricted to its schema's columns.
+
+    Raises ``StatsError`` naming every problem at once: unreadable file,
+    other table kind, other schema version, missing or mistyped columns.
+    Extra columns are tolerated (and dropped) so a newer writer that only
+    adds columns still reads.
+    """
+    path = Path(path)
+    schema = SCHEMAS[kind]
+    footer = _read_footer(path)
+    problems = _metadata_problems(footer.metadata or {}, kind)
+    problems += column_problems(pl.Schema(footer.schema.to_arrow_schema()), schema)
+    if problems:
+        msg = f"{path} is not a usable dflash-trt {kind} stats file: " + "; ".join(problems)
+        raise StatsError(msg)
+    return pl.scan_parquet(path).select(list(schema))
+
+
+def _read_footer(path: Path) -> pq.FileMetaData:
+    """The Parquet footer: key-value metadata and column types, no rows."""
+    if not path.is_file():
+        msg = f"stats file {path} does not exist"
+        raise StatsError(msg)
+    try:
+        return pq.read_metadata(path)
+    except (pa.ArrowException, OSError) as error:
+        msg = f"{path} is not a Parquet file ({error})"
+        raise StatsError(msg) from error
+
+
+def _metadata_problems(metadata: Mapping[bytes, bytes], kind: str) -> list[str]:
+    """Kind and version checks on the file's key-value metadata."""
+    seen_kind = metadata.get(KIND_KEY.encode())
+    seen_version = metadata.get(VERSION_KEY.encode())
+    problems = []
+    if seen_kind is None:
+        problems.append(f"metadata key {KIND_KEY!r} missing (expected {kind!r}; not written by runtime.stats.write_parquet?)")
+    elif seen_kind.decode() != kind:
+        problems.append(f"table kind: expected {kind!r}, seen {seen_kind.decode()!r}")
+    if seen_version is None:
+        problems.append(f"schema version: expected {SCHEMA_VERSION}, seen none ({VERSION_KEY!r} missing)")
+    elif seen_version.decode() != str(SCHEMA_VERSION):
+        problems.append(f"schema version: expected {SCHEMA_VERSION}, seen {seen_version.decode()}")
+    return problems
+
+
+def column_problems(seen: Mapping[str, pl.DataType], expected: Mapping[str, pl.DataType]) -> list[str]:
+    """Missing and mistyped columns, each with its expected (and seen) dtype."""
+    missing = [f"{name} ({dtype})" for name, dtype in expected.items() if name not in seen]
+    mistyped = [
+        f"{name} expected {dtype}, seen {seen[name]}"
+        for name, dtype in expected.items()
+        if name in seen and seen[name] != dtype
+    ]
+    problems = []
+    if missing:
+        problems.append("missing columns: " + ", ".join(missing))
+    if mistyped:
+        problems.append("mistyped columns: " + ", ".join(mistyped))
+    return problems
