@@ -1,0 +1,132 @@
+"""Throughput and latency: tokens per second, device time, time per phase.
+
+``draft_ms``, ``verify_ms`` and ``host_ms`` are measured once per
+draft/verify call and repeated on every owner row of that call, so anything
+that sums time first collapses the rows to one per ``cycle_id`` (``calls``);
+summing owner rows would count a 4-owner call four times. Token counts
+(``emitted``) are per owner and are summed over rows as they are.
+
+Every mode counts here, ``target`` (plain decode) included: throughput is
+what the user sees, whatever produced the tokens.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+PHASES = ("draft_ms", "verify_ms", "host_ms")
+
+
+def calls(cycles: pl.LazyFrame) -> pl.LazyFrame:
+    """One row per device call (cycle_id): shared columns once, per-owner ones summed.
+
+    | column | dtype | meaning |
+    | --- | --- | --- |
+    | cycle_id | Int64 | the call |
+    | mode | String | static / dynamic / target |
+    | owners | Int32 | owners packed into the call |
+    | rows | UInt32 | owner rows seen for the call |
+    | emitted | Int64 | tokens the call produced, all owners |
+    | context_rows | Int64 | context rows the call consumed, all owners |
+    | draft_ms, verify_ms, host_ms | Float64 | the call's phase times (once) |
+    | end_ms | Float64 | when the call ended |
+    """
+    return cycles.group_by("cycle_id").agg(
+        pl.col("mode").first(),
+        pl.col("owners").first(),
+        pl.len().alias("rows"),
+        pl.col("emitted").cast(pl.Int64).sum(),
+        pl.col("context_rows").cast(pl.Int64).sum(),
+        *(pl.col(phase).first() for phase in PHASES),
+        pl.col("end_ms").max(),
+    )
+
+
+def throughput(cycles: pl.LazyFrame) -> pl.LazyFrame:
+    """Tokens per wall second and per device second, one row.
+
+    Wall rate: tokens emitted after the first cycle end, over the span from
+    the first to the last cycle end. The first call's tokens were produced
+    before that span began (we do not know when it started), so counting
+    them would overstate a short run: 2 calls of 4 tokens 10 ms apart are
+    400 tokens/s, not 800. Device rate: all tokens over the de-duplicated
+    draft + verify time.
+
+    | column | dtype | meaning |
+    | --- | --- | --- |
+    | rows | UInt32 | owner rows, every mode |
+    | calls | UInt32 | distinct cycle_id |
+    | emitted | Int64 | tokens produced |
+    | wall_s | Float64 | last end_ms - first end_ms, in seconds |
+    | tokens_per_s | Float64 | emitted after the first end / wall_s (null if wall_s == 0) |
+    | device_s | Float64 | Σ over calls of draft_ms + verify_ms, in seconds |
+    | tokens_per_device_s | Float64 | emitted / device_s (null if device_s == 0) |
+    """
+    first_end = pl.col("end_ms").min()
+    wall_s = (pl.col("end_ms").max() - first_end) / 1000
+    after_first = pl.col("emitted").cast(pl.Int64).filter(pl.col("end_ms") > first_end).sum()
+    wall = cycles.select(
+        pl.len().alias("rows"),
+        pl.col("emitted").cast(pl.Int64).sum().alias("emitted"),
+        wall_s.alias("wall_s"),
+        _rate(after_first, wall_s).alias("tokens_per_s"),
+    )
+    device_s = (pl.col("draft_ms") + pl.col("verify_ms")).sum() / 1000
+    device = calls(cycles).select(
+        pl.len().alias("calls"),
+        device_s.alias("device_s"),
+        _rate(pl.col("emitted").sum(), device_s).alias("tokens_per_device_s"),
+    )
+    return pl.concat([wall, device], how="horizontal").select(
+        "rows", "calls", "emitted", "wall_s", "tokens_per_s", "device_s", "tokens_per_device_s"
+    )
+
+
+def latency_breakdown(cycles: pl.LazyFrame) -> pl.LazyFrame:
+    """Time per phase over all calls (each call counted once).
+
+    | column | dtype | meaning |
+    | --- | --- | --- |
+    | phase | String | draft_ms / verify_ms / host_ms |
+    | total_ms | Float64 | Σ over calls |
+    | mean_ms | Float64 | per call |
+    | share | Float64 | total_ms / Σ of the three phases |
+    """
+    per_call = calls(cycles)
+    totals = per_call.select(*(pl.col(phase).sum() for phase in PHASES)).unpivot(
+        variable_name="phase", value_name="total_ms"
+    )
+    count = per_call.select(pl.len().alias("calls"))
+    return totals.join(count, how="cross").select(
+        "phase",
+        "total_ms",
+        _rate(pl.col("total_ms"), pl.col("calls")).alias("mean_ms"),
+        _rate(pl.col("total_ms"), pl.col("total_ms").sum()).alias("share"),
+    )
+
+
+def latency_by(cycles: pl.LazyFrame, key: str = "owners") -> pl.LazyFrame:
+    """Mean time per call for each phase, per value of a call-level key (``owners``, ``mode``).
+
+    | column | dtype | meaning |
+    | --- | --- | --- |
+    | <key> | key's dtype | group |
+    | calls | UInt32 | calls in the group |
+    | draft_ms, verify_ms, host_ms | Float64 | mean per call |
+    | tokens_per_call | Float64 | mean tokens emitted per call (all owners) |
+    """
+    return (
+        calls(cycles)
+        .group_by(key)
+        .agg(
+            pl.len().alias("calls"),
+            *(pl.col(phase).mean() for phase in PHASES),
+            pl.col("emitted").mean().alias("tokens_per_call"),
+        )
+        .sort(key)
+    )
+
+
+def _rate(count: pl.Expr, seconds: pl.Expr) -> pl.Expr:
+    """count / seconds (or any ratio), null (not inf or NaN) when the denominator is 0."""
+    return pl.when(seconds > 0).then(count / seconds)
