@@ -56,3 +56,15 @@ class PoisonedError(SessionError):
 
 class StatsError(DFlashError):
     """A stats Parquet file is missing, of another kind or schema version, or mistyped."""
+
+
+class EngineBuildError(EngineError):
+    """TensorRT could not parse or build one or more graphs of an engine set.
+
+    ``failures`` lists every problem found in one pass (graph, node, message),
+    so one run shows all the nodes to fix rather than the first.
+    """
+
+    def __init__(self, message: str, failures: tuple = ()):
+        super().__init__(message)
+        self.failures = tuple(failures)
