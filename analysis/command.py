@@ -1,0 +1,48 @@
+"""``dflash-trt report STATS.parquet [--baseline AR.parquet] [--compare B.parquet ...] [--out DIR]``.
+
+STATS is a cycles table written by the runtime; the executes table is read
+from beside it when present (``X.parquet`` → ``X.executes.parquet``, see
+``runtime.stats.stats_paths``). Prints the Markdown report, the files
+written, and as its LAST line one JSON object of headline figures
+(``report.headline``), for scripts: ``dflash-trt report s.parquet | tail -1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from dflash_trt.analysis.load import scan_run
+from dflash_trt.analysis.report import headline, markdown, summarize, write_report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("stats", type=Path, help="cycles table (X.parquet; X.executes.parquet is read if present)")
+    parser.add_argument("--baseline", type=Path, help="autoregressive run's cycles table: adds speedup")
+    parser.add_argument(
+        "--compare", type=Path, nargs="+", action="extend", default=[], metavar="STATS", help="other runs to show side by side"
+    )
+    parser.add_argument("--out", type=Path, help="output folder (default: X.report/ beside STATS)")
+    parser.add_argument("--window", type=_positive_int, default=64, help="calls per rolling-τ window (default 64)")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        msg = f"must be ≥ 1, got {value}"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    main_run = scan_run(args.stats)
+    baseline = None if args.baseline is None else scan_run(args.baseline, name=f"baseline:{args.baseline.stem}")
+    others = [scan_run(path) for path in args.compare]
+    summary = summarize(main_run, baseline, others, window=args.window)
+    out_dir = args.out or args.stats.with_name(args.stats.stem + ".report")
+    files = write_report(summary, out_dir)
+    print(markdown(summary, files))
+    print(f"wrote {len(files)} files to {out_dir}")
+    print(json.dumps(headline(summary)))
+    return 0
