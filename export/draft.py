@@ -1,0 +1,108 @@
+"""The DFlash block-diffusion draft (z-lab checkpoint layout).
+
+The draft owns no embedding or LM head: it borrows the target's (frozen).
+Per context token, ``c = hidden_norm(fc(taps))``; each draft layer's context
+K/V are ``k_norm``/RoPE of ``k_proj(c)`` and ``v_proj(c)`` at the token's own
+position, written once into the draft cache (``write_context``). A forward
+over a block ``[anchor, MASK × (B-1)]`` at positions ``start .. start+B-1``
+attends NON-causally over every committed context slot plus the whole block;
+the block's own K/V are written after the context (temporary: the next
+cycle's context overwrites them) so validity is one length, ``start + B``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dflash_trt.export.checkpoint import load_into, read_tensors
+from dflash_trt.export.config import DraftConfig, load_draft_config
+from dflash_trt.export.layers import EAGER, Attention, RMSNorm, Rotary, SwiGLU, new_cache
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = SwiGLU(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, rope, positions, rows, start, k_cache, v_cache, kernels):
+        cos, sin = rope
+        h = self.input_layernorm(x)
+        q = self.self_attn.query(h, cos, sin)
+        k, v = self.self_attn.key_value(h, cos, sin)
+        k_cache = kernels.write_cache(k_cache, rows, start, k)
+        v_cache = kernels.write_cache(v_cache, rows, start, v)
+        kv_len = start + x.shape[1]
+        attended = kernels.attention(q, k_cache, v_cache, rows, positions, kv_len, False, 0)
+        x = x + self.self_attn.output(attended)
+        return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
+
+
+class DraftModel(nn.Module):
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.kernels = EAGER
+        taps = len(config.target_layer_ids) * config.hidden_size
+        self.fc = nn.Linear(taps, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = Rotary(config.rope, config.head_dim)
+
+    def write_context(
+        self,
+        taps: torch.Tensor,
+        start: torch.Tensor,
+        rows: torch.Tensor,
+        k_cache: list[torch.Tensor],
+        v_cache: list[torch.Tensor],
+    ) -> None:
+        """taps [n, C, m*H] at positions start..start+C-1 -> draft cache slots (every layer)."""
+        positions = start[:, None] + torch.arange(taps.shape[1], device=taps.device)  # [n, C]
+        c = self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
+        cos, sin = self.rotary(positions, c.dtype)
+        for index, layer in enumerate(self.layers):
+            k, v = layer.self_attn.key_value(c, cos, sin)
+            k_cache[index] = self.kernels.write_cache(k_cache[index], rows, start, k)
+            v_cache[index] = self.kernels.write_cache(v_cache[index], rows, start, v)
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        start: torch.Tensor,
+        rows: torch.Tensor,
+        k_cache: list[torch.Tensor],
+        v_cache: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """block_embeds [n, B, H] at positions start..start+B-1 -> normed hidden [n, B, H].
+
+        Context slots 0..start-1 of each row must already be written.
+        """
+        positions = start[:, None] + torch.arange(block_embeds.shape[1], device=start.device)
+        x = block_embeds * self.config.embedding_scale if self.config.embedding_scale != 1.0 else block_embeds
+        rope = self.rotary(positions, x.dtype)
+        for index, layer in enumerate(self.layers):
+            x, k_cache[index], v_cache[index] = layer(
+                x, rope, positions, rows, start, k_cache[index], v_cache[index], self.kernels
+            )
+        return self.norm(x)
+
+    def new_cache(self, rows: int, max_context: int, dtype: torch.dtype | None = None, device="cpu"):
+        return new_cache(self.config, rows, max_context, dtype or self.fc.weight.dtype, device)
+
+
+def load_draft(directory: str | Path, dtype: torch.dtype = torch.float32) -> DraftModel:
+    """Build a ``DraftModel`` from a z-lab DFlash checkpoint directory (strict load)."""
+    config = load_draft_config(directory)
+    with torch.device("meta"):
+        model = DraftModel(config)
+    model = model.to_empty(device="cpu").to(dtype)
+    model.rotary.inv_freq = Rotary(config.rope, config.head_dim).inv_freq
+    load_into(model, read_tensors(directory, strip=("model.",)), str(directory))
+    return model.eval()

@@ -1,0 +1,121 @@
+"""The target LLM (Qwen3 / Llama) over the KV-cache row layout.
+
+``forward(tokens, start, rows, k_cache, v_cache)`` runs ``n`` rows of ``T``
+tokens each; row ``i`` holds tokens at positions ``start[i] .. start[i]+T-1``
+of cache row ``rows[i]``. It writes their K/V into the caches in place and
+returns fp32 logits and the taps: the residual-stream outputs of
+``tap_layers`` (0-indexed decoder layers, before the final norm),
+concatenated along the feature axis.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dflash_trt.export.checkpoint import load_into, read_tensors
+from dflash_trt.export.config import TargetConfig, load_target_config
+from dflash_trt.export.layers import EAGER, Attention, RMSNorm, Rotary, SwiGLU, new_cache
+from dflash_trt.errors import ConfigError
+
+
+class TargetLayer(nn.Module):
+    def __init__(self, config: TargetConfig, window: int) -> None:
+        super().__init__()
+        self.window = window
+        self.self_attn = Attention(config)
+        self.mlp = SwiGLU(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, rope, positions, rows, start, k_cache, v_cache, kernels):
+        cos, sin = rope
+        h = self.input_layernorm(x)
+        q = self.self_attn.query(h, cos, sin)
+        k, v = self.self_attn.key_value(h, cos, sin)
+        k_cache = kernels.write_cache(k_cache, rows, start, k)
+        v_cache = kernels.write_cache(v_cache, rows, start, v)
+        kv_len = start + x.shape[1]
+        attended = kernels.attention(q, k_cache, v_cache, rows, positions, kv_len, True, self.window)
+        x = x + self.self_attn.output(attended)
+        return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: TargetConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(TargetLayer(config, w) for w in config.windows)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class TargetModel(nn.Module):
+    def __init__(self, config: TargetConfig, tap_layers: tuple[int, ...] | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.tap_layers = tuple(tap_layers) if tap_layers else config.default_tap_layers(1)
+        if not all(0 <= i < config.num_layers for i in self.tap_layers):
+            raise ConfigError(f"tap layers must be in [0, {config.num_layers - 1}], got {list(self.tap_layers)}")
+        self.kernels = EAGER
+        self.model = Backbone(config)
+        self.rotary = Rotary(config.rope, config.head_dim)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def tap_width(self) -> int:
+        return len(self.tap_layers) * self.config.hidden_size
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(tokens)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> fp32 logits [..., V]."""
+        return self.lm_head(hidden).float()
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        start: torch.Tensor,
+        rows: torch.Tensor,
+        k_cache: list[torch.Tensor],
+        v_cache: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [n, T] -> logits [n, T, V] fp32, taps [n, T, m*H]; caches updated in place."""
+        positions = start[:, None] + torch.arange(tokens.shape[1], device=tokens.device)  # [n, T]
+        x = self.embed(tokens)
+        rope = self.rotary(positions, x.dtype)
+        taps = []
+        for index, layer in enumerate(self.model.layers):
+            x, k_cache[index], v_cache[index] = layer(
+                x, rope, positions, rows, start, k_cache[index], v_cache[index], self.kernels
+            )
+            if index in self.tap_layers:
+                taps.append(x)
+        return self.head(self.model.norm(x)), torch.cat(taps, dim=-1)
+
+    def new_cache(self, rows: int, max_context: int, dtype: torch.dtype | None = None, device="cpu"):
+        dtype = dtype or self.lm_head.weight.dtype
+        return new_cache(self.config, rows, max_context, dtype, device)
+
+
+def load_target(
+    directory: str | Path,
+    tap_layers: tuple[int, ...] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> TargetModel:
+    """Build a ``TargetModel`` from an HF checkpoint directory (strict load)."""
+    config = load_target_config(directory)
+    with torch.device("meta"):
+        model = TargetModel(config, tap_layers)
+    model = model.to_empty(device="cpu").to(dtype)
+    model.rotary.inv_freq = Rotary(config.rope, config.head_dim).inv_freq
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    tensors = read_tensors(directory)
+    ignore = ("lm_head.weight",) if config.tie_word_embeddings else ()
+    load_into(model, tensors, str(directory), ignore=ignore)
+    return model.eval()
