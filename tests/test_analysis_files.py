@@ -1,0 +1,169 @@
+"""Stats files on disk: validation errors, the X.parquet / X.executes.parquet pair, the report command."""
+
+from __future__ import annotations
+
+import json
+
+import polars as pl
+import pytest
+
+from dflash_trt.analysis.load import scan_run, scan_stats
+from dflash_trt.cli import main
+from dflash_trt.errors import StatsError
+from dflash_trt.runtime.stats import (
+    CYCLE_SCHEMA,
+    EXECUTE_SCHEMA,
+    KIND_KEY,
+    VERSION_KEY,
+    stats_paths,
+    write_parquet,
+)
+
+PLOTS = ("acceptance_histogram.png", "position_acceptance.png", "rolling_tau.png", "latency.png")
+
+
+def cycles_frame() -> pl.DataFrame:
+    """Two speculative calls (the first with 2 owners) and one plain-decode step.
+
+    emitted 3 + 1 (call 0, t=100 ms), 4 (call 1, t=150), 1 (call 2, t=200):
+    τ = (3 + 1 + 4) / 3 = 8/3; 4 + 1 tokens after t=100 over 0.1 s = 50 tokens/s.
+    """
+    return pl.DataFrame(
+        {
+            "batch_id": [0, 0, 1, 2],
+            "cycle_id": [0, 0, 1, 2],
+            "session": [1, 2, 1, 2],
+            "owners": [2, 2, 1, 1],
+            "mode": ["dynamic", "dynamic", "static", "target"],
+            "context_rows": [12, 9, 3, 0],
+            "proposed": [3, 3, 3, 0],
+            "accepted": [2, 0, 3, 0],
+            "bonus": [False, False, True, False],
+            "emitted": [3, 1, 4, 1],
+            "position": [12, 9, 15, 10],
+            "temperature": [0.0, 0.0, 0.0, 0.0],
+            "draft_ms": [1.0, 1.0, 1.0, 0.0],
+            "verify_ms": [2.0, 2.0, 2.0, 2.0],
+            "host_ms": [0.5, 0.5, 0.5, 0.5],
+            "end_ms": [100.0, 100.0, 150.0, 200.0],
+        },
+        schema=CYCLE_SCHEMA,
+    )
+
+
+def executes_frame() -> pl.DataFrame:
+    columns = {name: [0, 0] for name in EXECUTE_SCHEMA}
+    columns |= {"ok": [True, True], "pending_decode": [False, True], "wall_ms": [110.0, 95.0]}
+    columns |= {"cycles": [2, 1], "proposed": [6, 3], "accepted": [2, 3], "bonuses": [0, 1]}
+    return pl.DataFrame(columns, schema=EXECUTE_SCHEMA)
+
+
+def baseline_frame() -> pl.DataFrame:
+    """Autoregressive: one token per 25 ms, ends 0..100 ms -> 4 tokens after t=0 over 0.1 s = 40 tokens/s."""
+    rows = [{**dict.fromkeys(CYCLE_SCHEMA, 0), "cycle_id": i, "mode": "target", "bonus": False, "emitted": 1,
+             "temperature": 0.0, "draft_ms": 0.0, "verify_ms": 20.0, "host_ms": 1.0, "end_ms": 25.0 * i}
+            for i in range(5)]
+    return pl.DataFrame(rows, schema=CYCLE_SCHEMA)
+
+
+def test_stats_paths_round_trip(tmp_path):
+    """Guards against the runtime and the report disagreeing on where the executes table lives."""
+    cycles, executes = stats_paths(tmp_path / "run")
+    assert (cycles.name, executes.name) == ("run.parquet", "run.executes.parquet")
+    assert stats_paths(cycles) == (cycles, executes)
+
+
+def test_scan_run_finds_the_executes_table_beside(tmp_path):
+    """Guards against the report silently ignoring the counters written next to the cycles file."""
+    cycles, executes = stats_paths(tmp_path / "run")
+    write_parquet(cycles_frame(), cycles, "cycles")
+    assert scan_run(cycles).executes is None
+    write_parquet(executes_frame(), executes, "executes")
+    run = scan_run(cycles)
+    assert run.name == "run"
+    assert run.executes.collect()["wall_ms"].to_list() == [110.0, 95.0]
+
+
+def test_random_parquet_names_missing_columns(tmp_path):
+    """Guards against a KeyError/ColumnNotFound deep in a query instead of a typed error at the boundary."""
+    path = tmp_path / "random.parquet"
+    pl.DataFrame({"x": [1, 2], "emitted": [1, 2]}).write_parquet(path)
+    with pytest.raises(StatsError) as error:
+        scan_stats(path, "cycles")
+    message = str(error.value)
+    assert "missing columns: batch_id (Int64), cycle_id (Int64)" in message
+    assert "end_ms (Float64)" in message
+    assert f"{VERSION_KEY!r} missing" in message
+
+
+def test_mistyped_column_names_both_dtypes(tmp_path):
+    """Guards against accepting an Int64 emitted (or float ids) that the writer did not promise."""
+    path = tmp_path / "mistyped.parquet"
+    write_parquet(cycles_frame().with_columns(pl.col("emitted").cast(pl.Int64)), path, "cycles")
+    with pytest.raises(StatsError, match=r"mistyped columns: emitted expected Int32, seen Int64"):
+        scan_stats(path, "cycles")
+
+
+def test_other_schema_version_is_refused(tmp_path):
+    """Guards against reading a future/past layout as if it were this one."""
+    path = tmp_path / "v99.parquet"
+    cycles_frame().write_parquet(path, metadata={KIND_KEY: "cycles", VERSION_KEY: "99"})
+    with pytest.raises(StatsError, match=r"schema version: expected 1, seen 99"):
+        scan_stats(path, "cycles")
+
+
+def test_executes_file_given_as_cycles_is_refused(tmp_path):
+    """Guards against passing X.executes.parquet as the STATS argument and getting nonsense."""
+    path = tmp_path / "run.executes.parquet"
+    write_parquet(executes_frame(), path, "executes")
+    with pytest.raises(StatsError, match=r"table kind: expected 'cycles', seen 'executes'"):
+        scan_stats(path, "cycles")
+
+
+def test_not_a_parquet_file_and_missing_file(tmp_path):
+    """Guards against raw Arrow/OS errors escaping for a text file or a typo in the path."""
+    text = tmp_path / "notes.parquet"
+    text.write_text("not parquet at all")
+    with pytest.raises(StatsError, match="is not a Parquet file"):
+        scan_stats(text, "cycles")
+    with pytest.raises(StatsError, match="does not exist"):
+        scan_stats(tmp_path / "absent.parquet", "cycles")
+
+
+def test_extra_columns_are_tolerated_and_dropped(tmp_path):
+    """Guards against refusing files from a writer that only added columns."""
+    path = tmp_path / "extra.parquet"
+    write_parquet(cycles_frame().with_columns(pl.lit(1).alias("new_counter")), path, "cycles")
+    assert scan_stats(path, "cycles").collect_schema() == pl.Schema(CYCLE_SCHEMA)
+
+
+def test_report_command_renders_everything(tmp_path, capsys):
+    """Guards against a report that crashes, writes empty plots, or prints anything after the JSON line."""
+    cycles, executes = stats_paths(tmp_path / "run")
+    write_parquet(cycles_frame(), cycles, "cycles")
+    write_parquet(executes_frame(), executes, "executes")
+    write_parquet(baseline_frame(), tmp_path / "ar.parquet", "cycles")
+    out = tmp_path / "report"
+    argv = ["report", str(cycles), "--baseline", str(tmp_path / "ar.parquet"), "--compare", str(cycles)]
+    assert main([*argv, "--out", str(out)]) == 0
+    for name in (*PLOTS, "comparison.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 1000, name
+    assert (out / "summary.md").read_text().startswith("# dflash-trt report: run")
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    figures = json.loads(last)
+    assert figures["tau"] == pytest.approx(8 / 3)
+    assert figures["tokens_per_s"] == pytest.approx(50.0)
+    assert figures["speedup"] == pytest.approx(50.0 / 40.0)
+    assert (figures["cycles"], figures["calls"], figures["emitted"]) == (3, 3, 9)
+    assert figures["static_share"] == pytest.approx(1 / 3)
+    assert figures["counters_match"] is True
+    assert json.loads((out / "headline.json").read_text()) == figures
+
+
+def test_report_command_on_a_bad_file_fails_cleanly(tmp_path, capsys):
+    """Guards against a traceback (instead of exit code 1 and the typed message) on a bad file."""
+    path = tmp_path / "random.parquet"
+    pl.DataFrame({"x": [1]}).write_parquet(path)
+    assert main(["report", str(path)]) == 1
+    assert "StatsError" in capsys.readouterr().err
