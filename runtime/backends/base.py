@@ -1,0 +1,66 @@
+"""The one interface every execution backend implements.
+
+A backend owns the two cache pools (target and draft: per layer one
+``[max_sessions, kv_heads, max_context, head_dim]`` tensor for K and one for
+V, allocated once at load, addresses stable for the executor's lifetime) and
+runs the graphs of the export contract (``dflash_trt.export.contract``) by
+name. A graph over ``n`` owners sees the ``n`` CONSECUTIVE cache rows
+``first_row .. first_row + n - 1`` of its pool, bound in place (past and
+present share the buffer): the executor packs owners as runs of consecutive
+rows.
+
+Arrays crossing this interface are ``torch.Tensor`` on ``backend.device``
+(CPU, or CUDA memory owned by the device layer and viewed through
+``__cuda_array_interface__``); outputs stay on the device, so taps returned
+by a target graph can be fed to a draft graph with no host round trip.
+
+Backends: ``torch`` (the contract's PyTorch graph modules, eager or CUDA
+graphs), ``onnxruntime`` (the exact exported ONNX files; CPU provider, or the
+CUDA provider bound to device-layer memory), ``tensorrt`` (engine sets from
+``dflash_trt.engines``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+
+import torch
+
+POOLS = ("target", "draft")
+
+
+class Backend(ABC):
+    """Runs contract graphs over in-place cache pools."""
+
+    name: str = "abstract"
+    device: torch.device
+
+    @abstractmethod
+    def run(self, graph: str, feeds: Mapping[str, torch.Tensor], first_row: int) -> dict[str, torch.Tensor]:
+        """Run contract graph ``graph`` (e.g. ``"target_verify_3"``).
+
+        ``feeds``: every non-cache input of the graph, by contract name, on
+        ``self.device`` with the contract's dtype and shape. The graph's
+        cache inputs/outputs are bound to rows ``first_row .. first_row+n-1``
+        of the pool the contract names. Returns every non-cache output by
+        contract name (device tensors; valid until the next ``run`` of the
+        same graph). Enqueues on the backend's stream; does not synchronize
+        unless the backend cannot do otherwise (CPU).
+        """
+
+    @abstractmethod
+    def copy_rows(self, pool: str, source: int, destination: int, upto: int) -> None:
+        """Copy cache slots ``0 .. upto-1`` of row ``source`` into row ``destination`` (clone)."""
+
+    def synchronize(self) -> None:
+        """Wait for all work enqueued by this backend (a host sync point)."""
+
+    def close(self) -> None:
+        """Release every resource the backend owns (idempotent)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
