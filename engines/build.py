@@ -1,0 +1,258 @@
+"""Build an engine set: every exported graph -> one TensorRT plan + engines.json.
+
+Per graph: parse with TensorRT's ONNX parser into a strongly typed network
+(precision comes from the graph), refuse graph inputs that no layer reads
+(the parser dropped what they meant), add an optimization profile only when
+the contract has dynamic dims, check the network's IO against the contract,
+then build. Failures do not stop the run: every failing graph and node is
+collected and raised at the end as one ``EngineBuildError``. One builder and
+one timing cache (TensorRT; a file in the output directory) serve all graphs.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dflash_trt.engines.bindings import INPUT, OUTPUT, Binding, GraphIO, io_mismatches, trt_dtype_name
+from dflash_trt.engines.engine_set import ENGINES_JSON, EngineRecord, EngineSetRecord, sha256_file, write_engine_set
+from dflash_trt.engines.flavour import TIMING_CACHE_FILE, Flavour
+from dflash_trt.engines.sources import GraphSource, load_graph, source_files
+from dflash_trt.errors import EngineBuildError
+
+Progress = Callable[[str], None]
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_.@-]+$")  # engine names become file names
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """The few knobs a build takes; recorded verbatim in engines.json."""
+
+    workspace_mb: int | None = None  # None: TensorRT's default (the device's memory)
+    targets: tuple[str, ...] = ()  # compute capabilities; () = the flavour's default
+    version_compatible: bool = False  # TensorRT only
+    allow_unused_inputs: bool = False  # build even if a graph input is read by no layer
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["targets"] = list(self.targets)
+        return data
+
+
+@dataclass(frozen=True)
+class BuildFailure:
+    """One problem: a graph, the node (or binding) at fault, TensorRT's words."""
+
+    graph: str
+    node: str
+    operator: str
+    message: str
+
+    def __str__(self) -> str:
+        where = f"node {self.node!r}" if self.node else "graph"
+        if self.operator:
+            where += f" ({self.operator})"
+        text = self.message.strip().replace("\n", "\n      ")
+        return f"{self.graph}: {where}: {text}"
+
+
+class _GraphFailed(Exception):
+    def __init__(self, failures: Sequence[BuildFailure]):
+        super().__init__(len(failures))
+        self.failures = list(failures)
+
+
+def build_engine_set(
+    sources: Sequence[GraphSource],
+    out_dir: Path,
+    flavour: Flavour,
+    options: BuildOptions = BuildOptions(),
+    progress: Progress | None = None,
+    source_manifest: Path | None = None,
+) -> EngineSetRecord:
+    """Build every source into ``out_dir``; raise ``EngineBuildError`` listing all failures."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # An old engines.json must never describe the plans this run rewrites.
+    (out_dir / ENGINES_JSON).unlink(missing_ok=True)
+    _check_names(sources)
+    say = progress or (lambda _line: None)
+    builder = _SetBuilder(flavour, options, out_dir)
+    records, failures = {}, []
+    for index, source in enumerate(sources, start=1):
+        start = time.perf_counter()
+        try:
+            records[source.name] = builder.build(source)
+        except _GraphFailed as failed:
+            failures.extend(failed.failures)
+            say(f"[{index}/{len(sources)}] {source.name}: FAILED after {time.perf_counter() - start:.2f} s")
+            continue
+        rec = records[source.name]
+        say(f"[{index}/{len(sources)}] {source.name}: built in {rec.build_seconds:.2f} s, plan {rec.plan_bytes / 1e6:.1f} MB")
+    if failures:
+        raise _build_error(failures, len(sources))
+    builder.save_cache()
+    record = EngineSetRecord(
+        flavour=flavour.name,
+        trt_version=flavour.version,
+        targets=tuple(builder.targets),
+        build_options=options.to_json(),
+        engines=records,
+        source_manifest=_copy_manifest(source_manifest, out_dir),
+    )
+    write_engine_set(out_dir, record)
+    return record
+
+
+def _check_names(sources: Sequence[GraphSource]) -> None:
+    names = [s.name for s in sources]
+    bad = [n for n in names if not _SAFE_NAME.match(n)]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if bad or dupes or not names:
+        msg = f"engine names must be unique file-safe names ([A-Za-z0-9_.@-]+), non-empty list; bad {bad}, duplicated {dupes}, count {len(names)}"
+        raise EngineBuildError(msg)
+
+
+def _build_error(failures: Sequence[BuildFailure], total: int) -> EngineBuildError:
+    graphs = sorted({f.graph for f in failures})
+    lines = "\n  ".join(str(f) for f in failures)
+    msg = f"{len(graphs)} of {total} graphs failed to build ({', '.join(graphs)}):\n  {lines}"
+    return EngineBuildError(msg, failures)
+
+
+def _copy_manifest(manifest: Path | None, out_dir: Path) -> dict | None:
+    if manifest is None:
+        return None
+    target = out_dir / manifest.name
+    if Path(manifest).resolve() != target.resolve():
+        shutil.copyfile(manifest, target)
+    return {"file": manifest.name, "sha256": sha256_file(target)}
+
+
+class _SetBuilder:
+    """One TensorRT builder, logger and build cache shared by all graphs of a set."""
+
+    def __init__(self, flavour: Flavour, options: BuildOptions, out_dir: Path):
+        self.flavour, self.options, self.out_dir = flavour, options, out_dir
+        self.trt = flavour.trt
+        self.log = flavour.new_log()
+        self.builder = self.trt.Builder(self.log)
+        self.cache = None  # created from the first builder config
+        self.targets: list[str] = []
+        self._hashes: dict[Path, str] = {}  # graphs may share one external-data file
+
+    def build(self, source: GraphSource) -> EngineRecord:
+        mark, start = self.log.mark(), time.perf_counter()
+        network = self.builder.create_network(self.flavour.network_flags())
+        parser = self.trt.OnnxParser(network, self.log)  # holds the weights: keep alive until built
+        self._parse(parser, source, mark)
+        unused = self._unused_inputs(source, network)
+        config = self._config()
+        profile = self._profile(network, source.io)
+        if profile is not None:
+            config.add_optimization_profile(profile)
+        bindings = network_bindings(network, profile)
+        self._check_io(source, bindings)
+        plan = self.builder.build_serialized_network(network, config)
+        if plan is None:
+            errors = self.log.since(mark, "ERROR", "INTERNAL_ERROR") or ["build_serialized_network returned no plan"]
+            raise _GraphFailed([BuildFailure(source.name, "", "", "\n".join(errors))])
+        del parser
+        return self._record(source, plan, bindings, unused, mark, time.perf_counter() - start)
+
+    def _parse(self, parser, source: GraphSource, mark: int) -> None:
+        # parse_from_file (not parse(bytes)) so external weight files resolve.
+        if parser.parse_from_file(str(source.onnx_path)):
+            return
+        failures = []
+        for index in range(parser.num_errors):
+            error = parser.get_error(index)
+            failures.append(BuildFailure(source.name, error.node_name(), error.node_operator(), error.desc()))
+        if not failures:
+            failures = [BuildFailure(source.name, "", "", "\n".join(self.log.since(mark)) or "the ONNX parser failed")]
+        raise _GraphFailed(failures)
+
+    def _unused_inputs(self, source: GraphSource, network) -> tuple[str, ...]:
+        # TensorRT-RTX 1.7's parser ignores Attention's nonpad_kv_seqlen, for
+        # one: the plan builds and silently attends over the whole cache.
+        read = set()
+        for i in range(network.num_layers):
+            layer = network.get_layer(i)
+            read.update(layer.get_input(j).name for j in range(layer.num_inputs) if layer.get_input(j) is not None)
+        unused = tuple(network.get_input(i).name for i in range(network.num_inputs) if network.get_input(i).name not in read)
+        if unused and not self.options.allow_unused_inputs:
+            why = "no layer of the parsed network reads it: TensorRT dropped what it means, so the engine would compute something else than the graph"
+            raise _GraphFailed([BuildFailure(source.name, name, "graph input", why) for name in unused])
+        return unused
+
+    def _config(self):
+        config = self.builder.create_builder_config()
+        if self.options.workspace_mb is not None:
+            config.set_memory_pool_limit(self.trt.MemoryPoolType.WORKSPACE, self.options.workspace_mb << 20)
+        self.targets = self.flavour.set_targets(config, self.options.targets)
+        self.flavour.set_version_compatible(config, self.options.version_compatible)
+        if self.cache is None:
+            self.cache = self.flavour.open_build_cache(config, self.out_dir / TIMING_CACHE_FILE)
+        self.flavour.use_build_cache(config, self.cache)
+        return config
+
+    def _profile(self, network, io: GraphIO):
+        """One profile from the contract's ranges; None for a static graph."""
+        if not io.dynamic:
+            return None
+        profile = self.builder.create_optimization_profile()
+        specs = {s.name: s for s in io.inputs}
+        for i in range(network.num_inputs):
+            spec = specs.get(network.get_input(i).name)
+            shapes = None if spec is None else io.profile(spec)
+            if shapes is not None:
+                profile.set_shape(spec.name, *shapes)
+        return profile
+
+    def _check_io(self, source: GraphSource, bindings: Sequence[Binding]) -> None:
+        lines = io_mismatches(source.io, bindings)
+        if lines:
+            raise _GraphFailed([BuildFailure(source.name, "", "IO contract", line) for line in lines])
+
+    def _record(self, source, plan, bindings, unused, mark, seconds) -> EngineRecord:
+        plan_path = self.out_dir / f"{source.name}.plan"
+        plan_path.write_bytes(memoryview(plan))
+        model = load_graph(source.onnx_path)
+        return EngineRecord(
+            name=source.name,
+            plan=plan_path.name,
+            plan_sha256=sha256_file(plan_path),
+            plan_bytes=plan_path.stat().st_size,
+            sources={p.name: self._hash(p) for p in source_files(source.onnx_path, model)},
+            bindings=tuple(bindings),
+            build_seconds=seconds,
+            unused_inputs=unused,
+            warnings=tuple(self.log.since(mark, "WARNING")),
+        )
+
+    def _hash(self, path: Path) -> str:
+        if path not in self._hashes:
+            self._hashes[path] = sha256_file(path)
+        return self._hashes[path]
+
+    def save_cache(self) -> Path | None:
+        return None if self.cache is None else self.flavour.save_build_cache(self.cache, self.out_dir / TIMING_CACHE_FILE)
+
+
+def network_bindings(network, profile=None) -> list[Binding]:
+    """The IO of a parsed network, with the profile's min/opt/max for dynamic inputs."""
+    bindings = []
+    for mode, count, get in ((INPUT, network.num_inputs, network.get_input), (OUTPUT, network.num_outputs, network.get_output)):
+        for i in range(count):
+            tensor = get(i)
+            shape = tuple(int(d) for d in tensor.shape)
+            shapes = None
+            if mode == INPUT and profile is not None and -1 in shape:
+                shapes = tuple(tuple(int(d) for d in s) for s in profile.get_shape(tensor.name)) or None
+            bindings.append(Binding(tensor.name, mode, shape, trt_dtype_name(tensor.dtype), shapes))
+    return bindings
+

@@ -1,0 +1,167 @@
+"""The engine-set manifest, ``engines.json``, written beside the plans.
+
+Layout of an engine-set directory::
+
+    engines.json        this record
+    <graph>.plan        one serialized TensorRT plan per exported graph
+    manifest.json       the export manifest, copied unchanged (hash recorded)
+    timing.cache        TensorRT only: the timing cache reused by later builds
+
+``engines.json`` (format_version 1)::
+
+    format, format_version
+    flavour             "tensorrt" | "tensorrt_rtx"
+    trt_version         e.g. "1.7.1.116"; plans only load on the same version
+                        unless build_options.version_compatible
+    targets             compute capabilities the plans were built for
+    build_options       BuildOptions.to_json()
+    source_manifest     {"file", "sha256"} of the export manifest, or null
+    engines             {graph name: EngineRecord.to_json()}
+
+Each engine records its plan's and source graph's sha256 and the bindings of
+the built network (names, shapes, dtypes, profile ranges) so the IO can be
+checked against the contract on machines that cannot deserialize the plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash_trt.engines.bindings import Binding
+from dflash_trt.errors import EngineError
+
+ENGINES_JSON = "engines.json"
+FORMAT = "dflash-trt/engines"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class EngineRecord:
+    """One built graph: its plan, its source, its bindings."""
+
+    name: str
+    plan: str  # file name inside the engine-set directory
+    plan_sha256: str
+    plan_bytes: int
+    sources: Mapping[str, str]  # source file name (graph + external data) -> sha256
+    bindings: tuple[Binding, ...]
+    build_seconds: float
+    unused_inputs: tuple[str, ...] = ()  # graph inputs no layer reads (allowed by option)
+    warnings: tuple[str, ...] = ()  # TensorRT's warnings while parsing/building
+
+    def to_json(self) -> dict:
+        return {
+            "plan": self.plan,
+            "plan_sha256": self.plan_sha256,
+            "plan_bytes": self.plan_bytes,
+            "sources": dict(self.sources),
+            "bindings": [b.to_json() for b in self.bindings],
+            "build_seconds": round(self.build_seconds, 3),
+            "unused_inputs": list(self.unused_inputs),
+            "warnings": list(self.warnings),
+        }
+
+    @classmethod
+    def from_json(cls, name: str, data: Mapping) -> EngineRecord:
+        return cls(
+            name=name,
+            plan=str(data["plan"]),
+            plan_sha256=str(data["plan_sha256"]),
+            plan_bytes=int(data["plan_bytes"]),
+            sources={str(k): str(v) for k, v in data["sources"].items()},
+            bindings=tuple(Binding.from_json(b) for b in data["bindings"]),
+            build_seconds=float(data["build_seconds"]),
+            unused_inputs=tuple(data.get("unused_inputs", ())),
+            warnings=tuple(data.get("warnings", ())),
+        )
+
+
+@dataclass(frozen=True)
+class EngineSetRecord:
+    """Everything ``engines.json`` says about a set of plans."""
+
+    flavour: str
+    trt_version: str
+    targets: tuple[str, ...]
+    build_options: Mapping[str, object]
+    engines: Mapping[str, EngineRecord]
+    source_manifest: Mapping[str, str] | None = None
+    format_version: int = FORMAT_VERSION
+    extra: Mapping[str, object] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT,
+            "format_version": self.format_version,
+            "flavour": self.flavour,
+            "trt_version": self.trt_version,
+            "targets": list(self.targets),
+            "build_options": dict(self.build_options),
+            "source_manifest": None if self.source_manifest is None else dict(self.source_manifest),
+            **dict(self.extra),
+            "engines": {name: rec.to_json() for name, rec in self.engines.items()},
+        }
+
+
+def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
+    """Streamed: plans and external weight files can be many GB."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_engine_set(directory: Path, record: EngineSetRecord) -> Path:
+    """Write ``engines.json`` last, atomically: it only ever describes plans that exist."""
+    path = Path(directory) / ENGINES_JSON
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record.to_json(), indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_engine_set(directory: Path) -> EngineSetRecord:
+    """Parse ``engines.json``; ``EngineError`` names the missing or bad field."""
+    path = Path(directory) / ENGINES_JSON
+    if not path.is_file():
+        msg = f"no {ENGINES_JSON} in {directory}: not an engine set (build one with `dflash-trt build`)"
+        raise EngineError(msg)
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        msg = f"{path} is not valid JSON: {error}"
+        raise EngineError(msg) from error
+    _check_header(path, data)
+    try:
+        return _record_from_json(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        msg = f"{path}: malformed field ({type(error).__name__}: {error})"
+        raise EngineError(msg) from error
+
+
+def _check_header(path: Path, data: object) -> None:
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        seen = data.get("format") if isinstance(data, dict) else type(data).__name__
+        msg = f"{path}: field 'format' must be {FORMAT!r}, got {seen!r}"
+        raise EngineError(msg)
+    if data.get("format_version") != FORMAT_VERSION:
+        msg = f"{path}: field 'format_version' must be {FORMAT_VERSION}, got {data.get('format_version')!r}; rebuild the engines"
+        raise EngineError(msg)
+
+
+def _record_from_json(data: Mapping) -> EngineSetRecord:
+    known = {"format", "format_version", "flavour", "trt_version", "targets", "build_options", "source_manifest", "engines"}
+    return EngineSetRecord(
+        flavour=str(data["flavour"]),
+        trt_version=str(data["trt_version"]),
+        targets=tuple(str(t) for t in data["targets"]),
+        build_options=dict(data["build_options"]),
+        engines={str(n): EngineRecord.from_json(str(n), e) for n, e in data["engines"].items()},
+        source_manifest=data.get("source_manifest"),
+        extra={k: v for k, v in data.items() if k not in known},
+    )

@@ -1,0 +1,75 @@
+"""What to build: one ``GraphSource`` per exported ONNX graph.
+
+A source pairs the graph file with the IO its engine must have (``GraphIO``,
+from the export contract). ``graph_io_from_onnx`` reads the IO an ONNX file
+declares, used to refuse a graph that disagrees with the contract before
+TensorRT spends time on it, and by tests that build hand-made graphs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+from google.protobuf.message import DecodeError
+
+from dflash_trt.engines.bindings import DimRange, GraphIO, TensorSpec
+from dflash_trt.errors import EngineError
+
+# onnx.TensorProto element type name -> contract dtype name.
+ONNX_DTYPES: dict[str, str] = {
+    "FLOAT": "float32",
+    "FLOAT16": "float16",
+    "BFLOAT16": "bfloat16",
+    "INT8": "int8",
+    "INT32": "int32",
+    "INT64": "int64",
+    "BOOL": "bool",
+    "UINT8": "uint8",
+    "FLOAT8E4M3FN": "float8e4m3fn",
+}
+
+
+@dataclass(frozen=True)
+class GraphSource:
+    """One graph to build: its name (= the engine's), its file, its IO."""
+
+    name: str
+    onnx_path: Path
+    io: GraphIO
+
+
+def _spec(value: onnx.ValueInfoProto) -> TensorSpec:
+    tensor_type = value.type.tensor_type
+    type_name = onnx.TensorProto.DataType.Name(tensor_type.elem_type)
+    dims = tuple(d.dim_param if d.HasField("dim_param") else int(d.dim_value) for d in tensor_type.shape.dim)
+    return TensorSpec(value.name, dims, ONNX_DTYPES.get(type_name, type_name.lower()))
+
+
+def load_graph(path: Path) -> onnx.ModelProto:
+    """The graph without its external weights (cheap even for an 8B model)."""
+    try:
+        return onnx.load(str(path), load_external_data=False)
+    except (OSError, DecodeError) as error:
+        msg = f"cannot read ONNX graph {path}: {error}"
+        raise EngineError(msg) from error
+
+
+def graph_io_from_onnx(model: onnx.ModelProto, dims: Mapping[str, DimRange]) -> GraphIO:
+    """The IO the graph declares; initializers listed as inputs are not IO."""
+    initializers = {init.name for init in model.graph.initializer}
+    inputs = tuple(_spec(v) for v in model.graph.input if v.name not in initializers)
+    outputs = tuple(_spec(v) for v in model.graph.output)
+    used = {d for s in inputs + outputs for d in s.shape if isinstance(d, str)}
+    return GraphIO(inputs, outputs, {k: v for k, v in dims.items() if k in used})
+
+
+def source_files(path: Path, model: onnx.ModelProto) -> list[Path]:
+    """The graph file and every external-data file its tensors point to."""
+    locations: set[str] = set()
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            locations.update(e.value for e in tensor.external_data if e.key == "location")
+    return [Path(path)] + [Path(path).parent / loc for loc in sorted(locations)]
