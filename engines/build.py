@@ -25,6 +25,7 @@ from dflash_trt.engines.sources import GraphSource, load_graph, source_files
 from dflash_trt.errors import EngineBuildError
 
 Progress = Callable[[str], None]
+GRAPH_INPUT = "graph input"  # BuildFailure.operator of an input no layer reads
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.@-]+$")  # engine names become file names
 
 
@@ -53,9 +54,12 @@ class BuildFailure:
     message: str
 
     def __str__(self) -> str:
-        where = f"node {self.node!r}" if self.node else "graph"
-        if self.operator:
-            where += f" ({self.operator})"
+        if self.operator == GRAPH_INPUT:
+            where = f"graph input {self.node!r}"
+        elif self.node:
+            where = f"node {self.node!r}" + (f" ({self.operator})" if self.operator else "")
+        else:
+            where = self.operator or "graph"
         text = self.message.strip().replace("\n", "\n      ")
         return f"{self.graph}: {where}: {text}"
 
@@ -186,7 +190,7 @@ class _SetBuilder:
         unused = tuple(network.get_input(i).name for i in range(network.num_inputs) if network.get_input(i).name not in read)
         if unused and not self.options.allow_unused_inputs:
             why = "no layer of the parsed network reads it: TensorRT dropped what it means, so the engine would compute something else than the graph"
-            raise _GraphFailed([BuildFailure(source.name, name, "graph input", why) for name in unused])
+            raise _GraphFailed([BuildFailure(source.name, name, GRAPH_INPUT, why) for name in unused])
         return unused
 
     def _config(self):

@@ -127,11 +127,16 @@ class TensorRTRTX(Flavour):
         members = self.trt.ComputeCapability.__members__
         return [name for name in members if name.startswith("SM")]
 
+    def default_targets(self) -> list[str]:
+        # Ampere and newer: bf16 graphs cannot compile for SM75 (Turing has no
+        # bf16), which is also TensorRT-RTX's own default set.
+        return [name for name in self.supported_targets() if int(name[2:]) >= 80]
+
     def set_targets(self, config, targets: tuple[str, ...]) -> list[str]:
-        # Explicit targets (default: every SM the library names) so engines.json
-        # states exactly where the plans run; "CURRENT" would need a GPU here.
+        # Explicit targets so engines.json states exactly where the plans run;
+        # "CURRENT" would need a GPU on the build machine.
         supported = self.supported_targets()
-        wanted = [_sm_name(t) for t in targets] or supported
+        wanted = [_sm_name(t) for t in targets] or self.default_targets()
         unknown = [t for t in wanted if t not in supported]
         if unknown:
             msg = f"tensorrt_rtx targets {unknown} unknown; this version supports {supported}"

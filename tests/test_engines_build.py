@@ -1,0 +1,210 @@
+"""Engine builds with TensorRT-RTX on the CPU, from small hand-made opset-24 graphs.
+
+The graphs have the shape of what export writes (a TensorScatter KV write
+into an in-place cache, then an ONNX Attention over the cache), a few
+kilobytes each: a build takes tens of milliseconds. Skipped where
+tensorrt_rtx is not installed; CI installs it (the ``rtx`` extra).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import onnx
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper
+
+from dflash_trt.engines.bindings import DimRange
+from dflash_trt.engines.build import BuildOptions, build_engine_set
+from dflash_trt.engines.engine_set import ENGINES_JSON, read_engine_set, sha256_file
+from dflash_trt.engines.flavour import load_flavour
+from dflash_trt.engines.load import check_engine_set, load_engine_set
+from dflash_trt.engines.sources import GraphSource, graph_io_from_onnx
+from dflash_trt.errors import EngineBuildError, EngineError
+
+trt = pytest.importorskip("tensorrt_rtx")
+
+HEADS, KV_HEADS, HEAD_DIM, MAX_CONTEXT = 2, 1, 16, 32
+TOKENS = DimRange(1, 4, 8)  # the dynamic graphs' token range
+
+
+def kv_attention_model(dtype=TP.FLOAT16, tokens: int | str = 4, validity: str = "mask", causal: int = 0) -> onnx.ModelProto:
+    """TensorScatter K/V rows into [1, kv_heads, max_context, head_dim] caches, then Attention over them.
+
+    ``validity`` is "mask" (bool [1, 1, tokens, max_context]) or "lengths"
+    (int64 [1] as Attention-24's nonpad_kv_seqlen); ``tokens`` an int
+    (static) or a symbol (dynamic).
+    """
+    value = helper.make_tensor_value_info
+    q_shape, kv_shape = [1, HEADS, tokens, HEAD_DIM], [1, KV_HEADS, tokens, HEAD_DIM]
+    cache_shape = [1, KV_HEADS, MAX_CONTEXT, HEAD_DIM]
+    inputs = [value("q", dtype, q_shape), value("k", dtype, kv_shape), value("v", dtype, kv_shape)]
+    inputs += [value("k_cache", dtype, cache_shape), value("v_cache", dtype, cache_shape)]
+    inputs.append(value("write_index", TP.INT64, [1]))
+    attention_inputs = ["q", "k_cache_out", "v_cache_out"]
+    if validity == "mask":
+        inputs.append(value("mask", TP.BOOL, [1, 1, tokens, MAX_CONTEXT]))
+        attention_inputs.append("mask")
+    else:
+        inputs.append(value("lengths", TP.INT64, [1]))
+        attention_inputs += ["", "", "", "lengths"]  # slot 6: nonpad_kv_seqlen
+    outputs = [value("out", dtype, q_shape), value("k_cache_out", dtype, cache_shape), value("v_cache_out", dtype, cache_shape)]
+    nodes = [
+        helper.make_node("TensorScatter", ["k_cache", "k", "write_index"], ["k_cache_out"], axis=2, name="k_write"),
+        helper.make_node("TensorScatter", ["v_cache", "v", "write_index"], ["v_cache_out"], axis=2, name="v_write"),
+        helper.make_node("Attention", attention_inputs, ["out"], is_causal=causal, name="attn"),
+    ]
+    return _model(nodes, inputs, outputs)
+
+
+def custom_op_model() -> onnx.ModelProto:
+    """Relu, then a node of a custom domain no TensorRT knows."""
+    value = helper.make_tensor_value_info
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="relu"),
+        helper.make_node("FancyOp", ["r"], ["y"], domain="com.example", name="fancy_node"),
+    ]
+    return _model(nodes, [value("x", TP.FLOAT16, [2, 4])], [value("y", TP.FLOAT16, [2, 4])], custom=True)
+
+
+def _model(nodes, inputs, outputs, custom: bool = False) -> onnx.ModelProto:
+    opsets = [helper.make_opsetid("", 24)] + ([helper.make_opsetid("com.example", 1)] if custom else [])
+    model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs), opset_imports=opsets)
+    model.ir_version = 10  # onnxruntime refuses IR 14
+    if not custom:
+        onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def source(tmp_path: Path, name: str, model: onnx.ModelProto, dims=None) -> GraphSource:
+    path = tmp_path / f"{name}.onnx"
+    onnx.save(model, path)
+    return GraphSource(name, path, graph_io_from_onnx(model, dims or {}))
+
+
+@pytest.fixture(scope="module")
+def rtx():
+    return load_flavour("tensorrt_rtx")
+
+
+def test_static_and_dynamic_graphs_build_with_the_io_of_the_contract(tmp_path, rtx):
+    """Guards against a built network whose IO drifts from the graph's contract
+    (renamed, retyped or re-shaped bindings, a missing or extra one, a profile
+    that does not span the manifest's range) going unnoticed until runtime."""
+    sources = [
+        source(tmp_path, "static_fp16", kv_attention_model(TP.FLOAT16)),
+        source(tmp_path, "static_bf16", kv_attention_model(TP.BFLOAT16)),
+        source(tmp_path, "dynamic_bf16", kv_attention_model(TP.BFLOAT16, tokens="tokens"), {"tokens": TOKENS}),
+    ]
+    lines: list[str] = []
+    record = build_engine_set(sources, tmp_path / "engines", rtx, progress=lines.append)
+    assert set(record.engines) == {"static_fp16", "static_bf16", "dynamic_bf16"}
+    for src in sources:
+        bindings = {(b.mode, b.name): b for b in record.engines[src.name].bindings}
+        expected = {("input", s.name) for s in src.io.inputs} | {("output", s.name) for s in src.io.outputs}
+        assert set(bindings) == expected
+    dyn = {b.name: b for b in record.engines["dynamic_bf16"].bindings}
+    assert dyn["q"].shape == (1, HEADS, -1, HEAD_DIM) and dyn["q"].dtype == "bfloat16"
+    assert dyn["q"].profile == ((1, HEADS, 1, HEAD_DIM), (1, HEADS, 4, HEAD_DIM), (1, HEADS, 8, HEAD_DIM))
+    assert dyn["mask"].dtype == "bool" and dyn["write_index"].dtype == "int64" and dyn["write_index"].profile is None
+    assert dyn["k_cache_out"].shape == (1, KV_HEADS, MAX_CONTEXT, HEAD_DIM) and dyn["out"].profile is None
+    static = {b.name: b for b in record.engines["static_fp16"].bindings}
+    assert static["q"].shape == (1, HEADS, 4, HEAD_DIM) and static["q"].dtype == "float16" and static["q"].profile is None
+    assert len(lines) == 3 and all(" built in " in line for line in lines)
+    # The loader's file/manifest stage accepts what the build wrote.
+    check_engine_set(tmp_path / "engines", {s.name: s.io for s in sources})
+
+
+def test_engines_json_records_hashes_flavour_targets_and_options(tmp_path, rtx):
+    """Guards against an engine set that cannot be traced back: plan and
+    source hashes, the TensorRT flavour/version and the targeted compute
+    capabilities must be written beside the plans."""
+    src = source(tmp_path, "g", kv_attention_model())
+    options = BuildOptions(workspace_mb=64, targets=("sm_89", "SM120"))
+    build_engine_set([src], tmp_path / "out", rtx, options)
+    data = json.loads((tmp_path / "out" / ENGINES_JSON).read_text())
+    assert data["flavour"] == "tensorrt_rtx" and data["trt_version"] == trt.__version__
+    assert data["targets"] == ["SM89", "SM120"]
+    assert data["build_options"]["workspace_mb"] == 64
+    engine = data["engines"]["g"]
+    assert engine["plan_sha256"] == sha256_file(tmp_path / "out" / "g.plan")
+    assert engine["sources"] == {"g.onnx": sha256_file(src.onnx_path)}
+    assert read_engine_set(tmp_path / "out").engines["g"].plan == "g.plan"
+
+
+def test_unknown_target_is_refused_with_the_supported_list(tmp_path, rtx):
+    """Guards against a typo in --target silently building for the wrong GPUs."""
+    with pytest.raises(EngineBuildError, match=r"SM90.*supports"):
+        build_engine_set([source(tmp_path, "g", kv_attention_model())], tmp_path / "out", rtx, BuildOptions(targets=("sm_90",)))
+
+
+def test_unsupported_nodes_of_every_graph_fail_in_one_typed_error(tmp_path, rtx):
+    """Guards against a build that stops at the first bad node (or swallows the
+    parser's reason): each failing graph's node name and message must be in one
+    EngineBuildError, and the good graph between them still builds."""
+    sources = [
+        source(tmp_path, "custom", custom_op_model()),
+        source(tmp_path, "good", kv_attention_model()),
+        # TensorRT's IAttention takes a mask or a causal kind, not both.
+        source(tmp_path, "causal_mask", kv_attention_model(causal=1)),
+    ]
+    lines: list[str] = []
+    with pytest.raises(EngineBuildError) as caught:
+        build_engine_set(sources, tmp_path / "out", rtx, progress=lines.append)
+    failures = {(f.graph, f.node, f.operator): f.message for f in caught.value.failures}
+    assert ("custom", "fancy_node", "FancyOp") in failures
+    assert "Plugin not found" in failures["custom", "fancy_node", "FancyOp"]
+    assert ("causal_mask", "attn", "Attention") in failures
+    assert "mask cannot be used together with" in failures["causal_mask", "attn", "Attention"]
+    assert "2 of 3 graphs failed" in str(caught.value) and "fancy_node" in str(caught.value)
+    assert [line.split(":")[1].strip().split()[0] for line in lines] == ["FAILED", "built", "FAILED"]
+    assert not (tmp_path / "out" / ENGINES_JSON).exists()
+
+
+def test_builder_failure_carries_tensorrts_message(tmp_path, rtx):
+    """Guards against a failed build_serialized_network (an fp32 attention has
+    no fused kernel in TensorRT-RTX) surfacing as None or a bare 'failed'."""
+    with pytest.raises(EngineBuildError, match="not supported by a dedicated kernel") as caught:
+        build_engine_set([source(tmp_path, "fp32", kv_attention_model(TP.FLOAT))], tmp_path / "out", rtx)
+    assert [f.graph for f in caught.value.failures] == ["fp32"]
+
+
+def test_graph_input_read_by_no_layer_is_refused(tmp_path, rtx):
+    """Guards against a plan that silently ignores a graph input: TensorRT-RTX
+    1.7 parses Attention's nonpad_kv_seqlen but wires it to nothing, so the
+    engine would attend over the whole cache. Either the input is read, or the
+    build refuses it by name (and records it when explicitly allowed)."""
+    src = source(tmp_path, "lengths", kv_attention_model(validity="lengths"))
+    try:
+        record = build_engine_set([src], tmp_path / "strict", rtx)
+    except EngineBuildError as error:
+        assert [(f.node, f.operator) for f in error.failures] == [("lengths", "graph input")]
+        record = build_engine_set([src], tmp_path / "lax", rtx, BuildOptions(allow_unused_inputs=True))
+        assert record.engines["lengths"].unused_inputs == ("lengths",)
+    else:
+        assert record.engines["lengths"].unused_inputs == ()
+
+
+def test_graph_that_disagrees_with_the_contract_is_refused_before_building(tmp_path, rtx):
+    """Guards against building (and shipping) an engine from a graph whose IO
+    is not what the contract says, e.g. an fp16 export against a bf16 contract."""
+    good = source(tmp_path, "g", kv_attention_model(TP.BFLOAT16))
+    onnx.save(kv_attention_model(TP.FLOAT16), good.onnx_path)  # the file changes, the contract does not
+    with pytest.raises(EngineBuildError, match=r"input 'q' dtype: contract bfloat16, engine float16"):
+        build_engine_set([good], tmp_path / "out", rtx)
+
+
+def test_plans_do_not_deserialize_without_a_gpu_and_the_loader_says_so(tmp_path, rtx):
+    """Guards against a crash (or a None engine) when plans are loaded where the
+    runtime cannot run them; here: no CUDA GPU at all."""
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: covered by selfcheck")
+    src = source(tmp_path, "g", kv_attention_model())
+    build_engine_set([src], tmp_path / "out", rtx)
+    with pytest.raises(EngineError, match=r"engine 'g'.*cannot"):
+        load_engine_set(tmp_path / "out", {"g": src.io}, rtx)

@@ -1,0 +1,316 @@
+"""The engine-set loader refuses what does not match; no TensorRT needed.
+
+Engine sets here are written by hand (engines.json + a few bytes standing in
+for each plan), so every refusal is exercised on any machine. The
+deserialize stage runs against a stand-in runtime with TensorRT's API.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from dflash_trt.engines.bindings import Binding, DimRange, GraphIO, TensorSpec, check_io, io_mismatches
+from dflash_trt.engines.engine_set import (
+    ENGINES_JSON,
+    EngineRecord,
+    EngineSetRecord,
+    read_engine_set,
+    sha256_file,
+    write_engine_set,
+)
+from dflash_trt.engines.flavour import Flavour
+from dflash_trt.engines.load import check_engine_set, check_flavour, engine_bindings, load_engine_set
+from dflash_trt.errors import EngineError
+
+# A dynamic prefill-like graph and a static verify-like graph.
+PREFILL = GraphIO(
+    inputs=(TensorSpec("tokens", (1, "n"), "int64"), TensorSpec("k_cache", (1, 2, 64, 16), "bfloat16")),
+    outputs=(TensorSpec("logits", (1, "n", 100), "bfloat16"), TensorSpec("k_cache_out", (1, 2, 64, 16), "bfloat16")),
+    dims={"n": DimRange(1, 16, 64)},
+)
+VERIFY = GraphIO(
+    inputs=(TensorSpec("tokens", (2, 5), "int64"),),
+    outputs=(TensorSpec("logits", (2, 5, 100), "bfloat16"),),
+)
+CONTRACT = {"prefill": PREFILL, "verify_2": VERIFY}
+
+
+def bindings_of(io: GraphIO) -> tuple[Binding, ...]:
+    """What a correct build of ``io`` records."""
+    inputs = tuple(Binding(s.name, "input", _shape(s), s.dtype, io.profile(s)) for s in io.inputs)
+    return inputs + tuple(Binding(s.name, "output", _shape(s), s.dtype) for s in io.outputs)
+
+
+def _shape(spec: TensorSpec) -> tuple[int, ...]:
+    return tuple(-1 if isinstance(d, str) else d for d in spec.shape)
+
+
+def write_set(directory: Path, contract=CONTRACT, flavour="tensorrt_rtx", version="1.7.1.116") -> EngineSetRecord:
+    directory.mkdir(parents=True, exist_ok=True)
+    engines = {}
+    for name, io in contract.items():
+        plan = directory / f"{name}.plan"
+        plan.write_bytes(f"plan of {name}".encode())
+        engines[name] = EngineRecord(
+            name, plan.name, sha256_file(plan), plan.stat().st_size, {f"{name}.onnx": "0" * 64}, bindings_of(io), 0.1
+        )
+    record = EngineSetRecord(flavour, version, ("SM89",), {"workspace_mb": None, "version_compatible": False}, engines)
+    write_engine_set(directory, record)
+    return record
+
+
+def rewrite(directory: Path, edit) -> None:
+    """Apply ``edit`` to the parsed engines.json and write it back."""
+    path = directory / ENGINES_JSON
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def test_a_consistent_set_passes_the_file_stage(tmp_path):
+    """Guards against the checks refusing a correct set (every refusal test
+    below would pass vacuously if the loader refused everything)."""
+    written = write_set(tmp_path)
+    record = check_engine_set(tmp_path, CONTRACT)
+    assert record.engines == written.engines and record.targets == ("SM89",)
+
+
+def test_plan_whose_hash_differs_from_the_manifest_is_refused(tmp_path):
+    """Guards against running a plan that was rebuilt, truncated or swapped
+    after engines.json was written."""
+    record = write_set(tmp_path)
+    (tmp_path / "verify_2.plan").write_bytes(b"plan of verify_X")  # same size, other bytes
+    with pytest.raises(EngineError) as caught:
+        check_engine_set(tmp_path, CONTRACT)
+    text = str(caught.value)
+    assert "'verify_2'" in text and "verify_2.plan" in text
+    assert record.engines["verify_2"].plan_sha256 in text and sha256_file(tmp_path / "verify_2.plan") in text
+
+
+def test_plan_of_another_size_is_refused_before_hashing(tmp_path):
+    """Guards against a truncated plan (an interrupted copy) being hashed or loaded."""
+    write_set(tmp_path)
+    (tmp_path / "prefill.plan").write_bytes(b"short")
+    with pytest.raises(EngineError, match=r"'prefill'.*5 bytes.*says 15"):
+        check_engine_set(tmp_path, CONTRACT)
+
+
+def test_manifest_naming_a_missing_plan_is_refused(tmp_path):
+    """Guards against a crash (FileNotFoundError deep in TensorRT) when a plan
+    named by engines.json was not copied along."""
+    write_set(tmp_path)
+    (tmp_path / "prefill.plan").unlink()
+    with pytest.raises(EngineError, match=r"engine 'prefill': plan file 'prefill.plan' .* is missing"):
+        check_engine_set(tmp_path, CONTRACT)
+
+
+def test_plan_name_escaping_the_directory_is_refused(tmp_path):
+    """Guards against engines.json pointing the loader at files outside the set."""
+    write_set(tmp_path / "set")
+    rewrite(tmp_path / "set", lambda d: d["engines"]["verify_2"].update(plan="../verify_2.plan"))
+    with pytest.raises(EngineError, match="must be a file name inside"):
+        check_engine_set(tmp_path / "set", CONTRACT)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("dtype", "float16", r"input 'tokens' dtype: contract int64, engine float16"),
+        ("shape", [2, 6], r"input 'tokens' shape: contract \[2, 5\] \(= \[2, 5\]\), engine \[2, 6\]"),
+        ("name", "token_ids", r"input 'token_ids': in the engine, not in the contract"),
+    ],
+)
+def test_recorded_binding_that_differs_from_the_contract_is_refused(tmp_path, field, value, expected):
+    """Guards against loading plans whose IO is not the runtime's contract
+    (an engine set built from an older export): the message names the engine,
+    the binding and both values."""
+    write_set(tmp_path)
+    rewrite(tmp_path, lambda d: d["engines"]["verify_2"]["bindings"][0].update({field: value}))
+    with pytest.raises(EngineError, match=expected) as caught:
+        check_engine_set(tmp_path, CONTRACT)
+    assert "engine 'verify_2'" in str(caught.value)
+    if field == "name":
+        assert "input 'tokens': in the contract, missing from the engine" in str(caught.value)
+
+
+def test_profile_range_that_differs_from_the_manifest_is_refused(tmp_path):
+    """Guards against a dynamic engine whose profile stops short of the
+    manifest's chunk size (it would fail at runtime on a long prompt)."""
+    write_set(tmp_path)
+    rewrite(tmp_path, lambda d: d["engines"]["prefill"]["bindings"][0].update(profile=[[1, 1], [1, 16], [1, 32]]))
+    expected = r"input 'tokens' profile min/opt/max: contract \[1, 1\] / \[1, 16\] / \[1, 64\], engine \[1, 1\] / \[1, 16\] / \[1, 32\]"
+    with pytest.raises(EngineError, match=expected):
+        check_engine_set(tmp_path, CONTRACT)
+
+
+def test_static_contract_against_a_dynamic_engine_is_refused(tmp_path):
+    """Guards against a static graph built with a profile (or dynamic dims):
+    CUDA-graph replay needs fixed shapes."""
+    write_set(tmp_path)
+    rewrite(
+        tmp_path,
+        lambda d: d["engines"]["verify_2"]["bindings"][0].update(shape=[2, -1], profile=[[2, 1], [2, 5], [2, 5]]),
+    )
+    with pytest.raises(EngineError, match=r"profile min/opt/max: contract none \(static\)"):
+        check_engine_set(tmp_path, CONTRACT)
+
+
+def test_set_missing_an_engine_of_the_contract_is_refused(tmp_path):
+    """Guards against a partial engine set (a build that skipped a graph)
+    failing later, when the runtime first asks for that engine."""
+    write_set(tmp_path, {"prefill": PREFILL})
+    with pytest.raises(EngineError, match=r"missing \['verify_2'\], not in the contract \[\]"):
+        check_engine_set(tmp_path, CONTRACT)
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (lambda d: d.update(format_version=99), r"'format_version' must be 1, got 99"),
+        (lambda d: d.update(format="something/else"), r"'format' must be 'dflash-trt/engines'"),
+        (lambda d: d["engines"]["prefill"].pop("plan_sha256"), r"malformed field \(KeyError: 'plan_sha256'\)"),
+    ],
+)
+def test_malformed_engines_json_is_refused_naming_the_field(tmp_path, edit, expected):
+    """Guards against a KeyError/TypeError traceback instead of a message when
+    engines.json is from another format version or hand-edited."""
+    write_set(tmp_path)
+    rewrite(tmp_path, edit)
+    with pytest.raises(EngineError, match=expected):
+        read_engine_set(tmp_path)
+
+
+def test_directory_without_engines_json_is_refused(tmp_path):
+    """Guards against pointing the runtime at the ONNX directory by mistake."""
+    with pytest.raises(EngineError, match="no engines.json"):
+        check_engine_set(tmp_path, CONTRACT)
+
+
+class FakeFlavour(Flavour):
+    """TensorRT's runtime API, minus TensorRT: validity and engines are scripted."""
+
+    name = "tensorrt_rtx"
+
+    def __init__(self, version="1.7.1.116", validity="VALID", diagnostics=0, engines=None):
+        super().__init__(SimpleNamespace(__version__=version, EngineInvalidityDiagnostics=Diagnostics))
+        self.validity, self.diagnostics, self.engines = validity, diagnostics, engines or {}
+
+    def new_log(self, echo=None):
+        return SimpleNamespace(mark=lambda: 0, since=lambda *a: ["deserialize failed: scripted"])
+
+    def new_runtime(self, log, version_compatible=False):
+        flavour = self
+
+        class Runtime:
+            def get_engine_validity(self, data):
+                return SimpleNamespace(name=flavour.validity), flavour.diagnostics
+
+            def deserialize_cuda_engine(self, data):
+                return flavour.engines.get(bytes(data).decode().removeprefix("plan of "))
+
+        return Runtime()
+
+
+class Diagnostics(enum.IntFlag):
+    VERSION_MISMATCH = 1
+    UNSUPPORTED_CC = 2
+
+
+class FakeEngine:
+    """An ICudaEngine's IO queries over a list of bindings."""
+
+    def __init__(self, bindings):
+        self.bindings = list(bindings)
+        self.num_io_tensors = len(self.bindings)
+
+    def _get(self, name):
+        return next(b for b in self.bindings if b.name == name)
+
+    def get_tensor_name(self, index):
+        return self.bindings[index].name
+
+    def get_tensor_mode(self, name):
+        return SimpleNamespace(name=self._get(name).mode.upper())
+
+    def get_tensor_shape(self, name):
+        return self._get(name).shape
+
+    def get_tensor_dtype(self, name):
+        names = {"int64": "INT64", "bfloat16": "BF16", "float16": "HALF"}
+        return SimpleNamespace(name=names[self._get(name).dtype])
+
+    def get_tensor_profile_shape(self, name, profile):
+        assert profile == 0
+        return [list(s) for s in self._get(name).profile]
+
+
+def test_engine_bindings_reads_names_shapes_dtypes_and_profiles():
+    """Guards against misreading a deserialized engine's IO (mode, dtype
+    names, the profile of dynamic inputs only)."""
+    expected = list(bindings_of(PREFILL))
+    assert engine_bindings(FakeEngine(expected)) == expected
+
+
+def test_load_checks_every_deserialized_engine_against_the_contract(tmp_path):
+    """Guards against trusting engines.json alone: the deserialized engine's
+    own bindings are compared too (here one engine's dtype differs)."""
+    write_set(tmp_path)
+    wrong = [replace(b, dtype="float16") if b.name == "logits" else b for b in bindings_of(VERIFY)]
+    flavour = FakeFlavour(engines={"prefill": FakeEngine(bindings_of(PREFILL)), "verify_2": FakeEngine(wrong)})
+    with pytest.raises(EngineError, match=r"(?s)engine 'verify_2': the deserialized plan .*output 'logits' dtype: contract bfloat16, engine float16"):
+        load_engine_set(tmp_path, CONTRACT, flavour)
+    flavour.engines["verify_2"] = FakeEngine(bindings_of(VERIFY))
+    loaded = load_engine_set(tmp_path, CONTRACT, flavour)
+    assert sorted(loaded.engines) == ["prefill", "verify_2"]
+
+
+def test_plan_for_another_gpu_is_refused_with_the_runtimes_reason(tmp_path):
+    """Guards against a crash or an opaque None when the plan's compute
+    capabilities do not include this GPU (TensorRT-RTX on an H200, SM90)."""
+    write_set(tmp_path)
+    flavour = FakeFlavour(validity="INVALID", diagnostics=Diagnostics.UNSUPPORTED_CC)
+    with pytest.raises(EngineError, match=r"engine 'prefill': .*cannot run here: UNSUPPORTED_CC .*\['SM89'\]"):
+        load_engine_set(tmp_path, CONTRACT, flavour)
+
+
+def test_plan_that_does_not_deserialize_is_refused_not_crashed(tmp_path):
+    """Guards against passing a None engine on when TensorRT's deserialization fails."""
+    write_set(tmp_path)
+    with pytest.raises(EngineError, match=r"could not deserialize 'prefill.plan'.*scripted"):
+        load_engine_set(tmp_path, CONTRACT, FakeFlavour(engines={}))
+
+
+def test_set_from_another_tensorrt_flavour_or_version_is_refused(tmp_path):
+    """Guards against handing a plan to a TensorRT that did not build it
+    (plans are tied to their version unless built version-compatible)."""
+    record = write_set(tmp_path, flavour="tensorrt", version="10.14.1")
+    with pytest.raises(EngineError, match=r"built with tensorrt 10.14.1; this loader uses tensorrt_rtx"):
+        check_flavour(record, FakeFlavour())
+    record = write_set(tmp_path, version="1.6.1.120")
+    with pytest.raises(EngineError, match=r"built with tensorrt_rtx 1.6.1.120; installed is tensorrt_rtx 1.7.1.116"):
+        load_engine_set(tmp_path, CONTRACT, FakeFlavour())
+    compatible = replace(record, build_options={"version_compatible": True})
+    check_flavour(compatible, FakeFlavour())
+
+
+def test_graph_io_needs_a_range_for_every_dynamic_dim():
+    """Guards against building a dynamic engine without a profile range
+    (TensorRT would fail late, without naming the dim)."""
+    with pytest.raises(EngineError, match=r"dynamic dims \['n'\] without a min/opt/max range"):
+        GraphIO(inputs=(TensorSpec("tokens", (1, "n"), "int64"),), outputs=())
+    with pytest.raises(EngineError, match="min <= opt <= max"):
+        DimRange(4, 2, 8)
+
+
+def test_check_io_lists_every_mismatch_at_once():
+    """Guards against fixing one binding per rebuild: all mismatches come in one error."""
+    actual = [replace(b, dtype="float16") for b in bindings_of(VERIFY)]
+    assert len(io_mismatches(VERIFY, actual)) == 2
+    with pytest.raises(EngineError, match=r"(?s)input 'tokens' dtype.*output 'logits' dtype"):
+        check_io("verify_2", VERIFY, actual, "the built network")
