@@ -68,3 +68,17 @@ class EngineBuildError(EngineError):
     def __init__(self, message: str, failures: tuple = ()):
         super().__init__(message)
         self.failures = tuple(failures)
+
+
+class CudaError(DFlashError):
+    """A CUDA runtime/driver call failed, or CUDA (cuda-python, a GPU) is not available.
+
+    ``call`` names the CUDA function, ``code`` is the CUDA error's name (e.g.
+    ``"cudaErrorMemoryAllocation"``; ``None`` when cuda-python itself is
+    missing), so logs and tests can match on it.
+    """
+
+    def __init__(self, message: str, call: str = "", code: str | None = None):
+        super().__init__(message)
+        self.call = call
+        self.code = code
