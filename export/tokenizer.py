@@ -1,0 +1,97 @@
+"""Tokenizer, chat template and stop tokens from a checkpoint's own files.
+
+``tokenizer.json`` is read with the ``tokenizers`` library;
+``tokenizer_config.json`` gives the chat template and the named special
+tokens; stop tokens are the union of ``generation_config.json`` and
+``config.json`` ``eos_token_id`` and the tokenizer's ``eos_token``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer as _Tokenizer
+
+from dflash_trt.errors import TokenizerError
+
+
+def _token_text(value) -> str | None:
+    """Special tokens appear as plain strings or as AddedToken dicts."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _eos_ids(directory: Path) -> list[int]:
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        path = directory / name
+        if path.exists():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            ids += value if isinstance(value, list) else [value] if value is not None else []
+    return ids
+
+
+@dataclass
+class Tokenizer:
+    backend: _Tokenizer
+    chat_template: str | None
+    stop_ids: tuple[int, ...]
+    bos_token: str | None
+    eos_token: str | None
+
+    @classmethod
+    def from_dir(cls, directory: str | Path) -> "Tokenizer":
+        directory = Path(directory)
+        path = directory / "tokenizer.json"
+        if not path.exists():
+            raise TokenizerError(f"{directory}: tokenizer.json not found")
+        backend = _Tokenizer.from_file(str(path))
+        config_path = directory / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        eos = _token_text(config.get("eos_token"))
+        stops = _eos_ids(directory)
+        if eos is not None:
+            eos_id = backend.token_to_id(eos)
+            if eos_id is None:
+                raise TokenizerError(f"{config_path}: eos_token {eos!r} is not in the vocabulary")
+            stops.append(eos_id)
+        return cls(
+            backend=backend,
+            chat_template=config.get("chat_template"),
+            stop_ids=tuple(dict.fromkeys(stops)),
+            bos_token=_token_text(config.get("bos_token")),
+            eos_token=eos,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat(self, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
+        """Render the checkpoint's Jinja chat template (sandboxed), as HF does."""
+        if not self.chat_template:
+            raise TokenizerError("this checkpoint's tokenizer_config.json has no chat_template")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TokenizerError(f"chat template: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = lambda value, indent=None, **_: json.dumps(value, indent=indent, ensure_ascii=False)
+        return env.from_string(self.chat_template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **variables,
+        )
