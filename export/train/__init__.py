@@ -1,0 +1,15 @@
+"""The training recipe of the embedded default pair (and of a draft for any target).
+
+Stages, one module each: ``corpus`` (Python sources → train/held-out files),
+``tokenizer`` (byte-level BPE), ``forward`` (whole-sequence training forwards
+over the cache-path modules of ``export.target`` / ``export.draft``),
+``loop`` (AdamW + cosine, wall-time guard, progress and logs), ``target``
+(a small Qwen3), ``draft`` (DFlash, DESIGN §1 Training), ``evaluate``
+(held-out loss, τ with the reference decoder) and ``command`` (the
+``dflash-trt train`` subcommands).
+"""
+
+from pathlib import Path
+
+# The shipped pair: target/ (with tokenizer files), draft/, prompts.jsonl.
+DEFAULT_PAIR_DIR = Path(__file__).resolve().parent.parent / "default_pair"

@@ -1,0 +1,63 @@
+"""The training forwards equal the cache-path modules they train (tiny random models, fp32, CPU)."""
+
+from __future__ import annotations
+
+import torch
+
+import tiny_models
+from dflash_trt.export.draft import load_draft
+from dflash_trt.export.target import load_target
+from dflash_trt.export.train.forward import block_mask, draft_forward, target_forward
+
+ATOL = 1e-5
+
+
+@torch.no_grad()
+def test_target_training_forward_equals_cache_forward(tmp_path):
+    """Guards against a training forward that drifts from TargetModel.forward (RoPE positions,
+    GQA grouping, causal vs. window masking, tap indexing): a model trained through it would
+    mean something else when served through the KV cache."""
+    layer_types = ["full_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    directory = tiny_models.write_target(
+        tmp_path / "t", num_key_value_heads=1, sliding_window=5, use_sliding_window=True, layer_types=layer_types
+    )
+    model = load_target(directory, tap_layers=(1, 3))
+    tokens = torch.randint(0, tiny_models.VOCAB, (2, 17), generator=torch.Generator().manual_seed(0))
+    hidden, taps = target_forward(model, tokens, model.tap_layers)
+    cache = model.new_cache(2, 32)
+    logits, cache_taps = model(tokens, torch.zeros(2, dtype=torch.int64), torch.arange(2), *cache)
+    torch.testing.assert_close(model.head(hidden), logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(taps, cache_taps, atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_draft_training_forward_equals_write_context_then_block(tiny_pair):
+    """Guards against the block-sparse training mask leaking (context at or after the anchor,
+    or another block's slots) or differing from inference: every block's hidden states equal
+    DraftModel.write_context(taps before the anchor) + DraftModel.forward(block)."""
+    target_dir, draft_dir = tiny_pair
+    draft = load_draft(draft_dir)
+    target = load_target(target_dir, tap_layers=draft.config.target_layer_ids)
+    block, length = draft.config.block_size, 30
+    tokens = torch.randint(0, tiny_models.VOCAB, (2, length), generator=torch.Generator().manual_seed(1))
+    _, taps = target_forward(target, tokens, target.tap_layers)
+    anchors = torch.tensor([[1, 9, 13], [22, 4, 7]])  # overlapping blocks, any order
+    ids = tokens.gather(1, anchors)[..., None].repeat(1, 1, block)
+    ids[..., 1:] = draft.config.mask_token_id
+    hidden = draft_forward(draft, taps, target.embed(ids.flatten(1)), anchors)  # [2, 3*B, H]
+
+    for row in range(2):
+        for j, anchor in enumerate(anchors[row].tolist()):
+            cache = draft.new_cache(1, length + block)
+            draft.write_context(taps[row : row + 1, :anchor], torch.tensor([0]), torch.tensor([0]), *cache)
+            expected = draft(target.embed(ids[row : row + 1, j]), torch.tensor([anchor]), torch.tensor([0]), *cache)
+            torch.testing.assert_close(hidden[row, j * block : (j + 1) * block], expected[0], atol=ATOL, rtol=0)
+
+
+def test_block_mask_context_is_strictly_before_the_anchor():
+    """Guards against `<=` instead of `<` on the context (the anchor's own taps visible while
+    drafting), which trains a draft that collapses at inference time."""
+    mask = block_mask(torch.tensor([[3, 0]]), context=6, block=2)[0, 0]
+    assert mask[:2, :6].tolist() == [[True, True, True, False, False, False]] * 2
+    assert not mask[2:, :6].any()
+    assert mask[:, 6:].tolist() == [[True, True, False, False]] * 2 + [[False, False, True, True]] * 2
