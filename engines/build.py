@@ -77,15 +77,20 @@ def build_engine_set(
     options: BuildOptions = BuildOptions(),
     progress: Progress | None = None,
     source_manifest: Path | None = None,
+    echo: Progress | None = None,
 ) -> EngineSetRecord:
-    """Build every source into ``out_dir``; raise ``EngineBuildError`` listing all failures."""
+    """Build every source into ``out_dir``; raise ``EngineBuildError`` listing all failures.
+
+    ``progress`` gets one line per graph; ``echo`` (optional) every TensorRT
+    warning and error as it is logged.
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # An old engines.json must never describe the plans this run rewrites.
     (out_dir / ENGINES_JSON).unlink(missing_ok=True)
     _check_names(sources)
     say = progress or (lambda _line: None)
-    builder = _SetBuilder(flavour, options, out_dir)
+    builder = _SetBuilder(flavour, options, out_dir, echo)
     records, failures = {}, []
     for index, source in enumerate(sources, start=1):
         start = time.perf_counter()
@@ -140,10 +145,10 @@ def _copy_manifest(manifest: Path | None, out_dir: Path) -> dict | None:
 class _SetBuilder:
     """One TensorRT builder, logger and build cache shared by all graphs of a set."""
 
-    def __init__(self, flavour: Flavour, options: BuildOptions, out_dir: Path):
+    def __init__(self, flavour: Flavour, options: BuildOptions, out_dir: Path, echo: Progress | None = None):
         self.flavour, self.options, self.out_dir = flavour, options, out_dir
         self.trt = flavour.trt
-        self.log = flavour.new_log()
+        self.log = flavour.new_log(echo)
         self.builder = self.trt.Builder(self.log)
         self.cache = None  # created from the first builder config
         self.targets: list[str] = []

@@ -73,3 +73,13 @@ def source_files(path: Path, model: onnx.ModelProto) -> list[Path]:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             locations.update(e.value for e in tensor.external_data if e.key == "location")
     return [Path(path)] + [Path(path).parent / loc for loc in sorted(locations)]
+
+
+def export_sources(onnx_dir: Path) -> tuple[list[GraphSource], Path]:
+    """Every graph of an export directory with its contract IO, and the manifest path."""
+    manifest = Path(onnx_dir) / "manifest.json"
+    if not manifest.is_file():
+        msg = f"no manifest.json in {onnx_dir}: not an export directory (write one with `dflash-trt export`)"
+        raise EngineError(msg)
+    msg = "reading an export manifest needs dflash_trt.export.contract, which this version does not have yet"
+    raise EngineError(msg)

@@ -3,7 +3,8 @@
 The graphs have the shape of what export writes (a TensorScatter KV write
 into an in-place cache, then an ONNX Attention over the cache), a few
 kilobytes each: a build takes tens of milliseconds. Skipped where
-tensorrt_rtx is not installed; CI installs it (the ``rtx`` extra).
+tensorrt_rtx is not installed (the graph builders stay importable for the
+other engine tests); CI installs it (the ``rtx`` extra).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import onnx
 import pytest
+import torch
 from onnx import TensorProto as TP
 from onnx import helper
 
@@ -23,8 +25,6 @@ from dflash_trt.engines.flavour import load_flavour
 from dflash_trt.engines.load import check_engine_set, load_engine_set
 from dflash_trt.engines.sources import GraphSource, graph_io_from_onnx
 from dflash_trt.errors import EngineBuildError, EngineError
-
-trt = pytest.importorskip("tensorrt_rtx")
 
 HEADS, KV_HEADS, HEAD_DIM, MAX_CONTEXT = 2, 1, 16, 32
 TOKENS = DimRange(1, 4, 8)  # the dynamic graphs' token range
@@ -86,6 +86,8 @@ def source(tmp_path: Path, name: str, model: onnx.ModelProto, dims=None) -> Grap
 
 @pytest.fixture(scope="module")
 def rtx():
+    """TensorRT-RTX; the tests that need it skip where it is not installed."""
+    pytest.importorskip("tensorrt_rtx")
     return load_flavour("tensorrt_rtx")
 
 
@@ -125,7 +127,7 @@ def test_engines_json_records_hashes_flavour_targets_and_options(tmp_path, rtx):
     options = BuildOptions(workspace_mb=64, targets=("sm_89", "SM120"))
     build_engine_set([src], tmp_path / "out", rtx, options)
     data = json.loads((tmp_path / "out" / ENGINES_JSON).read_text())
-    assert data["flavour"] == "tensorrt_rtx" and data["trt_version"] == trt.__version__
+    assert data["flavour"] == "tensorrt_rtx" and data["trt_version"] == rtx.version
     assert data["targets"] == ["SM89", "SM120"]
     assert data["build_options"]["workspace_mb"] == 64
     engine = data["engines"]["g"]
@@ -199,9 +201,6 @@ def test_graph_that_disagrees_with_the_contract_is_refused_before_building(tmp_p
 def test_plans_do_not_deserialize_without_a_gpu_and_the_loader_says_so(tmp_path, rtx):
     """Guards against a crash (or a None engine) when plans are loaded where the
     runtime cannot run them; here: no CUDA GPU at all."""
-    pytest.importorskip("torch")
-    import torch
-
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: covered by selfcheck")
     src = source(tmp_path, "g", kv_attention_model())

@@ -1,0 +1,214 @@
+"""``dflash-trt selfcheck``: run every engine on random inputs, compare with ONNX Runtime.
+
+    dflash-trt selfcheck --engines DIR --onnx DIR [--backend tensorrt|tensorrt_rtx]
+                         [--seed N] [--int-range LOW HIGH] [--only NAME ...]
+
+For a user with a GPU the engines support (TensorRT: the build GPU or
+Ampere+; TensorRT-RTX: SM80..SM121, not Hopper). It loads the set through the
+checking loader, then per engine: random feeds from the contract (dynamic
+dims at their profile's opt value; floats uniform in [0, 1), integers
+uniform in [LOW, HIGH) so token ids, positions, write indices and lengths
+stay valid for any export), runs the engine (execute_async_v3 over CUDA
+buffers bound with set_tensor_address; cache outputs alias their inputs, as
+the runtime binds them) and the exact ONNX graph in ONNX Runtime on the same
+feeds (CUDA provider where onnxruntime-gpu is installed: the CPU provider
+cannot run bf16 graphs), and compares every output.
+
+Buffers are torch tensors: ONNX Runtime binds the same bf16 buffers by
+pointer, which numpy cannot hold. Not runnable on a CPU-only machine; it
+says so instead of failing inside TensorRT.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import torch
+
+from dflash_trt.engines.bindings import GraphIO, TensorSpec, trt_dtype_name
+from dflash_trt.engines.command import AUTO, pick_flavour
+from dflash_trt.engines.flavour import FLAVOURS, Flavour
+from dflash_trt.engines.load import load_engine_set
+from dflash_trt.engines.sources import ONNX_DTYPES, GraphSource, export_sources
+from dflash_trt.errors import EngineError
+
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+# (rtol, atol) per float dtype: engines fuse and reorder, so they round differently.
+TOLERANCES = {"float32": (1e-3, 1e-3), "float16": (1e-2, 1e-2), "bfloat16": (5e-2, 5e-2)}
+_ONNX_ELEMENT = {name: getattr(onnx.TensorProto, onnx_name) for onnx_name, name in ONNX_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class OutputCheck:
+    engine: str
+    output: str
+    ok: bool
+    detail: str  # max |diff| for floats, mismatching elements for ints/bools
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engines", type=Path, required=True, help="engine-set directory (engines.json + plans)")
+    parser.add_argument("--onnx", type=Path, required=True, help="the export directory the set was built from")
+    parser.add_argument("--backend", choices=[AUTO, *FLAVOURS], default=AUTO, help="TensorRT flavour that built the set")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--int-range", type=int, nargs=2, default=(1, 3), metavar=("LOW", "HIGH"))
+    parser.add_argument("--only", action="append", default=[], help="check only this engine, repeatable")
+
+
+def run(args: argparse.Namespace) -> int:
+    require_gpu()
+    flavour = pick_flavour(args.backend)
+    sources, _manifest = export_sources(args.onnx)
+    checks = selfcheck(args.engines, sources, flavour, args.seed, tuple(args.int_range), set(args.only))
+    for check in checks:
+        print(f"{'ok  ' if check.ok else 'FAIL'} {check.engine}.{check.output}: {check.detail}")
+    failed = [c for c in checks if not c.ok]
+    print(f"{len(checks) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+def require_gpu() -> None:
+    if not torch.cuda.is_available():
+        msg = (
+            "selfcheck runs every engine on a CUDA GPU and none is visible here (torch.cuda.is_available() is False). "
+            "On a CPU-only machine `dflash-trt build` checks that every graph compiles; run selfcheck where the engines can run."
+        )
+        raise EngineError(msg)
+
+
+def selfcheck(
+    engines_dir: Path, sources: list[GraphSource], flavour: Flavour, seed: int, int_range: tuple[int, int], only: set[str]
+) -> list[OutputCheck]:
+    """Load (with every check), run each engine and its graph, compare outputs."""
+    contract = {s.name: s.io for s in sources}
+    loaded = load_engine_set(engines_dir, contract, flavour)
+    checks: list[OutputCheck] = []
+    try:
+        for index, source in enumerate(sources):
+            if only and source.name not in only:
+                continue
+            feeds = random_feeds(source.io, seed + index, int_range)
+            engine_out = run_engine(flavour, loaded.engines[source.name], feeds, Path(engines_dir))
+            reference = run_reference(source, feeds)
+            checks.extend(compare(source.name, source.io, engine_out, reference))
+    finally:
+        loaded.close()
+    return checks
+
+
+def concrete_shape(io: GraphIO, spec: TensorSpec) -> tuple[int, ...]:
+    """Dynamic dims at their profile's opt value."""
+    return tuple(io.dims[d].opt if isinstance(d, str) else d for d in spec.shape)
+
+
+def random_feeds(io: GraphIO, seed: int, int_range: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """Host tensors for every input of ``io`` (see the module doc for value ranges)."""
+    generator = torch.Generator().manual_seed(seed)
+    feeds = {}
+    for spec in io.inputs:
+        shape, dtype = concrete_shape(io, spec), TORCH_DTYPES[spec.dtype]
+        if dtype.is_floating_point:
+            feeds[spec.name] = torch.rand(shape, generator=generator).to(dtype)
+        elif dtype == torch.bool:
+            feeds[spec.name] = torch.rand(shape, generator=generator) < 0.5
+        else:
+            feeds[spec.name] = torch.randint(*int_range, shape, generator=generator, dtype=dtype)
+    return feeds
+
+
+def run_engine(flavour: Flavour, engine, feeds: Mapping[str, torch.Tensor], cache_dir: Path) -> dict[str, torch.Tensor]:
+    """One execute_async_v3 on the current CUDA stream; outputs copied back to host."""
+    context, runtime_cache = flavour.execution_context(engine, cache_dir)
+    if context is None:
+        msg = "TensorRT could not create an execution context (device memory?)"
+        raise EngineError(msg)
+    # Copies: the engine writes cache inputs in place.
+    device = {name: tensor.cuda() for name, tensor in feeds.items()}
+    for name, tensor in device.items():
+        context.set_input_shape(name, tuple(tensor.shape))
+    outputs = {}
+    for i in range(engine.num_io_tensors):
+        name = engine.get_tensor_name(i)
+        if name not in device:
+            outputs[name] = _output_buffer(engine, context, name, device)
+        buffer = device[name] if name in device else outputs[name]
+        context.set_tensor_address(name, buffer.data_ptr())
+    stream = torch.cuda.current_stream()
+    if not context.execute_async_v3(stream.cuda_stream):
+        msg = "execute_async_v3 returned False (see TensorRT's log above)"
+        raise EngineError(msg)
+    stream.synchronize()  # host sync: the results are read next
+    flavour.save_runtime_cache(runtime_cache, cache_dir)
+    return {name: tensor.cpu() for name, tensor in outputs.items()}
+
+
+def _output_buffer(engine, context, name: str, device: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    # A KV-cache write (IKVCacheUpdateLayer) updates its cache input in place:
+    # the output must be bound to that same buffer.
+    aliased = getattr(engine, "get_aliased_input_tensor", lambda _n: None)(name)
+    if aliased:
+        return device[aliased]
+    shape = tuple(int(d) for d in context.get_tensor_shape(name))
+    dtype = TORCH_DTYPES[trt_dtype_name(engine.get_tensor_dtype(name))]
+    return torch.empty(shape, dtype=dtype, device="cuda")
+
+
+def run_reference(source: GraphSource, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The exact ONNX graph in ONNX Runtime, buffers bound by pointer (bf16-safe)."""
+    import onnxruntime as ort
+
+    cuda = "CUDAExecutionProvider" in ort.get_available_providers()
+    device = "cuda" if cuda else "cpu"
+    providers = ["CUDAExecutionProvider"] if cuda else ["CPUExecutionProvider"]
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # errors only: TensorScatter's copy notice is expected here
+    session = ort.InferenceSession(str(source.onnx_path), options, providers=providers)
+    binding = session.io_binding()
+    inputs = {name: tensor.to(device).contiguous() for name, tensor in feeds.items()}  # kept alive until run ends
+    for name, tensor in inputs.items():
+        binding.bind_input(name, device, 0, _ONNX_ELEMENT[_spec(source.io, name).dtype], list(tensor.shape), tensor.data_ptr())
+    outputs = {}
+    for spec in source.io.outputs:
+        outputs[spec.name] = torch.empty(concrete_shape(source.io, spec), dtype=TORCH_DTYPES[spec.dtype], device=device)
+        tensor = outputs[spec.name]
+        binding.bind_output(spec.name, device, 0, _ONNX_ELEMENT[spec.dtype], list(tensor.shape), tensor.data_ptr())
+    try:
+        session.run_with_iobinding(binding)
+    except Exception as error:  # onnxruntime raises its own exception types
+        msg = f"ONNX Runtime ({providers[0]}) could not run {source.onnx_path.name}: {error}"
+        raise EngineError(msg) from error
+    return {name: tensor.cpu() for name, tensor in outputs.items()}
+
+
+def _spec(io: GraphIO, name: str) -> TensorSpec:
+    return next(s for s in io.inputs if s.name == name)
+
+
+def compare(engine: str, io: GraphIO, got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> list[OutputCheck]:
+    checks = []
+    for spec in io.outputs:
+        a, b = got[spec.name], want[spec.name]
+        if a.shape != b.shape:
+            checks.append(OutputCheck(engine, spec.name, False, f"shape {list(a.shape)} vs reference {list(b.shape)}"))
+        elif spec.dtype in TOLERANCES:
+            rtol, atol = TOLERANCES[spec.dtype]
+            diff = (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+            ok = torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol, equal_nan=True)
+            checks.append(OutputCheck(engine, spec.name, ok, f"max |diff| {diff:.3g} (rtol {rtol}, atol {atol})"))
+        else:
+            bad = int((a != b).sum())
+            checks.append(OutputCheck(engine, spec.name, bad == 0, f"{bad} of {a.numel()} elements differ"))
+    return checks

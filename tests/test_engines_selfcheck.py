@@ -1,0 +1,78 @@
+"""The parts of ``dflash-trt selfcheck`` that run without a GPU.
+
+Engine execution itself needs a GPU TensorRT supports (not this machine):
+here the feeds, the ONNX Runtime reference over pointer-bound buffers, the
+comparison and the no-GPU refusal are checked.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from onnx import TensorProto as TP
+
+from dflash_trt import cli
+from dflash_trt.engines.bindings import DimRange, GraphIO, TensorSpec
+from dflash_trt.engines.selfcheck import compare, random_feeds, require_gpu, run_reference
+from dflash_trt.errors import EngineError
+from test_engines_build import TOKENS, kv_attention_model, source
+
+IO = GraphIO(
+    inputs=(
+        TensorSpec("tokens", (2, "n"), "int64"),
+        TensorSpec("hidden", (2, "n", 8), "bfloat16"),
+        TensorSpec("mask", (2, 4), "bool"),
+    ),
+    outputs=(TensorSpec("logits", (2, "n", 5), "float16"), TensorSpec("argmax", (2,), "int64")),
+    dims={"n": DimRange(1, 3, 7)},
+)
+
+
+def test_random_feeds_follow_the_contract_at_the_opt_shape():
+    """Guards against feeding an engine shapes outside its profile or integer
+    values outside [low, high) (an out-of-range write index or token id would
+    read/write out of bounds on the GPU)."""
+    feeds = random_feeds(IO, seed=0, int_range=(1, 3))
+    assert {k: (tuple(v.shape), v.dtype) for k, v in feeds.items()} == {
+        "tokens": ((2, 3), torch.int64),
+        "hidden": ((2, 3, 8), torch.bfloat16),
+        "mask": ((2, 4), torch.bool),
+    }
+    assert set(feeds["tokens"].unique().tolist()) <= {1, 2}
+    assert 0.0 <= float(feeds["hidden"].min()) and float(feeds["hidden"].max()) <= 1.0
+    assert torch.equal(random_feeds(IO, 0, (1, 3))["hidden"], feeds["hidden"])
+
+
+def test_compare_flags_float_drift_and_any_integer_difference():
+    """Guards against a comparison that passes everything (or fails on rounding)."""
+    want = {"logits": torch.zeros(2, 3, 5, dtype=torch.float16), "argmax": torch.tensor([1, 2])}
+    close = {"logits": want["logits"] + 0.005, "argmax": want["argmax"].clone()}
+    assert all(c.ok for c in compare("e", IO, close, want))
+    far = {"logits": want["logits"] + 0.5, "argmax": torch.tensor([1, 3])}
+    checks = {c.output: c for c in compare("e", IO, far, want)}
+    assert not checks["logits"].ok and "0.5" in checks["logits"].detail
+    assert not checks["argmax"].ok and checks["argmax"].detail == "1 of 2 elements differ"
+
+
+def test_onnxruntime_reference_runs_the_graph_through_bound_buffers(tmp_path):
+    """Guards against the reference side binding wrong dtypes/shapes by
+    pointer: the fp16 KV-write + attention graph must run, write the new rows
+    into the cache at the write index and match itself."""
+    src = source(tmp_path, "g", kv_attention_model(TP.FLOAT16, tokens="tokens"), {"tokens": TOKENS})
+    feeds = random_feeds(src.io, seed=1, int_range=(1, 3))
+    out = run_reference(src, feeds)
+    row = int(feeds["write_index"][0])
+    assert torch.equal(out["k_cache_out"][0, :, row : row + TOKENS.opt], feeds["k"][0])
+    assert torch.equal(out["k_cache_out"][0, :, :row], feeds["k_cache"][0, :, :row])
+    assert out["out"].shape == (1, 2, TOKENS.opt, 16) and torch.isfinite(out["out"].float()).all()
+    assert all(c.ok for c in compare("g", src.io, out, run_reference(src, feeds)))
+
+
+def test_selfcheck_without_a_gpu_says_so(tmp_path, capsys):
+    """Guards against a TensorRT/CUDA traceback on a CPU-only machine."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(EngineError, match="needs|none is visible"):
+        require_gpu()
+    assert cli.main(["selfcheck", "--engines", str(tmp_path), "--onnx", str(tmp_path)]) == 1
+    assert "none is visible here" in capsys.readouterr().err
