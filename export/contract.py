@@ -1,0 +1,375 @@
+"""The IO contract of every exported graph: names, shapes, dtypes, order.
+
+Written once here; the exporter, the engine builder, the runtime and the tests
+import it. A graph's inputs and outputs appear in exactly this order, and the
+exported ONNX files declare exactly these bindings (a test checks by set
+equality, plus shapes and dtypes).
+
+Symbols: ``n`` owners (a static graph exists for every n in 1..max_owners),
+``P`` proposals, ``B`` block size, ``V`` vocabulary, ``W`` tap width
+(m * hidden), ``L`` max context, ``K``/``D`` kv heads / head dim of the
+target (``Kd``/``Dd`` of the draft), ``M`` the model dtype (float32, float16
+or bfloat16). ``"T"`` and ``"C"`` are the only dynamic dims (1..max_chunk).
+
+==================  ===========================================  ===========================================
+graph               inputs                                       outputs
+==================  ===========================================  ===========================================
+target_prefill      tokens [1, T] int64, start [1] int64,        logits [1, V] float32 (last row only),
+                    past_key_l / past_value_l [1, K, L, D] M     taps [1, T, W] M, present_key_l/_value_l
+target_verify_{n}   tokens [n, P+1] int64, start [n] int64,      logits [n, P+1, V] float32,
+                    past_key_l / past_value_l [n, K, L, D] M     taps [n, P+1, W] M, present_key_l/_value_l
+draft_context       taps [1, C, W] M, start [1] int64,           present_key_l / present_value_l
+                    past_key_l / past_value_l [1, Kd, L, Dd] M
+draft_{n}           ctx_taps [n, B, W] M, ctx_start [n] int64,   proposals [n, P] int64,
+                    ctx_count [n] int64, anchor [n] int64,       present_key_l / present_value_l
+                    past_key_l / past_value_l [n, Kd, L, Dd] M
+verify_argmax_{n}   logits [n, P+1, V] float32,                  accepted [n] int64, next_token [n] int64
+                    candidates [n, P+1] int64
+verify_sample_{n}   logits, candidates (as above),               accepted [n] int64, next_token [n] int64
+                    temperature [n] float32, top_k [n] int64,
+                    top_p [n] float32, uniforms [n, P+1] float32
+==================  ===========================================  ===========================================
+
+Cache bindings (``past_*`` in, ``present_*`` out, per layer l, interleaved
+key/value in layer order) are meant to be bound to the SAME buffer: the graph
+writes the new rows in place. Graph batch index i is owner i and addresses the
+i-th of n CONSECUTIVE cache rows: the caller binds a view of the pool that
+starts at the first owner's row, so no graph takes a ``rows`` input.
+
+Semantics (positions are cache slots):
+
+- ``target_*``: row i holds tokens at ``start[i] ..``; their K/V are written at
+  those slots and attention is causal over slots ``< start[i] + T`` (plus the
+  layer's sliding window). Taps are the residual outputs of the tap layers.
+- ``draft_context``: context rows ``taps`` at ``start ..`` into the draft cache.
+- ``draft_{n}``: all B ``ctx_taps`` rows are written at ``ctx_start ..``
+  (only ``ctx_count`` are real; padding lands inside the block and is then
+  overwritten), the block ``[anchor, MASK × (B-1)]`` runs at
+  ``ctx_start + ctx_count``; ``proposals`` = argmax of the target's head over
+  block slots 1..P.
+- ``verify_*``: ``candidates`` = [anchor, d_1..d_P]; ``accepted`` = longest
+  prefix with ``d_{i+1} == choice_i``; ``next_token`` = ``choice[accepted]``.
+
+Pure data: no torch, no onnx. Dtype names are ``float32``, ``float16``,
+``bfloat16``, ``int64`` (the names TensorRT and ONNX reports map to).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+
+Dim = int | str  # an int is a static extent; a str names a dynamic dim
+
+# Export dtype labels (CLI, manifest) -> contract dtype names of the model tensors.
+DTYPES: dict[str, str] = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+INT64 = "int64"
+FLOAT32 = "float32"
+
+# Graph kinds. Static kinds exist once per owner count n and are named f"{kind}_{n}".
+TARGET_PREFILL = "target_prefill"
+TARGET_VERIFY = "target_verify"
+DRAFT_CONTEXT = "draft_context"
+DRAFT = "draft"
+VERIFY_ARGMAX = "verify_argmax"
+VERIFY_SAMPLE = "verify_sample"
+DYNAMIC_KINDS = (TARGET_PREFILL, DRAFT_CONTEXT)
+STATIC_KINDS = (TARGET_VERIFY, DRAFT, VERIFY_ARGMAX, VERIFY_SAMPLE)
+KINDS = DYNAMIC_KINDS + STATIC_KINDS
+
+# Tensor names.
+TOKENS = "tokens"
+START = "start"
+LOGITS = "logits"
+TAPS = "taps"
+CTX_TAPS = "ctx_taps"
+CTX_START = "ctx_start"
+CTX_COUNT = "ctx_count"
+ANCHOR = "anchor"
+PROPOSALS = "proposals"
+CANDIDATES = "candidates"
+TEMPERATURE = "temperature"
+TOP_K = "top_k"
+TOP_P = "top_p"
+UNIFORMS = "uniforms"
+ACCEPTED = "accepted"
+NEXT_TOKEN = "next_token"
+
+# Dynamic dims.
+TOKENS_DIM = "T"  # target_prefill token count
+CONTEXT_DIM = "C"  # draft_context row count
+
+MIN_PROPOSALS = 2
+
+
+def past_key(layer: int) -> str:
+    return f"past_key_{layer}"
+
+
+def past_value(layer: int) -> str:
+    return f"past_value_{layer}"
+
+
+def present_key(layer: int) -> str:
+    return f"present_key_{layer}"
+
+
+def present_value(layer: int) -> str:
+    return f"present_value_{layer}"
+
+
+def present_of(past_name: str) -> str:
+    """The output bound to the same buffer as a ``past_*`` input."""
+    return "present_" + past_name.removeprefix("past_")
+
+
+def graph_name(kind: str, owners: int | None = None) -> str:
+    """``target_prefill`` / ``draft_context``, or ``f"{kind}_{owners}"`` for static kinds."""
+    if kind in DYNAMIC_KINDS:
+        if owners is not None:
+            raise ValueError(f"graph kind {kind!r} has no owner count, got {owners}")
+        return kind
+    if kind not in STATIC_KINDS:
+        raise ValueError(f"graph kind must be one of {KINDS}, got {kind!r}")
+    if not isinstance(owners, int) or owners < 1:
+        raise ValueError(f"graph kind {kind!r} needs an owner count >= 1, got {owners!r}")
+    return f"{kind}_{owners}"
+
+
+_STATIC_NAME = re.compile(r"^(" + "|".join(STATIC_KINDS) + r")_([1-9][0-9]*)$")
+
+
+def parse_graph_name(name: str) -> tuple[str, int | None]:
+    """Inverse of ``graph_name``: (kind, owners or None)."""
+    if name in DYNAMIC_KINDS:
+        return name, None
+    match = _STATIC_NAME.match(name)
+    if match is None:
+        raise ValueError(f"not a graph name of the contract: {name!r}")
+    return match.group(1), int(match.group(2))
+
+
+@dataclass(frozen=True)
+class DimRange:
+    """Range of one dynamic dim (a TensorRT optimization profile's min/opt/max)."""
+
+    min: int
+    opt: int
+    max: int
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One graph input or output: name, shape (ints and dim symbols), dtype name."""
+
+    name: str
+    shape: tuple[Dim, ...]
+    dtype: str
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> TensorSpec:
+        return cls(str(data["name"]), tuple(data["shape"]), str(data["dtype"]))
+
+    def resolve(self, sizes: Mapping[str, int]) -> tuple[int, ...]:
+        """Concrete shape with dim symbols taken from ``sizes``."""
+        return tuple(sizes[d] if isinstance(d, str) else d for d in self.shape)
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """Every binding of one graph, in contract order, and its dynamic dim ranges."""
+
+    name: str
+    kind: str
+    owners: int | None
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    dims: Mapping[str, DimRange] = field(default_factory=dict)
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.inputs)
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.outputs)
+
+    @property
+    def cache_inputs(self) -> tuple[TensorSpec, ...]:
+        """The ``past_*`` inputs, each bound in place with ``present_of(name)``."""
+        return tuple(s for s in self.inputs if s.name.startswith("past_"))
+
+    def io_json(self) -> dict:
+        return {
+            "inputs": [s.to_json() for s in self.inputs],
+            "outputs": [s.to_json() for s in self.outputs],
+            "dims": {k: [r.min, r.opt, r.max] for k, r in self.dims.items()},
+        }
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The few numbers every graph shape is computed from."""
+
+    vocab_size: int
+    tap_width: int
+    block_size: int
+    proposals: int
+    max_owners: int
+    max_context: int
+    max_chunk: int  # largest T of target_prefill and C of draft_context
+    target_layers: int
+    target_kv_heads: int
+    target_head_dim: int
+    draft_layers: int
+    draft_kv_heads: int
+    draft_head_dim: int
+    dtype: str  # model dtype name: float32 | float16 | bfloat16
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name != "dtype" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"Dims.{f.name} must be an int >= 1, got {value!r}")
+        if self.dtype not in DTYPES.values():
+            raise ValueError(f"Dims.dtype must be one of {sorted(DTYPES.values())}, got {self.dtype!r}")
+        if not MIN_PROPOSALS <= self.proposals <= self.block_size - 1:
+            raise ValueError(f"Dims.proposals must be in [2, {self.block_size - 1}] (block size - 1), got {self.proposals}")
+        if not self.max_chunk <= self.max_context:
+            raise ValueError(f"Dims.max_chunk must be <= max_context {self.max_context}, got {self.max_chunk}")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _caches(prefix: str, layers: int, shape: tuple[Dim, ...], dtype: str) -> tuple[TensorSpec, ...]:
+    key, value = (past_key, past_value) if prefix == "past" else (present_key, present_value)
+    return tuple(TensorSpec(name(l), shape, dtype) for l in range(layers) for name in (key, value))
+
+
+def _target_caches(dims: Dims, n: int, prefix: str) -> tuple[TensorSpec, ...]:
+    shape = (n, dims.target_kv_heads, dims.max_context, dims.target_head_dim)
+    return _caches(prefix, dims.target_layers, shape, dims.dtype)
+
+
+def _draft_caches(dims: Dims, n: int, prefix: str) -> tuple[TensorSpec, ...]:
+    shape = (n, dims.draft_kv_heads, dims.max_context, dims.draft_head_dim)
+    return _caches(prefix, dims.draft_layers, shape, dims.dtype)
+
+
+def _chunk(dims: Dims) -> DimRange:
+    return DimRange(1, dims.max_chunk, dims.max_chunk)
+
+
+def _target_prefill(dims: Dims, n: None) -> GraphSpec:
+    T = TOKENS_DIM
+    return GraphSpec(
+        TARGET_PREFILL,
+        TARGET_PREFILL,
+        None,
+        (TensorSpec(TOKENS, (1, T), INT64), TensorSpec(START, (1,), INT64)) + _target_caches(dims, 1, "past"),
+        (TensorSpec(LOGITS, (1, dims.vocab_size), FLOAT32), TensorSpec(TAPS, (1, T, dims.tap_width), dims.dtype))
+        + _target_caches(dims, 1, "present"),
+        {T: _chunk(dims)},
+    )
+
+
+def _target_verify(dims: Dims, n: int) -> GraphSpec:
+    rows = dims.proposals + 1
+    return GraphSpec(
+        graph_name(TARGET_VERIFY, n),
+        TARGET_VERIFY,
+        n,
+        (TensorSpec(TOKENS, (n, rows), INT64), TensorSpec(START, (n,), INT64)) + _target_caches(dims, n, "past"),
+        (TensorSpec(LOGITS, (n, rows, dims.vocab_size), FLOAT32), TensorSpec(TAPS, (n, rows, dims.tap_width), dims.dtype))
+        + _target_caches(dims, n, "present"),
+    )
+
+
+def _draft_context(dims: Dims, n: None) -> GraphSpec:
+    C = CONTEXT_DIM
+    return GraphSpec(
+        DRAFT_CONTEXT,
+        DRAFT_CONTEXT,
+        None,
+        (TensorSpec(TAPS, (1, C, dims.tap_width), dims.dtype), TensorSpec(START, (1,), INT64))
+        + _draft_caches(dims, 1, "past"),
+        _draft_caches(dims, 1, "present"),
+        {C: _chunk(dims)},
+    )
+
+
+def _draft(dims: Dims, n: int) -> GraphSpec:
+    return GraphSpec(
+        graph_name(DRAFT, n),
+        DRAFT,
+        n,
+        (
+            TensorSpec(CTX_TAPS, (n, dims.block_size, dims.tap_width), dims.dtype),
+            TensorSpec(CTX_START, (n,), INT64),
+            TensorSpec(CTX_COUNT, (n,), INT64),
+            TensorSpec(ANCHOR, (n,), INT64),
+        )
+        + _draft_caches(dims, n, "past"),
+        (TensorSpec(PROPOSALS, (n, dims.proposals), INT64),) + _draft_caches(dims, n, "present"),
+    )
+
+
+def _verdict_outputs(n: int) -> tuple[TensorSpec, ...]:
+    return (TensorSpec(ACCEPTED, (n,), INT64), TensorSpec(NEXT_TOKEN, (n,), INT64))
+
+
+def _verify_inputs(dims: Dims, n: int) -> tuple[TensorSpec, ...]:
+    rows = dims.proposals + 1
+    return (TensorSpec(LOGITS, (n, rows, dims.vocab_size), FLOAT32), TensorSpec(CANDIDATES, (n, rows), INT64))
+
+
+def _verify_argmax(dims: Dims, n: int) -> GraphSpec:
+    return GraphSpec(graph_name(VERIFY_ARGMAX, n), VERIFY_ARGMAX, n, _verify_inputs(dims, n), _verdict_outputs(n))
+
+
+def _verify_sample(dims: Dims, n: int) -> GraphSpec:
+    sampling = (
+        TensorSpec(TEMPERATURE, (n,), FLOAT32),
+        TensorSpec(TOP_K, (n,), INT64),
+        TensorSpec(TOP_P, (n,), FLOAT32),
+        TensorSpec(UNIFORMS, (n, dims.proposals + 1), FLOAT32),
+    )
+    return GraphSpec(
+        graph_name(VERIFY_SAMPLE, n), VERIFY_SAMPLE, n, _verify_inputs(dims, n) + sampling, _verdict_outputs(n)
+    )
+
+
+_BUILDERS = {
+    TARGET_PREFILL: _target_prefill,
+    TARGET_VERIFY: _target_verify,
+    DRAFT_CONTEXT: _draft_context,
+    DRAFT: _draft,
+    VERIFY_ARGMAX: _verify_argmax,
+    VERIFY_SAMPLE: _verify_sample,
+}
+
+
+def graph_spec(dims: Dims, name: str) -> GraphSpec:
+    """The contract of one graph, by name (``target_verify_3``, ``draft_context``...)."""
+    kind, owners = parse_graph_name(name)
+    if owners is not None and owners > dims.max_owners:
+        raise ValueError(f"graph {name!r}: owner count must be in [1, {dims.max_owners}] (max_owners), got {owners}")
+    return _BUILDERS[kind](dims, owners)
+
+
+def graph_names(max_owners: int) -> tuple[str, ...]:
+    """Every graph of an artifact set, in export order."""
+    names = [TARGET_PREFILL, DRAFT_CONTEXT]
+    for kind in STATIC_KINDS:
+        names += [graph_name(kind, n) for n in range(1, max_owners + 1)]
+    return tuple(names)
+
+
+def graph_specs(dims: Dims) -> dict[str, GraphSpec]:
+    """Every graph's contract, by name, in export order."""
+    return {name: graph_spec(dims, name) for name in graph_names(dims.max_owners)}
