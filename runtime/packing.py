@@ -1,0 +1,184 @@
+"""Packing and cycle bookkeeping: small pure functions over lists and arrays.
+
+The executor only sequences these; every decision about which owners share a
+graph call, which draft path a context takes, how a prompt is chunked and
+what a verdict commits is made here and tested with literal arrays
+(tests/test_packing.py).
+
+Vocabulary (DESIGN §1, §3):
+
+- *row*: a session's cache row, the same index in the target pool, the draft
+  pool and the context pool. A graph over ``n`` owners binds the ``n``
+  CONSECUTIVE rows ``first_row .. first_row + n - 1``.
+- *frontier*: the target cache holds positions ``0 .. frontier - 1``.
+- *draft position*: the draft cache holds context for ``0 .. draft_position - 1``;
+  the taps of ``draft_position .. frontier - 1`` are *pending* (on device).
+- *block*: ``B`` tokens ``[anchor, MASK × (B-1)]`` at ``frontier .. frontier+B-1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dflash_trt.export.sampling import PURPOSE_TOKEN, positional_uniform
+
+STATIC, DYNAMIC, TARGET = "static", "dynamic", "target"  # runtime.stats.MODES
+
+
+@dataclass(frozen=True)
+class Group:
+    """One graph call: owners at consecutive rows ``first_row .. first_row + len(members) - 1``.
+
+    ``members`` index the caller's owner list, in row order.
+    """
+
+    first_row: int
+    members: tuple[int, ...]
+
+    @property
+    def owners(self) -> int:
+        return len(self.members)
+
+
+def pack_rows(rows: Sequence[int], max_owners: int) -> list[Group]:
+    """Group owners (given by cache row, any order) into calls of ≤ max_owners consecutive rows.
+
+    A run of consecutive rows longer than ``max_owners`` is split greedily
+    (largest calls first); a gap in the rows always starts a new call, since a
+    graph over ``n`` owners writes every row it binds.
+    """
+    assert max_owners >= 1, max_owners
+    assert len(set(rows)) == len(rows), f"rows must be distinct, got {list(rows)}"
+    order = sorted(range(len(rows)), key=lambda i: rows[i])
+    groups: list[Group] = []
+    members: list[int] = []
+    for index in order:
+        contiguous = members and rows[index] == rows[members[-1]] + 1
+        if members and (not contiguous or len(members) == max_owners):
+            groups.append(Group(rows[members[0]], tuple(members)))
+            members = []
+        members.append(index)
+    if members:
+        groups.append(Group(rows[members[0]], tuple(members)))
+    return groups
+
+
+def block_fits(frontier: int, block: int, max_context: int) -> bool:
+    """A draft block (and a verify of ≤ B tokens) at ``frontier`` fits the cache.
+
+    Otherwise the session decodes with the plain target (as the reference).
+    """
+    return frontier + block <= max_context
+
+
+def cycle_mode(frontier: int, block: int, max_context: int, drained_rows: int) -> str:
+    """Which path serves an owner's next token(s): static draft, dynamic drain first, or plain target."""
+    if not block_fits(frontier, block, max_context):
+        return TARGET
+    return DYNAMIC if drained_rows > 0 else STATIC
+
+
+def chunks(size: int, limit: int) -> list[tuple[int, int]]:
+    """[lo, hi) pieces of ``range(size)`` of at most ``limit`` each (prefill and drain chunking)."""
+    assert limit >= 1, limit
+    return [(lo, min(lo + limit, size)) for lo in range(0, size, limit)]
+
+
+@dataclass(frozen=True)
+class ContextPlan:
+    """Where ``pending + new`` tap rows go when new taps are committed for one session.
+
+    Rows are indexed in the concatenation ``[pending rows ; new rows]``:
+    ``drain`` pieces go through the dynamic draft (``draft_context``) at
+    ``draft_position + lo``; ``keep`` rows stay pending in the context pool
+    (at most ``block``, so the static draft can take them).
+    """
+
+    drain: tuple[tuple[int, int], ...]
+    keep: tuple[int, int]
+
+    @property
+    def drained(self) -> int:
+        return self.drain[-1][1] if self.drain else 0
+
+
+def plan_context(pending: int, new: int, block: int, chunk: int) -> ContextPlan:
+    """Drain all but the last ``block`` rows of ``[pending ; new]`` in chunks of ≤ ``chunk``.
+
+    >>> plan_context(3, 20, 8, 16)
+    ContextPlan(drain=((0, 15),), keep=(15, 23))
+    """
+    assert 0 <= pending <= block and new >= 0, (pending, new, block)
+    total = pending + new
+    excess = max(0, total - block)
+    return ContextPlan(drain=tuple(chunks(excess, chunk)), keep=(excess, total))
+
+
+def trim_context(frontier: int, draft_position: int, position: int) -> tuple[int, int]:
+    """Rewind (or clone) to ``position``: (new draft position, pending rows kept).
+
+    Pending taps cover ``draft_position .. frontier - 1``; a rewind keeps the
+    first ``position - draft_position`` of them, or none (and pulls the draft
+    position back) when ``position`` is before the draft position. Draft cache
+    slots past the new draft position are rewritten before they are read.
+    """
+    assert 0 <= position <= frontier and 0 <= draft_position <= frontier, (position, draft_position, frontier)
+    draft = min(draft_position, position)
+    return draft, position - draft
+
+
+@dataclass(frozen=True)
+class Burst:
+    """What one owner's verdict commits (DESIGN §1 step 3–4)."""
+
+    tokens: tuple[int, ...]  # emitted: d_1..d_a then y_a (correction or bonus)
+    accepted: int  # a
+    bonus: bool  # a == P
+    frontier: int  # start + a + 1
+    context_rows: int  # a + 1: taps of verify rows 0..a become the next context
+
+
+def make_bursts(
+    proposals: np.ndarray, accepted: np.ndarray, next_token: np.ndarray, starts: Sequence[int], vocab_size: int
+) -> list[Burst]:
+    """proposals [n, P], accepted [n], next_token [n], starts [n] -> one Burst per owner.
+
+    emitted = proposals[:a] + [next] (== choices[:a+1], since an accepted
+    proposal equals the target's choice). An out-of-range verdict is a
+    device-side fault, not a user error: ValueError (the executor poisons).
+    """
+    n, width = proposals.shape
+    bursts = []
+    for i in range(n):
+        a, token = int(accepted[i]), int(next_token[i])
+        if not 0 <= a <= width or not 0 <= token < vocab_size:
+            msg = f"verdict of owner {i} out of range: accepted {a} (valid [0, {width}]), token {token} (valid [0, {vocab_size - 1}])"
+            raise ValueError(msg)
+        tokens = tuple(int(t) for t in proposals[i, :a]) + (token,)
+        bursts.append(Burst(tokens, a, a == width, int(starts[i]) + a + 1, a + 1))
+    return bursts
+
+
+def verify_uniforms(seeds: Sequence[int], starts: Sequence[int], width: int) -> np.ndarray:
+    """float32 [n, width]: the uniform of the token AT position start + 1 + j, per owner.
+
+    Verify row j predicts position start + 1 + j; the same positional uniform
+    the reference and target-only decoding use (PURPOSE_TOKEN), so output
+    does not depend on batching.
+    """
+    rows = [positional_uniform(seed, np.arange(start + 1, start + 1 + width), PURPOSE_TOKEN) for seed, start in zip(seeds, starts)]
+    return np.stack(rows).astype(np.float32) if rows else np.zeros((0, width), np.float32)
+
+
+def pick_row(free: Sequence[int], used: Sequence[int]) -> int:
+    """The free row that best keeps sessions packable: most used neighbours, then lowest.
+
+    A row between two used rows joins two runs into one; next to one used row
+    it extends a run; otherwise the lowest free row keeps the pool compact.
+    """
+    assert free, "no free row"
+    taken = set(used)
+    return min(free, key=lambda row: (-((row - 1 in taken) + (row + 1 in taken)), row))

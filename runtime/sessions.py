@@ -1,0 +1,306 @@
+"""Sessions: per-session state, the row allocator, the context pool, batch validation.
+
+A session owns ONE pool row: the same index in the target cache pool, the
+draft cache pool and the context pool (pending taps), so a graph over ``n``
+owners binds the consecutive rows of their sessions. Per session (DESIGN §3):
+
+| field | meaning |
+| --- | --- |
+| frontier | the target cache holds positions ``0 .. frontier - 1`` |
+| draft_position | the draft cache holds context for ``0 .. draft_position - 1`` |
+| pending rows | ``frontier - draft_position`` taps in the context pool row (≤ B, on device) |
+| pending | the emitted token AT position ``frontier`` not yet fed to the target, or None |
+| sampling | temperature / top_k / top_p / seed (``export.reference.Sampling``) |
+| poisoned | a failure after mutation left the caches unknown: refused until closed |
+
+``validate_batch`` checks every input of a batch against this state and
+returns a plan without touching anything; the executor mutates only after it
+returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dflash_trt.errors import InputError, PoisonedError, SamplingError, SessionError
+from dflash_trt.export.reference import GREEDY, Sampling
+from dflash_trt.runtime.packing import block_fits, pick_row
+
+SEED_LIMIT = 1 << 64
+
+
+@dataclass
+class Session:
+    id: int
+    row: int
+    frontier: int = 0
+    draft_position: int = 0
+    pending: int | None = None
+    sampling: Sampling = GREEDY
+    poisoned: bool = False
+    drained_rows: int = 0  # context rows drained through the dynamic draft since the last cycle (stats)
+
+    @property
+    def pending_rows(self) -> int:
+        return self.frontier - self.draft_position
+
+
+@dataclass(frozen=True)
+class SessionView:
+    """A read-only snapshot of one session (for callers and tests)."""
+
+    id: int
+    row: int
+    frontier: int
+    draft_position: int
+    pending: int | None
+    sampling: Sampling
+    poisoned: bool
+
+
+class RowAllocator:
+    """Free list over ``rows`` pool rows; hands out rows that keep sessions in consecutive runs."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self.used: set[int] = set()
+
+    def take(self) -> int:
+        free = [row for row in range(self.rows) if row not in self.used]
+        if not free:
+            msg = f"every cache row is in use: max_sessions is {self.rows}; close a session first"
+            raise SessionError(msg)
+        row = pick_row(free, sorted(self.used))
+        self.used.add(row)
+        return row
+
+    def give(self, row: int) -> None:
+        self.used.discard(row)
+
+
+class ContextPool:
+    """Pending context taps, on device: ``[rows, block, tap_width]``, one row per session row.
+
+    Allocated once (stable address); a static draft over owners at rows
+    ``first .. first+n-1`` reads the view ``[first:first+n]`` directly. Rows
+    past a session's pending count are zero (the static draft's padding).
+    """
+
+    def __init__(self, rows: int, block: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.block, self.width = block, width
+        self.taps = torch.zeros((rows, block, width), dtype=dtype, device=device)
+
+    def view(self, first: int, n: int) -> torch.Tensor:
+        return self.taps[first : first + n]  # [n, B, mH]
+
+    def rows(self, row: int, count: int) -> torch.Tensor:
+        return self.taps[row, :count]  # [count, mH]
+
+    def store(self, row: int, rows: torch.Tensor) -> None:
+        """Make ``rows`` [R ≤ B, mH] the row's whole pending context (device copy), zero the rest."""
+        count = rows.shape[0]
+        self.taps[row, :count].copy_(rows)
+        self.taps[row, count:].zero_()
+
+    def truncate(self, row: int, count: int) -> None:
+        self.taps[row, count:].zero_()
+
+    def copy(self, source: int, destination: int, count: int) -> None:
+        self.store(destination, self.taps[source, :count])
+
+
+class SessionTable:
+    """Open sessions by id, over a row allocator. Ids are never reused."""
+
+    def __init__(self, max_sessions: int) -> None:
+        self.max_sessions = max_sessions
+        self.rows = RowAllocator(max_sessions)
+        self.sessions: dict[int, Session] = {}
+        self.next_id = 0
+
+    def open(self) -> Session:
+        session = Session(self.next_id, self.rows.take())
+        self.sessions[session.id] = session
+        self.next_id += 1
+        return session
+
+    def close(self, session_id: int) -> Session:
+        session = self.get(session_id, "session", allow_poisoned=True)
+        del self.sessions[session_id]
+        self.rows.give(session.row)
+        return session
+
+    def get(self, session_id, what: str = "session", allow_poisoned: bool = False) -> Session:
+        """The open session ``session_id``, or the typed error naming ``what``."""
+        session = self.sessions.get(session_id) if _is_int(session_id) else None
+        if session is None:
+            msg = f"{what}: unknown or closed session {session_id!r} (open: {sorted(self.sessions)})"
+            raise SessionError(msg)
+        if session.poisoned and not allow_poisoned:
+            msg = f"{what}: session {session_id} is poisoned by an earlier failed batch; close it"
+            raise PoisonedError(msg)
+        return session
+
+    def room(self, what: str) -> None:
+        if len(self.sessions) >= self.max_sessions:
+            msg = f"{what}: {len(self.sessions)} sessions open, max_sessions is {self.max_sessions}"
+            raise SessionError(msg)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def check_seed(seed) -> int:
+    if not _is_int(seed) or not 0 <= int(seed) < SEED_LIMIT:
+        msg = f"seed must be an int in [0, 2**64 - 1], got {seed!r}"
+        raise SamplingError(msg)
+    return int(seed)
+
+
+@dataclass(frozen=True)
+class Input:
+    """One batch input, as the seed's: ``tokens[offset : offset + size]`` at positions from ``position + offset``.
+
+    ``position`` is the position of ``tokens[0]``; None means the session's
+    frontier minus ``offset`` (append). ``size`` None means the rest of
+    ``tokens``. ``produce_output``: return the target's next token (and run
+    a speculative cycle after it).
+    """
+
+    session: int
+    tokens: Sequence[int]
+    offset: int = 0
+    size: int | None = None
+    position: int | None = None
+    produce_output: bool = True
+
+
+@dataclass
+class Step:
+    """A validated input: what the executor will run for it."""
+
+    index: int  # in the batch
+    session: Session
+    tokens: list[int]
+    start: int  # position of tokens[0]
+    rewind: bool  # start < frontier: rewind to start first (first input of its session only)
+    produce_output: bool
+    last: bool = False  # the session's last input in the batch (may seed a cycle)
+    fast: bool = False  # exactly the session's pending token: skip the target, speculate at once
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclass
+class Limits:
+    vocab_size: int
+    max_context: int
+    block: int
+
+
+_FIELDS = ("session", "tokens", "offset", "size", "position", "produce_output")
+
+
+def validate_batch(table: SessionTable, batch, limits: Limits) -> list[Step]:
+    """Check every input against the sessions' state; return the plan. Mutates nothing.
+
+    Raises SessionError / PoisonedError (session), InputError (anything
+    else), each naming ``input[i].field``, the valid range and the value.
+    """
+    if not isinstance(batch, (list, tuple)) or not batch:
+        msg = f"batch must be a non-empty list of inputs, got {batch!r:.80}"
+        raise InputError(msg)
+    cursors: dict[int, int] = {}  # session id -> end of its previous input in this batch
+    steps = [_validate_input(i, _as_input(i, item), table, limits, cursors) for i, item in enumerate(batch)]
+    _mark_last_and_fast(steps, limits)
+    return steps
+
+
+def _as_input(index: int, item) -> Input:
+    if isinstance(item, Input):
+        return item
+    if isinstance(item, dict):
+        extra = sorted(set(item) - set(_FIELDS))
+        if extra or "session" not in item or "tokens" not in item:
+            msg = f"input[{index}]: fields must be {_FIELDS} (session, tokens required), got {sorted(item)}"
+            raise InputError(msg)
+        return Input(**item)
+    msg = f"input[{index}] must be an Input or a dict of {_FIELDS}, got {type(item).__name__}"
+    raise InputError(msg)
+
+
+def _validate_input(index: int, item: Input, table: SessionTable, limits: Limits, cursors: dict[int, int]) -> Step:
+    where = f"input[{index}]"
+    session = table.get(item.session, f"{where}.session")
+    tokens = _tokens(where, item.tokens, limits.vocab_size)
+    offset = _int_in(f"{where}.offset", item.offset, 0, len(tokens))
+    size = len(tokens) - offset if item.size is None else item.size
+    size = _int_in(f"{where}.size", size, 1, len(tokens) - offset, "(tokens after offset)")
+    first = session.id not in cursors
+    cursor = cursors.get(session.id, session.frontier)
+    position = cursor - offset if item.position is None else item.position
+    position = _int_in(f"{where}.position", position, -offset, None)
+    start = position + offset
+    if first and start > session.frontier:
+        msg = f"{where}.position: position + offset must be in [0, {session.frontier}] (session {session.id}'s frontier), got {start}"
+        raise InputError(msg)
+    if not first and start != cursor:
+        msg = f"{where}.position: a repeated session's input must continue at {cursor} (its previous input's end), got {start}"
+        raise InputError(msg)
+    if start + size > limits.max_context:
+        msg = f"{where}.size: position + offset + size must be <= max_context {limits.max_context}, got {start + size}"
+        raise InputError(msg)
+    if not isinstance(item.produce_output, (bool, np.bool_)):
+        msg = f"{where}.produce_output must be a bool, got {item.produce_output!r}"
+        raise InputError(msg)
+    cursors[session.id] = start + size
+    chosen = tokens[offset : offset + size]
+    return Step(index, session, chosen, start, first and start < session.frontier, bool(item.produce_output))
+
+
+def _tokens(where: str, tokens, vocab_size: int) -> list[int]:
+    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
+        msg = f"{where}.tokens must be a sequence of token ids, got {type(tokens).__name__}"
+        raise InputError(msg)
+    values = list(tokens)
+    for j, token in enumerate(values):
+        if not _is_int(token) or not 0 <= int(token) < vocab_size:
+            msg = f"{where}.tokens[{j}] must be a token id in [0, {vocab_size - 1}], got {token!r}"
+            raise InputError(msg)
+    return [int(token) for token in values]
+
+
+def _int_in(name: str, value, low: int, high: int | None, note: str = "") -> int:
+    if not _is_int(value) or int(value) < low or (high is not None and int(value) > high):
+        valid = f"[{low}, {high}]" if high is not None else f">= {low}"
+        msg = f"{name} must be an int in {valid}{' ' + note if note else ''}, got {value!r}"
+        raise InputError(msg)
+    return int(value)
+
+
+def _mark_last_and_fast(steps: list[Step], limits: Limits) -> None:
+    """``last``: the session's final input; ``fast``: its only input, exactly its pending token."""
+    count: dict[int, int] = {}
+    for step in steps:
+        count[step.session.id] = count.get(step.session.id, 0) + 1
+    seen: dict[int, int] = {}
+    for step in steps:
+        sid = step.session.id
+        seen[sid] = seen.get(sid, 0) + 1
+        step.last = seen[sid] == count[sid]
+        s = step.session
+        step.fast = (
+            count[sid] == 1
+            and step.produce_output
+            and len(step.tokens) == 1
+            and step.start == s.frontier
+            and s.pending == step.tokens[0]
+            and block_fits(s.frontier, limits.block, limits.max_context)
+        )

@@ -1,0 +1,116 @@
+"""Packing and cycle bookkeeping on literal arrays (runtime/packing.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflash_trt.export.sampling import positional_uniform
+from dflash_trt.runtime.packing import (
+    DYNAMIC,
+    STATIC,
+    TARGET,
+    Group,
+    block_fits,
+    chunks,
+    cycle_mode,
+    make_bursts,
+    pack_rows,
+    pick_row,
+    plan_context,
+    trim_context,
+    verify_uniforms,
+)
+
+
+def test_pack_rows_splits_at_gaps_and_max_owners():
+    """Guards against packing non-adjacent rows into one call (a graph binds first..first+n-1 and would write a stranger's row)."""
+    rows = [5, 0, 1, 2, 7, 3, 4, 9]
+    groups = pack_rows(rows, 4)
+    assert groups == [Group(0, (1, 2, 3, 5)), Group(4, (6, 0)), Group(7, (4,)), Group(9, (7,))]
+    for group in groups:
+        assert [rows[m] for m in group.members] == list(range(group.first_row, group.first_row + group.owners))
+
+
+def test_pack_rows_single_owner_calls_and_empty():
+    """Guards against max_owners=1 merging rows, and against an empty ready set producing a call."""
+    assert pack_rows([3, 2], 1) == [Group(2, (1,)), Group(3, (0,))]
+    assert pack_rows([], 4) == []
+
+
+def test_pack_rows_refuses_duplicate_rows():
+    """Guards against one session being packed twice into one call (two cycles on one cache row)."""
+    with pytest.raises(AssertionError):
+        pack_rows([1, 1], 4)
+
+
+def test_block_fits_and_mode():
+    """Guards against drafting a block past the cache end (the reference falls back to plain decode when start + B > max_context)."""
+    assert block_fits(56, 8, 64) and not block_fits(57, 8, 64)
+    assert cycle_mode(56, 8, 64, 0) == STATIC
+    assert cycle_mode(10, 8, 64, 30) == DYNAMIC
+    assert cycle_mode(57, 8, 64, 0) == TARGET
+
+
+def test_chunks():
+    """Guards against a dropped or overlapping prefill/drain chunk."""
+    assert chunks(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert chunks(4, 4) == [(0, 4)]
+    assert chunks(0, 4) == []
+
+
+def test_plan_context_drains_all_but_one_block():
+    """Guards against static-draft context overflow (> B pending rows) and against draining rows the static draft could take."""
+    assert plan_context(3, 20, 8, 16).drain == ((0, 15),)
+    assert plan_context(3, 20, 8, 16).keep == (15, 23)
+    assert plan_context(3, 20, 8, 4).drain == ((0, 4), (4, 8), (8, 12), (12, 15))
+    assert plan_context(2, 4, 8, 16).drain == () and plan_context(2, 4, 8, 16).keep == (0, 6)
+    assert plan_context(8, 1, 8, 16).drain == ((0, 1),) and plan_context(8, 1, 8, 16).keep == (1, 9)
+    assert plan_context(0, 8, 8, 16).drained == 0 and plan_context(5, 8, 8, 3).drained == 5
+
+
+def test_trim_context():
+    """Guards against a rewind keeping stale pending taps past the new frontier (the seed's trim_hidden)."""
+    # pending covers 10..14 (draft at 10, frontier 15)
+    assert trim_context(15, 10, 12) == (10, 2)
+    assert trim_context(15, 10, 15) == (10, 5)
+    assert trim_context(15, 10, 10) == (10, 0)
+    assert trim_context(15, 10, 4) == (4, 0)  # before the draft position: pull it back
+    assert trim_context(15, 10, 0) == (0, 0)
+
+
+def test_make_bursts():
+    """Guards against off-by-one in emitted tokens (choices[:a+1]) and the new frontier (start + a + 1)."""
+    proposals = np.array([[11, 12, 13], [21, 22, 23], [31, 32, 33]])
+    bursts = make_bursts(proposals, np.array([0, 2, 3]), np.array([40, 50, 60]), [100, 7, 0], vocab_size=97)
+    assert [b.tokens for b in bursts] == [(40,), (21, 22, 50), (31, 32, 33, 60)]
+    assert [b.accepted for b in bursts] == [0, 2, 3]
+    assert [b.bonus for b in bursts] == [False, False, True]
+    assert [b.frontier for b in bursts] == [101, 10, 4]
+    assert [b.context_rows for b in bursts] == [1, 3, 4]
+
+
+@pytest.mark.parametrize("accepted, token", [(4, 1), (-1, 1), (1, 97), (1, -2)])
+def test_make_bursts_refuses_bad_verdicts(accepted, token):
+    """Guards against committing a corrupted device verdict (must fail and poison, not emit garbage)."""
+    with pytest.raises(ValueError, match="verdict of owner 0"):
+        make_bursts(np.array([[1, 2, 3]]), np.array([accepted]), np.array([token]), [0], vocab_size=97)
+
+
+def test_verify_uniforms_are_positional():
+    """Guards against uniforms that depend on batch order (sampled output must not depend on packing)."""
+    u = verify_uniforms([5, 9], [10, 3], 4)
+    assert u.shape == (2, 4) and u.dtype == np.float32
+    np.testing.assert_array_equal(u[0], positional_uniform(5, [11, 12, 13, 14]))
+    np.testing.assert_array_equal(u[1], positional_uniform(9, [4, 5, 6, 7]))
+    np.testing.assert_array_equal(verify_uniforms([9], [3], 4)[0], u[1])
+    assert verify_uniforms([], [], 4).shape == (0, 4)
+
+
+def test_pick_row_keeps_runs_consecutive():
+    """Guards against fragmenting the pool (scattered rows force one graph call per owner)."""
+    assert pick_row([0, 1, 2, 3], []) == 0
+    assert pick_row([3, 4, 7], [0, 1, 2, 5, 6]) == 3  # each extends a run: lowest
+    assert pick_row([3, 7, 8], [0, 1, 2, 4, 5, 6]) == 3  # fills a one-row gap: two runs become one
+    assert pick_row([9, 12], [10, 11]) == 9  # extends a run, lowest first
+    assert pick_row([20, 30], [0]) == 20
