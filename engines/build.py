@@ -25,7 +25,8 @@ from dflash_trt.engines.sources import GraphSource, load_graph, source_files
 from dflash_trt.errors import EngineBuildError
 
 Progress = Callable[[str], None]
-GRAPH_INPUT = "graph input"  # BuildFailure.operator of an input no layer reads
+GRAPH_INPUT = "graph input"  # BuildFailure.operator of an input nothing reads
+UNREAD_OUTPUT = "layer output read by nothing"  # ... of a dangling layer output
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.@-]+$")  # engine names become file names
 
 
@@ -36,7 +37,7 @@ class BuildOptions:
     workspace_mb: int | None = None  # None: TensorRT's default (the device's memory)
     targets: tuple[str, ...] = ()  # compute capabilities; () = the flavour's default
     version_compatible: bool = False  # TensorRT only
-    allow_unused_inputs: bool = False  # build even if a graph input is read by no layer
+    allow_unread: bool = False  # build even if a graph input or layer output is read by nothing
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -55,7 +56,7 @@ class BuildFailure:
 
     def __str__(self) -> str:
         if self.operator == GRAPH_INPUT:
-            where = f"graph input {self.node!r}"
+            where = GRAPH_INPUT
         elif self.node:
             where = f"node {self.node!r}" + (f" ({self.operator})" if self.operator else "")
         else:
@@ -159,7 +160,7 @@ class _SetBuilder:
         network = self.builder.create_network(self.flavour.network_flags())
         parser = self.trt.OnnxParser(network, self.log)  # holds the weights: keep alive until built
         self._parse(parser, source, mark)
-        unused = self._unused_inputs(source, network)
+        unread = self._check_unread(source, network)
         config = self._config()
         profile = self._profile(network, source.io)
         if profile is not None:
@@ -171,7 +172,7 @@ class _SetBuilder:
             errors = self.log.since(mark, "ERROR", "INTERNAL_ERROR") or ["build_serialized_network returned no plan"]
             raise _GraphFailed([BuildFailure(source.name, "", "", "\n".join(errors))])
         del parser
-        return self._record(source, plan, bindings, unused, mark, time.perf_counter() - start)
+        return self._record(source, plan, bindings, unread, mark, time.perf_counter() - start)
 
     def _parse(self, parser, source: GraphSource, mark: int) -> None:
         # parse_from_file (not parse(bytes)) so external weight files resolve.
@@ -185,18 +186,15 @@ class _SetBuilder:
             failures = [BuildFailure(source.name, "", "", "\n".join(self.log.since(mark)) or "the ONNX parser failed")]
         raise _GraphFailed(failures)
 
-    def _unused_inputs(self, source: GraphSource, network) -> tuple[str, ...]:
-        # TensorRT-RTX 1.7's parser ignores Attention's nonpad_kv_seqlen, for
-        # one: the plan builds and silently attends over the whole cache.
-        read = set()
-        for i in range(network.num_layers):
-            layer = network.get_layer(i)
-            read.update(layer.get_input(j).name for j in range(layer.num_inputs) if layer.get_input(j) is not None)
-        unused = tuple(network.get_input(i).name for i in range(network.num_inputs) if network.get_input(i).name not in read)
-        if unused and not self.options.allow_unused_inputs:
-            why = "no layer of the parsed network reads it: TensorRT dropped what it means, so the engine would compute something else than the graph"
-            raise _GraphFailed([BuildFailure(source.name, name, GRAPH_INPUT, why) for name in unused])
-        return unused
+    def _check_unread(self, source: GraphSource, network) -> tuple[str, ...]:
+        # A tensor nothing reads means the parser dropped what it meant:
+        # TensorRT-RTX 1.7 parses Attention's nonpad_kv_seqlen and wires it to
+        # nothing, so the plan builds and attends over the whole cache.
+        unread = unread_tensors(network)
+        if unread and not self.options.allow_unread:
+            why = "nothing in the parsed network reads it: TensorRT dropped what it means, so the engine would compute something else than the graph"
+            raise _GraphFailed([BuildFailure(source.name, producer, kind, f"{tensor!r}: {why}") for tensor, producer, kind in unread])
+        return tuple(tensor for tensor, _producer, _kind in unread)
 
     def _config(self):
         config = self.builder.create_builder_config()
@@ -227,7 +225,7 @@ class _SetBuilder:
         if lines:
             raise _GraphFailed([BuildFailure(source.name, "", "IO contract", line) for line in lines])
 
-    def _record(self, source, plan, bindings, unused, mark, seconds) -> EngineRecord:
+    def _record(self, source, plan, bindings, unread, mark, seconds) -> EngineRecord:
         plan_path = self.out_dir / f"{source.name}.plan"
         plan_path.write_bytes(memoryview(plan))
         model = load_graph(source.onnx_path)
@@ -239,7 +237,7 @@ class _SetBuilder:
             sources={p.name: self._hash(p) for p in source_files(source.onnx_path, model)},
             bindings=tuple(bindings),
             build_seconds=seconds,
-            unused_inputs=unused,
+            unread_tensors=unread,
             warnings=tuple(self.log.since(mark, "WARNING")),
         )
 
@@ -265,3 +263,21 @@ def network_bindings(network, profile=None) -> list[Binding]:
             bindings.append(Binding(tensor.name, mode, shape, trt_dtype_name(tensor.dtype), shapes))
     return bindings
 
+
+
+def unread_tensors(network) -> list[tuple[str, str, str]]:
+    """(tensor, producer, kind) for every graph input no layer reads and every
+    layer output that is neither read nor a network output."""
+    read = set()
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        read.update(layer.get_input(j).name for j in range(layer.num_inputs) if layer.get_input(j) is not None)
+    outputs = {network.get_output(i).name for i in range(network.num_outputs)}
+    unread = [(t.name, "", GRAPH_INPUT) for t in map(network.get_input, range(network.num_inputs)) if t.name not in read]
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        for j in range(layer.num_outputs):
+            name = layer.get_output(j).name
+            if name not in read and name not in outputs:
+                unread.append((name, layer.name, UNREAD_OUTPUT))
+    return unread

@@ -2,7 +2,7 @@
 
     dflash-trt build --onnx DIR --out DIR [--backend tensorrt|tensorrt_rtx]
                      [--workspace-mb N] [--target SM89 ...] [--only NAME ...]
-                     [--version-compatible] [--allow-unused-inputs] [--verbose]
+                     [--version-compatible] [--allow-unread-tensors] [--verbose]
 
 Prints one line per graph with its build time; on failure, one error listing
 every failing graph and node (exit status 1 through the top-level CLI).
@@ -42,9 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", action="append", default=[], help="build only this graph, repeatable")
     parser.add_argument("--version-compatible", action="store_true", help="tensorrt only: version-compatible plans")
     parser.add_argument(
-        "--allow-unused-inputs",
+        "--allow-unread-tensors",
         action="store_true",
-        help="build even when a graph input is read by no layer (recorded in engines.json)",
+        help="build even when a graph input or a layer output is read by nothing, i.e. TensorRT dropped part of the graph (recorded in engines.json)",
     )
     parser.add_argument("--verbose", action="store_true", help="also print TensorRT's warnings")
 
@@ -72,15 +72,15 @@ def run(args: argparse.Namespace) -> int:
         workspace_mb=args.workspace_mb,
         targets=tuple(args.target),
         version_compatible=args.version_compatible,
-        allow_unused_inputs=args.allow_unused_inputs,
+        allow_unread=args.allow_unread_tensors,
     )
     print(f"building {len(sources)} graphs from {args.onnx} with {flavour.name} {flavour.version} -> {args.out}")
     start = time.perf_counter()
     echo = (lambda line: print(line, file=sys.stderr)) if args.verbose else None
     record = build_engine_set(sources, args.out, flavour, options, progress=_print_flush, source_manifest=manifest, echo=echo)
     for name, engine in record.engines.items():
-        if engine.unused_inputs:
-            print(f"warning: {name}: graph inputs read by no layer: {list(engine.unused_inputs)}", file=sys.stderr)
+        if engine.unread_tensors:
+            print(f"warning: {name}: tensors read by nothing (dropped by TensorRT): {list(engine.unread_tensors)}", file=sys.stderr)
     print(f"engine set written: {args.out} ({len(record.engines)} plans, targets {list(record.targets)}, {time.perf_counter() - start:.1f} s)")
     return 0
 

@@ -50,7 +50,7 @@ class EngineRecord:
     sources: Mapping[str, str]  # source file name (graph + external data) -> sha256
     bindings: tuple[Binding, ...]
     build_seconds: float
-    unused_inputs: tuple[str, ...] = ()  # graph inputs no layer reads (allowed by option)
+    unread_tensors: tuple[str, ...] = ()  # inputs/layer outputs nothing reads (allowed by option)
     warnings: tuple[str, ...] = ()  # TensorRT's warnings while parsing/building
 
     def to_json(self) -> dict:
@@ -61,7 +61,7 @@ class EngineRecord:
             "sources": dict(self.sources),
             "bindings": [b.to_json() for b in self.bindings],
             "build_seconds": round(self.build_seconds, 3),
-            "unused_inputs": list(self.unused_inputs),
+            "unread_tensors": list(self.unread_tensors),
             "warnings": list(self.warnings),
         }
 
@@ -75,7 +75,7 @@ class EngineRecord:
             sources={str(k): str(v) for k, v in data["sources"].items()},
             bindings=tuple(Binding.from_json(b) for b in data["bindings"]),
             build_seconds=float(data["build_seconds"]),
-            unused_inputs=tuple(data.get("unused_inputs", ())),
+            unread_tensors=tuple(data.get("unread_tensors", ())),
             warnings=tuple(data.get("warnings", ())),
         )
 

@@ -33,9 +33,10 @@ TOKENS = DimRange(1, 4, 8)  # the dynamic graphs' token range
 def kv_attention_model(dtype=TP.FLOAT16, tokens: int | str = 4, validity: str = "mask", causal: int = 0) -> onnx.ModelProto:
     """TensorScatter K/V rows into [1, kv_heads, max_context, head_dim] caches, then Attention over them.
 
-    ``validity`` is "mask" (bool [1, 1, tokens, max_context]) or "lengths"
-    (int64 [1] as Attention-24's nonpad_kv_seqlen); ``tokens`` an int
-    (static) or a symbol (dynamic).
+    ``validity`` is "mask" (bool [1, 1, tokens, max_context]), "lengths"
+    (an int64 [1] graph input as Attention-24's nonpad_kv_seqlen) or
+    "computed" (nonpad_kv_seqlen = write_index + tokens, inside the graph);
+    ``tokens`` an int (static) or a symbol (dynamic).
     """
     value = helper.make_tensor_value_info
     q_shape, kv_shape = [1, HEADS, tokens, HEAD_DIM], [1, KV_HEADS, tokens, HEAD_DIM]
@@ -44,18 +45,23 @@ def kv_attention_model(dtype=TP.FLOAT16, tokens: int | str = 4, validity: str = 
     inputs += [value("k_cache", dtype, cache_shape), value("v_cache", dtype, cache_shape)]
     inputs.append(value("write_index", TP.INT64, [1]))
     attention_inputs = ["q", "k_cache_out", "v_cache_out"]
-    if validity == "mask":
-        inputs.append(value("mask", TP.BOOL, [1, 1, tokens, MAX_CONTEXT]))
-        attention_inputs.append("mask")
-    else:
-        inputs.append(value("lengths", TP.INT64, [1]))
-        attention_inputs += ["", "", "", "lengths"]  # slot 6: nonpad_kv_seqlen
-    outputs = [value("out", dtype, q_shape), value("k_cache_out", dtype, cache_shape), value("v_cache_out", dtype, cache_shape)]
     nodes = [
         helper.make_node("TensorScatter", ["k_cache", "k", "write_index"], ["k_cache_out"], axis=2, name="k_write"),
         helper.make_node("TensorScatter", ["v_cache", "v", "write_index"], ["v_cache_out"], axis=2, name="v_write"),
-        helper.make_node("Attention", attention_inputs, ["out"], is_causal=causal, name="attn"),
     ]
+    if validity == "mask":
+        inputs.append(value("mask", TP.BOOL, [1, 1, tokens, MAX_CONTEXT]))
+        attention_inputs.append("mask")
+    elif validity == "lengths":
+        inputs.append(value("lengths", TP.INT64, [1]))
+        attention_inputs += ["", "", "", "lengths"]  # slot 6: nonpad_kv_seqlen
+    else:  # "computed": lengths = write_index + tokens, inside the graph
+        count = helper.make_tensor("count", TP.INT64, [1], [tokens])
+        nodes.append(helper.make_node("Constant", [], ["count"], value=count, name="count"))
+        nodes.append(helper.make_node("Add", ["write_index", "count"], ["lengths"], name="lengths_add"))
+        attention_inputs += ["", "", "", "lengths"]
+    outputs = [value("out", dtype, q_shape), value("k_cache_out", dtype, cache_shape), value("v_cache_out", dtype, cache_shape)]
+    nodes.append(helper.make_node("Attention", attention_inputs, ["out"], is_causal=causal, name="attn"))
     return _model(nodes, inputs, outputs)
 
 
@@ -173,20 +179,24 @@ def test_builder_failure_carries_tensorrts_message(tmp_path, rtx):
     assert [f.graph for f in caught.value.failures] == ["fp32"]
 
 
-def test_graph_input_read_by_no_layer_is_refused(tmp_path, rtx):
-    """Guards against a plan that silently ignores a graph input: TensorRT-RTX
-    1.7 parses Attention's nonpad_kv_seqlen but wires it to nothing, so the
-    engine would attend over the whole cache. Either the input is read, or the
-    build refuses it by name (and records it when explicitly allowed)."""
-    src = source(tmp_path, "lengths", kv_attention_model(validity="lengths"))
+@pytest.mark.parametrize(
+    ("validity", "producer", "tensor"), [("lengths", "", "lengths"), ("computed", "lengths_add", "lengths")]
+)
+def test_tensor_read_by_nothing_is_refused(tmp_path, rtx, validity, producer, tensor):
+    """Guards against a plan that silently ignores part of the graph:
+    TensorRT-RTX 1.7 parses Attention's nonpad_kv_seqlen and wires it to
+    nothing, so the engine would attend over the whole cache. Whether the
+    lengths are a graph input or computed in the graph, either they are read,
+    or the build refuses them by name (and records them when allowed)."""
+    src = source(tmp_path, "g", kv_attention_model(validity=validity))
     try:
         record = build_engine_set([src], tmp_path / "strict", rtx)
     except EngineBuildError as error:
-        assert [(f.node, f.operator) for f in error.failures] == [("lengths", "graph input")]
-        record = build_engine_set([src], tmp_path / "lax", rtx, BuildOptions(allow_unused_inputs=True))
-        assert record.engines["lengths"].unused_inputs == ("lengths",)
+        assert [(f.node, f.message.split(":")[0]) for f in error.failures] == [(producer, repr(tensor))]
+        record = build_engine_set([src], tmp_path / "lax", rtx, BuildOptions(allow_unread=True))
+        assert record.engines["g"].unread_tensors == (tensor,)
     else:
-        assert record.engines["lengths"].unused_inputs == ()
+        assert record.engines["g"].unread_tensors == ()
 
 
 def test_graph_that_disagrees_with_the_contract_is_refused_before_building(tmp_path, rtx):
