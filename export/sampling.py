@@ -109,6 +109,8 @@ def verdict(proposals: torch.Tensor, choices: torch.Tensor) -> tuple[torch.Tenso
     emitted tokens are choices[:, :accepted+1] (the last is the correction,
     or the bonus when accepted == P).
     """
-    matches = (proposals == choices[:, :-1]).to(torch.int64)
-    accepted = torch.cumprod(matches, dim=1).sum(dim=1)
+    # Count the leading positions with no mismatch so far (cumsum, not cumprod:
+    # ONNX has no CumProd, and this is the exported verifiers' math too).
+    mismatches = (proposals != choices[:, :-1]).to(torch.int64)
+    accepted = (torch.cumsum(mismatches, dim=1) == 0).to(torch.int64).sum(dim=1)
     return accepted, torch.gather(choices, 1, accepted[:, None])[:, 0]

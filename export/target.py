@@ -85,6 +85,21 @@ class TargetModel(nn.Module):
         v_cache: list[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [n, T] -> logits [n, T, V] fp32, taps [n, T, m*H]; caches updated in place."""
+        hidden, taps = self.features(tokens, start, rows, k_cache, v_cache)
+        return self.head(hidden), taps
+
+    def features(
+        self,
+        tokens: torch.Tensor,
+        start: torch.Tensor,
+        rows: torch.Tensor,
+        k_cache: list[torch.Tensor],
+        v_cache: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` before the LM head: final-normed hidden [n, T, H], taps [n, T, m*H].
+
+        Lets a caller apply the head to some rows only (prefill needs the last).
+        """
         positions = start[:, None] + torch.arange(tokens.shape[1], device=tokens.device)  # [n, T]
         x = self.embed(tokens)
         rope = self.rotary(positions, x.dtype)
@@ -95,7 +110,7 @@ class TargetModel(nn.Module):
             )
             if index in self.tap_layers:
                 taps.append(x)
-        return self.head(self.model.norm(x)), torch.cat(taps, dim=-1)
+        return self.model.norm(x), torch.cat(taps, dim=-1)
 
     def new_cache(self, rows: int, max_context: int, dtype: torch.dtype | None = None, device="cpu"):
         dtype = dtype or self.lm_head.weight.dtype
