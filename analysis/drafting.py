@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import polars as pl
 
+from dflash_trt.analysis.throughput import calls
+
 
 def mode_share(cycles: pl.LazyFrame) -> pl.LazyFrame:
     """Rows, calls, context rows and tokens per mode, with shares.
@@ -25,14 +27,17 @@ def mode_share(cycles: pl.LazyFrame) -> pl.LazyFrame:
     | row_share | Float64 | rows / all rows |
     | call_share | Float64 | calls / all calls |
     """
+    per_mode = cycles.group_by("mode").agg(
+        pl.len().alias("rows"),
+        pl.col("context_rows").cast(pl.Int64).sum(),
+        pl.col("emitted").cast(pl.Int64).sum(),
+    )
+    # Counting calls from throughput.calls, not n_unique per mode: that
+    # group-by streams when cycle_id is sorted, a distinct-count never does.
+    calls_per_mode = calls(cycles).group_by("mode").agg(pl.len().alias("calls"))
     return (
-        cycles.group_by("mode")
-        .agg(
-            pl.len().alias("rows"),
-            pl.col("cycle_id").n_unique().cast(pl.UInt32).alias("calls"),
-            pl.col("context_rows").cast(pl.Int64).sum(),
-            pl.col("emitted").cast(pl.Int64).sum(),
-        )
+        per_mode.join(calls_per_mode, on="mode", how="left")
+        .select("mode", "rows", "calls", "context_rows", "emitted")
         .with_columns(
             (pl.col("rows") / pl.col("rows").sum()).alias("row_share"),
             (pl.col("calls") / pl.col("calls").sum()).alias("call_share"),

@@ -1,8 +1,8 @@
 """The report: every analysis of a run collected in one pass, then Markdown, CSV, PNG, JSON.
 
 ``summarize`` builds the lazy queries of the other modules and collects
-them together (``pl.collect_all``), so Polars plans the scans of a large file
-once and the result is a set of small DataFrames (``Summary``).
+them together (``pl.collect_all``, queries in parallel, each streaming its
+own scan), and the result is a set of small DataFrames (``Summary``).
 ``write_report`` turns a Summary into files; ``headline`` is the one-line
 JSON the ``report`` command prints last.
 
@@ -85,7 +85,11 @@ def summarize(run: Run, baseline: Run | None = None, others: Sequence[Run] = (),
         queries["cross_check"] = counters.cross_check(cycles, run.executes)
     if baseline is not None or others:
         queries["comparison"] = compare.compare([run, *others], baseline)
-    frames = dict(zip(queries, pl.collect_all(queries.values()), strict=True))
+    # Common-subplan elimination would cache the shared Parquet scan, i.e.
+    # materialize every column any query reads (~1 GB at 10 M rows); without
+    # it each query streams its own scan (~4x less peak memory, ~1.4x the time).
+    flags = pl.QueryOptFlags(comm_subplan_elim=False)
+    frames = dict(zip(queries, pl.collect_all(queries.values(), optimizations=flags), strict=True))
     return Summary(name=run.name, window=window, has_baseline=baseline is not None, **frames)
 
 

@@ -18,7 +18,11 @@ PHASES = ("draft_ms", "verify_ms", "host_ms")
 
 
 def calls(cycles: pl.LazyFrame) -> pl.LazyFrame:
-    """One row per device call (cycle_id): shared columns once, per-owner ones summed.
+    """One row per device call (cycle_id): shared columns once, tokens summed over owners.
+
+    The one group-by over every row keyed by call. With ``cycle_id`` flagged
+    sorted (``load.in_call_order``) Polars streams it in constant memory;
+    otherwise it holds a hash table with one entry per call.
 
     | column | dtype | meaning |
     | --- | --- | --- |
@@ -27,18 +31,14 @@ def calls(cycles: pl.LazyFrame) -> pl.LazyFrame:
     | owners | Int32 | owners packed into the call |
     | rows | UInt32 | owner rows seen for the call |
     | emitted | Int64 | tokens the call produced, all owners |
-    | context_rows | Int64 | context rows the call consumed, all owners |
     | draft_ms, verify_ms, host_ms | Float64 | the call's phase times (once) |
-    | end_ms | Float64 | when the call ended |
     """
     return cycles.group_by("cycle_id").agg(
         pl.col("mode").first(),
         pl.col("owners").first(),
         pl.len().alias("rows"),
         pl.col("emitted").cast(pl.Int64).sum(),
-        pl.col("context_rows").cast(pl.Int64).sum(),
         *(pl.col(phase).first() for phase in PHASES),
-        pl.col("end_ms").max(),
     )
 
 
@@ -71,14 +71,18 @@ def throughput(cycles: pl.LazyFrame) -> pl.LazyFrame:
         wall_s.alias("wall_s"),
         _rate(after_first, wall_s).alias("tokens_per_s"),
     )
-    device_s = (pl.col("draft_ms") + pl.col("verify_ms")).sum() / 1000
     device = calls(cycles).select(
         pl.len().alias("calls"),
-        device_s.alias("device_s"),
-        _rate(pl.col("emitted").sum(), device_s).alias("tokens_per_device_s"),
+        ((pl.col("draft_ms") + pl.col("verify_ms")).sum() / 1000).alias("device_s"),
     )
     return pl.concat([wall, device], how="horizontal").select(
-        "rows", "calls", "emitted", "wall_s", "tokens_per_s", "device_s", "tokens_per_device_s"
+        "rows",
+        "calls",
+        "emitted",
+        "wall_s",
+        "tokens_per_s",
+        "device_s",
+        _rate(pl.col("emitted"), pl.col("device_s")).alias("tokens_per_device_s"),
     )
 
 
@@ -113,7 +117,7 @@ def latency_by(cycles: pl.LazyFrame, key: str = "owners") -> pl.LazyFrame:
     | <key> | key's dtype | group |
     | calls | UInt32 | calls in the group |
     | draft_ms, verify_ms, host_ms | Float64 | mean per call |
-    | tokens_per_call | Float64 | mean tokens emitted per call (all owners) |
+    | tokens_per_call | Float64 | mean tokens emitted per call, all owners |
     """
     return (
         calls(cycles)

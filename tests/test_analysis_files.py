@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import polars as pl
 import pytest
+from polars.testing import assert_frame_equal
 
-from dflash_trt.analysis.load import scan_run, scan_stats
+from dflash_trt.analysis.load import in_call_order, scan_run, scan_stats
+from dflash_trt.analysis.report import summarize
 from dflash_trt.cli import main
 from dflash_trt.errors import StatsError
 from dflash_trt.runtime.stats import (
@@ -167,3 +170,39 @@ def test_report_command_on_a_bad_file_fails_cleanly(tmp_path, capsys):
     pl.DataFrame({"x": [1]}).write_parquet(path)
     assert main(["report", str(path)]) == 1
     assert "StatsError" in capsys.readouterr().err
+
+
+def random_cycles(calls: int, seed: int) -> pl.DataFrame:
+    """Random calls of 1..4 owners in call order, phase times shared by a call's rows."""
+    rng = np.random.default_rng(seed)
+    owners = rng.integers(1, 5, calls)
+    call = np.repeat(np.arange(calls), owners)
+    n = len(call)
+    mode = rng.choice(np.array(["static", "dynamic", "target"]), calls, p=[0.8, 0.15, 0.05])[call]
+    proposed = np.where(mode == "target", 0, rng.integers(2, 8, n))
+    accepted = np.minimum(rng.geometric(0.3, n) - 1, proposed)
+    return pl.DataFrame({
+        "batch_id": call // 2, "cycle_id": call, "session": rng.integers(0, 20, n), "owners": owners[call],
+        "mode": mode, "context_rows": rng.integers(1, 9, n), "proposed": proposed, "accepted": accepted,
+        "bonus": (mode != "target") & (accepted == proposed), "emitted": accepted + 1, "position": np.arange(n),
+        "temperature": np.zeros(n), "draft_ms": rng.uniform(1, 2, calls)[call],
+        "verify_ms": rng.uniform(3, 5, calls)[call], "host_ms": rng.uniform(0, 1, calls)[call],
+        "end_ms": np.cumsum(rng.uniform(5, 8, calls))[call],
+    }).cast(CYCLE_SCHEMA)
+
+
+def test_row_order_does_not_change_the_summary(tmp_path):
+    """Guards against flagging cycle_id sorted without checking (Polars then groups a shuffled
+    file's calls wrongly) and against the sorted fast path giving other answers than hashing."""
+    frame = random_cycles(calls=150, seed=3)
+    ordered, shuffled = tmp_path / "ordered.parquet", tmp_path / "shuffled.parquet"
+    write_parquet(frame, ordered, "cycles")
+    write_parquet(frame.sample(fraction=1.0, shuffle=True, seed=5), shuffled, "cycles")
+    assert in_call_order(scan_stats(ordered, "cycles")) is True
+    assert in_call_order(scan_stats(shuffled, "cycles")) is False
+    a, b = summarize(scan_run(ordered), window=8), summarize(scan_run(shuffled), window=8)
+    for table in ("overview", "tau_by_session", "histogram", "positions", "rolling_tau", "latency",
+                  "latency_by_owners", "modes"):
+        assert_frame_equal(getattr(a, table).drop("name", strict=False), getattr(b, table).drop("name", strict=False),
+                           rel_tol=1e-9, abs_tol=1e-9)
+    assert a.overview["calls"][0] == 150
