@@ -2,10 +2,10 @@
 
 Two views of one graph's IO meet here:
 
-- ``GraphIO`` is the expectation, taken from the export contract: tensor names,
-  shapes whose dynamic dims are symbols (``"tokens"``), dtypes, and for every
-  symbol its ``DimRange`` (min/opt/max, the optimization profile).
-- ``Binding`` is what TensorRT reports for a built network or a deserialized
+- the contract's ``GraphSpec`` (``dflash_trt.export.contract``): tensor
+  names, shapes whose dynamic dims are symbols (``"T"``), dtypes, and for
+  every symbol its ``DimRange`` (min/opt/max: the optimization profile);
+- ``Binding``: what TensorRT reports for a built network or a deserialized
   engine: ``-1`` for a dynamic dim, and for dynamic inputs the profile's
   min/opt/max shapes.
 
@@ -17,11 +17,10 @@ engine. Pure data and functions: nothing here imports TensorRT.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dflash_trt.errors import EngineError
-
-Dim = int | str  # an int is a static extent; a str names a dynamic dim
+from dflash_trt.export.contract import GraphSpec, TensorSpec
 
 # TensorRT DataType member name -> the dtype names used by the contract.
 TRT_DTYPES: dict[str, str] = {
@@ -40,58 +39,34 @@ INPUT = "input"
 OUTPUT = "output"
 
 
-@dataclass(frozen=True)
-class DimRange:
-    """The optimization-profile range of one dynamic dim."""
+def symbols(graph: GraphSpec) -> set[str]:
+    """The dynamic dims a graph's IO uses."""
+    return {d for spec in graph.inputs + graph.outputs for d in spec.shape if isinstance(d, str)}
 
-    min: int
-    opt: int
-    max: int
 
-    def __post_init__(self) -> None:
-        if not 0 <= self.min <= self.opt <= self.max:
-            msg = f"dim range must satisfy 0 <= min <= opt <= max, got {self.min}/{self.opt}/{self.max}"
+def is_dynamic(graph: GraphSpec) -> bool:
+    return bool(symbols(graph))
+
+
+def check_ranges(graph: GraphSpec) -> None:
+    """Every dynamic dim has a range, and min <= opt <= max for each."""
+    missing = sorted(symbols(graph) - set(graph.dims))
+    if missing:
+        msg = f"graph {graph.name!r} uses dynamic dims {missing} without a min/opt/max range (ranges given: {sorted(graph.dims)})"
+        raise EngineError(msg)
+    for dim, r in graph.dims.items():
+        if not 0 <= r.min <= r.opt <= r.max:
+            msg = f"graph {graph.name!r}: dim {dim!r} range must satisfy 0 <= min <= opt <= max, got {r.min}/{r.opt}/{r.max}"
             raise EngineError(msg)
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """One graph input or output as the contract states it."""
-
-    name: str
-    shape: tuple[Dim, ...]
-    dtype: str
-
-
-@dataclass(frozen=True)
-class GraphIO:
-    """Every input and output of one graph, plus the ranges of its symbols."""
-
-    inputs: tuple[TensorSpec, ...]
-    outputs: tuple[TensorSpec, ...]
-    dims: Mapping[str, DimRange] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        missing = sorted(self.symbols() - set(self.dims))
-        if missing:
-            msg = f"graph IO uses dynamic dims {missing} without a min/opt/max range (ranges given: {sorted(self.dims)})"
-            raise EngineError(msg)
-
-    def symbols(self) -> set[str]:
-        return {d for spec in self.inputs + self.outputs for d in spec.shape if isinstance(d, str)}
-
-    @property
-    def dynamic(self) -> bool:
-        return bool(self.symbols())
-
-    def profile(self, spec: TensorSpec) -> tuple[tuple[int, ...], ...] | None:
-        """(min, opt, max) shapes of a dynamic input; None for a static one."""
-        if not any(isinstance(d, str) for d in spec.shape):
-            return None
-        return tuple(
-            tuple(getattr(self.dims[d], end) if isinstance(d, str) else d for d in spec.shape)
-            for end in ("min", "opt", "max")
-        )
+def profile_shapes(graph: GraphSpec, spec: TensorSpec) -> tuple[tuple[int, ...], ...] | None:
+    """(min, opt, max) shapes of a dynamic input; None for a static one."""
+    if not any(isinstance(d, str) for d in spec.shape):
+        return None
+    return tuple(
+        tuple(getattr(graph.dims[d], end) if isinstance(d, str) else d for d in spec.shape) for end in ("min", "opt", "max")
+    )
 
 
 @dataclass(frozen=True)
@@ -130,8 +105,9 @@ def expected_shape(spec: TensorSpec) -> tuple[int, ...]:
     return tuple(-1 if isinstance(d, str) else d for d in spec.shape)
 
 
-def io_mismatches(expected: GraphIO, actual: Sequence[Binding]) -> list[str]:
+def io_mismatches(expected: GraphSpec, actual: Sequence[Binding]) -> list[str]:
     """Every difference between the contract and the bindings, one line each."""
+    check_ranges(expected)
     lines: list[str] = []
     for mode, specs in ((INPUT, expected.inputs), (OUTPUT, expected.outputs)):
         have = {b.name: b for b in actual if b.mode == mode}
@@ -145,7 +121,7 @@ def io_mismatches(expected: GraphIO, actual: Sequence[Binding]) -> list[str]:
     return lines
 
 
-def _binding_mismatches(io: GraphIO, spec: TensorSpec, binding: Binding) -> list[str]:
+def _binding_mismatches(graph: GraphSpec, spec: TensorSpec, binding: Binding) -> list[str]:
     where = f"{binding.mode} {spec.name!r}"
     lines = []
     if binding.dtype != spec.dtype:
@@ -154,7 +130,7 @@ def _binding_mismatches(io: GraphIO, spec: TensorSpec, binding: Binding) -> list
     if binding.shape != want_shape:
         lines.append(f"{where} shape: contract {list(spec.shape)} (= {list(want_shape)}), engine {list(binding.shape)}")
     # Outputs carry no profile in TensorRT; their dynamic extents follow the inputs.
-    want_profile = io.profile(spec) if binding.mode == INPUT else None
+    want_profile = profile_shapes(graph, spec) if binding.mode == INPUT else None
     if binding.mode == INPUT and binding.profile != want_profile:
         lines.append(f"{where} profile min/opt/max: contract {_show(want_profile)}, engine {_show(binding.profile)}")
     return lines
@@ -164,7 +140,7 @@ def _show(profile: tuple[tuple[int, ...], ...] | None) -> str:
     return "none (static)" if profile is None else " / ".join(str(list(s)) for s in profile)
 
 
-def check_io(engine: str, expected: GraphIO, actual: Sequence[Binding], source: str) -> None:
+def check_io(engine: str, expected: GraphSpec, actual: Sequence[Binding], source: str) -> None:
     """Raise ``EngineError`` naming the engine and every mismatching binding.
 
     ``source`` says where ``actual`` came from (e.g. "the built network",

@@ -18,11 +18,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dflash_trt.engines.bindings import INPUT, OUTPUT, Binding, GraphIO, io_mismatches, trt_dtype_name
+from dflash_trt.engines.bindings import (
+    INPUT,
+    OUTPUT,
+    Binding,
+    check_ranges,
+    io_mismatches,
+    is_dynamic,
+    profile_shapes,
+    trt_dtype_name,
+)
 from dflash_trt.engines.engine_set import ENGINES_JSON, EngineRecord, EngineSetRecord, sha256_file, write_engine_set
 from dflash_trt.engines.flavour import TIMING_CACHE_FILE, Flavour
 from dflash_trt.engines.sources import GraphSource, load_graph, source_files
 from dflash_trt.errors import EngineBuildError
+from dflash_trt.export.contract import GraphSpec
 
 Progress = Callable[[str], None]
 GRAPH_INPUT = "graph input"  # BuildFailure.operator of an input nothing reads
@@ -89,7 +99,7 @@ def build_engine_set(
     out_dir.mkdir(parents=True, exist_ok=True)
     # An old engines.json must never describe the plans this run rewrites.
     (out_dir / ENGINES_JSON).unlink(missing_ok=True)
-    _check_names(sources)
+    _check_sources(sources)
     say = progress or (lambda _line: None)
     builder = _SetBuilder(flavour, options, out_dir, echo)
     records, failures = {}, []
@@ -118,7 +128,10 @@ def build_engine_set(
     return record
 
 
-def _check_names(sources: Sequence[GraphSource]) -> None:
+def _check_sources(sources: Sequence[GraphSource]) -> None:
+    """Names usable as file names, each once; every dynamic dim has a range."""
+    for source in sources:
+        check_ranges(source.io)
     names = [s.name for s in sources]
     bad = [n for n in names if not _SAFE_NAME.match(n)]
     dupes = sorted({n for n in names if names.count(n) > 1})
@@ -207,15 +220,15 @@ class _SetBuilder:
         self.flavour.use_build_cache(config, self.cache)
         return config
 
-    def _profile(self, network, io: GraphIO):
+    def _profile(self, network, io: GraphSpec):
         """One profile from the contract's ranges; None for a static graph."""
-        if not io.dynamic:
+        if not is_dynamic(io):
             return None
         profile = self.builder.create_optimization_profile()
         specs = {s.name: s for s in io.inputs}
         for i in range(network.num_inputs):
             spec = specs.get(network.get_input(i).name)
-            shapes = None if spec is None else io.profile(spec)
+            shapes = None if spec is None else profile_shapes(io, spec)
             if shapes is not None:
                 profile.set_shape(spec.name, *shapes)
         return profile

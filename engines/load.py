@@ -20,10 +20,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_trt.engines.bindings import INPUT, OUTPUT, Binding, GraphIO, check_io, trt_dtype_name
+from dflash_trt.engines.bindings import INPUT, OUTPUT, Binding, check_io, trt_dtype_name
 from dflash_trt.engines.engine_set import ENGINES_JSON, EngineRecord, EngineSetRecord, read_engine_set, sha256_file
 from dflash_trt.engines.flavour import Flavour, load_flavour
 from dflash_trt.errors import EngineError
+from dflash_trt.export.contract import GraphSpec
 
 
 @dataclass
@@ -43,7 +44,7 @@ class LoadedEngineSet:
         self.runtime = None
 
 
-def check_engine_set(directory: Path, contract: Mapping[str, GraphIO]) -> EngineSetRecord:
+def check_engine_set(directory: Path, contract: Mapping[str, GraphSpec]) -> EngineSetRecord:
     """Stage 1 (no TensorRT needed): manifest, plan files, recorded IO vs contract."""
     directory = Path(directory)
     record = read_engine_set(directory)
@@ -54,7 +55,7 @@ def check_engine_set(directory: Path, contract: Mapping[str, GraphIO]) -> Engine
     return record
 
 
-def _check_engine_names(directory: Path, record: EngineSetRecord, contract: Mapping[str, GraphIO]) -> None:
+def _check_engine_names(directory: Path, record: EngineSetRecord, contract: Mapping[str, GraphSpec]) -> None:
     missing = sorted(set(contract) - set(record.engines))
     extra = sorted(set(record.engines) - set(contract))
     if missing or extra:
@@ -100,7 +101,7 @@ def check_flavour(record: EngineSetRecord, flavour: Flavour) -> None:
 
 
 def load_engine_set(
-    directory: Path, contract: Mapping[str, GraphIO], flavour: Flavour | None = None
+    directory: Path, contract: Mapping[str, GraphSpec], flavour: Flavour | None = None
 ) -> LoadedEngineSet:
     """Stage 1, then deserialize every plan and check its bindings (needs a supported GPU)."""
     directory = Path(directory)

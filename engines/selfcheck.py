@@ -29,12 +29,13 @@ from pathlib import Path
 import onnx
 import torch
 
-from dflash_trt.engines.bindings import GraphIO, TensorSpec, trt_dtype_name
+from dflash_trt.engines.bindings import trt_dtype_name
 from dflash_trt.engines.command import AUTO, pick_flavour
 from dflash_trt.engines.flavour import FLAVOURS, Flavour
 from dflash_trt.engines.load import load_engine_set
 from dflash_trt.engines.sources import ONNX_DTYPES, GraphSource, export_sources
 from dflash_trt.errors import EngineError
+from dflash_trt.export.contract import GraphSpec, TensorSpec
 
 TORCH_DTYPES = {
     "float32": torch.float32,
@@ -109,12 +110,12 @@ def selfcheck(
     return checks
 
 
-def concrete_shape(io: GraphIO, spec: TensorSpec) -> tuple[int, ...]:
+def concrete_shape(io: GraphSpec, spec: TensorSpec) -> tuple[int, ...]:
     """Dynamic dims at their profile's opt value."""
     return tuple(io.dims[d].opt if isinstance(d, str) else d for d in spec.shape)
 
 
-def random_feeds(io: GraphIO, seed: int, int_range: tuple[int, int]) -> dict[str, torch.Tensor]:
+def random_feeds(io: GraphSpec, seed: int, int_range: tuple[int, int]) -> dict[str, torch.Tensor]:
     """Host tensors for every input of ``io`` (see the module doc for value ranges)."""
     generator = torch.Generator().manual_seed(seed)
     feeds = {}
@@ -193,11 +194,11 @@ def run_reference(source: GraphSource, feeds: Mapping[str, torch.Tensor]) -> dic
     return {name: tensor.cpu() for name, tensor in outputs.items()}
 
 
-def _spec(io: GraphIO, name: str) -> TensorSpec:
+def _spec(io: GraphSpec, name: str) -> TensorSpec:
     return next(s for s in io.inputs if s.name == name)
 
 
-def compare(engine: str, io: GraphIO, got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> list[OutputCheck]:
+def compare(engine: str, io: GraphSpec, got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> list[OutputCheck]:
     checks = []
     for spec in io.outputs:
         a, b = got[spec.name], want[spec.name]

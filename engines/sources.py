@@ -1,7 +1,7 @@
 """What to build: one ``GraphSource`` per exported ONNX graph.
 
-A source pairs the graph file with the IO its engine must have (``GraphIO``,
-from the export contract). ``graph_io_from_onnx`` reads the IO an ONNX file
+A source pairs the graph file with the IO its engine must have (the
+contract's ``GraphSpec``). ``graph_io_from_onnx`` reads the IO an ONNX file
 declares, used to refuse a graph that disagrees with the contract before
 TensorRT spends time on it, and by tests that build hand-made graphs.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 import onnx
 from google.protobuf.message import DecodeError
 
-from dflash_trt.engines.bindings import DimRange, GraphIO, TensorSpec
 from dflash_trt.errors import EngineError
+from dflash_trt.export.contract import DimRange, GraphSpec, TensorSpec
 
 # onnx.TensorProto element type name -> contract dtype name.
 ONNX_DTYPES: dict[str, str] = {
@@ -38,7 +38,7 @@ class GraphSource:
 
     name: str
     onnx_path: Path
-    io: GraphIO
+    io: GraphSpec
 
 
 def _spec(value: onnx.ValueInfoProto) -> TensorSpec:
@@ -57,13 +57,13 @@ def load_graph(path: Path) -> onnx.ModelProto:
         raise EngineError(msg) from error
 
 
-def graph_io_from_onnx(model: onnx.ModelProto, dims: Mapping[str, DimRange]) -> GraphIO:
-    """The IO the graph declares; initializers listed as inputs are not IO."""
+def graph_io_from_onnx(model: onnx.ModelProto, name: str, dims: Mapping[str, DimRange]) -> GraphSpec:
+    """The IO the graph declares (initializers listed as inputs are not IO), as a spec of kind "onnx"."""
     initializers = {init.name for init in model.graph.initializer}
     inputs = tuple(_spec(v) for v in model.graph.input if v.name not in initializers)
     outputs = tuple(_spec(v) for v in model.graph.output)
     used = {d for s in inputs + outputs for d in s.shape if isinstance(d, str)}
-    return GraphIO(inputs, outputs, {k: v for k, v in dims.items() if k in used})
+    return GraphSpec(name, "onnx", None, inputs, outputs, {k: v for k, v in dims.items() if k in used})
 
 
 def source_files(path: Path, model: onnx.ModelProto) -> list[Path]:

@@ -18,13 +18,13 @@ import torch
 from onnx import TensorProto as TP
 from onnx import helper
 
-from dflash_trt.engines.bindings import DimRange
 from dflash_trt.engines.build import BuildOptions, build_engine_set
 from dflash_trt.engines.engine_set import ENGINES_JSON, read_engine_set, sha256_file
 from dflash_trt.engines.flavour import load_flavour
 from dflash_trt.engines.load import check_engine_set, load_engine_set
 from dflash_trt.engines.sources import GraphSource, graph_io_from_onnx
 from dflash_trt.errors import EngineBuildError, EngineError
+from dflash_trt.export.contract import DimRange
 
 HEADS, KV_HEADS, HEAD_DIM, MAX_CONTEXT = 2, 1, 16, 32
 TOKENS = DimRange(1, 4, 8)  # the dynamic graphs' token range
@@ -87,7 +87,7 @@ def _model(nodes, inputs, outputs, custom: bool = False) -> onnx.ModelProto:
 def source(tmp_path: Path, name: str, model: onnx.ModelProto, dims=None) -> GraphSource:
     path = tmp_path / f"{name}.onnx"
     onnx.save(model, path)
-    return GraphSource(name, path, graph_io_from_onnx(model, dims or {}))
+    return GraphSource(name, path, graph_io_from_onnx(model, name, dims or {}))
 
 
 @pytest.fixture(scope="module")

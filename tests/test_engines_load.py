@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash_trt.engines.bindings import Binding, DimRange, GraphIO, TensorSpec, check_io, io_mismatches
+from dflash_trt.engines.bindings import TRT_DTYPES, Binding, check_io, io_mismatches, profile_shapes
 from dflash_trt.engines.engine_set import (
     ENGINES_JSON,
     EngineRecord,
@@ -27,23 +27,22 @@ from dflash_trt.engines.engine_set import (
 from dflash_trt.engines.flavour import Flavour
 from dflash_trt.engines.load import check_engine_set, check_flavour, engine_bindings, load_engine_set
 from dflash_trt.errors import EngineError
+from dflash_trt.export.contract import DimRange, Dims, GraphSpec, TensorSpec, graph_spec
 
-# A dynamic prefill-like graph and a static verify-like graph.
-PREFILL = GraphIO(
-    inputs=(TensorSpec("tokens", (1, "n"), "int64"), TensorSpec("k_cache", (1, 2, 64, 16), "bfloat16")),
-    outputs=(TensorSpec("logits", (1, "n", 100), "bfloat16"), TensorSpec("k_cache_out", (1, 2, 64, 16), "bfloat16")),
-    dims={"n": DimRange(1, 16, 64)},
+# A tiny pair's contract: one dynamic graph (T in 1..16) and one static one.
+DIMS = Dims(
+    vocab_size=100, tap_width=32, block_size=4, proposals=3, max_owners=2, max_context=64, max_chunk=16,
+    target_layers=1, target_kv_heads=2, target_head_dim=16, draft_layers=1, draft_kv_heads=1, draft_head_dim=16,
+    dtype="bfloat16",
 )
-VERIFY = GraphIO(
-    inputs=(TensorSpec("tokens", (2, 5), "int64"),),
-    outputs=(TensorSpec("logits", (2, 5, 100), "bfloat16"),),
-)
+PREFILL = graph_spec(DIMS, "target_prefill")
+VERIFY = graph_spec(DIMS, "target_verify_2")
 CONTRACT = {"prefill": PREFILL, "verify_2": VERIFY}
 
 
-def bindings_of(io: GraphIO) -> tuple[Binding, ...]:
+def bindings_of(io: GraphSpec) -> tuple[Binding, ...]:
     """What a correct build of ``io`` records."""
-    inputs = tuple(Binding(s.name, "input", _shape(s), s.dtype, io.profile(s)) for s in io.inputs)
+    inputs = tuple(Binding(s.name, "input", _shape(s), s.dtype, profile_shapes(io, s)) for s in io.inputs)
     return inputs + tuple(Binding(s.name, "output", _shape(s), s.dtype) for s in io.outputs)
 
 
@@ -122,7 +121,7 @@ def test_plan_name_escaping_the_directory_is_refused(tmp_path):
     ("field", "value", "expected"),
     [
         ("dtype", "float16", r"input 'tokens' dtype: contract int64, engine float16"),
-        ("shape", [2, 6], r"input 'tokens' shape: contract \[2, 5\] \(= \[2, 5\]\), engine \[2, 6\]"),
+        ("shape", [2, 6], r"input 'tokens' shape: contract \[2, 4\] \(= \[2, 4\]\), engine \[2, 6\]"),
         ("name", "token_ids", r"input 'token_ids': in the engine, not in the contract"),
     ],
 )
@@ -143,8 +142,8 @@ def test_profile_range_that_differs_from_the_manifest_is_refused(tmp_path):
     """Guards against a dynamic engine whose profile stops short of the
     manifest's chunk size (it would fail at runtime on a long prompt)."""
     write_set(tmp_path)
-    rewrite(tmp_path, lambda d: d["engines"]["prefill"]["bindings"][0].update(profile=[[1, 1], [1, 16], [1, 32]]))
-    expected = r"input 'tokens' profile min/opt/max: contract \[1, 1\] / \[1, 16\] / \[1, 64\], engine \[1, 1\] / \[1, 16\] / \[1, 32\]"
+    rewrite(tmp_path, lambda d: d["engines"]["prefill"]["bindings"][0].update(profile=[[1, 1], [1, 8], [1, 8]]))
+    expected = r"input 'tokens' profile min/opt/max: contract \[1, 1\] / \[1, 16\] / \[1, 16\], engine \[1, 1\] / \[1, 8\] / \[1, 8\]"
     with pytest.raises(EngineError, match=expected):
         check_engine_set(tmp_path, CONTRACT)
 
@@ -155,7 +154,7 @@ def test_static_contract_against_a_dynamic_engine_is_refused(tmp_path):
     write_set(tmp_path)
     rewrite(
         tmp_path,
-        lambda d: d["engines"]["verify_2"]["bindings"][0].update(shape=[2, -1], profile=[[2, 1], [2, 5], [2, 5]]),
+        lambda d: d["engines"]["verify_2"]["bindings"][0].update(shape=[2, -1], profile=[[2, 1], [2, 4], [2, 4]]),
     )
     with pytest.raises(EngineError, match=r"profile min/opt/max: contract none \(static\)"):
         check_engine_set(tmp_path, CONTRACT)
@@ -242,8 +241,8 @@ class FakeEngine:
         return self._get(name).shape
 
     def get_tensor_dtype(self, name):
-        names = {"int64": "INT64", "bfloat16": "BF16", "float16": "HALF"}
-        return SimpleNamespace(name=names[self._get(name).dtype])
+        trt_names = {contract: trt for trt, contract in TRT_DTYPES.items()}
+        return SimpleNamespace(name=trt_names[self._get(name).dtype])
 
     def get_tensor_profile_shape(self, name, profile):
         assert profile == 0
@@ -261,9 +260,9 @@ def test_load_checks_every_deserialized_engine_against_the_contract(tmp_path):
     """Guards against trusting engines.json alone: the deserialized engine's
     own bindings are compared too (here one engine's dtype differs)."""
     write_set(tmp_path)
-    wrong = [replace(b, dtype="float16") if b.name == "logits" else b for b in bindings_of(VERIFY)]
+    wrong = [replace(b, dtype="float16") if b.name == "taps" else b for b in bindings_of(VERIFY)]
     flavour = FakeFlavour(engines={"prefill": FakeEngine(bindings_of(PREFILL)), "verify_2": FakeEngine(wrong)})
-    with pytest.raises(EngineError, match=r"(?s)engine 'verify_2': the deserialized plan .*output 'logits' dtype: contract bfloat16, engine float16"):
+    with pytest.raises(EngineError, match=r"(?s)engine 'verify_2': the deserialized plan .*output 'taps' dtype: contract bfloat16, engine float16"):
         load_engine_set(tmp_path, CONTRACT, flavour)
     flavour.engines["verify_2"] = FakeEngine(bindings_of(VERIFY))
     loaded = load_engine_set(tmp_path, CONTRACT, flavour)
@@ -300,17 +299,18 @@ def test_set_from_another_tensorrt_flavour_or_version_is_refused(tmp_path):
 
 
 def test_graph_io_needs_a_range_for_every_dynamic_dim():
-    """Guards against building a dynamic engine without a profile range
-    (TensorRT would fail late, without naming the dim)."""
-    with pytest.raises(EngineError, match=r"dynamic dims \['n'\] without a min/opt/max range"):
-        GraphIO(inputs=(TensorSpec("tokens", (1, "n"), "int64"),), outputs=())
-    with pytest.raises(EngineError, match="min <= opt <= max"):
-        DimRange(4, 2, 8)
+    """Guards against building or checking a dynamic engine without a valid
+    profile range (TensorRT would fail late, without naming the dim)."""
+    tokens = (TensorSpec("tokens", (1, "n"), "int64"),)
+    with pytest.raises(EngineError, match=r"'g' uses dynamic dims \['n'\] without a min/opt/max range"):
+        io_mismatches(GraphSpec("g", "x", None, tokens, ()), [])
+    with pytest.raises(EngineError, match=r"dim 'n' range must satisfy .* got 4/2/8"):
+        io_mismatches(GraphSpec("g", "x", None, tokens, (), {"n": DimRange(4, 2, 8)}), [])
 
 
 def test_check_io_lists_every_mismatch_at_once():
     """Guards against fixing one binding per rebuild: all mismatches come in one error."""
-    actual = [replace(b, dtype="float16") for b in bindings_of(VERIFY)]
+    actual = [replace(b, dtype="float16") if b.name in ("start", "logits") else b for b in bindings_of(VERIFY)]
     assert len(io_mismatches(VERIFY, actual)) == 2
-    with pytest.raises(EngineError, match=r"(?s)input 'tokens' dtype.*output 'logits' dtype"):
+    with pytest.raises(EngineError, match=r"(?s)input 'start' dtype.*output 'logits' dtype"):
         check_io("verify_2", VERIFY, actual, "the built network")

@@ -12,19 +12,22 @@ import torch
 from onnx import TensorProto as TP
 
 from dflash_trt import cli
-from dflash_trt.engines.bindings import DimRange, GraphIO, TensorSpec
 from dflash_trt.engines.selfcheck import compare, random_feeds, require_gpu, run_reference
 from dflash_trt.errors import EngineError
+from dflash_trt.export.contract import DimRange, GraphSpec, TensorSpec
 from test_engines_build import TOKENS, kv_attention_model, source
 
-IO = GraphIO(
-    inputs=(
+IO = GraphSpec(
+    "g",
+    "synthetic",
+    None,
+    (
         TensorSpec("tokens", (2, "n"), "int64"),
         TensorSpec("hidden", (2, "n", 8), "bfloat16"),
         TensorSpec("mask", (2, 4), "bool"),
     ),
-    outputs=(TensorSpec("logits", (2, "n", 5), "float16"), TensorSpec("argmax", (2,), "int64")),
-    dims={"n": DimRange(1, 3, 7)},
+    (TensorSpec("logits", (2, "n", 5), "float16"), TensorSpec("argmax", (2,), "int64")),
+    {"n": DimRange(1, 3, 7)},
 )
 
 
