@@ -113,9 +113,9 @@ def build_engine_set(
             continue
         rec = records[source.name]
         say(f"[{index}/{len(sources)}] {source.name}: built in {rec.build_seconds:.2f} s, plan {rec.plan_bytes / 1e6:.1f} MB")
+    builder.save_cache()  # what the good graphs timed is kept even when others failed
     if failures:
         raise _build_error(failures, len(sources))
-    builder.save_cache()
     record = EngineSetRecord(
         flavour=flavour.name,
         trt_version=flavour.version,
