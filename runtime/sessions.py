@@ -240,13 +240,13 @@ def _validate_input(index: int, item: Input, table: SessionTable, limits: Limits
     where = f"input[{index}]"
     session = table.get(item.session, f"{where}.session")
     tokens = _tokens(where, item.tokens, limits.vocab_size)
-    offset = _int_in(f"{where}.offset", item.offset, 0, len(tokens))
+    offset = int_in(f"{where}.offset", item.offset, 0, len(tokens))
     size = len(tokens) - offset if item.size is None else item.size
-    size = _int_in(f"{where}.size", size, 1, len(tokens) - offset, "(tokens after offset)")
+    size = int_in(f"{where}.size", size, 1, len(tokens) - offset, "(tokens after offset)")
     first = session.id not in cursors
     cursor = cursors.get(session.id, session.frontier)
     position = cursor - offset if item.position is None else item.position
-    position = _int_in(f"{where}.position", position, -offset, None)
+    position = int_in(f"{where}.position", position, -offset, None)
     start = position + offset
     if first and start > session.frontier:
         msg = f"{where}.position: position + offset must be in [0, {session.frontier}] (session {session.id}'s frontier), got {start}"
@@ -277,7 +277,7 @@ def _tokens(where: str, tokens, vocab_size: int) -> list[int]:
     return [int(token) for token in values]
 
 
-def _int_in(name: str, value, low: int, high: int | None, note: str = "") -> int:
+def int_in(name: str, value, low: int, high: int | None, note: str = "") -> int:
     if not _is_int(value) or int(value) < low or (high is not None and int(value) > high):
         valid = f"[{low}, {high}]" if high is not None else f">= {low}"
         msg = f"{name} must be an int in {valid}{' ' + note if note else ''}, got {value!r}"

@@ -1,0 +1,467 @@
+"""The executor: the seed's session API over a Backend, running batched DFlash cycles.
+
+API (``seed/cuda_dflash_executor.cpp``, in Python):
+
+- ``open_session() -> id``, ``close_session(id)``, ``clone(id, upto) -> id``,
+  ``set_sampling(id, temperature, top_k, top_p, seed)``, ``session(id)``.
+- ``execute(batch) -> outputs``: a batch is a list of ``Input`` (or dicts)
+  ``{session, tokens, offset, size, position, produce_output}``; the output of
+  input i is the list of new tokens it produced ([] without produce_output):
+  the target's prediction after a prompt/replay input, then the tokens of one
+  speculative cycle (emitted d_1..d_a, y_a).
+- ``preferred_batch_tokens``: the largest prefill chunk.
+
+One execute():
+
+1. ``validate_batch`` checks EVERY input (nothing is mutated on refusal:
+   SessionError / PoisonedError / InputError naming the field).
+2. Rewinds (a first input that starts before its session's frontier).
+3. Target step (``target_prefill``, chunked) for every input that is not
+   exactly its session's pending token; taps are committed to the context
+   pool on device, draining all but B rows through ``draft_context``.
+4. One cycle for each session whose last input produced output and whose
+   block still fits: owners packed by consecutive rows, ≤ max_owners per call:
+   ``draft_n`` → ``target_verify_n`` → ``verify_argmax_n``/``verify_sample_n``
+   → bookkeeping. Inputs that are exactly the pending token skip step 3 (the
+   pending-decode fast path; the seed requires every input to qualify, here
+   each input qualifies on its own).
+5. Pending tokens are set for the next call.
+
+A failure after step 1 poisons every session of the batch (PoisonedError
+chained to the cause); those are refused until closed. Other sessions' rows
+are never bound by this batch's graphs, so their outputs do not change.
+
+Taps never leave the device: verify taps are copied device-to-device into the
+context pool, prefill taps are drained or copied the same way
+(``hidden_bytes_d2h`` stays 0). The host reads only tokens and verdicts.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import torch
+
+from dflash_trt.errors import PoisonedError
+from dflash_trt.export import contract as c
+from dflash_trt.export.reference import Sampling
+from dflash_trt.export.sampling import check_sampling, choose, positional_uniform
+from dflash_trt.runtime.backends.base import Backend
+from dflash_trt.runtime.packing import DYNAMIC, STATIC, TARGET, Burst, block_fits, chunks, make_bursts, pack_rows, plan_context, trim_context, verify_uniforms
+from dflash_trt.runtime.sessions import ContextPool, Input, Limits, Session, SessionTable, SessionView, Step, check_seed, int_in, validate_batch
+from dflash_trt.runtime.stats import COUNTERS, CYCLE_SCHEMA, EXECUTE_SCHEMA, ColumnStore, stats_paths, write_parquet
+
+__all__ = ["Executor", "Input"]
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class HostClock:
+    """Device time as host time around backend calls: right where ``run`` returns finished work (CPU)."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def elapsed_ms(self, start: float, end: float) -> float:
+        return (end - start) * 1000.0
+
+
+class EventClock:
+    """Device time from CUDA events on the backend's stream (read after the cycle's host sync)."""
+
+    def __init__(self, stream) -> None:
+        from dflash_trt.runtime import device
+
+        self.stream, self.device = stream, device
+
+    def mark(self):
+        event = self.device.Event(timing=True)
+        event.record(self.stream)
+        return event
+
+    def elapsed_ms(self, start, end) -> float:
+        end.synchronize()  # host sync: the cycle already waited on its verdict, so this is free
+        elapsed = start.elapsed_ms(end)
+        start.close()
+        return elapsed
+
+
+def make_clock(backend: Backend):
+    stream = getattr(backend, "stream", None)
+    if backend.device.type == "cuda" and stream is not None and hasattr(stream, "handle"):
+        return EventClock(stream)
+    return HostClock()
+
+
+class Executor:
+    """Sessions and batched DFlash cycles over one backend (see the module docstring)."""
+
+    def __init__(self, backend: Backend, dims: c.Dims, max_sessions: int) -> None:
+        if not isinstance(max_sessions, int) or max_sessions < 1:
+            msg = f"max_sessions must be an int >= 1, got {max_sessions!r}"
+            raise ValueError(msg)
+        self.backend, self.dims = backend, dims
+        self.device = backend.device
+        self.table = SessionTable(max_sessions)
+        self.limits = Limits(dims.vocab_size, dims.max_context, dims.block_size)
+        self.context = ContextPool(max_sessions, dims.block_size, dims.tap_width, TORCH_DTYPES[dims.dtype], self.device)
+        self.clock = make_clock(backend)
+        self.log = StatsLog()
+
+    # ------------------------------------------------------------------ sessions
+
+    @property
+    def max_sessions(self) -> int:
+        return self.table.max_sessions
+
+    @property
+    def preferred_batch_tokens(self) -> int:
+        """Tokens one target_prefill call takes at most (longer inputs are chunked)."""
+        return self.dims.max_chunk
+
+    def open_session(self) -> int:
+        """A fresh session (empty caches, greedy sampling); SessionError when max_sessions are open."""
+        self.table.room("open_session")
+        return self.table.open().id
+
+    def close_session(self, session: int) -> None:
+        """Release a session and its row (poisoned ones too); SessionError if unknown."""
+        self.table.close(session)
+
+    def session(self, session: int) -> SessionView:
+        s = self.table.get(session, "session", allow_poisoned=True)
+        return SessionView(s.id, s.row, s.frontier, s.draft_position, s.pending, s.sampling, s.poisoned)
+
+    def sessions(self) -> list[int]:
+        return sorted(self.table.sessions)
+
+    def set_sampling(self, session: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> None:
+        """Temperature / top-k / top-p and the positional-uniform seed (random when None)."""
+        s = self.table.get(session, "set_sampling.session")
+        check_sampling(temperature, top_k, top_p, self.dims.vocab_size)
+        seed = secrets.randbits(64) if seed is None else check_seed(seed)
+        s.sampling = Sampling(float(temperature), int(top_k), float(top_p), seed)
+
+    def clone(self, session: int, upto: int) -> int:
+        """A new session holding positions 0..upto-1 of ``session`` (caches copied row to row)."""
+        source = self.table.get(session, "clone.session")
+        upto = int_in("clone.upto", upto, 0, source.frontier, f"(session {session}'s frontier)")
+        self.table.room("clone")
+        copy = self.table.open()
+        try:
+            self._copy_session(source, copy, upto)
+        except BaseException:
+            self.table.close(copy.id)  # the source was only read
+            raise
+        return copy.id
+
+    def _copy_session(self, source: Session, copy: Session, upto: int) -> None:
+        draft, keep = trim_context(source.frontier, source.draft_position, upto)
+        if upto:
+            self.backend.copy_rows("target", source.row, copy.row, upto)
+        if draft:
+            self.backend.copy_rows("draft", source.row, copy.row, draft)
+        self.context.copy(source.row, copy.row, keep)  # device to device (the seed's trim_hidden)
+        self.log.count("hidden_rows_d2d", keep, self.tap_row_bytes)
+        copy.frontier, copy.draft_position = upto, draft
+        copy.pending = source.pending if upto == source.frontier else None
+        copy.sampling = source.sampling
+
+    @property
+    def tap_row_bytes(self) -> int:
+        return self.dims.tap_width * self.context.taps.element_size()
+
+    # ------------------------------------------------------------------ execute
+
+    def execute(self, batch: Sequence[Input | dict]) -> list[list[int]]:
+        """Run one batch (see the module docstring). Returns per input its new tokens."""
+        self.log.begin()
+        try:
+            steps = validate_batch(self.table, batch, self.limits)
+        except Exception:
+            self.log.end_execute(len(batch) if isinstance(batch, (list, tuple)) else 0, 0, False, False)
+            raise
+        try:
+            outputs = self._run(steps)
+        except BaseException as error:
+            self._poison(steps)
+            self.log.counters["failed_batches"] += 1
+            self.log.end_execute(len(steps), sum(len(s.tokens) for s in steps if not s.fast), False, False)
+            if not isinstance(error, Exception):
+                raise
+            ids = sorted({s.session.id for s in steps})
+            msg = f"execute failed after mutating sessions {ids}; they are poisoned (close them): {type(error).__name__}: {error}"
+            raise PoisonedError(msg) from error
+        fast = all(s.fast for s in steps)
+        self.log.counters["pending_decode_batches"] += fast
+        self.log.end_execute(len(steps), sum(len(s.tokens) for s in steps if not s.fast), fast, True)
+        return outputs
+
+    def _poison(self, steps: list[Step]) -> None:
+        for step in steps:
+            step.session.poisoned = True
+            step.session.pending = None
+
+    def _run(self, steps: list[Step]) -> list[list[int]]:
+        for step in steps:
+            if step.rewind:
+                self._rewind(step.session, step.start)
+        outputs: list[list[int]] = [[] for _ in steps]
+        anchors: dict[int, int] = {}  # step index -> anchor of its cycle
+        for step in steps:
+            if step.fast:
+                anchors[step.index] = step.tokens[0]
+                self.log.counters["pending_decode_owners"] += 1
+                continue
+            prediction = self._target_step(step)
+            if prediction is None:
+                continue
+            outputs[step.index].append(prediction)
+            if step.last and block_fits(step.session.frontier, self.dims.block_size, self.dims.max_context):
+                anchors[step.index] = prediction
+            else:
+                self.log.counters["target_decode_steps"] += step.last
+        self._speculate([s for s in steps if s.index in anchors], anchors, outputs)
+        for step in steps:
+            if step.last:
+                # The last emitted token sits AT the new frontier, not yet fed.
+                step.session.pending = outputs[step.index][-1] if outputs[step.index] else None
+        return outputs
+
+    def _rewind(self, s: Session, position: int) -> None:
+        """Rewind to ``position``: target KV past it is stale (masked by length, overwritten later).
+
+        Pending taps are the first ``frontier - draft_position`` rows of the
+        context pool row, so trimming them is moving the two positions.
+        """
+        s.draft_position, _ = trim_context(s.frontier, s.draft_position, position)
+        s.frontier, s.pending = position, None
+
+    # ------------------------------------------------------------------ target
+
+    def _target_step(self, step: Step) -> int | None:
+        """Run the input's tokens through target_prefill (chunked); the prediction at ``end`` if asked."""
+        s = step.session
+        assert step.start == s.frontier, (step.start, s.frontier)
+        s.pending = None
+        t0 = self.clock.mark()
+        logits = None
+        for lo, hi in chunks(len(step.tokens), self.dims.max_chunk):
+            feeds = {
+                c.TOKENS: torch.tensor([step.tokens[lo:hi]], dtype=torch.int64, device=self.device),
+                c.START: torch.tensor([s.frontier], dtype=torch.int64, device=self.device),
+            }
+            out = self.backend.run(c.TARGET_PREFILL, feeds, s.row)
+            self.log.counters["target_preamble_forwards"] += 1
+            logits = out[c.LOGITS]  # [1, V]
+            self._commit_taps(s, out[c.TAPS][0])  # before the next chunk reuses the output
+        self.log.counters["target_preamble_calls"] += 1
+        if not step.produce_output:
+            return None
+        prediction = self._choose(s, logits, step.end)
+        t1 = self.clock.mark()
+        self.log.target_row(s, step.end - 1, self.clock.elapsed_ms(t0, t1))
+        return prediction
+
+    def _choose(self, s: Session, logits: torch.Tensor, position: int) -> int:
+        """The target's token AT ``position`` from logits [1, V] (the verifier's math and uniform)."""
+        params = [t.to(logits.device) for t in s.sampling.tensors(1)]
+        uniform = torch.from_numpy(positional_uniform(s.sampling.seed, [position])).to(logits.device)
+        return int(choose(logits, *params, uniform)[0].item())  # host sync: one token id
+
+    def _commit_taps(self, s: Session, taps: torch.Tensor) -> None:
+        """taps [R, W] of positions frontier.. : pending context, draining all but B rows (on device)."""
+        new, pending = taps.shape[0], s.pending_rows
+        plan = plan_context(pending, new, self.dims.block_size, self.dims.max_chunk)
+        if plan.drained:
+            rows = torch.cat([self.context.rows(s.row, pending), taps])  # [pending + R, W], device copy
+            for lo, hi in plan.drain:
+                self._drain(s, rows[lo:hi], s.draft_position + lo)
+            kept = rows[plan.keep[0] : plan.keep[1]]
+            self.context.store(s.row, kept)  # device copy
+            s.draft_position += plan.drained
+            s.drained_rows += plan.drained
+            self.log.count("hidden_rows_d2d", pending + new + kept.shape[0], self.tap_row_bytes)
+        else:
+            self.context.taps[s.row, pending : pending + new].copy_(taps)  # device copy
+            self.log.count("hidden_rows_d2d", new, self.tap_row_bytes)
+        s.frontier += new
+
+    def _drain(self, s: Session, rows: torch.Tensor, start: int) -> None:
+        feeds = {c.TAPS: rows[None], c.START: torch.tensor([start], dtype=torch.int64, device=self.device)}
+        self.backend.run(c.DRAFT_CONTEXT, feeds, s.row)
+        self.log.counters["draft_forwards"] += 1
+        self.log.counters["warmed_context_tokens"] += rows.shape[0]
+
+    # ------------------------------------------------------------------ cycles
+
+    def _speculate(self, steps: list[Step], anchors: dict[int, int], outputs: list[list[int]]) -> None:
+        groups = pack_rows([step.session.row for step in steps], self.dims.max_owners)
+        for group in groups:
+            members = [steps[m] for m in group.members]
+            bursts = self._cycle(group.first_row, [m.session for m in members], [anchors[m.index] for m in members])
+            for member, burst in zip(members, bursts):
+                outputs[member.index].extend(burst.tokens)
+
+    def _cycle(self, first: int, sessions: list[Session], anchors: list[int]) -> list[Burst]:
+        """draft_n → target_verify_n → verdict → bookkeeping for n owners at rows first.. ."""
+        n, P = len(sessions), self.dims.proposals
+        starts = [s.frontier for s in sessions]
+        counts = [s.pending_rows for s in sessions]
+        t0 = self.clock.mark()
+        anchor = self._ints(anchors)
+        draft = self.backend.run(
+            c.graph_name(c.DRAFT, n),
+            {c.CTX_TAPS: self.context.view(first, n), c.CTX_START: self._ints([s.draft_position for s in sessions]), c.CTX_COUNT: self._ints(counts), c.ANCHOR: anchor},
+            first,
+        )
+        t1 = self.clock.mark()
+        proposals = draft[c.PROPOSALS]  # [n, P] on device
+        candidates = torch.cat([anchor[:, None], proposals], dim=1)  # [n, P+1]
+        verify = self.backend.run(c.graph_name(c.TARGET_VERIFY, n), {c.TOKENS: candidates, c.START: self._ints(starts)}, first)
+        # Next context = taps of verify rows 0..a; rows past a are padding the static draft overwrites.
+        self.context.view(first, n)[:, : P + 1].copy_(verify[c.TAPS])  # device to device
+        verdict = self._verdict(first, sessions, verify[c.LOGITS], candidates, starts)
+        t2 = self.clock.mark()
+        # Host sync: the verdict and the proposals (token ids only) come to the host.
+        accepted, next_token = verdict[c.ACCEPTED].cpu().numpy(), verdict[c.NEXT_TOKEN].cpu().numpy()
+        bursts = make_bursts(proposals.cpu().numpy(), accepted, next_token, starts, self.dims.vocab_size)
+        self.log.cycle_counters(n, P, counts, bursts, self.tap_row_bytes)
+        draft_ms, verify_ms = self.clock.elapsed_ms(t0, t1), self.clock.elapsed_ms(t1, t2)
+        rows = []
+        for s, burst, count, start in zip(sessions, bursts, counts, starts):
+            rows.append((s, STATIC if s.drained_rows == 0 else DYNAMIC, count + s.drained_rows, start, burst))
+            s.draft_position, s.frontier, s.drained_rows = start, burst.frontier, 0
+        self.log.cycle_rows(rows, P, draft_ms, verify_ms)
+        return bursts
+
+    def _verdict(self, first: int, sessions: list[Session], logits, candidates, starts) -> dict[str, torch.Tensor]:
+        n = len(sessions)
+        feeds = {c.LOGITS: logits, c.CANDIDATES: candidates}
+        if all(s.sampling.temperature == 0 for s in sessions):
+            return self.backend.run(c.graph_name(c.VERIFY_ARGMAX, n), feeds, first)
+        uniforms = verify_uniforms([s.sampling.seed for s in sessions], starts, self.dims.proposals + 1)
+        feeds |= {
+            c.TEMPERATURE: torch.tensor([s.sampling.temperature for s in sessions], dtype=torch.float32, device=self.device),
+            c.TOP_K: self._ints([s.sampling.top_k for s in sessions]),
+            c.TOP_P: torch.tensor([s.sampling.top_p for s in sessions], dtype=torch.float32, device=self.device),
+            c.UNIFORMS: torch.from_numpy(uniforms).to(self.device),
+        }
+        return self.backend.run(c.graph_name(c.VERIFY_SAMPLE, n), feeds, first)
+
+    def _ints(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(values), dtype=torch.int64, device=self.device)
+
+    # ------------------------------------------------------------------ stats
+
+    def cycle_stats(self) -> pl.DataFrame:
+        """One row per owner per cycle (``runtime.stats.CYCLE_SCHEMA``)."""
+        return self.log.cycles.frame()
+
+    def execute_stats(self) -> pl.DataFrame:
+        """One row per execute() (``runtime.stats.EXECUTE_SCHEMA``)."""
+        return self.log.executes.frame()
+
+    def write_stats(self, stem: str | Path) -> tuple[Path, Path]:
+        """Both tables as Parquet at ``stats_paths(stem)``: (cycles, executes)."""
+        cycles, executes = stats_paths(stem)
+        return write_parquet(self.cycle_stats(), cycles, "cycles"), write_parquet(self.execute_stats(), executes, "executes")
+
+
+class StatsLog:
+    """Column-wise stats: cycle rows as they happen, one execute row of counter deltas per call."""
+
+    def __init__(self) -> None:
+        self.cycles = ColumnStore(CYCLE_SCHEMA)
+        self.executes = ColumnStore(EXECUTE_SCHEMA)
+        self.origin = time.perf_counter()
+        self.batch_id = 0
+        self.cycle_id = 0
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.started = self.origin
+
+    def now_ms(self) -> float:
+        return (time.perf_counter() - self.origin) * 1000.0
+
+    def begin(self) -> None:
+        """Counters are NOT reset here: copies made by clone() between calls land in the next row."""
+        self.started = time.perf_counter()
+        self.cycle_started = self.started
+
+    def count(self, rows_name: str, rows: int, row_bytes: int) -> None:
+        self.counters[rows_name] += rows
+        self.counters[rows_name.replace("rows", "bytes")] += rows * row_bytes
+
+    def cycle_counters(self, n: int, proposals: int, counts: list[int], bursts: list[Burst], row_bytes: int) -> None:
+        k = self.counters
+        k["target_verify_calls"] += 1
+        k["target_verify_forwards"] += 1
+        k["draft_forwards"] += 1
+        k["static_draft_forwards"] += 1
+        k["warmed_context_tokens"] += sum(counts)
+        k["cycles"] += n
+        k["proposed"] += n * proposals
+        k["accepted"] += sum(b.accepted for b in bursts)
+        k["bonuses"] += sum(b.bonus for b in bursts)
+        k["rejected"] += sum(not b.bonus for b in bursts)
+        self.count("hidden_rows_d2d", n * (proposals + 1), row_bytes)
+
+    def _shared(self, owners: int, mode: str, draft_ms: float, verify_ms: float) -> dict:
+        end = time.perf_counter()
+        host_ms = max(0.0, (end - self.cycle_started) * 1000.0 - draft_ms - verify_ms)
+        self.cycle_started = end
+        shared = dict(batch_id=self.batch_id, cycle_id=self.cycle_id, owners=owners, mode=mode)
+        self.cycle_id += 1
+        return shared | dict(draft_ms=draft_ms, verify_ms=verify_ms, host_ms=host_ms, end_ms=(end - self.origin) * 1000.0)
+
+    def cycle_rows(self, rows: list, proposals: int, draft_ms: float, verify_ms: float) -> None:
+        """rows: (session, mode, context_rows, start, burst) per owner of one call."""
+        modes = {mode for _, mode, *_ in rows}
+        shared = self._shared(len(rows), DYNAMIC if DYNAMIC in modes else STATIC, draft_ms, verify_ms)
+        for s, mode, context_rows, start, burst in rows:
+            self.cycles.append(
+                **shared | dict(mode=mode),
+                session=s.id,
+                context_rows=context_rows,
+                proposed=proposals,
+                accepted=burst.accepted,
+                bonus=burst.bonus,
+                emitted=len(burst.tokens),
+                position=start,
+                temperature=s.sampling.temperature,
+            )
+
+    def target_row(self, s: Session, position: int, target_ms: float) -> None:
+        """A token the target produced outside verify (after a prompt/replay or in plain decode)."""
+        shared = self._shared(1, TARGET, 0.0, target_ms)
+        self.cycles.append(
+            **shared,
+            session=s.id,
+            context_rows=0,
+            proposed=0,
+            accepted=0,
+            bonus=False,
+            emitted=1,
+            position=position,
+            temperature=s.sampling.temperature,
+        )
+
+    def end_execute(self, inputs: int, target_tokens: int, pending_decode: bool, ok: bool) -> None:
+        end = time.perf_counter()
+        self.executes.append(
+            batch_id=self.batch_id,
+            inputs=inputs,
+            target_tokens=target_tokens,
+            pending_decode=pending_decode,
+            ok=ok,
+            wall_ms=(end - self.started) * 1000.0,
+            end_ms=(end - self.origin) * 1000.0,
+            **self.counters,
+        )
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.batch_id += 1
