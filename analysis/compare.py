@@ -10,12 +10,15 @@ out.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 import polars as pl
 
 from dflash_trt.analysis.acceptance import tau
 from dflash_trt.analysis.load import Run
-from dflash_trt.analysis.throughput import throughput
+from dflash_trt.analysis.throughput import ratio, throughput
+
+FrameT = TypeVar("FrameT", pl.DataFrame, pl.LazyFrame)
 
 
 def run_summary(run: Run) -> pl.LazyFrame:
@@ -35,9 +38,17 @@ def run_summary(run: Run) -> pl.LazyFrame:
 
 
 def compare(runs: Sequence[Run], baseline: Run | None = None) -> pl.LazyFrame:
-    """``run_summary`` of each run (baseline first, when given) with speedups.
+    """``run_summary`` of each run (baseline first, when given) with ``with_speedups``."""
+    assert runs, "compare needs at least one run"
+    ordered = ([baseline] if baseline is not None else []) + list(runs)
+    return with_speedups(pl.concat([run_summary(run) for run in ordered], how="vertical"))
 
-    The reference is the baseline, or the first run when there is none.
+
+def with_speedups(table: FrameT) -> FrameT:
+    """Add speedups of each ``run_summary`` row against the FIRST row (the reference).
+
+    Works on a LazyFrame or on already-collected rows (``report.summarize``
+    collects each run once and compares the small results).
 
     | column | dtype | meaning |
     | --- | --- | --- |
@@ -45,17 +56,7 @@ def compare(runs: Sequence[Run], baseline: Run | None = None) -> pl.LazyFrame:
     | speedup | Float64 | tokens_per_s / the reference's |
     | device_speedup | Float64 | tokens_per_device_s / the reference's |
     """
-    assert runs, "compare needs at least one run"
-    ordered = ([baseline] if baseline is not None else []) + list(runs)
-    table = pl.concat([run_summary(run) for run in ordered], how="vertical")
-    reference = pl.col("tokens_per_s").first()
-    device_reference = pl.col("tokens_per_device_s").first()
     return table.with_columns(
-        _ratio(pl.col("tokens_per_s"), reference).alias("speedup"),
-        _ratio(pl.col("tokens_per_device_s"), device_reference).alias("device_speedup"),
+        ratio(pl.col("tokens_per_s"), pl.col("tokens_per_s").first()).alias("speedup"),
+        ratio(pl.col("tokens_per_device_s"), pl.col("tokens_per_device_s").first()).alias("device_speedup"),
     )
-
-
-def _ratio(value: pl.Expr, reference: pl.Expr) -> pl.Expr:
-    """value / reference, null when the reference is null or 0."""
-    return pl.when(reference > 0).then(value / reference)

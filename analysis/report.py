@@ -83,13 +83,19 @@ def summarize(run: Run, baseline: Run | None = None, others: Sequence[Run] = (),
     if run.executes is not None:
         queries["counters"] = counters.execute_totals(run.executes)
         queries["cross_check"] = counters.cross_check(cycles, run.executes)
-    if baseline is not None or others:
-        queries["comparison"] = compare.compare([run, *others], baseline)
+    if baseline is not None:
+        queries["baseline"] = compare.run_summary(baseline)
+    queries |= {f"other {index}": compare.run_summary(other) for index, other in enumerate(others)}
     # Common-subplan elimination would cache the shared Parquet scan, i.e.
     # materialize every column any query reads (~1 GB at 10 M rows); without
     # it each query streams its own scan (~4x less peak memory, ~1.4x the time).
     flags = pl.QueryOptFlags(comm_subplan_elim=False)
     frames = dict(zip(queries, pl.collect_all(queries.values(), optimizations=flags), strict=True))
+    # Side by side from the collected rows: the main run is not summarized twice.
+    rows = [frames.pop("baseline")] if baseline is not None else []
+    rows += [frames["overview"], *(frames.pop(f"other {index}") for index in range(len(others)))]
+    if len(rows) > 1:
+        frames["comparison"] = compare.with_speedups(pl.concat(rows, how="vertical"))
     return Summary(name=run.name, window=window, has_baseline=baseline is not None, **frames)
 
 

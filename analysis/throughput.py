@@ -69,7 +69,7 @@ def throughput(cycles: pl.LazyFrame) -> pl.LazyFrame:
         pl.len().alias("rows"),
         pl.col("emitted").cast(pl.Int64).sum().alias("emitted"),
         wall_s.alias("wall_s"),
-        _rate(after_first, wall_s).alias("tokens_per_s"),
+        ratio(after_first, wall_s).alias("tokens_per_s"),
     )
     device = calls(cycles).select(
         pl.len().alias("calls"),
@@ -82,7 +82,7 @@ def throughput(cycles: pl.LazyFrame) -> pl.LazyFrame:
         "wall_s",
         "tokens_per_s",
         "device_s",
-        _rate(pl.col("emitted"), pl.col("device_s")).alias("tokens_per_device_s"),
+        ratio(pl.col("emitted"), pl.col("device_s")).alias("tokens_per_device_s"),
     )
 
 
@@ -104,8 +104,8 @@ def latency_breakdown(cycles: pl.LazyFrame) -> pl.LazyFrame:
     return totals.join(count, how="cross").select(
         "phase",
         "total_ms",
-        _rate(pl.col("total_ms"), pl.col("calls")).alias("mean_ms"),
-        _rate(pl.col("total_ms"), pl.col("total_ms").sum()).alias("share"),
+        ratio(pl.col("total_ms"), pl.col("calls")).alias("mean_ms"),
+        ratio(pl.col("total_ms"), pl.col("total_ms").sum()).alias("share"),
     )
 
 
@@ -131,6 +131,6 @@ def latency_by(cycles: pl.LazyFrame, key: str = "owners") -> pl.LazyFrame:
     )
 
 
-def _rate(count: pl.Expr, seconds: pl.Expr) -> pl.Expr:
-    """count / seconds (or any ratio), null (not inf or NaN) when the denominator is 0."""
-    return pl.when(seconds > 0).then(count / seconds)
+def ratio(numerator: pl.Expr, denominator: pl.Expr) -> pl.Expr:
+    """numerator / denominator, null (not inf or NaN) when the denominator is 0 or null."""
+    return pl.when(denominator > 0).then(numerator / denominator)
