@@ -27,14 +27,17 @@ def calls(cycles: pl.LazyFrame) -> pl.LazyFrame:
     | column | dtype | meaning |
     | --- | --- | --- |
     | cycle_id | Int64 | the call |
-    | mode | String | static / dynamic / target |
+    | mode | String | static / dynamic / target: the draft graph the call ran |
     | owners | Int32 | owners packed into the call |
     | rows | UInt32 | owner rows seen for the call |
     | emitted | Int64 | tokens the call produced, all owners |
     | draft_ms, verify_ms, host_ms | Float64 | the call's phase times (once) |
     """
+    # ``mode`` is per owner: one owner still draining its context makes the
+    # whole call run the dynamic draft, while its co-owners log ``static``.
+    any_dynamic = (pl.col("mode") == "dynamic").any()
     return cycles.group_by("cycle_id").agg(
-        pl.col("mode").first(),
+        pl.when(any_dynamic).then(pl.lit("dynamic")).otherwise(pl.col("mode").first()).alias("mode"),
         pl.col("owners").first(),
         pl.len().alias("rows"),
         pl.col("emitted").cast(pl.Int64).sum(),

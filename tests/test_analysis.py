@@ -197,6 +197,24 @@ def test_speedup_against_autoregressive_baseline():
     assert table["tau"].to_list() == [None, 4.0]
 
 
+def test_a_call_with_one_draining_owner_ran_the_dynamic_draft():
+    """Guards against classifying a mixed call by whichever owner row comes first: one
+    dynamic owner makes the whole call run the dynamic draft."""
+    frame = cycles(
+        cycle_id=[0, 0, 1],
+        owners=[2, 2, 1],
+        mode=["static", "dynamic", "static"],
+        proposed=[3, 3, 3],
+        accepted=[1, 1, 1],
+        draft_ms=[5.0, 5.0, 1.0],
+    )
+    assert throughput.calls(frame).sort("cycle_id").collect()["mode"].to_list() == ["dynamic", "static"]
+    by_mode = throughput.latency_by(frame, "mode").collect()
+    assert by_mode.select("mode", "calls", "draft_ms").rows() == [("dynamic", 1, 5.0), ("static", 1, 1.0)]
+    modes = drafting.mode_share(frame).collect()
+    assert modes.select("mode", "rows", "calls").rows() == [("dynamic", 1, 1), ("static", 2, 1)]
+
+
 def test_mode_share_and_context_rows():
     """Guards against static/dynamic shares computed over calls when rows are meant (and vice
     versa) and context rows summed per call instead of per owner."""
