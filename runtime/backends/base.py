@@ -14,10 +14,18 @@ Arrays crossing this interface are ``torch.Tensor`` on ``backend.device``
 ``__cuda_array_interface__``); outputs stay on the device, so taps returned
 by a target graph can be fed to a draft graph with no host round trip.
 
+Streams (CUDA): a backend enqueues on its own device-layer stream
+(``backend.stream``, a ``streams.BackendStream``; None on CPU). ``run`` and
+``copy_rows`` order themselves after the caller's current torch stream and
+the caller's stream after them, with device-side waits (no host sync); a
+caller that runs its own torch ops on ``backend.stream.torch`` skips the
+waits.
+
 Backends: ``torch`` (the contract's PyTorch graph modules, eager or CUDA
 graphs), ``onnxruntime`` (the exact exported ONNX files; CPU provider, or the
 CUDA provider bound to device-layer memory), ``tensorrt`` (engine sets from
-``dflash_trt.engines``).
+``dflash_trt.engines``). ``open_backend(kind, ...)`` in this package builds
+one by name.
 """
 
 from __future__ import annotations
@@ -35,6 +43,9 @@ class Backend(ABC):
 
     name: str = "abstract"
     device: torch.device
+    max_sessions: int  # rows of each pool
+    pools: dict  # "target" / "draft" -> pools.CachePool (per-layer K/V views; tests and debugging read them)
+    stream: object | None = None  # streams.BackendStream on CUDA
 
     @abstractmethod
     def run(self, graph: str, feeds: Mapping[str, torch.Tensor], first_row: int) -> dict[str, torch.Tensor]:

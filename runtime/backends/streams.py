@@ -1,0 +1,73 @@
+"""A backend's CUDA stream and its ordering with the caller's torch stream.
+
+Every CUDA backend enqueues on ONE device-layer ``Stream``. Callers produce
+feeds (and consume outputs) on whatever torch stream is current, so each
+``run`` is bracketed by device-side waits, never host syncs::
+
+    with backend_stream.scope():      # ours waits for the caller's stream
+        enqueue work on ours          # torch ops here run on ours
+    # on exit: the caller's stream waits for ours
+
+When the caller already runs on the backend's stream (``torch.cuda.stream(
+backend.stream.torch)``, as an executor capturing a whole cycle does), the
+waits are skipped.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+
+class BackendStream:
+    """Owns a device-layer stream (and the torch view of it)."""
+
+    def __init__(self) -> None:
+        from dflash_trt.runtime.device import Stream
+
+        self.device_stream = Stream()
+        self.torch = self.device_stream.torch_stream()
+
+    @property
+    def handle(self):
+        """The cudaStream_t (for cuda-python calls and event records)."""
+        return self.device_stream.handle
+
+    @property
+    def ptr(self) -> int:
+        """The stream as an integer (TensorRT's execute_async_v3, ONNX Runtime's user stream)."""
+        return self.device_stream.ptr
+
+    @contextmanager
+    def scope(self):
+        """Run the body on this stream, ordered after the caller's current stream and before its later work.
+
+        Does not synchronize the host.
+        """
+        caller = torch.cuda.current_stream()
+        if caller.cuda_stream == self.torch.cuda_stream:
+            yield
+            return
+        self.torch.wait_stream(caller)
+        with torch.cuda.stream(self.torch):
+            yield
+        caller.wait_stream(self.torch)
+
+    def hand_over(self, tensors) -> None:
+        """Tell torch's allocator that ``tensors`` (made on this stream) are used on the caller's stream.
+
+        Without it, freeing an output on the caller's side could let this
+        stream reuse its memory while the caller still reads it.
+        """
+        caller = torch.cuda.current_stream()
+        if caller.cuda_stream != self.torch.cuda_stream:
+            for tensor in tensors:
+                tensor.record_stream(caller)
+
+    def synchronize(self) -> None:
+        """Host sync: wait for everything enqueued on this stream."""
+        self.device_stream.synchronize()
+
+    def close(self) -> None:
+        self.device_stream.close()

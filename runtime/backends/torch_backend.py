@@ -1,0 +1,237 @@
+"""The torch backend: the contract's PyTorch graph modules, eager or replayed as CUDA graphs.
+
+``export.graphs`` wraps the target and draft into one module per graph kind
+that takes exactly the contract's inputs (caches = the owners' rows, updated
+in place by ``EagerKernels``) and returns its outputs. This backend runs them
+over its two pools.
+
+CPU: eager, synchronous. CUDA: everything is enqueued on the backend's
+device-layer stream (``BackendStream``). The static graphs (``target_verify_n``,
+``draft_n``, ``verify_*_n``) are captured once and replayed
+(``StaticGraphs``); the dynamic ones (``target_prefill``, ``draft_context``)
+run eagerly (their token count varies).
+
+CUDA-graph choice: one capture per (graph, first_row). The wrappers address
+the owners' rows through the bound views (``rows == arange(n)``, no rows
+input), so the first row is an ADDRESS baked into the capture. Static inputs
+and outputs are allocated once per graph name and shared by all its
+captures; captured intermediates share one private memory pool. Captures are
+made lazily, on a (graph, first_row)'s first use: at most
+``sum(max_sessions - n + 1)`` per cache-using kind. A device-side first row
+would need a ``rows`` input in the contract (or a cycle-level capture by the
+executor over static feeds, for which ``cuda_graphs=False`` makes every
+``run`` capturable: no host syncs, no allocation outside torch's allocator).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from dflash_trt.errors import EngineError
+from dflash_trt.export import contract as c
+from dflash_trt.export.contract import Dims, GraphSpec
+from dflash_trt.export.draft import DraftModel
+from dflash_trt.export.graphs import graph_module
+from dflash_trt.export.pair import load_pair
+from dflash_trt.export.target import TargetModel
+from dflash_trt.runtime.backends.base import Backend
+from dflash_trt.runtime.backends.graph_io import check_feeds, check_rows, owner_rows, plain_inputs, plain_outputs, pool_of, torch_dtype
+from dflash_trt.runtime.backends.pools import CachePool, allocate_pools, pool_shapes
+
+
+class TorchBackend(Backend):
+    """Contract graphs as PyTorch modules over in-place pools (CPU or CUDA)."""
+
+    name = "torch"
+
+    def __init__(
+        self,
+        target: TargetModel,
+        draft: DraftModel,
+        dims: Dims,
+        max_sessions: int,
+        device: str | torch.device = "cpu",
+        cuda_graphs: bool = True,
+    ) -> None:
+        self.device = torch.device(device)
+        self.dims, self.max_sessions = dims, _positive("max_sessions", max_sessions)
+        check_models(target, draft, dims)
+        dtype = torch_dtype(dims.dtype)
+        self.target = target.to(device=self.device, dtype=dtype).eval()
+        self.draft = draft.to(device=self.device, dtype=dtype).eval()
+        self.specs = c.graph_specs(dims)
+        self.modules = {name: graph_module(spec, self.target, self.draft, dims) for name, spec in self.specs.items()}
+        self.stream = self.pools = self.graphs = None
+        try:
+            self._allocate(dtype, cuda_graphs)
+        except BaseException:
+            self.close()
+            raise
+
+    def _allocate(self, dtype: torch.dtype, cuda_graphs: bool) -> None:
+        if self.device.type == "cuda":
+            from dflash_trt.runtime.backends.streams import BackendStream
+
+            torch.cuda.set_device(self.device)
+            self.stream = BackendStream()
+        self.pools = allocate_pools(pool_shapes(self.dims, self.max_sessions, dtype), self.device, self.stream and self.stream.device_stream)
+        if self.stream is not None and cuda_graphs:
+            self.graphs = StaticGraphs(self.stream.torch, self._eager)
+
+    @classmethod
+    def from_checkpoints(cls, target_dir: str | Path, draft_dir: str | Path, dims: Dims, max_sessions: int, **options) -> TorchBackend:
+        """Load the pair (HF layouts) in the contract's dtype, then build the backend."""
+        target, draft = load_pair(target_dir, draft_dir, dtype=torch_dtype(dims.dtype))
+        return cls(target, draft, dims, max_sessions, **options)
+
+    # ------------------------------------------------------------------ Backend
+
+    def run(self, graph: str, feeds: Mapping[str, torch.Tensor], first_row: int) -> dict[str, torch.Tensor]:
+        spec = self._spec(graph)
+        check_feeds(spec, feeds, self.device)
+        if pool_of(spec) is not None:
+            check_rows(spec, first_row, self.max_sessions)
+        if self.stream is None:
+            return self._eager(spec, feeds, first_row)  # CPU: finished on return
+        with self.stream.scope():
+            if self.graphs is not None and spec.owners is not None:
+                return self.graphs.run(spec, feeds, first_row)
+            outputs = self._eager(spec, feeds, first_row)
+            self.stream.hand_over(outputs.values())
+            return outputs
+
+    def copy_rows(self, pool: str, source: int, destination: int, upto: int) -> None:
+        target = self._pool(pool)
+        if self.stream is None:
+            target.copy_rows(source, destination, upto)
+            return
+        with self.stream.scope():
+            target.copy_rows(source, destination, upto)
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def close(self) -> None:
+        """Drop captures, wait for the stream (host sync), free the pools, close the stream."""
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
+        if self.stream is not None:
+            self.stream.synchronize()  # host sync: no enqueued work may touch the pools once freed
+        for pool in (self.pools or {}).values():
+            pool.close()
+        self.pools = None
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+
+    # ------------------------------------------------------------------ internals
+
+    def _spec(self, graph: str) -> GraphSpec:
+        spec = self.specs.get(graph)
+        if spec is None:
+            raise EngineError(f"unknown graph {graph!r}; this backend runs {list(self.specs)}")
+        if self.pools is None:
+            raise EngineError(f"backend {self.name!r} is closed")
+        return spec
+
+    def _pool(self, name: str) -> CachePool:
+        if self.pools is None or name not in self.pools:
+            raise EngineError(f"pool must be one of {sorted(self.pools or {})}, got {name!r}")
+        return self.pools[name]
+
+    def _eager(self, spec: GraphSpec, feeds: Mapping[str, torch.Tensor], first_row: int) -> dict[str, torch.Tensor]:
+        """Run the graph module once on the current stream; caches written in place. Never syncs (CUDA)."""
+        pool = pool_of(spec)
+        caches = self.pools[pool].interleaved(first_row, owner_rows(spec)) if pool else []
+        with torch.no_grad():
+            results = self.modules[spec.name](*(feeds[s.name] for s in plain_inputs(spec)), *caches)
+        names = [s.name for s in plain_outputs(spec)]
+        for view, present in zip(caches, results[len(names) :]):
+            if present.data_ptr() != view.data_ptr():  # a kernel that is not in place: land it in the pool
+                view.copy_(present)
+        return dict(zip(names, results[: len(names)]))
+
+
+class StaticGraphs:
+    """CUDA graphs of the static contract graphs (see the module docstring for the keying).
+
+    Per graph name: static input and output tensors, allocated once. Per
+    (graph name, first_row): one ``torch.cuda.CUDAGraph`` that reads the
+    static inputs, writes the pool rows in place and copies its outputs into
+    the static outputs. All captures share one private memory pool; they are
+    replayed one at a time on one stream.
+    """
+
+    def __init__(self, stream: torch.cuda.Stream, eager) -> None:
+        self.stream, self.eager = stream, eager
+        self.memory = torch.cuda.graph_pool_handle()
+        self.inputs: dict[str, dict[str, torch.Tensor]] = {}
+        self.outputs: dict[str, dict[str, torch.Tensor]] = {}
+        self.captured: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+
+    def run(self, spec: GraphSpec, feeds: Mapping[str, torch.Tensor], first_row: int) -> dict[str, torch.Tensor]:
+        """Copy feeds into the static inputs and replay (capturing first if new). Must run on ``self.stream``.
+
+        No host sync, except on a capture (first use of a (graph, first_row)).
+        """
+        inputs = self._static(self.inputs, spec, plain_inputs(spec))
+        for name, tensor in inputs.items():
+            tensor.copy_(feeds[name])
+        key = (spec.name, first_row if pool_of(spec) is not None else 0)
+        graph = self.captured.get(key)
+        if graph is None:
+            graph = self.captured[key] = self._capture(spec, key[1])
+        graph.replay()
+        return self.outputs[spec.name]
+
+    def _static(self, table: dict, spec: GraphSpec, specs) -> dict[str, torch.Tensor]:
+        if spec.name not in table:
+            table[spec.name] = {s.name: torch.zeros(s.shape, dtype=torch_dtype(s.dtype), device="cuda") for s in specs}
+        return table[spec.name]
+
+    def _capture(self, spec: GraphSpec, first_row: int) -> torch.cuda.CUDAGraph:
+        inputs, outputs = self.inputs[spec.name], self._static(self.outputs, spec, plain_outputs(spec))
+        # Warm-up (lazy inits, cuBLAS workspaces) outside the capture. It is a real
+        # run over the same feeds: every graph is idempotent for equal inputs.
+        self.eager(spec, inputs, first_row)
+        graph = torch.cuda.CUDAGraph()
+        # Host sync: torch.cuda.graph synchronizes the device before capturing (first use only).
+        with torch.cuda.graph(graph, pool=self.memory, stream=self.stream):
+            results = self.eager(spec, inputs, first_row)
+            for name, tensor in results.items():
+                outputs[name].copy_(tensor)
+        return graph
+
+    def close(self) -> None:
+        self.captured.clear()
+        self.inputs.clear()
+        self.outputs.clear()
+
+
+def check_models(target: TargetModel, draft: DraftModel, dims: Dims) -> None:
+    """The models must have the geometry the contract's ``dims`` describe (field, both values)."""
+    facts = {
+        "vocab_size": target.config.vocab_size,
+        "tap_width": target.tap_width,
+        "block_size": draft.config.block_size,
+        "target_layers": target.config.num_layers,
+        "target_kv_heads": target.config.num_kv_heads,
+        "target_head_dim": target.config.head_dim,
+        "draft_layers": draft.config.num_layers,
+        "draft_kv_heads": draft.config.num_kv_heads,
+        "draft_head_dim": draft.config.head_dim,
+    }
+    wrong = [f"{k}: dims {getattr(dims, k)}, models {v}" for k, v in facts.items() if getattr(dims, k) != v]
+    if wrong:
+        raise EngineError("the models do not match the graph dims: " + "; ".join(wrong))
+
+
+def _positive(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise EngineError(f"{name} must be an int >= 1, got {value!r}")
+    return value
