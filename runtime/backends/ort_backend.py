@@ -1,0 +1,296 @@
+"""The ONNX Runtime backend: the exact exported ONNX files, IO bound to our memory.
+
+One ``InferenceSession`` per graph (created at load, or on first use with
+``lazy=True``), each with one ``IOBinding`` that every ``run`` rebinds by raw
+pointer:
+
+- cache inputs ``past_*`` AND outputs ``present_*`` -> the same pool rows
+  (``CachePool.interleaved(first_row, n)``): the graph's ``TensorScatter``
+  writes the new slots in place, nothing is copied back;
+- other inputs -> the caller's feed tensors (no copy);
+- other outputs -> tensors preallocated once per graph at their largest
+  shape; a dynamic output is bound to a prefix of its buffer.
+
+The first run of each graph checks that ONNX Runtime really wrote every bound
+output where it was bound (``OrtValue.data_ptr``); if it ever allocated its
+own output instead, the result is copied into place and ``copied_outputs``
+counts it (ONNX Runtime 1.32 CPU writes in place: the tests check the pools).
+
+CPU provider by default. ``device="cuda"`` uses the CUDA provider alone
+(CPU fallback disabled, onnxruntime-gpu needed) on the backend's
+device-layer stream (``user_compute_stream``), with the pools in
+device-layer memory. ONNX Runtime synchronizes its bound outputs before
+``run_with_iobinding`` returns, so a CUDA ``run`` here is a host sync point.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from dflash_trt.errors import EngineError
+from dflash_trt.export import contract as c
+from dflash_trt.export.contract import Dims, GraphSpec, TensorSpec
+from dflash_trt.runtime.backends.base import Backend
+from dflash_trt.runtime.backends.graph_io import (
+    ONNX_ELEMENT_TYPES,
+    check_feeds,
+    check_rows,
+    max_shape,
+    owner_rows,
+    plain_inputs,
+    plain_outputs,
+    pool_of,
+    torch_dtype,
+)
+from dflash_trt.runtime.backends.pools import allocate_pools, pool_shapes
+
+OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
+
+
+class OrtBackend(Backend):
+    """Contract graphs as ONNX Runtime sessions over in-place pools (CPU or CUDA provider)."""
+
+    name = "onnxruntime"
+
+    def __init__(
+        self,
+        graph_files: Mapping[str, str | Path],
+        dims: Dims,
+        max_sessions: int,
+        device: str | torch.device = "cpu",
+        threads: int | None = None,
+        optimization: str = "all",
+        lazy: bool = False,
+    ) -> None:
+        import onnxruntime
+
+        self.ort, self.device = onnxruntime, torch.device(device)
+        self.dims, self.max_sessions = dims, _positive("max_sessions", max_sessions)
+        self.specs = c.graph_specs(dims)
+        self.files = _graph_files(self.specs, graph_files)
+        self.options = _session_options(onnxruntime, threads, optimization, self.device)
+        self.stream = self.pools = None
+        self.sessions: dict[str, GraphSession] = {}
+        self.copied_outputs = 0  # outputs ONNX Runtime did not write in place (copied by us)
+        try:
+            self._allocate(lazy)
+        except BaseException:
+            self.close()
+            raise
+
+    def _allocate(self, lazy: bool) -> None:
+        if self.device.type == "cuda":
+            _require_cuda_provider(self.ort)
+            from dflash_trt.runtime.backends.streams import BackendStream
+
+            torch.cuda.set_device(self.device)
+            self.stream = BackendStream()
+        device_stream = self.stream.device_stream if self.stream is not None else None
+        self.pools = allocate_pools(pool_shapes(self.dims, self.max_sessions, torch_dtype(self.dims.dtype)), self.device, device_stream)
+        if not lazy:
+            for name in self.specs:
+                self._session(name)
+
+    @classmethod
+    def from_export(cls, directory: str | Path, max_sessions: int | None = None, verify: str = "io", **options) -> OrtBackend:
+        """Open an export directory through its manifest (graph files, dims, max sessions).
+
+        ``verify``: the manifest loader's check level (``none`` / ``io`` / ``hash``).
+        """
+        from dflash_trt.export.manifest import load_manifest
+
+        manifest = load_manifest(directory, verify=verify)
+        files = {name: Path(directory) / graph.file for name, graph in manifest.graphs.items()}
+        return cls(files, manifest.dims(), max_sessions or manifest.max_sessions, **options)
+
+    # ------------------------------------------------------------------ Backend
+
+    def run(self, graph: str, feeds: Mapping[str, torch.Tensor], first_row: int) -> dict[str, torch.Tensor]:
+        session = self._session(graph)
+        spec = session.spec
+        sizes = check_feeds(spec, feeds, self.device)
+        pool = pool_of(spec)
+        if pool is not None:
+            check_rows(spec, first_row, self.max_sessions)
+        caches = self.pools[pool].interleaved(first_row, owner_rows(spec)) if pool else []
+        if self.stream is None:
+            return self._run(session, feeds, caches, sizes)
+        with self.stream.scope():
+            # Host sync: ONNX Runtime's run blocks until its outputs are done anyway; waiting
+            # for our stream here (which waits for the caller's) also orders the feeds for a
+            # provider that ignores user_compute_stream.
+            self.stream.torch.synchronize()
+            return self._run(session, feeds, caches, sizes)
+
+    def copy_rows(self, pool: str, source: int, destination: int, upto: int) -> None:
+        if self.pools is None or pool not in self.pools:
+            raise EngineError(f"pool must be one of {sorted(self.pools or {})}, got {pool!r}")
+        if self.stream is None:
+            self.pools[pool].copy_rows(source, destination, upto)
+            return
+        with self.stream.scope():
+            self.pools[pool].copy_rows(source, destination, upto)
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def close(self) -> None:
+        """Drop the sessions, wait for the stream (host sync), free the pools, close the stream."""
+        self.sessions.clear()
+        if self.stream is not None:
+            self.stream.synchronize()  # host sync: nothing enqueued may touch the pools once freed
+        for pool in (self.pools or {}).values():
+            pool.close()
+        self.pools = None
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+
+    # ------------------------------------------------------------------ internals
+
+    def _session(self, graph: str) -> GraphSession:
+        session = self.sessions.get(graph)
+        if session is not None:
+            return session
+        spec = self.specs.get(graph)
+        if spec is None:
+            raise EngineError(f"unknown graph {graph!r}; this backend runs {list(self.specs)}")
+        if self.pools is None:
+            raise EngineError(f"backend {self.name!r} is closed")
+        providers = _providers(self.device, self.stream)
+        self.sessions[graph] = session = GraphSession(self.ort, spec, self.files[graph], self.options, providers, self.device)
+        return session
+
+    def _run(self, session: GraphSession, feeds, caches: list[torch.Tensor], sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+        outputs = session.bind(feeds, caches, sizes)
+        session.session.run_with_iobinding(session.binding)
+        if not session.verified:
+            self.copied_outputs += session.land_outputs(outputs, caches)
+        return {s.name: outputs[s.name] for s in plain_outputs(session.spec)}
+
+
+class GraphSession:
+    """One graph's session, its IO binding and its preallocated plain outputs."""
+
+    def __init__(self, ort, spec: GraphSpec, path: Path, options, providers, device: torch.device) -> None:
+        self.spec, self.device = spec, device
+        try:
+            self.session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
+        except Exception as error:  # ORT raises its own exception types (Fail, InvalidGraph, ...)
+            raise EngineError(f"graph {spec.name!r}: ONNX Runtime cannot load {path}: {error}") from error
+        _check_session_io(spec, self.session, path)
+        self.binding = self.session.io_binding()
+        self.buffers = {s.name: torch.zeros(max_shape(spec, s), dtype=torch_dtype(s.dtype), device=device) for s in plain_outputs(spec)}
+        self.verified = False
+        self.ort_device = "cuda" if device.type == "cuda" else "cpu"
+        self.device_id = device.index or 0
+
+    def bind(self, feeds, caches: list[torch.Tensor], sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+        """Bind every input and output by pointer; returns the output tensors by name (views of our memory)."""
+        for s in plain_inputs(self.spec):
+            self._bind(self.binding.bind_input, s, feeds[s.name])
+        outputs = {}
+        for s in plain_outputs(self.spec):
+            shape = s.resolve(sizes)
+            outputs[s.name] = self.buffers[s.name].view(-1)[: _count(shape)].view(shape)
+            self._bind(self.binding.bind_output, s, outputs[s.name])
+        for s, view in zip(self.spec.cache_inputs, caches):
+            self._bind(self.binding.bind_input, s, view)
+            self._bind(self.binding.bind_output, _present(s), view)  # same memory: written in place
+        return outputs
+
+    def _bind(self, bind, s: TensorSpec, tensor: torch.Tensor) -> None:
+        bind(s.name, self.ort_device, self.device_id, ONNX_ELEMENT_TYPES[s.dtype], list(tensor.shape), tensor.data_ptr())
+
+    def land_outputs(self, outputs: dict[str, torch.Tensor], caches: list[torch.Tensor]) -> int:
+        """After a first run: did ORT write each output at its bound address? Copy any that it did not."""
+        bound = dict(outputs) | {_present(s).name: view for s, view in zip(self.spec.cache_inputs, caches)}
+        copied = 0
+        for name, value in zip(self.session.get_outputs(), self.binding.get_outputs()):
+            target = bound[name.name]
+            if value.data_ptr() != target.data_ptr():
+                target.copy_(torch.from_numpy(value.numpy()).view(target.shape))
+                copied += 1
+        self.verified = copied == 0  # keep checking while ORT does not write in place
+        return copied
+
+
+def _present(past: TensorSpec) -> TensorSpec:
+    return TensorSpec(c.present_of(past.name), past.shape, past.dtype)
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    total = 1
+    for d in shape:
+        total *= d
+    return total
+
+
+def _check_session_io(spec: GraphSpec, session, path: Path) -> None:
+    """The ONNX file must declare exactly the contract's binding names."""
+    inputs = sorted(i.name for i in session.get_inputs())
+    outputs = sorted(o.name for o in session.get_outputs())
+    if inputs != sorted(spec.input_names) or outputs != sorted(spec.output_names):
+        msg = (
+            f"graph {spec.name!r}: {path} declares inputs {inputs} and outputs {outputs}; "
+            f"the contract says inputs {sorted(spec.input_names)} and outputs {sorted(spec.output_names)}"
+        )
+        raise EngineError(msg)
+
+
+def _graph_files(specs: Mapping[str, GraphSpec], files: Mapping[str, str | Path]) -> dict[str, Path]:
+    missing = sorted(set(specs) - set(files))
+    if missing:
+        raise EngineError(f"no ONNX file for graphs {missing} (given: {sorted(files)})")
+    absent = sorted(name for name in specs if not Path(files[name]).is_file())
+    if absent:
+        raise EngineError(f"ONNX files missing for graphs {absent}: {[str(files[n]) for n in absent]}")
+    return {name: Path(files[name]) for name in specs}
+
+
+def _session_options(ort, threads: int | None, optimization: str, device: torch.device):
+    if optimization not in OPTIMIZATION_LEVELS:
+        raise EngineError(f"optimization must be one of {OPTIMIZATION_LEVELS}, got {optimization!r}")
+    if threads is not None and (not isinstance(threads, int) or threads < 0):
+        raise EngineError(f"threads must be an int >= 0 (0 = ONNX Runtime's default), got {threads!r}")
+    levels = ort.GraphOptimizationLevel
+    options = ort.SessionOptions()
+    options.graph_optimization_level = {
+        "disable": levels.ORT_DISABLE_ALL,
+        "basic": levels.ORT_ENABLE_BASIC,
+        "extended": levels.ORT_ENABLE_EXTENDED,
+        "all": levels.ORT_ENABLE_ALL,
+    }[optimization]
+    options.intra_op_num_threads = threads or 0
+    options.inter_op_num_threads = 1  # graphs run sequentially; parallelism is inside ops
+    options.log_severity_level = 3  # errors only: every refusal is raised as EngineError
+    if device.type == "cuda":
+        options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    return options
+
+
+def _providers(device: torch.device, stream) -> list:
+    if device.type != "cuda":
+        return ["CPUExecutionProvider"]
+    options = {"device_id": str(device.index or 0), "has_user_compute_stream": "1", "user_compute_stream": str(stream.ptr)}
+    return [("CUDAExecutionProvider", options)]
+
+
+def _require_cuda_provider(ort) -> None:
+    available = ort.get_available_providers()
+    if "CUDAExecutionProvider" not in available:
+        msg = (
+            f"device='cuda' needs ONNX Runtime's CUDAExecutionProvider; this onnxruntime {ort.__version__} has {available}: "
+            "install onnxruntime-gpu (a CUDA 13 build) instead of onnxruntime, or use device='cpu'"
+        )
+        raise EngineError(msg)
+
+
+def _positive(name: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise EngineError(f"{name} must be an int >= 1, got {value!r}")
+    return value
