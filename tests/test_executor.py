@@ -1,0 +1,273 @@
+"""The executor against the reference decoder: lossless, batch-independent, refusing, poisoning, counting."""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+
+from dflash_trt.errors import InputError, PoisonedError, SamplingError, SessionError
+from dflash_trt.export.reference import ReferenceDecoder, Sampling
+from dflash_trt.runtime.executor import Executor, Input
+from dflash_trt.runtime.stats import CYCLE_SCHEMA, EXECUTE_SCHEMA, stats_paths
+from test_executor_support import Oracle, RecordingBackend, Tracker, make_backend, reference_proposals, tiny_models_and_dims
+
+SAMPLED = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=1234)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_pair):
+    return tiny_models_and_dims(tiny_pair)
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny):
+    target, _, dims = tiny
+    return Oracle(target, dims.max_context)
+
+
+def new_executor(tiny, max_sessions: int = 16) -> tuple[Executor, RecordingBackend]:
+    _, _, dims = tiny
+    backend = RecordingBackend(make_backend(tiny, max_sessions))
+    return Executor(backend, dims, max_sessions), backend
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(3, 90, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def check_proposals(tiny, tracker: Tracker, backend: RecordingBackend, seen: int) -> int:
+    """Every draft call's real proposals equal the reference draft's for that sequence and anchor."""
+    target, draft, dims = tiny
+    rows = {tracker.executor.session(s).row: s for s in tracker.seq}
+    for row, start, anchor, proposals in backend.drafts[seen:]:
+        sequence = tracker.seq[rows[row]]
+        assert sequence[start] == anchor
+        assert proposals == reference_proposals(target, draft, sequence[:start], anchor, dims.proposals), (row, start)
+    return len(backend.drafts)
+
+
+def checked(tiny, tracker: Tracker, backend: RecordingBackend):
+    """tracker.execute, then check the draft calls it made against the reference draft."""
+    seen = [0]
+
+    def execute(inputs):
+        outputs = tracker.execute(inputs)
+        seen[0] = check_proposals(tiny, tracker, backend, seen[0])
+        return outputs
+
+    return execute
+
+
+def test_lossless_sixteen_sessions_with_clones_rewinds_joins_and_leaves(tiny, oracle):
+    """Guards against any cache/context bookkeeping bug that changes output: greedy output must equal
+    target-only output, and every draft call must see exactly the reference draft's context, through
+    chunked prompts, dynamic drains, packing, clones, rewinds, replays, joins, leaves and plain decode."""
+    executor, backend = new_executor(tiny)
+    t = Tracker(executor, oracle)
+    execute = checked(tiny, t, backend)
+    lengths = [1, 2, 3, 5, 8, 9, 13, 16, 17, 24, 31, 40]
+    sessions = [t.open() for _ in lengths]
+    execute([(s, prompt(n, s), None, True) for s, n in zip(sessions, lengths)])
+    for _ in range(2):
+        execute(t.decode_inputs(sessions))
+    a, b, cc, d = sessions[2], sessions[5], sessions[9], sessions[11]
+    clones = [t.clone(a, t.frontier(a)), t.clone(b, t.frontier(b) - 3), t.clone(cc, lengths[9]), t.clone(d, 0)]
+    assert len(executor.sessions()) == 16
+    e, f = sessions[4], sessions[7]
+    p_e, p_f = t.frontier(e) - 4, t.frontier(f) - 6
+    inputs = t.decode_inputs([a, sessions[0], clones[0]])
+    inputs += [(clones[1], [t.seq[clones[1]][-1]], t.frontier(clones[1]) - 1, True)]  # replay one token
+    inputs += [(clones[2], [t.seq[clones[2]][-1]], t.frontier(clones[2]) - 1, True)]
+    inputs += [(clones[3], prompt(11, 99), 0, True)]
+    inputs += [(e, t.seq[e][p_e : p_e + 3], p_e, True), (f, [5, 6, 7], p_f, True)]  # same tokens / diverging
+    execute(inputs)
+    for s in (sessions[1], sessions[3], sessions[6], sessions[8]):  # leave
+        t.close(s)
+    running = list(t.seq)
+    for step in range(12):
+        joined = [t.open() for _ in range(2)] if step == 1 else []
+        live = [s for s in running if t.pending[s] and t.frontier(s) + 1 <= executor.dims.max_context]
+        if not live and not joined:
+            break
+        execute(t.decode_inputs(live) + [(s, prompt(7 + s, s), None, True) for s in joined])
+        running += joined
+    modes = set(executor.cycle_stats()["mode"])
+    owners = set(executor.cycle_stats()["owners"])
+    assert modes == {"static", "dynamic", "target"} and max(owners) == executor.dims.max_owners
+
+
+def test_oracle_proposals_accept_many_and_stay_lossless(tiny, oracle):
+    """Guards against wrong commits when a > 0 (emitted = d_1..d_a + y_a, frontier = start + a + 1,
+    context = taps of rows 0..a): an oracle draft is accepted 0..P tokens per cycle, output must still
+    be the reference's and the real draft's proposals must still match the reference draft's."""
+    executor, backend = new_executor(tiny, 8)
+    t = Tracker(executor, oracle)
+    sessions = [t.open() for _ in range(5)]
+    prompts = [prompt(n, 50 + n) for n in (4, 9, 12, 20, 3)]
+    for s, p in zip(sessions, prompts):
+        backend.truth[executor.session(s).row] = p + oracle.continuation(p)
+    execute = checked(tiny, t, backend)
+    execute([(s, p, None, True) for s, p in zip(sessions, prompts)])
+    while live := [s for s in sessions if t.frontier(s) + 1 <= executor.dims.max_context]:
+        execute(t.decode_inputs(live))
+    spec = executor.cycle_stats().filter(pl.col("mode") != "target")
+    assert {0, executor.dims.proposals} <= set(spec["accepted"]) and len(set(spec["accepted"])) >= 5
+    assert spec["emitted"].mean() > 2
+
+
+@pytest.mark.parametrize("with_oracle", [False, True])
+def test_sampled_session_is_batch_independent(tiny, oracle, with_oracle):
+    """Guards against batch-dependent randomness or cross-row leakage: a sampled session's tokens for a
+    fixed seed are the same alone and packed with three others, and equal the reference's sampled
+    target-only output."""
+    base = prompt(10, 7)
+
+    def run(neighbours: int) -> tuple[list[int], pl.DataFrame]:
+        executor, backend = new_executor(tiny, 4)
+        t = Tracker(executor, oracle)
+        others = [t.open() for _ in range(neighbours // 2)]
+        s = t.open()
+        others += [t.open() for _ in range(neighbours - neighbours // 2)]
+        t.set_sampling(s, SAMPLED)
+        for k, o in enumerate(others):
+            t.set_sampling(o, Sampling(temperature=[0.0, 1.3, 0.5][k], top_k=[0, 5, 0][k], seed=k))
+        if with_oracle:
+            backend.truth[executor.session(s).row] = base + oracle.continuation(base, SAMPLED)
+        t.execute([(o, prompt(5 + 3 * o, o), None, True) for o in others] + [(s, base, None, True)])
+        for _ in range(8):
+            t.execute(t.decode_inputs([s, *others]))
+        return t.seq[s][len(base) :], executor.cycle_stats().filter(pl.col("session") == s)
+
+    alone, alone_stats = run(0)
+    packed, packed_stats = run(3)
+    assert packed == alone
+    assert alone == oracle.continuation(base, SAMPLED)[: len(alone)]
+    assert set(packed_stats["owners"]) >= {4} and set(alone_stats["owners"]) == {1}
+
+
+def test_stats_count_every_token_and_tau_matches_reference(tiny, tmp_path):
+    """Guards against dropped or duplicated stats rows and a τ that drifts from the reference's
+    acceptance (including plain-decode steps near the context end, which must not count in τ)."""
+    target, draft, dims = tiny
+    executor, _ = new_executor(tiny, 2)
+    p = prompt(21, 3)
+    s = executor.open_session()
+    returned = executor.execute([Input(s, p)])[0]
+    wanted = dims.max_context - len(p)  # the reference's limit: prompt + new tokens <= max_context
+    while len(returned) < wanted:
+        returned += executor.execute([Input(s, [executor.session(s).pending])])[0]
+    reference = ReferenceDecoder(target, draft, max_context=dims.max_context).generate_dflash(p, wanted)
+    assert returned[:wanted] == reference.tokens
+    cycles, executes = executor.cycle_stats(), executor.execute_stats()
+    assert cycles.schema == pl.Schema(CYCLE_SCHEMA) and executes.schema == pl.Schema(EXECUTE_SCHEMA)
+    assert cycles["emitted"].sum() == len(returned)
+    spec = cycles.filter(pl.col("mode") != "target")
+    assert spec["accepted"].to_list() == reference.accepted
+    assert spec["emitted"].mean() == pytest.approx(reference.tau)
+    assert cycles.filter(pl.col("mode") == "target").height == 1 + reference.target_steps
+    for counter, column in (("cycles", None), ("proposed", "proposed"), ("accepted", "accepted"), ("bonuses", "bonus")):
+        assert executes[counter].sum() == (spec.height if column is None else spec[column].cast(pl.Int64).sum())
+    assert executes["hidden_bytes_d2h"].sum() == 0 and executes["hidden_rows_d2d"].sum() > 0
+    assert executes["ok"].all() and executes["pending_decode"].sum() == spec.height - 1
+    paths = executor.write_stats(tmp_path / "run")
+    assert paths == stats_paths(tmp_path / "run")
+    assert pl.read_parquet(paths[0]).equals(cycles) and pl.read_parquet(paths[1]).equals(executes)
+
+
+def snapshot(executor: Executor) -> list:
+    return [executor.session(s) for s in executor.sessions()]
+
+
+@pytest.mark.parametrize(
+    "make_batch, error, words",
+    [
+        (lambda s, v: [Input(s, [1, 2]), Input(999, [1])], SessionError, ["input[1].session", "999"]),
+        (lambda s, v: [Input(s, [1, 97])], InputError, ["input[0].tokens[1]", "[0, 96]", "97"]),
+        (lambda s, v: [Input(s, [1, -1])], InputError, ["input[0].tokens[1]", "-1"]),
+        (lambda s, v: [Input(s, [1, 2], size=0)], InputError, ["input[0].size", "[1, 2]", "0"]),
+        (lambda s, v: [Input(s, [1, 2], offset=3)], InputError, ["input[0].offset", "[0, 2]", "3"]),
+        (lambda s, v: [Input(s, [1], position=v.frontier + 1)], InputError, ["input[0].position", "[0, ", "frontier"]),
+        (lambda s, v: [Input(s, [1] * 60, position=10)], InputError, ["input[0].size", "max_context 64", "70"]),
+        (lambda s, v: [Input(s, [1], position=2), Input(s, [1], position=2)], InputError, ["input[1].position", "continue at 3"]),
+        (lambda s, v: [Input(s, [1], produce_output="yes")], InputError, ["input[0].produce_output"]),
+        (lambda s, v: [Input(s, "abc")], InputError, ["input[0].tokens"]),
+        (lambda s, v: [], InputError, ["non-empty"]),
+        (lambda s, v: [{"session": s, "tokens": [1], "colour": 3}], InputError, ["input[0]", "colour"]),
+    ],
+)
+def test_invalid_batches_are_refused_and_change_nothing(tiny, oracle, make_batch, error, words):
+    """Guards against partial mutation on a bad batch (the seed validates every input first) and
+    against unhelpful errors: each names the field, the valid range and the value seen."""
+    executor, _ = new_executor(tiny, 4)
+    t = Tracker(executor, oracle)
+    s, other = t.open(), t.open()
+    t.execute([(s, prompt(12, 1), None, True), (other, prompt(5, 2), None, True)])
+    before = snapshot(executor)
+    with pytest.raises(error) as info:
+        executor.execute(make_batch(s, executor.session(s)))
+    assert all(word in str(info.value) for word in words), str(info.value)
+    assert snapshot(executor) == before
+    t.execute(t.decode_inputs([s, other]))  # and both continue exactly as before
+
+
+def test_invalid_session_calls_are_refused(tiny, oracle):
+    """Guards against set_sampling/clone/close accepting out-of-range values or unknown sessions."""
+    executor, _ = new_executor(tiny, 2)
+    s = executor.open_session()
+    executor.execute([Input(s, [4, 5, 6])])
+    before = snapshot(executor)
+    for call, error, word in [
+        (lambda: executor.set_sampling(s, temperature=float("nan")), SamplingError, "temperature"),
+        (lambda: executor.set_sampling(s, temperature=-1.0), SamplingError, "temperature"),
+        (lambda: executor.set_sampling(s, top_p=0.0), SamplingError, "top_p"),
+        (lambda: executor.set_sampling(s, top_p=1.5), SamplingError, "top_p"),
+        (lambda: executor.set_sampling(s, top_k=-2), SamplingError, "top_k"),
+        (lambda: executor.set_sampling(s, seed=-1), SamplingError, "seed"),
+        (lambda: executor.set_sampling(7, temperature=1.0), SessionError, "set_sampling.session"),
+        (lambda: executor.clone(s, executor.session(s).frontier + 1), InputError, "clone.upto"),
+        (lambda: executor.clone(s, -1), InputError, "clone.upto"),
+        (lambda: executor.clone(9, 0), SessionError, "clone.session"),
+        (lambda: executor.close_session(9), SessionError, "9"),
+    ]:
+        with pytest.raises(error, match=word):
+            call()
+        assert snapshot(executor) == before
+    executor.open_session()
+    with pytest.raises(SessionError, match="max_sessions is 2"):
+        executor.open_session()
+    with pytest.raises(SessionError, match="max_sessions is 2"):
+        executor.clone(s, 1)
+
+
+def test_failure_poisons_the_batch_sessions_only(tiny, oracle):
+    """Guards against a mid-cycle failure leaving half-updated sessions usable, or touching a session
+    outside the failed batch: those of the batch are poisoned and refused until closed, the others
+    continue with the reference's tokens."""
+    executor, backend = new_executor(tiny, 4)
+    t = Tracker(executor, oracle)
+    a, b, bystander = t.open(), t.open(), t.open()
+    t.execute([(a, prompt(9, 1), None, True), (b, prompt(14, 2), None, True), (bystander, prompt(6, 3), None, True)])
+    backend.fail_on = ("target_verify", backend.counts["target_verify"] + 1)
+    with pytest.raises(PoisonedError, match=r"sessions \[0, 1\].*injected failure"):
+        executor.execute([Input(a, [t.seq[a][-1]]), Input(b, [t.seq[b][-1]])])
+    assert executor.session(a).poisoned and executor.session(b).poisoned
+    last = {s: t.seq[s][-1] for s in (a, b)}
+    t.forget(a)
+    t.forget(b)
+    for call in (
+        lambda: executor.execute([Input(a, [last[a]])]),
+        lambda: executor.execute([Input(bystander, [t.seq[bystander][-1]]), Input(b, [1])]),
+        lambda: executor.clone(a, 0),
+        lambda: executor.set_sampling(b, 0.5),
+    ):
+        with pytest.raises(PoisonedError, match="poisoned"):
+            call()
+    assert executor.execute_stats()["failed_batches"].sum() == 1
+    t.execute(t.decode_inputs([bystander]))
+    executor.close_session(a)
+    executor.close_session(b)
+    fresh = t.open()  # reuses a poisoned row: must start clean
+    t.execute([(fresh, prompt(10, 4), None, True)] + t.decode_inputs([bystander]))
+    t.execute(t.decode_inputs([fresh, bystander]))
