@@ -47,6 +47,11 @@ class Backend(ABC):
     pools: dict  # "target" / "draft" -> pools.CachePool (per-layer K/V views; tests and debugging read them)
     stream: object | None = None  # streams.BackendStream on CUDA
 
+    @classmethod
+    def open(cls, *args, **kwargs) -> Backend:
+        """Build from artifacts (what ``open_backend(kind, ...)`` calls); each backend documents its arguments."""
+        return cls(*args, **kwargs)
+
     @abstractmethod
     def run(self, graph: str, feeds: Mapping[str, torch.Tensor], first_row: int) -> dict[str, torch.Tensor]:
         """Run contract graph ``graph`` (e.g. ``"target_verify_3"``).

@@ -123,8 +123,16 @@ def _check_dim(spec: GraphSpec, where: str, symbol: str, got: int, sizes: dict[s
         raise EngineError(f"{where} dim {symbol!r} is {got} here but {sizes[symbol]} in another input")
 
 
-def output_shape(spec: TensorSpec, sizes: Mapping[str, int]) -> tuple[int, ...]:
-    return spec.resolve(sizes)
+def prefix_view(flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The first prod(shape) elements of a flat max-size buffer, as ``shape`` (no copy).
+
+    A dynamic output (e.g. taps [1, T, W]) is bound to such a prefix of the
+    buffer allocated for its largest shape.
+    """
+    count = 1
+    for d in shape:
+        count *= d
+    return flat[:count].view(shape)
 
 
 def max_shape(spec: GraphSpec, tensor: TensorSpec) -> tuple[int, ...]:

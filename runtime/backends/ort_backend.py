@@ -43,9 +43,10 @@ from dflash_trt.runtime.backends.graph_io import (
     plain_inputs,
     plain_outputs,
     pool_of,
+    prefix_view,
     torch_dtype,
 )
-from dflash_trt.runtime.backends.pools import allocate_pools, pool_shapes
+from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, pool_shapes
 
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
 
@@ -68,7 +69,7 @@ class OrtBackend(Backend):
         import onnxruntime
 
         self.ort, self.device = onnxruntime, torch.device(device)
-        self.dims, self.max_sessions = dims, _positive("max_sessions", max_sessions)
+        self.dims, self.max_sessions = dims, check_sessions(max_sessions)
         self.specs = c.graph_specs(dims)
         self.files = _graph_files(self.specs, graph_files)
         self.options = _session_options(onnxruntime, threads, optimization, self.device)
@@ -105,6 +106,8 @@ class OrtBackend(Backend):
         manifest = load_manifest(directory, verify=verify)
         files = {name: Path(directory) / graph.file for name, graph in manifest.graphs.items()}
         return cls(files, manifest.dims(), max_sessions or manifest.max_sessions, **options)
+
+    open = from_export  # open_backend("onnxruntime", export_dir, ...)
 
     # ------------------------------------------------------------------ Backend
 
@@ -196,7 +199,7 @@ class GraphSession:
         outputs = {}
         for s in plain_outputs(self.spec):
             shape = s.resolve(sizes)
-            outputs[s.name] = self.buffers[s.name].view(-1)[: _count(shape)].view(shape)
+            outputs[s.name] = prefix_view(self.buffers[s.name].view(-1), shape)
             self._bind(self.binding.bind_output, s, outputs[s.name])
         for s, view in zip(self.spec.cache_inputs, caches):
             self._bind(self.binding.bind_input, s, view)
@@ -222,12 +225,6 @@ class GraphSession:
 def _present(past: TensorSpec) -> TensorSpec:
     return TensorSpec(c.present_of(past.name), past.shape, past.dtype)
 
-
-def _count(shape: tuple[int, ...]) -> int:
-    total = 1
-    for d in shape:
-        total *= d
-    return total
 
 
 def _check_session_io(spec: GraphSpec, session, path: Path) -> None:
@@ -288,9 +285,3 @@ def _require_cuda_provider(ort) -> None:
             "install onnxruntime-gpu (a CUDA 13 build) instead of onnxruntime, or use device='cpu'"
         )
         raise EngineError(msg)
-
-
-def _positive(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise EngineError(f"{name} must be an int >= 1, got {value!r}")
-    return value

@@ -36,6 +36,13 @@ class PoolShape:
         return (self.rows, self.kv_heads, self.max_context, self.head_dim)
 
 
+def check_sessions(value) -> int:
+    """``max_sessions`` (rows per pool) must be a positive int."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise EngineError(f"max_sessions must be an int >= 1, got {value!r}")
+    return value
+
+
 def pool_shapes(dims: c.Dims, rows: int, dtype: torch.dtype) -> dict[str, PoolShape]:
     """The target and draft pool geometry of an artifact set, ``rows`` sessions each."""
     return {

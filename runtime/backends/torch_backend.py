@@ -39,7 +39,7 @@ from dflash_trt.export.pair import load_pair
 from dflash_trt.export.target import TargetModel
 from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.backends.graph_io import check_feeds, check_rows, owner_rows, plain_inputs, plain_outputs, pool_of, torch_dtype
-from dflash_trt.runtime.backends.pools import CachePool, allocate_pools, pool_shapes
+from dflash_trt.runtime.backends.pools import CachePool, allocate_pools, check_sessions, pool_shapes
 
 
 class TorchBackend(Backend):
@@ -57,7 +57,7 @@ class TorchBackend(Backend):
         cuda_graphs: bool = True,
     ) -> None:
         self.device = torch.device(device)
-        self.dims, self.max_sessions = dims, _positive("max_sessions", max_sessions)
+        self.dims, self.max_sessions = dims, check_sessions(max_sessions)
         check_models(target, draft, dims)
         dtype = torch_dtype(dims.dtype)
         self.target = target.to(device=self.device, dtype=dtype).eval()
@@ -82,10 +82,26 @@ class TorchBackend(Backend):
             self.graphs = StaticGraphs(self.stream.torch, self._eager)
 
     @classmethod
-    def from_checkpoints(cls, target_dir: str | Path, draft_dir: str | Path, dims: Dims, max_sessions: int, **options) -> TorchBackend:
-        """Load the pair (HF layouts) in the contract's dtype, then build the backend."""
+    def from_checkpoints(
+        cls, target_dir: str | Path, draft_dir: str | Path, dims: Dims | str | Path, max_sessions: int | None = None, **options
+    ) -> TorchBackend:
+        """Load the pair (HF layouts) in the contract's dtype, then build the backend.
+
+        ``dims``: the contract dims, or an export directory whose manifest gives
+        them (and the default ``max_sessions``), so the torch backend can run
+        exactly the geometry of an artifact set.
+        """
+        if not isinstance(dims, Dims):
+            from dflash_trt.export.manifest import load_manifest
+
+            manifest = load_manifest(dims, verify="none")
+            dims, max_sessions = manifest.dims(), max_sessions or manifest.max_sessions
+        if max_sessions is None:
+            raise EngineError("max_sessions is required when dims are given directly")
         target, draft = load_pair(target_dir, draft_dir, dtype=torch_dtype(dims.dtype))
         return cls(target, draft, dims, max_sessions, **options)
+
+    open = from_checkpoints  # open_backend("torch", target_dir, draft_dir, dims_or_export_dir, ...)
 
     # ------------------------------------------------------------------ Backend
 
@@ -229,9 +245,3 @@ def check_models(target: TargetModel, draft: DraftModel, dims: Dims) -> None:
     wrong = [f"{k}: dims {getattr(dims, k)}, models {v}" for k, v in facts.items() if getattr(dims, k) != v]
     if wrong:
         raise EngineError("the models do not match the graph dims: " + "; ".join(wrong))
-
-
-def _positive(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise EngineError(f"{name} must be an int >= 1, got {value!r}")
-    return value

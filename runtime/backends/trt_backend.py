@@ -1,0 +1,238 @@
+"""The TensorRT backend: an engine set from ``dflash_trt.engines``, bound in place.
+
+Load: ``engines.load.load_engine_set`` checks the set (files, hashes,
+flavour/version, bindings against the contract) and deserializes every plan;
+here each engine gets one execution context (``Flavour.execution_context``:
+TensorRT-RTX adds its runtime cache), every plain output one device-layer
+buffer at its largest shape, bound ONCE, and the pools are allocated.
+
+Run: set the feed addresses (and input shapes of the dynamic graphs), bind
+``past_*`` and ``present_*`` of every layer to the SAME pool rows (re-bound
+only when ``first_row`` changes for that context), ``execute_async_v3`` on
+the backend's stream. Nothing synchronizes the host.
+
+Optional CUDA graphs (``cuda_graphs=True``) for the static graphs: like the
+torch backend, one capture per (graph, first_row) over per-graph static input
+buffers (feeds are copied in on the stream), made after one real warm-up
+enqueue, as TensorRT requires.
+
+This backend runs wherever TensorRT runs a plan for the GPU at hand; not on
+the H200 of this project (DESIGN §5). Without TensorRT, or without a GPU, it
+refuses at construction with a typed error saying which is missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from dflash_trt.errors import CudaError, EngineError
+from dflash_trt.export import contract as c
+from dflash_trt.export.contract import Dims, GraphSpec
+from dflash_trt.runtime.backends.base import Backend
+from dflash_trt.runtime.backends.graph_io import (
+    check_feeds,
+    check_rows,
+    max_shape,
+    owner_rows,
+    plain_inputs,
+    plain_outputs,
+    pool_of,
+    prefix_view,
+    torch_dtype,
+)
+from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, pool_shapes
+
+
+class TensorRTBackend(Backend):
+    """Contract graphs as TensorRT execution contexts over in-place pools (CUDA only)."""
+
+    name = "tensorrt"
+
+    def __init__(
+        self,
+        directory: str | Path,
+        max_sessions: int | None = None,
+        dims: Dims | None = None,
+        device: str | torch.device = "cuda",
+        flavour=None,
+        cuda_graphs: bool = False,
+        runtime_cache_dir: str | Path | None = None,
+    ) -> None:
+        from dflash_trt.engines.load import load_engine_set
+        from dflash_trt.runtime import device as cuda
+
+        self.device, self.directory = torch.device(device), Path(directory)
+        _require_gpu(cuda, self.device)
+        self.dims, manifest_sessions = _dims_and_sessions(self.directory, dims)
+        self.max_sessions = check_sessions(max_sessions or manifest_sessions)
+        self.specs = c.graph_specs(self.dims)
+        self.runtime_cache_dir = Path(runtime_cache_dir) if runtime_cache_dir else None
+        self.stream = self.pools = self.engine_set = None
+        self.contexts: dict[str, EngineContext] = {}
+        try:
+            self.engine_set = load_engine_set(self.directory, self.specs, flavour)
+            self._allocate(cuda, cuda_graphs)
+        except BaseException:
+            self.close()
+            raise
+
+    def _allocate(self, cuda, cuda_graphs: bool) -> None:
+        from dflash_trt.runtime.backends.streams import BackendStream
+
+        torch.cuda.set_device(self.device)
+        self.stream = BackendStream()
+        dtype = torch_dtype(self.dims.dtype)
+        self.pools = allocate_pools(pool_shapes(self.dims, self.max_sessions, dtype), self.device, self.stream.device_stream)
+        flavour = self.engine_set.flavour
+        for name, spec in self.specs.items():
+            context, cache = flavour.execution_context(self.engine_set.engines[name], self.runtime_cache_dir)
+            graphs = cuda_graphs and spec.owners is not None
+            self.contexts[name] = EngineContext(cuda, spec, context, cache, self.stream, graphs)
+
+    # ------------------------------------------------------------------ Backend
+
+    def run(self, graph: str, feeds: Mapping[str, torch.Tensor], first_row: int) -> dict[str, torch.Tensor]:
+        context = self.contexts.get(graph)
+        if context is None:
+            raise EngineError(f"unknown graph {graph!r} (or backend closed); this backend runs {list(self.specs)}")
+        spec = context.spec
+        sizes = check_feeds(spec, feeds, self.device)
+        pool = pool_of(spec)
+        if pool is not None:
+            check_rows(spec, first_row, self.max_sessions)
+        with self.stream.scope():
+            if pool is not None:
+                context.bind_caches(first_row, self.pools[pool].interleaved(first_row, owner_rows(spec)))
+            return context.run(feeds, sizes, first_row)
+
+    def copy_rows(self, pool: str, source: int, destination: int, upto: int) -> None:
+        if self.pools is None or pool not in self.pools:
+            raise EngineError(f"pool must be one of {sorted(self.pools or {})}, got {pool!r}")
+        with self.stream.scope():
+            self.pools[pool].copy_rows(source, destination, upto)
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def close(self) -> None:
+        """Host sync (the stream), then contexts, engines, pools, stream, in that order."""
+        if self.stream is not None:
+            self.stream.synchronize()  # host sync: nothing enqueued may outlive what it uses
+        flavour = self.engine_set.flavour if self.engine_set is not None else None
+        for context in self.contexts.values():
+            if flavour is not None and self.runtime_cache_dir is not None:
+                flavour.save_runtime_cache(context.cache, self.runtime_cache_dir)
+            context.close()
+        self.contexts.clear()
+        if self.engine_set is not None:
+            self.engine_set.close()
+            self.engine_set = None
+        for pool in (self.pools or {}).values():
+            pool.close()
+        self.pools = None
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+
+
+class EngineContext:
+    """One engine's execution context, its output buffers and (optionally) its CUDA graphs."""
+
+    def __init__(self, cuda, spec: GraphSpec, context, cache, stream, cuda_graphs: bool) -> None:
+        self.cuda, self.spec, self.context, self.cache, self.stream = cuda, spec, context, cache, stream
+        self.bound_row: int | None = None  # first_row the cache addresses are set for
+        self.buffers, self.outputs = self._allocate(plain_outputs(spec))
+        for s in plain_outputs(spec):
+            self._address(s.name, self.buffers[s.name].ptr)  # bound once: these never move
+        self.input_buffers: dict = {}
+        self.static_inputs: dict[str, torch.Tensor] = {}  # non-empty: replay CUDA graphs
+        if cuda_graphs:
+            self.input_buffers, self.static_inputs = self._allocate(plain_inputs(spec))
+        self.graphs: dict[int, object] = {}  # first_row -> device.CudaGraph
+
+    def _allocate(self, specs) -> tuple[dict, dict[str, torch.Tensor]]:
+        """Device buffers at each binding's largest shape, and flat torch views of them."""
+        buffers = {s.name: self.cuda.DeviceBuffer(max_shape(self.spec, s), torch_dtype(s.dtype), self.stream.device_stream) for s in specs}
+        return buffers, {name: b.as_tensor().view(-1) for name, b in buffers.items()}
+
+    def _address(self, name: str, ptr: int) -> None:
+        if not self.context.set_tensor_address(name, ptr):
+            raise EngineError(f"engine {self.spec.name!r}: TensorRT refused the address of binding {name!r}")
+
+    def bind_caches(self, first_row: int, views: list[torch.Tensor]) -> None:
+        """past_* and present_* of every layer -> the same pool rows (only when first_row changed)."""
+        if self.bound_row == first_row:
+            return
+        for s, view in zip(self.spec.cache_inputs, views):
+            self._address(s.name, view.data_ptr())
+            self._address(c.present_of(s.name), view.data_ptr())  # in place: same memory
+        self.bound_row = first_row
+
+    def run(self, feeds: Mapping[str, torch.Tensor], sizes: dict[str, int], first_row: int) -> dict[str, torch.Tensor]:
+        """Enqueue on the stream (current torch stream = ours); returns views of the output buffers. No host sync."""
+        if self.static_inputs:
+            self._replay(feeds, first_row)
+        else:
+            self._bind_inputs(feeds)
+            self._execute()
+        return {s.name: prefix_view(self.outputs[s.name], s.resolve(sizes)) for s in plain_outputs(self.spec)}
+
+    def _bind_inputs(self, feeds: Mapping[str, torch.Tensor]) -> None:
+        for s in plain_inputs(self.spec):
+            tensor = feeds[s.name]
+            if any(isinstance(d, str) for d in s.shape) and not self.context.set_input_shape(s.name, tuple(tensor.shape)):
+                raise EngineError(f"engine {self.spec.name!r}: TensorRT refused input shape {list(tensor.shape)} for {s.name!r}")
+            self._address(s.name, tensor.data_ptr())
+
+    def _execute(self) -> None:
+        if not self.context.execute_async_v3(self.stream.ptr):
+            raise EngineError(f"engine {self.spec.name!r}: execute_async_v3 failed (see TensorRT's log)")
+
+    def _replay(self, feeds: Mapping[str, torch.Tensor], first_row: int) -> None:
+        """Static graph: copy feeds into the static inputs, launch the (graph, first_row) capture."""
+        for s in plain_inputs(self.spec):
+            self.static_inputs[s.name].copy_(feeds[s.name].reshape(-1))
+        graph = self.graphs.get(first_row)
+        if graph is None:
+            for s in plain_inputs(self.spec):
+                self._address(s.name, self.input_buffers[s.name].ptr)
+            self._execute()  # warm-up: TensorRT applies deferred updates on the first enqueue
+            graph = self.cuda.CudaGraph()
+            with graph.capture(self.stream.device_stream):
+                self._execute()
+            self.graphs[first_row] = graph
+        graph.launch(self.stream.device_stream)
+
+    def close(self) -> None:
+        for graph in self.graphs.values():
+            graph.close()
+        self.graphs.clear()
+        self.context = None
+        for buffer in [*self.buffers.values(), *self.input_buffers.values()]:
+            buffer.close()
+
+
+def _require_gpu(cuda, device: torch.device) -> None:
+    if device.type != "cuda":
+        raise EngineError(f"the tensorrt backend runs on CUDA devices only, got device {str(device)!r}")
+    if not cuda.cuda_available():
+        msg = "the tensorrt backend needs a CUDA GPU and cuda-python (none usable here); use the onnxruntime or torch backend"
+        raise CudaError(msg, call="cudaGetDeviceCount")
+
+
+def _dims_and_sessions(directory: Path, dims: Dims | None) -> tuple[Dims, int | None]:
+    """Dims from the export manifest copied beside the plans (or the caller's, checked against it)."""
+    from dflash_trt.export.manifest import MANIFEST_FILE, load_manifest
+
+    if not (directory / MANIFEST_FILE).is_file():
+        if dims is None:
+            raise EngineError(f"{directory} has no {MANIFEST_FILE}: pass dims= (and max_sessions=) or rebuild with the export manifest")
+        return dims, None
+    manifest = load_manifest(directory, verify="none")
+    if dims is not None and dims != manifest.dims():
+        raise EngineError(f"dims given ({dims}) differ from {directory / MANIFEST_FILE} ({manifest.dims()})")
+    return manifest.dims(), manifest.max_sessions
