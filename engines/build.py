@@ -241,13 +241,13 @@ class _SetBuilder:
     def _record(self, source, plan, bindings, unread, mark, seconds) -> EngineRecord:
         plan_path = self.out_dir / f"{source.name}.plan"
         plan_path.write_bytes(memoryview(plan))
-        model = load_graph(source.onnx_path)
+        model = None if source.file_hashes else load_graph(source.onnx_path)
         return EngineRecord(
             name=source.name,
             plan=plan_path.name,
             plan_sha256=sha256_file(plan_path),
             plan_bytes=plan_path.stat().st_size,
-            sources={p.name: self._hash(p) for p in source_files(source.onnx_path, model)},
+            sources=dict(source.file_hashes) or {p.name: self._hash(p) for p in source_files(source.onnx_path, model)},
             bindings=tuple(bindings),
             build_seconds=seconds,
             unread_tensors=unread,
@@ -280,17 +280,20 @@ def network_bindings(network, profile=None) -> list[Binding]:
 
 def unread_tensors(network) -> list[tuple[str, str, str]]:
     """(tensor, producer, kind) for every graph input no layer reads and every
-    layer output that is neither read nor a network output."""
+    layer none of whose outputs is read or a network output (a dead layer).
+
+    A layer with one output in use is live: ArgMax becomes a TopK whose
+    values output is legitimately unread.
+    """
     read = set()
     for i in range(network.num_layers):
         layer = network.get_layer(i)
         read.update(layer.get_input(j).name for j in range(layer.num_inputs) if layer.get_input(j) is not None)
-    outputs = {network.get_output(i).name for i in range(network.num_outputs)}
+    read.update(network.get_output(i).name for i in range(network.num_outputs))
     unread = [(t.name, "", GRAPH_INPUT) for t in map(network.get_input, range(network.num_inputs)) if t.name not in read]
     for i in range(network.num_layers):
         layer = network.get_layer(i)
-        for j in range(layer.num_outputs):
-            name = layer.get_output(j).name
-            if name not in read and name not in outputs:
-                unread.append((name, layer.name, UNREAD_OUTPUT))
+        names = [layer.get_output(j).name for j in range(layer.num_outputs)]
+        if names and not read.intersection(names):
+            unread.extend((name, layer.name, UNREAD_OUTPUT) for name in names)
     return unread

@@ -9,7 +9,7 @@ TensorRT spends time on it, and by tests that build hand-made graphs.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
@@ -39,6 +39,7 @@ class GraphSource:
     name: str
     onnx_path: Path
     io: GraphSpec
+    file_hashes: Mapping[str, str] = field(default_factory=dict)  # file name -> sha256, when already known
 
 
 def _spec(value: onnx.ValueInfoProto) -> TensorSpec:
@@ -76,10 +77,19 @@ def source_files(path: Path, model: onnx.ModelProto) -> list[Path]:
 
 
 def export_sources(onnx_dir: Path) -> tuple[list[GraphSource], Path]:
-    """Every graph of an export directory with its contract IO, and the manifest path."""
-    manifest = Path(onnx_dir) / "manifest.json"
-    if not manifest.is_file():
-        msg = f"no manifest.json in {onnx_dir}: not an export directory (write one with `dflash-trt export`)"
-        raise EngineError(msg)
-    msg = "reading an export manifest needs dflash_trt.export.contract, which this version does not have yet"
-    raise EngineError(msg)
+    """Every graph of an export directory with its contract IO, and the manifest path.
+
+    ``load_manifest`` checks the manifest against the contract and every file
+    (IO and sha256), so its hashes are reused instead of hashing the weights
+    again.
+    """
+    from dflash_trt.export.contract import graph_specs
+    from dflash_trt.export.manifest import MANIFEST_FILE, VERIFY_HASH, load_manifest
+
+    manifest = load_manifest(onnx_dir, verify=VERIFY_HASH)
+    specs = graph_specs(manifest.dims())
+    sources = []
+    for name, graph in manifest.graphs.items():
+        hashes = {graph.file: graph.sha256, **graph.data_files}
+        sources.append(GraphSource(name, Path(onnx_dir) / graph.file, specs[name], hashes))
+    return sources, Path(onnx_dir) / MANIFEST_FILE

@@ -75,6 +75,13 @@ def custom_op_model() -> onnx.ModelProto:
     return _model(nodes, [value("x", TP.FLOAT16, [2, 4])], [value("y", TP.FLOAT16, [2, 4])], custom=True)
 
 
+def argmax_model() -> onnx.ModelProto:
+    """ArgMax, which TensorRT lowers to a TopK whose values output nobody reads."""
+    value = helper.make_tensor_value_info
+    node = helper.make_node("ArgMax", ["logits"], ["token"], axis=-1, keepdims=0, name="argmax")
+    return _model([node], [value("logits", TP.FLOAT, [2, 7])], [value("token", TP.INT64, [2])])
+
+
 def _model(nodes, inputs, outputs, custom: bool = False) -> onnx.ModelProto:
     opsets = [helper.make_opsetid("", 24)] + ([helper.make_opsetid("com.example", 1)] if custom else [])
     model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs), opset_imports=opsets)
@@ -197,6 +204,14 @@ def test_tensor_read_by_nothing_is_refused(tmp_path, rtx, validity, producer, te
         assert record.engines["g"].unread_tensors == (tensor,)
     else:
         assert record.engines["g"].unread_tensors == ()
+
+
+def test_live_layer_with_one_unread_output_is_not_refused(tmp_path, rtx):
+    """Guards against the dead-tensor check refusing every verifier graph:
+    a TopK (from ArgMax) is live when its indices are used, even though its
+    values output is read by nothing."""
+    record = build_engine_set([source(tmp_path, "argmax", argmax_model())], tmp_path / "out", rtx)
+    assert record.engines["argmax"].unread_tensors == ()
 
 
 def test_graph_that_disagrees_with_the_contract_is_refused_before_building(tmp_path, rtx):
