@@ -1,0 +1,191 @@
+"""TensorRT backend binding logic, on CPU, with a fake execution context.
+
+TensorRT cannot run on this project's machines (DESIGN §5), so the part of
+``trt_backend`` that is ours — which address every binding gets, when caches
+are re-bound, dynamic input shapes, output views, CUDA-graph capture per
+first row — is checked against a stand-in context that records the calls and
+"executes" by writing through the bound host pointers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from dflash_trt.errors import EngineError
+from dflash_trt.export import contract as c
+from dflash_trt.runtime.backends.pools import CachePool, pool_shapes
+from dflash_trt.runtime.backends.trt_backend import EngineContext
+
+DIMS = c.Dims(
+    vocab_size=11, tap_width=8, block_size=4, proposals=3, max_owners=2, max_context=16, max_chunk=6,
+    target_layers=2, target_kv_heads=1, target_head_dim=4, draft_layers=1, draft_kv_heads=1, draft_head_dim=4, dtype="float32",
+)
+ROWS = 4
+
+
+class FakeBuffer:
+    """DeviceBuffer stand-in: host memory with the same interface."""
+
+    def __init__(self, shape, dtype, stream=None):
+        self.tensor = torch.zeros(shape, dtype=dtype)
+        self.ptr = self.tensor.data_ptr()
+        self.closed = False
+
+    def as_tensor(self):
+        return self.tensor
+
+    def close(self):
+        self.closed = True
+
+
+class FakeGraph:
+    captures = 0
+
+    def __init__(self):
+        self.launches = 0
+
+    def capture(self, stream):
+        FakeGraph.captures += 1
+        import contextlib
+
+        return contextlib.nullcontext(self)
+
+    def launch(self, stream):
+        self.launches += 1
+
+    def close(self):
+        pass
+
+
+class FakeCuda:
+    DeviceBuffer = FakeBuffer
+    CudaGraph = FakeGraph
+
+
+class FakeStream:
+    ptr = 1234
+    device_stream = object()
+
+
+class FakeContext:
+    """Records addresses and shapes; execute writes 1.0s / 1s into every plain output it was given."""
+
+    def __init__(self, spec: c.GraphSpec):
+        self.spec = spec
+        self.addresses: dict[str, int] = {}
+        self.shapes: dict[str, tuple] = {}
+        self.address_calls = 0
+        self.executions = 0
+        self.fail = False
+
+    def set_tensor_address(self, name, ptr):
+        self.address_calls += 1
+        self.addresses[name] = ptr
+        return name in self.spec.input_names + self.spec.output_names
+
+    def set_input_shape(self, name, shape):
+        self.shapes[name] = shape
+        return True
+
+    def execute_async_v3(self, stream):
+        assert stream == FakeStream.ptr
+        self.executions += 1
+        sizes = {d: self.shapes.get(s.name, s.shape)[a] for s in self.spec.inputs for a, d in enumerate(s.shape) if isinstance(d, str)}
+        for s in self.spec.outputs:
+            if not s.name.startswith("present_"):
+                shape = s.resolve(sizes)
+                one = torch.ones(shape, dtype=torch.int64 if s.dtype == "int64" else torch.float32)
+                ctypes.memmove(self.addresses[s.name], one.data_ptr(), one.numel() * one.element_size())
+        return not self.fail
+
+
+@pytest.fixture
+def pools():
+    shapes = pool_shapes(DIMS, ROWS, torch.float32)
+    return {name: CachePool.allocate(name, shape, torch.device("cpu")) for name, shape in shapes.items()}
+
+
+def _context(name: str, cuda_graphs: bool = False):
+    spec = c.graph_spec(DIMS, name)
+    fake = FakeContext(spec)
+    return EngineContext(FakeCuda, spec, fake, None, FakeStream(), cuda_graphs), fake
+
+
+def _feeds(spec: c.GraphSpec, sizes: dict) -> dict:
+    return {s.name: torch.zeros(s.resolve(sizes), dtype=torch.int64 if s.dtype == "int64" else torch.float32) for s in spec.inputs if not s.name.startswith("past_")}
+
+
+def test_every_binding_gets_an_address_and_caches_are_in_place(pools):
+    """Bug: a binding left unaddressed (TensorRT reads garbage), or present_* bound apart from past_*
+    (the cache update lands in a scratch buffer and is lost)."""
+    engine, fake = _context("target_verify_2")
+    feeds = _feeds(engine.spec, {})
+    engine.bind_caches(1, pools["target"].interleaved(1, 2))
+    out = engine.run(feeds, {}, 1)
+    assert set(fake.addresses) == set(engine.spec.input_names + engine.spec.output_names)
+    for layer in range(DIMS.target_layers):
+        for which, tensors in (("key", pools["target"].keys), ("value", pools["target"].values)):
+            row_one = tensors[layer][1:3].data_ptr()
+            assert fake.addresses[f"past_{which}_{layer}"] == fake.addresses[f"present_{which}_{layer}"] == row_one
+    assert fake.addresses[c.TOKENS] == feeds[c.TOKENS].data_ptr()  # feeds bound where they are: no copy
+    assert out[c.LOGITS].data_ptr() == fake.addresses[c.LOGITS] and torch.all(out[c.LOGITS] == 1)
+    assert out[c.TAPS].shape == (2, DIMS.proposals + 1, DIMS.tap_width)
+
+
+def test_caches_rebound_only_when_the_first_row_changes(pools):
+    """Bug: every run re-sets hundreds of cache addresses (host time), or a new first_row keeps the old ones."""
+    engine, fake = _context("draft_1")
+    engine.bind_caches(2, pools["draft"].interleaved(2, 1))
+    calls = fake.address_calls
+    engine.bind_caches(2, pools["draft"].interleaved(2, 1))
+    assert fake.address_calls == calls
+    engine.bind_caches(3, pools["draft"].interleaved(3, 1))
+    assert fake.address_calls == calls + 2 * 2 * DIMS.draft_layers
+    assert fake.addresses["past_key_0"] == pools["draft"].keys[0][3:4].data_ptr()
+
+
+def test_dynamic_graph_sets_input_shapes_and_returns_a_prefix_view(pools):
+    """Bug: a dynamic engine runs with its previous (or profile-max) input shape, or the returned taps
+    have the max shape instead of this call's token count."""
+    engine, fake = _context("target_prefill")
+    for tokens in (5, 2):
+        feeds = _feeds(engine.spec, {c.TOKENS_DIM: tokens})
+        engine.bind_caches(0, pools["target"].interleaved(0, 1))
+        out = engine.run(feeds, {c.TOKENS_DIM: tokens}, 0)
+        assert fake.shapes[c.TOKENS] == (1, tokens)
+        assert out[c.TAPS].shape == (1, tokens, DIMS.tap_width)
+        assert out[c.TAPS].data_ptr() == engine.buffers[c.TAPS].ptr  # outputs never move
+
+
+def test_refusals_raise_engine_error(pools):
+    """Bug: TensorRT's False returns (bad address, failed enqueue) are ignored and stale outputs returned."""
+    engine, fake = _context("verify_argmax_1")
+    fake.fail = True
+    with pytest.raises(EngineError, match="execute_async_v3 failed"):
+        engine.run(_feeds(engine.spec, {}), {}, 0)
+    fake.fail = False
+    fake.set_tensor_address = lambda name, ptr: name != c.CANDIDATES
+    with pytest.raises(EngineError, match="refused the address of binding 'candidates'"):
+        engine.run(_feeds(engine.spec, {}), {}, 0)
+
+
+def test_cuda_graph_mode_captures_once_per_first_row(pools):
+    """Bug: a capture is reused for another first_row (writes the wrong session's rows) or re-made every call;
+    feeds must be copied into the static inputs the capture reads."""
+    engine, fake = _context("draft_2", cuda_graphs=True)
+    FakeGraph.captures = 0
+    feeds = _feeds(engine.spec, {})
+    feeds[c.ANCHOR] = torch.tensor([3, 4])
+    for first in (0, 0, 1, 0):
+        engine.bind_caches(first, pools["draft"].interleaved(first, 2))
+        engine.run(feeds, {}, first)
+    assert FakeGraph.captures == 2 and set(engine.graphs) == {0, 1}
+    assert fake.executions == 2 * 2  # per capture: one warm-up enqueue + one captured enqueue
+    assert engine.graphs[0].launches == 3 and engine.graphs[1].launches == 1
+    assert fake.addresses[c.ANCHOR] == engine.input_buffers[c.ANCHOR].ptr
+    assert torch.equal(engine.static_inputs[c.ANCHOR], torch.tensor([3, 4]))
+    engine.close()
+    assert all(b.closed for b in [*engine.buffers.values(), *engine.input_buffers.values()])
