@@ -35,3 +35,46 @@ def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     target = tiny_models.write_target(root / "target")
     draft = tiny_models.write_draft(root / "draft", target)
     return target, draft
+
+
+EXPORT_PROMPT_LENGTHS = (5, 19, 40)  # <= block, > block (drained), long (ends in plain decode)
+EXPORT_NEW_TOKENS = (30, 25, 20)
+
+
+@pytest.fixture(scope="session")
+def exported_pair(tiny_pair, tmp_path_factory):
+    """fp32 export (max_owners 3, max_context 64) of the tiny target and a draft tuned to agree with it.
+
+    Returns (target_dir, draft_dir, out_dir, manifest, prompts). The draft is
+    tiny_pair's with its layer outputs scaled down (each slot then proposes
+    about argmax head(norm(embed(mask)))) and the mask chosen so that this is
+    the token the target's greedy continuations of ``prompts`` repeat most:
+    generation tests then see cycles with 0, some and all proposals accepted.
+    """
+    import collections
+    import json
+
+    from dflash_trt.export.checkpoint import read_tensors, save_checkpoint
+    from dflash_trt.export.draft import load_draft
+    from dflash_trt.export.exporter import ExportOptions, export_pair
+    from dflash_trt.export.reference import ReferenceDecoder
+    from dflash_trt.export.target import load_target
+
+    target_dir, random_draft = tiny_pair
+    root = tmp_path_factory.mktemp("export")
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, tiny_models.VOCAB - 1, (n,), generator=generator).tolist() for n in EXPORT_PROMPT_LENGTHS]
+    draft = load_draft(random_draft)
+    target = load_target(target_dir, tap_layers=draft.config.target_layer_ids)
+    decoder = ReferenceDecoder(target, max_context=64)
+    counts = collections.Counter(t for p, n in zip(prompts, EXPORT_NEW_TOKENS) for t in decoder.generate_target(p, n).tokens)
+    with torch.no_grad():
+        slot_choice = target.head(draft.norm(target.embed(torch.arange(tiny_models.VOCAB)))).argmax(-1).tolist()
+    mask = next((m for token, _ in counts.most_common() for m, c in enumerate(slot_choice) if c == token), 0)
+    config = json.loads((random_draft / "config.json").read_text())
+    config["dflash_config"]["mask_token_id"] = mask
+    scaled = {k: v * 0.1 if k.endswith(("o_proj.weight", "down_proj.weight")) else v for k, v in read_tensors(random_draft).items()}
+    draft_dir = save_checkpoint(root / "draft", config, scaled)
+    options = ExportOptions(max_owners=3, max_context=64, dtype="fp32")
+    manifest = export_pair(target_dir, draft_dir, root / "graphs", options)
+    return target_dir, draft_dir, root / "graphs", manifest, prompts

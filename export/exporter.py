@@ -1,0 +1,351 @@
+"""Export a target + DFlash draft pair: every graph of the contract + manifest.json.
+
+``export_pair(target_dir, draft_dir, out_dir, options)`` loads both
+checkpoints in the export dtype, wires the models to ``OnnxKernels``, traces
+one ``graphs`` wrapper per contract graph (``torch.export``, then
+``torch.onnx.export`` at opset 24), checks each file (``onnx.checker`` and its
+IO against the contract) and writes the manifest last: a directory with a
+valid manifest is a complete export. When the manifest's ``export_key``
+already matches the inputs (checkpoints, options, versions, exporting code),
+nothing is re-exported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import onnx
+import torch
+from tqdm import tqdm
+
+import dflash_trt
+from dflash_trt.errors import DFlashError, ManifestError
+from dflash_trt.export import contract, keys
+from dflash_trt.export.config import check_pair, load_draft_config, load_target_config
+from dflash_trt.export.contract import DTYPES, Dims, GraphSpec
+from dflash_trt.export.draft import DraftModel, load_draft
+from dflash_trt.export.graphs import TORCH_DTYPES, graph_module
+from dflash_trt.export.manifest import (
+    MANIFEST_FILE,
+    VERIFY_HASH,
+    Geometry,
+    GraphFile,
+    Manifest,
+    SCHEMA_VERSION,
+    SpecialTokens,
+    external_data_files,
+    load_manifest,
+    read_graph_io,
+    write_manifest,
+)
+from dflash_trt.export.onnx_kernels import CAUSAL_LENGTHS, CAUSAL_MODES, OPSET, TRANSLATIONS, OnnxKernels
+from dflash_trt.export.target import TargetModel, load_target
+
+IR_VERSION = 10  # what torch writes today; ONNX Runtime reads <= 13
+DEFAULT_MAX_CONTEXT = 4096
+DEFAULT_MAX_CHUNK = 512
+TRACE_SIZE = 2  # example extent of a dynamic dim while tracing (1 would specialize)
+
+
+class ExportError(DFlashError):
+    """Export options are out of range, or a traced graph breaks the contract."""
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """The knobs of an export; ``None`` means the default, resolved per pair."""
+
+    max_owners: int = 4
+    max_sessions: int | None = None  # default: max_owners
+    max_context: int | None = None  # default: min(4096, target max_position_embeddings)
+    max_chunk: int | None = None  # default: min(512, max_context)
+    proposals: int | None = None  # default: block_size - 1
+    dtype: str = "bf16"
+    causal: str = CAUSAL_LENGTHS
+
+    def resolve(self, target_dir: str | Path, draft_dir: str | Path) -> ExportOptions:
+        """Defaults filled in from the pair's configs; every value range-checked."""
+        target, draft = load_target_config(target_dir), load_draft_config(draft_dir)
+        check_pair(target, draft)
+        block = draft.block_size
+        max_context = self.max_context or min(DEFAULT_MAX_CONTEXT, target.max_position_embeddings)
+        resolved = replace(
+            self,
+            max_sessions=self.max_sessions or self.max_owners,
+            max_context=max_context,
+            max_chunk=self.max_chunk or min(DEFAULT_MAX_CHUNK, max_context),
+            proposals=self.proposals or block - 1,
+        )
+        resolved._check(block)
+        return resolved
+
+    def _check(self, block: int) -> None:
+        checks = [
+            ("max_owners", self.max_owners, 1, None),
+            ("max_sessions", self.max_sessions, self.max_owners, None),
+            ("max_context", self.max_context, block + 1, None),
+            ("max_chunk", self.max_chunk, TRACE_SIZE, self.max_context),
+            ("proposals", self.proposals, contract.MIN_PROPOSALS, block - 1),
+        ]
+        for name, value, low, high in checks:
+            if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+                valid = f"[{low}, {high}]" if high is not None else f">= {low}"
+                raise ExportError(f"export option {name} must be an int {valid}, got {value!r}")
+        if self.dtype not in DTYPES:
+            raise ExportError(f"export option dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.causal not in CAUSAL_MODES:
+            raise ExportError(f"export option causal must be one of {CAUSAL_MODES}, got {self.causal!r}")
+
+
+def tool_versions() -> dict[str, str]:
+    import onnxruntime
+    import onnxscript
+
+    return {
+        "dflash_trt": dflash_trt.__version__,
+        "torch": torch.__version__,
+        "onnx": onnx.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "onnxscript": onnxscript.__version__,
+        "python": sys.version.split()[0],
+    }
+
+
+def _code_digest() -> str:
+    from dflash_trt.export import checkpoint, config, draft, graphs, layers, manifest, onnx_kernels, sampling, target
+
+    modules = (checkpoint, config, contract, draft, graphs, keys, layers, manifest, onnx_kernels, sampling, target)
+    return keys.source_digest([m.__file__ for m in modules] + [__file__])
+
+
+def export_key(target_dir: str | Path, draft_dir: str | Path, resolved: ExportOptions) -> str:
+    settings = {"schema": SCHEMA_VERSION, "opset": OPSET, "options": asdict(resolved), "versions": tool_versions()}
+    return keys.export_key(target_dir, draft_dir, settings, _code_digest())
+
+
+def up_to_date(target_dir: str | Path, draft_dir: str | Path, out_dir: str | Path, options: ExportOptions) -> Manifest | None:
+    """The existing export in ``out_dir`` if it is valid and made from exactly these inputs."""
+    if not (Path(out_dir) / MANIFEST_FILE).exists():
+        return None
+    try:
+        manifest = load_manifest(out_dir, verify=VERIFY_HASH)
+    except ManifestError:
+        return None
+    key = export_key(target_dir, draft_dir, options.resolve(target_dir, draft_dir))
+    return manifest if manifest.export_key == key else None
+
+
+def load_pair(target_dir: str | Path, draft_dir: str | Path, dtype: str) -> tuple[TargetModel, DraftModel]:
+    """Both models in ``dtype`` (a DTYPES label), the target tapping the draft's layers."""
+    torch_dtype = TORCH_DTYPES[DTYPES[dtype]]
+    draft = load_draft(draft_dir, dtype=torch_dtype)
+    check_pair(load_target_config(target_dir), draft.config)
+    target = load_target(target_dir, tap_layers=draft.config.target_layer_ids, dtype=torch_dtype)
+    return target, draft
+
+
+def contract_dims(target: TargetModel, draft: DraftModel, options: ExportOptions) -> Dims:
+    """The contract dims of a pair under resolved options."""
+    t, d = target.config, draft.config
+    return Dims(
+        vocab_size=t.vocab_size,
+        tap_width=target.tap_width,
+        block_size=d.block_size,
+        proposals=options.proposals,
+        max_owners=options.max_owners,
+        max_context=options.max_context,
+        max_chunk=options.max_chunk,
+        target_layers=t.num_layers,
+        target_kv_heads=t.num_kv_heads,
+        target_head_dim=t.head_dim,
+        draft_layers=d.num_layers,
+        draft_kv_heads=d.num_kv_heads,
+        draft_head_dim=d.head_dim,
+        dtype=DTYPES[options.dtype],
+    )
+
+
+@contextlib.contextmanager
+def kernels_of(models: list[torch.nn.Module], kernels) -> Iterator[None]:
+    """Wire ``models`` to ``kernels`` (on these instances only) for the block's duration."""
+    saved = [m.kernels for m in models]
+    for m in models:
+        m.kernels = kernels
+    try:
+        yield
+    finally:
+        for m, k in zip(models, saved):
+            m.kernels = k
+
+
+def trace_inputs(spec: GraphSpec) -> tuple[torch.Tensor, ...]:
+    """Zero tensors of the contract's shapes (dynamic dims at TRACE_SIZE)."""
+    sizes = {symbol: TRACE_SIZE for symbol in spec.dims}
+    return tuple(torch.zeros(s.resolve(sizes), dtype=TORCH_DTYPES[s.dtype]) for s in spec.inputs)
+
+
+def _dynamic_shapes(spec: GraphSpec) -> tuple:
+    """torch.export dynamic_shapes for a wrapper ``forward(*named, *caches)``."""
+    dims = {symbol: torch.export.Dim(symbol, min=r.min, max=r.max) for symbol, r in spec.dims.items()}
+    named = [s for s in spec.inputs if not s.name.startswith("past_")]
+    shapes = [{axis: dims[d] for axis, d in enumerate(s.shape) if isinstance(d, str)} or None for s in named]
+    caches = len(spec.inputs) - len(named)
+    return tuple(shapes) + ((tuple([None] * caches),) if caches else ())
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence the exporter's progress chatter and known-benign warnings."""
+    loggers = [logging.getLogger(name) for name in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(None):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def export_graph(module: torch.nn.Module, spec: GraphSpec, directory: Path) -> GraphFile:
+    """Trace ``module`` (wired to emitting OnnxKernels) into ``directory/<name>.onnx`` and check it."""
+    path = directory / f"{spec.name}.onnx"
+    args = trace_inputs(spec)
+    with _quiet(), torch.no_grad():
+        program = torch.export.export(module.eval(), args, dynamic_shapes=_dynamic_shapes(spec), strict=False)
+        onnx_program = torch.onnx.export(
+            program,
+            (),
+            dynamo=True,
+            opset_version=OPSET,
+            input_names=list(spec.input_names),
+            output_names=list(spec.output_names),
+            custom_translation_table=TRANSLATIONS,
+            optimize=True,
+            verbose=False,
+        )
+        _name_dynamic_dims(onnx_program, spec)
+        onnx_program.model.ir_version = IR_VERSION
+        for file in [path, *(directory / f for f in _stale_data(path))]:
+            file.unlink(missing_ok=True)
+        onnx_program.save(path)
+    onnx.checker.check_model(str(path), full_check=True)
+    on_disk = read_graph_io(path, spec.name)
+    if (on_disk.inputs, on_disk.outputs) != (spec.inputs, spec.outputs):
+        msg = f"traced graph {spec.name} breaks the contract: declares {on_disk.inputs + on_disk.outputs}, contract {spec.inputs + spec.outputs}"
+        raise ExportError(msg)
+    data = {name: keys.file_sha256(directory / name) for name in external_data_files(path)}
+    return GraphFile(path.name, keys.file_sha256(path), data, spec)
+
+
+def _stale_data(path: Path) -> list[str]:
+    return external_data_files(path) if path.exists() else []
+
+
+def _name_dynamic_dims(onnx_program, spec: GraphSpec) -> None:
+    """torch names dynamic dims s0, s1...; rename them to the contract's symbols (T, C)."""
+    mapping = {}
+    for value, tensor in zip(onnx_program.model.graph.inputs, spec.inputs):
+        for dim, want in zip(value.shape, tensor.shape):
+            if isinstance(want, str):
+                mapping[str(dim)] = want
+    if mapping:
+        onnx_program.rename_axes(mapping)
+
+
+def _geometry(config, cache_key: str) -> Geometry:
+    return Geometry(
+        layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_heads,
+        kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        windows=tuple(config.windows),
+        cache_key=cache_key,
+    )
+
+
+def build_manifest(
+    target: TargetModel,
+    draft: DraftModel,
+    options: ExportOptions,
+    graphs: dict[str, GraphFile],
+    export_key_: str,
+    digests: tuple[str, str],
+) -> Manifest:
+    """The manifest of an export (``digests``: checkpoint digests of target, draft)."""
+    t, d = target.config, draft.config
+    dtype = DTYPES[options.dtype]
+    return Manifest(
+        schema_version=SCHEMA_VERSION,
+        export_key=export_key_,
+        dtype=options.dtype,
+        opset=OPSET,
+        ir_version=IR_VERSION,
+        causal=options.causal,
+        block_size=d.block_size,
+        proposals=options.proposals,
+        min_proposals=contract.MIN_PROPOSALS,
+        max_proposals=d.block_size - 1,
+        mask_token_id=d.mask_token_id,
+        tap_layer_ids=tuple(target.tap_layers),
+        tap_width=target.tap_width,
+        max_owners=options.max_owners,
+        max_sessions=options.max_sessions,
+        max_context=options.max_context,
+        max_chunk=options.max_chunk,
+        vocab_size=t.vocab_size,
+        special_tokens=SpecialTokens(t.bos_token_id, tuple(t.eos_token_ids), tuple(t.eos_token_ids), t.pad_token_id),
+        target=_geometry(t, keys.target_cache_key(digests[0], dtype)),
+        draft=_geometry(d, keys.draft_cache_key(digests[1], digests[0], tuple(target.tap_layers), dtype)),
+        graphs=graphs,
+        versions=tool_versions(),
+    )
+
+
+def export_pair(
+    target_dir: str | Path,
+    draft_dir: str | Path,
+    out_dir: str | Path,
+    options: ExportOptions = ExportOptions(),
+    progress: bool = False,
+    force: bool = False,
+    on_graph: Callable[[str, GraphFile, float], None] | None = None,
+) -> Manifest:
+    """Export every graph of the pair into ``out_dir`` and write its manifest.
+
+    Skips the work (returns the existing manifest) when ``out_dir`` already
+    holds a valid export of exactly these inputs, unless ``force``.
+    ``on_graph(name, graph, seconds)`` is called after each graph.
+    """
+    resolved = options.resolve(target_dir, draft_dir)
+    if not force and (existing := up_to_date(target_dir, draft_dir, out_dir, options)) is not None:
+        return existing
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST_FILE).unlink(missing_ok=True)  # no manifest until every graph is written
+    target, draft = load_pair(target_dir, draft_dir, resolved.dtype)
+    dims = contract_dims(target, draft, resolved)
+    specs = contract.graph_specs(dims)
+    graphs: dict[str, GraphFile] = {}
+    kernels = OnnxKernels(resolved.causal, emit=True)
+    with kernels_of([target, draft], kernels), tqdm(specs.values(), desc="export", unit="graph", disable=not progress) as bar:
+        for spec in bar:
+            bar.set_postfix_str(spec.name)
+            started = time.perf_counter()
+            graphs[spec.name] = export_graph(graph_module(spec, target, draft, dims), spec, out)
+            if on_graph is not None:
+                on_graph(spec.name, graphs[spec.name], time.perf_counter() - started)
+    digests = (keys.checkpoint_digest(target_dir), keys.checkpoint_digest(draft_dir))
+    manifest = build_manifest(target, draft, resolved, graphs, export_key(target_dir, draft_dir, resolved), digests)
+    write_manifest(manifest, out)
+    return load_manifest(out, verify=VERIFY_HASH)

@@ -1,0 +1,191 @@
+"""One ``nn.Module`` per graph kind: exactly the contract's tensors, in contract order.
+
+These wrappers are what ``torch.onnx.export`` traces (with ``OnnxKernels`` on
+the models) and what the runtime's torch backend runs eagerly (with
+``EagerKernels``: the caches are then updated in place and the returned
+``present_*`` tensors ARE the ``past_*`` inputs). Inputs are positional:
+the contract's named inputs, then the caches as ``past_key_0, past_value_0,
+past_key_1, ...``; outputs are a tuple in the contract's output order.
+
+Cache inputs are the owners' rows: owner i is batch index i, i.e. cache row i
+of the bound view, so every wrapper runs its models with ``rows = arange(n)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash_trt.export import contract
+from dflash_trt.export.contract import Dims, GraphSpec
+from dflash_trt.export.draft import DraftModel
+from dflash_trt.export.sampling import choose, verdict
+from dflash_trt.export.target import TargetModel
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+}
+
+
+def _caches(caches: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Interleaved (key_0, value_0, key_1, ...) -> (keys, values)."""
+    return list(caches[0::2]), list(caches[1::2])
+
+
+def _interleave(keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    return tuple(t for pair in zip(keys, values) for t in pair)
+
+
+def _owners(batch: torch.Tensor) -> torch.Tensor:
+    return torch.arange(batch.shape[0], device=batch.device)
+
+
+class TargetPrefill(nn.Module):
+    """tokens [1, T], start [1], caches -> logits [1, V] fp32 (last row), taps [1, T, W], caches.
+
+    Prompt chunks, replays and plain one-token decode.
+    """
+
+    @classmethod
+    def build(cls, target: TargetModel, draft: DraftModel, dims: Dims) -> TargetPrefill:
+        return cls(target)
+
+    def __init__(self, target: TargetModel) -> None:
+        super().__init__()
+        self.target = target
+
+    def forward(self, tokens: torch.Tensor, start: torch.Tensor, *caches: torch.Tensor):
+        keys, values = _caches(caches)
+        hidden, taps = self.target.features(tokens, start, _owners(tokens), keys, values)
+        return (self.target.head(hidden[:, -1]), taps, *_interleave(keys, values))
+
+
+class TargetVerify(nn.Module):
+    """tokens [n, P+1] = [anchor, d_1..d_P], start [n], caches -> logits [n, P+1, V] fp32, taps, caches."""
+
+    @classmethod
+    def build(cls, target: TargetModel, draft: DraftModel, dims: Dims) -> TargetVerify:
+        return cls(target)
+
+    def __init__(self, target: TargetModel) -> None:
+        super().__init__()
+        self.target = target
+
+    def forward(self, tokens: torch.Tensor, start: torch.Tensor, *caches: torch.Tensor):
+        keys, values = _caches(caches)
+        logits, taps = self.target(tokens, start, _owners(tokens), keys, values)
+        return (logits, taps, *_interleave(keys, values))
+
+
+class DraftContext(nn.Module):
+    """taps [1, C, W] at positions start.. -> the draft caches (context K/V of every layer)."""
+
+    @classmethod
+    def build(cls, target: TargetModel, draft: DraftModel, dims: Dims) -> DraftContext:
+        return cls(draft)
+
+    def __init__(self, draft: DraftModel) -> None:
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, taps: torch.Tensor, start: torch.Tensor, *caches: torch.Tensor):
+        keys, values = _caches(caches)
+        self.draft.write_context(taps, start, _owners(taps), keys, values)
+        return _interleave(keys, values)
+
+
+class Draft(nn.Module):
+    """ctx_taps [n, B, W], ctx_start, ctx_count, anchor [n], caches -> proposals [n, P] int64, caches.
+
+    Equals ``DraftModel.write_context`` of the ``ctx_count`` real rows followed
+    by ``ReferenceDecoder._propose``: all B rows are written at ``ctx_start``
+    (padding rows land inside the block and the block's K/V overwrite them),
+    then the block ``[anchor, MASK × (B-1)]`` runs at ``ctx_start + ctx_count``.
+    Holds the target for its embedding and LM head only.
+    """
+
+    @classmethod
+    def build(cls, target: TargetModel, draft: DraftModel, dims: Dims) -> Draft:
+        return cls(target, draft, dims.proposals)
+
+    def __init__(self, target: TargetModel, draft: DraftModel, proposals: int) -> None:
+        super().__init__()
+        self.target, self.draft, self.proposals = target, draft, proposals
+
+    def forward(
+        self,
+        ctx_taps: torch.Tensor,
+        ctx_start: torch.Tensor,
+        ctx_count: torch.Tensor,
+        anchor: torch.Tensor,
+        *caches: torch.Tensor,
+    ):
+        keys, values = _caches(caches)
+        rows = _owners(anchor)
+        self.draft.write_context(ctx_taps, ctx_start, rows, keys, values)
+        config = self.draft.config
+        masks = torch.full((anchor.shape[0], config.block_size - 1), config.mask_token_id, device=anchor.device)
+        block = torch.cat([anchor[:, None], masks], dim=1)  # [n, B]
+        hidden = self.draft(self.target.embed(block), ctx_start + ctx_count, rows, keys, values)
+        proposals = self.target.head(hidden[:, 1 : self.proposals + 1]).argmax(dim=-1)
+        return (proposals, *_interleave(keys, values))
+
+
+class VerifyArgmax(nn.Module):
+    """logits [n, P+1, V] fp32, candidates [n, P+1] -> accepted [n], next_token [n] (greedy)."""
+
+    @classmethod
+    def build(cls, target: TargetModel, draft: DraftModel, dims: Dims) -> VerifyArgmax:
+        return cls()
+
+    def forward(self, logits: torch.Tensor, candidates: torch.Tensor):
+        return verdict(candidates[:, 1:], logits.argmax(dim=-1))
+
+
+class VerifySample(nn.Module):
+    """logits, candidates, temperature/top_k/top_p [n], uniforms [n, P+1] -> accepted, next_token.
+
+    ``uniforms[i, j]`` decides the target's token at position start_i + j + 1
+    (``sampling.positional_uniform``); the choice is ``sampling.choose``, the
+    reference decoder's, so sampled output stays lossless and reproducible.
+    """
+
+    @classmethod
+    def build(cls, target: TargetModel, draft: DraftModel, dims: Dims) -> VerifySample:
+        return cls()
+
+    def forward(
+        self,
+        logits: torch.Tensor,
+        candidates: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        uniforms: torch.Tensor,
+    ):
+        n, rows, vocab = logits.shape
+
+        def per_row(x: torch.Tensor) -> torch.Tensor:  # [n] -> [n * rows]
+            return x[:, None].expand(n, rows).reshape(n * rows)
+
+        flat = logits.reshape(n * rows, vocab)
+        choices = choose(flat, per_row(temperature), per_row(top_k), per_row(top_p), uniforms.reshape(n * rows))
+        return verdict(candidates[:, 1:], choices.reshape(n, rows))
+
+
+WRAPPERS: dict[str, type[nn.Module]] = {
+    contract.TARGET_PREFILL: TargetPrefill,
+    contract.TARGET_VERIFY: TargetVerify,
+    contract.DRAFT_CONTEXT: DraftContext,
+    contract.DRAFT: Draft,
+    contract.VERIFY_ARGMAX: VerifyArgmax,
+    contract.VERIFY_SAMPLE: VerifySample,
+}
+
+
+def graph_module(spec: GraphSpec, target: TargetModel, draft: DraftModel, dims: Dims) -> nn.Module:
+    """The wrapper that computes ``spec``, sharing the given models' weights."""
+    return WRAPPERS[spec.kind].build(target, draft, dims)

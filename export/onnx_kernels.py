@@ -1,0 +1,158 @@
+"""Export-time cache kernels: ONNX ``TensorScatter`` and ``Attention`` (opset 24).
+
+``OnnxKernels`` has ``EagerKernels``' two methods. While ``torch.onnx.export``
+traces, each call emits one standard-domain node through
+``torch.onnx.ops.symbolic``; otherwise it runs a PyTorch model of that node's
+ONNX semantics (``tensor_scatter`` / ``onnx_attention``), so a module wired to
+``OnnxKernels`` still runs eagerly and the formulation can be held against
+``EagerKernels`` without ONNX Runtime.
+
+The graphs address the owners' cache rows directly (``rows == arange(n)``:
+the runtime binds a view of n consecutive rows), so ``rows`` is not used.
+
+Validity is expressed as lengths (``nonpad_kv_seqlen = start + T``):
+
+- draft block attention: non-causal over slots ``< start + B``: lengths only.
+- target, ``causal="lengths"`` (default): ``is_causal=1`` with the lengths.
+  ONNX (>= 1.23 errata) aligns that mask bottom-right: query i sees key j iff
+  ``j <= i + nonpad_kv_seqlen - T`` = its own position, which is what the
+  target needs. ONNX Runtime 1.32 implements it (tests check).
+- target, ``causal="mask"``, and every sliding-window layer: a boolean mask
+  ``[n, 1, T, L]`` built from positions, plus the lengths. Slower (the mask
+  spans max_context) but needs nothing beyond the original opset-23 reading
+  of ``is_causal``: the fallback for a backend that aligns it top-left.
+
+``TRANSLATIONS`` lowers the one aten op the exporter cannot: the stable sort
+of ``sampling.filtered_probs`` becomes ``TopK(k = axis size)``, whose ties
+keep the lower index first, i.e. a stable descending sort.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+OPSET = 24
+CAUSAL_LENGTHS = "lengths"
+CAUSAL_MASK = "mask"
+CAUSAL_MODES = (CAUSAL_LENGTHS, CAUSAL_MASK)
+SEQUENCE_AXIS = 2  # of a [n, kv_heads, max_context, head_dim] cache
+
+
+def tensor_scatter(cache: torch.Tensor, update: torch.Tensor, write_indices: torch.Tensor) -> torch.Tensor:
+    """ONNX TensorScatter (mode linear, axis 2) in PyTorch: a new cache with
+    ``update[i, :, t]`` at slot ``write_indices[i] + t`` of row i."""
+    out = cache.clone()
+    slots = write_indices[:, None] + torch.arange(update.shape[2], device=update.device)  # [n, T]
+    rows = torch.arange(cache.shape[0], device=cache.device)[:, None]
+    out[rows, :, slots] = update.transpose(1, 2).to(cache.dtype)
+    return out
+
+
+def onnx_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    nonpad_kv_seqlen: torch.Tensor,
+    is_causal: bool,
+) -> torch.Tensor:
+    """ONNX Attention-24 (4-D, GQA, external cache) in PyTorch: q [n, Hq, T, D],
+    k/v [n, Hkv, L, D], boolean mask broadcastable to [n, Hq, T, L] -> [n, Hq, T, D]."""
+    n, _, tokens, _ = q.shape
+    slots = torch.arange(k.shape[2], device=q.device)
+    visible = slots[None, None, :] < nonpad_kv_seqlen[:, None, None]  # [n, 1, L]
+    if is_causal:
+        offset = nonpad_kv_seqlen - tokens  # bottom-right alignment
+        last = torch.arange(tokens, device=q.device)[None, :, None] + offset[:, None, None]  # [n, T, 1]
+        visible = visible & (slots <= last)
+    visible = visible.expand(n, tokens, k.shape[2])[:, None]  # [n, 1, T, L]
+    if mask is not None:
+        visible = visible & mask
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+
+
+def causal_mask(q_positions: torch.Tensor, max_context: int, window: int) -> torch.Tensor:
+    """q_positions [n, T] -> boolean [n, 1, T, L]: slot j visible iff j <= p (and p - j < window)."""
+    slots = torch.arange(max_context, device=q_positions.device)
+    p = q_positions[..., None]  # [n, T, 1]
+    visible = slots <= p
+    if window:
+        visible = visible & (p - slots < window)
+    return visible[:, None]
+
+
+class OnnxKernels:
+    """The cache kernels as ONNX nodes; see the module docstring for the formulation."""
+
+    def __init__(self, causal: str = CAUSAL_LENGTHS, emit: bool = False) -> None:
+        """``emit``: trace ONNX nodes even outside ``torch.onnx.export`` (the
+        exporter traces with ``torch.export`` first, where the flag is unset)."""
+        if causal not in CAUSAL_MODES:
+            raise ValueError(f"causal must be one of {CAUSAL_MODES}, got {causal!r}")
+        self.causal, self.emit = causal, emit
+
+    def _emitting(self) -> bool:
+        return self.emit or torch.onnx.is_in_onnx_export()
+
+    def write_cache(
+        self, cache: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, new: torch.Tensor
+    ) -> torch.Tensor:
+        """cache [n, H, L, D] (the owners' rows); start [n]; new [n, H, T, D] -> the updated cache."""
+        new = new.to(cache.dtype)
+        if not self._emitting():
+            return tensor_scatter(cache, new, start)
+        return torch.onnx.ops.symbolic(
+            "TensorScatter",
+            (cache, new, start),
+            {"axis": SEQUENCE_AXIS, "mode": "linear"},
+            dtype=cache.dtype,
+            shape=cache.shape,
+            version=OPSET,
+        )
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        rows: torch.Tensor,
+        q_positions: torch.Tensor,
+        kv_len: torch.Tensor,
+        causal: bool,
+        window: int,
+    ) -> torch.Tensor:
+        """q [n, Hq, T, D] over the owners' cache rows -> [n, Hq, T, D].
+
+        With ``causal``, queries must sit at ``kv_len - T ..`` (the target's
+        layout), which the bottom-right ``is_causal`` relies on.
+        """
+        mask = None
+        if causal and (window or self.causal == CAUSAL_MASK):
+            mask = causal_mask(q_positions, k_cache.shape[SEQUENCE_AXIS], window)
+        is_causal = causal and mask is None
+        if not self._emitting():
+            return onnx_attention(q, k_cache, v_cache, mask, kv_len, is_causal)
+        return torch.onnx.ops.symbolic(
+            "Attention",
+            (q, k_cache, v_cache, mask, None, None, kv_len),
+            {"is_causal": int(is_causal)},
+            dtype=q.dtype,
+            shape=q.shape,
+            version=OPSET,
+        )
+
+
+def _sort_stable(self, *, stable=None, dim: int = -1, descending: bool = False):
+    """aten.sort.stable -> ONNX TopK over the whole axis (ties: lower index first)."""
+    from onnxscript import opset23 as op
+
+    k = op.Shape(self, start=dim, end=None if dim == -1 else dim + 1)
+    values, indices = op.TopK(self, k, axis=dim, largest=int(descending), sorted=1)
+    return values, indices
+
+
+TRANSLATIONS = {torch.ops.aten.sort.stable: _sort_stable}

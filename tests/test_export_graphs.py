@@ -1,0 +1,321 @@
+"""Exported ONNX graphs against the contract and against the PyTorch wrappers they were traced from.
+
+ONNX Runtime (CPU) runs every graph of the tiny fp32 export on fresh random
+inputs; the same wrapper with ``EagerKernels`` runs in PyTorch; outputs must
+agree (fp32: max relative error <= 1e-4) and the cache outputs must differ
+from the cache inputs exactly in the slots the graph is meant to write.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+import zlib
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from dflash_trt.export import contract
+from dflash_trt.export.exporter import ExportOptions, contract_dims, export_graph, kernels_of, load_pair
+from dflash_trt.export.graphs import graph_module
+from dflash_trt.export.layers import EagerKernels
+from dflash_trt.export.onnx_kernels import CAUSAL_MASK, OnnxKernels
+from dflash_trt.export.sampling import choose
+
+FP32_TOLERANCE = 1e-4
+NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64}
+GRAPHS = contract.graph_names(3)
+
+
+def session(path) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # TensorScatter warns on every copy of an unaliased cache
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def declared_io(path) -> dict[str, dict[str, tuple]]:
+    """{inputs|outputs: {name: (shape, elem type name)}} read with onnx alone."""
+    model = onnx.load(str(path))
+    weights = {t.name for t in model.graph.initializer}
+
+    def one(value):
+        shape = tuple(d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim)
+        return shape, onnx.TensorProto.DataType.Name(value.type.tensor_type.elem_type)
+
+    return {
+        "inputs": {v.name: one(v) for v in model.graph.input if v.name not in weights},
+        "outputs": {v.name: one(v) for v in model.graph.output},
+    }
+
+
+ONNX_TYPE = {"float32": "FLOAT", "float16": "FLOAT16", "bfloat16": "BFLOAT16", "int64": "INT64"}
+
+
+def assert_bindings_equal_contract(path, spec: contract.GraphSpec) -> None:
+    io = declared_io(path)
+    for side, specs in (("inputs", spec.inputs), ("outputs", spec.outputs)):
+        assert set(io[side]) == {s.name for s in specs}, f"{spec.name} {side}"
+        for s in specs:
+            assert io[side][s.name] == (tuple(s.shape), ONNX_TYPE[s.dtype]), f"{spec.name} {s.name}"
+
+
+# --- random inputs: valid values, and the cache slots each graph writes -------------------------
+
+
+def _caches(spec, rng, dtype) -> dict[str, np.ndarray]:
+    return {s.name: rng.standard_normal(s.shape).astype(dtype) for s in spec.cache_inputs}
+
+
+def random_inputs(spec: contract.GraphSpec, dims: contract.Dims, rng: np.random.Generator):
+    """(inputs by name, written [lo, hi) slot range per owner or None)."""
+    n, V, L, B, P = spec.owners or 1, dims.vocab_size, dims.max_context, dims.block_size, dims.proposals
+    dtype = NUMPY_DTYPES[dims.dtype]
+    feeds = _caches(spec, rng, dtype)
+    if spec.kind in (contract.TARGET_PREFILL, contract.TARGET_VERIFY):
+        tokens = 5 if spec.kind == contract.TARGET_PREFILL else P + 1
+        start = rng.integers(0, L - tokens + 1, n)
+        feeds |= {contract.TOKENS: rng.integers(0, V, (n, tokens)), contract.START: start}
+        return feeds, [(s, s + tokens) for s in start]
+    if spec.kind == contract.DRAFT_CONTEXT:
+        rows = 6
+        start = rng.integers(0, L - rows + 1, 1)
+        feeds |= {contract.TAPS: rng.standard_normal((1, rows, dims.tap_width)).astype(dtype), contract.START: start}
+        return feeds, [(start[0], start[0] + rows)]
+    if spec.kind == contract.DRAFT:
+        count = rng.integers(0, B + 1, n)
+        ctx_start = np.array([rng.integers(0, L - B - c + 1) for c in count])
+        taps = rng.standard_normal((n, B, dims.tap_width)).astype(dtype)
+        taps[np.arange(B)[None, :] >= count[:, None]] = 0  # padding rows, as the runtime sends them
+        feeds |= {
+            contract.CTX_TAPS: taps,
+            contract.CTX_START: ctx_start,
+            contract.CTX_COUNT: count,
+            contract.ANCHOR: rng.integers(0, V, n),
+        }
+        return feeds, [(s, s + c + B) for s, c in zip(ctx_start, count)]
+    return verifier_inputs(spec, dims, rng), None
+
+
+def verifier_inputs(spec, dims, rng) -> dict[str, np.ndarray]:
+    """Logits + candidates whose proposals match the target's choices for a random prefix per owner."""
+    n, V, P = spec.owners, dims.vocab_size, dims.proposals
+    logits = (3 * rng.standard_normal((n, P + 1, V))).astype(np.float32)
+    feeds = {contract.LOGITS: logits}
+    if spec.kind == contract.VERIFY_ARGMAX:
+        choices = logits.argmax(-1)
+    else:
+        params = {
+            contract.TEMPERATURE: np.array([(0.0, 0.8, 1.5)[i % 3] for i in range(n)], np.float32),
+            contract.TOP_K: np.array([(0, 5, 40)[i % 3] for i in range(n)], np.int64),
+            contract.TOP_P: np.array([(1.0, 0.9, 0.6)[i % 3] for i in range(n)], np.float32),
+            contract.UNIFORMS: rng.random((n, P + 1), dtype=np.float32),
+        }
+        feeds |= params
+        per_row = [torch.from_numpy(np.repeat(params[k], P + 1)) for k in (contract.TEMPERATURE, contract.TOP_K, contract.TOP_P)]
+        flat = choose(torch.from_numpy(logits.reshape(-1, V)), *per_row, torch.from_numpy(params[contract.UNIFORMS].reshape(-1)))
+        choices = flat.reshape(n, P + 1).numpy()
+    candidates = rng.integers(0, V, (n, P + 1))
+    for i, accept in enumerate(rng.integers(0, P + 1, n)):
+        candidates[i, 1 : accept + 1] = choices[i, :accept]
+        if accept < P:
+            candidates[i, accept + 1] = (choices[i, accept] + 1) % V
+    feeds[contract.CANDIDATES] = candidates
+    return feeds
+
+
+# --- running both sides ----------------------------------------------------------------------------
+
+
+def run_eager(module, spec, feeds) -> dict[str, np.ndarray]:
+    args = [torch.from_numpy(np.array(feeds[s.name])) for s in spec.inputs]
+    with torch.no_grad():
+        outputs = module(*args)
+    return {s.name: o.detach().numpy() for s, o in zip(spec.outputs, outputs)}
+
+
+def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    got, want = got.astype(np.float64), want.astype(np.float64)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def compare(spec, feeds, written, ours, theirs, tolerance) -> dict[str, float]:
+    """Assert ORT (``ours``) == eager (``theirs``); caches changed only in ``written``. Returns errors."""
+    errors = {}
+    for s in spec.outputs:
+        got, want = ours[s.name], theirs[s.name]
+        assert got.shape == want.shape and got.dtype == want.dtype, s.name
+        if s.dtype == "int64":
+            assert np.array_equal(got, want), f"{spec.name} {s.name}: {got} != {want}"
+            continue
+        errors[s.name] = relative_error(got, want)
+        assert errors[s.name] <= tolerance, f"{spec.name} {s.name}: relative error {errors[s.name]:.2e}"
+        if s.name.startswith("present_"):
+            past = feeds["past_" + s.name.removeprefix("present_")]
+            untouched = np.ones(past.shape, bool)
+            for row, (lo, hi) in enumerate(written):
+                untouched[row, :, lo:hi] = False
+            assert np.array_equal(got[untouched], past[untouched]), f"{spec.name} {s.name} wrote outside its slots"
+            assert not np.array_equal(got[~untouched], past[~untouched]), f"{spec.name} {s.name} wrote nothing"
+    return errors
+
+
+@pytest.fixture(scope="module")
+def eager_models(exported_pair):
+    target_dir, draft_dir, _, manifest, _ = exported_pair
+    target, draft = load_pair(target_dir, draft_dir, "fp32")
+    return target, draft, manifest.dims()
+
+
+# --- tests -----------------------------------------------------------------------------------------
+
+
+def test_bindings_of_every_graph_equal_the_contract(exported_pair):
+    """Guards against an exporter that renames, drops (e.g. an input it found unused), reorders
+    or re-types a binding, or leaves a dynamic dim unnamed: the engines and runtime bind by these names."""
+    _, _, out, manifest, _ = exported_pair
+    dims = manifest.dims()
+    assert tuple(manifest.graphs) == GRAPHS
+    for name in GRAPHS:
+        assert_bindings_equal_contract(out / manifest.graphs[name].file, contract.graph_spec(dims, name))
+
+
+def test_graphs_pass_checker_and_use_only_standard_opset_24(exported_pair):
+    """Guards against graphs ONNX Runtime / TensorRT refuse (IR 14, custom domains or functions)
+    and against KV writes / attention silently traced as generic ops (ScatterND, MatMul+Softmax)."""
+    _, _, out, manifest, _ = exported_pair
+    dims = manifest.dims()
+    for name, graph in manifest.graphs.items():
+        onnx.checker.check_model(str(out / graph.file), full_check=True)
+        model = onnx.load(str(out / graph.file))
+        assert model.ir_version <= 13
+        assert [(o.domain, o.version) for o in model.opset_import] == [("", 24)]
+        assert not model.functions and {node.domain for node in model.graph.node} == {""}
+        ops = collections.Counter(node.op_type for node in model.graph.node)
+        assert "ScatterND" not in ops, name
+        kind = graph.io.kind
+        writes = {
+            contract.TARGET_PREFILL: 2 * dims.target_layers,
+            contract.TARGET_VERIFY: 2 * dims.target_layers,
+            contract.DRAFT_CONTEXT: 2 * dims.draft_layers,
+            contract.DRAFT: 4 * dims.draft_layers,  # context rows, then the block
+        }.get(kind, 0)
+        attentions = {contract.TARGET_PREFILL: dims.target_layers, contract.TARGET_VERIFY: dims.target_layers, contract.DRAFT: dims.draft_layers}
+        assert ops["TensorScatter"] == writes, name
+        assert ops["Attention"] == attentions.get(kind, 0), name
+
+
+@pytest.mark.parametrize("name", GRAPHS)
+def test_onnx_runtime_equals_eager_fp32(exported_pair, eager_models, name):
+    """Guards against any divergence between a traced graph and its PyTorch wrapper (attention
+    alignment, lengths, GQA, RoPE positions, draft padding, sampling/verdict lowering, TopK ties) and
+    against a cache write that touches any slot but the ones meant (whole caches compared)."""
+    target, draft, dims = eager_models
+    _, _, out, manifest, _ = exported_pair
+    spec = contract.graph_spec(dims, name)
+    module = graph_module(spec, target, draft, dims)
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    graph = session(out / manifest.graphs[name].file)
+    for _ in range(2):
+        feeds, written = random_inputs(spec, dims, rng)
+        ours = dict(zip(spec.output_names, graph.run(None, feeds)))
+        compare(spec, feeds, written, ours, run_eager(module, spec, feeds), FP32_TOLERANCE)
+
+
+def test_onnx_kernels_eager_formulation_equals_eager_kernels():
+    """Guards against a wrong ONNX formulation (is_causal bottom-right offset, lengths, window
+    mask, TensorScatter slots) independently of ONNX Runtime: OnnxKernels' PyTorch model of the
+    ONNX ops must equal the reference kernels."""
+    torch.manual_seed(0)
+    n, hq, hkv, L, D, T = 3, 4, 2, 24, 8, 5
+    start = torch.tensor([0, 7, 19])
+    rows = torch.arange(n)
+    positions = start[:, None] + torch.arange(T)
+    q, new = torch.randn(n, hq, T, D), torch.randn(n, hkv, T, D)
+    for causal, window in ((True, 0), (True, 4), (False, 0)):
+        for mode in ("lengths", CAUSAL_MASK):
+            k, v = torch.randn(n, hkv, L, D), torch.randn(n, hkv, L, D)
+            onnx_kernels, eager = OnnxKernels(mode), EagerKernels()
+            k_onnx = onnx_kernels.write_cache(k, rows, start, new)
+            k_eager = eager.write_cache(k.clone(), rows, start, new)
+            assert torch.equal(k_onnx, k_eager)
+            want = eager.attention(q, k_eager, v, rows, positions, start + T, causal, window)
+            got = onnx_kernels.attention(q, k_onnx, v, rows, positions, start + T, causal, window)
+            assert torch.allclose(got, want, atol=1e-6), (causal, window, mode)
+
+
+@pytest.fixture(scope="module")
+def windowed_pair(tmp_path_factory, tiny_pair):
+    """A Qwen3 target with alternating full / sliding-window (6) layers, and tiny_pair's draft."""
+    import tiny_models
+
+    directory = tmp_path_factory.mktemp("windowed") / "target"
+    layer_types = ["full_attention", "sliding_attention"] * 2 + ["full_attention"]
+    tiny_models.write_target(directory, sliding_window=6, use_sliding_window=True, layer_types=layer_types)
+    return directory, tiny_pair[1]
+
+
+@pytest.mark.parametrize("case", ["window-layers", "causal-mask"])
+def test_target_mask_formulations_in_onnx_runtime(tmp_path, tiny_pair, windowed_pair, case):
+    """Guards against the boolean-mask path (sliding-window layers, and --causal mask for backends
+    that align is_causal top-left) diverging from the wrapper in ONNX Runtime."""
+    target_dir, draft_dir = windowed_pair if case == "window-layers" else tiny_pair
+    causal = "lengths" if case == "window-layers" else CAUSAL_MASK
+    options = ExportOptions(max_owners=2, max_context=48, dtype="fp32", causal=causal).resolve(target_dir, draft_dir)
+    target, draft = load_pair(target_dir, draft_dir, "fp32")
+    dims = contract_dims(target, draft, options)
+    rng = np.random.default_rng(7)
+    for name in ("target_verify_2",):
+        spec = contract.graph_spec(dims, name)
+        with kernels_of([target, draft], OnnxKernels(causal, emit=True)):
+            graph = export_graph(graph_module(spec, target, draft, dims), spec, tmp_path)
+        assert_bindings_equal_contract(tmp_path / graph.file, spec)
+        feeds, written = random_inputs(spec, dims, rng)
+        ours = dict(zip(spec.output_names, session(tmp_path / graph.file).run(None, feeds)))
+        compare(spec, feeds, written, ours, run_eager(graph_module(spec, target, draft, dims), spec, feeds), FP32_TOLERANCE)
+
+
+@pytest.fixture(scope="module")
+def half_exports(tmp_path_factory, exported_pair):
+    """fp16 and bf16 exports of target_verify_2 and draft_2 (both models, all cache kernels), no manifest."""
+    target_dir, draft_dir = exported_pair[:2]
+    result = {}
+    for dtype in ("fp16", "bf16"):
+        out = tmp_path_factory.mktemp(dtype)
+        options = ExportOptions(max_owners=2, max_context=64, dtype=dtype).resolve(target_dir, draft_dir)
+        target, draft = load_pair(target_dir, draft_dir, dtype)
+        dims = contract_dims(target, draft, options)
+        names = ("target_verify_2", "draft_2")
+        started = time.perf_counter()
+        with kernels_of([target, draft], OnnxKernels(emit=True)):
+            files = {n: export_graph(graph_module(contract.graph_spec(dims, n), target, draft, dims), contract.graph_spec(dims, n), out) for n in names}
+        result[dtype] = (out, dims, files, target, draft, time.perf_counter() - started)
+    return result
+
+
+@pytest.mark.parametrize("name", ["target_verify_2", "draft_2"])
+def test_onnx_runtime_equals_eager_fp16(half_exports, name):
+    """Guards against dtype bugs in the one export code path (casts, fp32 logits, cache dtype,
+    RMSNorm/RoPE precision): the fp16 graph in ONNX Runtime tracks the fp16 wrapper in PyTorch
+    within fp16 tolerance, logits stay fp32, and cache writes stay in their slots."""
+    out, dims, files, target, draft, _ = half_exports["fp16"]
+    spec = contract.graph_spec(dims, name)
+    assert_bindings_equal_contract(out / files[name].file, spec)
+    feeds, written = random_inputs(spec, dims, np.random.default_rng(11))
+    ours = dict(zip(spec.output_names, session(out / files[name].file).run(None, feeds)))
+    theirs = run_eager(graph_module(spec, target, draft, dims), spec, feeds)
+    if contract.LOGITS in ours:
+        assert ours[contract.LOGITS].dtype == np.float32
+    compare(spec, feeds, written, ours, theirs, 2e-2)
+
+
+def test_bf16_graphs_pass_checker_with_bf16_bindings(half_exports):
+    """Guards against a bf16 export (what TensorRT builds) that is malformed or mistyped; ONNX
+    Runtime CPU cannot run bf16 (no bf16 kernels), so it is checked, not run, here."""
+    out, dims, files, _, _, _ = half_exports["bf16"]
+    assert dims.dtype == "bfloat16"
+    for name, graph in files.items():
+        onnx.checker.check_model(str(out / graph.file), full_check=True)
+        assert_bindings_equal_contract(out / graph.file, contract.graph_spec(dims, name))
