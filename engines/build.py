@@ -63,6 +63,7 @@ class BuildFailure:
     node: str
     operator: str
     message: str
+    tensor: str = ""  # the tensor at fault, for unread tensors
 
     def __str__(self) -> str:
         if self.operator == GRAPH_INPUT:
@@ -206,7 +207,8 @@ class _SetBuilder:
         unread = unread_tensors(network)
         if unread and not self.options.allow_unread:
             why = "nothing in the parsed network reads it: TensorRT dropped what it means, so the engine would compute something else than the graph"
-            raise _GraphFailed([BuildFailure(source.name, producer, kind, f"{tensor!r}: {why}") for tensor, producer, kind in unread])
+            failures = [BuildFailure(source.name, producer, kind, f"{tensor!r}: {why}", tensor) for tensor, producer, kind in unread]
+            raise _GraphFailed(failures)
         return tuple(tensor for tensor, _producer, _kind in unread)
 
     def _config(self):
