@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import onnx
+from google.protobuf.message import DecodeError
 
 from dflash_trt.errors import ManifestError
 from dflash_trt.export import contract
@@ -308,11 +309,33 @@ def _refuse(path: Path, field_name: str, got: Any, want: Any, why: str) -> None:
 
 
 def _check_consistency(m: Manifest, path: Path) -> None:
-    """The manifest's facts agree with each other and with its graphs' recorded IO."""
+    """The manifest's facts agree with each other and with its graphs' recorded IO.
+
+    Facts the graphs' shapes show (block size, proposals, vocabulary...) are
+    checked against those shapes first, so an edited field is named as such.
+    """
     if m.dtype not in DTYPES:
         raise ManifestError(f"{path}: dtype must be one of {sorted(DTYPES)}, got {m.dtype!r}")
     if m.ir_version > MAX_IR_VERSION:
         raise ManifestError(f"{path}: ir_version must be <= {MAX_IR_VERSION} (ONNX Runtime's max), got {m.ir_version}")
+    expected = contract.graph_names(m.max_owners) if m.max_owners >= 1 else ()
+    missing = [n for n in expected if n not in m.graphs]
+    if missing:
+        raise ManifestError(f"{path}: graphs lacks '{missing[0]}' (max_owners {m.max_owners} needs {list(expected)})")
+    extra = [n for n in m.graphs if n not in expected]
+    if extra:
+        raise ManifestError(f"{path}: graphs has '{extra[0]}', not a graph of max_owners {m.max_owners}")
+    _check_observed_dims(m, {name: g.io for name, g in m.graphs.items()}, path, "recorded IO of graph")
+    _check_facts(m, path)
+    try:
+        dims = m.dims()
+    except ValueError as error:
+        raise ManifestError(f"{path}: {error}") from error
+    for name, graph in m.graphs.items():
+        _compare_io(graph.io, contract.graph_spec(dims, name), path, f"graphs.{name}", "recorded", "the contract for these fields")
+
+
+def _check_facts(m: Manifest, path: Path) -> None:
     _refuse(path, "min_proposals", m.min_proposals, contract.MIN_PROPOSALS, "the verifiers need")
     _refuse(path, "max_proposals", m.max_proposals, m.block_size - 1, "block_size - 1 is")
     if not m.min_proposals <= m.proposals <= m.max_proposals:
@@ -329,21 +352,6 @@ def _check_consistency(m: Manifest, path: Path) -> None:
         raise ManifestError(f"{path}: max_sessions must be >= max_owners {m.max_owners}, got {m.max_sessions}")
     for role, geometry in (("target", m.target), ("draft", m.draft)):
         _refuse(path, f"{role}.windows length", len(geometry.windows), geometry.layers, f"{role}.layers is")
-    try:
-        dims = m.dims()
-    except ValueError as error:
-        raise ManifestError(f"{path}: {error}") from error
-    expected = contract.graph_names(m.max_owners)
-    missing = [n for n in expected if n not in m.graphs]
-    if missing:
-        raise ManifestError(f"{path}: graphs lacks '{missing[0]}' (max_owners {m.max_owners} needs {list(expected)})")
-    extra = [n for n in m.graphs if n not in expected]
-    if extra:
-        raise ManifestError(f"{path}: graphs has '{extra[0]}', not a graph of max_owners {m.max_owners}")
-    recorded = {name: g.io for name, g in m.graphs.items()}
-    _check_observed_dims(m, recorded, path, "recorded IO of graph")
-    for name, graph in m.graphs.items():
-        _compare_io(graph.io, contract.graph_spec(dims, name), path, f"graphs.{name}", "recorded", "the contract for these fields")
 
 
 # (manifest field, graph, tensor, axis or None for the dtype): how each fact shows in the graphs.
@@ -450,7 +458,10 @@ def _check_files(m: Manifest, directory: Path, hashes: bool) -> None:
         for file in (graph.file, *graph.data_files):
             if not (directory / file).is_file():
                 raise ManifestError(f"{manifest_path}: graphs.{name} names file '{file}', which is missing from {directory}")
-        on_disk[name] = read_graph_io(directory / graph.file, name)
+        try:
+            on_disk[name] = read_graph_io(directory / graph.file, name)
+        except (OSError, DecodeError) as error:
+            raise ManifestError(f"{manifest_path}: graphs.{name} file '{graph.file}' is not a readable ONNX graph: {error}") from error
     _check_observed_dims(m, on_disk, manifest_path, "file of graph")
     for name, graph in m.graphs.items():
         recorded = GraphSpec(name, graph.io.kind, graph.io.owners, graph.io.inputs, graph.io.outputs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -37,6 +38,15 @@ def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     return target, draft
 
 
+class ExportedPair(NamedTuple):
+    target_dir: Path
+    draft_dir: Path
+    out: Path
+    manifest: object
+    prompts: list
+    new_tokens: tuple
+
+
 EXPORT_PROMPT_LENGTHS = (5, 19, 40)  # <= block, > block (drained), long (ends in plain decode)
 EXPORT_NEW_TOKENS = (30, 25, 20)
 
@@ -45,7 +55,7 @@ EXPORT_NEW_TOKENS = (30, 25, 20)
 def exported_pair(tiny_pair, tmp_path_factory):
     """fp32 export (max_owners 3, max_context 64) of the tiny target and a draft tuned to agree with it.
 
-    Returns (target_dir, draft_dir, out_dir, manifest, prompts). The draft is
+    Returns an ``ExportedPair`` (target_dir, draft_dir, out, manifest, prompts, new_tokens). The draft is
     tiny_pair's with its layer outputs scaled down (each slot then proposes
     about argmax head(norm(embed(mask)))) and the mask chosen so that this is
     the token the target's greedy continuations of ``prompts`` repeat most:
@@ -77,4 +87,4 @@ def exported_pair(tiny_pair, tmp_path_factory):
     draft_dir = save_checkpoint(root / "draft", config, scaled)
     options = ExportOptions(max_owners=3, max_context=64, dtype="fp32")
     manifest = export_pair(target_dir, draft_dir, root / "graphs", options)
-    return target_dir, draft_dir, root / "graphs", manifest, prompts
+    return ExportedPair(target_dir, draft_dir, root / "graphs", manifest, prompts, EXPORT_NEW_TOKENS)

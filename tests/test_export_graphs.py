@@ -164,9 +164,8 @@ def compare(spec, feeds, written, ours, theirs, tolerance) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def eager_models(exported_pair):
-    target_dir, draft_dir, _, manifest, _ = exported_pair
-    target, draft = load_pair(target_dir, draft_dir, "fp32")
-    return target, draft, manifest.dims()
+    target, draft = load_pair(exported_pair.target_dir, exported_pair.draft_dir, "fp32")
+    return target, draft, exported_pair.manifest.dims()
 
 
 # --- tests -----------------------------------------------------------------------------------------
@@ -175,7 +174,7 @@ def eager_models(exported_pair):
 def test_bindings_of_every_graph_equal_the_contract(exported_pair):
     """Guards against an exporter that renames, drops (e.g. an input it found unused), reorders
     or re-types a binding, or leaves a dynamic dim unnamed: the engines and runtime bind by these names."""
-    _, _, out, manifest, _ = exported_pair
+    out, manifest = exported_pair.out, exported_pair.manifest
     dims = manifest.dims()
     assert tuple(manifest.graphs) == GRAPHS
     for name in GRAPHS:
@@ -185,7 +184,7 @@ def test_bindings_of_every_graph_equal_the_contract(exported_pair):
 def test_graphs_pass_checker_and_use_only_standard_opset_24(exported_pair):
     """Guards against graphs ONNX Runtime / TensorRT refuse (IR 14, custom domains or functions)
     and against KV writes / attention silently traced as generic ops (ScatterND, MatMul+Softmax)."""
-    _, _, out, manifest, _ = exported_pair
+    out, manifest = exported_pair.out, exported_pair.manifest
     dims = manifest.dims()
     for name, graph in manifest.graphs.items():
         onnx.checker.check_model(str(out / graph.file), full_check=True)
@@ -213,7 +212,7 @@ def test_onnx_runtime_equals_eager_fp32(exported_pair, eager_models, name):
     alignment, lengths, GQA, RoPE positions, draft padding, sampling/verdict lowering, TopK ties) and
     against a cache write that touches any slot but the ones meant (whole caches compared)."""
     target, draft, dims = eager_models
-    _, _, out, manifest, _ = exported_pair
+    out, manifest = exported_pair.out, exported_pair.manifest
     spec = contract.graph_spec(dims, name)
     module = graph_module(spec, target, draft, dims)
     rng = np.random.default_rng(zlib.crc32(name.encode()))
@@ -280,7 +279,7 @@ def test_target_mask_formulations_in_onnx_runtime(tmp_path, tiny_pair, windowed_
 @pytest.fixture(scope="module")
 def half_exports(tmp_path_factory, exported_pair):
     """fp16 and bf16 exports of target_verify_2 and draft_2 (both models, all cache kernels), no manifest."""
-    target_dir, draft_dir = exported_pair[:2]
+    target_dir, draft_dir = exported_pair.target_dir, exported_pair.draft_dir
     result = {}
     for dtype in ("fp16", "bf16"):
         out = tmp_path_factory.mktemp(dtype)

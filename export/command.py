@@ -1,0 +1,64 @@
+"""``dflash-trt export``: trace a target + DFlash draft pair to ONNX graphs + manifest.json.
+
+    dflash-trt export --target DIR --draft DIR --out DIR [--max-owners 4]
+        [--max-sessions N] [--max-context L] [--max-chunk T] [--proposals P]
+        [--dtype bf16|fp16|fp32] [--causal lengths|mask] [--force]
+
+fp32 is for CPU execution (ONNX Runtime), bf16/fp16 for engines. An output
+directory already holding a valid export of the same inputs is left alone
+unless ``--force``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from dflash_trt.export.contract import DTYPES
+from dflash_trt.export.exporter import ExportOptions, export_pair, up_to_date
+from dflash_trt.export.onnx_kernels import CAUSAL_MODES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, type=Path, help="target checkpoint directory (HF layout)")
+    parser.add_argument("--draft", required=True, type=Path, help="DFlash draft checkpoint directory (z-lab layout)")
+    parser.add_argument("--out", required=True, type=Path, help="output directory for the graphs and manifest.json")
+    parser.add_argument("--max-owners", type=int, default=4, help="static draft/verify graphs for 1..N owners (default 4)")
+    parser.add_argument("--max-sessions", type=int, help="cache rows the runtime allocates (default: max owners)")
+    parser.add_argument("--max-context", type=int, help="cache length in positions (default: min(4096, target max positions))")
+    parser.add_argument("--max-chunk", type=int, help="largest prefill / context chunk (default: min(512, max context))")
+    parser.add_argument("--proposals", type=int, help="draft tokens verified per cycle, 2..block-1 (default: block - 1)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="model dtype (default bf16; fp32 for CPU)")
+    parser.add_argument(
+        "--causal",
+        choices=CAUSAL_MODES,
+        default=CAUSAL_MODES[0],
+        help="target causal attention: lengths (is_causal + kv lengths, fast) or mask (boolean mask)",
+    )
+    parser.add_argument("--force", action="store_true", help="re-export even if the output is up to date")
+
+
+def run(args: argparse.Namespace) -> int:
+    options = ExportOptions(
+        max_owners=args.max_owners,
+        max_sessions=args.max_sessions,
+        max_context=args.max_context,
+        max_chunk=args.max_chunk,
+        proposals=args.proposals,
+        dtype=args.dtype,
+        causal=args.causal,
+    )
+    options.resolve(args.target, args.draft)  # refuse bad options before any work
+    if not args.force and up_to_date(args.target, args.draft, args.out, options) is not None:
+        print(f"{args.out}: up to date (same checkpoints, options and exporter); use --force to re-export")
+        return 0
+    started = time.perf_counter()
+    manifest = export_pair(args.target, args.draft, args.out, options, progress=True, force=True)
+    total = sum((args.out / name).stat().st_size for g in manifest.graphs.values() for name in (g.file, *g.data_files))
+    print(
+        f"{args.out}: {len(manifest.graphs)} graphs, {total / 2**20:.1f} MiB, {manifest.dtype}, "
+        f"block {manifest.block_size}, proposals {manifest.proposals}, max owners {manifest.max_owners}, "
+        f"max context {manifest.max_context}, in {time.perf_counter() - started:.1f} s"
+    )
+    return 0

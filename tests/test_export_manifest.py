@@ -1,0 +1,150 @@
+"""manifest.json: its facts, its refusals, the export key, and the ``dflash-trt export`` command."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import onnx
+import pytest
+
+from dflash_trt.cli import main
+from dflash_trt.errors import ManifestError
+from dflash_trt.export import contract
+from dflash_trt.export.contract import Dims
+from dflash_trt.export.exporter import ExportOptions, up_to_date
+from dflash_trt.export.keys import file_sha256
+from dflash_trt.export.manifest import MANIFEST_FILE, load_manifest
+
+OPTIONS = ExportOptions(max_owners=3, max_context=64, dtype="fp32")
+
+
+def test_manifest_records_the_facts_the_runtime_needs(exported_pair):
+    """Guards against a manifest missing or misstating a fact the runtime checks (block size,
+    proposals bounds, mask, taps, geometry, distinct cache keys, hashes, versions)."""
+    m, draft_config = exported_pair.manifest, json.loads((exported_pair.draft_dir / "config.json").read_text())
+    assert (m.schema_version, m.opset, m.dtype, m.causal) == (1, 24, "fp32", "lengths")
+    assert m.ir_version <= 13
+    assert (m.block_size, m.proposals, m.min_proposals, m.max_proposals) == (8, 7, 2, 7)
+    assert m.mask_token_id == draft_config["dflash_config"]["mask_token_id"]
+    assert (m.tap_layer_ids, m.tap_width, m.vocab_size) == ((1, 3), 2 * 64, 97)
+    assert (m.max_owners, m.max_sessions, m.max_context, m.max_chunk) == (3, 3, 64, 64)
+    assert (m.special_tokens.bos, m.special_tokens.eos, m.special_tokens.stop) == (2, (1,), (1,))
+    assert (m.target.layers, m.target.kv_heads, m.target.head_dim, m.target.windows) == (5, 2, 16, (0,) * 5)
+    assert (m.draft.layers, m.draft.kv_heads, m.draft.head_dim, m.draft.windows) == (2, 2, 16, (0, 0))
+    assert m.target.cache_key.startswith("target-") and m.draft.cache_key.startswith("draft-")
+    assert {"torch", "onnx", "onnxruntime", "onnxscript", "dflash_trt"} <= set(m.versions)
+    for name, graph in m.graphs.items():
+        assert graph.sha256 == file_sha256(exported_pair.out / graph.file)
+        assert graph.io == contract.graph_spec(m.dims(), name)
+
+
+@pytest.fixture
+def copy(exported_pair, tmp_path):
+    """A private copy of the export and a way to edit its manifest JSON."""
+    out = tmp_path / "graphs"
+    shutil.copytree(exported_pair.out, out)
+
+    def edit(change) -> None:
+        path = out / MANIFEST_FILE
+        data = json.loads(path.read_text())
+        change(data)
+        path.write_text(json.dumps(data))
+
+    return out, edit
+
+
+def _set(key, value):
+    def change(data):
+        data[key] = value
+
+    return change
+
+
+def _relabel_block(data):
+    """Edit block size AND every recorded IO consistently: only the graph files can tell."""
+    data["block_size"], data["max_proposals"] = 16, 15
+    fields = {k: data[k] for k in ("vocab_size", "tap_width", "block_size", "proposals", "max_owners", "max_context", "max_chunk")}
+    dims = Dims(
+        **fields,
+        target_layers=5, target_kv_heads=2, target_head_dim=16, draft_layers=2, draft_kv_heads=2, draft_head_dim=16,
+        dtype="float32",
+    )
+    for name, graph in data["graphs"].items():
+        graph.update(contract.graph_spec(dims, name).io_json())
+
+
+def _same_cache_keys(data):
+    data["draft"]["cache_key"] = data["target"]["cache_key"]
+
+
+REFUSALS = {
+    # case: (edit of the manifest JSON, words the error must contain)
+    "edited-block-size": (_set("block_size", 16), ["block_size", "16", "8", "draft_1"]),
+    "edited-block-size-and-io": (_relabel_block, ["block_size", "16", "8", "file of graph", "draft_1"]),
+    "edited-proposals": (_set("proposals", 5), ["proposals", "5", "7"]),
+    "edited-dtype": (_set("dtype", "bf16"), ["dtype", "bfloat16", "float32"]),
+    "edited-vocab": (_set("vocab_size", 98), ["vocab_size", "98", "97"]),
+    "unknown-schema": (_set("schema_version", 2), ["schema_version", "2", "1"]),
+    "malformed-field": (_set("block_size", "8"), ["block_size", "must be an int", "'8'"]),
+    "unknown-field": (_set("blok_size", 8), ["blok_size", "unknown field"]),
+    "graph-entry-missing": (lambda d: d["graphs"].pop("draft_3"), ["graphs lacks 'draft_3'", "max_owners 3"]),
+    "wrong-hash": (lambda d: d["graphs"]["draft_1"].update(sha256="0" * 64), ["draft_1", "sha256", "0" * 64]),
+    "same-cache-keys": (_same_cache_keys, ["cache_key", "must differ"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_manifest_disagreeing_with_its_graphs_is_refused_naming_field_and_values(copy, case):
+    """Guards against serving an artifact set whose manifest lies about its graphs (the runtime
+    would size buffers or blocks wrongly): each edit is refused with ManifestError naming the field
+    and both values."""
+    out, edit = copy
+    change, words = REFUSALS[case]
+    edit(change)
+    with pytest.raises(ManifestError) as error:
+        load_manifest(out)
+    for word in words:
+        assert word in str(error.value), f"{word!r} not in: {error.value}"
+
+
+def test_missing_or_changed_graph_file_is_refused(copy):
+    """Guards against a graph file deleted or replaced after export (stale or partial copies)."""
+    out, _ = copy
+    model = onnx.load(str(out / "verify_argmax_2.onnx"))
+    model.doc_string = "changed after export"
+    onnx.save(model, str(out / "verify_argmax_2.onnx"))
+    with pytest.raises(ManifestError, match=r"verify_argmax_2 sha256 of 'verify_argmax_2.onnx' is [0-9a-f]{64} in the manifest but [0-9a-f]{64} on disk"):
+        load_manifest(out)
+    load_manifest(out, verify="io")  # same IO: only the hash tells
+    (out / "draft_2.onnx").unlink()
+    with pytest.raises(ManifestError, match=r"graphs.draft_2 names file 'draft_2.onnx', which is missing"):
+        load_manifest(out, verify="io")
+    assert load_manifest(out, verify="none").block_size == 8  # a manifest copied beside engines
+
+
+def test_export_key_skips_only_unchanged_inputs(exported_pair, tmp_path):
+    """Guards against the demo re-exporting unchanged inputs, or worse, reusing an export after the
+    checkpoint or options changed."""
+    target, out = exported_pair.target_dir, exported_pair.out
+    draft = tmp_path / "draft"
+    shutil.copytree(exported_pair.draft_dir, draft)  # copy2 keeps mtimes: same fingerprint
+    assert up_to_date(target, draft, out, OPTIONS) == exported_pair.manifest
+    assert up_to_date(target, draft, out, ExportOptions(max_owners=3, max_context=64, dtype="fp32", proposals=5)) is None
+    weights = draft / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert up_to_date(target, draft, out, OPTIONS) is None
+
+
+def test_cli_export_is_a_no_op_when_up_to_date_and_refuses_bad_options(exported_pair, capsys):
+    """Guards against the command re-exporting (or touching files) when nothing changed, and
+    against a bad option failing late or with a traceback instead of a named range."""
+    out = exported_pair.out
+    common = ["export", "--target", str(exported_pair.target_dir), "--draft", str(exported_pair.draft_dir), "--out", str(out)]
+    mtimes = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert main([*common, "--max-owners", "3", "--max-context", "64", "--dtype", "fp32"]) == 0
+    assert "up to date" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == mtimes
+    assert main([*common, "--max-context", "64", "--proposals", "9"]) == 1
+    assert "proposals must be an int [2, 7], got 9" in capsys.readouterr().err
