@@ -76,6 +76,7 @@ def _check(result, call: str, accept: tuple[str, ...] = ()):
     error, values = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
     name = _error_name(error)
     if int(error) != 0:
+        _clear_last_error()
         if name in accept:
             return name
         msg = f"{call} failed: {name} ({_describe(error)})"
@@ -83,6 +84,18 @@ def _check(result, call: str, accept: tuple[str, ...] = ()):
     if not values:
         return None
     return values[0] if len(values) == 1 else values
+
+
+def _clear_last_error() -> None:
+    """Reset the runtime's per-thread "last error" after a failure we raised (or accepted).
+
+    Otherwise a non-sticky error (e.g. a refused cudaMalloc) lingers and the
+    next library to call cudaGetLastError (torch after every kernel launch)
+    reports it as its own failure.
+    """
+    runtime = _MODULES.get("runtime")
+    if runtime is not None:
+        runtime.cudaGetLastError()
 
 
 def _describe(error) -> str:

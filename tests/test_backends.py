@@ -324,7 +324,7 @@ def test_cuda_graph_replays_equal_eager_across_rows_and_repeats(pair):
     with _torch_cuda(pair, False) as eager, _torch_cuda(pair, True) as graphs:
         for backend in (eager, graphs):
             fill_pools(backend, seed=4)
-        for _ in range(2):  # second pass: replays only, new feeds each time
+        for _ in range(2):  # second pass: replays only (the pools have moved on)
             a, b = run_script(eager, dims), run_script(graphs, dims)
             assert_same_outputs(a, b, script(dims), atol=1e-5)
         assert_same_pools(pool_state(eager), pool_state(graphs), atol=1e-5)

@@ -168,3 +168,5 @@ def test_allocation_failure_is_typed():
     with pytest.raises(CudaError) as caught:
         device.DeviceBuffer((1 << 50,), torch.uint8)
     assert caught.value.call == "cudaMalloc" and caught.value.code == "cudaErrorMemoryAllocation"
+    torch.ones(4, device="cuda").add_(1)  # the refused malloc must not surface later as torch's error
+    torch.cuda.synchronize()
