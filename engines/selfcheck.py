@@ -6,7 +6,7 @@
 For a user with a GPU the engines support (TensorRT: the build GPU or
 Ampere+; TensorRT-RTX: SM80..SM121, not Hopper). It loads the set through the
 checking loader, then per engine: random feeds from the contract (dynamic
-dims at their profile's opt value; floats uniform in [0, 1), integers
+dims at their profile's opt value, less room for the integer feeds; floats uniform in [0, 1), integers
 uniform in [LOW, HIGH) so token ids, positions, write indices and lengths
 stay valid for any export), runs the engine (execute_async_v3 over CUDA
 buffers bound with set_tensor_address; cache outputs alias their inputs, as
@@ -35,7 +35,7 @@ from dflash_trt.engines.flavour import FLAVOURS, Flavour
 from dflash_trt.engines.load import load_engine_set
 from dflash_trt.engines.sources import ONNX_DTYPES, GraphSource, export_sources
 from dflash_trt.errors import EngineError
-from dflash_trt.export.contract import GraphSpec, TensorSpec
+from dflash_trt.export.contract import GraphSpec, TensorSpec, present_of
 
 TORCH_DTYPES = {
     "float32": torch.float32,
@@ -101,26 +101,47 @@ def selfcheck(
         for index, source in enumerate(sources):
             if only and source.name not in only:
                 continue
-            feeds = random_feeds(source.io, seed + index, int_range)
-            engine_out = run_engine(flavour, loaded.engines[source.name], feeds, Path(engines_dir))
-            reference = run_reference(source, feeds)
-            checks.extend(compare(source.name, source.io, engine_out, reference))
+            checks.extend(check_one(flavour, loaded.engines[source.name], source, seed + index, int_range, engines_dir))
     finally:
         loaded.close()
     return checks
 
 
-def concrete_shape(io: GraphSpec, spec: TensorSpec) -> tuple[int, ...]:
-    """Dynamic dims at their profile's opt value."""
-    return tuple(io.dims[d].opt if isinstance(d, str) else d for d in spec.shape)
+def check_one(flavour: Flavour, engine, source: GraphSource, seed: int, int_range, cache_dir: Path) -> list[OutputCheck]:
+    """One engine against its graph; a run that fails is one failed check, not the end of the selfcheck."""
+    feeds = random_feeds(source.io, seed, int_range)
+    try:
+        engine_out = run_engine(flavour, engine, feeds, Path(cache_dir), cache_aliases(source.io))
+        reference = run_reference(source, feeds)
+    except EngineError as error:
+        return [OutputCheck(source.name, "*", False, str(error))]
+    return compare(source.name, source.io, engine_out, reference)
+
+
+def cache_aliases(io: GraphSpec) -> dict[str, str]:
+    """present_* output -> the past_* input whose buffer it is written into (the contract's rule)."""
+    return {present_of(spec.name): spec.name for spec in io.cache_inputs}
+
+
+def dynamic_sizes(io: GraphSpec, int_range: tuple[int, int]) -> dict[str, int]:
+    """Each dynamic dim at its opt value, but leaving room for the integer
+    feeds: a prefill chunk of T rows written at ``start`` must fit the cache
+    (start + T <= max_context), and max_chunk may equal max_context."""
+    headroom = int_range[1] - 1  # the largest integer fed
+    return {d: max(r.min, min(r.opt, r.max - headroom)) for d, r in io.dims.items()}
+
+
+def concrete_shape(io: GraphSpec, spec: TensorSpec, sizes: Mapping[str, int]) -> tuple[int, ...]:
+    return tuple(sizes[d] if isinstance(d, str) else d for d in spec.shape)
 
 
 def random_feeds(io: GraphSpec, seed: int, int_range: tuple[int, int]) -> dict[str, torch.Tensor]:
     """Host tensors for every input of ``io`` (see the module doc for value ranges)."""
     generator = torch.Generator().manual_seed(seed)
+    sizes = dynamic_sizes(io, int_range)
     feeds = {}
     for spec in io.inputs:
-        shape, dtype = concrete_shape(io, spec), TORCH_DTYPES[spec.dtype]
+        shape, dtype = concrete_shape(io, spec, sizes), TORCH_DTYPES[spec.dtype]
         if dtype.is_floating_point:
             feeds[spec.name] = torch.rand(shape, generator=generator).to(dtype)
         elif dtype == torch.bool:
@@ -130,8 +151,14 @@ def random_feeds(io: GraphSpec, seed: int, int_range: tuple[int, int]) -> dict[s
     return feeds
 
 
-def run_engine(flavour: Flavour, engine, feeds: Mapping[str, torch.Tensor], cache_dir: Path) -> dict[str, torch.Tensor]:
-    """One execute_async_v3 on the current CUDA stream; outputs copied back to host."""
+def run_engine(
+    flavour: Flavour, engine, feeds: Mapping[str, torch.Tensor], cache_dir: Path, aliases: Mapping[str, str]
+) -> dict[str, torch.Tensor]:
+    """One execute_async_v3 on the current CUDA stream; outputs copied back to host.
+
+    ``aliases`` (present -> past) bind each cache output to its input's buffer,
+    as the runtime does: the KV-cache update writes in place.
+    """
     context, runtime_cache = flavour.execution_context(engine, cache_dir)
     if context is None:
         msg = "TensorRT could not create an execution context (device memory?)"
@@ -144,7 +171,7 @@ def run_engine(flavour: Flavour, engine, feeds: Mapping[str, torch.Tensor], cach
     for i in range(engine.num_io_tensors):
         name = engine.get_tensor_name(i)
         if name not in device:
-            outputs[name] = _output_buffer(engine, context, name, device)
+            outputs[name] = _output_buffer(engine, context, name, device, aliases)
         buffer = device[name] if name in device else outputs[name]
         context.set_tensor_address(name, buffer.data_ptr())
     stream = torch.cuda.current_stream()
@@ -156,10 +183,11 @@ def run_engine(flavour: Flavour, engine, feeds: Mapping[str, torch.Tensor], cach
     return {name: tensor.cpu() for name, tensor in outputs.items()}
 
 
-def _output_buffer(engine, context, name: str, device: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def _output_buffer(engine, context, name: str, device: Mapping[str, torch.Tensor], aliases) -> torch.Tensor:
     # A KV-cache write (IKVCacheUpdateLayer) updates its cache input in place:
-    # the output must be bound to that same buffer.
-    aliased = getattr(engine, "get_aliased_input_tensor", lambda _n: None)(name)
+    # the output must be bound to that same buffer. The engine says which
+    # input where the API exists; the contract's naming says it otherwise.
+    aliased = getattr(engine, "get_aliased_input_tensor", lambda _n: None)(name) or aliases.get(name)
     if aliased:
         return device[aliased]
     shape = tuple(int(d) for d in context.get_tensor_shape(name))
@@ -181,9 +209,11 @@ def run_reference(source: GraphSource, feeds: Mapping[str, torch.Tensor]) -> dic
     inputs = {name: tensor.to(device).contiguous() for name, tensor in feeds.items()}  # kept alive until run ends
     for name, tensor in inputs.items():
         binding.bind_input(name, device, 0, _ONNX_ELEMENT[_spec(source.io, name).dtype], list(tensor.shape), tensor.data_ptr())
+    # Dynamic output extents follow the inputs: read the fed sizes back off them.
+    sizes = {d: feeds[s.name].shape[axis] for s in source.io.inputs for axis, d in enumerate(s.shape) if isinstance(d, str)}
     outputs = {}
     for spec in source.io.outputs:
-        outputs[spec.name] = torch.empty(concrete_shape(source.io, spec), dtype=TORCH_DTYPES[spec.dtype], device=device)
+        outputs[spec.name] = torch.empty(concrete_shape(source.io, spec, sizes), dtype=TORCH_DTYPES[spec.dtype], device=device)
         tensor = outputs[spec.name]
         binding.bind_output(spec.name, device, 0, _ONNX_ELEMENT[spec.dtype], list(tensor.shape), tensor.data_ptr())
     try:

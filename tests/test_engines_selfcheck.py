@@ -12,7 +12,15 @@ import torch
 from onnx import TensorProto as TP
 
 from dflash_trt import cli
-from dflash_trt.engines.selfcheck import compare, random_feeds, require_gpu, run_reference
+from dflash_trt.engines.selfcheck import (
+    cache_aliases,
+    compare,
+    dynamic_sizes,
+    random_feeds,
+    require_gpu,
+    run_reference,
+)
+from dflash_trt.engines.sources import export_sources
 from dflash_trt.errors import EngineError
 from dflash_trt.export.contract import DimRange, GraphSpec, TensorSpec
 from test_engines_build import TOKENS, kv_attention_model, source
@@ -32,9 +40,9 @@ IO = GraphSpec(
 
 
 def test_random_feeds_follow_the_contract_at_the_opt_shape():
-    """Guards against feeding an engine shapes outside its profile or integer
-    values outside [low, high) (an out-of-range write index or token id would
-    read/write out of bounds on the GPU)."""
+    """Guards against feeding an engine shapes outside its profile, integer
+    values outside [low, high), or a chunk that with its start overruns the
+    cache (out-of-bounds reads/writes on the GPU)."""
     feeds = random_feeds(IO, seed=0, int_range=(1, 3))
     assert {k: (tuple(v.shape), v.dtype) for k, v in feeds.items()} == {
         "tokens": ((2, 3), torch.int64),
@@ -44,6 +52,9 @@ def test_random_feeds_follow_the_contract_at_the_opt_shape():
     assert set(feeds["tokens"].unique().tolist()) <= {1, 2}
     assert 0.0 <= float(feeds["hidden"].min()) and float(feeds["hidden"].max()) <= 1.0
     assert torch.equal(random_feeds(IO, 0, (1, 3))["hidden"], feeds["hidden"])
+    # A chunk as long as the cache leaves room for the largest start fed (2).
+    chunk = GraphSpec("p", "synthetic", None, IO.inputs, IO.outputs, {"n": DimRange(1, 64, 64)})
+    assert dynamic_sizes(chunk, (1, 3)) == {"n": 62}
 
 
 def test_compare_flags_float_drift_and_any_integer_difference():
@@ -79,3 +90,21 @@ def test_selfcheck_without_a_gpu_says_so(tmp_path, capsys):
         require_gpu()
     assert cli.main(["selfcheck", "--engines", str(tmp_path), "--onnx", str(tmp_path)]) == 1
     assert "none is visible here" in capsys.readouterr().err
+
+
+def test_random_feeds_are_valid_inputs_of_every_exported_graph(exported_pair):
+    """Guards against selfcheck feeding a real graph values it cannot take
+    (a write index past the cache, a token id past the vocabulary: a crash or
+    NaNs on both sides would make the comparison meaningless), and against
+    cache outputs bound to the wrong input buffer."""
+    directory = exported_pair[2]
+    sources, _manifest = export_sources(directory)
+    for source in sources:
+        aliases = cache_aliases(source.io)
+        specs = {s.name: s for s in source.io.inputs + source.io.outputs}
+        assert all(specs[present].shape == specs[past].shape for present, past in aliases.items())
+        assert set(aliases) == {s.name for s in source.io.outputs if s.name.startswith("present_")}
+        out = run_reference(source, random_feeds(source.io, seed=0, int_range=(1, 3)))
+        assert set(out) == {s.name for s in source.io.outputs}
+        floats = [t for t in out.values() if t.dtype.is_floating_point]
+        assert all(torch.isfinite(t).all() for t in floats), source.name
