@@ -24,7 +24,7 @@ from dflash_trt.engines.engine_set import (
     sha256_file,
     write_engine_set,
 )
-from dflash_trt.engines.flavour import Flavour
+from dflash_trt.engines.flavour import Flavour, load_flavour
 from dflash_trt.engines.load import check_engine_set, check_flavour, engine_bindings, load_engine_set
 from dflash_trt.errors import EngineError
 from dflash_trt.export.contract import DimRange, Dims, GraphSpec, TensorSpec, graph_spec
@@ -314,3 +314,19 @@ def test_check_io_lists_every_mismatch_at_once():
     assert len(io_mismatches(VERIFY, actual)) == 2
     with pytest.raises(EngineError, match=r"(?s)input 'start' dtype.*output 'logits' dtype"):
         check_io("verify_2", VERIFY, actual, "the built network")
+
+
+def test_missing_tensorrt_is_a_clear_error_not_an_import_traceback(tmp_path, capsys):
+    """Guards against `dflash-trt build --backend tensorrt` on a machine
+    without TensorRT dying in an ImportError instead of saying what to install."""
+    import importlib.util
+
+    from dflash_trt import cli
+
+    if importlib.util.find_spec("tensorrt") is not None:
+        pytest.skip("tensorrt is installed here")
+    assert cli.main(["build", "--onnx", str(tmp_path), "--out", str(tmp_path / "e"), "--backend", "tensorrt"]) == 1
+    err = capsys.readouterr().err
+    assert "needs the Python module 'tensorrt'" in err and "pip install" in err
+    with pytest.raises(EngineError, match="unknown TensorRT backend 'trt'"):
+        load_flavour("trt")
