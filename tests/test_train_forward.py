@@ -61,3 +61,20 @@ def test_block_mask_context_is_strictly_before_the_anchor():
     assert mask[:2, :6].tolist() == [[True, True, True, False, False, False]] * 2
     assert not mask[2:, :6].any()
     assert mask[:, 6:].tolist() == [[True, True, False, False]] * 2 + [[False, False, True, True]] * 2
+
+
+@torch.no_grad()
+def test_regenerated_greedy_rows_are_the_targets_greedy_decode(tiny_pair):
+    """Guards against batched regeneration (one cache row per sequence, positions per row)
+    writing the wrong rows or positions: the draft would then train on text the target never
+    writes. Greedy rows must equal ReferenceDecoder.generate_target token for token."""
+    from dflash_trt.export.reference import ReferenceDecoder
+    from dflash_trt.export.train.regenerate import continue_rows
+
+    target = load_target(tiny_pair[0])
+    prompts = torch.randint(0, tiny_models.VOCAB, (3, 7), generator=torch.Generator().manual_seed(2))
+    out = continue_rows(target, prompts, 9, torch.tensor([True, False, True]), torch.Generator().manual_seed(0))
+    decoder = ReferenceDecoder(target)
+    for row in (0, 2):
+        assert out[row, 7:].tolist() == decoder.generate_target(prompts[row].tolist(), 9).tokens
+    assert out[:, :7].equal(prompts)

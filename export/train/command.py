@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ from dflash_trt.export.train import evaluate
 from dflash_trt.export.train.corpus import Corpus, Limits, load_corpus
 from dflash_trt.export.train.draft import DraftShape, DraftTraining, train_draft
 from dflash_trt.export.train.loop import TokenStream
+from dflash_trt.export.train.regenerate import SequenceBank, regenerate
 from dflash_trt.export.train.target import TargetShape, TargetTraining, train_target
 from dflash_trt.export.train.tokenizer import (
     MASK,
@@ -113,6 +115,14 @@ def _draft_shape_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--draft-lr", type=float, default=training.lr)
     group.add_argument("--draft-steps", type=int, default=training.max_steps, help="max steps")
     group.add_argument("--draft-budget-s", type=float, default=training.time_budget_s, help="wall-time budget")
+    group.add_argument("--init-draft", type=Path, help="warm-start from this draft checkpoint (its shape wins)")
+    regen = parser.add_argument_group("target-regenerated data (see export/train/regenerate.py)")
+    regen.add_argument("--regenerate-s", type=float, default=0.0,
+                       help="seconds spent having the target continue corpus prefixes; 0: train on the corpus")
+    regen.add_argument("--regen-prefix", type=int, default=256, help="real corpus tokens per sequence")
+    regen.add_argument("--regen-length", type=int, default=640, help="sequence length (prefix + generated)")
+    regen.add_argument("--greedy-share", type=float, default=0.75, help="rows continued greedily (rest: T=1)")
+    regen.add_argument("--regen-rows", type=int, default=2048, help="rows decoded together")
 
 
 def _args_tokenizer(parser):
@@ -271,11 +281,40 @@ def _draft_settings(args, context: int, budget_s: float | None = None) -> tuple[
 
 def _fit_draft(args, target_dir: Path, out: Path, tokenizer, stream, device, budget_s=None) -> dict:
     target = load_target(target_dir, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32).to(device)
-    shape, training = _draft_settings(args, target.config.max_position_embeddings, budget_s)
+    context = target.config.max_position_embeddings
+    shape, training = _draft_settings(args, context, budget_s)
+    mask, init_state = _mask_token(args, tokenizer), None
+    if args.init_draft:
+        shape, mask, init_state = _warm_start(args.init_draft, shape)
+    if args.regenerate_s > 0:
+        stream = _regenerated(args, target, stream)
+        training = replace(training, seq_len=args.regen_length)
     raw = read_json(target_dir / "config.json")
-    _, record = train_draft(target, raw, stream, out, _mask_token(args, tokenizer), shape, training, args.log)
+    _, record = train_draft(target, raw, stream, out, mask, shape, training, args.log, init_state)
     _report(args.log, {"stage": "draft", "result": record})
     return record
+
+
+def _warm_start(directory: Path, shape: DraftShape) -> tuple[DraftShape, int, dict]:
+    """The earlier draft's shape, mask token and tensors."""
+    earlier = load_draft(directory)
+    config = earlier.config
+    shape = replace(shape, num_layers=config.num_layers, block_size=config.block_size,
+                    tap_layers=tuple(config.target_layer_ids), intermediate_size=config.intermediate_size,
+                    init_from_target=False)
+    return shape, config.mask_token_id, earlier.state_dict()
+
+
+def _regenerated(args, target, stream: TokenStream) -> SequenceBank:
+    start = time.perf_counter()
+    generator = torch.Generator(device=stream.device).manual_seed(12345)
+    bank = regenerate(target, stream, args.regen_prefix, args.regen_length, args.greedy_share, generator,
+                      args.regenerate_s, args.regen_rows)
+    seconds = time.perf_counter() - start
+    _report(args.log, {"stage": "regenerate", "rows": bank.rows.shape[0], "length": bank.rows.shape[1],
+                       "greedy_share": args.greedy_share, "wall_s": round(seconds, 1)})
+    print(f"regenerated {tuple(bank.rows.shape)} in {seconds:.1f} s", flush=True)
+    return bank
 
 
 def _target_eos(target_dir: Path, tokenizer) -> int | None:
@@ -305,7 +344,8 @@ def _run_prompts(args) -> int:
 
 def _run_eval(args) -> int:
     torch.set_grad_enabled(False)
-    target, draft = load_target(args.target), load_draft(args.draft)
+    draft = load_draft(args.draft)
+    target = load_target(args.target, tap_layers=draft.config.target_layer_ids)
     tokenizer = load_tokenizer(args.target)
     prompts = evaluate.read_prompts(args.prompts)[: args.count]
     results = []

@@ -141,8 +141,13 @@ def train_draft(
     shape: DraftShape = DraftShape(),
     training: DraftTraining = DraftTraining(),
     log_path: Path | None = None,
+    init_state: dict[str, torch.Tensor] | None = None,
 ) -> tuple[DraftModel, dict]:
-    """Train a draft against the frozen ``target`` (already on the stream's device); save to ``out_dir``."""
+    """Train a draft against the frozen ``target`` (already on the stream's device); save to ``out_dir``.
+
+    ``train_stream`` is a ``TokenStream`` or a ``regenerate.SequenceBank``;
+    ``init_state`` (a draft's tensors) warm-starts training from an earlier draft.
+    """
     device = train_stream.device
     generator = seed_everything(training.seed, device)
     config = draft_config(target.config, target_raw, shape, mask_token_id)
@@ -151,7 +156,11 @@ def train_draft(
     check_pair(target.config, draft_cfg)
     target.requires_grad_(False).eval()
     draft = DraftModel(draft_cfg).to(device)
-    initialized = shape.init_from_target and init_from_target(draft, target)
+    if init_state is not None:
+        draft.load_state_dict({k: v.float() for k, v in init_state.items()})
+        initialized = "draft"
+    else:
+        initialized = shape.init_from_target and init_from_target(draft, target)
     gamma = training.gamma or (7.0 if shape.block_size >= 16 else 4.0)
     weights = slot_weights(shape.block_size, gamma).to(device)
     optimizer = adamw(draft, training.lr, training.weight_decay)
