@@ -127,8 +127,8 @@ def assert_same_pools(a: dict, b: dict, atol: float = ATOL) -> None:
 
 @pytest.fixture(scope="module")
 def pair(exported_pair):
-    target_dir, draft_dir, out_dir, manifest, _ = exported_pair
-    return target_dir, draft_dir, out_dir, manifest.dims()
+    """(target_dir, draft_dir, export_dir, dims) of conftest's exported pair."""
+    return exported_pair.target_dir, exported_pair.draft_dir, exported_pair.out, exported_pair.manifest.dims()
 
 
 @pytest.fixture(scope="module")

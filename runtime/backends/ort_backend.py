@@ -47,6 +47,7 @@ from dflash_trt.runtime.backends.graph_io import (
     torch_dtype,
 )
 from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, pool_shapes
+from dflash_trt.runtime.backends.streams import BackendStream, select_device
 
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
 
@@ -68,7 +69,7 @@ class OrtBackend(Backend):
     ) -> None:
         import onnxruntime
 
-        self.ort, self.device = onnxruntime, torch.device(device)
+        self.ort, self.device = onnxruntime, torch.device(device)  # index filled in by _allocate
         self.dims, self.max_sessions = dims, check_sessions(max_sessions)
         self.specs = c.graph_specs(dims)
         self.files = _graph_files(self.specs, graph_files)
@@ -85,9 +86,7 @@ class OrtBackend(Backend):
     def _allocate(self, lazy: bool) -> None:
         if self.device.type == "cuda":
             _require_cuda_provider(self.ort)
-            from dflash_trt.runtime.backends.streams import BackendStream
-
-            torch.cuda.set_device(self.device)
+            self.device = select_device(self.device)
             self.stream = BackendStream()
         device_stream = self.stream.device_stream if self.stream is not None else None
         self.pools = allocate_pools(pool_shapes(self.dims, self.max_sessions, torch_dtype(self.dims.dtype)), self.device, device_stream)

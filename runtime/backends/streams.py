@@ -20,6 +20,18 @@ from contextlib import contextmanager
 import torch
 
 
+def select_device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch.device; for CUDA with an explicit index (the current one if none given),
+    made current for torch and, through the shared runtime, for the device layer."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(device)  # needs an index: torch.device("cuda") alone is refused
+    return device
+
+
 class BackendStream:
     """Owns a device-layer stream (and the torch view of it)."""
 

@@ -40,10 +40,14 @@ from dflash_trt.export.target import TargetModel
 from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.backends.graph_io import check_feeds, check_rows, owner_rows, plain_inputs, plain_outputs, pool_of, torch_dtype
 from dflash_trt.runtime.backends.pools import CachePool, allocate_pools, check_sessions, pool_shapes
+from dflash_trt.runtime.backends.streams import BackendStream, select_device
 
 
 class TorchBackend(Backend):
-    """Contract graphs as PyTorch modules over in-place pools (CPU or CUDA)."""
+    """Contract graphs as PyTorch modules over in-place pools (CPU or CUDA).
+
+    The given models are moved (in place) to ``device`` and the contract dtype.
+    """
 
     name = "torch"
 
@@ -56,9 +60,9 @@ class TorchBackend(Backend):
         device: str | torch.device = "cpu",
         cuda_graphs: bool = True,
     ) -> None:
-        self.device = torch.device(device)
         self.dims, self.max_sessions = dims, check_sessions(max_sessions)
         check_models(target, draft, dims)
+        self.device = select_device(device)
         dtype = torch_dtype(dims.dtype)
         self.target = target.to(device=self.device, dtype=dtype).eval()
         self.draft = draft.to(device=self.device, dtype=dtype).eval()
@@ -72,12 +76,11 @@ class TorchBackend(Backend):
             raise
 
     def _allocate(self, dtype: torch.dtype, cuda_graphs: bool) -> None:
+        device_stream = None
         if self.device.type == "cuda":
-            from dflash_trt.runtime.backends.streams import BackendStream
-
-            torch.cuda.set_device(self.device)
             self.stream = BackendStream()
-        self.pools = allocate_pools(pool_shapes(self.dims, self.max_sessions, dtype), self.device, self.stream and self.stream.device_stream)
+            device_stream = self.stream.device_stream
+        self.pools = allocate_pools(pool_shapes(self.dims, self.max_sessions, dtype), self.device, device_stream)
         if self.stream is not None and cuda_graphs:
             self.graphs = StaticGraphs(self.stream.torch, self._eager)
 
@@ -203,7 +206,7 @@ class StaticGraphs:
         if graph is None:
             graph = self.captured[key] = self._capture(spec, key[1])
         graph.replay()
-        return self.outputs[spec.name]
+        return dict(self.outputs[spec.name])  # the static tensors; a fresh dict for the caller
 
     def _static(self, table: dict, spec: GraphSpec, specs) -> dict[str, torch.Tensor]:
         if spec.name not in table:

@@ -44,6 +44,7 @@ from dflash_trt.runtime.backends.graph_io import (
     torch_dtype,
 )
 from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, pool_shapes
+from dflash_trt.runtime.backends.streams import BackendStream, select_device
 
 
 class TensorRTBackend(Backend):
@@ -66,6 +67,7 @@ class TensorRTBackend(Backend):
 
         self.device, self.directory = torch.device(device), Path(directory)
         _require_gpu(cuda, self.device)
+        self.device = select_device(self.device)  # before TensorRT deserializes onto the current device
         self.dims, manifest_sessions = _dims_and_sessions(self.directory, dims)
         self.max_sessions = check_sessions(max_sessions or manifest_sessions)
         self.specs = c.graph_specs(self.dims)
@@ -80,9 +82,6 @@ class TensorRTBackend(Backend):
             raise
 
     def _allocate(self, cuda, cuda_graphs: bool) -> None:
-        from dflash_trt.runtime.backends.streams import BackendStream
-
-        torch.cuda.set_device(self.device)
         self.stream = BackendStream()
         dtype = torch_dtype(self.dims.dtype)
         self.pools = allocate_pools(pool_shapes(self.dims, self.max_sessions, dtype), self.device, self.stream.device_stream)
