@@ -174,13 +174,15 @@ class _SetBuilder:
         network = self.builder.create_network(self.flavour.network_flags())
         parser = self.trt.OnnxParser(network, self.log)  # holds the weights: keep alive until built
         self._parse(parser, source, mark)
-        unread = self._check_unread(source, network)
+        unread, failures = self._unread(source, network)
         config = self._config()
         profile = self._profile(network, source.io)
         if profile is not None:
             config.add_optimization_profile(profile)
         bindings = network_bindings(network, profile)
-        self._check_io(source, bindings)
+        failures += [BuildFailure(source.name, "", "IO contract", line) for line in io_mismatches(source.io, bindings)]
+        if failures:  # both kinds at once: one rebuild fixes all
+            raise _GraphFailed(failures)
         plan = self.builder.build_serialized_network(network, config)
         if plan is None:
             errors = self.log.since(mark, "ERROR", "INTERNAL_ERROR") or ["build_serialized_network returned no plan"]
@@ -200,16 +202,19 @@ class _SetBuilder:
             failures = [BuildFailure(source.name, "", "", "\n".join(self.log.since(mark)) or "the ONNX parser failed")]
         raise _GraphFailed(failures)
 
-    def _check_unread(self, source: GraphSource, network) -> tuple[str, ...]:
-        # A tensor nothing reads means the parser dropped what it meant:
-        # TensorRT-RTX 1.7 parses Attention's nonpad_kv_seqlen and wires it to
-        # nothing, so the plan builds and attends over the whole cache.
+    def _unread(self, source: GraphSource, network) -> tuple[tuple[str, ...], list[BuildFailure]]:
+        """(unread tensor names, their failures unless allowed).
+
+        A tensor nothing reads means the parser dropped what it meant:
+        TensorRT-RTX 1.7 parses Attention's nonpad_kv_seqlen and wires it to
+        nothing, so the plan builds and attends over the whole cache.
+        """
         unread = unread_tensors(network)
-        if unread and not self.options.allow_unread:
-            why = "nothing in the parsed network reads it: TensorRT dropped what it means, so the engine would compute something else than the graph"
-            failures = [BuildFailure(source.name, producer, kind, f"{tensor!r}: {why}", tensor) for tensor, producer, kind in unread]
-            raise _GraphFailed(failures)
-        return tuple(tensor for tensor, _producer, _kind in unread)
+        names = tuple(tensor for tensor, _producer, _kind in unread)
+        if self.options.allow_unread:
+            return names, []
+        why = "nothing in the parsed network reads it: TensorRT dropped what it means, so the engine would compute something else than the graph"
+        return names, [BuildFailure(source.name, producer, kind, f"{tensor!r}: {why}", tensor) for tensor, producer, kind in unread]
 
     def _config(self):
         config = self.builder.create_builder_config()
@@ -234,11 +239,6 @@ class _SetBuilder:
             if shapes is not None:
                 profile.set_shape(spec.name, *shapes)
         return profile
-
-    def _check_io(self, source: GraphSource, bindings: Sequence[Binding]) -> None:
-        lines = io_mismatches(source.io, bindings)
-        if lines:
-            raise _GraphFailed([BuildFailure(source.name, "", "IO contract", line) for line in lines])
 
     def _record(self, source, plan, bindings, unread, mark, seconds) -> EngineRecord:
         plan_path = self.out_dir / f"{source.name}.plan"
