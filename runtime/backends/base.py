@@ -62,12 +62,18 @@ class Backend(ABC):
         of the pool the contract names. Returns every non-cache output by
         contract name (device tensors; valid until the next ``run`` of the
         same graph). Enqueues on the backend's stream; does not synchronize
-        unless the backend cannot do otherwise (CPU).
+        unless the backend cannot do otherwise (CPU; ONNX Runtime on CUDA,
+        which waits for its outputs). Feeds or a ``first_row`` that disagree
+        with the contract / pool are refused with ``EngineError`` before
+        anything is enqueued (graphs without caches ignore ``first_row``).
         """
 
     @abstractmethod
     def copy_rows(self, pool: str, source: int, destination: int, upto: int) -> None:
-        """Copy cache slots ``0 .. upto-1`` of row ``source`` into row ``destination`` (clone)."""
+        """Copy cache slots ``0 .. upto-1`` of row ``source`` into row ``destination`` (clone).
+
+        ``pool`` is "target" or "draft"; enqueued like ``run`` (no host sync on CUDA).
+        """
 
     def synchronize(self) -> None:
         """Wait for all work enqueued by this backend (a host sync point)."""
