@@ -13,12 +13,17 @@ from dflash_trt.export.pair import load_pair
 from dflash_trt.export.reference import ReferenceDecoder, Sampling
 from dflash_trt.runtime.backends.base import Backend
 
-MAX_CONTEXT = 64
-MAX_CHUNK = 16
-MAX_OWNERS = 4
+def single_thread():
+    """Generator for an autouse fixture: tiny models run fastest on one thread (2 spin-waiting
+    threads on a loaded 2-core CI box are ~40x slower); restores the previous count after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
-def tiny_dims(target, draft, max_context: int = MAX_CONTEXT, max_chunk: int = MAX_CHUNK, max_owners: int = MAX_OWNERS) -> Dims:
+def tiny_dims(target, draft, max_context: int = 64, max_chunk: int = 8, max_owners: int = 4) -> Dims:
+    """Contract dims for the torch backend (no export needed): small chunks to exercise chunking."""
     t, d = target.config, draft.config
     return Dims(
         vocab_size=t.vocab_size,
@@ -38,51 +43,31 @@ def tiny_dims(target, draft, max_context: int = MAX_CONTEXT, max_chunk: int = MA
     )
 
 
-class LocalGraphBackend(Backend):
-    """Runs export.graphs modules eagerly over two CPU pools (a stand-in until runtime backends land)."""
-
-    name = "local"
-
-    def __init__(self, target, draft, dims: Dims, max_sessions: int) -> None:
-        from dflash_trt.export.graphs import graph_module
-
-        self.device = torch.device("cpu")
-        self.dims = dims
-        self.pools = {
-            "target": target.new_cache(max_sessions, dims.max_context),
-            "draft": draft.new_cache(max_sessions, dims.max_context),
-        }
-        self.modules = {name: graph_module(spec, target, draft, dims) for name, spec in c.graph_specs(dims).items()}
-        self.specs = c.graph_specs(dims)
-        self.calls: list[tuple[str, int]] = []
-
-    def _pool(self, kind: str) -> str:
-        return "draft" if kind in (c.DRAFT, c.DRAFT_CONTEXT) else "target"
-
-    @torch.no_grad()
-    def run(self, graph, feeds, first_row):
-        spec = self.specs[graph]
-        self.calls.append((graph, first_row))
-        names = [s.name for s in spec.inputs if not s.name.startswith("past_")]
-        args = [feeds[name] for name in names]
-        caches = []
-        if spec.cache_inputs:
-            n = 1 if spec.owners is None else spec.owners
-            keys, values = self.pools[self._pool(spec.kind)]
-            caches = [t[first_row : first_row + n] for pair in zip(keys, values) for t in pair]
-        out = self.modules[graph](*args, *caches)
-        out = out if isinstance(out, tuple) else (out,)
-        return {s.name: t for s, t in zip(spec.outputs, out) if not s.name.startswith("present_")}
-
-    def copy_rows(self, pool, source, destination, upto):
-        keys, values = self.pools[pool]
-        for t in (*keys, *values):
-            t[destination, :, :upto] = t[source, :, :upto]
-
-
 @lru_cache(maxsize=4)
 def pair(target_dir: Path, draft_dir: Path):
     return load_pair(target_dir, draft_dir)
+
+
+class Tiny:
+    """The exported tiny pair (conftest ``exported_pair``): models, dims, and backends over it."""
+
+    def __init__(self, exported_pair, rows: int = 16) -> None:
+        from dflash_trt.runtime.backends.ort_backend import OrtBackend
+
+        self.export_dir, self.prompts = exported_pair.out, exported_pair.prompts
+        self.target, self.draft = pair(Path(exported_pair.target_dir), Path(exported_pair.draft_dir))
+        self.dims, self.rows = exported_pair.manifest.dims(), rows
+        # One ONNX Runtime backend shared by every executor of a module: a fresh executor must never
+        # read what an earlier one left in the pools (stale slots are masked by length).
+        self.ort = OrtBackend.from_export(self.export_dir, max_sessions=rows, verify="none", threads=1)
+
+    def torch_backend(self, dims: Dims, rows: int):
+        from dflash_trt.runtime.backends.torch_backend import TorchBackend
+
+        return TorchBackend(self.target, self.draft, dims, rows)
+
+    def close(self) -> None:
+        self.ort.close()
 
 
 def reference_target(target, prompt: list[int], max_new: int, sampling: Sampling = Sampling()) -> list[int]:
@@ -161,21 +146,28 @@ class RecordingBackend(Backend):
         self.inner.copy_rows(pool, source, destination, upto)
 
 
-def reference_proposals(target, draft, before: list[int], anchor: int, proposals: int) -> list[int]:
-    """The reference draft's proposals for the block at len(before) after context ``before``.
+class DraftReference:
+    """The reference draft's proposals for any block of one sequence.
 
     A pure function of the sequence: taps are causal, so the draft cache for
-    positions < start is the same however the cycles fell.
+    positions < start is the same however the cycles fell. The target runs
+    once over the whole sequence; each block then only replays the draft.
     """
-    length = len(before) + draft.config.block_size
-    decoder = ReferenceDecoder(target, draft)
-    row = torch.zeros(1, dtype=torch.int64)
-    d_cache = draft.new_cache(1, length)
-    with torch.no_grad():
-        if before:
-            _, taps = decoder._target(before, 0, target.new_cache(1, length))
-            draft.write_context(taps[None], torch.tensor([0]), row, *d_cache)
-        return decoder._propose(anchor, len(before), proposals, d_cache)
+
+    def __init__(self, target, draft, sequence: list[int]) -> None:
+        self.decoder = ReferenceDecoder(target, draft)
+        self.draft, self.sequence = draft, sequence
+        self.length = len(sequence) + draft.config.block_size
+        with torch.no_grad():
+            _, self.taps = self.decoder._target(sequence, 0, target.new_cache(1, self.length))
+
+    def proposals(self, start: int, proposals: int) -> list[int]:
+        row = torch.zeros(1, dtype=torch.int64)
+        d_cache = self.draft.new_cache(1, self.length)
+        with torch.no_grad():
+            if start:
+                self.draft.write_context(self.taps[None, :start], torch.tensor([0]), row, *d_cache)
+            return self.decoder._propose(self.sequence[start], start, proposals, d_cache)
 
 
 class Tracker:
@@ -243,12 +235,3 @@ class Tracker:
             assert view.frontier == self.frontier(s), (s, view.frontier, self.frontier(s))
             assert view.pending == (self.seq[s][-1] if self.pending[s] else None), (s, view.pending)
 
-
-def tiny_models_and_dims(tiny_pair):
-    target, draft = pair(*tiny_pair)
-    return target, draft, tiny_dims(target, draft)
-
-
-def make_backend(tiny, max_sessions: int) -> Backend:
-    target, draft, dims = tiny
-    return LocalGraphBackend(target, draft, dims, max_sessions)
