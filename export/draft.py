@@ -64,13 +64,16 @@ class DraftModel(nn.Module):
         v_cache: list[torch.Tensor],
     ) -> None:
         """taps [n, C, m*H] at positions start..start+C-1 -> draft cache slots (every layer)."""
+        for index, (k, v) in enumerate(self.context_kv(taps, start)):
+            k_cache[index] = self.kernels.write_cache(k_cache[index], rows, start, k)
+            v_cache[index] = self.kernels.write_cache(v_cache[index], rows, start, v)
+
+    def context_kv(self, taps: torch.Tensor, start: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the context K, V [n, kv_heads, C, D] of taps [n, C, m*H] at positions start.."""
         positions = start[:, None] + torch.arange(taps.shape[1], device=taps.device)  # [n, C]
         c = self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
         cos, sin = self.rotary(positions, c.dtype)
-        for index, layer in enumerate(self.layers):
-            k, v = layer.self_attn.key_value(c, cos, sin)
-            k_cache[index] = self.kernels.write_cache(k_cache[index], rows, start, k)
-            v_cache[index] = self.kernels.write_cache(v_cache[index], rows, start, v)
+        return [layer.self_attn.key_value(c, cos, sin) for layer in self.layers]
 
     def forward(
         self,

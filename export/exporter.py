@@ -90,7 +90,7 @@ class ExportOptions:
         checks = [
             ("max_owners", self.max_owners, 1, None),
             ("max_sessions", self.max_sessions, self.max_owners, None),
-            ("max_context", self.max_context, block + 1, None),
+            ("max_context", self.max_context, 2 * block, None),  # draft_n's fused write spans 2B slots
             ("max_chunk", self.max_chunk, TRACE_SIZE, self.max_context),
             ("proposals", self.proposals, contract.MIN_PROPOSALS, block - 1),
         ]

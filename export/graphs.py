@@ -97,13 +97,52 @@ class DraftContext(nn.Module):
         return _interleave(keys, values)
 
 
+class ContextAndBlock:
+    """The single cache write of ``draft_{n}``: context rows and the block as ONE update.
+
+    TensorRT's KV-cache update must feed a graph output directly, so a graph
+    may write each cache once. The update spans the 2B slots ``first ..
+    first+2B-1``, ``first = max(start - B, 0)``, which cover the context rows
+    ``ctx_start .. start-1`` (ctx_count <= B of them) and the block ``start ..
+    start+B-1``; its other slots are rewritten with their own old values. The
+    result equals writing all B context rows at ``ctx_start`` and then the
+    block at ``start``. Needs ``start + B <= max_context`` and ``2B <= max_context``.
+    """
+
+    def __init__(self, ctx_start: torch.Tensor, start: torch.Tensor, block: int) -> None:
+        width = 2 * block
+        self.first = (start - block).clamp(min=0)  # [n]
+        offsets = torch.arange(width, device=start.device)
+        self.slots = self.first[:, None] + offsets  # [n, 2B]
+        ctx, begin = ctx_start[:, None], start[:, None]
+        # Index into [old window (2B) ; context rows (B) ; block (B)] for each slot.
+        self.pick = torch.where(
+            self.slots < ctx,
+            offsets,
+            torch.where(
+                self.slots < begin,
+                width + self.slots - ctx,
+                torch.where(self.slots < begin + block, width + block + self.slots - begin, offsets),
+            ),
+        )
+
+    def write(self, kernels, cache: torch.Tensor, rows: torch.Tensor, context: torch.Tensor, block: torch.Tensor):
+        """cache [n, H, L, D]; context, block [n, H, B, D] -> the written cache."""
+        def expand(index: torch.Tensor) -> torch.Tensor:  # [n, 2B] -> [n, H, 2B, D]
+            return index[:, None, :, None].expand(-1, cache.shape[1], -1, cache.shape[3])
+
+        old = torch.gather(cache, 2, expand(self.slots))
+        source = torch.cat([old, context.to(cache.dtype), block.to(cache.dtype)], dim=2)
+        return kernels.write_cache(cache, rows, self.first, torch.gather(source, 2, expand(self.pick)))
+
+
 class Draft(nn.Module):
     """ctx_taps [n, B, W], ctx_start, ctx_count, anchor [n], caches -> proposals [n, P] int64, caches.
 
     Equals ``DraftModel.write_context`` of the ``ctx_count`` real rows followed
-    by ``ReferenceDecoder._propose``: all B rows are written at ``ctx_start``
-    (padding rows land inside the block and the block's K/V overwrite them),
-    then the block ``[anchor, MASK × (B-1)]`` runs at ``ctx_start + ctx_count``.
+    by ``ReferenceDecoder._propose``: the block ``[anchor, MASK × (B-1)]`` runs
+    at ``start = ctx_start + ctx_count``. It is ``DraftModel.forward`` with the
+    context write fused into each layer's block write (``ContextAndBlock``).
     Holds the target for its embedding and LM head only.
     """
 
@@ -124,12 +163,27 @@ class Draft(nn.Module):
         *caches: torch.Tensor,
     ):
         keys, values = _caches(caches)
-        rows = _owners(anchor)
-        self.draft.write_context(ctx_taps, ctx_start, rows, keys, values)
-        config = self.draft.config
-        masks = torch.full((anchor.shape[0], config.block_size - 1), config.mask_token_id, device=anchor.device)
-        block = torch.cat([anchor[:, None], masks], dim=1)  # [n, B]
-        hidden = self.draft(self.target.embed(block), ctx_start + ctx_count, rows, keys, values)
+        draft, config, kernels = self.draft, self.draft.config, self.draft.kernels
+        rows, block = _owners(anchor), config.block_size
+        start = ctx_start + ctx_count
+        write = ContextAndBlock(ctx_start, start, block)
+        context = draft.context_kv(ctx_taps, ctx_start)
+        masks = torch.full((anchor.shape[0], block - 1), config.mask_token_id, device=anchor.device)
+        x = self.target.embed(torch.cat([anchor[:, None], masks], dim=1))  # [n, B, H]
+        if config.embedding_scale != 1.0:
+            x = x * config.embedding_scale
+        positions = start[:, None] + torch.arange(block, device=start.device)  # [n, B]
+        cos, sin = draft.rotary(positions, x.dtype)
+        for index, layer in enumerate(draft.layers):  # DraftLayer.forward, one write per cache
+            h = layer.input_layernorm(x)
+            q = layer.self_attn.query(h, cos, sin)
+            k, v = layer.self_attn.key_value(h, cos, sin)
+            keys[index] = write.write(kernels, keys[index], rows, context[index][0], k)
+            values[index] = write.write(kernels, values[index], rows, context[index][1], v)
+            attended = kernels.attention(q, keys[index], values[index], rows, positions, start + block, False, 0)
+            x = x + layer.self_attn.output(attended)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        hidden = draft.norm(x)
         proposals = self.target.head(hidden[:, 1 : self.proposals + 1]).argmax(dim=-1)
         return (proposals, *_interleave(keys, values))
 

@@ -17,10 +17,13 @@ Validity is expressed as lengths (``nonpad_kv_seqlen = start + T``):
   ONNX (>= 1.23 errata) aligns that mask bottom-right: query i sees key j iff
   ``j <= i + nonpad_kv_seqlen - T`` = its own position, which is what the
   target needs. ONNX Runtime 1.32 implements it (tests check).
-- target, ``causal="mask"``, and every sliding-window layer: a boolean mask
-  ``[n, 1, T, L]`` built from positions, plus the lengths. Slower (the mask
-  spans max_context) but needs nothing beyond the original opset-23 reading
-  of ``is_causal``: the fallback for a backend that aligns it top-left.
+- ``causal="mask"``: every attention also gets an explicit boolean mask,
+  built from positions: ``[n, 1, T, L]`` causal (+ window) for the target,
+  ``[n, 1, T, L]`` of the length for the draft; the lengths stay as a hint.
+  Slower (the mask spans max_context) but needs neither the lengths nor the
+  bottom-right reading of ``is_causal``: for backends that ignore
+  ``nonpad_kv_seqlen`` (TensorRT-RTX 1.7's ONNX parser does) or align
+  ``is_causal`` top-left. Sliding-window layers always take the mask.
 
 ``TRANSLATIONS`` lowers the one aten op the exporter cannot: the stable sort
 of ``sampling.filtered_probs`` becomes ``TopK(k = axis size)``, whose ties
@@ -85,6 +88,14 @@ def causal_mask(q_positions: torch.Tensor, max_context: int, window: int) -> tor
     return visible[:, None]
 
 
+def length_mask(kv_len: torch.Tensor, tokens: int, max_context: int) -> torch.Tensor:
+    """kv_len [n] -> boolean [n, 1, T, L]: slot j visible iff j < kv_len.
+
+    Materialized over T: ONNX Runtime does not broadcast the mask's query axis."""
+    slots = torch.arange(max_context, device=kv_len.device)
+    return (slots < kv_len[:, None])[:, None, None, :].expand(kv_len.shape[0], 1, tokens, max_context)
+
+
 class OnnxKernels:
     """The cache kernels as ONNX nodes; see the module docstring for the formulation."""
 
@@ -130,9 +141,12 @@ class OnnxKernels:
         With ``causal``, queries must sit at ``kv_len - T ..`` (the target's
         layout), which the bottom-right ``is_causal`` relies on.
         """
+        max_context = k_cache.shape[SEQUENCE_AXIS]
         mask = None
         if causal and (window or self.causal == CAUSAL_MASK):
-            mask = causal_mask(q_positions, k_cache.shape[SEQUENCE_AXIS], window)
+            mask = causal_mask(q_positions, max_context, window)
+        elif not causal and self.causal == CAUSAL_MASK:
+            mask = length_mask(kv_len, q.shape[2], max_context)
         is_causal = causal and mask is None
         if not self._emitting():
             return onnx_attention(q, k_cache, v_cache, mask, kv_len, is_causal)

@@ -182,8 +182,9 @@ def test_bindings_of_every_graph_equal_the_contract(exported_pair):
 
 
 def test_graphs_pass_checker_and_use_only_standard_opset_24(exported_pair):
-    """Guards against graphs ONNX Runtime / TensorRT refuse (IR 14, custom domains or functions)
-    and against KV writes / attention silently traced as generic ops (ScatterND, MatMul+Softmax)."""
+    """Guards against graphs ONNX Runtime / TensorRT refuse (IR 14, custom domains or functions, a
+    cache written twice or not straight into its present output) and against KV writes / attention
+    silently traced as generic ops (ScatterND, MatMul+Softmax)."""
     out, manifest = exported_pair.out, exported_pair.manifest
     dims = manifest.dims()
     for name, graph in manifest.graphs.items():
@@ -199,10 +200,14 @@ def test_graphs_pass_checker_and_use_only_standard_opset_24(exported_pair):
             contract.TARGET_PREFILL: 2 * dims.target_layers,
             contract.TARGET_VERIFY: 2 * dims.target_layers,
             contract.DRAFT_CONTEXT: 2 * dims.draft_layers,
-            contract.DRAFT: 4 * dims.draft_layers,  # context rows, then the block
+            contract.DRAFT: 2 * dims.draft_layers,  # context rows and block fused: one write per cache
         }.get(kind, 0)
         attentions = {contract.TARGET_PREFILL: dims.target_layers, contract.TARGET_VERIFY: dims.target_layers, contract.DRAFT: dims.draft_layers}
         assert ops["TensorScatter"] == writes, name
+        outputs = {o.name for o in model.graph.output}
+        scatters = [node for node in model.graph.node if node.op_type == "TensorScatter"]
+        # TensorRT's KV-cache update must feed a graph output: each cache written once, straight out.
+        assert all(node.output[0] in outputs and node.input[0].startswith("past_") for node in scatters), name
         assert ops["Attention"] == attentions.get(kind, 0), name
 
 
@@ -259,14 +264,15 @@ def windowed_pair(tmp_path_factory, tiny_pair):
 @pytest.mark.parametrize("case", ["window-layers", "causal-mask"])
 def test_target_mask_formulations_in_onnx_runtime(tmp_path, tiny_pair, windowed_pair, case):
     """Guards against the boolean-mask path (sliding-window layers, and --causal mask for backends
-    that align is_causal top-left) diverging from the wrapper in ONNX Runtime."""
+    that ignore nonpad_kv_seqlen or align is_causal top-left, e.g. TensorRT-RTX) diverging from the
+    wrapper in ONNX Runtime, for the target's causal mask and the draft's length mask."""
     target_dir, draft_dir = windowed_pair if case == "window-layers" else tiny_pair
     causal = "lengths" if case == "window-layers" else CAUSAL_MASK
     options = ExportOptions(max_owners=2, max_context=48, dtype="fp32", causal=causal).resolve(target_dir, draft_dir)
     target, draft = load_pair(target_dir, draft_dir, "fp32")
     dims = contract_dims(target, draft, options)
     rng = np.random.default_rng(7)
-    for name in ("target_verify_2",):
+    for name in ("target_verify_2",) if case == "window-layers" else ("target_verify_2", "draft_2"):
         spec = contract.graph_spec(dims, name)
         with kernels_of([target, draft], OnnxKernels(causal, emit=True)):
             graph = export_graph(graph_module(spec, target, draft, dims), spec, tmp_path)
@@ -318,3 +324,34 @@ def test_bf16_graphs_pass_checker_with_bf16_bindings(half_exports):
     for name, graph in files.items():
         onnx.checker.check_model(str(out / graph.file), full_check=True)
         assert_bindings_equal_contract(out / graph.file, contract.graph_spec(dims, name))
+
+
+def test_draft_wrapper_equals_context_write_then_reference_proposal(eager_models):
+    """Guards against the fused context+block cache write of draft_n (one write per cache, as
+    TensorRT requires) diverging from the reference: write_context of the real rows, then the
+    block forward (ReferenceDecoder._propose); edge cases: no context, a full block of context,
+    the block at the very start and at the very end of the cache."""
+    target, draft, dims = eager_models
+    B, L, P = dims.block_size, dims.max_context, dims.proposals
+    wrapper = graph_module(contract.graph_spec(dims, "draft_3"), target, draft, dims)
+    rng = np.random.default_rng(3)
+    for ctx_start, count in (([0, 5, L - 2 * B], [0, 3, B]), ([2, L - B - 1, 0], [B, 1, 0])):
+        ctx_start, count = torch.tensor(ctx_start), torch.tensor(count)
+        taps = torch.from_numpy(rng.standard_normal((3, B, dims.tap_width)).astype(np.float32))
+        taps[torch.arange(B)[None, :] >= count[:, None]] = 0
+        anchor = torch.tensor([4, 50, 96])
+        keys, values = draft.new_cache(3, L)
+        for cache in keys + values:
+            cache.normal_()
+        want_keys, want_values = [k.clone() for k in keys], [v.clone() for v in values]
+        with torch.no_grad():
+            for i in range(3):
+                row = torch.tensor([i])
+                draft.write_context(taps[i : i + 1, : int(count[i])], ctx_start[i : i + 1], row, want_keys, want_values)
+            masks = torch.full((3, B - 1), draft.config.mask_token_id)
+            hidden = draft(target.embed(torch.cat([anchor[:, None], masks], 1)), ctx_start + count, torch.arange(3), want_keys, want_values)
+            want = target.head(hidden[:, 1 : P + 1]).argmax(-1)
+            got, *caches = wrapper(taps, ctx_start, count, anchor, *[t for pair in zip(keys, values) for t in pair])
+        assert torch.equal(got, want)
+        for cache, expected in zip(caches, [t for pair in zip(want_keys, want_values) for t in pair]):
+            assert torch.allclose(cache, expected, atol=1e-5, rtol=1e-5)  # batching: ulp-level
