@@ -6,8 +6,8 @@
 - ``draft``: a DFlash draft for ANY target checkpoint ``--target`` (its own
   tokenizer.json encodes the corpus); only the draft trains.
 - ``prompts``: code prompts cut from held-out files → a JSON-lines file.
-- ``eval``: τ at each ``--temperature`` with the reference decoder (and the
-  target's held-out loss when ``--corpus`` is given).
+- ``eval``: τ at each ``--temperature`` with the reference decoder (and,
+  with ``--val-loss``, the target's held-out loss on the corpus).
 - ``all``: every stage in one process under one wall-time deadline (one GPU
   call): ``--out``/target, ``--out``/draft, ``--out``/prompts.jsonl,
   ``--out``/summary.json.
@@ -166,6 +166,8 @@ def _args_eval(parser):
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--check-lossless", type=int, default=5, help="prompts also decoded target-only")
     parser.add_argument("--json", type=Path, help="append one JSON object per measurement here")
+    parser.add_argument("--val-loss", action="store_true", help="also score the target on held-out corpus files")
+    parser.add_argument("--val-tokens", type=int, default=2_000_000, help="held-out tokens scored")
 
 
 def _args_all(parser):
@@ -352,10 +354,11 @@ def _run_eval(args) -> int:
     for temperature in args.temperature:
         check = args.check_lossless
         results.append(evaluate.measure_tau(target, draft, tokenizer, prompts, temperature, args.max_new_tokens, check))
-    if args.corpus:
+    if args.val_loss:
         device = _device(args.device)
         _, val = _streams(tokenizer, _target_eos(args.target, tokenizer), _load_corpus(args), device)
-        results.append(evaluate.held_out_loss(target.to(device), val, target.config.max_position_embeddings))
+        context = target.config.max_position_embeddings
+        results.append(evaluate.held_out_loss(target.to(device), val, context, args.val_tokens))
     for result in results:
         print(json.dumps(result))
         _report(args.json, result)
