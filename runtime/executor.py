@@ -70,6 +70,9 @@ class HostClock:
     def elapsed_ms(self, start: float, end: float) -> float:
         return (end - start) * 1000.0
 
+    def release(self, *marks) -> None:
+        pass
+
 
 class EventClock:
     """Device time from CUDA events on the backend's stream (read after the cycle's host sync)."""
@@ -86,24 +89,29 @@ class EventClock:
 
     def elapsed_ms(self, start, end) -> float:
         end.synchronize()  # host sync: the cycle already waited on its verdict, so this is free
-        elapsed = start.elapsed_ms(end)
-        start.close()
-        return elapsed
+        return start.elapsed_ms(end)
+
+    def release(self, *marks) -> None:
+        for event in marks:
+            event.close()
 
 
 def make_clock(backend: Backend):
-    stream = getattr(backend, "stream", None)
-    if backend.device.type == "cuda" and stream is not None and hasattr(stream, "handle"):
-        return EventClock(stream)
-    return HostClock()
+    """Events on the backend's device-layer stream when it has one (CUDA), host time otherwise."""
+    stream = getattr(getattr(backend, "stream", None), "device_stream", None)
+    return EventClock(stream) if backend.device.type == "cuda" and stream is not None else HostClock()
 
 
 class Executor:
     """Sessions and batched DFlash cycles over one backend (see the module docstring)."""
 
-    def __init__(self, backend: Backend, dims: c.Dims, max_sessions: int) -> None:
-        if not isinstance(max_sessions, int) or max_sessions < 1:
-            msg = f"max_sessions must be an int >= 1, got {max_sessions!r}"
+    def __init__(self, backend: Backend, dims: c.Dims | None = None, max_sessions: int | None = None) -> None:
+        """``dims`` and ``max_sessions`` default to the backend's (its contract dims and pool rows)."""
+        dims = dims if dims is not None else backend.dims
+        rows = getattr(backend, "max_sessions", None)
+        max_sessions = max_sessions if max_sessions is not None else rows
+        if not isinstance(max_sessions, int) or isinstance(max_sessions, bool) or not 1 <= max_sessions <= (rows or max_sessions):
+            msg = f"max_sessions must be an int in [1, {rows}] (the backend's cache rows), got {max_sessions!r}"
             raise ValueError(msg)
         self.backend, self.dims = backend, dims
         self.device = backend.device
@@ -262,10 +270,12 @@ class Executor:
             self._commit_taps(s, out[c.TAPS][0])  # before the next chunk reuses the output
         self.log.counters["target_preamble_calls"] += 1
         if not step.produce_output:
+            self.clock.release(t0)
             return None
         prediction = self._choose(s, logits, step.end)
         t1 = self.clock.mark()
         self.log.target_row(s, step.end - 1, self.clock.elapsed_ms(t0, t1))
+        self.clock.release(t0, t1)
         return prediction
 
     def _choose(self, s: Session, logits: torch.Tensor, position: int) -> int:
@@ -333,6 +343,7 @@ class Executor:
         bursts = make_bursts(proposals.cpu().numpy(), accepted, next_token, starts, self.dims.vocab_size)
         self.log.cycle_counters(n, P, counts, bursts, self.tap_row_bytes)
         draft_ms, verify_ms = self.clock.elapsed_ms(t0, t1), self.clock.elapsed_ms(t1, t2)
+        self.clock.release(t0, t1, t2)
         rows = []
         for s, burst, count, start in zip(sessions, bursts, counts, starts):
             rows.append((s, STATIC if s.drained_rows == 0 else DYNAMIC, count + s.drained_rows, start, burst))
