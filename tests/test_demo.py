@@ -1,0 +1,95 @@
+"""`dflash-trt run` and `dflash-trt demo` end to end over the exported tiny pair (ONNX Runtime, CPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from dflash_trt.cli import main
+from dflash_trt.runtime import demo
+from dflash_trt.runtime.stats import CYCLE_SCHEMA, EXECUTE_SCHEMA
+from test_executor_support import Oracle, pair, single_thread
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    yield from single_thread()
+
+
+@pytest.fixture
+def prompt_file(tmp_path, exported_pair) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"name": f"p{i}", "tokens": p} for i, p in enumerate(exported_pair.prompts)]
+    rows.append({"tokens": [7, 8, 9], "max_new_tokens": 3})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    return path
+
+
+def test_run_command_writes_reference_outputs_and_stats(exported_pair, prompt_file, tmp_path, capsys):
+    """Guards against the serving command dropping prompts, per-line limits, stop tokens or stats
+    files: outputs must be the reference's, both Parquet tables readable with their schemas."""
+    out = tmp_path / "run"
+    code = main(["run", "--artifacts", str(exported_pair.out), "--prompts", str(prompt_file), "--out", str(out), "--max-new-tokens", "20", "--max-sessions", "2", "--threads", "1"])
+    assert code == 0
+    rows = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert [r["name"] for r in rows] == ["p0", "p1", "p2", "3"]
+    target, _ = pair(exported_pair.target_dir, exported_pair.draft_dir)
+    oracle = Oracle(target, exported_pair.manifest.max_context)
+    stops = tuple(exported_pair.manifest.special_tokens.stop)
+    for row, p, limit in zip(rows, [*exported_pair.prompts, [7, 8, 9]], [20, 20, 20, 3]):
+        reference = oracle.continuation(p)[:limit]
+        cut = next((i + 1 for i, t in enumerate(reference) if t in stops), len(reference))
+        assert row["tokens"] == reference[:cut] and row["prompt_tokens"] == len(p)
+    cycles, executes = pl.read_parquet(out / "stats.parquet"), pl.read_parquet(out / "stats.executes.parquet")
+    assert cycles.schema == pl.Schema(CYCLE_SCHEMA) and executes.schema == pl.Schema(EXECUTE_SCHEMA)
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert figures["prompts"] == 4 and figures["tokens"] == sum(len(r["tokens"]) for r in rows) and figures["tau"] > 1
+
+
+def test_run_command_refuses_text_without_tokenizer(exported_pair, tmp_path, capsys):
+    """Guards against a traceback (instead of a message naming the line and the fix) for text prompts
+    when no tokenizer.json is found."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def f():"}\n')
+    assert main(["run", "--artifacts", str(exported_pair.out), "--prompts", str(prompts), "--out", str(tmp_path / "o")]) == 1
+    assert "p.jsonl:1: a text prompt needs a tokenizer" in capsys.readouterr().err
+
+
+def test_demo_exports_to_the_cache_then_serves(exported_pair, prompt_file, tmp_path, monkeypatch, capsys):
+    """Guards against the demo skipping its export step, exporting a dtype ONNX Runtime's CPU provider
+    cannot run, or not writing stats and the report. (The export itself is stubbed with the session's
+    tiny export: export_pair's own skip-when-unchanged logic is the exporter's and tested there.)"""
+    from dflash_trt.export import exporter
+
+    calls = []
+
+    def fake_export(target, draft, out, options):
+        calls.append((Path(target), Path(draft), Path(out), options))
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        if not Path(out).exists():
+            Path(out).symlink_to(exported_pair.out, target_is_directory=True)
+        return exported_pair.manifest
+
+    monkeypatch.setattr(exporter, "export_pair", fake_export)
+    cache = tmp_path / "cache"
+    args = ["demo", "--target", str(exported_pair.target_dir), "--draft", str(exported_pair.draft_dir), "--prompts", str(prompt_file)]
+    args += ["--cache", str(cache), "--count", "3", "--max-new-tokens", "12", "--threads", "1"]
+    assert main(args) == 0
+    (target, draft, out, options), = calls
+    assert (target, draft) == (exported_pair.target_dir, exported_pair.draft_dir) and out.parent == cache / "export"
+    assert options.dtype == "fp32" and options.max_owners == demo.DEMO_MAX_OWNERS
+    printed = capsys.readouterr().out
+    assert "τ (tokens per draft/verify cycle) =" in printed and "tokens/s" in printed
+    assert (cache / "demo-run" / "stats.parquet").is_file() and (cache / "demo-run" / "stats.executes.parquet").is_file()
+    assert (cache / "demo-run" / "report" / "summary.md").is_file()
+    assert json.loads(printed.strip().splitlines()[-1])["prompts"] == 3
+
+
+def test_demo_script_is_the_readme_command():
+    """Guards against scripts/demo.sh drifting from the one-command install + demo."""
+    script = (Path(__file__).parent.parent / "scripts" / "demo.sh").read_text()
+    for line in ("python -m pip install torch==2.13.0", "python -m pip install -e .", "dflash-trt demo"):
+        assert line in script
