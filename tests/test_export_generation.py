@@ -34,6 +34,8 @@ class Graphs:
     def __init__(self, directory, manifest) -> None:
         options = ort.SessionOptions()
         options.log_severity_level = 3
+        options.intra_op_num_threads = 1  # idle ORT threads spin and starve PyTorch on 2-core CI
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.dims = manifest.dims()
         self.specs = contract.graph_specs(self.dims)
         self.sessions = {

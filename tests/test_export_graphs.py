@@ -33,6 +33,8 @@ GRAPHS = contract.graph_names(3)
 def session(path) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.log_severity_level = 3  # TensorScatter warns on every copy of an unaliased cache
+    options.intra_op_num_threads = 1  # idle ORT threads spin and starve PyTorch on 2-core CI
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
