@@ -246,7 +246,7 @@ def _validate_input(index: int, item: Input, table: SessionTable, limits: Limits
     first = session.id not in cursors
     cursor = cursors.get(session.id, session.frontier)
     position = cursor - offset if item.position is None else item.position
-    position = int_in(f"{where}.position", position, -offset, None)
+    position = int_in(f"{where}.position", position, -offset, None, "(position + offset >= 0)")
     start = position + offset
     if first and start > session.frontier:
         msg = f"{where}.position: position + offset must be in [0, {session.frontier}] (session {session.id}'s frontier), got {start}"
@@ -269,7 +269,10 @@ def _tokens(where: str, tokens, vocab_size: int) -> list[int]:
     if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
         msg = f"{where}.tokens must be a sequence of token ids, got {type(tokens).__name__}"
         raise InputError(msg)
-    values = list(tokens)
+    values = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)  # numpy / torch: plain ints
+    if not isinstance(values, list):
+        msg = f"{where}.tokens must be a 1-D sequence of token ids, got {tokens!r:.80}"
+        raise InputError(msg)
     for j, token in enumerate(values):
         if not _is_int(token) or not 0 <= int(token) < vocab_size:
             msg = f"{where}.tokens[{j}] must be a token id in [0, {vocab_size - 1}], got {token!r}"
@@ -279,8 +282,8 @@ def _tokens(where: str, tokens, vocab_size: int) -> list[int]:
 
 def int_in(name: str, value, low: int, high: int | None, note: str = "") -> int:
     if not _is_int(value) or int(value) < low or (high is not None and int(value) > high):
-        valid = f"[{low}, {high}]" if high is not None else f">= {low}"
-        msg = f"{name} must be an int in {valid}{' ' + note if note else ''}, got {value!r}"
+        valid = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        msg = f"{name} must be an int {valid}{' ' + note if note else ''}, got {value!r}"
         raise InputError(msg)
     return int(value)
 

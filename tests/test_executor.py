@@ -167,7 +167,7 @@ def test_stats_count_every_token_and_tau_matches_reference(tiny, tmp_path):
     executor, _ = new_executor(tiny, 2)
     p = prompt(21, 3)
     s = executor.open_session()
-    returned = executor.execute([Input(s, p)])[0]
+    returned = executor.execute([Input(s, np.array(p))])[0]  # numpy ids are accepted as plain ints
     wanted = dims.max_context - len(p)  # the reference's limit: prompt + new tokens <= max_context
     while len(returned) < wanted:
         returned += executor.execute([Input(s, [executor.session(s).pending])])[0]
@@ -206,6 +206,9 @@ def snapshot(executor: Executor) -> list:
         (lambda s, v: [Input(s, [1], position=2), Input(s, [1], position=2)], InputError, ["input[1].position", "continue at 3"]),
         (lambda s, v: [Input(s, [1], produce_output="yes")], InputError, ["input[0].produce_output"]),
         (lambda s, v: [Input(s, "abc")], InputError, ["input[0].tokens"]),
+        (lambda s, v: [Input(s, np.array(5))], InputError, ["input[0].tokens", "1-D"]),
+        (lambda s, v: [Input(s, torch.tensor([[1, 2]]))], InputError, ["input[0].tokens[0]"]),
+        (lambda s, v: [Input(s, [1], position=-2)], InputError, ["input[0].position", ">= 0", "-2"]),
         (lambda s, v: [], InputError, ["non-empty"]),
         (lambda s, v: [{"session": s, "tokens": [1], "colour": 3}], InputError, ["input[0]", "colour"]),
     ],
