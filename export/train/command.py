@@ -356,7 +356,8 @@ def _run_eval(args) -> int:
         results.append(evaluate.measure_tau(target, draft, tokenizer, prompts, temperature, args.max_new_tokens, check))
     if args.val_loss:
         device = _device(args.device)
-        _, val = _streams(tokenizer, _target_eos(args.target, tokenizer), _load_corpus(args), device)
+        documents = [d.text for d in _load_corpus(args).val]
+        val = TokenStream(encode_documents(tokenizer, documents, _target_eos(args.target, tokenizer)), device)
         context = target.config.max_position_embeddings
         results.append(evaluate.held_out_loss(target.to(device), val, context, args.val_tokens))
     for result in results:
