@@ -4,7 +4,9 @@
 - ``target``: a small Qwen3 trained from scratch with that tokenizer →
   ``--out`` (HF checkpoint + tokenizer), then its held-out loss.
 - ``draft``: a DFlash draft for ANY target checkpoint ``--target`` (its own
-  tokenizer.json encodes the corpus); only the draft trains.
+  tokenizer.json encodes the corpus); only the draft trains. With
+  ``--regenerate-s`` it trains on text the target writes from corpus prefixes;
+  ``--init-draft`` warm-starts from an earlier draft.
 - ``prompts``: code prompts cut from held-out files → a JSON-lines file.
 - ``eval``: τ at each ``--temperature`` with the reference decoder (and,
   with ``--val-loss``, the target's held-out loss on the corpus).

@@ -40,11 +40,14 @@ class Corpus:
     val: list[Document]
 
     def describe(self) -> str:
-        size = lambda docs: sum(len(d.text) for d in docs) / 1e6  # noqa: E731
         return (
-            f"{len(self.train)} train files ({size(self.train):.1f} M chars), "
-            f"{len(self.val)} held-out files ({size(self.val):.1f} M chars)"
+            f"{len(self.train)} train files ({_mega_chars(self.train):.1f} M chars), "
+            f"{len(self.val)} held-out files ({_mega_chars(self.val):.1f} M chars)"
         )
+
+
+def _mega_chars(documents: list[Document]) -> float:
+    return sum(len(d.text) for d in documents) / 1e6
 
 
 def default_sources() -> list[str]:

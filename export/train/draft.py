@@ -121,10 +121,9 @@ def block_loss(
 
 def init_from_target(draft: DraftModel, target: TargetModel) -> bool:
     """Copy the target's last decoder layers into the draft's where every shape matches."""
-    sources = list(target.model.layers)[-len(draft.layers) :]
-    states = [s.state_dict() for s in sources]
-    if any({k: v.shape for k, v in s.items()} != {k: v.shape for k, v in d.state_dict().items()}
-           for s, d in zip(states, draft.layers)):
+    states = [layer.state_dict() for layer in list(target.model.layers)[-len(draft.layers) :]]
+    shapes = lambda state: {name: tensor.shape for name, tensor in state.items()}  # noqa: E731
+    if any(shapes(state) != shapes(layer.state_dict()) for state, layer in zip(states, draft.layers)):
         return False
     with torch.no_grad():
         for state, layer in zip(states, draft.layers):
