@@ -19,6 +19,8 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from dflash_trt.errors import InputError
 from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.sessions import Input
@@ -63,13 +65,17 @@ class _Running:
     produced: int = 0
 
 
-def check_request(index: int, request: Request, max_context: int) -> None:
+def check_request(index: int, request: Request, max_context: int, vocab_size: int) -> None:
     """Refuse a request that can never run (before any session opens)."""
     if not isinstance(request.max_new_tokens, int) or request.max_new_tokens < 1:
         msg = f"request[{index}].max_new_tokens must be an int >= 1, got {request.max_new_tokens!r}"
         raise InputError(msg)
     if not 1 <= len(request.prompt) <= max_context - 1:
         msg = f"request[{index}].prompt must hold 1..{max_context - 1} tokens (max_context - 1), got {len(request.prompt)}"
+        raise InputError(msg)
+    bad = [t for t in request.prompt if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    if bad:
+        msg = f"request[{index}].prompt tokens must be ids in [0, {vocab_size - 1}], got {bad[0]!r}"
         raise InputError(msg)
 
 
@@ -82,7 +88,7 @@ def stream(executor: Executor, requests: Iterable[Request], max_sessions: int | 
     cap = min(max_sessions or executor.max_sessions, executor.max_sessions)
     queue = deque(enumerate(requests))
     for index, request in queue:
-        check_request(index, request, executor.dims.max_context)
+        check_request(index, request, executor.dims.max_context, executor.dims.vocab_size)
     running: list[_Running] = []
     try:
         while queue or running:

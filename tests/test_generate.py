@@ -85,7 +85,12 @@ def test_stream_closes_sessions_when_abandoned(tiny):
 
 @pytest.mark.parametrize(
     "request_, words",
-    [(Request([], 4), "prompt must hold 1..63"), (Request([1] * 64, 4), "got 64"), (Request([1], 0), "max_new_tokens")],
+    [
+        (Request([], 4), "prompt must hold 1..63"),
+        (Request([1] * 64, 4), "got 64"),
+        (Request([1], 0), "max_new_tokens"),
+        (Request([1, 97], 4), r"ids in \[0, 96\], got 97"),
+    ],
 )
 def test_bad_requests_refused_before_any_session_opens(tiny, request_, words):
     """Guards against a request that can never run opening sessions (or failing mid-stream)."""
