@@ -37,12 +37,16 @@ def _load(module_name: str):
         raise
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
+    """Only the selected subcommand's module is imported: stages pull in their own
+    dependencies (polars, onnxruntime, tensorrt) and a missing one must not break others."""
     parser = argparse.ArgumentParser(prog="dflash-trt", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"dflash-trt {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
+        if name != selected:
+            continue
         module = _load(module_name)
         if module is None:
             command.set_defaults(_run=_missing(name))
@@ -61,7 +65,9 @@ def _missing(name: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    selected = next((arg for arg in argv if not arg.startswith("-")), None)
+    parser = build_parser(selected if selected in COMMANDS else None)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
