@@ -324,32 +324,38 @@ class Executor:
         starts = [s.frontier for s in sessions]
         counts = [s.pending_rows for s in sessions]
         t0 = self.clock.mark()
-        anchor = self._ints(anchors)
-        draft = self.backend.run(
-            c.graph_name(c.DRAFT, n),
-            {c.CTX_TAPS: self.context.view(first, n), c.CTX_START: self._ints([s.draft_position for s in sessions]), c.CTX_COUNT: self._ints(counts), c.ANCHOR: anchor},
-            first,
-        )
+        candidates = self._draft(first, sessions, anchors, counts)  # [n, P+1] = [anchor, d_1..d_P], device
         t1 = self.clock.mark()
-        proposals = draft[c.PROPOSALS]  # [n, P] on device
-        candidates = torch.cat([anchor[:, None], proposals], dim=1)  # [n, P+1]
         verify = self.backend.run(c.graph_name(c.TARGET_VERIFY, n), {c.TOKENS: candidates, c.START: self._ints(starts)}, first)
         # Next context = taps of verify rows 0..a; rows past a are padding the static draft overwrites.
         self.context.view(first, n)[:, : P + 1].copy_(verify[c.TAPS])  # device to device
         verdict = self._verdict(first, sessions, verify[c.LOGITS], candidates, starts)
         t2 = self.clock.mark()
-        # Host sync: the verdict and the proposals (token ids only) come to the host.
+        # Host sync: the verdict and the proposals (token ids only, never taps) come to the host.
         accepted, next_token = verdict[c.ACCEPTED].cpu().numpy(), verdict[c.NEXT_TOKEN].cpu().numpy()
-        bursts = make_bursts(proposals.cpu().numpy(), accepted, next_token, starts, self.dims.vocab_size)
-        self.log.cycle_counters(n, P, counts, bursts, self.tap_row_bytes)
+        bursts = make_bursts(candidates[:, 1:].cpu().numpy(), accepted, next_token, starts, self.dims.vocab_size)
         draft_ms, verify_ms = self.clock.elapsed_ms(t0, t1), self.clock.elapsed_ms(t1, t2)
         self.clock.release(t0, t1, t2)
+        self.log.cycle_counters(n, P, counts, bursts, self.tap_row_bytes)
         rows = []
         for s, burst, count, start in zip(sessions, bursts, counts, starts):
             rows.append((s, STATIC if s.drained_rows == 0 else DYNAMIC, count + s.drained_rows, start, burst))
             s.draft_position, s.frontier, s.drained_rows = start, burst.frontier, 0
         self.log.cycle_rows(rows, P, draft_ms, verify_ms)
         return bursts
+
+    def _draft(self, first: int, sessions: list[Session], anchors: list[int], counts: list[int]) -> torch.Tensor:
+        """Static draft_n over the owners' pending context (the pool view, ≤ B rows each) -> candidates [n, P+1]."""
+        anchor = self._ints(anchors)
+        feeds = {
+            c.CTX_TAPS: self.context.view(first, len(sessions)),  # [n, B, W], no copy
+            c.CTX_START: self._ints([s.draft_position for s in sessions]),
+            c.CTX_COUNT: self._ints(counts),
+            c.ANCHOR: anchor,
+        }
+        proposals = self.backend.run(c.graph_name(c.DRAFT, len(sessions)), feeds, first)[c.PROPOSALS]  # [n, P]
+        # Our own copy: the backend's output buffer is reused by its next draft_n run.
+        return torch.cat([anchor[:, None], proposals], dim=1)
 
     def _verdict(self, first: int, sessions: list[Session], logits, candidates, starts) -> dict[str, torch.Tensor]:
         n = len(sessions)
@@ -366,6 +372,7 @@ class Executor:
         return self.backend.run(c.graph_name(c.VERIFY_SAMPLE, n), feeds, first)
 
     def _ints(self, values: Sequence[int]) -> torch.Tensor:
+        """A small int64 feed built on the host (an H2D copy on CUDA; pageable, so it may block briefly)."""
         return torch.tensor(list(values), dtype=torch.int64, device=self.device)
 
     # ------------------------------------------------------------------ stats
