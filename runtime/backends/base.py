@@ -35,6 +35,8 @@ from collections.abc import Mapping
 
 import torch
 
+from dflash_trt.export.contract import Dims
+
 POOLS = ("target", "draft")
 
 
@@ -43,6 +45,7 @@ class Backend(ABC):
 
     name: str = "abstract"
     device: torch.device
+    dims: Dims  # the contract dims of the graphs it runs (the executor's default)
     max_sessions: int  # rows of each pool
     pools: dict  # "target" / "draft" -> pools.CachePool (per-layer K/V views; tests and debugging read them)
     stream: object | None = None  # streams.BackendStream on CUDA
