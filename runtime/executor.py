@@ -43,7 +43,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 import polars as pl
 import torch
 
@@ -52,7 +51,7 @@ from dflash_trt.export import contract as c
 from dflash_trt.export.reference import Sampling
 from dflash_trt.export.sampling import check_sampling, choose, positional_uniform
 from dflash_trt.runtime.backends.base import Backend
-from dflash_trt.runtime.packing import DYNAMIC, STATIC, TARGET, Burst, block_fits, chunks, make_bursts, pack_rows, plan_context, trim_context, verify_uniforms
+from dflash_trt.runtime.packing import DYNAMIC, STATIC, TARGET, Burst, block_fits, chunks, cycle_mode, make_bursts, pack_rows, plan_context, trim_context, verify_uniforms
 from dflash_trt.runtime.sessions import ContextPool, Input, Limits, Session, SessionTable, SessionView, Step, check_seed, int_in, validate_batch
 from dflash_trt.runtime.stats import COUNTERS, CYCLE_SCHEMA, EXECUTE_SCHEMA, ColumnStore, stats_paths, write_parquet
 
@@ -339,7 +338,8 @@ class Executor:
         self.log.cycle_counters(n, P, counts, bursts, self.tap_row_bytes)
         rows = []
         for s, burst, count, start in zip(sessions, bursts, counts, starts):
-            rows.append((s, STATIC if s.drained_rows == 0 else DYNAMIC, count + s.drained_rows, start, burst))
+            mode = cycle_mode(start, self.dims.block_size, self.dims.max_context, s.drained_rows)
+            rows.append((s, mode, count + s.drained_rows, start, burst))
             s.draft_position, s.frontier, s.drained_rows = start, burst.frontier, 0
         self.log.cycle_rows(rows, P, draft_ms, verify_ms)
         return bursts

@@ -106,9 +106,6 @@ class ContextPool:
         self.taps[row, :count].copy_(rows)
         self.taps[row, count:].zero_()
 
-    def truncate(self, row: int, count: int) -> None:
-        self.taps[row, count:].zero_()
-
     def copy(self, source: int, destination: int, count: int) -> None:
         self.store(destination, self.taps[source, :count])
 
