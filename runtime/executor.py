@@ -51,7 +51,7 @@ from dflash_trt.export import contract as c
 from dflash_trt.export.reference import Sampling
 from dflash_trt.export.sampling import check_sampling, choose, positional_uniform
 from dflash_trt.runtime.backends.base import Backend
-from dflash_trt.runtime.packing import DYNAMIC, STATIC, TARGET, Burst, block_fits, chunks, cycle_mode, make_bursts, pack_rows, plan_context, trim_context, verify_uniforms
+from dflash_trt.runtime.packing import DYNAMIC, STATIC, TARGET, Burst, block_fits, chunks, cycle_mode, make_bursts, pack_rows, plan_context, static_context, trim_context, verify_uniforms
 from dflash_trt.runtime.sessions import ContextPool, Input, Limits, Session, SessionTable, SessionView, Step, check_seed, int_in, validate_batch
 from dflash_trt.runtime.stats import COUNTERS, CYCLE_SCHEMA, EXECUTE_SCHEMA, ColumnStore, stats_paths, write_parquet
 
@@ -321,9 +321,9 @@ class Executor:
         """draft_n → target_verify_n → verdict → bookkeeping for n owners at rows first.. ."""
         n, P = len(sessions), self.dims.proposals
         starts = [s.frontier for s in sessions]
-        counts = [s.pending_rows for s in sessions]
+        ctx_start, counts = static_context([s.draft_position for s in sessions], starts, self.dims.block_size)
         t0 = self.clock.mark()
-        candidates = self._draft(first, sessions, anchors, counts)  # [n, P+1] = [anchor, d_1..d_P], device
+        candidates = self._draft(first, anchors, ctx_start, counts)  # [n, P+1] = [anchor, d_1..d_P], device
         t1 = self.clock.mark()
         verify = self.backend.run(c.graph_name(c.TARGET_VERIFY, n), {c.TOKENS: candidates, c.START: self._ints(starts)}, first)
         # Next context = taps of verify rows 0..a; rows past a are padding the static draft overwrites.
@@ -344,16 +344,16 @@ class Executor:
         self.log.cycle_rows(rows, P, draft_ms, verify_ms)
         return bursts
 
-    def _draft(self, first: int, sessions: list[Session], anchors: list[int], counts: list[int]) -> torch.Tensor:
+    def _draft(self, first: int, anchors: list[int], ctx_start: list[int], counts: list[int]) -> torch.Tensor:
         """Static draft_n over the owners' pending context (the pool view, ≤ B rows each) -> candidates [n, P+1]."""
-        anchor = self._ints(anchors)
+        n, anchor = len(anchors), self._ints(anchors)
         feeds = {
-            c.CTX_TAPS: self.context.view(first, len(sessions)),  # [n, B, W], no copy
-            c.CTX_START: self._ints([s.draft_position for s in sessions]),
+            c.CTX_TAPS: self.context.view(first, n),  # [n, B, W], no copy
+            c.CTX_START: self._ints(ctx_start),
             c.CTX_COUNT: self._ints(counts),
             c.ANCHOR: anchor,
         }
-        proposals = self.backend.run(c.graph_name(c.DRAFT, len(sessions)), feeds, first)[c.PROPOSALS]  # [n, P]
+        proposals = self.backend.run(c.graph_name(c.DRAFT, n), feeds, first)[c.PROPOSALS]  # [n, P]
         # Our own copy: the backend's output buffer is reused by its next draft_n run.
         return torch.cat([anchor[:, None], proposals], dim=1)
 

@@ -81,6 +81,18 @@ def cycle_mode(frontier: int, block: int, max_context: int, drained_rows: int) -
     return DYNAMIC if drained_rows > 0 else STATIC
 
 
+def static_context(draft_positions: Sequence[int], frontiers: Sequence[int], block: int) -> tuple[list[int], list[int]]:
+    """(ctx_start, ctx_count) per owner of a static draft_n: the pending rows ``draft_position .. frontier-1``.
+
+    The static graph takes exactly B context rows per owner (the pool row,
+    padded past the count); more pending rows than B means a drain was
+    skipped — an internal fault, never a user error.
+    """
+    counts = [f - d for d, f in zip(draft_positions, frontiers)]
+    assert all(0 <= n <= block for n in counts), f"pending context rows must be in [0, {block}], got {counts}"
+    return list(draft_positions), counts
+
+
 def chunks(size: int, limit: int) -> list[tuple[int, int]]:
     """[lo, hi) pieces of ``range(size)`` of at most ``limit`` each (prefill and drain chunking)."""
     assert limit >= 1, limit

@@ -18,6 +18,7 @@ from dflash_trt.runtime.packing import (
     pack_rows,
     pick_row,
     plan_context,
+    static_context,
     trim_context,
     verify_uniforms,
 )
@@ -50,6 +51,13 @@ def test_block_fits_and_mode():
     assert cycle_mode(56, 8, 64, 0) == STATIC
     assert cycle_mode(10, 8, 64, 30) == DYNAMIC
     assert cycle_mode(57, 8, 64, 0) == TARGET
+
+
+def test_static_context():
+    """Guards against a static draft fed more than B pending rows (a skipped drain) or the wrong start."""
+    assert static_context([10, 0, 33], [14, 8, 33], 8) == ([10, 0, 33], [4, 8, 0])
+    with pytest.raises(AssertionError, match="pending context rows"):
+        static_context([0], [9], 8)
 
 
 def test_chunks():
