@@ -68,7 +68,7 @@ def export_dir(args) -> Path:
     options = ExportOptions(max_owners=DEMO_MAX_OWNERS, max_sessions=DEMO_MAX_SESSIONS, max_chunk=DEMO_MAX_CHUNK, dtype="fp32")
     started = time.perf_counter()
     print(f"export: {args.target} + {args.draft} -> {out} (cached after the first run)", flush=True)
-    export_pair(args.target, args.draft, out, options)
+    export_pair(args.target, args.draft, out, options, progress=True)
     print(f"export: ready in {time.perf_counter() - started:.1f} s", flush=True)
     return out
 

@@ -66,7 +66,7 @@ def test_demo_exports_to_the_cache_then_serves(exported_pair, prompt_file, tmp_p
 
     calls = []
 
-    def fake_export(target, draft, out, options):
+    def fake_export(target, draft, out, options, **_):
         calls.append((Path(target), Path(draft), Path(out), options))
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         if not Path(out).exists():
