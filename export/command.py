@@ -2,7 +2,7 @@
 
     dflash-trt export --target DIR --draft DIR --out DIR [--max-owners 4]
         [--max-sessions N] [--max-context L] [--max-chunk T] [--proposals P]
-        [--dtype bf16|fp16|fp32] [--causal lengths|mask] [--force]
+        [--dtype bf16|fp16|fp32] [--causal lengths|mask] [--[no-]shared-weights] [--force]
 
 fp32 is for CPU execution (ONNX Runtime), bf16/fp16 for engines. An output
 directory already holding a valid export of the same inputs is left alone
@@ -36,6 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=CAUSAL_MODES[0],
         help="target causal attention: lengths (is_causal + kv lengths, fast) or mask (boolean mask)",
     )
+    parser.add_argument(
+        "--shared-weights",
+        action=argparse.BooleanOptionalAction,
+        help="one weights.data for all graphs, each tensor once (default: when the checkpoints exceed 1 GiB)",
+    )
     parser.add_argument("--force", action="store_true", help="re-export even if the output is up to date")
 
 
@@ -48,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         proposals=args.proposals,
         dtype=args.dtype,
         causal=args.causal,
+        shared_weights=args.shared_weights,
     )
     options.resolve(args.target, args.draft)  # refuse bad options before any work
     if not args.force and up_to_date(args.target, args.draft, args.out, options) is not None:
@@ -55,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     started = time.perf_counter()
     manifest = export_pair(args.target, args.draft, args.out, options, progress=True, force=True)
-    total = sum((args.out / name).stat().st_size for g in manifest.graphs.values() for name in (g.file, *g.data_files))
+    files = {name for g in manifest.graphs.values() for name in (g.file, *g.data_files)}
+    total = sum((args.out / name).stat().st_size for name in files)
     print(
         f"{args.out}: {len(manifest.graphs)} graphs, {total / 2**20:.1f} MiB, {manifest.dtype}, "
         f"block {manifest.block_size}, proposals {manifest.proposals}, max owners {manifest.max_owners}, "

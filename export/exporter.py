@@ -13,6 +13,7 @@ nothing is re-exported.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import sys
 import time
@@ -22,6 +23,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import onnx
+import onnx_ir as ir
 import torch
 from tqdm import tqdm
 
@@ -47,11 +49,13 @@ from dflash_trt.export.manifest import (
 )
 from dflash_trt.export.onnx_kernels import CAUSAL_LENGTHS, CAUSAL_MODES, OPSET, TRANSLATIONS, OnnxKernels
 from dflash_trt.export.target import TargetModel, load_target
+from dflash_trt.export.weights import SharedWeights
 
 IR_VERSION = 10  # what torch writes today; ONNX Runtime reads <= 13
 DEFAULT_MAX_CONTEXT = 4096
 DEFAULT_MAX_CHUNK = 512
 TRACE_SIZE = 2  # example extent of a dynamic dim while tracing (1 would specialize)
+SHARED_WEIGHTS_MIN_BYTES = 1 << 30
 
 
 class ExportError(DFlashError):
@@ -69,6 +73,7 @@ class ExportOptions:
     proposals: int | None = None  # default: block_size - 1
     dtype: str = "bf16"
     causal: str = CAUSAL_LENGTHS
+    shared_weights: bool | None = None  # one weights.data for all graphs; default: when the pair is > 1 GiB
 
     def resolve(self, target_dir: str | Path, draft_dir: str | Path) -> ExportOptions:
         """Defaults filled in from the pair's configs; every value range-checked."""
@@ -82,6 +87,7 @@ class ExportOptions:
             max_context=max_context,
             max_chunk=self.max_chunk or min(DEFAULT_MAX_CHUNK, max_context),
             proposals=self.proposals or block - 1,
+            shared_weights=self.shared_weights if self.shared_weights is not None else _pair_bytes(target_dir, draft_dir) > SHARED_WEIGHTS_MIN_BYTES,
         )
         resolved._check(block)
         return resolved
@@ -102,6 +108,10 @@ class ExportOptions:
             raise ExportError(f"export option dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.causal not in CAUSAL_MODES:
             raise ExportError(f"export option causal must be one of {CAUSAL_MODES}, got {self.causal!r}")
+
+
+def _pair_bytes(target_dir: str | Path, draft_dir: str | Path) -> int:
+    return sum(f.stat().st_size for d in (target_dir, draft_dir) for f in Path(d).glob("*.safetensors"))
 
 
 def tool_versions() -> dict[str, str]:
@@ -208,7 +218,7 @@ def _quiet() -> Iterator[None]:
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(None):
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
             yield
     finally:
@@ -216,8 +226,14 @@ def _quiet() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def export_graph(module: torch.nn.Module, spec: GraphSpec, directory: Path) -> GraphFile:
-    """Trace ``module`` (wired to emitting OnnxKernels) into ``directory/<name>.onnx`` and check it."""
+def export_graph(
+    module: torch.nn.Module, spec: GraphSpec, directory: Path, weights: SharedWeights | None = None
+) -> GraphFile:
+    """Trace ``module`` (wired to emitting OnnxKernels) into ``directory/<name>.onnx`` and check it.
+
+    With ``weights``, large initializers go to the shared external-data file.
+    The returned ``data_files`` hashes are of the files as they are now.
+    """
     path = directory / f"{spec.name}.onnx"
     args = trace_inputs(spec)
     with _quiet(), torch.no_grad():
@@ -235,9 +251,11 @@ def export_graph(module: torch.nn.Module, spec: GraphSpec, directory: Path) -> G
         )
         _name_dynamic_dims(onnx_program, spec)
         onnx_program.model.ir_version = IR_VERSION
-        for file in [path, *(directory / f for f in _stale_data(path))]:
-            file.unlink(missing_ok=True)
-        onnx_program.save(path)
+        if weights is None:
+            onnx_program.save(path)  # external data of its own only past protobuf's 2 GB
+        else:
+            weights.externalize(onnx_program.model)
+            ir.save(onnx_program.model, path)
     onnx.checker.check_model(str(path), full_check=True)
     on_disk = read_graph_io(path, spec.name)
     if (on_disk.inputs, on_disk.outputs) != (spec.inputs, spec.outputs):
@@ -247,8 +265,15 @@ def export_graph(module: torch.nn.Module, spec: GraphSpec, directory: Path) -> G
     return GraphFile(path.name, keys.file_sha256(path), data, spec)
 
 
-def _stale_data(path: Path) -> list[str]:
-    return external_data_files(path) if path.exists() else []
+def _clear(directory: Path, names: list[str]) -> None:
+    """Remove the manifest, then previous files of these graphs and their external data."""
+    (directory / MANIFEST_FILE).unlink(missing_ok=True)  # no manifest until every graph is written
+    for name in names:
+        path = directory / f"{name}.onnx"
+        if path.exists():
+            for data in external_data_files(path):
+                (directory / data).unlink(missing_ok=True)
+            path.unlink()
 
 
 def _name_dynamic_dims(onnx_program, spec: GraphSpec) -> None:
@@ -279,7 +304,7 @@ def build_manifest(
     draft: DraftModel,
     options: ExportOptions,
     graphs: dict[str, GraphFile],
-    export_key_: str,
+    key: str,
     digests: tuple[str, str],
 ) -> Manifest:
     """The manifest of an export (``digests``: checkpoint digests of target, draft)."""
@@ -287,7 +312,7 @@ def build_manifest(
     dtype = DTYPES[options.dtype]
     return Manifest(
         schema_version=SCHEMA_VERSION,
-        export_key=export_key_,
+        export_key=key,
         dtype=options.dtype,
         opset=OPSET,
         ir_version=IR_VERSION,
@@ -332,20 +357,34 @@ def export_pair(
         return existing
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST_FILE).unlink(missing_ok=True)  # no manifest until every graph is written
     target, draft = load_pair(target_dir, draft_dir, resolved.dtype)
     dims = contract_dims(target, draft, resolved)
     specs = contract.graph_specs(dims)
+    _clear(out, list(specs))
     graphs: dict[str, GraphFile] = {}
     kernels = OnnxKernels(resolved.causal, emit=True)
-    with kernels_of([target, draft], kernels), tqdm(specs.values(), desc="export", unit="graph", disable=not progress) as bar:
+    with contextlib.ExitStack() as stack:
+        weights = stack.enter_context(SharedWeights(out)) if resolved.shared_weights else None
+        stack.enter_context(kernels_of([target, draft], kernels))
+        bar = stack.enter_context(tqdm(specs.values(), desc="export", unit="graph", disable=not progress))
         for spec in bar:
             bar.set_postfix_str(spec.name)
             started = time.perf_counter()
-            graphs[spec.name] = export_graph(graph_module(spec, target, draft, dims), spec, out)
+            graphs[spec.name] = export_graph(graph_module(spec, target, draft, dims), spec, out, weights)
             if on_graph is not None:
                 on_graph(spec.name, graphs[spec.name], time.perf_counter() - started)
+    graphs = _rehash_data(graphs, out)
     digests = (keys.checkpoint_digest(target_dir), keys.checkpoint_digest(draft_dir))
     manifest = build_manifest(target, draft, resolved, graphs, export_key(target_dir, draft_dir, resolved), digests)
     write_manifest(manifest, out)
     return load_manifest(out, verify=VERIFY_HASH)
+
+
+def _rehash_data(graphs: dict[str, GraphFile], directory: Path) -> dict[str, GraphFile]:
+    """Final hashes of the external-data files (a shared file grew while later graphs were written)."""
+    hashes: dict[str, str] = {}
+    for graph in graphs.values():
+        for name in graph.data_files:
+            if name not in hashes:
+                hashes[name] = keys.file_sha256(directory / name)
+    return {n: replace(g, data_files={f: hashes[f] for f in g.data_files}) for n, g in graphs.items()}

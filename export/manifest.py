@@ -463,6 +463,7 @@ def _check_files(m: Manifest, directory: Path, hashes: bool) -> None:
         except (OSError, DecodeError) as error:
             raise ManifestError(f"{manifest_path}: graphs.{name} file '{graph.file}' is not a readable ONNX graph: {error}") from error
     _check_observed_dims(m, on_disk, manifest_path, "file of graph")
+    digests: dict[str, str] = {}  # a shared weights file is hashed once
     for name, graph in m.graphs.items():
         recorded = GraphSpec(name, graph.io.kind, graph.io.owners, graph.io.inputs, graph.io.outputs)
         _compare_io(recorded, on_disk[name], manifest_path, f"graphs.{name}", "the manifest", f"file {graph.file}")
@@ -470,7 +471,9 @@ def _check_files(m: Manifest, directory: Path, hashes: bool) -> None:
         _refuse(manifest_path, f"graphs.{name}.data_files", sorted(graph.data_files), data, f"{graph.file} points to")
         if hashes:
             for file, want in ((graph.file, graph.sha256), *graph.data_files.items()):
-                got = file_sha256(directory / file)
+                if file not in digests:
+                    digests[file] = file_sha256(directory / file)
+                got = digests[file]
                 if got != want:
                     raise ManifestError(
                         f"{manifest_path}: graphs.{name} sha256 of '{file}' is {want} in the manifest "

@@ -53,7 +53,8 @@ EXPORT_NEW_TOKENS = (30, 25, 20)
 
 @pytest.fixture(scope="session")
 def exported_pair(tiny_pair, tmp_path_factory):
-    """fp32 export (max_owners 3, max_context 64) of the tiny target and a draft tuned to agree with it.
+    """fp32 export (max_owners 3, max_context 64, one shared weights.data) of the tiny target and a
+    draft tuned to agree with it.
 
     Returns an ``ExportedPair`` (target_dir, draft_dir, out, manifest, prompts, new_tokens). The draft is
     tiny_pair's with its layer outputs scaled down (each slot then proposes
@@ -85,6 +86,6 @@ def exported_pair(tiny_pair, tmp_path_factory):
     config["dflash_config"]["mask_token_id"] = mask
     scaled = {k: v * 0.1 if k.endswith(("o_proj.weight", "down_proj.weight")) else v for k, v in read_tensors(random_draft).items()}
     draft_dir = save_checkpoint(root / "draft", config, scaled)
-    options = ExportOptions(max_owners=3, max_context=64, dtype="fp32")
+    options = ExportOptions(max_owners=3, max_context=64, dtype="fp32", shared_weights=True)
     manifest = export_pair(target_dir, draft_dir, root / "graphs", options)
     return ExportedPair(target_dir, draft_dir, root / "graphs", manifest, prompts, EXPORT_NEW_TOKENS)

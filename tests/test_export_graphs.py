@@ -357,3 +357,26 @@ def test_draft_wrapper_equals_context_write_then_reference_proposal(eager_models
         assert torch.equal(got, want)
         for cache, expected in zip(caches, [t for pair in zip(want_keys, want_values) for t in pair]):
             assert torch.allclose(cache, expected, atol=1e-5, rtol=1e-5)  # batching: ulp-level
+
+
+def test_shared_weights_store_each_tensor_once_and_run(tmp_path, exported_pair, eager_models):
+    """Guards against an export of a real model writing the target's weights once per graph (an 8B
+    target at max_owners 4 would take ~90 GB) and against shared external data that ONNX Runtime
+    cannot read or reads at the wrong offsets."""
+    from dflash_trt.export.weights import WEIGHTS_FILE, SharedWeights
+
+    target, draft, dims = eager_models
+    names = ("target_verify_1", "target_verify_2", "draft_1")
+    with SharedWeights(tmp_path) as weights, kernels_of([target, draft], OnnxKernels(emit=True)):
+        files = {n: export_graph(graph_module(contract.graph_spec(dims, n), target, draft, dims), contract.graph_spec(dims, n), tmp_path, weights) for n in names}
+    assert all(list(f.data_files) == [WEIGHTS_FILE] for f in files.values())
+    parameters = sum(p.numel() * 4 for p in list(target.parameters()) + list(draft.parameters()))
+    assert weights.stored_bytes <= parameters + 4 * dims.draft_layers * 64 * 64  # once, plus few folded copies
+    assert weights.shared_bytes >= weights.stored_bytes / 2  # target_verify_2 reuses target_verify_1's tensors
+    rng = np.random.default_rng(9)
+    for name, graph in files.items():
+        spec = contract.graph_spec(dims, name)
+        onnx.checker.check_model(str(tmp_path / graph.file), full_check=True)
+        feeds, written = random_inputs(spec, dims, rng)
+        ours = dict(zip(spec.output_names, session(tmp_path / graph.file).run(None, feeds)))
+        compare(spec, feeds, written, ours, run_eager(graph_module(spec, target, draft, dims), spec, feeds), FP32_TOLERANCE)

@@ -17,7 +17,7 @@ from dflash_trt.export.exporter import ExportOptions, up_to_date
 from dflash_trt.export.keys import file_sha256
 from dflash_trt.export.manifest import MANIFEST_FILE, load_manifest
 
-OPTIONS = ExportOptions(max_owners=3, max_context=64, dtype="fp32")
+OPTIONS = ExportOptions(max_owners=3, max_context=64, dtype="fp32", shared_weights=True)
 
 
 def test_manifest_records_the_facts_the_runtime_needs(exported_pair):
@@ -37,6 +37,9 @@ def test_manifest_records_the_facts_the_runtime_needs(exported_pair):
     assert {"torch", "onnx", "onnxruntime", "onnxscript", "dflash_trt"} <= set(m.versions)
     for name, graph in m.graphs.items():
         assert graph.sha256 == file_sha256(exported_pair.out / graph.file)
+        shared = {"weights.data": file_sha256(exported_pair.out / "weights.data")}
+        assert dict(graph.data_files) in (shared, {})  # small tensors stay inline
+        assert graph.io.kind.startswith("verify") or dict(graph.data_files) == shared
         assert graph.io == contract.graph_spec(m.dims(), name)
 
 
@@ -109,8 +112,8 @@ def test_manifest_disagreeing_with_its_graphs_is_refused_naming_field_and_values
         assert word in str(error.value), f"{word!r} not in: {error.value}"
 
 
-def test_missing_or_changed_graph_file_is_refused(copy):
-    """Guards against a graph file deleted or replaced after export (stale or partial copies)."""
+def test_missing_or_changed_graph_file_is_refused(copy, exported_pair):
+    """Guards against a graph or weights file deleted or replaced after export (stale or partial copies)."""
     out, _ = copy
     model = onnx.load(str(out / "verify_argmax_2.onnx"))
     model.doc_string = "changed after export"
@@ -118,6 +121,11 @@ def test_missing_or_changed_graph_file_is_refused(copy):
     with pytest.raises(ManifestError, match=r"verify_argmax_2 sha256 of 'verify_argmax_2.onnx' is [0-9a-f]{64} in the manifest but [0-9a-f]{64} on disk"):
         load_manifest(out)
     load_manifest(out, verify="io")  # same IO: only the hash tells
+    shutil.copy(exported_pair.out / "verify_argmax_2.onnx", out)
+    with open(out / "weights.data", "ab") as handle:
+        handle.write(b"\0")
+    with pytest.raises(ManifestError, match=r"sha256 of 'weights.data' is [0-9a-f]{64} in the manifest but [0-9a-f]{64} on disk"):
+        load_manifest(out)
     (out / "draft_2.onnx").unlink()
     with pytest.raises(ManifestError, match=r"graphs.draft_2 names file 'draft_2.onnx', which is missing"):
         load_manifest(out, verify="io")
@@ -143,7 +151,7 @@ def test_cli_export_is_a_no_op_when_up_to_date_and_refuses_bad_options(exported_
     out = exported_pair.out
     common = ["export", "--target", str(exported_pair.target_dir), "--draft", str(exported_pair.draft_dir), "--out", str(out)]
     mtimes = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
-    assert main([*common, "--max-owners", "3", "--max-context", "64", "--dtype", "fp32"]) == 0
+    assert main([*common, "--max-owners", "3", "--max-context", "64", "--dtype", "fp32", "--shared-weights"]) == 0
     assert "up to date" in capsys.readouterr().out
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == mtimes
     assert main([*common, "--max-context", "64", "--proposals", "9"]) == 1
