@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny_models  # noqa: E402
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # tiny models: thread sync costs more than it saves
 
 
 def _cuda() -> bool:
