@@ -17,8 +17,9 @@ Validity is expressed as lengths (``nonpad_kv_seqlen = start + T``):
   ONNX (>= 1.23 errata) aligns that mask bottom-right: query i sees key j iff
   ``j <= i + nonpad_kv_seqlen - T`` = its own position, which is what the
   target needs. ONNX Runtime 1.32 implements it (tests check).
-- ``causal="mask"``: every attention also gets an explicit boolean mask,
-  built from positions: ``[n, 1, T, L]`` causal (+ window) for the target,
+- ``causal="mask"``: every attention also gets an explicit mask (boolean
+  visibility from positions, passed as a float 0 / lowest-value mask added to
+  the scores, see ``additive``): ``[n, 1, T, L]`` causal (+ window) for the target,
   ``[n, 1, T, L]`` of the length for the draft; the lengths stay as a hint.
   Slower (the mask spans max_context) but needs neither the lengths nor the
   bottom-right reading of ``is_causal``: for backends that ignore
@@ -61,7 +62,8 @@ def onnx_attention(
     is_causal: bool,
 ) -> torch.Tensor:
     """ONNX Attention-24 (4-D, GQA, external cache) in PyTorch: q [n, Hq, T, D],
-    k/v [n, Hkv, L, D], boolean mask broadcastable to [n, Hq, T, L] -> [n, Hq, T, D]."""
+    k/v [n, Hkv, L, D], mask (boolean, or float added to the scores) broadcastable
+    to [n, Hq, T, L] -> [n, Hq, T, D]."""
     n, _, tokens, _ = q.shape
     slots = torch.arange(k.shape[2], device=q.device)
     visible = slots[None, None, :] < nonpad_kv_seqlen[:, None, None]  # [n, 1, L]
@@ -70,12 +72,24 @@ def onnx_attention(
         last = torch.arange(tokens, device=q.device)[None, :, None] + offset[:, None, None]  # [n, T, 1]
         visible = visible & (slots <= last)
     visible = visible.expand(n, tokens, k.shape[2])[:, None]  # [n, 1, T, L]
+    bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
     if mask is not None:
-        visible = visible & mask
+        bias = bias + mask if mask.is_floating_point() else bias.masked_fill(~mask, float("-inf"))
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
     v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
+def additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean visibility -> float mask added to the scores: 0 or the dtype's lowest value.
+
+    TensorRT-RTX 1.7 fails to compile a bf16 Attention whose boolean mask
+    depends on a dynamic token count (duplicate Myelin op names); the float
+    form builds, and a finite floor keeps fused kernels away from -inf - -inf.
+    """
+    zero = torch.zeros((), dtype=dtype, device=visible.device)
+    return torch.where(visible, zero, torch.full((), torch.finfo(dtype).min, dtype=dtype, device=visible.device))
 
 
 def causal_mask(q_positions: torch.Tensor, max_context: int, window: int) -> torch.Tensor:
@@ -148,6 +162,8 @@ class OnnxKernels:
         elif not causal and self.causal == CAUSAL_MASK:
             mask = length_mask(kv_len, q.shape[2], max_context)
         is_causal = causal and mask is None
+        if mask is not None:
+            mask = additive(mask, q.dtype)
         if not self._emitting():
             return onnx_attention(q, k_cache, v_cache, mask, kv_len, is_causal)
         return torch.onnx.ops.symbolic(
