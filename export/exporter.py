@@ -7,7 +7,9 @@ one ``graphs`` wrapper per contract graph (``torch.export``, then
 IO against the contract) and writes the manifest last: a directory with a
 valid manifest is a complete export. When the manifest's ``export_key``
 already matches the inputs (checkpoints, options, versions, exporting code),
-nothing is re-exported.
+nothing is re-exported. With ``shared_weights`` (default above 1 GiB of
+checkpoint), every graph's large initializers point into one ``weights.data``
+holding each distinct tensor once (``weights.SharedWeights``).
 """
 
 from __future__ import annotations
@@ -81,13 +83,16 @@ class ExportOptions:
         check_pair(target, draft)
         block = draft.block_size
         max_context = self.max_context or min(DEFAULT_MAX_CONTEXT, target.max_position_embeddings)
+        shared = self.shared_weights
+        if shared is None:
+            shared = _pair_bytes(target_dir, draft_dir) > SHARED_WEIGHTS_MIN_BYTES
         resolved = replace(
             self,
             max_sessions=self.max_sessions or self.max_owners,
             max_context=max_context,
             max_chunk=self.max_chunk or min(DEFAULT_MAX_CHUNK, max_context),
             proposals=self.proposals or block - 1,
-            shared_weights=self.shared_weights if self.shared_weights is not None else _pair_bytes(target_dir, draft_dir) > SHARED_WEIGHTS_MIN_BYTES,
+            shared_weights=shared,
         )
         resolved._check(block)
         return resolved
@@ -129,9 +134,9 @@ def tool_versions() -> dict[str, str]:
 
 
 def _code_digest() -> str:
-    from dflash_trt.export import checkpoint, config, draft, graphs, layers, manifest, onnx_kernels, sampling, target
+    from dflash_trt.export import checkpoint, config, draft, graphs, layers, manifest, onnx_kernels, sampling, target, weights
 
-    modules = (checkpoint, config, contract, draft, graphs, keys, layers, manifest, onnx_kernels, sampling, target)
+    modules = (checkpoint, config, contract, draft, graphs, keys, layers, manifest, onnx_kernels, sampling, target, weights)
     return keys.source_digest([m.__file__ for m in modules] + [__file__])
 
 
