@@ -34,10 +34,23 @@ def oracle(tiny):
 
 
 def new_executor(tiny: Tiny, max_sessions: int = 16, backend: str = "onnxruntime") -> tuple[Executor, RecordingBackend]:
-    """An executor over the shared ONNX Runtime backend, or over a torch backend with small chunks."""
+    """An executor over the shared ONNX Runtime backend, or over a torch backend with small chunks;
+    ``-cuda`` variants run the same graphs on the GPU (torch with CUDA graphs, ORT's CUDA provider)."""
     if backend == "onnxruntime":
         return Executor(recording := RecordingBackend(tiny.ort), tiny.dims, max_sessions), recording
+    if backend == "onnxruntime-cuda":
+        from dflash_trt.runtime.backends.ort_backend import OrtBackend
+
+        if "CUDAExecutionProvider" not in __import__("onnxruntime").get_available_providers():
+            pytest.skip("onnxruntime-gpu is not installed")
+        ort = OrtBackend.from_export(tiny.export_dir, max_sessions=max_sessions, device="cuda")
+        return Executor(recording := RecordingBackend(ort), tiny.dims, max_sessions), recording
     dims = tiny_dims(tiny.target, tiny.draft, tiny.dims.max_context)
+    if backend == "torch-cuda":
+        from dflash_trt.runtime.backends.torch_backend import TorchBackend
+
+        torch_cuda = TorchBackend(tiny.target, tiny.draft, dims, max_sessions, device="cuda")
+        return Executor(recording := RecordingBackend(torch_cuda), dims, max_sessions), recording
     return Executor(recording := RecordingBackend(tiny.torch_backend(dims, max_sessions)), dims, max_sessions), recording
 
 
@@ -71,7 +84,11 @@ def checked(tiny, tracker: Tracker, backend: RecordingBackend):
     return execute
 
 
-@pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
+@pytest.mark.parametrize(
+    "backend",
+    ["onnxruntime", "torch", pytest.param("torch-cuda", marks=pytest.mark.gpu),
+     pytest.param("onnxruntime-cuda", marks=pytest.mark.gpu)],
+)
 def test_lossless_sixteen_sessions_with_clones_rewinds_joins_and_leaves(tiny, oracle, backend):
     """Guards against any cache/context bookkeeping bug that changes output: greedy output must equal
     target-only output, and every draft call must see exactly the reference draft's context, through
@@ -106,6 +123,7 @@ def test_lossless_sixteen_sessions_with_clones_rewinds_joins_and_leaves(tiny, or
             break
         execute(t.decode_inputs(live) + [(s, prompt(7 + s, s), None, True) for s in joined])
         running += joined
+    assert int(executor.execute_stats()["hidden_bytes_d2h"].sum()) == 0  # taps never visit the host
     modes = set(executor.cycle_stats()["mode"])
     owners = set(executor.cycle_stats()["owners"])
     assert modes == {"static", "dynamic", "target"} and max(owners) == executor.dims.max_owners

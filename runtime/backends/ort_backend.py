@@ -87,6 +87,9 @@ class OrtBackend(Backend):
     def _allocate(self, lazy: bool) -> None:
         if self.device.type == "cuda":
             _require_cuda_provider(self.ort)
+            if hasattr(self.ort, "preload_dlls"):
+                # onnxruntime-gpu finds CUDA/cuDNN in the nvidia-* wheels torch ships with.
+                self.ort.preload_dlls()
             self.device = select_device(self.device)
             self.stream = BackendStream()
         device_stream = self.stream.device_stream if self.stream is not None else None
