@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import polars as pl
 import pytest
@@ -49,7 +51,8 @@ def new_executor(tiny: Tiny, max_sessions: int = 16, backend: str = "onnxruntime
     if backend == "torch-cuda":
         from dflash_trt.runtime.backends.torch_backend import TorchBackend
 
-        torch_cuda = TorchBackend(tiny.target, tiny.draft, dims, max_sessions, device="cuda")
+        # The backend moves its modules to the GPU: give it copies, the CPU oracle keeps the originals.
+        torch_cuda = TorchBackend(copy.deepcopy(tiny.target), copy.deepcopy(tiny.draft), dims, max_sessions, device="cuda")
         return Executor(recording := RecordingBackend(torch_cuda), dims, max_sessions), recording
     return Executor(recording := RecordingBackend(tiny.torch_backend(dims, max_sessions)), dims, max_sessions), recording
 

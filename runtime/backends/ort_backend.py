@@ -17,7 +17,7 @@ own output instead, the result is copied into place and ``copied_outputs``
 counts it (ONNX Runtime 1.32 CPU writes in place: the tests check the pools).
 
 CPU provider by default. ``device="cuda"`` uses the CUDA provider alone
-(CPU fallback disabled, onnxruntime-gpu needed) on the backend's
+(CPU fallback only for ORT's own shape subgraphs, onnxruntime-gpu needed) on the backend's
 device-layer stream (``user_compute_stream``), with the pools in
 device-layer memory. ONNX Runtime synchronizes its bound outputs before
 ``run_with_iobinding`` returns, so a CUDA ``run`` here is a host sync point.
@@ -271,8 +271,10 @@ def _session_options(ort, threads: int | None, optimization: str, device: torch.
     # Idle intra-op threads spin by default: between graph runs they starve the
     # caller's own torch work on the same cores (seen: 76 s -> 2 s on 2 cores).
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
-    if device.type == "cuda":
-        options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    # On CUDA, ORT keeps its small int64 shape subgraphs (positions, lengths) on
+    # the CPU provider by design (seen on the H200 with onnxruntime-gpu 1.31:
+    # disabling the fallback refuses target_prefill), so the fallback stays on;
+    # the caches and every bound tensor still live in device memory.
     return options
 
 
