@@ -21,6 +21,7 @@ for f in "$ROOT"/dflash_trt/*; do ln -s "$f" "$SHIM/dflash_trt/"; done
 for d in export engines runtime analysis; do ln -s "$ROOT/$d" "$SHIM/dflash_trt/$d"; done
 export PYTHONPATH=$SHIM${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
+export PYTHONSAFEPATH=1  # the checkout root holds a partial dflash_trt/: it must not shadow the shim
 
 {
   echo "== environment"
