@@ -6,7 +6,7 @@ The runtime writes two tables per run (``runtime/stats.py``): cycles
 ``X.parquet`` and ``X.executes.parquet``. Each file carries its kind and
 schema version as Parquet key-value metadata.
 
-Only the footer is read to validate (``pyarrow.parquet.read_metadata``); the
+Only the footer is read to validate (``polars.read_parquet_metadata``/``_schema``); the
 rows stay on disk until a query collects, so a multi-gigabyte log costs
 nothing to open (``scan_run`` adds one streaming pass over ``cycle_id`` to
 learn whether rows are in call order).
@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import polars as pl
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from dflash_trt.errors import StatsError
 from dflash_trt.runtime.stats import (
@@ -94,40 +92,40 @@ def scan_stats(path: str | Path, kind: str) -> pl.LazyFrame:
     """
     path = Path(path)
     schema = SCHEMAS[kind]
-    footer = _read_footer(path)
-    problems = _metadata_problems(footer.metadata or {}, kind)
-    problems += column_problems(pl.Schema(footer.schema.to_arrow_schema()), schema)
+    metadata, columns = _read_footer(path)
+    problems = _metadata_problems(metadata, kind)
+    problems += column_problems(columns, schema)
     if problems:
         msg = f"{path} is not a usable dflash-trt {kind} stats file: " + "; ".join(problems)
         raise StatsError(msg)
     return pl.scan_parquet(path).select(list(schema))
 
 
-def _read_footer(path: Path) -> pq.FileMetaData:
+def _read_footer(path: Path) -> tuple[dict[str, str], dict[str, pl.DataType]]:
     """The Parquet footer: key-value metadata and column types, no rows."""
     if not path.is_file():
         msg = f"stats file {path} does not exist"
         raise StatsError(msg)
     try:
-        return pq.read_metadata(path)
-    except (pa.ArrowException, OSError) as error:
+        return pl.read_parquet_metadata(path), dict(pl.read_parquet_schema(path))
+    except (pl.exceptions.PolarsError, OSError) as error:
         msg = f"{path} is not a Parquet file ({error})"
         raise StatsError(msg) from error
 
 
-def _metadata_problems(metadata: Mapping[bytes, bytes], kind: str) -> list[str]:
+def _metadata_problems(metadata: Mapping[str, str], kind: str) -> list[str]:
     """Kind and version checks on the file's key-value metadata."""
-    seen_kind = metadata.get(KIND_KEY.encode())
-    seen_version = metadata.get(VERSION_KEY.encode())
+    seen_kind = metadata.get(KIND_KEY)
+    seen_version = metadata.get(VERSION_KEY)
     problems = []
     if seen_kind is None:
         problems.append(f"metadata key {KIND_KEY!r} missing (expected {kind!r}; not written by runtime.stats.write_parquet?)")
-    elif seen_kind.decode() != kind:
-        problems.append(f"table kind: expected {kind!r}, seen {seen_kind.decode()!r}")
+    elif seen_kind != kind:
+        problems.append(f"table kind: expected {kind!r}, seen {seen_kind!r}")
     if seen_version is None:
         problems.append(f"schema version: expected {SCHEMA_VERSION}, seen none ({VERSION_KEY!r} missing)")
-    elif seen_version.decode() != str(SCHEMA_VERSION):
-        problems.append(f"schema version: expected {SCHEMA_VERSION}, seen {seen_version.decode()}")
+    elif seen_version != str(SCHEMA_VERSION):
+        problems.append(f"schema version: expected {SCHEMA_VERSION}, seen {seen_version}")
     return problems
 
 
