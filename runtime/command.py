@@ -8,7 +8,7 @@ tokenizer) or ``tokens`` (ids), and optionally ``name`` and
 ``tokenizer.json`` (``--tokenizer DIR``; default: the artifacts dir, then
 ``--target``); stop tokens are its eos ids, else the manifest's.
 
-Writes ``OUT/outputs.jsonl`` (per prompt: index, name, prompt_tokens, tokens,
+Writes ``OUT/outputs.jsonl`` (per prompt: index, name, prompt_tokens, prompt_ids, tokens,
 text, finish) and ``OUT/stats.parquet`` + ``OUT/stats.executes.parquet``
 (``runtime.stats``), then prints one summary line: prompts, tokens, seconds,
 tokens/s and τ.
@@ -183,7 +183,8 @@ def write_outputs(out: Path, prompts: list[Prompt], completions: list[Completion
     with path.open("w") as file:
         for index, (p, c) in enumerate(zip(prompts, completions)):
             text = tokenizer.decode(c.tokens) if tokenizer is not None else None
-            row = {"index": index, "name": p.name, "prompt_tokens": len(p.tokens), "tokens": c.tokens, "text": text, "finish": c.finish}
+            row = {"index": index, "name": p.name, "prompt_tokens": len(p.tokens), "prompt_ids": list(p.tokens),
+                   "tokens": c.tokens, "text": text, "finish": c.finish}
             file.write(json.dumps(row) + "\n")
     return path
 

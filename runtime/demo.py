@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         _print_completions(prompts, completions, tokenizer)
         figures = command.summary(executor, completions, seconds)
         cycles, _ = executor.write_stats(out / "stats")
+        command.write_outputs(out, prompts, completions, tokenizer)
     report = _report(cycles, out / "report")
     print(f"\nτ (tokens per draft/verify cycle) = {figures['tau']}   {figures['tokens_per_s']} tokens/s   "
           f"{figures['host_ms_per_cycle']} ms host time per cycle")

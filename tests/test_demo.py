@@ -93,3 +93,24 @@ def test_demo_script_is_the_readme_command():
     script = (Path(__file__).parent.parent / "scripts" / "demo.sh").read_text()
     for line in ("python -m pip install torch==2.13.0", "python -m pip install -e .", "dflash-trt demo"):
         assert line in script
+
+
+def test_real_demo_on_the_shipped_pair_is_lossless_and_accepts(tmp_path, capsys):
+    """Guards against the README's main job breaking on a fresh machine: the real export of the
+    shipped pair, served by ONNX Runtime, must give the reference decoder's greedy tokens and
+    accept real proposals (τ well above 1)."""
+    from dflash_trt.export.pair import load_pair
+    from dflash_trt.export.reference import ReferenceDecoder
+    from dflash_trt.export.tokenizer import Tokenizer
+    from dflash_trt.export.train import DEFAULT_PAIR_DIR
+
+    args = ["demo", "--cache", str(tmp_path / "cache"), "--count", "2", "--max-new-tokens", "24", "--threads", "1"]
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["prompts"] == 2 and summary["tau"] > 1.5
+    outputs = [json.loads(line) for line in (tmp_path / "cache" / "demo-run" / "outputs.jsonl").read_text().splitlines()]
+    tokenizer = Tokenizer.from_dir(DEFAULT_PAIR_DIR / "target")
+    decoder = ReferenceDecoder(load_pair(DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft")[0])
+    for output in outputs:
+        expected = decoder.generate_target(output["prompt_ids"], 24, stop=tokenizer.stop_ids).tokens
+        assert output["tokens"] == expected
