@@ -46,7 +46,7 @@ from dflash_trt.runtime.backends.graph_io import (
     prefix_view,
     torch_dtype,
 )
-from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, pool_shapes
+from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, close_pools, pool_shapes
 from dflash_trt.runtime.backends.streams import BackendStream, select_device
 
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
@@ -149,8 +149,7 @@ class OrtBackend(Backend):
         self.sessions.clear()
         if self.stream is not None:
             self.stream.synchronize()  # host sync: nothing enqueued may touch the pools once freed
-        for pool in (self.pools or {}).values():
-            pool.close()
+        close_pools(self.pools)
         self.pools = None
         if self.stream is not None:
             self.stream.close()

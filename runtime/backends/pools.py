@@ -135,7 +135,12 @@ def allocate_pools(shapes: dict[str, PoolShape], device: torch.device, stream=No
         for name, shape in shapes.items():
             pools[name] = CachePool.allocate(name, shape, device, stream)
     except BaseException:
-        for pool in pools.values():
-            pool.close()
+        close_pools(pools)
         raise
     return pools
+
+
+def close_pools(pools: dict[str, CachePool] | None) -> None:
+    """Free every pool (None: nothing allocated yet, or already closed). The caller syncs first."""
+    for pool in (pools or {}).values():
+        pool.close()

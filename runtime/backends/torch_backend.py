@@ -39,7 +39,7 @@ from dflash_trt.export.pair import load_pair
 from dflash_trt.export.target import TargetModel
 from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.backends.graph_io import check_feeds, check_rows, owner_rows, plain_inputs, plain_outputs, pool_of, torch_dtype
-from dflash_trt.runtime.backends.pools import CachePool, allocate_pools, check_sessions, pool_shapes
+from dflash_trt.runtime.backends.pools import CachePool, allocate_pools, check_sessions, close_pools, pool_shapes
 from dflash_trt.runtime.backends.streams import BackendStream, select_device
 
 
@@ -141,8 +141,7 @@ class TorchBackend(Backend):
             self.graphs = None
         if self.stream is not None:
             self.stream.synchronize()  # host sync: no enqueued work may touch the pools once freed
-        for pool in (self.pools or {}).values():
-            pool.close()
+        close_pools(self.pools)
         self.pools = None
         if self.stream is not None:
             self.stream.close()

@@ -43,7 +43,7 @@ from dflash_trt.runtime.backends.graph_io import (
     prefix_view,
     torch_dtype,
 )
-from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, pool_shapes
+from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, close_pools, pool_shapes
 from dflash_trt.runtime.backends.streams import BackendStream, select_device
 
 
@@ -130,8 +130,7 @@ class TensorRTBackend(Backend):
         if self.engine_set is not None:
             self.engine_set.close()
             self.engine_set = None
-        for pool in (self.pools or {}).values():
-            pool.close()
+        close_pools(self.pools)
         self.pools = None
         if self.stream is not None:
             self.stream.close()
