@@ -19,28 +19,7 @@ from torch import nn
 
 from dflash_trt.export.checkpoint import load_into, read_tensors
 from dflash_trt.export.config import DraftConfig, load_draft_config
-from dflash_trt.export.layers import EAGER, Attention, RMSNorm, Rotary, SwiGLU, new_cache
-
-
-class DraftLayer(nn.Module):
-    def __init__(self, config: DraftConfig) -> None:
-        super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = SwiGLU(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x, rope, positions, rows, start, k_cache, v_cache, kernels):
-        cos, sin = rope
-        h = self.input_layernorm(x)
-        q = self.self_attn.query(h, cos, sin)
-        k, v = self.self_attn.key_value(h, cos, sin)
-        k_cache = kernels.write_cache(k_cache, rows, start, k)
-        v_cache = kernels.write_cache(v_cache, rows, start, v)
-        kv_len = start + x.shape[1]
-        attended = kernels.attention(q, k_cache, v_cache, rows, positions, kv_len, False, 0)
-        x = x + self.self_attn.output(attended)
-        return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
+from dflash_trt.export.layers import EAGER, DecoderLayer, RMSNorm, Rotary, new_cache
 
 
 class DraftModel(nn.Module):
@@ -51,7 +30,7 @@ class DraftModel(nn.Module):
         taps = len(config.target_layer_ids) * config.hidden_size
         self.fc = nn.Linear(taps, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, causal=False) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config.rope, config.head_dim)
 

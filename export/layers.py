@@ -180,6 +180,35 @@ class Attention(nn.Module):
         return self.o_proj(attended.transpose(1, 2).reshape(attended.shape[0], attended.shape[2], -1))
 
 
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU block over cache rows (the target's and the draft's layers).
+
+    The target's layers are causal (with an optional sliding window); the
+    draft's attend non-causally over every committed context slot + the block.
+    """
+
+    def __init__(self, config: AttentionConfig, causal: bool, window: int = 0) -> None:
+        super().__init__()
+        self.causal, self.window = causal, window
+        self.self_attn = Attention(config)
+        self.mlp = SwiGLU(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, rope, positions, rows, start, k_cache, v_cache, kernels):
+        """x [n, T, H] at positions [n, T]: writes its K/V at slots start.., attends over slots < start + T."""
+        cos, sin = rope
+        h = self.input_layernorm(x)
+        q = self.self_attn.query(h, cos, sin)
+        k, v = self.self_attn.key_value(h, cos, sin)
+        k_cache = kernels.write_cache(k_cache, rows, start, k)
+        v_cache = kernels.write_cache(v_cache, rows, start, v)
+        kv_len = start + x.shape[1]
+        attended = kernels.attention(q, k_cache, v_cache, rows, positions, kv_len, self.causal, self.window)
+        x = x + self.self_attn.output(attended)
+        return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
+
+
 def new_cache(
     config: AttentionConfig, rows: int, max_context: int, dtype: torch.dtype, device: str | torch.device = "cpu"
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -17,37 +17,15 @@ from torch import nn
 
 from dflash_trt.export.checkpoint import load_into, read_tensors
 from dflash_trt.export.config import TargetConfig, load_target_config
-from dflash_trt.export.layers import EAGER, Attention, RMSNorm, Rotary, SwiGLU, new_cache
+from dflash_trt.export.layers import EAGER, DecoderLayer, RMSNorm, Rotary, new_cache
 from dflash_trt.errors import ConfigError
-
-
-class TargetLayer(nn.Module):
-    def __init__(self, config: TargetConfig, window: int) -> None:
-        super().__init__()
-        self.window = window
-        self.self_attn = Attention(config)
-        self.mlp = SwiGLU(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x, rope, positions, rows, start, k_cache, v_cache, kernels):
-        cos, sin = rope
-        h = self.input_layernorm(x)
-        q = self.self_attn.query(h, cos, sin)
-        k, v = self.self_attn.key_value(h, cos, sin)
-        k_cache = kernels.write_cache(k_cache, rows, start, k)
-        v_cache = kernels.write_cache(v_cache, rows, start, v)
-        kv_len = start + x.shape[1]
-        attended = kernels.attention(q, k_cache, v_cache, rows, positions, kv_len, True, self.window)
-        x = x + self.self_attn.output(attended)
-        return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
 
 
 class Backbone(nn.Module):
     def __init__(self, config: TargetConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(TargetLayer(config, w) for w in config.windows)
+        self.layers = nn.ModuleList(DecoderLayer(config, causal=True, window=w) for w in config.windows)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
