@@ -174,7 +174,7 @@ class Draft(nn.Module):
             x = x * config.embedding_scale
         positions = start[:, None] + torch.arange(block, device=start.device)  # [n, B]
         cos, sin = draft.rotary(positions, x.dtype)
-        for index, layer in enumerate(draft.layers):  # DraftLayer.forward, one write per cache
+        for index, layer in enumerate(draft.layers):  # DecoderLayer.forward, one write per cache
             h = layer.input_layernorm(x)
             q = layer.self_attn.query(h, cos, sin)
             k, v = layer.self_attn.key_value(h, cos, sin)
