@@ -46,7 +46,7 @@ from dflash_trt.runtime.backends.graph_io import (
     prefix_view,
     torch_dtype,
 )
-from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, close_pools, pool_shapes
+from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, close_pools, pool_named, pool_shapes
 from dflash_trt.runtime.backends.streams import BackendStream, select_device
 
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
@@ -132,13 +132,12 @@ class OrtBackend(Backend):
             return self._run(session, feeds, caches, sizes)
 
     def copy_rows(self, pool: str, source: int, destination: int, upto: int) -> None:
-        if self.pools is None or pool not in self.pools:
-            raise EngineError(f"pool must be one of {sorted(self.pools or {})}, got {pool!r}")
+        target = pool_named(self.pools, pool)
         if self.stream is None:
-            self.pools[pool].copy_rows(source, destination, upto)
+            target.copy_rows(source, destination, upto)
             return
         with self.stream.scope():
-            self.pools[pool].copy_rows(source, destination, upto)
+            target.copy_rows(source, destination, upto)
 
     def synchronize(self) -> None:
         if self.stream is not None:

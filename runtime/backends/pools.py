@@ -140,6 +140,13 @@ def allocate_pools(shapes: dict[str, PoolShape], device: torch.device, stream=No
     return pools
 
 
+def pool_named(pools: dict[str, CachePool] | None, name: str) -> CachePool:
+    """The pool called ``name``; EngineError naming the valid pools if there is none (or the backend is closed)."""
+    if pools is None or name not in pools:
+        raise EngineError(f"pool must be one of {sorted(pools or {})}, got {name!r}")
+    return pools[name]
+
+
 def close_pools(pools: dict[str, CachePool] | None) -> None:
     """Free every pool (None: nothing allocated yet, or already closed). The caller syncs first."""
     for pool in (pools or {}).values():

@@ -39,7 +39,7 @@ from dflash_trt.export.pair import load_pair
 from dflash_trt.export.target import TargetModel
 from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.backends.graph_io import check_feeds, check_rows, owner_rows, plain_inputs, plain_outputs, pool_of, torch_dtype
-from dflash_trt.runtime.backends.pools import CachePool, allocate_pools, check_sessions, close_pools, pool_shapes
+from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, close_pools, pool_named, pool_shapes
 from dflash_trt.runtime.backends.streams import BackendStream, select_device
 
 
@@ -123,7 +123,7 @@ class TorchBackend(Backend):
             return outputs
 
     def copy_rows(self, pool: str, source: int, destination: int, upto: int) -> None:
-        target = self._pool(pool)
+        target = pool_named(self.pools, pool)
         if self.stream is None:
             target.copy_rows(source, destination, upto)
             return
@@ -156,11 +156,6 @@ class TorchBackend(Backend):
         if self.pools is None:
             raise EngineError(f"backend {self.name!r} is closed")
         return spec
-
-    def _pool(self, name: str) -> CachePool:
-        if self.pools is None or name not in self.pools:
-            raise EngineError(f"pool must be one of {sorted(self.pools or {})}, got {name!r}")
-        return self.pools[name]
 
     def _eager(self, spec: GraphSpec, feeds: Mapping[str, torch.Tensor], first_row: int) -> dict[str, torch.Tensor]:
         """Run the graph module once on the current stream; caches written in place. Never syncs (CUDA)."""

@@ -43,7 +43,7 @@ from dflash_trt.runtime.backends.graph_io import (
     prefix_view,
     torch_dtype,
 )
-from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, close_pools, pool_shapes
+from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, close_pools, pool_named, pool_shapes
 from dflash_trt.runtime.backends.streams import BackendStream, select_device
 
 
@@ -108,10 +108,9 @@ class TensorRTBackend(Backend):
             return context.run(feeds, sizes, first_row)
 
     def copy_rows(self, pool: str, source: int, destination: int, upto: int) -> None:
-        if self.pools is None or pool not in self.pools:
-            raise EngineError(f"pool must be one of {sorted(self.pools or {})}, got {pool!r}")
+        target = pool_named(self.pools, pool)
         with self.stream.scope():
-            self.pools[pool].copy_rows(source, destination, upto)
+            target.copy_rows(source, destination, upto)
 
     def synchronize(self) -> None:
         if self.stream is not None:
