@@ -5,6 +5,8 @@
 - ``check_feeds``: the caller's feeds against the contract (names, dtypes,
   shapes, device) before anything is enqueued, with a message naming the
   graph, the input and both values; it resolves the dynamic dims.
+  ``check_run`` is what every ``Backend.run`` checks: the feeds and the
+  graph's cache rows (``check_rows``).
 
 Pure host-side checks on tensor metadata: nothing here touches device memory
 or synchronizes.
@@ -79,6 +81,15 @@ def check_rows(spec: GraphSpec, first_row: int, pool_rows: int) -> None:
     if not isinstance(first_row, int) or isinstance(first_row, bool) or not 0 <= first_row <= pool_rows - n:
         msg = f"graph {spec.name!r} binds {n} cache rows: first_row must be in [0, {pool_rows - n}] (pool of {pool_rows} rows), got {first_row!r}"
         raise EngineError(msg)
+
+
+def check_run(spec: GraphSpec, feeds: Mapping[str, torch.Tensor], first_row: int, device: torch.device, pool_rows: int) -> dict[str, int]:
+    """One ``Backend.run``'s arguments: the feeds (``check_feeds``) and, for a graph with caches,
+    ``first_row`` (``check_rows``). Returns the dynamic dims' sizes."""
+    sizes = check_feeds(spec, feeds, device)
+    if pool_of(spec) is not None:
+        check_rows(spec, first_row, pool_rows)
+    return sizes
 
 
 def check_feeds(spec: GraphSpec, feeds: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, int]:

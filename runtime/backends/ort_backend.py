@@ -36,8 +36,7 @@ from dflash_trt.export.contract import Dims, GraphSpec, TensorSpec
 from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.backends.graph_io import (
     ONNX_ELEMENT_TYPES,
-    check_feeds,
-    check_rows,
+    check_run,
     max_shape,
     owner_rows,
     plain_inputs,
@@ -117,10 +116,8 @@ class OrtBackend(Backend):
     def run(self, graph: str, feeds: Mapping[str, torch.Tensor], first_row: int) -> dict[str, torch.Tensor]:
         session = self._session(graph)
         spec = session.spec
-        sizes = check_feeds(spec, feeds, self.device)
+        sizes = check_run(spec, feeds, first_row, self.device, self.max_sessions)
         pool = pool_of(spec)
-        if pool is not None:
-            check_rows(spec, first_row, self.max_sessions)
         caches = self.pools[pool].interleaved(first_row, owner_rows(spec)) if pool else []
         if self.stream is None:
             return self._run(session, feeds, caches, sizes)

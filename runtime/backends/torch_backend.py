@@ -38,7 +38,7 @@ from dflash_trt.export.graphs import graph_module
 from dflash_trt.export.pair import load_pair
 from dflash_trt.export.target import TargetModel
 from dflash_trt.runtime.backends.base import Backend
-from dflash_trt.runtime.backends.graph_io import check_feeds, check_rows, owner_rows, plain_inputs, plain_outputs, pool_of, torch_dtype
+from dflash_trt.runtime.backends.graph_io import check_run, owner_rows, plain_inputs, plain_outputs, pool_of, torch_dtype
 from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, close_pools, pool_named, pool_shapes
 from dflash_trt.runtime.backends.streams import BackendStream, select_device
 
@@ -110,9 +110,7 @@ class TorchBackend(Backend):
 
     def run(self, graph: str, feeds: Mapping[str, torch.Tensor], first_row: int) -> dict[str, torch.Tensor]:
         spec = self._spec(graph)
-        check_feeds(spec, feeds, self.device)
-        if pool_of(spec) is not None:
-            check_rows(spec, first_row, self.max_sessions)
+        check_run(spec, feeds, first_row, self.device, self.max_sessions)
         if self.stream is None:
             return self._eager(spec, feeds, first_row)  # CPU: finished on return
         with self.stream.scope():

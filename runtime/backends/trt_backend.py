@@ -33,8 +33,7 @@ from dflash_trt.export import contract as c
 from dflash_trt.export.contract import Dims, GraphSpec
 from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.backends.graph_io import (
-    check_feeds,
-    check_rows,
+    check_run,
     max_shape,
     owner_rows,
     plain_inputs,
@@ -98,10 +97,8 @@ class TensorRTBackend(Backend):
         if context is None:
             raise EngineError(f"unknown graph {graph!r} (or backend closed); this backend runs {list(self.specs)}")
         spec = context.spec
-        sizes = check_feeds(spec, feeds, self.device)
+        sizes = check_run(spec, feeds, first_row, self.device, self.max_sessions)
         pool = pool_of(spec)
-        if pool is not None:
-            check_rows(spec, first_row, self.max_sessions)
         with self.stream.scope():
             if pool is not None:
                 context.bind_caches(first_row, self.pools[pool].interleaved(first_row, owner_rows(spec)))
