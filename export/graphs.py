@@ -13,6 +13,8 @@ of the bound view, so every wrapper runs its models with ``rows = arange(n)``.
 
 from __future__ import annotations
 
+from typing import Self
+
 import torch
 from torch import nn
 
@@ -43,19 +45,23 @@ def _owners(batch: torch.Tensor) -> torch.Tensor:
     return torch.arange(batch.shape[0], device=batch.device)
 
 
-class TargetPrefill(nn.Module):
-    """tokens [1, T], start [1], caches -> logits [1, V] fp32 (last row), taps [1, T, W], caches.
-
-    Prompt chunks, replays and plain one-token decode.
-    """
+class _TargetGraph(nn.Module):
+    """A graph over the target model alone (its caches are the target pool's)."""
 
     @classmethod
-    def build(cls, target: TargetModel, draft: DraftModel, dims: Dims) -> TargetPrefill:
+    def build(cls, target: TargetModel, draft: DraftModel, dims: Dims) -> Self:
         return cls(target)
 
     def __init__(self, target: TargetModel) -> None:
         super().__init__()
         self.target = target
+
+
+class TargetPrefill(_TargetGraph):
+    """tokens [1, T], start [1], caches -> logits [1, V] fp32 (last row), taps [1, T, W], caches.
+
+    Prompt chunks, replays and plain one-token decode.
+    """
 
     def forward(self, tokens: torch.Tensor, start: torch.Tensor, *caches: torch.Tensor):
         keys, values = _caches(caches)
@@ -63,16 +69,8 @@ class TargetPrefill(nn.Module):
         return (self.target.head(hidden[:, -1]), taps, *_interleave(keys, values))
 
 
-class TargetVerify(nn.Module):
+class TargetVerify(_TargetGraph):
     """tokens [n, P+1] = [anchor, d_1..d_P], start [n], caches -> logits [n, P+1, V] fp32, taps, caches."""
-
-    @classmethod
-    def build(cls, target: TargetModel, draft: DraftModel, dims: Dims) -> TargetVerify:
-        return cls(target)
-
-    def __init__(self, target: TargetModel) -> None:
-        super().__init__()
-        self.target = target
 
     def forward(self, tokens: torch.Tensor, start: torch.Tensor, *caches: torch.Tensor):
         keys, values = _caches(caches)
