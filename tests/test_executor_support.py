@@ -9,6 +9,7 @@ import torch
 
 from dflash_trt.export import contract as c
 from dflash_trt.export.contract import Dims
+from dflash_trt.export.exporter import ExportOptions, contract_dims
 from dflash_trt.export.pair import load_pair
 from dflash_trt.export.reference import ReferenceDecoder, Sampling
 from dflash_trt.runtime.backends.base import Backend
@@ -24,23 +25,10 @@ def single_thread():
 
 def tiny_dims(target, draft, max_context: int = 64, max_chunk: int = 8, max_owners: int = 4) -> Dims:
     """Contract dims for the torch backend (no export needed): small chunks to exercise chunking."""
-    t, d = target.config, draft.config
-    return Dims(
-        vocab_size=t.vocab_size,
-        tap_width=target.tap_width,
-        block_size=d.block_size,
-        proposals=d.block_size - 1,
-        max_owners=max_owners,
-        max_context=max_context,
-        max_chunk=max_chunk,
-        target_layers=t.num_layers,
-        target_kv_heads=t.num_kv_heads,
-        target_head_dim=t.head_dim,
-        draft_layers=d.num_layers,
-        draft_kv_heads=d.num_kv_heads,
-        draft_head_dim=d.head_dim,
-        dtype="float32",
+    options = ExportOptions(
+        max_owners=max_owners, max_context=max_context, max_chunk=max_chunk, proposals=draft.config.block_size - 1, dtype="fp32"
     )
+    return contract_dims(target, draft, options)
 
 
 @lru_cache(maxsize=4)
