@@ -8,7 +8,7 @@ the contract's named inputs, then the caches as ``past_key_0, past_value_0,
 past_key_1, ...``; outputs are a tuple in the contract's output order.
 
 Cache inputs are the owners' rows: owner i is batch index i, i.e. cache row i
-of the bound view, so every wrapper runs its models with ``rows = arange(n)``.
+of the bound view, so every wrapper runs its models with ``rows=None`` (no row gather).
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ def _interleave(keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[t
     return tuple(t for pair in zip(keys, values) for t in pair)
 
 
-def _owners(batch: torch.Tensor) -> torch.Tensor:
-    return torch.arange(batch.shape[0], device=batch.device)
+def _owners(batch: torch.Tensor) -> None:
+    """The caches a wrapper sees ARE the owners' rows (row i = owner i): no row index needed."""
+    return None
 
 
 class _TargetGraph(nn.Module):

@@ -102,8 +102,13 @@ class EagerKernels:
     def write_cache(
         self, cache: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, new: torch.Tensor
     ) -> torch.Tensor:
-        """cache [R, H, L, D]; rows, start [n]; new [n, H, T, D] -> slots start..start+T-1."""
+        """cache [R, H, L, D]; rows, start [n]; new [n, H, T, D] -> slots start..start+T-1.
+
+        ``rows=None``: the cache IS the n owners' rows (the graph wrappers' case).
+        """
         positions = start[:, None] + torch.arange(new.shape[2], device=start.device)  # [n, T]
+        if rows is None:
+            rows = torch.arange(cache.shape[0], device=cache.device)
         cache[rows[:, None], :, positions] = new.transpose(1, 2).to(cache.dtype)
         return cache
 
@@ -123,7 +128,8 @@ class EagerKernels:
         Key slot j is visible to a query at position p iff j < kv_len and, if
         causal, j <= p and, with a window w > 0, p - j < w.
         """
-        k, v = k_cache[rows], v_cache[rows]  # [n, Hkv, L, D]
+        # rows=None: the caches are exactly the owners' rows, so no gather (copy) is needed.
+        k, v = (k_cache, v_cache) if rows is None else (k_cache[rows], v_cache[rows])  # [n, Hkv, L, D]
         slots = torch.arange(k.shape[2], device=q.device)
         visible = slots[None, None, :] < kv_len[:, None, None]  # [n, 1, L]
         p = q_positions[..., None]  # [n, T, 1]
@@ -131,11 +137,9 @@ class EagerKernels:
             visible = visible & (slots <= p)
         if window:
             visible = visible & (p - slots < window)
-        groups = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(groups, dim=1).to(q.dtype)
-        v = v.repeat_interleave(groups, dim=1).to(q.dtype)
         mask = visible.expand(q.shape[0], q.shape[2], k.shape[2])[:, None]  # [n, 1, T, L]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        # enable_gqa: query heads share K/V heads without materializing repeated K/V.
+        return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, enable_gqa=True)
 
 
 EAGER = EagerKernels()
