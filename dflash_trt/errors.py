@@ -34,6 +34,10 @@ class SamplingError(DFlashError):
     """Sampling parameters are out of range (temperature, top_k, top_p, seed)."""
 
 
+class ExportError(DFlashError):
+    """Export options are out of range, or a traced graph breaks the contract."""
+
+
 class ManifestError(DFlashError):
     """An artifact manifest is malformed or disagrees with its files."""
 

@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 import dflash_trt
-from dflash_trt.errors import DFlashError, ManifestError
+from dflash_trt.errors import ExportError, ManifestError
 from dflash_trt.export import contract, keys
 from dflash_trt.export.config import check_pair, load_draft_config, load_target_config
 from dflash_trt.export.contract import DTYPES, Dims, GraphSpec
@@ -58,10 +58,6 @@ DEFAULT_MAX_CONTEXT = 4096
 DEFAULT_MAX_CHUNK = 512
 TRACE_SIZE = 2  # example extent of a dynamic dim while tracing (1 would specialize)
 SHARED_WEIGHTS_MIN_BYTES = 1 << 30
-
-
-class ExportError(DFlashError):
-    """Export options are out of range, or a traced graph breaks the contract."""
 
 
 @dataclass(frozen=True)
