@@ -32,10 +32,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from contextlib import nullcontext
 
 import torch
 
 from dflash_trt.export.contract import Dims
+from dflash_trt.runtime.backends.pools import pool_named
 
 POOLS = ("target", "draft")
 
@@ -71,15 +73,20 @@ class Backend(ABC):
         anything is enqueued (graphs without caches ignore ``first_row``).
         """
 
-    @abstractmethod
     def copy_rows(self, pool: str, source: int, destination: int, upto: int) -> None:
         """Copy cache slots ``0 .. upto-1`` of row ``source`` into row ``destination`` (clone).
 
-        ``pool`` is "target" or "draft"; enqueued like ``run`` (no host sync on CUDA).
+        ``pool`` is "target" or "draft"; enqueued like ``run`` on the backend's
+        stream (no host sync on CUDA).
         """
+        target = pool_named(self.pools, pool)
+        with self.stream.scope() if self.stream is not None else nullcontext():
+            target.copy_rows(source, destination, upto)
 
     def synchronize(self) -> None:
         """Wait for all work enqueued by this backend (a host sync point)."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
     def close(self) -> None:
         """Release every resource the backend owns (idempotent)."""

@@ -45,7 +45,7 @@ from dflash_trt.runtime.backends.graph_io import (
     prefix_view,
     torch_dtype,
 )
-from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, close_pools, pool_named, pool_shapes
+from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, close_pools, pool_shapes
 from dflash_trt.runtime.backends.streams import BackendStream, select_device
 
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
@@ -127,18 +127,6 @@ class OrtBackend(Backend):
             # provider that ignores user_compute_stream.
             self.stream.torch.synchronize()
             return self._run(session, feeds, caches, sizes)
-
-    def copy_rows(self, pool: str, source: int, destination: int, upto: int) -> None:
-        target = pool_named(self.pools, pool)
-        if self.stream is None:
-            target.copy_rows(source, destination, upto)
-            return
-        with self.stream.scope():
-            target.copy_rows(source, destination, upto)
-
-    def synchronize(self) -> None:
-        if self.stream is not None:
-            self.stream.synchronize()
 
     def close(self) -> None:
         """Drop the sessions, wait for the stream (host sync), free the pools, close the stream."""

@@ -39,7 +39,7 @@ from dflash_trt.export.pair import load_pair
 from dflash_trt.export.target import TargetModel
 from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.backends.graph_io import check_run, owner_rows, plain_inputs, plain_outputs, pool_of, torch_dtype
-from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, close_pools, pool_named, pool_shapes
+from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, close_pools, pool_shapes
 from dflash_trt.runtime.backends.streams import BackendStream, select_device
 
 
@@ -119,18 +119,6 @@ class TorchBackend(Backend):
             outputs = self._eager(spec, feeds, first_row)
             self.stream.hand_over(outputs.values())
             return outputs
-
-    def copy_rows(self, pool: str, source: int, destination: int, upto: int) -> None:
-        target = pool_named(self.pools, pool)
-        if self.stream is None:
-            target.copy_rows(source, destination, upto)
-            return
-        with self.stream.scope():
-            target.copy_rows(source, destination, upto)
-
-    def synchronize(self) -> None:
-        if self.stream is not None:
-            self.stream.synchronize()
 
     def close(self) -> None:
         """Drop captures, wait for the stream (host sync), free the pools, close the stream."""

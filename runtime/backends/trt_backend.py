@@ -42,7 +42,7 @@ from dflash_trt.runtime.backends.graph_io import (
     prefix_view,
     torch_dtype,
 )
-from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, close_pools, pool_named, pool_shapes
+from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, close_pools, pool_shapes
 from dflash_trt.runtime.backends.streams import BackendStream, select_device
 
 
@@ -103,15 +103,6 @@ class TensorRTBackend(Backend):
             if pool is not None:
                 context.bind_caches(first_row, self.pools[pool].interleaved(first_row, owner_rows(spec)))
             return context.run(feeds, sizes, first_row)
-
-    def copy_rows(self, pool: str, source: int, destination: int, upto: int) -> None:
-        target = pool_named(self.pools, pool)
-        with self.stream.scope():
-            target.copy_rows(source, destination, upto)
-
-    def synchronize(self) -> None:
-        if self.stream is not None:
-            self.stream.synchronize()
 
     def close(self) -> None:
         """Host sync (the stream), then contexts, engines, pools, stream, in that order."""
