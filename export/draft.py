@@ -19,7 +19,7 @@ from torch import nn
 
 from dflash_trt.export.checkpoint import load_into, read_tensors
 from dflash_trt.export.config import DraftConfig, load_draft_config
-from dflash_trt.export.layers import EAGER, DecoderLayer, RMSNorm, Rotary, new_cache
+from dflash_trt.export.layers import EAGER, DecoderLayer, RMSNorm, Rotary, materialize, new_cache
 
 
 class DraftModel(nn.Module):
@@ -82,9 +82,6 @@ class DraftModel(nn.Module):
 def load_draft(directory: str | Path, dtype: torch.dtype = torch.float32) -> DraftModel:
     """Build a ``DraftModel`` from a z-lab DFlash checkpoint directory (strict load)."""
     config = load_draft_config(directory)
-    with torch.device("meta"):
-        model = DraftModel(config)
-    model = model.to_empty(device="cpu").to(dtype)
-    model.rotary.inv_freq = Rotary(config.rope, config.head_dim).inv_freq
+    model = materialize(lambda: DraftModel(config), dtype)
     load_into(model, read_tensors(directory, strip=("model.",)), str(directory))
     return model.eval()

@@ -61,6 +61,7 @@ class Rotary(nn.Module):
 
     def __init__(self, rope: RopeConfig, head_dim: int) -> None:
         super().__init__()
+        self.rope, self.head_dim = rope, head_dim
         self.register_buffer("inv_freq", inverse_frequencies(rope, head_dim), persistent=False)
 
     def _apply(self, fn, recurse=True):
@@ -211,6 +212,21 @@ class DecoderLayer(nn.Module):
         attended = kernels.attention(q, k_cache, v_cache, rows, positions, kv_len, self.causal, self.window)
         x = x + self.self_attn.output(attended)
         return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
+
+
+def materialize(build, dtype: torch.dtype) -> nn.Module:
+    """``build()`` on the meta device (no weight init), then allocated on the CPU in ``dtype``.
+
+    For loaders that overwrite every parameter; the RoPE frequencies, which no
+    checkpoint holds, are recomputed in fp32.
+    """
+    with torch.device("meta"):
+        model = build()
+    model = model.to_empty(device="cpu").to(dtype)
+    for module in model.modules():
+        if isinstance(module, Rotary):
+            module.inv_freq = inverse_frequencies(module.rope, module.head_dim)
+    return model
 
 
 def new_cache(

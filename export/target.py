@@ -17,7 +17,7 @@ from torch import nn
 
 from dflash_trt.export.checkpoint import load_into, read_tensors
 from dflash_trt.export.config import TargetConfig, load_target_config
-from dflash_trt.export.layers import EAGER, DecoderLayer, RMSNorm, Rotary, new_cache
+from dflash_trt.export.layers import EAGER, DecoderLayer, RMSNorm, Rotary, materialize, new_cache
 from dflash_trt.errors import ConfigError
 
 
@@ -102,10 +102,7 @@ def load_target(
 ) -> TargetModel:
     """Build a ``TargetModel`` from an HF checkpoint directory (strict load)."""
     config = load_target_config(directory)
-    with torch.device("meta"):
-        model = TargetModel(config, tap_layers)
-    model = model.to_empty(device="cpu").to(dtype)
-    model.rotary.inv_freq = Rotary(config.rope, config.head_dim).inv_freq
+    model = materialize(lambda: TargetModel(config, tap_layers), dtype)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     tensors = read_tensors(directory)
