@@ -11,7 +11,8 @@ import json
 import time
 
 from dflash_trt.export.pair import load_pair
-from dflash_trt.export.reference import ReferenceDecoder, Sampling
+from dflash_trt.export.reference import ReferenceDecoder
+from dflash_trt.export.sampling import Sampling
 from dflash_trt.export.target import load_target
 from dflash_trt.export.tokenizer import Tokenizer
 

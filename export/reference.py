@@ -16,26 +16,8 @@ import torch
 
 from dflash_trt.errors import InputError
 from dflash_trt.export.draft import DraftModel
-from dflash_trt.export.sampling import check_sampling, choose, positional_uniform, verdict
+from dflash_trt.export.sampling import GREEDY, Sampling, check_sampling, choose, positional_uniform, verdict
 from dflash_trt.export.target import TargetModel
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def tensors(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return (
-            torch.full((rows,), float(self.temperature)),
-            torch.full((rows,), int(self.top_k), dtype=torch.int64),
-            torch.full((rows,), float(self.top_p)),
-        )
-
-
-GREEDY = Sampling()
 
 
 @dataclass

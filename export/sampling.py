@@ -22,6 +22,7 @@ the runtime.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -48,6 +49,26 @@ def positional_uniform(seed: int, positions, purpose: int = PURPOSE_TOKEN) -> np
         value = _mix(key ^ _mix(positions + np.uint64(1)))
     # Top 24 bits: exactly representable in float32, strictly below 1.
     return ((value >> np.uint64(40)).astype(np.float64) / float(1 << 24)).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """One session's sampling parameters; the default is greedy decoding."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def tensors(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (
+            torch.full((rows,), float(self.temperature)),
+            torch.full((rows,), int(self.top_k), dtype=torch.int64),
+            torch.full((rows,), float(self.top_p)),
+        )
+
+
+GREEDY = Sampling()
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float, vocab_size: int | None = None) -> None:

@@ -48,7 +48,7 @@ import torch
 
 from dflash_trt.errors import PoisonedError
 from dflash_trt.export import contract as c
-from dflash_trt.export.reference import Sampling
+from dflash_trt.export.sampling import Sampling
 from dflash_trt.export.sampling import check_sampling, choose, positional_uniform
 from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.packing import DYNAMIC, STATIC, TARGET, Burst, block_fits, chunks, cycle_mode, make_bursts, pack_rows, plan_context, static_context, trim_context, verify_uniforms

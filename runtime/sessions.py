@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from dflash_trt.errors import InputError, PoisonedError, SamplingError, SessionError
-from dflash_trt.export.reference import GREEDY, Sampling
+from dflash_trt.export.sampling import GREEDY, Sampling
 from dflash_trt.runtime.packing import block_fits, pick_row
 
 SEED_LIMIT = 1 << 64

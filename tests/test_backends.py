@@ -9,6 +9,10 @@ onnxruntime-gpu is installed.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -268,6 +272,27 @@ def test_open_backend_by_name(pair):
         assert isinstance(backend, OrtBackend) and backend.pools["target"].keys[0].shape[0] == ROWS
     with pytest.raises(EngineError, match="backend must be one of"):
         open_backend("tensorflow", pair[2])
+
+
+CLOSURE = """
+import json, sys
+from dflash_trt.runtime.executor import Executor
+from dflash_trt.runtime.backends import open_backend
+with open_backend("onnxruntime", sys.argv[1], max_sessions=2, lazy=True) as backend:
+    pass
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def test_runtime_import_closure_excludes_the_model_stack(pair):
+    """Bug: the executor or the ONNX Runtime backend pulls in the PyTorch model stack (target, draft,
+    layers) or safetensors, e.g. through a shared dataclass or an eager import of every backend."""
+    result = subprocess.run([sys.executable, "-c", CLOSURE, str(pair[2])], capture_output=True, text=True, check=True)
+    loaded = set(json.loads(result.stdout.splitlines()[-1]))
+    assert "dflash_trt.runtime.backends.ort_backend" in loaded
+    heavy = ["dflash_trt.export.target", "dflash_trt.export.draft", "dflash_trt.export.layers", "safetensors"]
+    heavy += ["dflash_trt.runtime.backends.torch_backend", "dflash_trt.runtime.backends.trt_backend"]
+    assert [name for name in heavy if name in loaded] == []
 
 
 def test_pools_are_allocated_once_at_fixed_addresses(backend, pair):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from dflash_trt.errors import InputError, PoisonedError, SamplingError, SessionError
-from dflash_trt.export.reference import ReferenceDecoder, Sampling
+from dflash_trt.export.reference import ReferenceDecoder
+from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor, Input
 from dflash_trt.runtime.stats import CYCLE_SCHEMA, EXECUTE_SCHEMA, stats_paths
 from test_executor_support import Oracle, RecordingBackend, DraftReference, Tiny, Tracker, single_thread, tiny_dims

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
 from dflash_trt.errors import InputError, PoisonedError, SamplingError, SessionError
-from dflash_trt.export.reference import Sampling
+from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor, Input
 from test_executor_support import Oracle, RecordingBackend, Tiny, Tracker, single_thread
 

@@ -11,7 +11,8 @@ from dflash_trt.export import contract as c
 from dflash_trt.export.contract import Dims
 from dflash_trt.export.exporter import ExportOptions, contract_dims
 from dflash_trt.export.pair import load_pair
-from dflash_trt.export.reference import ReferenceDecoder, Sampling
+from dflash_trt.export.reference import ReferenceDecoder
+from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.backends.base import Backend
 
 def single_thread():

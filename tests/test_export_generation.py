@@ -21,8 +21,8 @@ import torch
 
 from dflash_trt.export import contract
 from dflash_trt.export.exporter import load_pair
-from dflash_trt.export.reference import ReferenceDecoder, Sampling
-from dflash_trt.export.sampling import choose, positional_uniform
+from dflash_trt.export.reference import ReferenceDecoder
+from dflash_trt.export.sampling import Sampling, choose, positional_uniform
 
 PREFILL_CHUNK = 16
 NUMPY = {"float32": np.float32, "float16": np.float16, "int64": np.int64}

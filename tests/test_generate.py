@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dflash_trt.errors import InputError
-from dflash_trt.export.reference import Sampling
+from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.generate import CONTEXT, LENGTH, STOP, Request, generate, stream
 from test_executor_support import Oracle, Tiny, single_thread

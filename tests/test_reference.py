@@ -10,7 +10,8 @@ import torch
 import tiny_models
 from dflash_trt.errors import InputError, SamplingError
 from dflash_trt.export.pair import load_pair
-from dflash_trt.export.reference import ReferenceDecoder, Sampling
+from dflash_trt.export.reference import ReferenceDecoder
+from dflash_trt.export.sampling import Sampling
 
 PROMPTS = [[random.Random(i).randrange(3, 90) for _ in range(1 + (i * 7) % 23)] for i in range(20)]
 PROPOSALS = {4: (2, 3), 8: (2, 5, 7), 16: (2, 9, 15)}

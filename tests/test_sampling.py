@@ -11,8 +11,8 @@ import torch
 
 import tiny_models
 from dflash_trt.export.pair import load_pair
-from dflash_trt.export.reference import ReferenceDecoder, Sampling
-from dflash_trt.export.sampling import filtered_probs, positional_uniform, sample, verdict
+from dflash_trt.export.reference import ReferenceDecoder
+from dflash_trt.export.sampling import Sampling, filtered_probs, positional_uniform, sample, verdict
 
 
 def brute_force_probs(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:

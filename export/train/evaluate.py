@@ -19,7 +19,8 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from dflash_trt.export.draft import DraftModel
-from dflash_trt.export.reference import ReferenceDecoder, Sampling
+from dflash_trt.export.reference import ReferenceDecoder
+from dflash_trt.export.sampling import Sampling
 from dflash_trt.export.target import TargetModel
 from dflash_trt.export.train.corpus import Document, name_hash
 from dflash_trt.export.train.loop import TokenStream, autocast
