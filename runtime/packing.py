@@ -24,8 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash_trt.export.sampling import PURPOSE_TOKEN, positional_uniform
-
-STATIC, DYNAMIC, TARGET = "static", "dynamic", "target"  # runtime.stats.MODES
+from dflash_trt.runtime.stats import DYNAMIC, STATIC, TARGET
 
 
 @dataclass(frozen=True)

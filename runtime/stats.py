@@ -34,13 +34,19 @@ executor's counters as per-call deltas, plus timing.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import polars as pl
 
+if TYPE_CHECKING:
+    from dflash_trt.runtime.packing import Burst
+    from dflash_trt.runtime.sessions import Session
+
 SCHEMA_VERSION = 1
-MODES = ("static", "dynamic", "target")
+STATIC, DYNAMIC, TARGET = "static", "dynamic", "target"  # the values of the cycle table's ``mode``
 
 CYCLE_SCHEMA: dict[str, pl.DataType] = {
     "batch_id": pl.Int64(),
@@ -146,3 +152,94 @@ def stats_paths(stem: str | Path) -> tuple[Path, Path]:
     if stem.suffix == ".parquet":
         stem = stem.with_suffix("")
     return stem.with_name(stem.name + ".parquet"), stem.with_name(stem.name + ".executes.parquet")
+
+
+class StatsLog:
+    """Column-wise stats: cycle rows as they happen, one execute row of counter deltas per call."""
+
+    def __init__(self) -> None:
+        self.cycles = ColumnStore(CYCLE_SCHEMA)
+        self.executes = ColumnStore(EXECUTE_SCHEMA)
+        self.origin = time.perf_counter()
+        self.batch_id = 0
+        self.cycle_id = 0
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.started = self.origin
+
+    def begin(self) -> None:
+        """Counters are NOT reset here: copies made by clone() between calls land in the next row."""
+        self.started = time.perf_counter()
+        self.cycle_started = self.started
+
+    def count(self, rows_name: str, rows: int, row_bytes: int) -> None:
+        self.counters[rows_name] += rows
+        self.counters[rows_name.replace("rows", "bytes")] += rows * row_bytes
+
+    def cycle_counters(self, n: int, proposals: int, counts: list[int], bursts: list[Burst], row_bytes: int) -> None:
+        k = self.counters
+        k["target_verify_calls"] += 1
+        k["target_verify_forwards"] += 1
+        k["draft_forwards"] += 1
+        k["static_draft_forwards"] += 1
+        k["warmed_context_tokens"] += sum(counts)
+        k["cycles"] += n
+        k["proposed"] += n * proposals
+        k["accepted"] += sum(b.accepted for b in bursts)
+        k["bonuses"] += sum(b.bonus for b in bursts)
+        k["rejected"] += sum(not b.bonus for b in bursts)
+        self.count("hidden_rows_d2d", n * (proposals + 1), row_bytes)
+
+    def _shared(self, owners: int, mode: str, draft_ms: float, verify_ms: float) -> dict:
+        end = time.perf_counter()
+        host_ms = max(0.0, (end - self.cycle_started) * 1000.0 - draft_ms - verify_ms)
+        self.cycle_started = end
+        shared = dict(batch_id=self.batch_id, cycle_id=self.cycle_id, owners=owners, mode=mode)
+        self.cycle_id += 1
+        return shared | dict(draft_ms=draft_ms, verify_ms=verify_ms, host_ms=host_ms, end_ms=(end - self.origin) * 1000.0)
+
+    def cycle_rows(self, rows: list, proposals: int, draft_ms: float, verify_ms: float) -> None:
+        """rows: (session, mode, context_rows, start, burst) per owner of one call."""
+        modes = {mode for _, mode, *_ in rows}
+        shared = self._shared(len(rows), DYNAMIC if DYNAMIC in modes else STATIC, draft_ms, verify_ms)
+        for s, mode, context_rows, start, burst in rows:
+            self.cycles.append(
+                **shared | dict(mode=mode),
+                session=s.id,
+                context_rows=context_rows,
+                proposed=proposals,
+                accepted=burst.accepted,
+                bonus=burst.bonus,
+                emitted=len(burst.tokens),
+                position=start,
+                temperature=s.sampling.temperature,
+            )
+
+    def target_row(self, s: Session, position: int, target_ms: float) -> None:
+        """A token the target produced outside verify (after a prompt/replay or in plain decode)."""
+        shared = self._shared(1, TARGET, 0.0, target_ms)
+        self.cycles.append(
+            **shared,
+            session=s.id,
+            context_rows=0,
+            proposed=0,
+            accepted=0,
+            bonus=False,
+            emitted=1,
+            position=position,
+            temperature=s.sampling.temperature,
+        )
+
+    def end_execute(self, inputs: int, target_tokens: int, pending_decode: bool, ok: bool) -> None:
+        end = time.perf_counter()
+        self.executes.append(
+            batch_id=self.batch_id,
+            inputs=inputs,
+            target_tokens=target_tokens,
+            pending_decode=pending_decode,
+            ok=ok,
+            wall_ms=(end - self.started) * 1000.0,
+            end_ms=(end - self.origin) * 1000.0,
+            **self.counters,
+        )
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.batch_id += 1
