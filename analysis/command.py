@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from dflash_trt.analysis.load import scan_run
+from dflash_trt.cli import positive_int
 from dflash_trt.analysis.report import headline, markdown, summarize, write_report
 
 
@@ -24,15 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compare", type=Path, nargs="+", action="extend", default=[], metavar="STATS", help="other runs to show side by side"
     )
     parser.add_argument("--out", type=Path, help="output folder (default: X.report/ beside STATS)")
-    parser.add_argument("--window", type=_positive_int, default=64, help="calls per rolling-τ window (default 64)")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        msg = f"must be ≥ 1, got {value}"
-        raise argparse.ArgumentTypeError(msg)
-    return value
+    parser.add_argument("--window", type=positive_int, default=64, help="calls per rolling-τ window (default 64)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -2,8 +2,6 @@
 
 Each subcommand is owned by its pipeline stage: the module named in
 ``COMMANDS`` defines ``add_arguments(parser)`` and ``run(args) -> int``.
-A stage that has not landed yet answers with a clear message instead of a
-traceback.
 """
 
 from __future__ import annotations
@@ -21,20 +19,20 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "build": ("dflash_trt.engines.command", "build TensorRT / TensorRT-RTX engines from exported graphs"),
     "selfcheck": ("dflash_trt.engines.selfcheck", "compare every engine with ONNX Runtime on random inputs"),
     "run": ("dflash_trt.runtime.command", "serve a prompt file through the runtime, write outputs + stats"),
-    "demo": ("dflash_trt.runtime.demo", "run the embedded default pair end to end on this machine"),
+    "demo": ("dflash_trt.demo", "run the embedded default pair end to end on this machine"),
     "report": ("dflash_trt.analysis.command", "summarize stats Parquet files: tables, plots, JSON"),
     "generate": ("dflash_trt.export.generate_command", "reference (PyTorch eager) generation from checkpoints"),
-    "train": ("dflash_trt.export.train.command", "train a tokenizer, target and DFlash draft"),
+    "train": ("dflash_trt.train.command", "train a tokenizer, target and DFlash draft"),
 }
 
 
-def _load(module_name: str):
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name and module_name.startswith(error.name):
-            return None
-        raise
+def positive_int(text: str) -> int:
+    """argparse type of every count flag: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        msg = f"must be >= 1, got {value}"
+        raise argparse.ArgumentTypeError(msg)
+    return value
 
 
 def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
@@ -47,21 +45,10 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=help_text, description=help_text)
         if name != selected:
             continue
-        module = _load(module_name)
-        if module is None:
-            command.set_defaults(_run=_missing(name))
-        else:
-            module.add_arguments(command)
-            command.set_defaults(_run=module.run)
+        module = importlib.import_module(module_name)
+        module.add_arguments(command)
+        command.set_defaults(_run=module.run)
     return parser
-
-
-def _missing(name: str):
-    def run(_args: argparse.Namespace) -> int:
-        print(f"dflash-trt {name}: not available yet in this version.", file=sys.stderr)
-        return 2
-
-    return run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,11 +31,11 @@ from tqdm import tqdm
 
 import dflash_trt
 from dflash_trt.errors import ExportError, ManifestError
-from dflash_trt.export import contract, keys
+from dflash_trt.export import contract, identity
 from dflash_trt.export.config import check_pair, load_draft_config, load_target_config
 from dflash_trt.export.contract import DTYPES, Dims, GraphSpec
 from dflash_trt.export.draft import DraftModel, load_draft
-from dflash_trt.export.graphs import TORCH_DTYPES, graph_module
+from dflash_trt.export.graph_modules import TORCH_DTYPES, graph_module
 from dflash_trt.export.manifest import (
     MANIFEST_FILE,
     VERIFY_HASH,
@@ -130,15 +130,15 @@ def tool_versions() -> dict[str, str]:
 
 
 def _code_digest() -> str:
-    from dflash_trt.export import checkpoint, config, draft, graphs, layers, manifest, onnx_kernels, sampling, target, weights
+    from dflash_trt.export import checkpoint, config, draft, graph_modules, layers, manifest, onnx_kernels, sampling, target, weights
 
-    modules = (checkpoint, config, contract, draft, graphs, keys, layers, manifest, onnx_kernels, sampling, target, weights)
-    return keys.source_digest([m.__file__ for m in modules] + [__file__])
+    modules = (checkpoint, config, contract, draft, graph_modules, identity, layers, manifest, onnx_kernels, sampling, target, weights)
+    return identity.source_digest([m.__file__ for m in modules] + [__file__])
 
 
 def export_key(target_dir: str | Path, draft_dir: str | Path, resolved: ExportOptions) -> str:
     settings = {"schema": SCHEMA_VERSION, "opset": OPSET, "options": asdict(resolved), "versions": tool_versions()}
-    return keys.export_key(target_dir, draft_dir, settings, _code_digest())
+    return identity.export_key(target_dir, draft_dir, settings, _code_digest())
 
 
 def up_to_date(target_dir: str | Path, draft_dir: str | Path, out_dir: str | Path, options: ExportOptions) -> Manifest | None:
@@ -262,8 +262,8 @@ def export_graph(
     if (on_disk.inputs, on_disk.outputs) != (spec.inputs, spec.outputs):
         msg = f"traced graph {spec.name} breaks the contract: declares {on_disk.inputs + on_disk.outputs}, contract {spec.inputs + spec.outputs}"
         raise ExportError(msg)
-    data = {name: keys.file_sha256(directory / name) for name in external_data_files(path)}
-    return GraphFile(path.name, keys.file_sha256(path), data, spec)
+    data = {name: identity.file_sha256(directory / name) for name in external_data_files(path)}
+    return GraphFile(path.name, identity.file_sha256(path), data, spec)
 
 
 def _clear(directory: Path, names: list[str]) -> None:
@@ -331,8 +331,8 @@ def build_manifest(
         max_chunk=options.max_chunk,
         vocab_size=t.vocab_size,
         special_tokens=SpecialTokens(t.bos_token_id, tuple(t.eos_token_ids), tuple(t.eos_token_ids), t.pad_token_id),
-        target=_geometry(t, keys.target_cache_key(digests[0], dtype)),
-        draft=_geometry(d, keys.draft_cache_key(digests[1], digests[0], tuple(target.tap_layers), dtype)),
+        target=_geometry(t, identity.target_cache_key(digests[0], dtype)),
+        draft=_geometry(d, identity.draft_cache_key(digests[1], digests[0], tuple(target.tap_layers), dtype)),
         graphs=graphs,
         versions=tool_versions(),
     )
@@ -375,7 +375,7 @@ def export_pair(
             if on_graph is not None:
                 on_graph(spec.name, graphs[spec.name], time.perf_counter() - started)
     graphs = _rehash_data(graphs, out)
-    digests = (keys.checkpoint_digest(target_dir), keys.checkpoint_digest(draft_dir))
+    digests = (identity.checkpoint_digest(target_dir), identity.checkpoint_digest(draft_dir))
     manifest = build_manifest(target, draft, resolved, graphs, export_key(target_dir, draft_dir, resolved), digests)
     write_manifest(manifest, out)
     return load_manifest(out, verify=VERIFY_HASH)
@@ -387,5 +387,5 @@ def _rehash_data(graphs: dict[str, GraphFile], directory: Path) -> dict[str, Gra
     for graph in graphs.values():
         for name in graph.data_files:
             if name not in hashes:
-                hashes[name] = keys.file_sha256(directory / name)
+                hashes[name] = identity.file_sha256(directory / name)
     return {n: replace(g, data_files={f: hashes[f] for f in g.data_files}) for n, g in graphs.items()}

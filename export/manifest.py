@@ -43,7 +43,7 @@ from google.protobuf.message import DecodeError
 from dflash_trt.errors import ManifestError
 from dflash_trt.export import contract
 from dflash_trt.export.contract import DTYPES, Dims, DimRange, GraphSpec, TensorSpec
-from dflash_trt.export.keys import file_sha256
+from dflash_trt.export.identity import file_sha256
 
 SCHEMA_VERSION = 1
 MANIFEST_FILE = "manifest.json"

@@ -10,6 +10,9 @@ from dflash_trt.export.config import check_pair, load_draft_config, load_target_
 from dflash_trt.export.draft import DraftModel, load_draft
 from dflash_trt.export.target import TargetModel, load_target
 
+# The shipped pair: target/ (with tokenizer files), draft/, prompts.jsonl.
+DEFAULT_PAIR_DIR = Path(__file__).resolve().parent / "default_pair"
+
 
 def load_pair(
     target_dir: str | Path, draft_dir: str | Path, dtype: torch.dtype = torch.float32

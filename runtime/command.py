@@ -24,6 +24,7 @@ from pathlib import Path
 
 import polars as pl
 
+from dflash_trt.cli import positive_int
 from dflash_trt.errors import InputError, TokenizerError
 from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.generate import Completion, Request, stream
@@ -41,26 +42,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", type=Path, help="target checkpoint (torch backend; tokenizer fallback)")
     parser.add_argument("--draft", type=Path, help="draft checkpoint (torch backend)")
     parser.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cpu, cuda for tensorrt)")
-    parser.add_argument("--limit", type=_positive, help="serve only the first N prompts")
+    parser.add_argument("--limit", type=positive_int, help="serve only the first N prompts")
 
 
 def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared with ``dflash-trt demo``."""
-    parser.add_argument("--max-new-tokens", type=_positive, default=128)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i")
-    parser.add_argument("--max-sessions", type=_positive, help="sessions at once (default: the artifacts' max_sessions)")
+    parser.add_argument("--max-sessions", type=positive_int, help="sessions at once (default: the artifacts' max_sessions)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for ONNX Runtime / torch")
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        msg = f"must be >= 1, got {value}"
-        raise argparse.ArgumentTypeError(msg)
-    return value
 
 
 # ---------------------------------------------------------------------- backends

@@ -51,7 +51,7 @@ from dflash_trt.export import contract as c
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.export.sampling import check_sampling, choose, positional_uniform
 from dflash_trt.runtime.backends.base import Backend
-from dflash_trt.runtime.packing import Burst, block_fits, chunks, cycle_mode, make_bursts, pack_rows, plan_context, static_context, trim_context, verify_uniforms
+from dflash_trt.runtime.cycles import Burst, block_fits, chunks, cycle_mode, make_bursts, pack_rows, plan_context, static_context, trim_context, verify_uniforms
 from dflash_trt.runtime.sessions import ContextPool, Input, Limits, Session, SessionTable, SessionView, Step, check_seed, int_in, validate_batch
 from dflash_trt.runtime.stats import StatsLog, stats_paths, write_parquet
 

@@ -28,7 +28,7 @@ import torch
 
 from dflash_trt.errors import InputError, PoisonedError, SamplingError, SessionError
 from dflash_trt.export.sampling import GREEDY, Sampling
-from dflash_trt.runtime.packing import block_fits, pick_row
+from dflash_trt.runtime.cycles import block_fits, pick_row
 
 SEED_LIMIT = 1 << 64
 

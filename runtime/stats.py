@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import polars as pl
 
 if TYPE_CHECKING:
-    from dflash_trt.runtime.packing import Burst
+    from dflash_trt.runtime.cycles import Burst
     from dflash_trt.runtime.sessions import Session
 
 SCHEMA_VERSION = 1

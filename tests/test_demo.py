@@ -9,9 +9,9 @@ import polars as pl
 import pytest
 
 from dflash_trt.cli import main
-from dflash_trt.runtime import demo
+from dflash_trt import demo
 from dflash_trt.runtime.stats import CYCLE_SCHEMA, EXECUTE_SCHEMA
-from test_executor_support import Oracle, pair, single_thread
+from executor_fixtures import Oracle, pair, single_thread
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -102,7 +102,7 @@ def test_real_demo_on_the_shipped_pair_is_lossless_and_accepts(tmp_path, capsys)
     from dflash_trt.export.pair import load_pair
     from dflash_trt.export.reference import ReferenceDecoder
     from dflash_trt.export.tokenizer import Tokenizer
-    from dflash_trt.export.train import DEFAULT_PAIR_DIR
+    from dflash_trt.export.pair import DEFAULT_PAIR_DIR
 
     args = ["demo", "--cache", str(tmp_path / "cache"), "--count", "2", "--max-new-tokens", "24", "--threads", "1"]
     assert main(args) == 0

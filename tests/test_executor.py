@@ -14,7 +14,7 @@ from dflash_trt.export.reference import ReferenceDecoder
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor, Input
 from dflash_trt.runtime.stats import CYCLE_SCHEMA, EXECUTE_SCHEMA, stats_paths
-from test_executor_support import Oracle, RecordingBackend, DraftReference, Tiny, Tracker, single_thread, tiny_dims
+from executor_fixtures import Oracle, RecordingBackend, DraftReference, Tiny, Tracker, single_thread, tiny_dims
 
 SAMPLED = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=1234)
 

@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from dflash_trt.errors import InputError, PoisonedError, SamplingError, SessionError
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor, Input
-from test_executor_support import Oracle, RecordingBackend, Tiny, Tracker, single_thread
+from executor_fixtures import Oracle, RecordingBackend, Tiny, Tracker, single_thread
 
 MAX_SESSIONS = 5
 SAMPLINGS = st.builds(

@@ -20,7 +20,7 @@ import torch
 
 from dflash_trt.export import contract
 from dflash_trt.export.exporter import ExportOptions, contract_dims, export_graph, kernels_of, load_pair
-from dflash_trt.export.graphs import graph_module
+from dflash_trt.export.graph_modules import graph_module
 from dflash_trt.export.layers import EagerKernels
 from dflash_trt.export.onnx_kernels import CAUSAL_MASK, OnnxKernels
 from dflash_trt.export.sampling import choose

@@ -14,7 +14,7 @@ from dflash_trt.errors import ManifestError
 from dflash_trt.export import contract
 from dflash_trt.export.contract import Dims
 from dflash_trt.export.exporter import ExportOptions, up_to_date
-from dflash_trt.export.keys import file_sha256
+from dflash_trt.export.identity import file_sha256
 from dflash_trt.export.manifest import MANIFEST_FILE, load_manifest
 
 OPTIONS = ExportOptions(max_owners=3, max_context=64, dtype="fp32", shared_weights=True)

@@ -8,7 +8,7 @@ from dflash_trt.errors import InputError
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.generate import CONTEXT, LENGTH, STOP, Request, generate, stream
-from test_executor_support import Oracle, Tiny, single_thread
+from executor_fixtures import Oracle, Tiny, single_thread
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from dflash_trt.export.train.corpus import Limits, load_corpus
-from dflash_trt.export.train.draft import sample_anchors, slot_weights
-from dflash_trt.export.train.tokenizer import EOS, MASK, encode_documents, load_tokenizer, save_tokenizer, train_tokenizer
+from dflash_trt.train.corpus import Limits, load_corpus
+from dflash_trt.train.draft import sample_anchors, slot_weights
+from dflash_trt.train.tokenizer import EOS, MASK, encode_documents, load_tokenizer, save_tokenizer, train_tokenizer
 
 CODE = "def f{i}(x):\n    # comment {i}\n    return x * {i} + 1\n\n" * 8
 

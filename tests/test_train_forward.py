@@ -7,7 +7,7 @@ import torch
 import tiny_models
 from dflash_trt.export.draft import load_draft
 from dflash_trt.export.target import load_target
-from dflash_trt.export.train.forward import block_mask, draft_forward, target_forward
+from dflash_trt.train.forward import block_mask, draft_forward, target_forward
 
 ATOL = 1e-5
 
@@ -69,7 +69,7 @@ def test_regenerated_greedy_rows_are_the_targets_greedy_decode(tiny_pair):
     writing the wrong rows or positions: the draft would then train on text the target never
     writes. Greedy rows must equal ReferenceDecoder.generate_target token for token."""
     from dflash_trt.export.reference import ReferenceDecoder
-    from dflash_trt.export.train.regenerate import continue_rows
+    from dflash_trt.train.regenerate import continue_rows
 
     target = load_target(tiny_pair[0])
     prompts = torch.randint(0, tiny_models.VOCAB, (3, 7), generator=torch.Generator().manual_seed(2))

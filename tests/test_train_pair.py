@@ -11,9 +11,9 @@ from dflash_trt.export.config import check_pair, load_draft_config, load_target_
 from dflash_trt.export.draft import load_draft
 from dflash_trt.export.reference import ReferenceDecoder
 from dflash_trt.export.target import load_target
-from dflash_trt.export.train import DEFAULT_PAIR_DIR
-from dflash_trt.export.train.evaluate import read_prompts
-from dflash_trt.export.train.tokenizer import EOS, MASK, load_tokenizer
+from dflash_trt.export.pair import DEFAULT_PAIR_DIR
+from dflash_trt.train.evaluate import read_prompts
+from dflash_trt.train.tokenizer import EOS, MASK, load_tokenizer
 
 TARGET, DRAFT = DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft"
 

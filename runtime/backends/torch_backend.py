@@ -1,6 +1,6 @@
 """The torch backend: the contract's PyTorch graph modules, eager or replayed as CUDA graphs.
 
-``export.graphs`` wraps the target and draft into one module per graph kind
+``export.graph_modules`` wraps the target and draft into one module per graph kind
 that takes exactly the contract's inputs (caches = the owners' rows, updated
 in place by ``EagerKernels``) and returns its outputs. This backend runs them
 over its two pools.
@@ -34,7 +34,7 @@ from dflash_trt.errors import EngineError
 from dflash_trt.export import contract as c
 from dflash_trt.export.contract import Dims, GraphSpec
 from dflash_trt.export.draft import DraftModel
-from dflash_trt.export.graphs import graph_module
+from dflash_trt.export.graph_modules import graph_module
 from dflash_trt.export.pair import load_pair
 from dflash_trt.export.target import TargetModel
 from dflash_trt.runtime.backends.base import Backend

@@ -31,13 +31,13 @@ from dflash_trt.errors import InputError, TokenizerError
 from dflash_trt.export.config import read_json
 from dflash_trt.export.draft import load_draft
 from dflash_trt.export.target import load_target
-from dflash_trt.export.train import evaluate
-from dflash_trt.export.train.corpus import Corpus, Limits, load_corpus
-from dflash_trt.export.train.draft import DraftShape, DraftTraining, train_draft
-from dflash_trt.export.train.loop import TokenStream
-from dflash_trt.export.train.regenerate import SequenceBank, regenerate
-from dflash_trt.export.train.target import TargetShape, TargetTraining, train_target
-from dflash_trt.export.train.tokenizer import (
+from dflash_trt.train import evaluate
+from dflash_trt.train.corpus import Corpus, Limits, load_corpus
+from dflash_trt.train.draft import DraftShape, DraftTraining, train_draft
+from dflash_trt.train.loop import TokenStream
+from dflash_trt.train.regenerate import SequenceBank, regenerate
+from dflash_trt.train.target import TargetShape, TargetTraining, train_target
+from dflash_trt.train.tokenizer import (
     MASK,
     encode_documents,
     load_tokenizer,
@@ -46,29 +46,18 @@ from dflash_trt.export.train.tokenizer import (
     train_tokenizer,
 )
 
-STAGES = ("tokenizer", "target", "draft", "prompts", "eval", "all")
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     stages = parser.add_subparsers(dest="stage", metavar="STAGE", required=True)
-    for name in STAGES:
-        sub = stages.add_parser(name, help=_HELP[name], description=_HELP[name])
-        globals()[f"_args_{name}"](sub)
-        sub.set_defaults(_stage=globals()[f"_run_{name}"])
+    for name, (help_text, add, run_stage) in STAGES.items():
+        sub = stages.add_parser(name, help=help_text, description=help_text)
+        add(sub)
+        sub.set_defaults(_stage=run_stage)
 
 
 def run(args: argparse.Namespace) -> int:
     return int(args._stage(args) or 0)
 
-
-_HELP = {
-    "tokenizer": "train a byte-level BPE tokenizer on the corpus",
-    "target": "train a small Qwen3 target from scratch (needs a tokenizer)",
-    "draft": "train a DFlash draft for a target checkpoint (the target stays frozen)",
-    "prompts": "cut code prompts from held-out corpus files",
-    "eval": "tau of a draft at given temperatures (reference decoder); held-out loss of the target",
-    "all": "tokenizer + target + draft + prompts in one process, under one wall-time deadline",
-}
 
 
 # ---- arguments -------------------------------------------------------------
@@ -118,7 +107,7 @@ def _draft_shape_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--draft-steps", type=int, default=training.max_steps, help="max steps")
     group.add_argument("--draft-budget-s", type=float, default=training.time_budget_s, help="wall-time budget")
     group.add_argument("--init-draft", type=Path, help="warm-start from this draft checkpoint (its shape wins)")
-    regen = parser.add_argument_group("target-regenerated data (see export/train/regenerate.py)")
+    regen = parser.add_argument_group("target-regenerated data (see train/regenerate.py)")
     regen.add_argument("--regenerate-s", type=float, default=0.0,
                        help="seconds spent having the target continue corpus prefixes; 0: train on the corpus")
     regen.add_argument("--regen-prefix", type=int, default=256, help="real corpus tokens per sequence")
@@ -402,8 +391,19 @@ def _report(path: Path | None, record: dict) -> None:
             handle.write(json.dumps(record) + "\n")
 
 
+# stage -> (one-line help, add its arguments, run it)
+STAGES = {
+    "tokenizer": ("train a byte-level BPE tokenizer on the corpus", _args_tokenizer, _run_tokenizer),
+    "target": ("train a small Qwen3 target from scratch (needs a tokenizer)", _args_target, _run_target),
+    "draft": ("train a DFlash draft for a target checkpoint (the target stays frozen)", _args_draft, _run_draft),
+    "prompts": ("cut code prompts from held-out corpus files", _args_prompts, _run_prompts),
+    "eval": ("tau of a draft at given temperatures (reference decoder); held-out loss of the target", _args_eval, _run_eval),
+    "all": ("tokenizer + target + draft + prompts in one process, under one wall-time deadline", _args_all, _run_all),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m dflash_trt.export.train.command STAGE ...``: the same stages without the
+    """``python -m dflash_trt.train.command STAGE ...``: the same stages without the
     top-level CLI (which imports every stage's command module)."""
     parser = argparse.ArgumentParser(prog="dflash-trt train", description=__doc__.splitlines()[0])
     add_arguments(parser)

@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from dflash_trt.export.target import TargetModel
-from dflash_trt.export.train.loop import TokenStream
+from dflash_trt.train.loop import TokenStream
 
 
 class SequenceBank:

@@ -20,9 +20,9 @@ from tokenizers import Tokenizer
 from dflash_trt.export.checkpoint import save_checkpoint
 from dflash_trt.export.config import load_target_config
 from dflash_trt.export.target import TargetModel
-from dflash_trt.export.train.forward import target_forward
-from dflash_trt.export.train.loop import Schedule, TokenStream, TrainLog, adamw, autocast, seed_everything, train
-from dflash_trt.export.train.tokenizer import save_tokenizer, special_ids
+from dflash_trt.train.forward import target_forward
+from dflash_trt.train.loop import Schedule, TokenStream, TrainLog, adamw, autocast, seed_everything, train
+from dflash_trt.train.tokenizer import save_tokenizer, special_ids
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ from dflash_trt.export.draft import DraftModel
 from dflash_trt.export.reference import ReferenceDecoder
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.export.target import TargetModel
-from dflash_trt.export.train.corpus import Document, name_hash
-from dflash_trt.export.train.loop import TokenStream, autocast
-from dflash_trt.export.train.target import lm_loss
+from dflash_trt.train.corpus import Document, name_hash
+from dflash_trt.train.loop import TokenStream, autocast
+from dflash_trt.train.target import lm_loss
 
 
 @torch.no_grad()

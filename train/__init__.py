@@ -1,5 +1,8 @@
 """The training recipe of the embedded default pair (and of a draft for any target).
 
+A stage of its own, ahead of export: it writes the HF-format checkpoints
+``dflash_trt.export`` reads.
+
 Stages, one module each: ``corpus`` (Python sources → train/held-out files),
 ``tokenizer`` (byte-level BPE), ``forward`` (whole-sequence training forwards
 over the cache-path modules of ``export.target`` / ``export.draft``),
@@ -9,8 +12,3 @@ over the cache-path modules of ``export.target`` / ``export.draft``),
 (held-out loss, τ with the reference decoder) and ``command`` (the
 ``dflash-trt train`` subcommands).
 """
-
-from pathlib import Path
-
-# The shipped pair: target/ (with tokenizer files), draft/, prompts.jsonl.
-DEFAULT_PAIR_DIR = Path(__file__).resolve().parent.parent / "default_pair"

@@ -24,9 +24,9 @@ from dflash_trt.export.checkpoint import save_checkpoint
 from dflash_trt.export.config import TargetConfig, check_pair, load_draft_config
 from dflash_trt.export.draft import DraftModel
 from dflash_trt.export.target import TargetModel
-from dflash_trt.export.train.forward import draft_forward, target_forward
-from dflash_trt.export.train.loop import Schedule, TokenStream, TrainLog, adamw, autocast, seed_everything, train
-from dflash_trt.export.train.target import bf16_state
+from dflash_trt.train.forward import draft_forward, target_forward
+from dflash_trt.train.loop import Schedule, TokenStream, TrainLog, adamw, autocast, seed_everything, train
+from dflash_trt.train.target import bf16_state
 
 
 @dataclass(frozen=True)

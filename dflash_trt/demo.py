@@ -6,8 +6,11 @@
 2. Serve a few code prompts (``export/default_pair/prompts.jsonl``) through
    the runtime with ONNX Runtime: continuous batching, DFlash cycles.
 3. Print each completion, then τ, tokens/s and host time per cycle; write
-   the stats as Parquet and, when ``dflash_trt.analysis`` is installed, the
-   report (Markdown + plots) beside them.
+   the stats as Parquet and the analysis report (Markdown + plots) beside
+   them.
+
+It runs the whole pipeline (export, runtime, analysis), so it sits beside the
+console command rather than in any one stage.
 
 The default run (4 prompts, 64 new tokens) takes well under a minute on two
 CPU cores once the export is cached; the first export adds ~30 s.
@@ -17,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import os
 import sys
 import time
 from pathlib import Path
 
+from dflash_trt.cli import positive_int
 from dflash_trt.runtime import command
 from dflash_trt.runtime.executor import Executor
 
@@ -33,7 +36,7 @@ DEMO_MAX_CHUNK = 256
 
 
 def _default_pair() -> Path:
-    from dflash_trt.export.train import DEFAULT_PAIR_DIR
+    from dflash_trt.export.pair import DEFAULT_PAIR_DIR
 
     return DEFAULT_PAIR_DIR
 
@@ -48,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", type=Path, default=pair / "target", help="target checkpoint (default: the embedded pair)")
     parser.add_argument("--draft", type=Path, default=pair / "draft", help="draft checkpoint (default: the embedded pair)")
     parser.add_argument("--prompts", type=Path, default=pair / "prompts.jsonl", help="JSONL of {prompt | tokens, name?}")
-    parser.add_argument("--count", type=command._positive, default=4, help="prompts to serve (default 4)")
-    parser.add_argument("--prompt-tokens", type=command._positive, default=192, help="keep the last N tokens of each prompt")
+    parser.add_argument("--count", type=positive_int, default=4, help="prompts to serve (default 4)")
+    parser.add_argument("--prompt-tokens", type=positive_int, default=192, help="keep the last N tokens of each prompt")
     parser.add_argument("--cache", type=Path, default=_default_cache(), help="export cache (default ~/.cache/dflash-trt or $DFLASH_TRT_CACHE)")
     parser.add_argument("--artifacts", type=Path, help="use this export dir instead of exporting")
     parser.add_argument("--out", type=Path, help="stats + report dir (default: CACHE/demo-run)")
@@ -94,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     report = _report(cycles, out / "report")
     print(f"\nτ (tokens per draft/verify cycle) = {figures['tau']}   {figures['tokens_per_s']} tokens/s   "
           f"{figures['host_ms_per_cycle']} ms host time per cycle")
-    print(f"stats: {cycles}" + (f"   report: {report}" if report else ""))
+    print(f"stats: {cycles}   report: {report}")
     print(json.dumps(figures))
     return 0
 
@@ -110,10 +113,8 @@ def _print_completions(prompts, completions, tokenizer) -> None:
         print(tokenizer.decode(completion.tokens))
 
 
-def _report(cycles: Path, out: Path) -> Path | None:
-    """The analysis report of the run, when the analysis package is there."""
-    if importlib.util.find_spec("dflash_trt.analysis.report") is None:
-        return None
+def _report(cycles: Path, out: Path) -> Path:
+    """The analysis report of the run: its summary.md, or the report folder."""
     from dflash_trt.analysis.load import scan_run
     from dflash_trt.analysis.report import summarize, write_report
 
@@ -121,7 +122,7 @@ def _report(cycles: Path, out: Path) -> Path | None:
     return out / "summary.md" if "summary.md" in {Path(f).name for f in files.values()} else out
 
 
-if __name__ == "__main__":  # python -m dflash_trt.runtime.demo
+if __name__ == "__main__":  # python -m dflash_trt.demo
     from dflash_trt.cli import main
 
     sys.exit(main(["demo", *sys.argv[1:]]))

@@ -1,4 +1,4 @@
-"""Packing and cycle bookkeeping on literal arrays (runtime/packing.py)."""
+"""Packing and cycle bookkeeping on literal arrays (runtime/cycles.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dflash_trt.export.sampling import positional_uniform
-from dflash_trt.runtime.packing import (
+from dflash_trt.runtime.cycles import (
     DYNAMIC,
     STATIC,
     TARGET,
