@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import polars as pl
 
+from dflash_trt.runtime.stats import TARGET
+
 TAU = pl.col("emitted").mean().alias("tau")  # the definition in runtime/stats.py
 
 
 def speculative(cycles: pl.LazyFrame) -> pl.LazyFrame:
     """Rows that ran a draft and a verify (``static`` or ``dynamic`` mode)."""
-    return cycles.filter(pl.col("mode") != "target")
+    return cycles.filter(pl.col("mode") != TARGET)
 
 
 def tau(cycles: pl.LazyFrame) -> pl.LazyFrame:

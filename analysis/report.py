@@ -29,6 +29,7 @@ import polars as pl
 
 from dflash_trt.analysis import acceptance, compare, counters, drafting, plots, throughput
 from dflash_trt.analysis.load import Run
+from dflash_trt.runtime.stats import STATIC, TARGET
 
 MAX_PLOT_POINTS = 2000  # rolling τ is thinned to this many calls before plotting
 
@@ -115,8 +116,8 @@ def headline(summary: Summary) -> dict:
     counters_match.
     """
     figures = summary.overview.row(0, named=True)
-    speculative = summary.modes.filter(pl.col("mode") != "target")
-    static_rows = speculative.filter(pl.col("mode") == "static")["rows"].sum()
+    speculative = summary.modes.filter(pl.col("mode") != TARGET)
+    static_rows = speculative.filter(pl.col("mode") == STATIC)["rows"].sum()
     figures["static_share"] = static_rows / speculative["rows"].sum() if speculative.height else None
     figures["context_rows"] = summary.modes["context_rows"].sum()
     if summary.has_baseline:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import polars as pl
 
+from dflash_trt.runtime.stats import DYNAMIC
+
 PHASES = ("draft_ms", "verify_ms", "host_ms")
 
 
@@ -35,9 +37,9 @@ def calls(cycles: pl.LazyFrame) -> pl.LazyFrame:
     """
     # ``mode`` is per owner: one owner still draining its context makes the
     # whole call run the dynamic draft, while its co-owners log ``static``.
-    any_dynamic = (pl.col("mode") == "dynamic").any()
+    any_dynamic = (pl.col("mode") == DYNAMIC).any()
     return cycles.group_by("cycle_id").agg(
-        pl.when(any_dynamic).then(pl.lit("dynamic")).otherwise(pl.col("mode").first()).alias("mode"),
+        pl.when(any_dynamic).then(pl.lit(DYNAMIC)).otherwise(pl.col("mode").first()).alias("mode"),
         pl.col("owners").first(),
         pl.len().alias("rows"),
         pl.col("emitted").cast(pl.Int64).sum(),

@@ -28,11 +28,12 @@ from dflash_trt.engines.bindings import (
     profile_shapes,
     trt_dtype_name,
 )
-from dflash_trt.engines.engine_set import ENGINES_JSON, EngineRecord, EngineSetRecord, sha256_file, write_engine_set
+from dflash_trt.engines.engine_set import ENGINES_JSON, EngineRecord, EngineSetRecord, write_engine_set
 from dflash_trt.engines.flavour import TIMING_CACHE_FILE, Flavour
 from dflash_trt.engines.sources import GraphSource, load_graph, source_files
 from dflash_trt.errors import EngineBuildError
 from dflash_trt.export.contract import GraphSpec
+from dflash_trt.export.identity import file_sha256
 
 Progress = Callable[[str], None]
 GRAPH_INPUT = "graph input"  # BuildFailure.operator of an input nothing reads
@@ -154,7 +155,7 @@ def _copy_manifest(manifest: Path | None, out_dir: Path) -> dict | None:
     target = out_dir / manifest.name
     if Path(manifest).resolve() != target.resolve():
         shutil.copyfile(manifest, target)
-    return {"file": manifest.name, "sha256": sha256_file(target)}
+    return {"file": manifest.name, "sha256": file_sha256(target)}
 
 
 class _SetBuilder:
@@ -247,7 +248,7 @@ class _SetBuilder:
         return EngineRecord(
             name=source.name,
             plan=plan_path.name,
-            plan_sha256=sha256_file(plan_path),
+            plan_sha256=file_sha256(plan_path),
             plan_bytes=plan_path.stat().st_size,
             sources=dict(source.file_hashes) or {p.name: self._hash(p) for p in source_files(source.onnx_path, model)},
             bindings=tuple(bindings),
@@ -258,7 +259,7 @@ class _SetBuilder:
 
     def _hash(self, path: Path) -> str:
         if path not in self._hashes:
-            self._hashes[path] = sha256_file(path)
+            self._hashes[path] = file_sha256(path)
         return self._hashes[path]
 
     def save_cache(self) -> Path | None:

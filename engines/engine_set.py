@@ -25,7 +25,6 @@ checked against the contract on machines that cannot deserialize the plan.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -105,15 +104,6 @@ class EngineSetRecord:
             **dict(self.extra),
             "engines": {name: rec.to_json() for name, rec in self.engines.items()},
         }
-
-
-def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
-    """Streamed: plans and external weight files can be many GB."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def write_engine_set(directory: Path, record: EngineSetRecord) -> Path:

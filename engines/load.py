@@ -21,10 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trt.engines.bindings import INPUT, OUTPUT, Binding, check_io, trt_dtype_name
-from dflash_trt.engines.engine_set import ENGINES_JSON, EngineRecord, EngineSetRecord, read_engine_set, sha256_file
+from dflash_trt.engines.engine_set import ENGINES_JSON, EngineRecord, EngineSetRecord, read_engine_set
 from dflash_trt.engines.flavour import Flavour, load_flavour
 from dflash_trt.errors import EngineError
 from dflash_trt.export.contract import GraphSpec
+from dflash_trt.export.identity import file_sha256
 
 
 @dataclass
@@ -78,7 +79,7 @@ def _check_plan_file(directory: Path, engine: EngineRecord) -> None:
     if size != engine.plan_bytes:
         msg = f"engine {engine.name!r}: plan {engine.plan!r} has {size} bytes, {ENGINES_JSON} says {engine.plan_bytes}; rebuild the set"
         raise EngineError(msg)
-    digest = sha256_file(path)
+    digest = file_sha256(path)
     if digest != engine.plan_sha256:
         msg = (
             f"engine {engine.name!r}: plan {engine.plan!r} sha256 {digest} differs from "

@@ -26,30 +26,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import onnx
 import torch
 
 from dflash_trt.engines.bindings import trt_dtype_name
 from dflash_trt.engines.command import AUTO, pick_flavour
 from dflash_trt.engines.flavour import FLAVOURS, Flavour
 from dflash_trt.engines.load import load_engine_set
-from dflash_trt.engines.sources import ONNX_DTYPES, GraphSource, export_sources
+from dflash_trt.engines.sources import GraphSource, export_sources
 from dflash_trt.errors import EngineError
-from dflash_trt.export.contract import GraphSpec, TensorSpec, present_of
+from dflash_trt.export.contract import ONNX_ELEMENT_TYPES, GraphSpec, TensorSpec, present_of
+from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 
-TORCH_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
 # (rtol, atol) per float dtype: engines fuse and reorder, so they round differently.
 TOLERANCES = {"float32": (1e-3, 1e-3), "float16": (1e-2, 1e-2), "bfloat16": (5e-2, 5e-2)}
-_ONNX_ELEMENT = {name: getattr(onnx.TensorProto, onnx_name) for onnx_name, name in ONNX_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -208,14 +197,14 @@ def run_reference(source: GraphSource, feeds: Mapping[str, torch.Tensor]) -> dic
     binding = session.io_binding()
     inputs = {name: tensor.to(device).contiguous() for name, tensor in feeds.items()}  # kept alive until run ends
     for name, tensor in inputs.items():
-        binding.bind_input(name, device, 0, _ONNX_ELEMENT[_spec(source.io, name).dtype], list(tensor.shape), tensor.data_ptr())
+        binding.bind_input(name, device, 0, ONNX_ELEMENT_TYPES[_spec(source.io, name).dtype], list(tensor.shape), tensor.data_ptr())
     # Dynamic output extents follow the inputs: read the fed sizes back off them.
     sizes = {d: feeds[s.name].shape[axis] for s in source.io.inputs for axis, d in enumerate(s.shape) if isinstance(d, str)}
     outputs = {}
     for spec in source.io.outputs:
         outputs[spec.name] = torch.empty(concrete_shape(source.io, spec, sizes), dtype=TORCH_DTYPES[spec.dtype], device=device)
         tensor = outputs[spec.name]
-        binding.bind_output(spec.name, device, 0, _ONNX_ELEMENT[spec.dtype], list(tensor.shape), tensor.data_ptr())
+        binding.bind_output(spec.name, device, 0, ONNX_ELEMENT_TYPES[spec.dtype], list(tensor.shape), tensor.data_ptr())
     try:
         session.run_with_iobinding(binding)
     except Exception as error:  # onnxruntime raises its own exception types

@@ -16,20 +16,8 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from dflash_trt.errors import EngineError
-from dflash_trt.export.contract import DimRange, GraphSpec, TensorSpec
-
-# onnx.TensorProto element type name -> contract dtype name.
-ONNX_DTYPES: dict[str, str] = {
-    "FLOAT": "float32",
-    "FLOAT16": "float16",
-    "BFLOAT16": "bfloat16",
-    "INT8": "int8",
-    "INT32": "int32",
-    "INT64": "int64",
-    "BOOL": "bool",
-    "UINT8": "uint8",
-    "FLOAT8E4M3FN": "float8e4m3fn",
-}
+from dflash_trt.export import onnx_io
+from dflash_trt.export.contract import DimRange, GraphSpec
 
 
 @dataclass(frozen=True)
@@ -42,17 +30,10 @@ class GraphSource:
     file_hashes: Mapping[str, str] = field(default_factory=dict)  # file name -> sha256, when already known
 
 
-def _spec(value: onnx.ValueInfoProto) -> TensorSpec:
-    tensor_type = value.type.tensor_type
-    type_name = onnx.TensorProto.DataType.Name(tensor_type.elem_type)
-    dims = tuple(d.dim_param if d.HasField("dim_param") else int(d.dim_value) for d in tensor_type.shape.dim)
-    return TensorSpec(value.name, dims, ONNX_DTYPES.get(type_name, type_name.lower()))
-
-
 def load_graph(path: Path) -> onnx.ModelProto:
     """The graph without its external weights (cheap even for an 8B model)."""
     try:
-        return onnx.load(str(path), load_external_data=False)
+        return onnx_io.load_graph(path)
     except (OSError, DecodeError) as error:
         msg = f"cannot read ONNX graph {path}: {error}"
         raise EngineError(msg) from error
@@ -60,20 +41,14 @@ def load_graph(path: Path) -> onnx.ModelProto:
 
 def graph_io_from_onnx(model: onnx.ModelProto, name: str, dims: Mapping[str, DimRange]) -> GraphSpec:
     """The IO the graph declares (initializers listed as inputs are not IO), as a spec of kind "onnx"."""
-    initializers = {init.name for init in model.graph.initializer}
-    inputs = tuple(_spec(v) for v in model.graph.input if v.name not in initializers)
-    outputs = tuple(_spec(v) for v in model.graph.output)
+    inputs, outputs = onnx_io.declared_io(model)
     used = {d for s in inputs + outputs for d in s.shape if isinstance(d, str)}
     return GraphSpec(name, "onnx", None, inputs, outputs, {k: v for k, v in dims.items() if k in used})
 
 
 def source_files(path: Path, model: onnx.ModelProto) -> list[Path]:
     """The graph file and every external-data file its tensors point to."""
-    locations: set[str] = set()
-    for tensor in model.graph.initializer:
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            locations.update(e.value for e in tensor.external_data if e.key == "location")
-    return [Path(path)] + [Path(path).parent / loc for loc in sorted(locations)]
+    return [Path(path)] + [Path(path).parent / name for name in onnx_io.external_data_files(model)]
 
 
 def export_sources(onnx_dir: Path) -> tuple[list[GraphSource], Path]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash_trt.checks import is_int
 from dflash_trt.errors import ConfigError, PairError
 
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
@@ -98,9 +99,9 @@ def _field(raw: dict, name: str, kind: type, path: Path, default: Any = ...):
         raise ConfigError(f"{path}: required field '{name}' is missing")
     if value is None and default is None:
         return None
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+    if kind is float and is_int(value):
         value = float(value)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+    if not (is_int(value) if kind is int else isinstance(value, kind)):
         raise ConfigError(f"{path}: field '{name}' must be {kind.__name__}, got {value!r}")
     if kind is int and value <= 0 and name not in _MAY_BE_ZERO:
         raise ConfigError(f"{path}: field '{name}' must be > 0, got {value}")
@@ -153,7 +154,7 @@ def _windows(raw: dict, arch: str, layers: int, path: Path) -> tuple[int, ...]:
         if kind == "full_attention":
             result.append(0)
         elif kind == "sliding_attention":
-            if not isinstance(window, int) or window <= 0:
+            if not is_int(window) or window <= 0:
                 raise ConfigError(f"{path}: layer {i} is sliding but 'sliding_window' is {window!r}")
             result.append(window)
         else:
@@ -232,13 +233,13 @@ def load_draft_config(directory: str | Path) -> DraftConfig:
     raw = read_json(path)
     dflash = raw.get("dflash_config") or {}
     layer_ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
-    if not isinstance(layer_ids, list) or not layer_ids or not all(isinstance(i, int) for i in layer_ids):
+    if not isinstance(layer_ids, list) or not layer_ids or not all(is_int(i) for i in layer_ids):
         raise ConfigError(f"{path}: 'dflash_config.target_layer_ids' must be a non-empty list of ints, got {layer_ids!r}")
     mask = dflash.get("mask_token_id", raw.get("mask_token_id"))
-    if not isinstance(mask, int) or isinstance(mask, bool):
+    if not is_int(mask):
         raise ConfigError(f"{path}: 'dflash_config.mask_token_id' must be an int, got {mask!r}")
     block = dflash.get("block_size", raw.get("block_size", 16))
-    if not isinstance(block, int) or block < 3:
+    if not is_int(block) or block < 3:
         raise ConfigError(f"{path}: 'block_size' must be an int >= 3, got {block!r}")
     stack = _stack(raw, "qwen3", path)
     if any(stack["windows"]):

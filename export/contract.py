@@ -60,12 +60,28 @@ import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 
+from dflash_trt.checks import is_int
+
 Dim = int | str  # an int is a static extent; a str names a dynamic dim
 
 # Export dtype labels (CLI, manifest) -> contract dtype names of the model tensors.
 DTYPES: dict[str, str] = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 INT64 = "int64"
 FLOAT32 = "float32"
+
+# Contract dtype name -> ONNX element type (the values of onnx.TensorProto.FLOAT etc.,
+# written out so that this module and the runtime need not import onnx).
+ONNX_ELEMENT_TYPES: dict[str, int] = {
+    "float32": 1,
+    "uint8": 2,
+    "int8": 3,
+    "int32": 6,
+    "int64": 7,
+    "bool": 9,
+    "float16": 10,
+    "bfloat16": 16,
+    "float8e4m3fn": 17,
+}
 
 # Graph kinds. Static kinds exist once per owner count n and are named f"{kind}_{n}".
 TARGET_PREFILL = "target_prefill"
@@ -132,7 +148,7 @@ def graph_name(kind: str, owners: int | None = None) -> str:
         return kind
     if kind not in STATIC_KINDS:
         raise ValueError(f"graph kind must be one of {KINDS}, got {kind!r}")
-    if not isinstance(owners, int) or owners < 1:
+    if not is_int(owners) or owners < 1:
         raise ValueError(f"graph kind {kind!r} needs an owner count >= 1, got {owners!r}")
     return f"{kind}_{owners}"
 
@@ -233,7 +249,7 @@ class Dims:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name != "dtype" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            if f.name != "dtype" and (not is_int(value) or value < 1):
                 raise ValueError(f"Dims.{f.name} must be an int >= 1, got {value!r}")
         if self.dtype not in DTYPES.values():
             raise ValueError(f"Dims.dtype must be one of {sorted(DTYPES.values())}, got {self.dtype!r}")

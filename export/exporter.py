@@ -30,12 +30,13 @@ import torch
 from tqdm import tqdm
 
 import dflash_trt
+from dflash_trt.checks import is_int
 from dflash_trt.errors import ExportError, ManifestError
 from dflash_trt.export import contract, identity
 from dflash_trt.export.config import check_pair, load_draft_config, load_target_config
 from dflash_trt.export.contract import DTYPES, Dims, GraphSpec
-from dflash_trt.export.draft import DraftModel, load_draft
-from dflash_trt.export.graph_modules import TORCH_DTYPES, graph_module
+from dflash_trt.export.draft import DraftModel
+from dflash_trt.export.graph_modules import graph_module
 from dflash_trt.export.manifest import (
     MANIFEST_FILE,
     VERIFY_HASH,
@@ -44,13 +45,14 @@ from dflash_trt.export.manifest import (
     Manifest,
     SCHEMA_VERSION,
     SpecialTokens,
-    external_data_files,
     load_manifest,
-    read_graph_io,
     write_manifest,
 )
+from dflash_trt.export.onnx_io import declared_io, external_data_files, load_graph
 from dflash_trt.export.onnx_kernels import CAUSAL_LENGTHS, CAUSAL_MODES, OPSET, TRANSLATIONS, OnnxKernels
-from dflash_trt.export.target import TargetModel, load_target
+from dflash_trt.export.pair import load_pair
+from dflash_trt.export.target import TargetModel
+from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 from dflash_trt.export.weights import SharedWeights
 
 IR_VERSION = 10  # what torch writes today; ONNX Runtime reads <= 13
@@ -102,7 +104,7 @@ class ExportOptions:
             ("proposals", self.proposals, contract.MIN_PROPOSALS, block - 1),
         ]
         for name, value, low, high in checks:
-            if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+            if not is_int(value) or value < low or (high is not None and value > high):
                 valid = f"[{low}, {high}]" if high is not None else f">= {low}"
                 raise ExportError(f"export option {name} must be an int {valid}, got {value!r}")
         if self.dtype not in DTYPES:
@@ -130,9 +132,9 @@ def tool_versions() -> dict[str, str]:
 
 
 def _code_digest() -> str:
-    from dflash_trt.export import checkpoint, config, draft, graph_modules, layers, manifest, onnx_kernels, sampling, target, weights
+    from dflash_trt.export import checkpoint, config, draft, graph_modules, layers, manifest, onnx_io, onnx_kernels, sampling, target, torch_dtypes, weights
 
-    modules = (checkpoint, config, contract, draft, graph_modules, identity, layers, manifest, onnx_kernels, sampling, target, weights)
+    modules = (checkpoint, config, contract, draft, graph_modules, identity, layers, manifest, onnx_io, onnx_kernels, sampling, target, torch_dtypes, weights)
     return identity.source_digest([m.__file__ for m in modules] + [__file__])
 
 
@@ -151,15 +153,6 @@ def up_to_date(target_dir: str | Path, draft_dir: str | Path, out_dir: str | Pat
         return None
     key = export_key(target_dir, draft_dir, options.resolve(target_dir, draft_dir))
     return manifest if manifest.export_key == key else None
-
-
-def load_pair(target_dir: str | Path, draft_dir: str | Path, dtype: str) -> tuple[TargetModel, DraftModel]:
-    """Both models in ``dtype`` (a DTYPES label), the target tapping the draft's layers."""
-    torch_dtype = TORCH_DTYPES[DTYPES[dtype]]
-    draft = load_draft(draft_dir, dtype=torch_dtype)
-    check_pair(load_target_config(target_dir), draft.config)
-    target = load_target(target_dir, tap_layers=draft.config.target_layer_ids, dtype=torch_dtype)
-    return target, draft
 
 
 def contract_dims(target: TargetModel, draft: DraftModel, options: ExportOptions) -> Dims:
@@ -258,11 +251,12 @@ def export_graph(
             weights.externalize(onnx_program.model)
             ir.save(onnx_program.model, path)
     onnx.checker.check_model(str(path), full_check=True)
-    on_disk = read_graph_io(path, spec.name)
-    if (on_disk.inputs, on_disk.outputs) != (spec.inputs, spec.outputs):
-        msg = f"traced graph {spec.name} breaks the contract: declares {on_disk.inputs + on_disk.outputs}, contract {spec.inputs + spec.outputs}"
+    model = load_graph(path)
+    inputs, outputs = declared_io(model)
+    if (inputs, outputs) != (spec.inputs, spec.outputs):
+        msg = f"traced graph {spec.name} breaks the contract: declares {inputs + outputs}, contract {spec.inputs + spec.outputs}"
         raise ExportError(msg)
-    data = {name: identity.file_sha256(directory / name) for name in external_data_files(path)}
+    data = {name: identity.file_sha256(directory / name) for name in external_data_files(model)}
     return GraphFile(path.name, identity.file_sha256(path), data, spec)
 
 
@@ -272,7 +266,7 @@ def _clear(directory: Path, names: list[str]) -> None:
     for name in names:
         path = directory / f"{name}.onnx"
         if path.exists():
-            for data in external_data_files(path):
+            for data in external_data_files(load_graph(path)):
                 (directory / data).unlink(missing_ok=True)
             path.unlink()
 
@@ -358,7 +352,7 @@ def export_pair(
         return existing
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    target, draft = load_pair(target_dir, draft_dir, resolved.dtype)
+    target, draft = load_pair(target_dir, draft_dir, TORCH_DTYPES[DTYPES[resolved.dtype]])
     dims = contract_dims(target, draft, resolved)
     specs = contract.graph_specs(dims)
     _clear(out, list(specs))

@@ -24,13 +24,6 @@ from dflash_trt.export.draft import DraftModel
 from dflash_trt.export.sampling import choose, verdict
 from dflash_trt.export.target import TargetModel
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-}
-
 
 def _caches(caches: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Interleaved (key_0, value_0, key_1, ...) -> (keys, values)."""

@@ -20,6 +20,7 @@ CONFIG_FILES = ("config.json", "generation_config.json", "model.safetensors.inde
 
 
 def file_sha256(path: str | Path) -> str:
+    """Streamed: plans and external weight files can be many GB."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while block := handle.read(CHUNK_BYTES):

@@ -37,23 +37,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import onnx
 from google.protobuf.message import DecodeError
 
+from dflash_trt.checks import is_int
 from dflash_trt.errors import ManifestError
 from dflash_trt.export import contract
 from dflash_trt.export.contract import DTYPES, Dims, DimRange, GraphSpec, TensorSpec
 from dflash_trt.export.identity import file_sha256
+from dflash_trt.export.onnx_io import declared_io, external_data_files, load_graph
 
 SCHEMA_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 MAX_IR_VERSION = 13  # ONNX Runtime refuses 14
 VERIFY_NONE, VERIFY_IO, VERIFY_HASH = "none", "io", "hash"
 VERIFY_LEVELS = (VERIFY_NONE, VERIFY_IO, VERIFY_HASH)
-
-# onnx.TensorProto element type name -> contract dtype name.
-_ONNX_DTYPES = {"FLOAT": "float32", "FLOAT16": "float16", "BFLOAT16": "bfloat16", "INT64": "int64", "BOOL": "bool"}
-
 
 @dataclass(frozen=True)
 class Geometry:
@@ -213,7 +210,7 @@ class _Fields:
 
     def ints(self, key: str) -> tuple[int, ...]:
         value = self.get(key, (list,), "a list of ints")
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        if not all(is_int(v) for v in value):
             raise ManifestError(f"{self.path}: field '{self._name(key)}' must be a list of ints, got {value!r}")
         return tuple(value)
 
@@ -285,7 +282,7 @@ def _tensors(fields: _Fields, key: str) -> tuple[TensorSpec, ...]:
     for index, item in enumerate(fields.get(key, (list,), "a list of tensors")):
         one = _Fields(item, f"{fields.where}.{key}[{index}]", fields.path)
         shape = one.get("shape", (list,), "a list of ints and dim names")
-        if not all(isinstance(d, (int, str)) and not isinstance(d, bool) for d in shape):
+        if not all(is_int(d) or isinstance(d, str) for d in shape):
             raise ManifestError(f"{fields.path}: field '{one.where}.shape' must hold ints and dim names, got {shape!r}")
         specs.append(TensorSpec(one.str("name"), tuple(shape), one.str("dtype")))
     return tuple(specs)
@@ -424,51 +421,27 @@ def _compare_io(got: GraphSpec, want: GraphSpec, path: Path, where: str, got_lab
         raise ManifestError(f"{path}: {where} dims are {dict(got.dims)} in {got_label} but {dict(want.dims)} in {want_label}")
 
 
-def read_graph_io(path: str | Path, name: str) -> GraphSpec:
-    """The IO an ONNX file declares (weights not loaded); kind/owners from ``name``, no dim ranges."""
-    model = onnx.load(str(path), load_external_data=False)
-    initializers = {t.name for t in model.graph.initializer}
-
-    def spec(value: onnx.ValueInfoProto) -> TensorSpec:
-        tensor = value.type.tensor_type
-        dims = tuple(d.dim_param if d.HasField("dim_param") else int(d.dim_value) for d in tensor.shape.dim)
-        type_name = onnx.TensorProto.DataType.Name(tensor.elem_type)
-        return TensorSpec(value.name, dims, _ONNX_DTYPES.get(type_name, type_name.lower()))
-
-    kind, owners = contract.parse_graph_name(name)
-    inputs = tuple(spec(v) for v in model.graph.input if v.name not in initializers)
-    return GraphSpec(name, kind, owners, inputs, tuple(spec(v) for v in model.graph.output))
-
-
-def external_data_files(path: str | Path) -> list[str]:
-    """Names of the external-data files an ONNX file's tensors point to."""
-    model = onnx.load(str(path), load_external_data=False)
-    locations = set()
-    for tensor in model.graph.initializer:
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            locations.update(e.value for e in tensor.external_data if e.key == "location")
-    return sorted(locations)
-
-
 def _check_files(m: Manifest, directory: Path, hashes: bool) -> None:
     """Every graph file exists, declares the recorded IO and (``hashes``) has the recorded sha256."""
     manifest_path = directory / MANIFEST_FILE
-    on_disk = {}
+    on_disk, data_files = {}, {}  # what each graph file declares
     for name, graph in m.graphs.items():
         for file in (graph.file, *graph.data_files):
             if not (directory / file).is_file():
                 raise ManifestError(f"{manifest_path}: graphs.{name} names file '{file}', which is missing from {directory}")
         try:
-            on_disk[name] = read_graph_io(directory / graph.file, name)
+            model = load_graph(directory / graph.file)
         except (OSError, DecodeError) as error:
             raise ManifestError(f"{manifest_path}: graphs.{name} file '{graph.file}' is not a readable ONNX graph: {error}") from error
+        kind, owners = contract.parse_graph_name(name)
+        on_disk[name] = GraphSpec(name, kind, owners, *declared_io(model))
+        data_files[name] = external_data_files(model)
     _check_observed_dims(m, on_disk, manifest_path, "file of graph")
     digests: dict[str, str] = {}  # a shared weights file is hashed once
     for name, graph in m.graphs.items():
         recorded = GraphSpec(name, graph.io.kind, graph.io.owners, graph.io.inputs, graph.io.outputs)
         _compare_io(recorded, on_disk[name], manifest_path, f"graphs.{name}", "the manifest", f"file {graph.file}")
-        data = external_data_files(directory / graph.file)
-        _refuse(manifest_path, f"graphs.{name}.data_files", sorted(graph.data_files), data, f"{graph.file} points to")
+        _refuse(manifest_path, f"graphs.{name}.data_files", sorted(graph.data_files), data_files[name], f"{graph.file} points to")
         if hashes:
             for file, want in ((graph.file, graph.sha256), *graph.data_files.items()):
                 if file not in digests:

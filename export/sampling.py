@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dflash_trt.checks import is_int
 from dflash_trt.errors import SamplingError
 
 PURPOSE_TOKEN = 0
@@ -75,7 +76,7 @@ def check_sampling(temperature: float, top_k: int, top_p: float, vocab_size: int
     """Refuse out-of-range sampling parameters, naming the field, range and value."""
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
         raise SamplingError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+    if not is_int(top_k) or top_k < 0:
         raise SamplingError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
     if vocab_size is not None and top_k > vocab_size:
         raise SamplingError(f"top_k must be in [0, {vocab_size}] (the vocabulary), got {top_k}")

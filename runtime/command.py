@@ -27,7 +27,8 @@ import polars as pl
 from dflash_trt.cli import positive_int
 from dflash_trt.errors import InputError, TokenizerError
 from dflash_trt.runtime.executor import Executor
-from dflash_trt.runtime.generate import Completion, Request, stream
+from dflash_trt.runtime.generate import Completion, Request, collect, stream
+from dflash_trt.runtime.stats import TARGET
 
 BACKEND_CHOICES = ("onnxruntime", "torch", "tensorrt")
 
@@ -136,26 +137,21 @@ def fit_prompt(tokens: list[int], max_context: int, room: int) -> list[int]:
 # ---------------------------------------------------------------------- serving
 
 
-def serve(executor: Executor, prompts: list[Prompt], args, stop: tuple[int, ...], on_chunk=None) -> tuple[list[Completion], float]:
+def serve(executor: Executor, prompts: list[Prompt], args, stop: tuple[int, ...]) -> tuple[list[Completion], float]:
     """Every prompt through ``generate.stream``; (completions, wall seconds)."""
     requests = [
         Request(p.tokens, p.max_new_tokens or args.max_new_tokens, stop, args.temperature, args.top_k, args.top_p, args.seed + i)
         for i, p in enumerate(prompts)
     ]
-    completions = [Completion() for _ in requests]
     started = time.perf_counter()
-    for chunk in stream(executor, requests, args.max_sessions):
-        completions[chunk.index].tokens += chunk.tokens
-        completions[chunk.index].finish = chunk.finish
-        if on_chunk is not None:
-            on_chunk(chunk)
+    completions = collect(stream(executor, requests, args.max_sessions), len(requests))
     return completions, time.perf_counter() - started
 
 
 def summary(executor: Executor, completions: list[Completion], seconds: float) -> dict:
     """Headline figures of a run: tokens, seconds, tokens/s, τ (speculative cycles, bonus included)."""
     cycles = executor.cycle_stats()
-    speculative = cycles.filter(pl.col("mode") != "target")
+    speculative = cycles.filter(pl.col("mode") != TARGET)
     tokens = sum(len(c.tokens) for c in completions)
     tau = speculative["emitted"].mean() if speculative.height else None
     per_cycle_host_ms = speculative.group_by("cycle_id").agg(pl.col("host_ms").first())["host_ms"].mean() if speculative.height else None

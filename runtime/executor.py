@@ -46,18 +46,17 @@ from pathlib import Path
 import polars as pl
 import torch
 
+from dflash_trt.checks import is_int
 from dflash_trt.errors import PoisonedError
 from dflash_trt.export import contract as c
-from dflash_trt.export.sampling import Sampling
-from dflash_trt.export.sampling import check_sampling, choose, positional_uniform
+from dflash_trt.export.sampling import Sampling, check_sampling, choose, positional_uniform
+from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.cycles import Burst, block_fits, chunks, cycle_mode, make_bursts, pack_rows, plan_context, static_context, trim_context, verify_uniforms
 from dflash_trt.runtime.sessions import ContextPool, Input, Limits, Session, SessionTable, SessionView, Step, check_seed, int_in, validate_batch
 from dflash_trt.runtime.stats import StatsLog, stats_paths, write_parquet
 
 __all__ = ["Executor", "Input"]
-
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class HostClock:
@@ -97,8 +96,9 @@ class EventClock:
 
 def make_clock(backend: Backend):
     """Events on the backend's device-layer stream when it has one (CUDA), host time otherwise."""
-    stream = getattr(getattr(backend, "stream", None), "device_stream", None)
-    return EventClock(stream) if backend.device.type == "cuda" and stream is not None else HostClock()
+    if backend.device.type == "cuda" and backend.stream is not None:
+        return EventClock(backend.stream.device_stream)
+    return HostClock()
 
 
 class Executor:
@@ -107,9 +107,9 @@ class Executor:
     def __init__(self, backend: Backend, dims: c.Dims | None = None, max_sessions: int | None = None) -> None:
         """``dims`` and ``max_sessions`` default to the backend's (its contract dims and pool rows)."""
         dims = dims if dims is not None else backend.dims
-        rows = getattr(backend, "max_sessions", None)
+        rows = backend.max_sessions
         max_sessions = max_sessions if max_sessions is not None else rows
-        if not isinstance(max_sessions, int) or isinstance(max_sessions, bool) or not 1 <= max_sessions <= (rows or max_sessions):
+        if not is_int(max_sessions) or not 1 <= max_sessions <= rows:
             msg = f"max_sessions must be an int in [1, {rows}] (the backend's cache rows), got {max_sessions!r}"
             raise ValueError(msg)
         self.backend, self.dims = backend, dims

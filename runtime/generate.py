@@ -6,8 +6,9 @@ sessions leave (closed) and queued requests join, so every call mixes new
 prompts (target prefill + one cycle) with running sessions' pending tokens
 (the fast path: straight to draft → verify).
 
-``generate(executor, prompts, ...)`` collects the stream into one
-``Completion`` per prompt (text too, when given a tokenizer).
+``collect(chunks, count)`` folds a stream into one ``Completion`` per
+request; ``generate(executor, prompts, ...)`` is ``stream`` + ``collect``
+(text too, when given a tokenizer).
 
 A request finishes at its first stop token (kept), at ``max_new_tokens``, or
 when the context is full (its next token would sit at ``max_context``).
@@ -19,8 +20,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
+from dflash_trt.checks import is_int
 from dflash_trt.errors import InputError
 from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.sessions import Input
@@ -67,13 +67,13 @@ class _Running:
 
 def check_request(index: int, request: Request, max_context: int, vocab_size: int) -> None:
     """Refuse a request that can never run (before any session opens)."""
-    if not isinstance(request.max_new_tokens, int) or request.max_new_tokens < 1:
+    if not is_int(request.max_new_tokens) or request.max_new_tokens < 1:
         msg = f"request[{index}].max_new_tokens must be an int >= 1, got {request.max_new_tokens!r}"
         raise InputError(msg)
     if not 1 <= len(request.prompt) <= max_context - 1:
         msg = f"request[{index}].prompt must hold 1..{max_context - 1} tokens (max_context - 1), got {len(request.prompt)}"
         raise InputError(msg)
-    bad = [t for t in request.prompt if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    bad = [t for t in request.prompt if not is_int(t, numpy=True) or not 0 <= t < vocab_size]
     if bad:
         msg = f"request[{index}].prompt tokens must be ids in [0, {vocab_size - 1}], got {bad[0]!r}"
         raise InputError(msg)
@@ -142,6 +142,15 @@ def _advance(executor: Executor, r: _Running, tokens: list[int]) -> Chunk:
     return Chunk(r.index, tokens)
 
 
+def collect(chunks: Iterable[Chunk], count: int) -> list[Completion]:
+    """Fold the chunks of ``count`` requests into one ``Completion`` each (tokens in order, last finish)."""
+    completions = [Completion() for _ in range(count)]
+    for chunk in chunks:
+        completions[chunk.index].tokens += chunk.tokens
+        completions[chunk.index].finish = chunk.finish
+    return completions
+
+
 def generate(
     executor: Executor,
     prompts: Sequence[Sequence[int] | str],
@@ -164,10 +173,7 @@ def generate(
         Request(_encode(i, prompt, tokenizer), max_new_tokens, tuple(stop), temperature, top_k, top_p, seed + i)
         for i, prompt in enumerate(prompts)
     ]
-    completions = [Completion() for _ in requests]
-    for chunk in stream(executor, requests, max_sessions):
-        completions[chunk.index].tokens += chunk.tokens
-        completions[chunk.index].finish = chunk.finish
+    completions = collect(stream(executor, requests, max_sessions), len(requests))
     if tokenizer is not None:
         for completion in completions:
             completion.text = tokenizer.decode(completion.tokens)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dflash_trt.checks import is_int
 from dflash_trt.errors import InputError, PoisonedError, SamplingError, SessionError
 from dflash_trt.export.sampling import GREEDY, Sampling
 from dflash_trt.runtime.cycles import block_fits, pick_row
@@ -133,7 +134,7 @@ class SessionTable:
 
     def get(self, session_id, what: str = "session", allow_poisoned: bool = False) -> Session:
         """The open session ``session_id``, or the typed error naming ``what``."""
-        session = self.sessions.get(session_id) if _is_int(session_id) else None
+        session = self.sessions.get(session_id) if is_int(session_id, numpy=True) else None
         if session is None:
             msg = f"{what}: unknown or closed session {session_id!r} (open: {sorted(self.sessions)})"
             raise SessionError(msg)
@@ -148,12 +149,8 @@ class SessionTable:
             raise SessionError(msg)
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
 def check_seed(seed) -> int:
-    if not _is_int(seed) or not 0 <= int(seed) < SEED_LIMIT:
+    if not is_int(seed, numpy=True) or not 0 <= int(seed) < SEED_LIMIT:
         msg = f"seed must be an int in [0, 2**64 - 1], got {seed!r}"
         raise SamplingError(msg)
     return int(seed)
@@ -271,14 +268,14 @@ def _tokens(where: str, tokens, vocab_size: int) -> list[int]:
         msg = f"{where}.tokens must be a 1-D sequence of token ids, got {tokens!r:.80}"
         raise InputError(msg)
     for j, token in enumerate(values):
-        if not _is_int(token) or not 0 <= int(token) < vocab_size:
+        if not is_int(token, numpy=True) or not 0 <= int(token) < vocab_size:
             msg = f"{where}.tokens[{j}] must be a token id in [0, {vocab_size - 1}], got {token!r}"
             raise InputError(msg)
     return [int(token) for token in values]
 
 
 def int_in(name: str, value, low: int, high: int | None, note: str = "") -> int:
-    if not _is_int(value) or int(value) < low or (high is not None and int(value) > high):
+    if not is_int(value, numpy=True) or int(value) < low or (high is not None and int(value) > high):
         valid = f"in [{low}, {high}]" if high is not None else f">= {low}"
         msg = f"{name} must be an int {valid}{' ' + note if note else ''}, got {value!r}"
         raise InputError(msg)

@@ -101,7 +101,8 @@ class RecordingBackend(Backend):
     name = "recording"
 
     def __init__(self, inner: Backend) -> None:
-        self.inner, self.device = inner, inner.device
+        self.inner, self.device, self.dims = inner, inner.device, inner.dims
+        self.max_sessions, self.pools, self.stream = inner.max_sessions, inner.pools, inner.stream
         self.drafts: list[tuple[int, int, int, list[int]]] = []  # (row, start, anchor, real proposals)
         self.truth: dict[int, list[int]] = {}
         self.fail_on: tuple[str, int] | None = None

@@ -19,7 +19,7 @@ import torch
 from dflash_trt.errors import CudaError, EngineError
 from dflash_trt.export import contract as c
 from dflash_trt.runtime.backends import BACKENDS, OrtBackend, TensorRTBackend, TorchBackend, open_backend
-from dflash_trt.runtime.backends.graph_io import TORCH_DTYPES
+from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 
 ROWS = 5  # pool rows (> max_owners 3: groups at rows 2..4 too)
 ATOL = 1e-4

@@ -19,12 +19,13 @@ from onnx import TensorProto as TP
 from onnx import helper
 
 from dflash_trt.engines.build import BuildOptions, build_engine_set
-from dflash_trt.engines.engine_set import ENGINES_JSON, read_engine_set, sha256_file
+from dflash_trt.engines.engine_set import ENGINES_JSON, read_engine_set
 from dflash_trt.engines.flavour import load_flavour
 from dflash_trt.engines.load import check_engine_set, load_engine_set
 from dflash_trt.engines.sources import GraphSource, graph_io_from_onnx
 from dflash_trt.errors import EngineBuildError, EngineError
 from dflash_trt.export.contract import DimRange
+from dflash_trt.export.identity import file_sha256
 
 HEADS, KV_HEADS, HEAD_DIM, MAX_CONTEXT = 2, 1, 16, 32
 TOKENS = DimRange(1, 4, 8)  # the dynamic graphs' token range
@@ -144,8 +145,8 @@ def test_engines_json_records_hashes_flavour_targets_and_options(tmp_path, rtx):
     assert data["targets"] == ["SM89", "SM120"]
     assert data["build_options"]["workspace_mb"] == 64
     engine = data["engines"]["g"]
-    assert engine["plan_sha256"] == sha256_file(tmp_path / "out" / "g.plan")
-    assert engine["sources"] == {"g.onnx": sha256_file(src.onnx_path)}
+    assert engine["plan_sha256"] == file_sha256(tmp_path / "out" / "g.plan")
+    assert engine["sources"] == {"g.onnx": file_sha256(src.onnx_path)}
     assert read_engine_set(tmp_path / "out").engines["g"].plan == "g.plan"
 
 

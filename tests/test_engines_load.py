@@ -21,13 +21,13 @@ from dflash_trt.engines.engine_set import (
     EngineRecord,
     EngineSetRecord,
     read_engine_set,
-    sha256_file,
     write_engine_set,
 )
 from dflash_trt.engines.flavour import Flavour, load_flavour
 from dflash_trt.engines.load import check_engine_set, check_flavour, engine_bindings, load_engine_set
 from dflash_trt.errors import EngineError
 from dflash_trt.export.contract import DimRange, Dims, GraphSpec, TensorSpec, graph_spec
+from dflash_trt.export.identity import file_sha256
 
 # A tiny pair's contract: one dynamic graph (T in 1..16) and one static one.
 DIMS = Dims(
@@ -57,7 +57,7 @@ def write_set(directory: Path, contract=CONTRACT, flavour="tensorrt_rtx", versio
         plan = directory / f"{name}.plan"
         plan.write_bytes(f"plan of {name}".encode())
         engines[name] = EngineRecord(
-            name, plan.name, sha256_file(plan), plan.stat().st_size, {f"{name}.onnx": "0" * 64}, bindings_of(io), 0.1
+            name, plan.name, file_sha256(plan), plan.stat().st_size, {f"{name}.onnx": "0" * 64}, bindings_of(io), 0.1
         )
     record = EngineSetRecord(flavour, version, ("SM89",), {"workspace_mb": None, "version_compatible": False}, engines)
     write_engine_set(directory, record)
@@ -89,7 +89,7 @@ def test_plan_whose_hash_differs_from_the_manifest_is_refused(tmp_path):
         check_engine_set(tmp_path, CONTRACT)
     text = str(caught.value)
     assert "'verify_2'" in text and "verify_2.plan" in text
-    assert record.engines["verify_2"].plan_sha256 in text and sha256_file(tmp_path / "verify_2.plan") in text
+    assert record.engines["verify_2"].plan_sha256 in text and file_sha256(tmp_path / "verify_2.plan") in text
 
 
 def test_plan_of_another_size_is_refused_before_hashing(tmp_path):

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dflash_trt.export import contract
-from dflash_trt.export.exporter import load_pair
+from dflash_trt.export.pair import load_pair
 from dflash_trt.export.reference import ReferenceDecoder
 from dflash_trt.export.sampling import Sampling, choose, positional_uniform
 
@@ -206,7 +206,7 @@ def consecutive_runs(rows: list[int], max_owners: int) -> list[tuple[int, int]]:
 
 @pytest.fixture(scope="module")
 def reference(exported_pair):
-    target, draft = load_pair(exported_pair.target_dir, exported_pair.draft_dir, "fp32")
+    target, draft = load_pair(exported_pair.target_dir, exported_pair.draft_dir)
     return ReferenceDecoder(target, draft, max_context=exported_pair.manifest.max_context)
 
 

@@ -19,11 +19,14 @@ import pytest
 import torch
 
 from dflash_trt.export import contract
-from dflash_trt.export.exporter import ExportOptions, contract_dims, export_graph, kernels_of, load_pair
+from dflash_trt.export.contract import DTYPES
+from dflash_trt.export.exporter import ExportOptions, contract_dims, export_graph, kernels_of
 from dflash_trt.export.graph_modules import graph_module
 from dflash_trt.export.layers import EagerKernels
 from dflash_trt.export.onnx_kernels import CAUSAL_MASK, OnnxKernels
+from dflash_trt.export.pair import load_pair
 from dflash_trt.export.sampling import choose
+from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 
 FP32_TOLERANCE = 1e-4
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64}
@@ -166,7 +169,7 @@ def compare(spec, feeds, written, ours, theirs, tolerance) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def eager_models(exported_pair):
-    target, draft = load_pair(exported_pair.target_dir, exported_pair.draft_dir, "fp32")
+    target, draft = load_pair(exported_pair.target_dir, exported_pair.draft_dir)
     return target, draft, exported_pair.manifest.dims()
 
 
@@ -271,7 +274,7 @@ def test_target_mask_formulations_in_onnx_runtime(tmp_path, tiny_pair, windowed_
     target_dir, draft_dir = windowed_pair if case == "window-layers" else tiny_pair
     causal = "lengths" if case == "window-layers" else CAUSAL_MASK
     options = ExportOptions(max_owners=2, max_context=48, dtype="fp32", causal=causal).resolve(target_dir, draft_dir)
-    target, draft = load_pair(target_dir, draft_dir, "fp32")
+    target, draft = load_pair(target_dir, draft_dir)
     dims = contract_dims(target, draft, options)
     rng = np.random.default_rng(7)
     for name in ("target_verify_2",) if case == "window-layers" else ("target_verify_2", "draft_2"):
@@ -292,7 +295,7 @@ def half_exports(tmp_path_factory, exported_pair):
     for dtype in ("fp16", "bf16"):
         out = tmp_path_factory.mktemp(dtype)
         options = ExportOptions(max_owners=2, max_context=64, dtype=dtype).resolve(target_dir, draft_dir)
-        target, draft = load_pair(target_dir, draft_dir, dtype)
+        target, draft = load_pair(target_dir, draft_dir, TORCH_DTYPES[DTYPES[dtype]])
         dims = contract_dims(target, draft, options)
         names = ("target_verify_2", "draft_2")
         started = time.perf_counter()

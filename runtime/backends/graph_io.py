@@ -18,19 +18,11 @@ from collections.abc import Mapping
 
 import torch
 
+from dflash_trt.checks import is_int
 from dflash_trt.errors import EngineError
 from dflash_trt.export import contract as c
 from dflash_trt.export.contract import GraphSpec, TensorSpec
-
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-}
-
-# ONNX TensorProto element types (onnx.TensorProto.FLOAT etc.), without importing onnx here.
-ONNX_ELEMENT_TYPES: dict[str, int] = {"float32": 1, "int64": 7, "float16": 10, "bfloat16": 16}
+from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 
 # Which pool the cache bindings of each graph kind address (None: the graph has no caches).
 POOL_OF_KIND: dict[str, str | None] = {
@@ -78,7 +70,7 @@ def cache_layer(name: str) -> tuple[str, int]:
 def check_rows(spec: GraphSpec, first_row: int, pool_rows: int) -> None:
     """The graph's n consecutive rows from ``first_row`` must lie inside the pool."""
     n = owner_rows(spec)
-    if not isinstance(first_row, int) or isinstance(first_row, bool) or not 0 <= first_row <= pool_rows - n:
+    if not is_int(first_row) or not 0 <= first_row <= pool_rows - n:
         msg = f"graph {spec.name!r} binds {n} cache rows: first_row must be in [0, {pool_rows - n}] (pool of {pool_rows} rows), got {first_row!r}"
         raise EngineError(msg)
 

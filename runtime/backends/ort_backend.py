@@ -30,12 +30,12 @@ from pathlib import Path
 
 import torch
 
+from dflash_trt.checks import is_int
 from dflash_trt.errors import EngineError
 from dflash_trt.export import contract as c
-from dflash_trt.export.contract import Dims, GraphSpec, TensorSpec
+from dflash_trt.export.contract import ONNX_ELEMENT_TYPES, Dims, GraphSpec, TensorSpec
 from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.backends.graph_io import (
-    ONNX_ELEMENT_TYPES,
     check_run,
     max_shape,
     owner_rows,
@@ -238,7 +238,7 @@ def _graph_files(specs: Mapping[str, GraphSpec], files: Mapping[str, str | Path]
 def _session_options(ort, threads: int | None, optimization: str, device: torch.device, spinning: bool):
     if optimization not in OPTIMIZATION_LEVELS:
         raise EngineError(f"optimization must be one of {OPTIMIZATION_LEVELS}, got {optimization!r}")
-    if threads is not None and (not isinstance(threads, int) or threads < 0):
+    if threads is not None and (not is_int(threads) or threads < 0):
         raise EngineError(f"threads must be an int >= 0 (0 = ONNX Runtime's default), got {threads!r}")
     levels = ort.GraphOptimizationLevel
     options = ort.SessionOptions()

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash_trt.checks import is_int
 from dflash_trt.errors import EngineError
 from dflash_trt.export import contract as c
 
@@ -38,7 +39,7 @@ class PoolShape:
 
 def check_sessions(value) -> int:
     """``max_sessions`` (rows per pool) must be a positive int."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not is_int(value) or value < 1:
         raise EngineError(f"max_sessions must be an int >= 1, got {value!r}")
     return value
 
@@ -115,9 +116,9 @@ class CachePool:
     def _check_copy(self, source: int, destination: int, upto: int) -> None:
         rows, slots = self.shape.rows, self.shape.max_context
         for label, row in (("source", source), ("destination", destination)):
-            if not isinstance(row, int) or not 0 <= row < rows:
+            if not is_int(row) or not 0 <= row < rows:
                 raise EngineError(f"copy_rows({self.name!r}): {label} row must be in [0, {rows - 1}], got {row!r}")
-        if not isinstance(upto, int) or not 0 <= upto <= slots:
+        if not is_int(upto) or not 0 <= upto <= slots:
             raise EngineError(f"copy_rows({self.name!r}): upto must be in [0, {slots}] (max_context), got {upto!r}")
 
     def close(self) -> None:
