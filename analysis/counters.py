@@ -1,7 +1,7 @@
 """The per-execute table (``EXECUTE_SCHEMA``): totals and a cross-check.
 
-Each row holds one ``execute()`` call's counter deltas (the seed
-executor's ``stats_`` fields), so totals are column sums. The runtime counts
+Each row holds one ``execute()`` call's counter deltas (docs/design.md
+§8), so totals are column sums. The runtime counts
 proposals, acceptances and cycles twice, once per owner row in the cycles
 table and once in these counters; ``cross_check`` compares them, so a
 logging bug (a dropped or duplicated row) shows up in the report instead of

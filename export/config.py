@@ -64,7 +64,7 @@ class TargetConfig(AttentionConfig):
     pad_token_id: int | None = None
 
     def default_tap_layers(self, count: int) -> tuple[int, ...]:
-        """DESIGN §1: m == 1 → [N // 2]; else round(1 + i * (N - 4) / (m - 1))."""
+        """docs/design.md §1: m == 1 → [N // 2]; else round(1 + i * (N - 4) / (m - 1))."""
         n = self.num_layers
         if count == 1:
             return (n // 2,)

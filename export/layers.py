@@ -1,7 +1,7 @@
 """Building blocks shared by the target and the draft: RMSNorm, RoPE, SwiGLU,
 and the cache kernels (KV write + attention over cache rows).
 
-Cache layout (DESIGN §2): one tensor per layer, ``[rows, kv_heads,
+Cache layout (docs/design.md §2): one tensor per layer, ``[rows, kv_heads,
 max_context, head_dim]``; slot ``j`` of a row holds the K (or V) of position
 ``j``. Validity is expressed as a length (``kv_len``) plus causality and an
 optional sliding window; stale slots past the length are never read.

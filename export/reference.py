@@ -2,7 +2,7 @@
 
 It is the oracle the rest of the project is tested against:
 ``generate_target`` is plain autoregressive decoding of the target;
-``generate_dflash`` runs DESIGN §1's draft → verify → accept cycle. Both
+``generate_dflash`` runs the draft → verify → accept cycle of docs/design.md §1. Both
 choose every token with ``sampling.choose`` and the positional uniform of the
 position being produced, so with the same seed their outputs are identical
 (greedy or sampled) — the property the runtime must preserve.

@@ -5,7 +5,7 @@ graph call, which draft path a context takes, how a prompt is chunked and
 what a verdict commits is made here and tested with literal arrays
 (tests/test_cycles.py).
 
-Vocabulary (DESIGN §1, §3):
+Vocabulary (docs/design.md §1, §5):
 
 - *row*: a session's cache row, the same index in the target pool, the draft
   pool and the context pool. A graph over ``n`` owners binds the ``n``
@@ -143,7 +143,7 @@ def trim_context(frontier: int, draft_position: int, position: int) -> tuple[int
 
 @dataclass(frozen=True)
 class Burst:
-    """What one owner's verdict commits (DESIGN §1 step 3–4)."""
+    """What one owner's verdict commits (docs/design.md §1, cycle steps 3–4)."""
 
     tokens: tuple[int, ...]  # emitted: d_1..d_a then y_a (correction or bonus)
     accepted: int  # a

@@ -1,6 +1,6 @@
-"""The executor: the seed's session API over a Backend, running batched DFlash cycles.
+"""The executor: the session API over a Backend, running batched DFlash cycles.
 
-API (``seed/cuda_dflash_executor.cpp``, in Python):
+API (docs/design.md §5):
 
 - ``open_session() -> id``, ``close_session(id)``, ``clone(id, upto) -> id``,
   ``set_sampling(id, temperature, top_k, top_p, seed)``, ``session(id)``.
@@ -23,8 +23,8 @@ One execute():
    block still fits: owners packed by consecutive rows, ≤ max_owners per call:
    ``draft_n`` → ``target_verify_n`` → ``verify_argmax_n``/``verify_sample_n``
    → bookkeeping. Inputs that are exactly the pending token skip step 3 (the
-   pending-decode fast path; the seed requires every input to qualify, here
-   each input qualifies on its own).
+   pending-decode fast path; each input qualifies on its own, whatever the
+   rest of the batch holds).
 5. Pending tokens are set for the next call.
 
 A failure after step 1 poisons every session of the batch (PoisonedError
@@ -173,7 +173,7 @@ class Executor:
             self.backend.copy_rows("target", source.row, copy.row, upto)
         if draft:
             self.backend.copy_rows("draft", source.row, copy.row, draft)
-        self.context.copy(source.row, copy.row, keep)  # device to device (the seed's trim_hidden)
+        self.context.copy(source.row, copy.row, keep)  # device to device (pending taps trimmed to upto)
         self.log.count("hidden_rows_d2d", keep, self.tap_row_bytes)
         copy.frontier, copy.draft_position = upto, draft
         copy.pending = source.pending if upto == source.frontier else None

@@ -2,7 +2,7 @@
 
 A session owns ONE pool row: the same index in the target cache pool, the
 draft cache pool and the context pool (pending taps), so a graph over ``n``
-owners binds the consecutive rows of their sessions. Per session (DESIGN §3):
+owners binds the consecutive rows of their sessions. Per session (docs/design.md §5):
 
 | field | meaning |
 | --- | --- |
@@ -10,7 +10,7 @@ owners binds the consecutive rows of their sessions. Per session (DESIGN §3):
 | draft_position | the draft cache holds context for ``0 .. draft_position - 1`` |
 | pending rows | ``frontier - draft_position`` taps in the context pool row (≤ B, on device) |
 | pending | the emitted token AT position ``frontier`` not yet fed to the target, or None |
-| sampling | temperature / top_k / top_p / seed (``export.reference.Sampling``) |
+| sampling | temperature / top_k / top_p / seed (``export.sampling.Sampling``) |
 | poisoned | a failure after mutation left the caches unknown: refused until closed |
 
 ``validate_batch`` checks every input of a batch against this state and
@@ -158,7 +158,7 @@ def check_seed(seed) -> int:
 
 @dataclass(frozen=True)
 class Input:
-    """One batch input, as the seed's: ``tokens[offset : offset + size]`` at positions from ``position + offset``.
+    """One batch input (docs/design.md §5): ``tokens[offset : offset + size]`` at positions from ``position + offset``.
 
     ``position`` is the position of ``tokens[0]``; None means the session's
     frontier minus ``offset`` (append). ``size`` None means the rest of

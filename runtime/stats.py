@@ -28,8 +28,8 @@ per session per plain target-decode step:
 | host_ms | Float64 | host time of the cycle outside device work (shared) |
 | end_ms | Float64 | wall-clock time the cycle ended, ms since the executor started |
 
-Execute table (``EXECUTE_SCHEMA``), one row per ``execute()``: the seed
-executor's counters as per-call deltas, plus timing.
+Execute table (``EXECUTE_SCHEMA``), one row per ``execute()``: the
+counters of docs/design.md §8 as per-call deltas, plus timing.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ CYCLE_SCHEMA: dict[str, pl.DataType] = {
     "end_ms": pl.Float64(),
 }
 
-# The seed executor's stats_ counters, as per-execute deltas.
+# The executor's counters (docs/design.md §8), as per-execute deltas.
 COUNTERS = (
     "target_preamble_calls",
     "target_preamble_forwards",

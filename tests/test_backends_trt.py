@@ -1,6 +1,6 @@
 """TensorRT backend binding logic, on CPU, with a fake execution context.
 
-TensorRT cannot run on this project's machines (DESIGN §5), so the part of
+TensorRT needs a GPU it supports (docs/design.md §7), so the part of
 ``trt_backend`` that is ours — which address every binding gets, when caches
 are re-bound, dynamic input shapes, output views, CUDA-graph capture per
 first row — is checked against a stand-in context that records the calls and

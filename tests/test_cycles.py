@@ -78,7 +78,7 @@ def test_plan_context_drains_all_but_one_block():
 
 
 def test_trim_context():
-    """Guards against a rewind keeping stale pending taps past the new frontier (the seed's trim_hidden)."""
+    """Guards against a rewind keeping stale pending taps past the new frontier (pending taps must be trimmed to the rewind position)."""
     # pending covers 10..14 (draft at 10, frontier 15)
     assert trim_context(15, 10, 12) == (10, 2)
     assert trim_context(15, 10, 15) == (10, 5)

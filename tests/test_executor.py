@@ -236,7 +236,7 @@ def snapshot(executor: Executor) -> list:
     ],
 )
 def test_invalid_batches_are_refused_and_change_nothing(tiny, oracle, make_batch, error, words):
-    """Guards against partial mutation on a bad batch (the seed validates every input first) and
+    """Guards against partial mutation on a bad batch (every input must be validated first) and
     against unhelpful errors: each names the field, the valid range and the value seen."""
     executor, _ = new_executor(tiny, 4)
     t = Tracker(executor, oracle)

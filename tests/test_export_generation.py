@@ -3,10 +3,10 @@
 A small test driver (not the runtime) keeps one numpy cache pool per model
 ([rows, kv_heads, max_context, head_dim] per layer), binds each call's owners
 as a view of consecutive rows with ``past_*`` and ``present_*`` on the SAME
-memory (in place, as the engines are meant to be bound), and runs DESIGN §1's
-cycle for several sessions at once: prefill in chunks, drain long contexts
-with ``draft_context``, then ``draft_n`` -> ``target_verify_n`` ->
-``verify_argmax_n`` / ``verify_sample_n`` over runs of consecutive active
+memory (in place, as the engines are meant to be bound), and runs the cycle
+of docs/design.md §1 for several sessions at once: prefill in chunks, drain
+long contexts with ``draft_context``, then ``draft_n`` -> ``target_verify_n``
+-> ``verify_argmax_n`` / ``verify_sample_n`` over runs of consecutive active
 rows, and plain decode with ``target_prefill`` once a block no longer fits.
 """
 
@@ -95,7 +95,7 @@ class Session:
 
 
 class Driver:
-    """DESIGN §1's cycle for many sessions, every model call an ONNX Runtime graph."""
+    """The cycle of docs/design.md §1 for many sessions, every model call an ONNX Runtime graph."""
 
     def __init__(self, graphs: Graphs, sessions: list[Session]) -> None:
         self.g, self.sessions, dims = graphs, sessions, graphs.dims

@@ -7,7 +7,7 @@ Stages, one module each: ``corpus`` (Python sources → train/held-out files),
 ``tokenizer`` (byte-level BPE), ``forward`` (whole-sequence training forwards
 over the cache-path modules of ``export.target`` / ``export.draft``),
 ``loop`` (AdamW + cosine, wall-time guard, progress and logs), ``target``
-(a small Qwen3), ``draft`` (DFlash, DESIGN §1 Training), ``regenerate``
+(a small Qwen3), ``draft`` (DFlash, docs/design.md §1 Training), ``regenerate``
 (target-written training text for the draft), ``evaluate``
 (held-out loss, τ with the reference decoder) and ``command`` (the
 ``dflash-trt train`` subcommands).

@@ -94,7 +94,7 @@ def _draft_shape_args(parser: argparse.ArgumentParser) -> None:
     shape, training = DraftShape(), DraftTraining()
     group.add_argument("--block-size", type=int, default=shape.block_size)
     group.add_argument("--draft-layers", type=int, default=shape.num_layers)
-    group.add_argument("--taps", type=int, default=shape.num_taps, help="tap count (default ids per DESIGN §1)")
+    group.add_argument("--taps", type=int, default=shape.num_taps, help="tap count (default ids per docs/design.md §1)")
     group.add_argument("--tap-layers", type=lambda s: tuple(int(x) for x in s.split(",")), default=(),
                        help="explicit target layer ids, e.g. 1,3,5")
     group.add_argument("--mask-token-id", type=int, help=f"default: the target tokenizer's {MASK}")

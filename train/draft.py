@@ -1,4 +1,4 @@
-"""A DFlash draft for a frozen target (DESIGN §1 Training).
+"""A DFlash draft for a frozen target (docs/design.md §1 Training).
 
 Per step: the frozen target runs over ``[b, T]`` sequences and gives the taps
 of every position; ``n`` anchors per sequence are drawn from ``[1, T - B]``;
@@ -44,7 +44,7 @@ class DraftTraining:
     batch_size: int = 32
     seq_len: int = 1024
     anchors: int = 64  # blocks per sequence
-    gamma: float = 0.0  # slot-weight decay; 0: 7 for B >= 16, else 4 (DESIGN §1)
+    gamma: float = 0.0  # slot-weight decay; 0: 7 for B >= 16, else 4 (docs/design.md §1)
     lr: float = 2e-3
     weight_decay: float = 0.01
     warmup_steps: int = 50

@@ -4,7 +4,7 @@
 norms / projections / MLP, final norm) with plain causal attention over the
 sequence, so a trained checkpoint means exactly what ``TargetModel.forward``
 computes over its cache rows. ``draft_forward`` runs a ``DraftModel`` over
-many blocks of one sequence at once (DESIGN §1 Training): context K/V are
+many blocks of one sequence at once (docs/design.md §1 Training): context K/V are
 computed once per sequence from ``c = hidden_norm(fc(taps))`` exactly as
 ``DraftModel.write_context`` does; block ``j`` (anchor ``a_j``) sees context
 positions ``< a_j`` and its own ``B`` slots (bidirectional), nothing of other

@@ -5,8 +5,8 @@ corpus says next; as in the DFlash paper (and SpecForge), the draft trains on
 text the target wrote. Each sequence is a real corpus prefix of ``prefix``
 tokens continued by the target for ``length - prefix`` tokens (greedy for a
 ``greedy_share`` of the rows, temperature-1 sampling for the rest), decoded
-through the target's own KV-cache forward. The training loss stays DESIGN
-§1's: cross-entropy against ``x[anchor + k]`` of these sequences.
+through the target's own KV-cache forward. The training loss stays that of
+docs/design.md §1: cross-entropy against ``x[anchor + k]`` of these sequences.
 """
 
 from __future__ import annotations

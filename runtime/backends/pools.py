@@ -1,4 +1,4 @@
-"""The two cache pools every backend owns (DESIGN §2 layout).
+"""The two cache pools every backend owns (docs/design.md §2).
 
 A pool holds, per layer, one K and one V tensor of shape
 ``[rows, kv_heads, max_context, head_dim]`` (row = one session). It is

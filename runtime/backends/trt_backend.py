@@ -16,9 +16,10 @@ torch backend, one capture per (graph, first_row) over per-graph static input
 buffers (feeds are copied in on the stream), made after one real warm-up
 enqueue, as TensorRT requires.
 
-This backend runs wherever TensorRT runs a plan for the GPU at hand; not on
-the H200 of this project (DESIGN §5). Without TensorRT, or without a GPU, it
-refuses at construction with a typed error saying which is missing.
+This backend runs wherever TensorRT runs a plan for the GPU at hand
+(TensorRT-RTX, for one, does not run on Hopper; docs/design.md §7). Without
+TensorRT, or without a GPU, it refuses at construction with a typed error
+saying which is missing.
 """
 
 from __future__ import annotations
