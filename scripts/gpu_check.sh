@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# GPU check on the lent H200: the gpu-marked tests, then one DFlash cycle timed
-# with and without CUDA graphs (torch backend). Installs nothing: the package
-# is imported through a PYTHONPATH shim (dflash_trt -> this checkout's folders).
+# GPU check on an NVIDIA GPU: the gpu-marked tests, then one DFlash cycle timed
+# with and without CUDA graphs (torch backend). Installs this checkout in
+# editable mode first, without dependencies or build isolation (the GPU
+# machine's own torch, onnx, onnxruntime and cuda-python are used as they are).
 #
 #   bash scripts/gpu_check.sh            # log + timing.json under $OUT (default ./gpu_out)
 #
@@ -14,14 +15,9 @@ mkdir -p "$OUT"
 LOG=$OUT/gpu_check.log
 PY=${PYTHON:-python3}
 
-# dflash_trt.{export,engines,runtime,analysis} live in top-level folders (pyproject package-dir).
-SHIM=$(mktemp -d)/site
-mkdir -p "$SHIM/dflash_trt"
-for f in "$ROOT"/dflash_trt/*; do ln -s "$f" "$SHIM/dflash_trt/"; done
-for d in export engines runtime analysis; do ln -s "$ROOT/$d" "$SHIM/dflash_trt/$d"; done
-export PYTHONPATH=$SHIM${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
-export PYTHONSAFEPATH=1  # the checkout root holds a partial dflash_trt/: it must not shadow the shim
+# dflash_trt.* maps onto the top-level folders (pyproject package-dir): an editable install resolves them.
+$PY -m pip install --quiet --no-deps --no-build-isolation -e "$ROOT" 2>&1 | tee "$LOG"
 
 {
   echo "== environment"
@@ -40,10 +36,10 @@ print("ort providers ", onnxruntime.get_available_providers())
 from dflash_trt.runtime import device
 print("cuda-python sees", device.device_count() if device.cuda_available() else 0, "device(s)")
 EOF
-} 2>&1 | tee "$LOG"
+} 2>&1 | tee -a "$LOG"
 
 echo "== pytest -m gpu" | tee -a "$LOG"
-# Some test modules import polars (absent on the H200 image): keep collecting past them.
+# Some test modules import polars (absent on some GPU images): keep collecting past them.
 $PY -m pytest -q -m gpu --continue-on-collection-errors -p no:cacheprovider -rs tests/ 2>&1 | tee -a "$LOG"
 status=${PIPESTATUS[0]}
 
