@@ -79,10 +79,6 @@ class DraftConfig(AttentionConfig):
     mask_token_id: int = 0
     embedding_scale: float = 1.0
 
-    @property
-    def tap_width_factor(self) -> int:
-        return len(self.target_layer_ids)
-
 
 def read_json(path: Path) -> dict[str, Any]:
     try:

@@ -386,13 +386,3 @@ def copy_async(destination: int, source: int, nbytes: int, stream: Stream) -> No
     runtime, _ = _bindings()
     if nbytes:
         cuda_call("cudaMemcpyAsync", destination, source, nbytes, runtime.cudaMemcpyKind.cudaMemcpyDefault, stream.handle)
-
-
-def copy_2d_async(
-    destination: int, destination_pitch: int, source: int, source_pitch: int, width: int, height: int, stream: Stream
-) -> None:
-    """Copy ``height`` rows of ``width`` bytes between pitched regions (UVA), enqueued on ``stream``."""
-    runtime, _ = _bindings()
-    if width and height:
-        kind = runtime.cudaMemcpyKind.cudaMemcpyDefault
-        cuda_call("cudaMemcpy2DAsync", destination, destination_pitch, source, source_pitch, width, height, kind, stream.handle)

@@ -17,7 +17,7 @@ from dflash_trt.runtime.backends.base import Backend
 
 def single_thread():
     """Generator for an autouse fixture: tiny models run fastest on one thread (2 spin-waiting
-    threads on a loaded 2-core CI box are ~40x slower); restores the previous count after."""
+    threads on a loaded 2-core machine are ~40x slower); restores the previous count after."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

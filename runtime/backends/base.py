@@ -39,9 +39,6 @@ import torch
 from dflash_trt.export.contract import Dims
 from dflash_trt.runtime.backends.pools import pool_named
 
-POOLS = ("target", "draft")
-
-
 class Backend(ABC):
     """Runs contract graphs over in-place cache pools."""
 

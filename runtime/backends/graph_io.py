@@ -61,12 +61,6 @@ def plain_outputs(spec: GraphSpec) -> tuple[TensorSpec, ...]:
     return tuple(s for s in spec.outputs if not s.name.startswith("present_"))
 
 
-def cache_layer(name: str) -> tuple[str, int]:
-    """'past_key_3' / 'present_value_0' -> ('key' | 'value', layer)."""
-    _, which, layer = name.split("_")
-    return which, int(layer)
-
-
 def check_rows(spec: GraphSpec, first_row: int, pool_rows: int) -> None:
     """The graph's n consecutive rows from ``first_row`` must lie inside the pool."""
     n = owner_rows(spec)

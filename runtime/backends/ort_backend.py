@@ -255,7 +255,7 @@ def _session_options(ort, threads: int | None, optimization: str, device: torch.
     # caller's own torch work on the same cores (seen: 76 s -> 2 s on 2 cores).
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     # On CUDA, ORT keeps its small int64 shape subgraphs (positions, lengths) on
-    # the CPU provider by design (seen on the H200 with onnxruntime-gpu 1.31:
+    # the CPU provider by design (seen on an H200 with onnxruntime-gpu 1.31:
     # disabling the fallback refuses target_prefill), so the fallback stays on;
     # the caches and every bound tensor still live in device memory.
     return options
@@ -265,7 +265,7 @@ def _providers(device: torch.device, stream) -> list:
     if device.type != "cuda":
         return ["CPUExecutionProvider"]
     # use_tf32 defaults to on in the CUDA provider: fp32 graphs then drift ~1e-3 from the
-    # CPU provider (seen on the H200) and greedy ties flip. Exact fp32 is the contract.
+    # CPU provider (seen on an H200) and greedy ties flip. Exact fp32 is the contract.
     options = {
         "device_id": str(device.index or 0),
         "has_user_compute_stream": "1",

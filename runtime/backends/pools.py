@@ -86,10 +86,6 @@ class CachePool:
         views = [buffer.as_tensor() for buffer in owners]
         return cls(name, shape, views[0::2], views[1::2], owners)
 
-    @property
-    def rows_total(self) -> int:
-        return self.shape.rows
-
     def tensor(self, which: str, layer: int) -> torch.Tensor:
         return (self.keys if which == "key" else self.values)[layer]
 
