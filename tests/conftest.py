@@ -12,6 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny_models  # noqa: E402
+from build_cache import cache_root, cached_build  # noqa: E402
 
 torch.set_num_threads(1)  # tiny models: thread sync costs more than it saves
 
@@ -30,12 +31,23 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
-    """(target_dir, draft_dir): a Qwen3 target and a block-8 DFlash draft tapping layers 1 and 3."""
-    root = tmp_path_factory.mktemp("pair")
-    target = tiny_models.write_target(root / "target")
-    draft = tiny_models.write_draft(root / "draft", target)
-    return target, draft
+def build_cache(tmp_path_factory):
+    """``build(name, fn, *inputs) -> Path``: an expensive artifact made once per code version (build_cache.py)."""
+    root = cache_root(tmp_path_factory.getbasetemp() / "build-cache")
+    return lambda name, fn, *inputs: cached_build(root, name, fn, *inputs)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(build_cache) -> tuple[Path, Path]:
+    """(target_dir, draft_dir): a Qwen3 target and a block-8 DFlash draft tapping layers 1 and 3.
+
+    Cached like the exports made from it: their keys fingerprint these files (mtimes included)."""
+
+    def build(root: Path) -> None:
+        tiny_models.write_draft(root / "draft", tiny_models.write_target(root / "target"))
+
+    root = build_cache("tiny_pair", build)
+    return root / "target", root / "draft"
 
 
 class ExportedPair(NamedTuple):
@@ -52,7 +64,7 @@ EXPORT_NEW_TOKENS = (30, 25, 20)
 
 
 @pytest.fixture(scope="session")
-def exported_pair(tiny_pair, tmp_path_factory):
+def exported_pair(tiny_pair, build_cache):
     """fp32 export (max_owners 3, max_context 64, one shared weights.data) of the tiny target and a
     draft tuned to agree with it.
 
@@ -62,19 +74,33 @@ def exported_pair(tiny_pair, tmp_path_factory):
     the token the target's greedy continuations of ``prompts`` repeat most:
     generation tests then see cycles with 0, some and all proposals accepted.
     """
+    from dflash_trt.export.manifest import load_manifest
+
+    target_dir, random_draft = tiny_pair
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, tiny_models.VOCAB - 1, (n,), generator=generator).tolist() for n in EXPORT_PROMPT_LENGTHS]
+
+    def build(root: Path) -> None:
+        from dflash_trt.export.exporter import ExportOptions, export_pair
+
+        draft_dir = _tuned_draft(target_dir, random_draft, prompts, root / "draft")
+        export_pair(target_dir, draft_dir, root / "graphs", ExportOptions(max_owners=3, max_context=64, dtype="fp32", shared_weights=True))
+
+    root = build_cache("exported_pair", build, str(target_dir), str(random_draft), prompts, EXPORT_NEW_TOKENS)
+    manifest = load_manifest(root / "graphs")
+    return ExportedPair(target_dir, root / "draft", root / "graphs", manifest, prompts, EXPORT_NEW_TOKENS)
+
+
+def _tuned_draft(target_dir: Path, random_draft: Path, prompts: list, out: Path) -> Path:
+    """The random draft with its mask token and scaled layer outputs (see ``exported_pair``)."""
     import collections
     import json
 
     from dflash_trt.export.checkpoint import read_tensors, save_checkpoint
     from dflash_trt.export.draft import load_draft
-    from dflash_trt.export.exporter import ExportOptions, export_pair
     from dflash_trt.export.reference import ReferenceDecoder
     from dflash_trt.export.target import load_target
 
-    target_dir, random_draft = tiny_pair
-    root = tmp_path_factory.mktemp("export")
-    generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, tiny_models.VOCAB - 1, (n,), generator=generator).tolist() for n in EXPORT_PROMPT_LENGTHS]
     draft = load_draft(random_draft)
     target = load_target(target_dir, tap_layers=draft.config.target_layer_ids)
     decoder = ReferenceDecoder(target, max_context=64)
@@ -85,7 +111,4 @@ def exported_pair(tiny_pair, tmp_path_factory):
     config = json.loads((random_draft / "config.json").read_text())
     config["dflash_config"]["mask_token_id"] = mask
     scaled = {k: v * 0.1 if k.endswith(("o_proj.weight", "down_proj.weight")) else v for k, v in read_tensors(random_draft).items()}
-    draft_dir = save_checkpoint(root / "draft", config, scaled)
-    options = ExportOptions(max_owners=3, max_context=64, dtype="fp32", shared_weights=True)
-    manifest = export_pair(target_dir, draft_dir, root / "graphs", options)
-    return ExportedPair(target_dir, draft_dir, root / "graphs", manifest, prompts, EXPORT_NEW_TOKENS)
+    return save_checkpoint(out, config, scaled)

@@ -29,15 +29,15 @@ NONPAD_KV_SEQLEN = 6  # input slot of ONNX Attention-24
 
 
 @pytest.fixture(scope="module", params=[("bf16", "mask"), ("fp16", "lengths")], ids=["bf16-mask", "fp16-lengths"])
-def export_dir(request, tiny_pair, tmp_path_factory):
+def export_dir(request, tiny_pair, build_cache):
     """(dtype, directory) of an export of the tiny pair."""
     pytest.importorskip("tensorrt_rtx")
     from dflash_trt.export.exporter import ExportOptions, export_pair
 
     dtype, causal = request.param
-    out = tmp_path_factory.mktemp(f"export_{dtype}") / "graphs"
-    export_pair(*tiny_pair, out, ExportOptions(max_owners=2, max_context=64, dtype=dtype, causal=causal))
-    return dtype, out
+    options = ExportOptions(max_owners=2, max_context=64, dtype=dtype, causal=causal)
+    root = build_cache(f"export_{dtype}_{causal}", lambda out: export_pair(*tiny_pair, out / "graphs", options), *map(str, tiny_pair), options)
+    return dtype, root / "graphs"
 
 
 # (graph name prefix, text of TensorRT's message, why): build failures with a known cause.

@@ -1,0 +1,61 @@
+"""Expensive test artifacts (ONNX exports) built once per distinct code and kept between runs.
+
+``cached_build(name, build, *inputs)`` returns a directory that ``build(path)``
+filled. The key is a digest of every source file the artifact can depend on
+(the package's Python files and the tests' model factory), the tool versions
+and ``inputs``; any edit makes a new key, so a stale artifact is never used.
+Concurrent test runs serialize on a lock file; a half-written directory is
+never published (built under a temporary name, then renamed).
+
+Where: ``$DFLASH_TRT_TEST_CACHE``, else ``~/.cache/dflash-trt/tests``. Under
+CI (``CI`` set) the cache lives in the run's temporary directory, so CI
+measures a cold build every time.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = ("dflash_trt", "export", "engines", "runtime", "train")
+TOOLS = ("torch", "onnx", "onnxscript", "onnxruntime", "onnx-ir")
+
+
+def _digest(name: str, inputs: tuple) -> str:
+    digest = hashlib.sha256(f"{name}\0{inputs!r}\n".encode())
+    files = [p for folder in SOURCES for p in sorted((ROOT / folder).rglob("*.py"))]
+    for path in [*files, ROOT / "tests" / "tiny_models.py"]:
+        digest.update(f"{path.relative_to(ROOT)}\0".encode() + path.read_bytes())
+    for tool in TOOLS:
+        try:
+            digest.update(f"{tool}={metadata.version(tool)}\n".encode())
+        except metadata.PackageNotFoundError:
+            digest.update(f"{tool}=absent\n".encode())
+    return digest.hexdigest()[:20]
+
+
+def cache_root(fallback: Path) -> Path:
+    if os.environ.get("CI"):
+        return fallback
+    return Path(os.environ.get("DFLASH_TRT_TEST_CACHE", "~/.cache/dflash-trt/tests")).expanduser()
+
+
+def cached_build(root: Path, name: str, build: Callable[[Path], None], *inputs) -> Path:
+    """``root/<name>-<key>``, made by ``build(directory)`` unless a finished one exists."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{name}-{_digest(name, inputs)}"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another run building the same artifact: wait for it
+        if not final.exists():
+            scratch = root / f"{final.name}.building-{os.getpid()}"
+            shutil.rmtree(scratch, ignore_errors=True)
+            scratch.mkdir()
+            build(scratch)
+            scratch.rename(final)
+    return final
