@@ -1,9 +1,10 @@
 """Expensive test artifacts (ONNX exports) built once per distinct code and kept between runs.
 
 ``cached_build(name, build, *inputs)`` returns a directory that ``build(path)``
-filled. The key is a digest of every source file the artifact can depend on
-(the package's Python files and the tests' model factory), the tool versions
-and ``inputs``; any edit makes a new key, so a stale artifact is never used.
+filled. The key is a digest of every source file an export can depend on (export/,
+dflash_trt/ and the tests' model factory), the tool versions and ``inputs``;
+any edit there makes a new key, so a stale artifact is never used (edits in
+runtime/, engines/ or analysis/ cannot change an export and keep the cache).
 Concurrent test runs serialize on a lock file; a half-written directory is
 never published (built under a temporary name, then renamed).
 
@@ -23,7 +24,7 @@ from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("dflash_trt", "export", "engines", "runtime", "train")
+SOURCES = ("dflash_trt", "export")
 TOOLS = ("torch", "onnx", "onnxscript", "onnxruntime", "onnx-ir")
 
 
