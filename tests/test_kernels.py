@@ -157,6 +157,9 @@ def test_fused_weights_are_views_of_the_layer_parameters():
         assert module.weight.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
     assert attn.k_proj.bias.untyped_storage().data_ptr() == fused.qkv_bias.untyped_storage().data_ptr()
     torch.testing.assert_close(layer.mlp(x), before, atol=0, rtol=0)
+    again = fuse_layer(layer)  # a second backend over the same model: no second copy
+    assert again.qkv.data_ptr() == fused.qkv.data_ptr() and again.gate_up.data_ptr() == fused.gate_up.data_ptr()
+    assert again.qkv_bias.data_ptr() == fused.qkv_bias.data_ptr() and torch.equal(again.qkv, fused.qkv)
     torch.testing.assert_close(fused.kv, torch.cat([attn.k_proj.weight, attn.v_proj.weight]), atol=0, rtol=0)
 
 
@@ -213,13 +216,13 @@ def test_triton_interpreter_equals_the_twin():
 
 
 @gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_kernels_equal_twin_and_reference_on_cuda(dtype):
+@pytest.mark.parametrize("dtype,small", [(torch.float32, True), (torch.bfloat16, False)])
+def test_triton_kernels_equal_twin_and_reference_on_cuda(dtype, small):
     """Bug: a Triton kernel computes something else on the GPU (compiled, not interpreted): wrong tiles at
     M = 1 / 16 / 64 / odd sizes, wrong split combine, wrong RoPE, a write outside the owner's slots."""
     import kernel_checks
 
-    kernel_checks.check_all("cuda", dtype, small=False)
+    kernel_checks.check_all("cuda", dtype, small=small)
 
 
 @gpu

@@ -58,10 +58,31 @@ class FusedLayer:
         return None if self.qkv_bias is None else self.qkv_bias[self.heads * self.head_dim :]
 
 
+def _adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The rows of ``tensors`` as one view when they already lie back to back in one storage (fused before)."""
+    first = tensors[0]
+    offset = first.storage_offset()
+    for t in tensors:
+        if not t.is_contiguous() or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    shape = (sum(t.shape[0] for t in tensors), *first.shape[1:])
+    return first.as_strided(shape, first.stride(), first.storage_offset())
+
+
 def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) for several nn.Linear; each module's parameters become views into it."""
-    weight = torch.cat([m.weight.detach() for m in linears])
-    bias = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
+    """One weight (and bias) for several nn.Linear; each module's parameters become views into it.
+
+    Idempotent: parameters fused by an earlier backend over the same model are reused, not copied again.
+    """
+    weights = [m.weight.detach() for m in linears]
+    biases = None if linears[0].bias is None else [m.bias.detach() for m in linears]
+    weight = _adjacent(weights)
+    bias = None if biases is None else _adjacent(biases)
+    if weight is not None and (biases is None or bias is not None):
+        return weight, bias
+    weight = torch.cat(weights)
+    bias = None if biases is None else torch.cat(biases)
     row = 0
     for m in linears:
         rows = m.weight.shape[0]
