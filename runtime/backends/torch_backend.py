@@ -10,7 +10,7 @@ Kernels (``kernels=``): "fast" runs the graphs with weights through
 residual / SiLU-gate fused into the GEMMs, RoPE + KV write in one kernel,
 attention over the valid slots only, cost flat in max_context): Triton
 kernels on CUDA, their pure-torch twin on the CPU (same math; a check, not a
-speed path). "eager" runs ``export.graphs``' reference modules. "auto" (the
+speed path). "eager" runs ``export.graph_modules``' reference modules. "auto" (the
 default) is "fast" on CUDA where the pair is supported, else "eager".
 
 CPU: eager, synchronous. CUDA: everything is enqueued on the backend's

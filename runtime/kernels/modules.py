@@ -1,4 +1,4 @@
-"""The contract graphs of the fast path: same inputs and outputs as ``export.graphs``' wrappers.
+"""The contract graphs of the fast path: same inputs and outputs as ``export.graph_modules``' wrappers.
 
 Each is a callable over ``FastTarget`` / ``FastDraft`` (fused weights, fast
 ops) taking the contract's inputs positionally, caches last (the owners'
@@ -7,7 +7,7 @@ keep their reference modules.
 
 ``draft_{n}`` writes the B context rows at ``ctx_start`` and then the block at
 ``ctx_start + ctx_count``: the same cache contents as the exported graph's
-single window write (``export.graphs.ContextAndBlock``, a TensorRT constraint
+single window write (``export.graph_modules.ContextAndBlock``, a TensorRT constraint
 that CUDA kernels do not share).
 """
 
