@@ -322,17 +322,18 @@ def cpu_reference(pair, torch_cpu):
     return outputs, pool_state(torch_cpu)
 
 
-def _torch_cuda(pair, cuda_graphs: bool) -> TorchBackend:
+def _torch_cuda(pair, cuda_graphs: bool, kernels: str = "auto") -> TorchBackend:
     target_dir, draft_dir, out_dir, _ = pair
-    return TorchBackend.from_checkpoints(target_dir, draft_dir, out_dir, max_sessions=ROWS, device="cuda", cuda_graphs=cuda_graphs)
+    return TorchBackend.from_checkpoints(target_dir, draft_dir, out_dir, max_sessions=ROWS, device="cuda", cuda_graphs=cuda_graphs, kernels=kernels)
 
 
 @gpu
-@pytest.mark.parametrize("cuda_graphs", [False, True])
-def test_torch_cuda_matches_cpu(pair, cpu_reference, cuda_graphs):
-    """Bug: the CUDA path (device-layer pools, backend stream, CUDA-graph replay) computes or writes
-    something else than the CPU reference."""
-    with _torch_cuda(pair, cuda_graphs) as backend:
+@pytest.mark.parametrize("cuda_graphs,kernels", [(False, "fast"), (True, "fast"), (True, "eager")])
+def test_torch_cuda_matches_cpu(pair, cpu_reference, cuda_graphs, kernels):
+    """Bug: the CUDA path (device-layer pools, backend stream, CUDA-graph replay, the fast kernels) computes
+    or writes something else than the CPU reference: fp32 proposals (tokens) must be equal."""
+    with _torch_cuda(pair, cuda_graphs, kernels) as backend:
+        assert backend.kernels == kernels
         assert all(pool.owners for pool in backend.pools.values())  # device-layer memory
         assert backend.pools["target"].keys[0].data_ptr() == backend.pools["target"].owners[0].ptr
         fill_pools(backend, seed=1)

@@ -11,7 +11,9 @@ residual / SiLU-gate fused into the GEMMs, RoPE + KV write in one kernel,
 attention over the valid slots only, cost flat in max_context): Triton
 kernels on CUDA, their pure-torch twin on the CPU (same math; a check, not a
 speed path). "eager" runs ``export.graph_modules``' reference modules. "auto" (the
-default) is "fast" on CUDA where the pair is supported, else "eager".
+default) is "fast" on CUDA where the pair is supported, else "eager". An ops
+object (``runtime.kernels.triton_ops.TritonOps(linear_plans=...)``) runs the fast
+path with it.
 
 CPU: eager, synchronous. CUDA: everything is enqueued on the backend's
 device-layer stream (``BackendStream``). The static graphs (``target_verify_n``,
@@ -70,7 +72,7 @@ class TorchBackend(Backend):
         max_sessions: int,
         device: str | torch.device = "cpu",
         cuda_graphs: bool = True,
-        kernels: str = "auto",
+        kernels="auto",
     ) -> None:
         self.dims, self.max_sessions = dims, check_sessions(max_sessions)
         check_models(target, draft, dims)
@@ -82,7 +84,8 @@ class TorchBackend(Backend):
         self.specs = c.graph_specs(dims)
         self.modules = {name: graph_module(spec, self.target, self.draft, dims) for name, spec in self.specs.items()}
         if self.kernels == "fast":
-            self.modules |= fast_path(self.specs, self.target, self.draft, dims, default_ops(self.device))
+            ops = default_ops(self.device) if isinstance(kernels, str) else kernels
+            self.modules |= fast_path(self.specs, self.target, self.draft, dims, ops)
         self.stream = self.pools = self.graphs = None
         try:
             self._allocate(dtype, cuda_graphs)
@@ -245,10 +248,16 @@ def check_models(target: TargetModel, draft: DraftModel, dims: Dims) -> None:
         raise EngineError("the models do not match the graph dims: " + "; ".join(wrong))
 
 
-def choose_kernels(kernels: str, device: torch.device, target: TargetModel, draft: DraftModel) -> str:
-    """"fast" or "eager" for ``kernels`` in KERNELS ("auto": fast on CUDA when the pair is supported)."""
-    if kernels not in KERNELS:
-        raise EngineError(f"kernels must be one of {list(KERNELS)}, got {kernels!r}")
+def choose_kernels(kernels, device: torch.device, target: TargetModel, draft: DraftModel) -> str:
+    """"fast" or "eager" for ``kernels`` in KERNELS ("auto": fast on CUDA when the pair is supported).
+
+    Anything else with a ``linear`` method is an ops object (e.g. ``TritonOps`` with measured GEMV
+    plans) for the fast path.
+    """
+    if not isinstance(kernels, str) and callable(getattr(kernels, "linear", None)):
+        kernels = "fast"
+    elif kernels not in KERNELS:
+        raise EngineError(f"kernels must be one of {list(KERNELS)} or an ops object, got {kernels!r}")
     reason = supported(target, draft)
     if kernels == "auto":
         return "fast" if device.type == "cuda" and reason is None else "eager"

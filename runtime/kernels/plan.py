@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MAX_SPLITS = 32  # flash-decoding splits of one (owner, kv head, query block)
+MAX_SPLITS = 16  # flash-decoding splits of one (owner, kv head, query block)
 ATTENTION_BLOCK_Q = 64  # query rows (token x grouped head) of one attention program, at most
 
 
@@ -46,14 +46,14 @@ class AttentionPlan:
 def attention_plan(
     owners: int, kv_heads: int, group: int, tokens: int, head_dim: int, max_context: int, processors: int, splits: int | None = None
 ) -> AttentionPlan:
-    """Enough programs to cover ``processors`` about twice; ``splits`` overrides the split count."""
+    """About one program per processor (the combine reads every split); ``splits`` overrides the split count."""
     rows = tokens * group
     block_q = min(ATTENTION_BLOCK_Q, max(16, next_power_of_two(rows)))
     block_n = 64 if head_dim <= 128 else 32
     query_blocks = cdiv(rows, block_q)
     if splits is None:
         programs = owners * kv_heads * query_blocks
-        splits = max(1, min(MAX_SPLITS, (2 * processors) // programs, cdiv(max_context, block_n)))
+        splits = max(1, min(MAX_SPLITS, processors // programs, cdiv(max_context, block_n)))
     return AttentionPlan(block_q, block_n, query_blocks, splits)
 
 
@@ -70,28 +70,26 @@ def split_range(lo: int, hi: int, split: int, splits: int, block_n: int) -> tupl
 
 @dataclass(frozen=True)
 class LinearPlan:
-    """Tiling of the skinny GEMM ``y[M, N] = x[M, K] @ W[N, K]^T``.
+    """Tiling of the one-row GEMV ``y[N] = x[K] @ W[N, K]^T`` (the decode step's GEMMs).
 
-    ``dot=False`` (one row only): a broadcast multiply-accumulate over a
-    [block_n, block_k] weight tile, reduced once at the end (no tensor cores:
-    at M = 1 they would compute 15 padding rows).
+    A program owns ``block_n`` output features and streams their weight rows in
+    [block_n, block_k] tiles. ``early_sum``: reduce each tile into the [block_n]
+    accumulator at once (few registers, many programs resident: more bytes in
+    flight) instead of keeping a [block_n, block_k] fp32 accumulator.
+    Rows > 1 go through cuBLAS with fused elementwise kernels around it (measured
+    faster than these tiles from M = 16 on, H200).
     """
 
-    block_m: int
     block_n: int
     block_k: int
-    dot: bool
     warps: int
-    stages: int
+    early_sum: bool
 
 
-def linear_plan(rows: int, out_features: int, in_features: int, gated: bool, element_bytes: int) -> LinearPlan:
-    """Weight-streaming tiles: every weight byte is read once; small blocks along N keep the chip busy."""
-    wide = element_bytes >= 4  # fp32 tiles take twice the shared memory
-    if rows == 1:
-        return LinearPlan(1, 16 if gated else 32, 128 if wide else 256, False, 4, 4)
-    if rows <= 16:
-        return LinearPlan(16, 32, 64 if wide else 128, True, 4, 4)
-    if rows <= 64:
-        return LinearPlan(64, 32 if gated else 64, 32 if wide else 64, True, 4, 3 if wide else 4)
-    return LinearPlan(64, 64 if gated else 128, 32 if wide else 64, True, 8, 3)
+def linear_plan(out_features: int, in_features: int, gated: bool, element_bytes: int) -> LinearPlan:
+    """Measured on an H200 (benchmarks/gpu_graphs.py --sweep): small blocks along N keep enough tiles in flight."""
+    if element_bytes >= 4:
+        return LinearPlan(16, 128, 4, True)
+    if out_features >= 65536:  # the LM head: plenty of programs already
+        return LinearPlan(64, 128, 4, False)
+    return LinearPlan(16, 512, 4, False)

@@ -1,6 +1,6 @@
 """Triton kernels of the fast CUDA path (same signatures as the twin in ``torch_ops``).
 
-Per decoder layer the fused graph modules launch six or seven kernels:
+Per decoder layer, one token (the decode step, M = 1), six or seven launches:
 
 ==================  =======================================================================
 ``linear``          RMSNorm(x) @ [Wq|Wk|Wv]^T          (norm as prologue + per-row scale)
@@ -11,6 +11,12 @@ Per decoder layer the fused graph modules launch six or seven kernels:
 ``linear``          x += a @ Wd^T                      (+ the tap columns, for tap layers)
 ==================  =======================================================================
 
+More rows (verify, draft, prefill: M >= 2) run the same ``linear`` calls as
+cuBLAS GEMMs on the fused weights with the norm, the SiLU·mul and the residual
+around them (a one-pass RMSNorm kernel, a SiLU·mul kernel, ``addmm_`` adding the
+residual in place): cuBLAS streams weights faster than these tiles from M = 16
+on (measured on an H200).
+
 Every launch reads device lengths (``start``, ``kv_len``) from device memory,
 never syncs, and allocates only through torch: everything here can be
 captured in a CUDA graph, and one capture serves every context length.
@@ -20,37 +26,32 @@ fp32 dots run in IEEE fp32 (no TF32), so fp32 models give the CPU's tokens.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from dflash_trt.export.layers import EagerKernels
-from dflash_trt.runtime.kernels.plan import LinearPlan, attention_plan, linear_plan
+from dflash_trt.runtime.kernels.plan import attention_plan, linear_plan
 
 MASKED = tl.constexpr(-1.0e30)  # score of an invisible slot (finite: a row with no visible slot yet stays NaN-free)
 
 
 @triton.jit
-def _linear_kernel(
-    x_ptr, stride_xm, w_ptr, stride_wn, b_ptr, g_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm,
-    M, N, K, eps,
+def _gemv_kernel(
+    x_ptr, w_ptr, stride_wn, b_ptr, g_ptr, r_ptr, o_ptr, t_ptr, N, K, eps,
     NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
-    EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
+    EVEN_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EARLY_SUM: tl.constexpr,
 ):
-    """y[m, n] for a [BM, BN] tile; GATED: rows n of W are gates, rows N + n ups."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
+    """y[n] for BN features of one row; GATED: rows n of W are gates, rows N + n ups."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
-    m_ok = rm < M
     n_ok = rn < N
-    x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
     w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
     u_ptrs = w_ptrs + N * stride_wn
-    squares = tl.zeros([BM], dtype=tl.float32)
-    if DOT:
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    squares = tl.zeros([BK], dtype=tl.float32)
+    if EARLY_SUM:
+        acc = tl.zeros([BN], dtype=tl.float32)
+        acc_u = tl.zeros([BN], dtype=tl.float32)
     else:
         acc2 = tl.zeros([BN, BK], dtype=tl.float32)
         acc2_u = tl.zeros([BN, BK], dtype=tl.float32)
@@ -59,49 +60,68 @@ def _linear_kernel(
             k_ok = rk < BK
         else:
             k_ok = (k0 + rk) < K
-        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if GATED:
             wu = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if NORM:
-            xf = x.to(tl.float32)
-            squares += tl.sum(xf * xf, axis=1)
-            g = tl.load(g_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
-            x = (xf * g[None, :]).to(w.dtype)
-        if DOT:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+            squares += x * x
+            # the reference rounds the normed input to the weight dtype before its GEMM
+            x = (x * tl.load(g_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)).to(w.dtype).to(tl.float32)
+        if EARLY_SUM:
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
             if GATED:
-                acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision="ieee")
+                acc_u += tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
         else:
-            xr = x.to(tl.float32)  # [1, BK]
-            acc2 += w.to(tl.float32) * xr
+            acc2 += w.to(tl.float32) * x[None, :]
             if GATED:
-                acc2_u += wu.to(tl.float32) * xr
-        x_ptrs += BK
+                acc2_u += wu.to(tl.float32) * x[None, :]
         w_ptrs += BK
         u_ptrs += BK
-    if not DOT:
-        acc = tl.reshape(tl.sum(acc2, axis=1), [BM, BN])
+    if not EARLY_SUM:
+        acc = tl.sum(acc2, axis=1)
         if GATED:
-            acc_u = tl.reshape(tl.sum(acc2_u, axis=1), [BM, BN])
+            acc_u = tl.sum(acc2_u, axis=1)
     if NORM:
-        scale = tl.rsqrt(squares / K + eps)
-        acc = acc * scale[:, None]
+        scale = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+        acc = acc * scale
         if GATED:
-            acc_u = acc_u * scale[:, None]
+            acc_u = acc_u * scale
     if BIAS:
-        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
         if GATED:
-            acc_u += tl.load(b_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc_u += tl.load(b_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_u
-    ok = m_ok[:, None] & n_ok[None, :]
     if RESIDUAL:
-        acc += tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=ok, other=0.0).to(tl.float32)
+        acc += tl.load(r_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     y = acc.to(w_ptr.dtype.element_ty)  # rounded like the reference Linear's output
-    tl.store(o_ptr + rm[:, None] * stride_om + rn[None, :], y.to(o_ptr.dtype.element_ty), mask=ok)
+    tl.store(o_ptr + rn, y.to(o_ptr.dtype.element_ty), mask=n_ok)
     if TAP:
-        tl.store(t_ptr + rm[:, None] * stride_tm + rn[None, :], y.to(t_ptr.dtype.element_ty), mask=ok)
+        tl.store(t_ptr + rn, y.to(t_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, stride_xm, g_ptr, y_ptr, stride_ym, K, eps, BK: tl.constexpr):
+    """One row: y = x * rsqrt(mean(x^2) + eps) * g (fp32 math, one rounding)."""
+    m = tl.program_id(0)
+    rk = tl.arange(0, BK)
+    ok = rk < K
+    x = tl.load(x_ptr + m * stride_xm + rk, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+    y = x * scale * tl.load(g_ptr + rk, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + rk, y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _silu_mul_kernel(h_ptr, stride_hm, y_ptr, stride_ym, N, BN: tl.constexpr):
+    """y[m, n] = silu(h[m, n]) * h[m, N + n] (h = [gate | up] of a row)."""
+    m = tl.program_id(0)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    ok = rn < N
+    gate = tl.load(h_ptr + m * stride_hm + rn, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(h_ptr + m * stride_hm + N + rn, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + rn, (gate * tl.sigmoid(gate) * up).to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -217,26 +237,31 @@ def _attention_kernel(
 
 @triton.jit
 def _combine_kernel(
-    part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, T, G, HKV, splits,
-    D: tl.constexpr, BLOCK_Q: tl.constexpr,
+    part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, T, G, HKV,
+    D: tl.constexpr, BLOCK_Q: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
 ):
-    """Program (owner x kv head, query block): the splits' outputs weighted by exp(lse - max lse)."""
+    """Program (owner x kv head, query block): the splits' outputs weighted by exp(lse - max lse).
+
+    SPLITS is static: the loops unroll, so every split's loads are issued at once (latency, not bytes,
+    is what a short combine pays).
+    """
     nh = tl.program_id(0)
     qb = tl.program_id(1)
     programs = tl.num_programs(0) * tl.num_programs(1)
     local = tl.arange(0, BLOCK_Q)
     d = tl.arange(0, D)
     base = nh * tl.num_programs(1) + qb
-    best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    for s in range(0, splits):
-        best = tl.maximum(best, tl.load(lse_ptr + (s * programs + base) * BLOCK_Q + local))
+    split = tl.arange(0, SPLITS_P2)
+    lse = tl.load(  # [S, BQ]
+        lse_ptr + (split[:, None] * programs + base) * BLOCK_Q + local[None, :], mask=(split < SPLITS)[:, None], other=float("-inf")
+    )
+    best = tl.max(lse, axis=0)
     best = tl.where(best == float("-inf"), 0.0, best)  # padding rows: no split saw a slot
-    weight_sum = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    weight_sum = tl.sum(tl.exp(lse - best[None, :]), axis=0)
     acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
-    for s in range(0, splits):
+    for s in tl.static_range(SPLITS):
         rows = (s * programs + base) * BLOCK_Q + local
         weight = tl.exp(tl.load(lse_ptr + rows) - best)
-        weight_sum += weight
         acc += weight[:, None] * tl.load(part_ptr + rows[:, None] * D + d[None, :])
     r = qb * BLOCK_Q + local
     t = r // G
@@ -250,8 +275,8 @@ def _combine_kernel(
 class TritonOps(EagerKernels):
     """The fast kernels on CUDA tensors. Also a ``Kernels`` object (``attention`` over valid slots).
 
-    ``splits`` forces the attention split count; ``linear_plans`` maps (rows, N, K, gated) to a
-    ``LinearPlan`` that replaces ``plan.linear_plan``'s choice (benchmark sweeps).
+    ``splits`` forces the attention split count; ``linear_plans`` maps (N, K, gated) to the
+    ``LinearPlan`` of a one-row GEMV, replacing ``plan.linear_plan``'s choice (benchmark sweeps).
     """
 
     def __init__(self, splits: int | None = None, linear_plans: dict | None = None) -> None:
@@ -270,29 +295,60 @@ class TritonOps(EagerKernels):
     def linear(self, x, weight, bias=None, norm=None, eps=0.0, gated=False, residual=None, out=None, out_dtype=None, tap=None):
         """y [M, N] = epilogue(prologue(x) @ weight.T), x [M, K] with unit inner stride.
 
-        ``norm`` [K]: RMSNorm weight (x is normalized, as a per-row scale after the GEMM);
-        ``gated``: weight is [gate; up] (2N rows) and y = silu(x @ gate.T) * (x @ up.T);
-        ``bias`` [N or 2N]; ``residual`` [M, N]: added (``out`` may be the residual itself: in place);
-        ``tap`` [M, N]: a second destination of y. y is rounded to the weight dtype, then stored as
-        ``out_dtype``. Never syncs.
+        ``norm`` [K]: RMSNorm weight (x is normalized first); ``gated``: weight is [gate; up] (2N rows)
+        and y = silu(x @ gate.T) * (x @ up.T); ``bias`` [N or 2N]; ``residual`` [M, N]: added (``out``
+        may be the residual itself: in place); ``tap`` [M, N]: a second destination of y. y is rounded
+        to the weight dtype, then stored as ``out_dtype``. Never syncs.
         """
         M, K = x.shape
         N = weight.shape[0] // 2 if gated else weight.shape[0]
+        if M > 1:
+            return self._cublas_linear(x, weight, bias, norm, eps, gated, residual, out, out_dtype, tap)
         if out is None:
-            out = torch.empty((M, N), dtype=out_dtype or weight.dtype, device=x.device)
-        plan = self.linear_plans.get((M, N, K, gated)) or linear_plan(M, N, K, gated, weight.element_size())
-        plan = plan if plan.dot or M == 1 else LinearPlan(16, plan.block_n, plan.block_k, True, plan.warps, plan.stages)
-        grid = (triton.cdiv(N, plan.block_n), triton.cdiv(M, plan.block_m))
-        _linear_kernel[grid](
-            x, x.stride(0), weight, weight.stride(0), bias if bias is not None else weight,
-            norm if norm is not None else weight, residual if residual is not None else out,
-            (residual if residual is not None else out).stride(0), out, out.stride(0),
-            tap if tap is not None else out, (tap if tap is not None else out).stride(0), M, N, K, eps,
+            out = torch.empty((1, N), dtype=out_dtype or weight.dtype, device=x.device)
+        plan = self.linear_plans.get((N, K, gated)) or linear_plan(N, K, gated, weight.element_size())
+        _gemv_kernel[(triton.cdiv(N, plan.block_n),)](
+            x, weight, weight.stride(0), bias if bias is not None else weight, norm if norm is not None else weight,
+            residual if residual is not None else out, out, tap if tap is not None else out, N, K, eps,
             NORM=norm is not None, GATED=gated, BIAS=bias is not None, RESIDUAL=residual is not None,
-            TAP=tap is not None, EVEN_K=K % plan.block_k == 0, BM=plan.block_m, BN=plan.block_n,
-            BK=plan.block_k, DOT=plan.dot, num_warps=plan.warps, num_stages=plan.stages,
+            TAP=tap is not None, EVEN_K=K % plan.block_k == 0, BN=plan.block_n, BK=plan.block_k,
+            EARLY_SUM=plan.early_sum, num_warps=plan.warps,
         )
         return out
+
+    def _cublas_linear(self, x, weight, bias, norm, eps, gated, residual, out, out_dtype, tap):
+        """M > 1: cuBLAS on the fused weight; RMSNorm, SiLU·mul and the residual around it."""
+        if norm is not None:
+            x = self.rms_norm(x, norm, eps)
+        if residual is not None and out is not None and out.data_ptr() == residual.data_ptr() and bias is None and not gated:
+            out.addmm_(x, weight.t())  # the residual added by cuBLAS's epilogue, in place
+            if tap is not None:
+                tap.copy_(out)
+            return out
+        y = F.linear(x, weight, bias)
+        if gated:
+            y = self.silu_mul(y)
+        if residual is not None:
+            y = y + residual
+        if out_dtype is not None and out_dtype != y.dtype:
+            y = y.to(out_dtype)
+        if tap is not None:
+            tap.copy_(y)
+        return y if out is None else out.copy_(y)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of each row of x [M, K] (unit inner stride), one pass."""
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        block = triton.next_power_of_2(x.shape[1])
+        _rms_norm_kernel[(x.shape[0],)](x, x.stride(0), weight, y, y.stride(0), x.shape[1], eps, BK=block, num_warps=4 if block <= 4096 else 8)
+        return y
+
+    def silu_mul(self, h: torch.Tensor) -> torch.Tensor:
+        """h [M, 2N] = [gate | up] -> silu(gate) * up [M, N]."""
+        M, N = h.shape[0], h.shape[1] // 2
+        y = torch.empty((M, N), dtype=h.dtype, device=h.device)
+        _silu_mul_kernel[(M, triton.cdiv(N, 1024))](h, h.stride(0), y, y.stride(0), N, BN=1024, num_warps=4)
+        return y
 
     def qk_rope_write(self, qkv, start, tokens, heads, kv_heads, head_dim, q_norm, k_norm, eps, inv_freq, k_cache, v_cache):
         """See ``TorchOps.qk_rope_write``. Caches: [n, kv_heads, L, D] views with unit inner stride."""
@@ -300,8 +356,9 @@ class TritonOps(EagerKernels):
         n = M // tokens
         q = torch.empty((n, tokens, heads, head_dim), dtype=qkv.dtype, device=qkv.device) if heads else qkv
         norm = k_norm is not None
+        q_weight = q_norm if q_norm is not None else (k_norm if norm else inv_freq)  # unread when there is no Q
         _qk_rope_write_kernel[(M, heads + kv_heads)](
-            qkv, qkv.stride(0), start, inv_freq, q_norm if norm else inv_freq, k_norm if norm else inv_freq,
+            qkv, qkv.stride(0), start, inv_freq, q_weight, k_norm if norm else inv_freq,
             q, k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             tokens, heads, kv_heads, eps, D=head_dim, NORM=norm, num_warps=1 if head_dim <= 64 else 2,
         )
@@ -333,7 +390,8 @@ class TritonOps(EagerKernels):
         )
         if split:
             _combine_kernel[(n * kv_heads, plan.query_blocks)](
-                part, lse, out, out.stride(0), out.stride(2), out.stride(1), T, group, kv_heads, plan.splits,
-                D=D, BLOCK_Q=plan.block_q, num_warps=4,
+                part, lse, out, out.stride(0), out.stride(2), out.stride(1), T, group, kv_heads,
+                D=D, BLOCK_Q=plan.block_q, SPLITS=plan.splits, SPLITS_P2=triton.next_power_of_2(plan.splits),
+                num_warps=8 if plan.block_q * D > 4096 else 4,
             )
         return out.transpose(1, 2)
