@@ -1,7 +1,8 @@
 """The torch backend's graphs on one GPU at the Qwen3-8B shape: fast kernels vs plain graphed torch.
 
     python benchmarks/gpu_graphs.py                  # everything below, ~4 min on an H200
-    python benchmarks/gpu_graphs.py --sweep          # + GEMM tile sweep and attention per-layer times
+    python benchmarks/gpu_graphs.py --sweep          # + the one-row GEMV tile sweep (then used for the timings)
+    python benchmarks/gpu_graphs.py --agreement      # + greedy agreement fast vs eager bf16 on the shipped pair
 
 Builds a Qwen3-8B-shaped target (36 layers, hidden 4096, 32/8 heads x 128,
 FFN 12288, vocab 151936) and a 5-layer block-16 draft tapping layers 1, 9,
@@ -15,7 +16,9 @@ downloaded), then measures through ``TorchBackend`` (CUDA graphs on):
   verify_argmax -> verdict read on the host) for n = 1..4 at contexts 512 /
   2048 / 8192 of a max_context-16384 pool; verify at max_context 4096 (flat-cost check);
 - the plain graphed torch step (``kernels="eager"``: the reference modules in CUDA graphs)
-  of the same shape in the same run.
+  of the same shape in the same run;
+- the fast graphs' outputs against the reference modules' on equal pools (bf16 error,
+  argmax agreement) and the attention kernel's time per layer.
 
 Per row: device ms (CUDA events, median), wall ms (host clock around the call
 and a sync, median), bytes the graph must move (weights, K/V of the valid
@@ -53,7 +56,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "dflash-trt-gpu-graphs")
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results.jsonl")
-    parser.add_argument("--sweep", action="store_true", help="GEMM tile sweep + attention per-layer times")
+    parser.add_argument("--sweep", action="store_true", help="one-row GEMV tile sweep; its best tiles run the timings")
     parser.add_argument("--agreement", action="store_true", help="greedy agreement fast vs eager bf16 on the shipped pair")
     parser.add_argument("--warm-start", action="store_true", help=argparse.SUPPRESS)  # the child process
     return parser.parse_args()
@@ -630,8 +633,8 @@ def main() -> int:
     fill_pools(eager)
     report.section("reference_rows", lambda: graph_rows(eager, small, [2048], [1, 4], args.reps, "eager", ArStep(eager, Feeds(small, 1, 2048))))
     eager.close()
-    if args.sweep:
-        report.section("attention_us", lambda: attention_times({f"L={dims.max_context}": fast, f"L={small.max_context}": flat}, args.contexts, args.reps))
+    # about a second: the per-layer attention cost behind the graph numbers
+    report.section("attention_us", lambda: attention_times({f"L={dims.max_context}": fast, f"L={small.max_context}": flat}, args.contexts, args.reps))
     flat.close()
     fast.close()
     del target, draft, fast, flat, eager, ar, flat_ar

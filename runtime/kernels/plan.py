@@ -87,9 +87,15 @@ class LinearPlan:
 
 
 def linear_plan(out_features: int, in_features: int, gated: bool, element_bytes: int) -> LinearPlan:
-    """Measured on an H200 (benchmarks/gpu_graphs.py --sweep): small blocks along N keep enough tiles in flight."""
+    """The best of ``benchmarks/gpu_graphs.py --sweep`` on an H200 at the Qwen3-8B shapes (bf16).
+
+    Square-ish weights with few rows (o_proj 4096x4096, down_proj 4096x12288) want many thin programs;
+    wide ones (gate|up, the LM head) 32-row tiles; q|k|v a 16x512 tile with a 2-D accumulator.
+    """
     if element_bytes >= 4:
         return LinearPlan(16, 128, 4, True)
-    if out_features >= 65536:  # the LM head: plenty of programs already
-        return LinearPlan(64, 128, 4, False)
+    if gated or out_features >= 65536:
+        return LinearPlan(32, 256, 4, True)
+    if out_features <= in_features:
+        return LinearPlan(4, 1024, 4, True)
     return LinearPlan(16, 512, 4, False)

@@ -209,6 +209,7 @@ def _attention_kernel(
         slots = j0 + tl.arange(0, BLOCK_N)
         inside = slots < last
         k = tl.load(k_ptr + kv_row + slots[:, None] * sk_l + d[None, :], mask=inside[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_row + slots[:, None] * sk_l + d[None, :], mask=inside[:, None], other=0.0)  # in flight with K
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         visible = inside[None, :] & row_ok[:, None]
         if CAUSAL:
@@ -220,7 +221,6 @@ def _attention_kernel(
         alpha = tl.exp(top - new_top)
         p = tl.where(visible, tl.exp(scores - new_top[:, None]), 0.0)
         total = total * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + kv_row + slots[:, None] * sk_l + d[None, :], mask=inside[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         top = new_top
     seen = total > 0
@@ -238,17 +238,17 @@ def _attention_kernel(
 @triton.jit
 def _combine_kernel(
     part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, T, G, HKV,
-    D: tl.constexpr, BLOCK_Q: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+    D: tl.constexpr, BLOCK_Q: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """Program (owner x kv head, query block): the splits' outputs weighted by exp(lse - max lse).
+    """Program (owner x kv head, query block, ROWS-row slice): the splits' outputs weighted by exp(lse - max lse).
 
     SPLITS is static: the loops unroll, so every split's loads are issued at once (latency, not bytes,
-    is what a short combine pays).
+    is what a short combine pays); row slices spread the partials' bytes over more processors.
     """
     nh = tl.program_id(0)
     qb = tl.program_id(1)
     programs = tl.num_programs(0) * tl.num_programs(1)
-    local = tl.arange(0, BLOCK_Q)
+    local = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
     d = tl.arange(0, D)
     base = nh * tl.num_programs(1) + qb
     split = tl.arange(0, SPLITS_P2)
@@ -258,7 +258,7 @@ def _combine_kernel(
     best = tl.max(lse, axis=0)
     best = tl.where(best == float("-inf"), 0.0, best)  # padding rows: no split saw a slot
     weight_sum = tl.sum(tl.exp(lse - best[None, :]), axis=0)
-    acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
+    acc = tl.zeros([ROWS, D], dtype=tl.float32)
     for s in tl.static_range(SPLITS):
         rows = (s * programs + base) * BLOCK_Q + local
         weight = tl.exp(tl.load(lse_ptr + rows) - best)
@@ -389,9 +389,9 @@ class TritonOps(EagerKernels):
             BLOCK_N=plan.block_n, CAUSAL=causal, WINDOW=window > 0, SPLIT=split, num_warps=4, num_stages=2,
         )
         if split:
-            _combine_kernel[(n * kv_heads, plan.query_blocks)](
+            _combine_kernel[(n * kv_heads, plan.query_blocks, plan.block_q // 16)](
                 part, lse, out, out.stride(0), out.stride(2), out.stride(1), T, group, kv_heads,
-                D=D, BLOCK_Q=plan.block_q, SPLITS=plan.splits, SPLITS_P2=triton.next_power_of_2(plan.splits),
-                num_warps=8 if plan.block_q * D > 4096 else 4,
+                D=D, BLOCK_Q=plan.block_q, SPLITS=plan.splits, SPLITS_P2=triton.next_power_of_2(plan.splits), ROWS=16,
+                num_warps=4,
             )
         return out.transpose(1, 2)
