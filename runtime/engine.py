@@ -71,16 +71,25 @@ class Engine:
     """Serve requests over one executor from a background thread (see the module docstring).
 
     ``tokenizer`` (``export.tokenizer.Tokenizer``) enables text prompts,
-    text deltas and stop strings; its stop ids are the default stop tokens.
+    text deltas and stop strings. ``stop_ids``: the default stop tokens
+    (default: the tokenizer's stop ids, none without a tokenizer).
     ``max_running`` caps sessions at once (default: the executor's
     max_sessions). Use as a context manager, or call ``close()``.
     """
 
-    def __init__(self, executor: Executor, tokenizer=None, max_queue: int = DEFAULT_MAX_QUEUE, max_running: int | None = None) -> None:
+    def __init__(
+        self,
+        executor: Executor,
+        tokenizer=None,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        max_running: int | None = None,
+        stop_ids: Sequence[int] | None = None,
+    ) -> None:
         if not is_int(max_queue) or max_queue < 0:
             msg = f"max_queue must be an int >= 0, got {max_queue!r}"
             raise InputError(msg)
         self.executor, self.tokenizer, self.max_queue = executor, tokenizer, max_queue
+        self.stop_ids = tuple(stop_ids if stop_ids is not None else tokenizer.stop_ids if tokenizer is not None else ())
         self.batcher = Batcher(executor, max_running)  # the loop thread's alone
         self.recorder = MetricsRecorder()
         self._executes = ExecuteCursor(executor)
@@ -111,7 +120,7 @@ class Engine:
 
         ``prompt``: text (needs the tokenizer) or token ids. ``stop``: stop
         strings (need the tokenizer; the text ends before them). ``stop_ids``:
-        stop tokens (default: the tokenizer's). ``seed`` None draws one.
+        stop tokens (default: the engine's). ``seed`` None draws one.
         Raises InputError / SamplingError / TokenizerError for bad values,
         QueueFullError when ``max_queue`` requests are waiting,
         EngineClosedError after ``close()``. Nothing is queued on a refusal.
@@ -147,8 +156,7 @@ class Engine:
         if any(not isinstance(s, str) for s in stops):
             msg = f"stop must be a string or a list of strings, got {stop!r:.80}"
             raise InputError(msg)
-        if stop_ids is None:
-            stop_ids = self.tokenizer.stop_ids if self.tokenizer is not None else ()
+        stop_ids = self.stop_ids if stop_ids is None else stop_ids
         check_sampling(temperature, top_k, top_p, dims.vocab_size)
         seed = secrets.randbits(63) if seed is None else check_seed(seed)
         request = Request(list(prompt), max_new_tokens, tuple(stop_ids), float(temperature), int(top_k), float(top_p), seed)
@@ -222,6 +230,7 @@ class Engine:
             dropped = [job for job in self._queue if job.cancelled]
             self._queue = deque(job for job in self._queue if not job.cancelled)
             joining = [self._queue.popleft() for _ in range(min(len(self._queue), self.batcher.room + len(leaving)))]
+            self._jobs.update((job.handle.id, job) for job in joining)  # a cancel from now on flags them
             if not (self._queue or self._jobs or joining):
                 return False
         for job in leaving:
@@ -241,8 +250,6 @@ class Engine:
         except DFlashError as error:  # validated at submit; a refusal here fails this request only
             self._fail([job], error)
             return
-        with self._cond:
-            self._jobs[job.handle.id] = job
         self.recorder.joined(time.perf_counter() - job.submitted)
 
     def _step(self) -> None:
