@@ -86,3 +86,15 @@ class CudaError(DFlashError):
         super().__init__(message)
         self.call = call
         self.code = code
+
+
+class ServingError(DFlashError):
+    """The serving engine (``runtime.engine``) refused a request; see the subclasses."""
+
+
+class QueueFullError(ServingError):
+    """The serving engine's request queue is full (backpressure): nothing was queued, retry later."""
+
+
+class EngineClosedError(ServingError):
+    """The serving engine is closed (or stopped after an internal error) and accepts no request."""

@@ -6,6 +6,9 @@ sessions leave (closed) and queued requests join, so every call mixes new
 prompts (target prefill + one cycle) with running sessions' pending tokens
 (the fast path: straight to draft → verify).
 
+``Batcher`` is that loop's state, shared with ``runtime.engine.Engine``
+(requests arriving from other threads); ``stream`` drives it over a fixed list.
+
 ``collect(chunks, count)`` folds a stream into one ``Completion`` per
 request; ``generate(executor, prompts, ...)`` is ``stream`` + ``collect``
 (text too, when given a tokenizer).
@@ -17,7 +20,7 @@ when the context is full (its next token would sit at ``max_context``).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from dflash_trt.checks import is_int
@@ -43,9 +46,9 @@ class Request:
 
 @dataclass(frozen=True)
 class Chunk:
-    """New tokens of request ``index``; ``finish`` is set on its last chunk."""
+    """New tokens of request ``index`` (the key it joined with); ``finish`` is set on its last chunk."""
 
-    index: int
+    index: Hashable
     tokens: list[int]
     finish: str | None = None
 
@@ -59,10 +62,11 @@ class Completion:
 
 @dataclass
 class _Running:
-    index: int
+    key: Hashable
     request: Request
     session: int
     produced: int = 0
+    joined: bool = True  # the next input is the prompt (then the pending token)
 
 
 def check_request(index: int, request: Request, max_context: int, vocab_size: int) -> None:
@@ -79,67 +83,95 @@ def check_request(index: int, request: Request, max_context: int, vocab_size: in
         raise InputError(msg)
 
 
+class Batcher:
+    """Continuous batching over one executor: the running requests, one execute() per ``step``.
+
+    ``join`` opens a session for a request (its prompt is the next input),
+    ``step`` runs one batch of every running request (prompts of the joined
+    ones, pending tokens of the others: the fast path) and returns a chunk per
+    request; finished requests leave inside ``step`` (session closed).
+    ``leave`` closes a request's session early (cancelled, or poisoned by a
+    failed step). Not thread-safe: one caller drives it.
+    """
+
+    def __init__(self, executor: Executor, max_running: int | None = None) -> None:
+        self.executor = executor
+        self.capacity = min(max_running or executor.max_sessions, executor.max_sessions)
+        self.running: dict[Hashable, _Running] = {}  # in join order
+
+    @property
+    def room(self) -> int:
+        return self.capacity - len(self.running)
+
+    def join(self, key: Hashable, request: Request) -> None:
+        session = self.executor.open_session()
+        try:
+            self.executor.set_sampling(session, request.temperature, request.top_k, request.top_p, request.seed)
+        except BaseException:
+            self.executor.close_session(session)
+            raise
+        self.running[key] = _Running(key, request, session)
+
+    def leave(self, key: Hashable) -> None:
+        self.executor.close_session(self.running.pop(key).session)
+
+    def close(self) -> None:
+        for key in list(self.running):
+            self.leave(key)
+
+    def step(self) -> list[Chunk]:
+        """One execute() over every running request; raises what execute raised (sessions left as they are)."""
+        running = list(self.running.values())
+        outputs = self.executor.execute([self._next_input(r) for r in running])
+        chunks = []
+        for r, tokens in zip(running, outputs):
+            chunk = self._advance(r, tokens)
+            if chunk.finish is not None:
+                self.leave(r.key)
+            chunks.append(chunk)
+        return chunks
+
+    def _next_input(self, r: _Running) -> Input:
+        """A new session's prompt, or a running session's pending token (the fast path)."""
+        if r.joined:
+            r.joined = False
+            return Input(r.session, list(r.request.prompt))
+        return Input(r.session, [self.executor.session(r.session).pending])
+
+    def _advance(self, r: _Running, tokens: list[int]) -> Chunk:
+        """Truncate at the first stop token / max_new_tokens; say whether the request is done."""
+        room = r.request.max_new_tokens - r.produced
+        tokens = tokens[:room]
+        for position, token in enumerate(tokens):
+            if token in r.request.stop:
+                r.produced += position + 1
+                return Chunk(r.key, tokens[: position + 1], STOP)
+        r.produced += len(tokens)
+        if r.produced >= r.request.max_new_tokens:
+            return Chunk(r.key, tokens, LENGTH)
+        # The pending token sits AT the frontier; feeding it needs frontier + 1 <= max_context.
+        if self.executor.session(r.session).frontier + 1 > self.executor.dims.max_context:
+            return Chunk(r.key, tokens, CONTEXT)
+        return Chunk(r.key, tokens)
+
+
 def stream(executor: Executor, requests: Iterable[Request], max_sessions: int | None = None) -> Iterator[Chunk]:
-    """Serve ``requests`` with continuous batching; yields chunks in arrival order.
+    """Serve ``requests`` with continuous batching; yields chunks in arrival order (``Chunk.index``: the request's).
 
     Sessions are closed when their request finishes, and all of this stream's
     sessions are closed if it stops early (an error, or the caller stops iterating).
     """
-    cap = min(max_sessions or executor.max_sessions, executor.max_sessions)
     queue = deque(enumerate(requests))
     for index, request in queue:
         check_request(index, request, executor.dims.max_context, executor.dims.vocab_size)
-    running: list[_Running] = []
+    batcher = Batcher(executor, max_sessions)
     try:
-        while queue or running:
-            joined = {r.session for r in _admit(executor, queue, running, cap)}
-            batch = [_next_input(executor, r, r.session in joined) for r in running]
-            outputs = executor.execute(batch)
-            for r, tokens in zip(list(running), outputs):
-                chunk = _advance(executor, r, tokens)
-                if chunk.finish is not None:
-                    executor.close_session(r.session)
-                    running.remove(r)
-                yield chunk
+        while queue or batcher.running:
+            while queue and batcher.room:
+                batcher.join(*queue.popleft())
+            yield from batcher.step()
     finally:
-        for r in running:
-            executor.close_session(r.session)
-
-
-def _next_input(executor: Executor, r: _Running, joined: bool) -> Input:
-    """A new session's prompt, or a running session's pending token (the fast path)."""
-    if joined:
-        return Input(r.session, list(r.request.prompt))
-    return Input(r.session, [executor.session(r.session).pending])
-
-
-def _admit(executor: Executor, queue: deque, running: list[_Running], cap: int) -> list[_Running]:
-    joined = []
-    while queue and len(running) < cap:
-        index, request = queue.popleft()
-        session = executor.open_session()
-        r = _Running(index, request, session)
-        running.append(r)  # before set_sampling, so a refusal still closes it
-        executor.set_sampling(session, request.temperature, request.top_k, request.top_p, request.seed)
-        joined.append(r)
-    return joined
-
-
-def _advance(executor: Executor, r: _Running, tokens: list[int]) -> Chunk:
-    """Truncate at the first stop token / max_new_tokens; say whether the request is done."""
-    room = r.request.max_new_tokens - r.produced
-    tokens = tokens[:room]
-    for position, token in enumerate(tokens):
-        if token in r.request.stop:
-            r.produced += position + 1
-            return Chunk(r.index, tokens[: position + 1], STOP)
-    r.produced += len(tokens)
-    if r.produced >= r.request.max_new_tokens:
-        return Chunk(r.index, tokens, LENGTH)
-    # The pending token sits AT the frontier; feeding it needs frontier + 1 <= max_context.
-    if executor.session(r.session).frontier + 1 > executor.dims.max_context:
-        return Chunk(r.index, tokens, CONTEXT)
-    return Chunk(r.index, tokens)
+        batcher.close()
 
 
 def collect(chunks: Iterable[Chunk], count: int) -> list[Completion]:

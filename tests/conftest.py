@@ -112,3 +112,20 @@ def _tuned_draft(target_dir: Path, random_draft: Path, prompts: list, out: Path)
     config["dflash_config"]["mask_token_id"] = mask
     scaled = {k: v * 0.1 if k.endswith(("o_proj.weight", "down_proj.weight")) else v for k, v in read_tensors(random_draft).items()}
     return save_checkpoint(out, config, scaled)
+
+
+@pytest.fixture(scope="session")
+def default_pair_cache(build_cache) -> Path:
+    """A ``dflash-trt`` cache dir holding the demo's ONNX export of the shipped default pair (made by
+    ``demo.export_dir``, once per code version): ``dflash-trt serve --cache`` finds it there unchanged,
+    the demo test serves its ``export/`` dir. Read-only for tests."""
+    import argparse
+
+    from dflash_trt import demo
+
+    pair = demo._default_pair()
+
+    def build(root: Path) -> None:
+        demo.export_dir(argparse.Namespace(artifacts=None, target=pair / "target", draft=pair / "draft", cache=root))
+
+    return build_cache("default_pair_demo_export", build, str(pair))
