@@ -159,7 +159,7 @@ class Executor:
     def _require_sampled_graphs(self, temperature: float) -> None:
         """A greedy-only engine set (no verify_sample_n) cannot serve sampled sessions: refuse up front."""
         wanted = [c.graph_name(c.VERIFY_SAMPLE, n) for n in range(1, self.dims.max_owners + 1)]
-        missing = [g for g in wanted if g not in self.backend.graphs]
+        missing = [g for g in wanted if g not in self.backend.graph_names]
         if missing:
             msg = (
                 f"set_sampling.temperature: this {self.backend.name} backend serves greedy sessions only "

@@ -109,8 +109,8 @@ class RecordingBackend(Backend):
         self.counts: dict[str, int] = {}
 
     @property
-    def graphs(self):
-        return self.inner.graphs
+    def graph_names(self):
+        return self.inner.graph_names
 
     def run(self, graph, feeds, first_row):
         kind, n = c.parse_graph_name(graph)

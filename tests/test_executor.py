@@ -187,8 +187,8 @@ class GreedyOnly(RecordingBackend):
     """A backend whose artifacts lack the sampled verifiers (a greedy-only engine set)."""
 
     @property
-    def graphs(self):
-        return tuple(g for g in self.inner.graphs if not c.sampled_only(g))
+    def graph_names(self):
+        return tuple(g for g in self.inner.graph_names if not c.sampled_only(g))
 
 
 def test_greedy_only_artifacts_refuse_sampled_sessions_and_serve_greedy_ones(tiny, oracle):

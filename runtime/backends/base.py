@@ -72,7 +72,7 @@ class Backend(ABC):
         """
 
     @property
-    def graphs(self) -> tuple[str, ...]:
+    def graph_names(self) -> tuple[str, ...]:
         """The contract graphs this backend runs: all of them, unless its artifacts lack some
         (a greedy-only engine set has no ``verify_sample_n``; the executor then refuses sampling)."""
         return contract.graph_names(self.dims.max_owners)

@@ -8,7 +8,7 @@ scratch memory of its own: the contexts run one at a time on the backend's
 one stream, so ONE device buffer, as large as the largest engine needs, is
 every context's scratch. Every plain output gets one device-layer buffer at
 its largest shape, bound ONCE, and the pools are allocated. A set without
-the sampled verifiers (greedy-only) loads; ``graphs`` says what it runs.
+the sampled verifiers (greedy-only) loads; ``graph_names`` says what it runs.
 
 Run: set the feed addresses (and input shapes of the dynamic graphs), bind
 ``past_*`` and ``present_*`` of every layer to the SAME pool rows (re-bound
@@ -105,7 +105,7 @@ class TensorRTBackend(Backend):
     # ------------------------------------------------------------------ Backend
 
     @property
-    def graphs(self) -> tuple[str, ...]:
+    def graph_names(self) -> tuple[str, ...]:
         return tuple(self.contexts)
 
     def run(self, graph: str, feeds: Mapping[str, torch.Tensor], first_row: int) -> dict[str, torch.Tensor]:
