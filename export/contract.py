@@ -93,6 +93,8 @@ VERIFY_SAMPLE = "verify_sample"
 DYNAMIC_KINDS = (TARGET_PREFILL, DRAFT_CONTEXT)
 STATIC_KINDS = (TARGET_VERIFY, DRAFT, VERIFY_ARGMAX, VERIFY_SAMPLE)
 KINDS = DYNAMIC_KINDS + STATIC_KINDS
+# Kinds only sampled sessions need: an engine set may lack them (greedy only).
+SAMPLED_KINDS = (VERIFY_SAMPLE,)
 
 # Tensor names.
 TOKENS = "tokens"
@@ -384,6 +386,13 @@ def graph_names(max_owners: int) -> tuple[str, ...]:
     for kind in STATIC_KINDS:
         names += [graph_name(kind, n) for n in range(1, max_owners + 1)]
     return tuple(names)
+
+
+def sampled_only(name: str) -> bool:
+    """Whether only sampled sessions need graph ``name`` (a greedy-only set may lack it);
+    False for names outside the contract."""
+    match = _STATIC_NAME.match(name)
+    return match is not None and match.group(1) in SAMPLED_KINDS
 
 
 def graph_specs(dims: Dims) -> dict[str, GraphSpec]:

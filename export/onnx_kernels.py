@@ -17,14 +17,19 @@ Validity is expressed as lengths (``nonpad_kv_seqlen = start + T``):
   ONNX (>= 1.23 errata) aligns that mask bottom-right: query i sees key j iff
   ``j <= i + nonpad_kv_seqlen - T`` = its own position, which is what the
   target needs. ONNX Runtime 1.32 implements it (tests check).
-- ``causal="mask"``: every attention also gets an explicit mask (boolean
+- ``causal="mask"``: every attention gets an explicit mask instead (boolean
   visibility from positions, passed as a float 0 / lowest-value mask added to
   the scores, see ``additive``): ``[n, 1, T, L]`` causal (+ window) for the target,
-  ``[n, 1, T, L]`` of the length for the draft; the lengths stay as a hint.
-  Slower (the mask spans max_context) but needs neither the lengths nor the
-  bottom-right reading of ``is_causal``: for backends that ignore
-  ``nonpad_kv_seqlen`` (TensorRT-RTX 1.7's ONNX parser does) or align
-  ``is_causal`` top-left. Sliding-window layers always take the mask.
+  ``[n, 1, T, L]`` of the length for the draft. Slower (the mask spans
+  max_context) but needs neither the lengths nor the bottom-right reading of
+  ``is_causal``, for backends that support neither. Sliding-window layers
+  always take the mask.
+
+An Attention with a mask gets no ``nonpad_kv_seqlen``: the mask already says
+everything, and a lengths input a backend does not read would be a tensor its
+engine silently drops (the engine build refuses those). TensorRT's ONNX parser
+ignores ``nonpad_kv_seqlen`` and reads ``is_causal`` top-left;
+``engines.attention`` restores both on the parsed network.
 
 ``TRANSLATIONS`` lowers the one aten op the exporter cannot: the stable sort
 of ``sampling.filtered_probs`` becomes ``TopK(k = axis size)``, whose ties
@@ -58,14 +63,16 @@ def onnx_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor | None,
-    nonpad_kv_seqlen: torch.Tensor,
+    nonpad_kv_seqlen: torch.Tensor | None,
     is_causal: bool,
 ) -> torch.Tensor:
     """ONNX Attention-24 (4-D, GQA, external cache) in PyTorch: q [n, Hq, T, D],
     k/v [n, Hkv, L, D], mask (boolean, or float added to the scores) broadcastable
-    to [n, Hq, T, L] -> [n, Hq, T, D]."""
+    to [n, Hq, T, L] -> [n, Hq, T, D]. No ``nonpad_kv_seqlen``: every slot is valid."""
     n, _, tokens, _ = q.shape
     slots = torch.arange(k.shape[2], device=q.device)
+    if nonpad_kv_seqlen is None:
+        nonpad_kv_seqlen = torch.full((n,), k.shape[2], dtype=torch.int64, device=q.device)
     visible = slots[None, None, :] < nonpad_kv_seqlen[:, None, None]  # [n, 1, L]
     if is_causal:
         offset = nonpad_kv_seqlen - tokens  # bottom-right alignment
@@ -162,13 +169,14 @@ class OnnxKernels:
         elif not causal and self.causal == CAUSAL_MASK:
             mask = length_mask(kv_len, q.shape[2], max_context)
         is_causal = causal and mask is None
+        lengths = kv_len if mask is None else None  # a mask says it all: no lengths to drop
         if mask is not None:
             mask = additive(mask, q.dtype)
         if not self._emitting():
-            return onnx_attention(q, k_cache, v_cache, mask, kv_len, is_causal)
+            return onnx_attention(q, k_cache, v_cache, mask, lengths, is_causal)
         return torch.onnx.ops.symbolic(
             "Attention",
-            (q, k_cache, v_cache, mask, None, None, kv_len),
+            (q, k_cache, v_cache, mask, None, None, lengths),
             {"is_causal": int(is_causal)},
             dtype=q.dtype,
             shape=q.shape,

@@ -47,7 +47,7 @@ import polars as pl
 import torch
 
 from dflash_trt.checks import is_int
-from dflash_trt.errors import PoisonedError
+from dflash_trt.errors import PoisonedError, SamplingError
 from dflash_trt.export import contract as c
 from dflash_trt.export.sampling import Sampling, check_sampling, choose, positional_uniform
 from dflash_trt.export.torch_dtypes import TORCH_DTYPES
@@ -151,8 +151,21 @@ class Executor:
         """Temperature / top-k / top-p and the positional-uniform seed (random when None)."""
         s = self.table.get(session, "set_sampling.session")
         check_sampling(temperature, top_k, top_p, self.dims.vocab_size)
+        if temperature > 0:
+            self._require_sampled_graphs(temperature)
         seed = secrets.randbits(64) if seed is None else check_seed(seed)
         s.sampling = Sampling(float(temperature), int(top_k), float(top_p), seed)
+
+    def _require_sampled_graphs(self, temperature: float) -> None:
+        """A greedy-only engine set (no verify_sample_n) cannot serve sampled sessions: refuse up front."""
+        wanted = [c.graph_name(c.VERIFY_SAMPLE, n) for n in range(1, self.dims.max_owners + 1)]
+        missing = [g for g in wanted if g not in self.backend.graph_names]
+        if missing:
+            msg = (
+                f"set_sampling.temperature: this {self.backend.name} backend serves greedy sessions only "
+                f"(temperature 0): its artifacts lack {missing}, needed for sampled verification; got temperature {temperature}"
+            )
+            raise SamplingError(msg)
 
     def clone(self, session: int, upto: int) -> int:
         """A new session holding positions 0..upto-1 of ``session`` (caches copied row to row)."""

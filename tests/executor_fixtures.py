@@ -108,6 +108,10 @@ class RecordingBackend(Backend):
         self.fail_on: tuple[str, int] | None = None
         self.counts: dict[str, int] = {}
 
+    @property
+    def graph_names(self):
+        return self.inner.graph_names
+
     def run(self, graph, feeds, first_row):
         kind, n = c.parse_graph_name(graph)
         self.counts[kind] = self.counts.get(kind, 0) + 1

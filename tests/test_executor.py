@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dflash_trt.errors import InputError, PoisonedError, SamplingError, SessionError
+from dflash_trt.export import contract as c
 from dflash_trt.export.reference import ReferenceDecoder
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor, Input
@@ -180,6 +181,32 @@ def test_sampled_session_is_batch_independent(tiny, oracle, with_oracle):
     assert packed == alone
     assert alone == oracle.continuation(base, SAMPLED)[: len(alone)]
     assert packed_stats["owners"].max() == tiny.dims.max_owners and set(alone_stats["owners"]) == {1}
+
+
+class GreedyOnly(RecordingBackend):
+    """A backend whose artifacts lack the sampled verifiers (a greedy-only engine set)."""
+
+    @property
+    def graph_names(self):
+        return tuple(g for g in self.inner.graph_names if not c.sampled_only(g))
+
+
+def test_greedy_only_artifacts_refuse_sampled_sessions_and_serve_greedy_ones(tiny, oracle):
+    """Guards against a sampled session reaching a verify_sample_n the engine set does not have
+    (a failed run that poisons every session of the batch): set_sampling refuses it up front,
+    naming the missing graphs and the value, and changes nothing; greedy sessions on the same
+    backend still give the reference's tokens."""
+    executor = Executor(GreedyOnly(tiny.ort), tiny.dims, 4)
+    t = Tracker(executor, oracle)
+    s = t.open()
+    with pytest.raises(SamplingError, match=r"set_sampling.temperature: .*greedy sessions only.*'verify_sample_1'.*got temperature 0.8"):
+        executor.set_sampling(s, temperature=0.8, seed=1)
+    assert executor.session(s).sampling == Sampling()
+    t.set_sampling(s, Sampling(temperature=0.0, seed=5))
+    t.execute([(s, prompt(9, 4), None, True)])
+    for _ in range(3):
+        t.execute(t.decode_inputs([s]))
+    assert len(t.seq[s]) > 9 + 3
 
 
 def test_stats_count_every_token_and_tau_matches_reference(tiny, tmp_path):

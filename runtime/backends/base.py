@@ -36,6 +36,7 @@ from contextlib import nullcontext
 
 import torch
 
+from dflash_trt.export import contract
 from dflash_trt.export.contract import Dims
 from dflash_trt.runtime.backends.pools import pool_named
 
@@ -69,6 +70,12 @@ class Backend(ABC):
         with the contract / pool are refused with ``EngineError`` before
         anything is enqueued (graphs without caches ignore ``first_row``).
         """
+
+    @property
+    def graph_names(self) -> tuple[str, ...]:
+        """The contract graphs this backend runs: all of them, unless its artifacts lack some
+        (a greedy-only engine set has no ``verify_sample_n``; the executor then refuses sampling)."""
+        return contract.graph_names(self.dims.max_owners)
 
     def copy_rows(self, pool: str, source: int, destination: int, upto: int) -> None:
         """Copy cache slots ``0 .. upto-1`` of row ``source`` into row ``destination`` (clone).
