@@ -137,10 +137,14 @@ def check_built_set(out, specs, dtype, directory, printed: str) -> None:
     profiles = {
         name: {b.name: b.profile for b in engine.bindings if b.profile} for name, engine in record.engines.items()
     }
-    assert {name for name, p in profiles.items() if p} == {"target_prefill", "draft_context"} & set(specs)
+    assert {name for name, p in profiles.items() if p} == {"target_prefill", "draft_context", "sample"} & set(specs)
     if "target_prefill" in profiles:  # T in 1..max_chunk (64)
         assert profiles["target_prefill"] == {"tokens": ((1, 1), (1, 64), (1, 64))}
     if "draft_context" in profiles:  # C in 1..max_chunk
         assert {name: p[0][1] for name, p in profiles["draft_context"].items()} == {"taps": 1}
+    if "sample" in profiles:  # R in 1..max_owners * (P + 1) = 2 * 8, every input of the graph
+        assert {name: (p[0][0], p[1][0], p[2][0]) for name, p in profiles["sample"].items()} == {
+            name: (1, 1, 16) for name in ("logits", "temperature", "top_k", "top_p", "seed", "position")
+        }
     assert read_engine_set(out).source_manifest["file"] == "manifest.json" and (out / "manifest.json").is_file()
     assert sum(" built in " in line for line in printed.splitlines()) == len(specs)
