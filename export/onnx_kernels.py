@@ -31,9 +31,10 @@ engine silently drops (the engine build refuses those). TensorRT's ONNX parser
 ignores ``nonpad_kv_seqlen`` and reads ``is_causal`` top-left;
 ``engines.attention`` restores both on the parsed network.
 
-``TRANSLATIONS`` lowers the one aten op the exporter cannot: the stable sort
-of ``sampling.filtered_probs`` becomes ``TopK(k = axis size)``, whose ties
-keep the lower index first, i.e. a stable descending sort.
+``TRANSLATIONS`` lowers ``torch.ops.dflash_trt.choose`` (the sampling graphs'
+token choice, ``export.sampling``) by running the same math over ``OnnxOps``:
+standard ONNX nodes, int64 Mul/Add/Mod for the hash, one TopK of
+K <= 3840, no sort, no cumulative sum.
 """
 
 from __future__ import annotations
@@ -184,13 +185,76 @@ class OnnxKernels:
         )
 
 
-def _sort_stable(self, *, stable=None, dim: int = -1, descending: bool = False):
-    """aten.sort.stable -> ONNX TopK over the whole axis (ties: lower index first)."""
-    from onnxscript import opset23 as op
+class OnnxOps:
+    """``sampling.TorchOps``' primitives as ONNX nodes (onnxscript, inside ``torch.onnx.export``).
 
-    k = op.Shape(self, start=dim, end=None if dim == -1 else dim + 1)
-    values, indices = op.TopK(self, k, axis=dim, largest=int(descending), sorted=1)
-    return values, indices
+    Python constants in the shared math become constants of the other
+    operand's dtype (the exporter binds them by the op's type constraint).
+    """
+
+    def __init__(self) -> None:
+        from onnxscript import opset23 as op
+
+        self.op = op
+
+    def column(self, x, i: int):
+        return self.op.Slice(x, [i], [i + 1], [1])
+
+    def as_column(self, x):
+        return self.op.Unsqueeze(x, [1])
+
+    def tokens(self, like, vocab: int):
+        return self.op.Unsqueeze(self.op.Range(0, vocab, 1), [0])  # [1, V] int64
+
+    def to_float(self, x):
+        return self.op.Cast(x, to=1)  # FLOAT
+
+    def log(self, x):
+        return self.op.Log(x)
+
+    def exp(self, x):
+        return self.op.Exp(x)
+
+    def equal(self, x, y):
+        return self.op.Equal(x, y)
+
+    def where(self, condition, x, y):
+        return self.op.Where(condition, x, y)
+
+    def either(self, x, y):
+        return self.op.Or(x, y)
+
+    def both(self, x, y):
+        return self.op.And(x, y)
+
+    def row_sum(self, x):
+        return self.op.ReduceSum(x, [-1], keepdims=1)
+
+    def top_values(self, x, k: int):
+        values, _ = self.op.TopK(x, [k], axis=-1, largest=1, sorted=1)
+        return values
+
+    def pick(self, x, index):
+        return self.op.GatherElements(x, index, axis=1)
+
+    def clamp(self, x, low: int, high: int):
+        return self.op.Clip(x, low, high)
+
+    def argmax(self, x):
+        return self.op.ArgMax(x, axis=-1, keepdims=0)  # select_last_index=0: first index on ties
 
 
-TRANSLATIONS = {torch.ops.aten.sort.stable: _sort_stable}
+def _choose(logits, temperature, top_k, top_p, seed, position):
+    """torch.ops.dflash_trt.choose -> ``sampling.choose`` over ONNX ops."""
+    from dflash_trt.export import sampling
+
+    return sampling.choose(logits, temperature, top_k, top_p, seed, position, ops=OnnxOps())
+
+
+def _translations() -> dict:
+    from dflash_trt.export.sampling import choose_op
+
+    return {choose_op._opoverload: _choose}
+
+
+TRANSLATIONS = _translations()

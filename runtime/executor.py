@@ -49,10 +49,10 @@ import torch
 from dflash_trt.checks import is_int
 from dflash_trt.errors import PoisonedError, SamplingError
 from dflash_trt.export import contract as c
-from dflash_trt.export.sampling import Sampling, check_sampling, choose, positional_uniform
+from dflash_trt.export.sampling import Sampling, check_sampling
 from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 from dflash_trt.runtime.backends.base import Backend
-from dflash_trt.runtime.cycles import Burst, block_fits, chunks, cycle_mode, make_bursts, pack_rows, plan_context, static_context, trim_context, verify_uniforms
+from dflash_trt.runtime.cycles import Burst, block_fits, chunks, cycle_mode, make_bursts, pack_rows, plan_context, sampling_rows, static_context, trim_context
 from dflash_trt.runtime.sessions import ContextPool, Input, Limits, Session, SessionTable, SessionView, Step, check_seed, int_in, validate_batch
 from dflash_trt.runtime.stats import StatsLog, stats_paths, write_parquet
 
@@ -148,7 +148,7 @@ class Executor:
         return sorted(self.table.sessions)
 
     def set_sampling(self, session: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> None:
-        """Temperature / top-k / top-p and the positional-uniform seed (random when None)."""
+        """Temperature / top-k / top-p and the seed of the sampling noise (random when None)."""
         s = self.table.get(session, "set_sampling.session")
         check_sampling(temperature, top_k, top_p, self.dims.vocab_size)
         if temperature > 0:
@@ -291,10 +291,10 @@ class Executor:
         return prediction
 
     def _choose(self, s: Session, logits: torch.Tensor, position: int) -> int:
-        """The target's token AT ``position`` from logits [1, V] (the verifier's math and uniform)."""
-        params = [t.to(logits.device) for t in s.sampling.tensors(1)]
-        uniform = torch.from_numpy(positional_uniform(s.sampling.seed, [position])).to(logits.device)
-        return int(choose(logits, *params, uniform)[0].item())  # host sync: one token id
+        """The target's token AT ``position`` from logits [1, V]: the backend's ``sample`` graph (the verifiers' choice)."""
+        feeds = self._sampling_feeds([s.sampling], [position]) | {c.LOGITS: logits}
+        token = self.backend.run(c.SAMPLE, feeds, 0)[c.TOKEN]
+        return int(token[0].item())  # host sync: one token id
 
     def _commit_taps(self, s: Session, taps: torch.Tensor) -> None:
         """taps [R, W] of positions frontier.. : pending context, draining all but B rows (on device)."""
@@ -375,14 +375,13 @@ class Executor:
         feeds = {c.LOGITS: logits, c.CANDIDATES: candidates}
         if all(s.sampling.temperature == 0 for s in sessions):
             return self.backend.run(c.graph_name(c.VERIFY_ARGMAX, n), feeds, first)
-        uniforms = verify_uniforms([s.sampling.seed for s in sessions], starts, self.dims.proposals + 1)
-        feeds |= {
-            c.TEMPERATURE: torch.tensor([s.sampling.temperature for s in sessions], dtype=torch.float32, device=self.device),
-            c.TOP_K: self._ints([s.sampling.top_k for s in sessions]),
-            c.TOP_P: torch.tensor([s.sampling.top_p for s in sessions], dtype=torch.float32, device=self.device),
-            c.UNIFORMS: torch.from_numpy(uniforms).to(self.device),
-        }
+        # Verify row j of an owner chooses the token AT start + 1 + j.
+        feeds |= self._sampling_feeds([s.sampling for s in sessions], [start + 1 for start in starts])
         return self.backend.run(c.graph_name(c.VERIFY_SAMPLE, n), feeds, first)
+
+    def _sampling_feeds(self, samplings: list[Sampling], positions: list[int]) -> dict[str, torch.Tensor]:
+        """``cycles.sampling_rows`` as device tensors (small H2D copies on CUDA)."""
+        return {name: torch.from_numpy(rows).to(self.device) for name, rows in sampling_rows(samplings, positions).items()}
 
     def _ints(self, values: Sequence[int]) -> torch.Tensor:
         """A small int64 feed built on the host (an H2D copy on CUDA; pageable, so it may block briefly)."""

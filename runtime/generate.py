@@ -33,7 +33,7 @@ STOP, LENGTH, CONTEXT = "stop", "length", "context"  # finish reasons
 
 @dataclass(frozen=True)
 class Request:
-    """One prompt (token ids) with its limits and sampling (seed: the positional-uniform seed)."""
+    """One prompt (token ids) with its limits and sampling (seed: of the sampling noise, see export.sampling)."""
 
     prompt: Sequence[int]
     max_new_tokens: int = 64

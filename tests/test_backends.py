@@ -54,11 +54,13 @@ def _feeds(spec: c.GraphSpec, dims: c.Dims, generator: torch.Generator, sizes: d
         for i in range(n):
             cut = 1 + (2 * i + 1) % P
             feeds[c.CANDIDATES][i, cut] = (choices[i, cut - 1] + 1) % V
-    if c.TEMPERATURE in feeds:
-        feeds[c.TEMPERATURE] = torch.tensor([0.0, 0.8, 1.3][:n])
-        feeds[c.TOP_K] = torch.tensor([0, 5, 0][:n])
-        feeds[c.TOP_P] = torch.tensor([1.0, 0.9, 0.6][:n])
-        feeds[c.UNIFORMS] = torch.rand(n, P + 1, generator=generator)
+    if c.TEMPERATURE in feeds:  # per row (sample) or per owner (verify_sample): greedy, top-k, top-p, untruncated
+        rows = feeds[c.TEMPERATURE].shape[0]
+        feeds[c.TEMPERATURE] = torch.tensor([(0.0, 0.8, 1.3, 1.0)[i % 4] for i in range(rows)])
+        feeds[c.TOP_K] = torch.tensor([(0, 5, 0, 0)[i % 4] for i in range(rows)])
+        feeds[c.TOP_P] = torch.tensor([(1.0, 0.9, 0.6, 1.0)[i % 4] for i in range(rows)])
+        feeds[c.SEED] = torch.randint(0, 1 << 22, (rows, c.SEED_PARTS), generator=generator)
+        feeds[c.POSITION] = torch.tensor([(starts * rows)[i] + 1 for i in range(rows)])
     return feeds
 
 
@@ -72,6 +74,8 @@ def script(dims: c.Dims) -> list[tuple[str, dict, int]]:
         (c.TARGET_PREFILL, {c.TOKENS_DIM: 10}, [0], 4),
         (c.DRAFT_CONTEXT, {c.CONTEXT_DIM: 9}, [0], 0),
         (c.DRAFT_CONTEXT, {c.CONTEXT_DIM: 2}, [3], 4),
+        (c.SAMPLE, {c.ROWS_DIM: 1}, [5], 0),
+        (c.SAMPLE, {c.ROWS_DIM: 6}, [5, 9, 30], 0),
     ]
     for n in range(1, dims.max_owners + 1):
         first = ROWS - n

@@ -324,3 +324,25 @@ def test_plans_do_not_deserialize_without_a_gpu_and_the_loader_says_so(tmp_path,
     build_engine_set([src], tmp_path / "out", rtx)
     with pytest.raises(EngineError, match=r"engine 'g'.*cannot"):
         load_engine_set(tmp_path / "out", {"g": src.io}, rtx)
+
+
+def test_verify_sample_for_a_150k_vocabulary_builds(tmp_path, rtx):
+    """Guards against a sampler TensorRT cannot compile for a real vocabulary (the old one sorted
+    all V logits with TopK, which TensorRT caps at K = 3840, and used a cumulative sum): the
+    exported verify_sample_1 of a bf16 export with Qwen's 151,936-token vocabulary (fp32 logits,
+    as the contract has them) builds strictly, every binding the contract's, nothing unread."""
+    from dflash_trt.export import contract
+    from dflash_trt.export.exporter import export_graph
+    from dflash_trt.export.graph_modules import VerifySample
+
+    dims = contract.Dims(
+        vocab_size=151936, tap_width=8, block_size=16, proposals=15, max_owners=1, max_context=64, max_chunk=8,
+        target_layers=1, target_kv_heads=1, target_head_dim=8, draft_layers=1, draft_kv_heads=1, draft_head_dim=8,
+        dtype="bfloat16",
+    )
+    spec = contract.graph_spec(dims, "verify_sample_1")
+    graph = export_graph(VerifySample(), spec, tmp_path)
+    record = build_engine_set([GraphSource(spec.name, tmp_path / graph.file, spec)], tmp_path / "engines", rtx)
+    engine = record.engines[spec.name]
+    assert {(b.mode, b.name) for b in engine.bindings} == {("input", s.name) for s in spec.inputs} | {("output", s.name) for s in spec.outputs}
+    assert {b.name: b.shape for b in engine.bindings}["logits"] == (1, 16, 151936) and engine.unread_tensors == ()

@@ -177,7 +177,7 @@ def check_built_set(built: BuiltSet, specs) -> None:
         masked = built.causal == "mask"
         assert {(a.causal, bool(a.lengths), a.mask) for a in engine.attention} <= {(causal, not masked, masked)}, name
     profiles = {name: {b.name: b.profile for b in engine.bindings if b.profile} for name, engine in record.engines.items()}
-    assert {name for name, p in profiles.items() if p} == {"target_prefill", "draft_context"} & set(specs)
+    assert {name for name, p in profiles.items() if p} == {"target_prefill", "draft_context", "sample"} & set(specs)
     if built.printed:  # built through the CLI from an export directory
         assert sum(" built in " in line for line in built.printed.splitlines()) == len(specs)
         assert read_engine_set(built.out).source_manifest["file"] == "manifest.json"

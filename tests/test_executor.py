@@ -95,15 +95,20 @@ def checked(tiny, tracker: Tracker, backend: RecordingBackend):
      pytest.param("onnxruntime-cuda", marks=pytest.mark.gpu)],
 )
 def test_lossless_sixteen_sessions_with_clones_rewinds_joins_and_leaves(tiny, oracle, backend):
-    """Guards against any cache/context bookkeeping bug that changes output: greedy output must equal
-    target-only output, and every draft call must see exactly the reference draft's context, through
-    prompts (chunked on the torch backend's 8-token chunks), dynamic drains, packing, clones, rewinds,
-    replays, joins, leaves and plain decode."""
+    """Guards against any cache/context bookkeeping bug that changes output, and against a choice made
+    differently after a prompt or replay than in a cycle: greedy and sampled output (untruncated T = 1,
+    and top-k/top-p) must equal target-only output, and every draft call must see exactly the reference
+    draft's context, through prompts (chunked on the torch backend's 8-token chunks), dynamic drains,
+    packing, clones, rewinds, replays, joins, leaves and plain decode."""
     executor, backend = new_executor(tiny, backend=backend)
     t = Tracker(executor, oracle)
     execute = checked(tiny, t, backend)
     lengths = [1, 2, 3, 5, 8, 9, 13, 16, 17, 24, 31, 40]
     sessions = [t.open() for _ in lengths]
+    # Sampled sessions that get cloned (2, 5, 9), rewound and replayed (4, 7) or just decode (10).
+    for index, seed in ((2, 11), (4, 12), (5, 13), (7, 14), (9, 15)):
+        t.set_sampling(sessions[index], Sampling(temperature=1.0, seed=seed))
+    t.set_sampling(sessions[10], SAMPLED)
     execute([(s, prompt(n, s), None, True) for s, n in zip(sessions, lengths)])
     for _ in range(2):
         execute(t.decode_inputs(sessions))
