@@ -40,14 +40,16 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import polars as pl
 import torch
 
 from dflash_trt.checks import is_int
-from dflash_trt.errors import PoisonedError
+from dflash_trt.errors import BusyError, DFlashError, EngineError, InputError, PoisonedError, SessionError
 from dflash_trt.export import contract as c
 from dflash_trt.export.sampling import Sampling, check_sampling, choose, positional_uniform
 from dflash_trt.export.torch_dtypes import TORCH_DTYPES
@@ -102,23 +104,66 @@ def make_clock(backend: Backend):
 
 
 class Executor:
-    """Sessions and batched DFlash cycles over one backend (see the module docstring)."""
+    """Sessions and batched DFlash cycles over one backend (see the module docstring).
+
+    Threads: one call at a time per backend (``runtime.ownership``). A call
+    made while another is running (another thread, or another executor over
+    the same backend) raises ``BusyError`` and changes nothing; stats reads
+    (``cycle_stats``, ``execute_stats``, ``write_stats``, ``refused_calls``)
+    are safe from any thread.
+    """
 
     def __init__(self, backend: Backend, dims: c.Dims | None = None, max_sessions: int | None = None) -> None:
         """``dims`` and ``max_sessions`` default to the backend's (its contract dims and pool rows)."""
         dims = dims if dims is not None else backend.dims
-        rows = backend.max_sessions
+        self.ownership = backend.ownership()
+        rows = self.ownership.rows.rows
         max_sessions = max_sessions if max_sessions is not None else rows
         if not is_int(max_sessions) or not 1 <= max_sessions <= rows:
             msg = f"max_sessions must be an int in [1, {rows}] (the backend's cache rows), got {max_sessions!r}"
-            raise ValueError(msg)
+            raise InputError(msg)
         self.backend, self.dims = backend, dims
         self.device = backend.device
-        self.table = SessionTable(max_sessions)
+        self.table = SessionTable(max_sessions, self.ownership.rows)
+        # Rows are the backend's: a session's pending taps live at its row of a pool as tall as the backend's.
         self.limits = Limits(dims.vocab_size, dims.max_context, dims.block_size)
-        self.context = ContextPool(max_sessions, dims.block_size, dims.tap_width, TORCH_DTYPES[dims.dtype], self.device)
+        self.context = ContextPool(rows, dims.block_size, dims.tap_width, TORCH_DTYPES[dims.dtype], self.device)
         self.clock = make_clock(backend)
         self.log = StatsLog()
+        self.closed = False
+        # Rows go back to the backend even if the executor is dropped without close().
+        self._release = weakref.finalize(self, self.table.rows.give_all, self.table.held)
+
+    @contextmanager
+    def _call(self, name: str, count_refusals: bool = True) -> Iterator[None]:
+        """One API call: holds the backend's call guard; typed errors raised here count as refused."""
+        try:
+            with self.ownership.guard.hold(name):
+                if self.closed:
+                    raise SessionError(f"{name}: this executor is closed")
+                yield
+        except BusyError:
+            self.log.refuse(name)
+            raise
+        except DFlashError:
+            if count_refusals:
+                self.log.refuse(name)
+            raise
+
+    def close(self) -> None:
+        """Close every session and give their rows back to the backend; later calls raise SessionError."""
+        if self.closed:
+            return
+        with self._call("close"):
+            self.table.close_all()
+            self.closed = True
+            self._release.detach()
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ sessions
 
@@ -133,39 +178,52 @@ class Executor:
 
     def open_session(self) -> int:
         """A fresh session (empty caches, greedy sampling); SessionError when max_sessions are open."""
-        self.table.room("open_session")
-        return self.table.open().id
+        with self._call("open_session"):
+            self.table.room("open_session")
+            return self.table.open().id
 
     def close_session(self, session: int) -> None:
         """Release a session and its row (poisoned ones too); SessionError if unknown."""
-        self.table.close(session)
+        with self._call("close_session"):
+            self.table.close(session)
 
     def session(self, session: int) -> SessionView:
-        s = self.table.get(session, "session", allow_poisoned=True)
-        return SessionView(s.id, s.row, s.frontier, s.draft_position, s.pending, s.sampling, s.poisoned)
+        with self._call("session"):
+            s = self.table.get(session, "session", allow_poisoned=True)
+            return SessionView(s.id, s.row, s.frontier, s.draft_position, s.pending, s.sampling, s.poisoned)
 
     def sessions(self) -> list[int]:
-        return sorted(self.table.sessions)
+        with self._call("sessions"):
+            return sorted(self.table.sessions)
 
     def set_sampling(self, session: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> None:
         """Temperature / top-k / top-p and the positional-uniform seed (random when None)."""
-        s = self.table.get(session, "set_sampling.session")
-        check_sampling(temperature, top_k, top_p, self.dims.vocab_size)
-        seed = secrets.randbits(64) if seed is None else check_seed(seed)
-        s.sampling = Sampling(float(temperature), int(top_k), float(top_p), seed)
+        with self._call("set_sampling"):
+            s = self.table.get(session, "set_sampling.session")
+            check_sampling(temperature, top_k, top_p, self.dims.vocab_size)
+            seed = secrets.randbits(64) if seed is None else check_seed(seed)
+            s.sampling = Sampling(float(temperature), int(top_k), float(top_p), seed)
 
     def clone(self, session: int, upto: int) -> int:
-        """A new session holding positions 0..upto-1 of ``session`` (caches copied row to row)."""
-        source = self.table.get(session, "clone.session")
-        upto = int_in("clone.upto", upto, 0, source.frontier, f"(session {session}'s frontier)")
-        self.table.room("clone")
-        copy = self.table.open()
-        try:
-            self._copy_session(source, copy, upto)
-        except BaseException:
-            self.table.close(copy.id)  # the source was only read
-            raise
-        return copy.id
+        """A new session holding positions 0..upto-1 of ``session`` (caches copied row to row).
+
+        A copy that fails leaves nothing behind (the new session is closed, the
+        source was only read): EngineError naming the cause.
+        """
+        with self._call("clone"):
+            source = self.table.get(session, "clone.session")
+            upto = int_in("clone.upto", upto, 0, source.frontier, f"(session {session}'s frontier)")
+            self.table.room("clone")
+            copy = self.table.open()
+            try:
+                self._copy_session(source, copy, upto)
+            except BaseException as error:
+                self.table.close(copy.id)  # the source was only read
+                if not isinstance(error, Exception) or isinstance(error, DFlashError):
+                    raise
+                msg = f"clone({session}, {upto}): copying the caches failed, nothing changed: {type(error).__name__}: {error}"
+                raise EngineError(msg) from error
+            return copy.id
 
     def _copy_session(self, source: Session, copy: Session, upto: int) -> None:
         draft, keep = trim_context(source.frontier, source.draft_position, upto)
@@ -187,6 +245,10 @@ class Executor:
 
     def execute(self, batch: Sequence[Input | dict]) -> list[list[int]]:
         """Run one batch (see the module docstring). Returns per input its new tokens."""
+        with self._call("execute", count_refusals=False):
+            return self._execute(batch)
+
+    def _execute(self, batch: Sequence[Input | dict]) -> list[list[int]]:
         self.log.begin()
         try:
             steps = validate_batch(self.table, batch, self.limits)
@@ -384,6 +446,11 @@ class Executor:
     def execute_stats(self) -> pl.DataFrame:
         """One row per execute() (``runtime.stats.EXECUTE_SCHEMA``)."""
         return self.log.executes.frame()
+
+    def refused_calls(self) -> dict[str, int]:
+        """API call name -> calls refused with a typed error that changed nothing (validation, BusyError)."""
+        with self.log.lock:
+            return dict(self.log.refused)
 
     def write_stats(self, stem: str | Path) -> tuple[Path, Path]:
         """Both tables as Parquet at ``stats_paths(stem)``: (cycles, executes)."""

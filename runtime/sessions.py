@@ -29,7 +29,8 @@ import torch
 from dflash_trt.checks import is_int
 from dflash_trt.errors import InputError, PoisonedError, SamplingError, SessionError
 from dflash_trt.export.sampling import GREEDY, Sampling
-from dflash_trt.runtime.cycles import block_fits, pick_row
+from dflash_trt.runtime.cycles import block_fits
+from dflash_trt.runtime.ownership import RowAllocator
 
 SEED_LIMIT = 1 << 64
 
@@ -63,26 +64,6 @@ class SessionView:
     poisoned: bool
 
 
-class RowAllocator:
-    """Free list over ``rows`` pool rows; hands out rows that keep sessions in consecutive runs."""
-
-    def __init__(self, rows: int) -> None:
-        self.rows = rows
-        self.used: set[int] = set()
-
-    def take(self) -> int:
-        free = [row for row in range(self.rows) if row not in self.used]
-        if not free:
-            msg = f"every cache row is in use: max_sessions is {self.rows}; close a session first"
-            raise SessionError(msg)
-        row = pick_row(free, sorted(self.used))
-        self.used.add(row)
-        return row
-
-    def give(self, row: int) -> None:
-        self.used.discard(row)
-
-
 class ContextPool:
     """Pending context taps, on device: ``[rows, block, tap_width]``, one row per session row.
 
@@ -112,16 +93,18 @@ class ContextPool:
 
 
 class SessionTable:
-    """Open sessions by id, over a row allocator. Ids are never reused."""
+    """Open sessions by id, their rows taken from the backend's allocator. Ids are never reused."""
 
-    def __init__(self, max_sessions: int) -> None:
+    def __init__(self, max_sessions: int, rows: RowAllocator) -> None:
         self.max_sessions = max_sessions
-        self.rows = RowAllocator(max_sessions)
+        self.rows = rows  # shared by every executor over the backend
+        self.held: set[int] = set()  # rows of this table's sessions
         self.sessions: dict[int, Session] = {}
         self.next_id = 0
 
     def open(self) -> Session:
         session = Session(self.next_id, self.rows.take())
+        self.held.add(session.row)
         self.sessions[session.id] = session
         self.next_id += 1
         return session
@@ -129,8 +112,13 @@ class SessionTable:
     def close(self, session_id: int) -> Session:
         session = self.get(session_id, "session", allow_poisoned=True)
         del self.sessions[session_id]
+        self.held.discard(session.row)
         self.rows.give(session.row)
         return session
+
+    def close_all(self) -> None:
+        self.sessions.clear()
+        self.rows.give_all(self.held)
 
     def get(self, session_id, what: str = "session", allow_poisoned: bool = False) -> Session:
         """The open session ``session_id``, or the typed error naming ``what``."""

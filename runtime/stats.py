@@ -34,6 +34,7 @@ counters of docs/design.md §8 as per-call deltas, plus timing.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -165,6 +166,12 @@ class StatsLog:
         self.cycle_id = 0
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.started = self.origin
+        self.refused: dict[str, int] = {}  # API call -> calls refused (typed error, nothing changed)
+        self.lock = threading.Lock()  # refusals may be counted from any thread
+
+    def refuse(self, call: str) -> None:
+        with self.lock:
+            self.refused[call] = self.refused.get(call, 0) + 1
 
     def begin(self) -> None:
         """Counters are NOT reset here: copies made by clone() between calls land in the next row."""

@@ -135,6 +135,9 @@ class RecordingBackend(Backend):
     def copy_rows(self, pool, source, destination, upto):
         self.inner.copy_rows(pool, source, destination, upto)
 
+    def ownership(self):
+        return self.inner.ownership()  # the wrapped backend's rows and call guard
+
 
 class DraftReference:
     """The reference draft's proposals for any block of one sequence.

@@ -53,6 +53,9 @@ class ExecutorMachine(RuleBasedStateMachine):
         self.t = Tracker(self.executor, self.oracle)
         self.vocab, self.max_context = self.tiny.dims.vocab_size, self.tiny.dims.max_context
 
+    def teardown(self) -> None:
+        self.executor.close()  # its rows go back to the shared backend
+
     # ------------------------------------------------------------ helpers
 
     def snapshot(self):
