@@ -181,7 +181,7 @@ def write_outputs(out: Path, prompts: list[Prompt], completions: list[Completion
 def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.tokenizer, args.artifacts, args.target)
     with OPENERS[args.backend](args) as backend:
-        executor = Executor(backend, max_sessions=args.max_sessions)
+        executor = Executor(backend, max_sessions=args.max_sessions, stats_rows=None)  # a finite job: keep every row
         stop = tokenizer.stop_ids if tokenizer is not None else _manifest_stops(args.artifacts)
         room = args.max_new_tokens
         prompts = [Prompt(p.name, fit_prompt(p.tokens, executor.dims.max_context, p.max_new_tokens or room), p.max_new_tokens) for p in read_prompts(args.prompts, tokenizer, args.limit)]

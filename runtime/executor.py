@@ -29,7 +29,11 @@ One execute():
 
 A failure after step 1 poisons every session of the batch (PoisonedError
 chained to the cause); those are refused until closed. Other sessions' rows
-are never bound by this batch's graphs, so their outputs do not change.
+are never bound by this batch's graphs, so their outputs do not change. The
+failed batch's cycle rows and counts never reach the stats (``StatsLog``).
+
+Threads: one call at a time per backend; a concurrent call is refused with
+``BusyError`` (``runtime.ownership``).
 
 Taps never leave the device: verify taps are copied device-to-device into the
 context pool, prefill taps are drained or copied the same way
@@ -56,7 +60,7 @@ from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.cycles import Burst, block_fits, chunks, cycle_mode, make_bursts, pack_rows, plan_context, static_context, trim_context, verify_uniforms
 from dflash_trt.runtime.sessions import ContextPool, Input, Limits, Session, SessionTable, SessionView, Step, check_seed, int_in, validate_batch
-from dflash_trt.runtime.stats import StatsLog, stats_paths, write_parquet
+from dflash_trt.runtime.stats import DEFAULT_MAX_ROWS, StatsLog, stats_paths, write_parquet
 
 __all__ = ["Executor", "Input"]
 
@@ -113,8 +117,11 @@ class Executor:
     are safe from any thread.
     """
 
-    def __init__(self, backend: Backend, dims: c.Dims | None = None, max_sessions: int | None = None) -> None:
-        """``dims`` and ``max_sessions`` default to the backend's (its contract dims and pool rows)."""
+    def __init__(
+        self, backend: Backend, dims: c.Dims | None = None, max_sessions: int | None = None, stats_rows: int | None = DEFAULT_MAX_ROWS
+    ) -> None:
+        """``dims`` and ``max_sessions`` default to the backend's (its contract dims and pool rows);
+        ``stats_rows`` bounds each stats table in memory (None: unbounded; see ``drain_stats``)."""
         dims = dims if dims is not None else backend.dims
         self.ownership = backend.ownership()
         rows = self.ownership.rows.rows
@@ -129,7 +136,9 @@ class Executor:
         self.limits = Limits(dims.vocab_size, dims.max_context, dims.block_size)
         self.context = ContextPool(rows, dims.block_size, dims.tap_width, TORCH_DTYPES[dims.dtype], self.device)
         self.clock = make_clock(backend)
-        self.log = StatsLog()
+        if stats_rows is not None and (not isinstance(stats_rows, int) or isinstance(stats_rows, bool) or stats_rows < 1):
+            raise InputError(f"stats_rows must be an int >= 1 or None (unbounded), got {stats_rows!r}")
+        self.log = StatsLog(stats_rows)
         self.closed = False
         # Rows go back to the backend even if the executor is dropped without close().
         self._release = weakref.finalize(self, self.table.rows.give_all, self.table.held)
@@ -249,18 +258,18 @@ class Executor:
             return self._execute(batch)
 
     def _execute(self, batch: Sequence[Input | dict]) -> list[list[int]]:
-        self.log.begin()
         try:
             steps = validate_batch(self.table, batch, self.limits)
-        except Exception:
-            self.log.end_execute(len(batch) if isinstance(batch, (list, tuple)) else 0, 0, False, False)
+        except DFlashError:
+            self.log.refuse("execute")  # no execute row, batch_id unchanged: nothing ran
             raise
+        self.log.begin()
+        target_tokens = sum(len(s.tokens) for s in steps if not s.fast)
         try:
             outputs = self._run(steps)
         except BaseException as error:
             self._poison(steps)
-            self.log.counters["failed_batches"] += 1
-            self.log.end_execute(len(steps), sum(len(s.tokens) for s in steps if not s.fast), False, False)
+            self.log.fail(len(steps), target_tokens)  # the batch's cycle rows and counts are dropped
             if not isinstance(error, Exception):
                 raise
             ids = sorted({s.session.id for s in steps})
@@ -268,7 +277,7 @@ class Executor:
             raise PoisonedError(msg) from error
         fast = all(s.fast for s in steps)
         self.log.counters["pending_decode_batches"] += fast
-        self.log.end_execute(len(steps), sum(len(s.tokens) for s in steps if not s.fast), fast, True)
+        self.log.commit(len(steps), target_tokens, fast)
         return outputs
 
     def _poison(self, steps: list[Step]) -> None:
@@ -440,12 +449,32 @@ class Executor:
     # ------------------------------------------------------------------ stats
 
     def cycle_stats(self) -> pl.DataFrame:
-        """One row per owner per cycle (``runtime.stats.CYCLE_SCHEMA``)."""
-        return self.log.cycles.frame()
+        """One row per owner per cycle (``runtime.stats.CYCLE_SCHEMA``), of the rows still in memory."""
+        return self.log.frames()[0]
 
     def execute_stats(self) -> pl.DataFrame:
-        """One row per execute() (``runtime.stats.EXECUTE_SCHEMA``)."""
-        return self.log.executes.frame()
+        """One row per execute() (``runtime.stats.EXECUTE_SCHEMA``), of the rows still in memory."""
+        return self.log.frames()[1]
+
+    def drain_stats(self, stem: str | Path | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+        """Every row in memory as (cycles, executes), removed from the log; written to ``stats_paths(stem)`` when given.
+
+        A long-running service drains periodically (e.g. one stem per hour) so
+        the log's memory stays flat; undrained rows past ``stats_rows`` are
+        dropped oldest first and counted in ``stats_dropped``.
+        """
+        cycles, executes = self.log.drain()
+        if stem is not None:
+            paths = stats_paths(stem)
+            write_parquet(cycles, paths[0], "cycles")
+            write_parquet(executes, paths[1], "executes")
+        return cycles, executes
+
+    @property
+    def stats_dropped(self) -> dict[str, int]:
+        """Rows the log's bound discarded (oldest batches first), per table."""
+        with self.log.lock:
+            return dict(self.log.dropped)
 
     def refused_calls(self) -> dict[str, int]:
         """API call name -> calls refused with a typed error that changed nothing (validation, BusyError)."""
@@ -453,6 +482,7 @@ class Executor:
             return dict(self.log.refused)
 
     def write_stats(self, stem: str | Path) -> tuple[Path, Path]:
-        """Both tables as Parquet at ``stats_paths(stem)``: (cycles, executes)."""
+        """Both tables (the rows in memory, kept) as Parquet at ``stats_paths(stem)``: (cycles, executes)."""
         cycles, executes = stats_paths(stem)
-        return write_parquet(self.cycle_stats(), cycles, "cycles"), write_parquet(self.execute_stats(), executes, "executes")
+        frames = self.log.frames()
+        return write_parquet(frames[0], cycles, "cycles"), write_parquet(frames[1], executes, "executes")
