@@ -209,9 +209,9 @@ class Executor:
         """Temperature / top-k / top-p and the positional-uniform seed (random when None)."""
         with self._call("set_sampling"):
             s = self.table.get(session, "set_sampling.session")
-            check_sampling(temperature, top_k, top_p, self.dims.vocab_size)
+            temperature, top_k, top_p = check_sampling(temperature, top_k, top_p, self.dims.vocab_size)
             seed = secrets.randbits(64) if seed is None else check_seed(seed)
-            s.sampling = Sampling(float(temperature), int(top_k), float(top_p), seed)
+            s.sampling = Sampling(temperature, top_k, top_p, seed)
 
     def clone(self, session: int, upto: int) -> int:
         """A new session holding positions 0..upto-1 of ``session`` (caches copied row to row).

@@ -221,7 +221,7 @@ def _as_input(index: int, item) -> Input:
 def _validate_input(index: int, item: Input, table: SessionTable, limits: Limits, cursors: dict[int, int]) -> Step:
     where = f"input[{index}]"
     session = table.get(item.session, f"{where}.session")
-    tokens = _tokens(where, item.tokens, limits.vocab_size)
+    tokens = token_ids(f"{where}.tokens", item.tokens, limits.vocab_size)
     offset = int_in(f"{where}.offset", item.offset, 0, len(tokens))
     size = len(tokens) - offset if item.size is None else item.size
     size = int_in(f"{where}.size", size, 1, len(tokens) - offset, "(tokens after offset)")
@@ -247,17 +247,23 @@ def _validate_input(index: int, item: Input, table: SessionTable, limits: Limits
     return Step(index, session, chosen, start, first and start < session.frontier, bool(item.produce_output))
 
 
-def _tokens(where: str, tokens, vocab_size: int) -> list[int]:
-    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
-        msg = f"{where}.tokens must be a sequence of token ids, got {type(tokens).__name__}"
-        raise InputError(msg)
-    values = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)  # numpy / torch: plain ints
-    if not isinstance(values, list):
-        msg = f"{where}.tokens must be a 1-D sequence of token ids, got {tokens!r:.80}"
+def token_ids(where: str, tokens, vocab_size: int) -> list[int]:
+    """``tokens`` as plain ints, each in [0, vocab_size): a list, tuple or range of ints (numpy ints
+    too), or a 1-D numpy array / torch tensor. Anything else (str, dict, set, generator...) is refused:
+    a dict would give its keys, a set an arbitrary order."""
+    if isinstance(tokens, (np.ndarray, torch.Tensor)):
+        if tokens.ndim != 1:
+            msg = f"{where} must be a 1-D sequence of token ids, got an array of shape {list(tokens.shape)}"
+            raise InputError(msg)
+        values = tokens.tolist()  # plain Python scalars (floats and bools stay so, and are refused below)
+    elif isinstance(tokens, (list, tuple, range)):
+        values = list(tokens)
+    else:
+        msg = f"{where} must be a list, tuple or 1-D integer array of token ids, got {type(tokens).__name__}"
         raise InputError(msg)
     for j, token in enumerate(values):
         if not is_int(token, numpy=True) or not 0 <= int(token) < vocab_size:
-            msg = f"{where}.tokens[{j}] must be a token id in [0, {vocab_size - 1}], got {token!r}"
+            msg = f"{where}[{j}] must be a token id (an int) in [0, {vocab_size - 1}], got {token!r}"
             raise InputError(msg)
     return [int(token) for token in values]
 
