@@ -30,6 +30,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory):
+    """Tests never read or write the user's cache (``DFLASH_TRT_CACHE``: hash verdicts, demo exports)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DFLASH_TRT_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def build_cache(tmp_path_factory):
     """``build(name, fn, *inputs) -> Path``: an expensive artifact made once per code version (build_cache.py)."""
