@@ -58,6 +58,13 @@ class PoisonedError(SessionError):
     """A failure after mutation left these sessions unusable until closed."""
 
 
+class BusyError(DFlashError):
+    """A call reached an executor (or its backend) while another call was running; nothing changed.
+
+    An executor is driven by one thread at a time (``runtime.ownership``).
+    """
+
+
 class StatsError(DFlashError):
     """A stats Parquet file is missing, of another kind or schema version, or mistyped."""
 

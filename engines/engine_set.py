@@ -136,17 +136,31 @@ def read_engine_set(directory: Path) -> EngineSetRecord:
     if not path.is_file():
         msg = f"no {ENGINES_JSON} in {directory}: not an engine set (build one with `dflash-trt build`)"
         raise EngineError(msg)
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        msg = f"{path} is not valid JSON: {error}"
-        raise EngineError(msg) from error
+    data = _read_json(path)
     _check_header(path, data)
     try:
         return _record_from_json(data)
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         msg = f"{path}: malformed field ({type(error).__name__}: {error})"
         raise EngineError(msg) from error
+
+
+MAX_ENGINES_JSON_BYTES = 64 << 20  # a real record is well under 1 MB
+
+
+def _read_json(path: Path) -> object:
+    """The parsed file; every OS / decode failure is an EngineError naming the file."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_ENGINES_JSON_BYTES:
+            raise EngineError(f"{path}: {size} bytes, more than any {ENGINES_JSON} ({MAX_ENGINES_JSON_BYTES}); not an engine set record")
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as error:
+        raise EngineError(f"{path}: cannot be read ({type(error).__name__}: {error.strerror or error})") from error
+    except UnicodeDecodeError as error:
+        raise EngineError(f"{path} is not UTF-8 text (byte {error.start}): not an engine set record") from error
+    except (ValueError, RecursionError) as error:  # JSONDecodeError is a ValueError
+        raise EngineError(f"{path} is not valid JSON: {type(error).__name__}: {str(error)[:200]}") from error
 
 
 def _check_header(path: Path, data: object) -> None:

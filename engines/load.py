@@ -28,6 +28,7 @@ from dflash_trt.engines.flavour import Flavour, runtime_flavour
 from dflash_trt.errors import EngineError
 from dflash_trt.export.contract import GraphSpec, present_of, sampled_only
 from dflash_trt.export.identity import file_sha256
+from dflash_trt.export.manifest import MANIFEST_FILE
 
 
 @dataclass
@@ -51,11 +52,38 @@ def check_engine_set(directory: Path, contract: Mapping[str, GraphSpec]) -> Engi
     """Stage 1 (no TensorRT needed): manifest, plan files, recorded IO vs contract."""
     directory = Path(directory)
     record = read_engine_set(directory)
+    _check_source_manifest(directory, record)
     _check_engine_names(directory, record, contract)
     for name, engine in record.engines.items():
         _check_plan_file(directory, engine)
         check_io(name, contract[name], engine.bindings, f"{ENGINES_JSON} (bindings recorded at build)")
     return record
+
+
+def _check_source_manifest(directory: Path, record: EngineSetRecord) -> None:
+    """The export manifest beside the plans (the runtime reads its dims) must be the one they were built from."""
+    source, beside = record.source_manifest, directory / MANIFEST_FILE
+    where = directory / ENGINES_JSON
+    if source is None:
+        if beside.exists():
+            msg = (
+                f"{where} records no source_manifest, yet {beside} is present: nothing ties them together; "
+                "rebuild the set with `dflash-trt build --onnx DIR` so the manifest's hash is recorded"
+            )
+            raise EngineError(msg)
+        return
+    if not isinstance(source, Mapping) or source.get("file") != MANIFEST_FILE or not isinstance(source.get("sha256"), str):
+        msg = f"{where}: field 'source_manifest' must be {{'file': {MANIFEST_FILE!r}, 'sha256': hex}} or null, got {source!r}"
+        raise EngineError(msg)
+    if not beside.is_file():
+        raise EngineError(f"{where} was built from {MANIFEST_FILE} (sha256 {source['sha256']}), which is missing from {directory}")
+    digest = file_sha256(beside)
+    if digest != source["sha256"]:
+        msg = (
+            f"{beside} has sha256 {digest} but {where} records {source['sha256']}: "
+            "the manifest beside the plans is not the one they were built from (copy the right one, or rebuild)"
+        )
+        raise EngineError(msg)
 
 
 def _check_engine_names(directory: Path, record: EngineSetRecord, contract: Mapping[str, GraphSpec]) -> None:

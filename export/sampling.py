@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dflash_trt.checks import is_int
@@ -82,6 +83,14 @@ class Sampling:
 GREEDY = Sampling()
 
 
+# What the verifier graphs can represent: sampling parameters are float32 feeds.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal: below it a GPU may flush to 0
+# Below this, logits / temperature leave any sane range (and NaN-prone softmax follows);
+# a caller who wants near-greedy output should ask for greedy (0).
+MIN_TEMPERATURE = 1e-6
+
+
 def seed_parts(seed: int) -> tuple[int, int, int]:
     """A seed in [0, 2**64) -> three parts of 22, 22 and 20 bits, low first (each < 2**22 < PRIME)."""
     mask = (1 << SEED_PART_BITS) - 1
@@ -93,18 +102,31 @@ def top_k_limit(vocab_size: int) -> int:
     return min(TOP_K_LIMIT, vocab_size)
 
 
-def check_sampling(temperature: float, top_k: int, top_p: float, vocab_size: int | None = None) -> None:
-    """Refuse out-of-range sampling parameters, naming the field, range and value."""
-    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
-        raise SamplingError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if not is_int(top_k) or top_k < 0:
-        raise SamplingError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+def _real(value) -> bool:
+    """A plain or numpy real number; bools (Python or numpy) are not numbers here."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float, vocab_size: int | None = None) -> tuple[float, int, float]:
+    """Refuse sampling parameters the verifier cannot represent, naming the field, range and value.
+
+    Returns them as plain Python (float, int, float). Numpy scalars are accepted
+    like Python numbers; bools are refused everywhere.
+    """
+    if not _real(temperature) or not math.isfinite(temperature):
+        raise SamplingError(f"temperature must be a finite real number (not a bool), got {temperature!r}")
+    if temperature != 0 and not MIN_TEMPERATURE <= temperature <= FLOAT32_MAX:
+        msg = f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {FLOAT32_MAX}] (float32), got {temperature!r}"
+        raise SamplingError(msg)
+    if not is_int(top_k, numpy=True) or top_k < 0:
+        raise SamplingError(f"top_k must be an int >= 0 (0 = off; not a bool), got {top_k!r}")
     limit = TOP_K_LIMIT if vocab_size is None else top_k_limit(vocab_size)
     if top_k > limit:
         why = f"min({TOP_K_LIMIT}, vocabulary {vocab_size})" if vocab_size is not None else "TensorRT's TopK limit"
         raise SamplingError(f"top_k must be in [0, {limit}] (0 = off; at most {why}), got {top_k}")
-    if not isinstance(top_p, (int, float)) or not math.isfinite(top_p) or not 0 < top_p <= 1:
-        raise SamplingError(f"top_p must be in (0, 1], got {top_p!r}")
+    if not _real(top_p) or not math.isfinite(top_p) or not FLOAT32_TINY <= top_p <= 1:
+        raise SamplingError(f"top_p must be a real number in [{FLOAT32_TINY}, 1] (float32 normal, > 0), got {top_p!r}")
+    return float(temperature), int(top_k), float(top_p)
 
 
 # --------------------------------------------------------------------------- primitives

@@ -24,9 +24,10 @@ from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from dflash_trt.checks import is_int
-from dflash_trt.errors import InputError
+from dflash_trt.errors import InputError, SamplingError
+from dflash_trt.export.sampling import check_sampling
 from dflash_trt.runtime.executor import Executor
-from dflash_trt.runtime.sessions import Input
+from dflash_trt.runtime.sessions import SEED_LIMIT, Input, check_seed, token_ids
 
 STOP, LENGTH, CONTEXT = "stop", "length", "context"  # finish reasons
 
@@ -69,18 +70,25 @@ class _Running:
     joined: bool = True  # the next input is the prompt (then the pending token)
 
 
-def check_request(index: int, request: Request, max_context: int, vocab_size: int) -> None:
-    """Refuse a request that can never run (before any session opens)."""
-    if not is_int(request.max_new_tokens) or request.max_new_tokens < 1:
-        msg = f"request[{index}].max_new_tokens must be an int >= 1, got {request.max_new_tokens!r}"
+def check_request(index: int, request: Request, max_context: int, vocab_size: int) -> Request:
+    """Refuse a request that can never run (before any session opens); returns it with plain values."""
+    where = f"request[{index}]"
+    if not isinstance(request, Request):
+        raise InputError(f"{where} must be a Request, got {type(request).__name__}")
+    max_new = request.max_new_tokens
+    if not is_int(max_new, numpy=True) or max_new < 1:
+        raise InputError(f"{where}.max_new_tokens must be an int >= 1 (not a bool), got {max_new!r}")
+    prompt = token_ids(f"{where}.prompt", request.prompt, vocab_size)
+    if not 1 <= len(prompt) <= max_context - 1:
+        msg = f"{where}.prompt must hold 1..{max_context - 1} tokens (max_context - 1), got {len(prompt)}"
         raise InputError(msg)
-    if not 1 <= len(request.prompt) <= max_context - 1:
-        msg = f"request[{index}].prompt must hold 1..{max_context - 1} tokens (max_context - 1), got {len(request.prompt)}"
-        raise InputError(msg)
-    bad = [t for t in request.prompt if not is_int(t, numpy=True) or not 0 <= t < vocab_size]
-    if bad:
-        msg = f"request[{index}].prompt tokens must be ids in [0, {vocab_size - 1}], got {bad[0]!r}"
-        raise InputError(msg)
+    stop = token_ids(f"{where}.stop", request.stop, vocab_size)
+    try:
+        temperature, top_k, top_p = check_sampling(request.temperature, request.top_k, request.top_p, vocab_size)
+        seed = check_seed(request.seed)
+    except SamplingError as error:
+        raise SamplingError(f"{where}: {error}") from error
+    return Request(prompt, int(max_new), tuple(stop), temperature, top_k, top_p, seed)
 
 
 class Batcher:
@@ -161,10 +169,11 @@ def stream(executor: Executor, requests: Iterable[Request], max_sessions: int | 
     Sessions are closed when their request finishes, and all of this stream's
     sessions are closed if it stops early (an error, or the caller stops iterating).
     """
-    queue = deque(enumerate(requests))
-    for index, request in queue:
-        check_request(index, request, executor.dims.max_context, executor.dims.vocab_size)
-    batcher = Batcher(executor, max_sessions)
+    if max_sessions is not None and (not is_int(max_sessions, numpy=True) or max_sessions < 1):
+        raise InputError(f"max_sessions must be None (the executor's) or an int >= 1, got {max_sessions!r}")
+    dims = executor.dims
+    queue = deque((i, check_request(i, r, dims.max_context, dims.vocab_size)) for i, r in enumerate(requests))
+    batcher = Batcher(executor, int(max_sessions) if max_sessions is not None else None)
     try:
         while queue or batcher.running:
             while queue and batcher.room:
@@ -198,11 +207,16 @@ def generate(
     """Complete every prompt (token ids, or text with ``tokenizer``); request i samples with seed + i.
 
     ``stop`` defaults to the tokenizer's stop ids (none without a tokenizer).
+    Every argument is checked before any session opens (typed errors naming it).
     """
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise InputError(f"prompts must be a list of prompts (token-id lists or strings), got {type(prompts).__name__}")
     if stop is None:
         stop = tokenizer.stop_ids if tokenizer is not None else ()
+    if not is_int(seed, numpy=True) or not 0 <= int(seed) <= SEED_LIMIT - max(len(prompts), 1):
+        raise SamplingError(f"seed must be an int in [0, 2**64 - len(prompts)] (request i uses seed + i), got {seed!r}")
     requests = [
-        Request(_encode(i, prompt, tokenizer), max_new_tokens, tuple(stop), temperature, top_k, top_p, seed + i)
+        Request(_encode(i, prompt, tokenizer), max_new_tokens, stop, temperature, top_k, top_p, int(seed) + i)
         for i, prompt in enumerate(prompts)
     ]
     completions = collect(stream(executor, requests, max_sessions), len(requests))
@@ -218,4 +232,4 @@ def _encode(index: int, prompt, tokenizer) -> list[int]:
             msg = f"prompt[{index}] is text but no tokenizer was given"
             raise InputError(msg)
         return tokenizer.encode(prompt)
-    return list(prompt)
+    return prompt  # token ids: checked with the rest of the request

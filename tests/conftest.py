@@ -21,13 +21,31 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true", default=False, help="also run the long reliability runs (marker 'long')")
+    parser.addoption("--long-examples", type=int, default=10_000, help="random API sequences of the --long state-machine run")
+
+
 def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--long"):
+        skip_long = pytest.mark.skip(reason="long run: pass --long")
+        for item in items:
+            if "long" in item.keywords:
+                item.add_marker(skip_long)
     if _cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory):
+    """Tests never read or write the user's cache (``DFLASH_TRT_CACHE``: hash verdicts, demo exports)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DFLASH_TRT_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
 
 
 @pytest.fixture(scope="session")

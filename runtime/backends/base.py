@@ -39,6 +39,7 @@ import torch
 from dflash_trt.export import contract
 from dflash_trt.export.contract import Dims
 from dflash_trt.runtime.backends.pools import pool_named
+from dflash_trt.runtime.ownership import Ownership, ownership_of
 
 class Backend(ABC):
     """Runs contract graphs over in-place cache pools."""
@@ -86,6 +87,10 @@ class Backend(ABC):
         target = pool_named(self.pools, pool)
         with self.stream.scope() if self.stream is not None else nullcontext():
             target.copy_rows(source, destination, upto)
+
+    def ownership(self) -> Ownership:
+        """Rows and call guard shared by every executor over this backend (``runtime.ownership``)."""
+        return ownership_of(self, self.max_sessions)
 
     def synchronize(self) -> None:
         """Wait for all work enqueued by this backend (a host sync point)."""
