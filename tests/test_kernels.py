@@ -185,6 +185,32 @@ def test_fast_graphs_equal_eager_graphs_on_cpu(fast_pair):
         assert_same_pools(pool_state(eager), pool_state(fast), atol=1e-4)
 
 
+def test_fast_target_taps_the_last_layer_final_normed(tmp_path):
+    """Bug: the fast target taps the last layer's residual where the reference (TargetModel.tap_of, HF's
+    hidden_states[-1]) feeds the draft the final-normed state."""
+    import tiny_models
+
+    from dflash_trt.export.target import load_target
+    from dflash_trt.runtime.kernels.fused import FastTarget
+
+    target_dir = tiny_models.write_target(tmp_path / "target", num_hidden_layers=3)
+    reference = load_target(target_dir, tap_layers=(0, 2))
+    fast = FastTarget(_randomize_norms(load_target(target_dir, tap_layers=(0, 2))), TorchOps())
+    _randomize_norms(reference)
+    tokens, start = torch.randint(0, tiny_models.VOCAB, (2, 5), generator=torch.Generator().manual_seed(3)), torch.tensor([0, 4])
+    with torch.no_grad():
+        _, want = reference.features(tokens, start, None, *reference.new_cache(2, 16))
+        _, got = fast.features(tokens, start, *reference.new_cache(2, 16))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _randomize_norms(model):
+    """Final-norm weights away from 1, so a missing final norm shows."""
+    with torch.no_grad():
+        model.model.norm.weight.copy_(torch.linspace(0.5, 2.0, model.model.norm.weight.numel()))
+    return model
+
+
 def test_kernels_option_is_checked(fast_pair):
     """Bug: an unknown kernels value is ignored, or "auto" picks the CPU twin (a check, not a speed path),
     or "fast" runs a pair its kernels cannot (head_dim not a power of two)."""

@@ -174,11 +174,17 @@ class FastTarget:
         positions, kv_len = _positions(start, T)
         x = F.embedding(tokens.reshape(n * T), self.embedding)  # [n*T, H], a fresh tensor updated in place
         taps = x.new_empty(n * T, len(self.taps) * self.hidden)
+        last = len(self.stack.layers) - 1
         for index in range(len(self.stack.layers)):
             slot = self.taps.get(index)
-            tap = None if slot is None else taps[:, slot * self.hidden : (slot + 1) * self.hidden]
+            tap = None if slot is None or index == last else self._tap(taps, slot)
             x = self.stack.layer(index, x, start, T, positions, kv_len, keys[index], values[index], tap)
+        if last in self.taps:  # TargetModel.tap_of: the last layer's tap is final-normed (HF hidden_states[-1])
+            self._tap(taps, self.taps[last]).copy_(self.ops.rms_norm(x, self.norm, self.eps))
         return x, taps.view(n, T, -1)
+
+    def _tap(self, taps: torch.Tensor, slot: int) -> torch.Tensor:
+        return taps[:, slot * self.hidden : (slot + 1) * self.hidden]
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Residual rows [M, H] -> fp32 logits [M, V] of the final norm (``TargetModel.head``)."""
