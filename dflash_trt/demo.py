@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -41,9 +42,8 @@ def _default_pair() -> Path:
 
 
 def _default_cache() -> Path:
-    from dflash_trt.export.identity import default_cache_dir
-
-    return default_cache_dir()
+    root = os.environ.get("DFLASH_TRT_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-trt"
+    return Path(root)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
