@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "selfcheck": ("dflash_trt.engines.selfcheck", "compare every engine with ONNX Runtime on random inputs"),
     "run": ("dflash_trt.runtime.command", "serve a prompt file through the runtime, write outputs + stats"),
     "demo": ("dflash_trt.demo", "run the embedded default pair end to end on this machine"),
+    "serve": ("dflash_trt.server.command", "OpenAI-compatible HTTP server (completions, chat, SSE, metrics)"),
     "report": ("dflash_trt.analysis.command", "summarize stats Parquet files: tables, plots, JSON"),
     "generate": ("dflash_trt.export.generate_command", "reference (PyTorch eager) generation from checkpoints"),
     "train": ("dflash_trt.train.command", "train a tokenizer, target and DFlash draft"),

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -42,8 +41,9 @@ def _default_pair() -> Path:
 
 
 def _default_cache() -> Path:
-    root = os.environ.get("DFLASH_TRT_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-trt"
-    return Path(root)
+    from dflash_trt.export.identity import default_cache_dir
+
+    return default_cache_dir()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -58,6 +58,13 @@ class PoisonedError(SessionError):
     """A failure after mutation left these sessions unusable until closed."""
 
 
+class BusyError(DFlashError):
+    """A call reached an executor (or its backend) while another call was running; nothing changed.
+
+    An executor is driven by one thread at a time (``runtime.ownership``).
+    """
+
+
 class StatsError(DFlashError):
     """A stats Parquet file is missing, of another kind or schema version, or mistyped."""
 
@@ -86,3 +93,15 @@ class CudaError(DFlashError):
         super().__init__(message)
         self.call = call
         self.code = code
+
+
+class ServingError(DFlashError):
+    """The serving engine (``runtime.engine``) refused a request; see the subclasses."""
+
+
+class QueueFullError(ServingError):
+    """The serving engine's request queue is full (backpressure): nothing was queued, retry later."""
+
+
+class EngineClosedError(ServingError):
+    """The serving engine is closed (or stopped after an internal error) and accepts no request."""

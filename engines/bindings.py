@@ -48,6 +48,17 @@ def is_dynamic(graph: GraphSpec) -> bool:
     return bool(symbols(graph))
 
 
+# Float dtypes from the finest to the coarsest rounding.
+FLOAT_PRECISION = ("float32", "float16", "bfloat16")
+
+
+def compute_dtype(graph: GraphSpec) -> str:
+    """The precision a graph computes in: its coarsest float binding (a bf16 graph's fp32
+    logits were computed in bf16); float32 for graphs with fp32 floats only (the verifiers)."""
+    floats = {s.dtype for s in graph.inputs + graph.outputs if s.dtype in FLOAT_PRECISION}
+    return max(floats, key=FLOAT_PRECISION.index, default="float32")
+
+
 def check_ranges(graph: GraphSpec) -> None:
     """Every dynamic dim has a range, and min <= opt <= max for each."""
     missing = sorted(symbols(graph) - set(graph.dims))

@@ -1,12 +1,18 @@
 """Build an engine set: every exported graph -> one TensorRT plan + engines.json.
 
 Per graph: parse with TensorRT's ONNX parser into a strongly typed network
-(precision comes from the graph), refuse graph inputs that no layer reads
-(the parser dropped what they meant), add an optimization profile only when
-the contract has dynamic dims, check the network's IO against the contract,
-then build. Failures do not stop the run: every failing graph and node is
-collected and raised at the end as one ``EngineBuildError``. One builder and
-one timing cache (TensorRT; a file in the output directory) serve all graphs.
+(precision comes from the graph), give every attention the causality and
+key/value lengths of its ONNX node (``engines.attention``: the parser drops
+the lengths and misaligns ``is_causal``), refuse any graph input or layer
+output that nothing reads (TensorRT dropped what it meant: there is no
+option to build anyway), add an optimization profile only when the contract
+has dynamic dims, check the network's IO against the contract, then build. Failures do not stop the run: every failing graph and node is
+collected and raised at the end as one ``EngineBuildError`` — except when
+only graphs that sampled sessions alone need (``verify_sample_{n}``) failed:
+the set is then written without them, greedy-only, and engines.json says
+why each is ``skipped`` (the runtime refuses sampled sessions on it). One
+builder and one timing cache (TensorRT; a file in the output directory)
+serve all graphs.
 """
 
 from __future__ import annotations
@@ -18,11 +24,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dflash_trt.engines.attention import ATTENTION, AttentionBindError, BoundAttention, attention_nodes, bind_attention
 from dflash_trt.engines.bindings import (
     INPUT,
     OUTPUT,
     Binding,
     check_ranges,
+    compute_dtype,
     io_mismatches,
     is_dynamic,
     profile_shapes,
@@ -32,7 +40,7 @@ from dflash_trt.engines.engine_set import ENGINES_JSON, EngineRecord, EngineSetR
 from dflash_trt.engines.flavour import TIMING_CACHE_FILE, Flavour
 from dflash_trt.engines.sources import GraphSource, load_graph, source_files
 from dflash_trt.errors import EngineBuildError
-from dflash_trt.export.contract import GraphSpec
+from dflash_trt.export.contract import GraphSpec, sampled_only
 from dflash_trt.export.identity import file_sha256
 
 Progress = Callable[[str], None]
@@ -48,7 +56,6 @@ class BuildOptions:
     workspace_mb: int | None = None  # None: TensorRT's default (the device's memory)
     targets: tuple[str, ...] = ()  # compute capabilities; () = the flavour's default
     version_compatible: bool = False  # TensorRT only
-    allow_unread: bool = False  # build even if a graph input or layer output is read by nothing
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -116,8 +123,11 @@ def build_engine_set(
         rec = records[source.name]
         say(f"[{index}/{len(sources)}] {source.name}: built in {rec.build_seconds:.2f} s, plan {rec.plan_bytes / 1e6:.1f} MB")
     builder.save_cache()  # what the good graphs timed is kept even when others failed
-    if failures:
+    if not records or any(not sampled_only(f.graph) for f in failures):
         raise _build_error(failures, len(sources))
+    skipped: dict[str, str] = {}
+    for failure in failures:
+        skipped.setdefault(failure.graph, str(failure))
     record = EngineSetRecord(
         flavour=flavour.name,
         trt_version=flavour.version,
@@ -125,6 +135,7 @@ def build_engine_set(
         build_options=options.to_json(),
         engines=records,
         source_manifest=_copy_manifest(source_manifest, out_dir),
+        skipped=skipped,
     )
     write_engine_set(out_dir, record)
     return record
@@ -172,11 +183,10 @@ class _SetBuilder:
 
     def build(self, source: GraphSource) -> EngineRecord:
         mark, start = self.log.mark(), time.perf_counter()
-        network = self.builder.create_network(self.flavour.network_flags())
-        parser = self.trt.OnnxParser(network, self.log)  # holds the weights: keep alive until built
-        self._parse(parser, source, mark)
-        unread, failures = self._unread(source, network)
-        config = self._config()
+        graph = parse_graph(self.flavour, self.builder, self.log, source)
+        network = graph.network
+        failures = unread_failures(source.name, network)
+        config = self._config(source)
         profile = self._profile(network, source.io)
         if profile is not None:
             config.add_optimization_profile(profile)
@@ -188,44 +198,21 @@ class _SetBuilder:
         if plan is None:
             errors = self.log.since(mark, "ERROR", "INTERNAL_ERROR") or ["build_serialized_network returned no plan"]
             raise _GraphFailed([BuildFailure(source.name, "", "", "\n".join(errors))])
-        del parser
-        return self._record(source, plan, bindings, unread, mark, time.perf_counter() - start)
+        attention = graph.attention
+        del graph  # the parser holds the weights until the plan exists
+        return self._record(source, plan, bindings, attention, mark, time.perf_counter() - start)
 
-    def _parse(self, parser, source: GraphSource, mark: int) -> None:
-        # parse_from_file (not parse(bytes)) so external weight files resolve.
-        if parser.parse_from_file(str(source.onnx_path)):
-            return
-        failures = []
-        for index in range(parser.num_errors):
-            error = parser.get_error(index)
-            failures.append(BuildFailure(source.name, error.node_name(), error.node_operator(), error.desc()))
-        if not failures:
-            failures = [BuildFailure(source.name, "", "", "\n".join(self.log.since(mark)) or "the ONNX parser failed")]
-        raise _GraphFailed(failures)
-
-    def _unread(self, source: GraphSource, network) -> tuple[tuple[str, ...], list[BuildFailure]]:
-        """(unread tensor names, their failures unless allowed).
-
-        A tensor nothing reads means the parser dropped what it meant:
-        TensorRT-RTX 1.7 parses Attention's nonpad_kv_seqlen and wires it to
-        nothing, so the plan builds and attends over the whole cache.
-        """
-        unread = unread_tensors(network)
-        names = tuple(tensor for tensor, _producer, _kind in unread)
-        if self.options.allow_unread:
-            return names, []
-        why = "nothing in the parsed network reads it: TensorRT dropped what it means, so the engine would compute something else than the graph"
-        return names, [BuildFailure(source.name, producer, kind, f"{tensor!r}: {why}", tensor) for tensor, producer, kind in unread]
-
-    def _config(self):
+    def _config(self, source: GraphSource):
         config = self.builder.create_builder_config()
         if self.options.workspace_mb is not None:
             config.set_memory_pool_limit(self.trt.MemoryPoolType.WORKSPACE, self.options.workspace_mb << 20)
         self.targets = self.flavour.set_targets(config, self.options.targets)
         self.flavour.set_version_compatible(config, self.options.version_compatible)
+        self.flavour.configure(config, compute_dtype(source.io))
         if self.cache is None:
-            self.cache = self.flavour.open_build_cache(config, self.out_dir / TIMING_CACHE_FILE)
-        self.flavour.use_build_cache(config, self.cache)
+            self.cache = self.flavour.open_build_cache(config, self.out_dir / TIMING_CACHE_FILE, self.log.note)
+        else:
+            self.flavour.use_build_cache(config, self.cache)
         return config
 
     def _profile(self, network, io: GraphSpec):
@@ -241,7 +228,7 @@ class _SetBuilder:
                 profile.set_shape(spec.name, *shapes)
         return profile
 
-    def _record(self, source, plan, bindings, unread, mark, seconds) -> EngineRecord:
+    def _record(self, source, plan, bindings, attention, mark, seconds) -> EngineRecord:
         plan_path = self.out_dir / f"{source.name}.plan"
         plan_path.write_bytes(memoryview(plan))
         model = None if source.file_hashes else load_graph(source.onnx_path)
@@ -253,7 +240,7 @@ class _SetBuilder:
             sources=dict(source.file_hashes) or {p.name: self._hash(p) for p in source_files(source.onnx_path, model)},
             bindings=tuple(bindings),
             build_seconds=seconds,
-            unread_tensors=unread,
+            attention=tuple(attention),
             warnings=tuple(self.log.since(mark, "WARNING")),
         )
 
@@ -264,6 +251,42 @@ class _SetBuilder:
 
     def save_cache(self) -> Path | None:
         return None if self.cache is None else self.flavour.save_build_cache(self.cache, self.out_dir / TIMING_CACHE_FILE)
+
+
+@dataclass
+class ParsedGraph:
+    """A parsed network with its attentions bound; the parser holds the weights, keep it alive."""
+
+    network: object
+    parser: object
+    attention: list[BoundAttention]
+
+
+def parse_graph(flavour: Flavour, builder, log, source: GraphSource) -> ParsedGraph:
+    """Parse ``source`` into a strongly typed network and bind its attentions; ``_GraphFailed`` lists what failed."""
+    mark = log.mark()
+    network = builder.create_network(flavour.network_flags())
+    parser = flavour.trt.OnnxParser(network, log)
+    # parse_from_file (not parse(bytes)) so external weight files resolve.
+    if not parser.parse_from_file(str(source.onnx_path)):
+        failures = []
+        for index in range(parser.num_errors):
+            error = parser.get_error(index)
+            failures.append(BuildFailure(source.name, error.node_name(), error.node_operator(), error.desc()))
+        raise _GraphFailed(failures or [BuildFailure(source.name, "", "", "\n".join(log.since(mark)) or "the ONNX parser failed")])
+    try:
+        bound = bind_attention(flavour.trt, network, attention_nodes(load_graph(source.onnx_path)), flavour.version)
+    except AttentionBindError as error:
+        raise _GraphFailed([BuildFailure(source.name, error.node, ATTENTION, error.message)]) from error
+    return ParsedGraph(network, parser, bound)
+
+
+def unread_failures(graph: str, network) -> list[BuildFailure]:
+    """One failure per tensor nothing reads: TensorRT dropped what it means, so the
+    engine would compute something else than the graph (e.g. Attention's
+    nonpad_kv_seqlen, which the parser wires to nothing)."""
+    why = "nothing in the parsed network reads it: TensorRT dropped what it means, so the engine would compute something else than the graph"
+    return [BuildFailure(graph, producer, kind, f"{tensor!r}: {why}", tensor) for tensor, producer, kind in unread_tensors(network)]
 
 
 def network_bindings(network, profile=None) -> list[Binding]:
@@ -278,7 +301,6 @@ def network_bindings(network, profile=None) -> list[Binding]:
                 shapes = tuple(tuple(int(d) for d in s) for s in profile.get_shape(tensor.name)) or None
             bindings.append(Binding(tensor.name, mode, shape, trt_dtype_name(tensor.dtype), shapes))
     return bindings
-
 
 
 def unread_tensors(network) -> list[tuple[str, str, str]]:

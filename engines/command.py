@@ -2,7 +2,7 @@
 
     dflash-trt build --onnx DIR --out DIR [--backend tensorrt|tensorrt_rtx]
                      [--workspace-mb N] [--target SM89 ...] [--only NAME ...]
-                     [--version-compatible] [--allow-unread-tensors] [--verbose]
+                     [--version-compatible] [--verbose]
 
 Prints one line per graph with its build time; on failure, one error listing
 every failing graph and node (exit status 1 through the top-level CLI).
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from dflash_trt.engines.build import BuildOptions, build_engine_set
-from dflash_trt.engines.flavour import FLAVOURS, load_flavour
+from dflash_trt.engines.flavour import BUILDERS, load_flavour
 from dflash_trt.engines.sources import export_sources
 from dflash_trt.errors import EngineError
 
@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, required=True, help="engine-set directory to write (plans + engines.json)")
     parser.add_argument(
         "--backend",
-        choices=[AUTO, *FLAVOURS],
+        choices=[AUTO, *BUILDERS],
         default=AUTO,
         help="TensorRT flavour; auto: tensorrt if importable, else tensorrt_rtx",
     )
@@ -41,11 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--only", action="append", default=[], help="build only this graph, repeatable")
     parser.add_argument("--version-compatible", action="store_true", help="tensorrt only: version-compatible plans")
-    parser.add_argument(
-        "--allow-unread-tensors",
-        action="store_true",
-        help="build even when a graph input or a layer output is read by nothing, i.e. TensorRT dropped part of the graph (recorded in engines.json)",
-    )
     parser.add_argument("--verbose", action="store_true", help="also print TensorRT's warnings")
 
 
@@ -72,15 +67,13 @@ def run(args: argparse.Namespace) -> int:
         workspace_mb=args.workspace_mb,
         targets=tuple(args.target),
         version_compatible=args.version_compatible,
-        allow_unread=args.allow_unread_tensors,
     )
     print(f"building {len(sources)} graphs from {args.onnx} with {flavour.name} {flavour.version} -> {args.out}")
     start = time.perf_counter()
     echo = (lambda line: print(line, file=sys.stderr)) if args.verbose else None
     record = build_engine_set(sources, args.out, flavour, options, progress=_print_flush, source_manifest=manifest, echo=echo)
-    for name, engine in record.engines.items():
-        if engine.unread_tensors:
-            print(f"warning: {name}: tensors read by nothing (dropped by TensorRT): {list(engine.unread_tensors)}", file=sys.stderr)
+    for graph, why in record.skipped.items():
+        print(f"warning: {graph} not built (sampled sessions will be refused; greedy ones run): {why}", file=sys.stderr)
     print(f"engine set written: {args.out} ({len(record.engines)} plans, targets {list(record.targets)}, {time.perf_counter() - start:.1f} s)")
     return 0
 

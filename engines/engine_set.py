@@ -17,10 +17,16 @@ Layout of an engine-set directory::
     build_options       BuildOptions.to_json()
     source_manifest     {"file", "sha256"} of the export manifest, or null
     engines             {graph name: EngineRecord.to_json()}
+    skipped             {graph name: why}: graphs only sampled sessions need
+                        that failed to build; the set serves greedy sessions
 
-Each engine records its plan's and source graph's sha256 and the bindings of
+Each engine records its plan's and source graph's sha256, the bindings of
 the built network (names, shapes, dtypes, profile ranges) so the IO can be
-checked against the contract on machines that cannot deserialize the plan.
+checked against the contract on machines that cannot deserialize the plan,
+and every attention as built: its ONNX node, causal alignment (``LOWER_RIGHT``
+or ``NONE``), the graph tensor bound as its key/value lengths, and whether it
+takes a mask. A set recorded with tensors nothing reads (older builds allowed
+it) is refused.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_trt.engines.attention import BoundAttention
 from dflash_trt.engines.bindings import Binding
 from dflash_trt.errors import EngineError
 
@@ -49,7 +56,7 @@ class EngineRecord:
     sources: Mapping[str, str]  # source file name (graph + external data) -> sha256
     bindings: tuple[Binding, ...]
     build_seconds: float
-    unread_tensors: tuple[str, ...] = ()  # inputs/layer outputs nothing reads (allowed by option)
+    attention: tuple[BoundAttention, ...] = ()  # every attention's causality and lengths tensor, as built
     warnings: tuple[str, ...] = ()  # TensorRT's warnings while parsing/building
 
     def to_json(self) -> dict:
@@ -60,12 +67,18 @@ class EngineRecord:
             "sources": dict(self.sources),
             "bindings": [b.to_json() for b in self.bindings],
             "build_seconds": round(self.build_seconds, 3),
-            "unread_tensors": list(self.unread_tensors),
+            "attention": [a.to_json() for a in self.attention],
             "warnings": list(self.warnings),
         }
 
     @classmethod
     def from_json(cls, name: str, data: Mapping) -> EngineRecord:
+        if data.get("unread_tensors"):
+            msg = (
+                f"engine {name!r} was built leaving tensors read by nothing ({list(data['unread_tensors'])}): "
+                "it computes something else than its graph; rebuild the set"
+            )
+            raise EngineError(msg)
         return cls(
             name=name,
             plan=str(data["plan"]),
@@ -74,7 +87,7 @@ class EngineRecord:
             sources={str(k): str(v) for k, v in data["sources"].items()},
             bindings=tuple(Binding.from_json(b) for b in data["bindings"]),
             build_seconds=float(data["build_seconds"]),
-            unread_tensors=tuple(data.get("unread_tensors", ())),
+            attention=tuple(BoundAttention.from_json(a) for a in data.get("attention", ())),
             warnings=tuple(data.get("warnings", ())),
         )
 
@@ -89,6 +102,7 @@ class EngineSetRecord:
     build_options: Mapping[str, object]
     engines: Mapping[str, EngineRecord]
     source_manifest: Mapping[str, str] | None = None
+    skipped: Mapping[str, str] = field(default_factory=dict)  # graph -> why it is not in the set
     format_version: int = FORMAT_VERSION
     extra: Mapping[str, object] = field(default_factory=dict)
 
@@ -102,6 +116,7 @@ class EngineSetRecord:
             "build_options": dict(self.build_options),
             "source_manifest": None if self.source_manifest is None else dict(self.source_manifest),
             **dict(self.extra),
+            "skipped": dict(self.skipped),
             "engines": {name: rec.to_json() for name, rec in self.engines.items()},
         }
 
@@ -121,17 +136,31 @@ def read_engine_set(directory: Path) -> EngineSetRecord:
     if not path.is_file():
         msg = f"no {ENGINES_JSON} in {directory}: not an engine set (build one with `dflash-trt build`)"
         raise EngineError(msg)
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        msg = f"{path} is not valid JSON: {error}"
-        raise EngineError(msg) from error
+    data = _read_json(path)
     _check_header(path, data)
     try:
         return _record_from_json(data)
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         msg = f"{path}: malformed field ({type(error).__name__}: {error})"
         raise EngineError(msg) from error
+
+
+MAX_ENGINES_JSON_BYTES = 64 << 20  # a real record is well under 1 MB
+
+
+def _read_json(path: Path) -> object:
+    """The parsed file; every OS / decode failure is an EngineError naming the file."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_ENGINES_JSON_BYTES:
+            raise EngineError(f"{path}: {size} bytes, more than any {ENGINES_JSON} ({MAX_ENGINES_JSON_BYTES}); not an engine set record")
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as error:
+        raise EngineError(f"{path}: cannot be read ({type(error).__name__}: {error.strerror or error})") from error
+    except UnicodeDecodeError as error:
+        raise EngineError(f"{path} is not UTF-8 text (byte {error.start}): not an engine set record") from error
+    except (ValueError, RecursionError) as error:  # JSONDecodeError is a ValueError
+        raise EngineError(f"{path} is not valid JSON: {type(error).__name__}: {str(error)[:200]}") from error
 
 
 def _check_header(path: Path, data: object) -> None:
@@ -145,7 +174,7 @@ def _check_header(path: Path, data: object) -> None:
 
 
 def _record_from_json(data: Mapping) -> EngineSetRecord:
-    known = {"format", "format_version", "flavour", "trt_version", "targets", "build_options", "source_manifest", "engines"}
+    known = {"format", "format_version", "flavour", "trt_version", "targets", "build_options", "source_manifest", "engines", "skipped"}
     return EngineSetRecord(
         flavour=str(data["flavour"]),
         trt_version=str(data["trt_version"]),
@@ -153,5 +182,6 @@ def _record_from_json(data: Mapping) -> EngineSetRecord:
         build_options=dict(data["build_options"]),
         engines={str(n): EngineRecord.from_json(str(n), e) for n, e in data["engines"].items()},
         source_manifest=data.get("source_manifest"),
+        skipped={str(k): str(v) for k, v in data.get("skipped", {}).items()},
         extra={k: v for k, v in data.items() if k not in known},
     )

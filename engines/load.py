@@ -7,7 +7,9 @@
 2. ``load_engine_set`` — needs a TensorRT runtime and a GPU it supports: the
    flavour and version that built the set are the ones loading it, the
    runtime says the plan is valid on this GPU (compute capability, driver),
-   the plan deserializes, and the engine's own bindings equal the contract.
+   the plan deserializes, the engine's own bindings equal the contract, and
+   every ``present_*`` cache output is the in-place alias of its ``past_*``
+   input (the runtime binds both to the same pool rows).
 
 Every refusal is an ``EngineError`` naming the engine, the binding or file,
 and both values; nothing is left half-loaded.
@@ -22,10 +24,11 @@ from pathlib import Path
 
 from dflash_trt.engines.bindings import INPUT, OUTPUT, Binding, check_io, trt_dtype_name
 from dflash_trt.engines.engine_set import ENGINES_JSON, EngineRecord, EngineSetRecord, read_engine_set
-from dflash_trt.engines.flavour import Flavour, load_flavour
+from dflash_trt.engines.flavour import Flavour, runtime_flavour
 from dflash_trt.errors import EngineError
-from dflash_trt.export.contract import GraphSpec
+from dflash_trt.export.contract import GraphSpec, present_of, sampled_only
 from dflash_trt.export.identity import file_sha256
+from dflash_trt.export.manifest import MANIFEST_FILE
 
 
 @dataclass
@@ -49,6 +52,7 @@ def check_engine_set(directory: Path, contract: Mapping[str, GraphSpec]) -> Engi
     """Stage 1 (no TensorRT needed): manifest, plan files, recorded IO vs contract."""
     directory = Path(directory)
     record = read_engine_set(directory)
+    _check_source_manifest(directory, record)
     _check_engine_names(directory, record, contract)
     for name, engine in record.engines.items():
         _check_plan_file(directory, engine)
@@ -56,8 +60,36 @@ def check_engine_set(directory: Path, contract: Mapping[str, GraphSpec]) -> Engi
     return record
 
 
+def _check_source_manifest(directory: Path, record: EngineSetRecord) -> None:
+    """The export manifest beside the plans (the runtime reads its dims) must be the one they were built from."""
+    source, beside = record.source_manifest, directory / MANIFEST_FILE
+    where = directory / ENGINES_JSON
+    if source is None:
+        if beside.exists():
+            msg = (
+                f"{where} records no source_manifest, yet {beside} is present: nothing ties them together; "
+                "rebuild the set with `dflash-trt build --onnx DIR` so the manifest's hash is recorded"
+            )
+            raise EngineError(msg)
+        return
+    if not isinstance(source, Mapping) or source.get("file") != MANIFEST_FILE or not isinstance(source.get("sha256"), str):
+        msg = f"{where}: field 'source_manifest' must be {{'file': {MANIFEST_FILE!r}, 'sha256': hex}} or null, got {source!r}"
+        raise EngineError(msg)
+    if not beside.is_file():
+        raise EngineError(f"{where} was built from {MANIFEST_FILE} (sha256 {source['sha256']}), which is missing from {directory}")
+    digest = file_sha256(beside)
+    if digest != source["sha256"]:
+        msg = (
+            f"{beside} has sha256 {digest} but {where} records {source['sha256']}: "
+            "the manifest beside the plans is not the one they were built from (copy the right one, or rebuild)"
+        )
+        raise EngineError(msg)
+
+
 def _check_engine_names(directory: Path, record: EngineSetRecord, contract: Mapping[str, GraphSpec]) -> None:
-    missing = sorted(set(contract) - set(record.engines))
+    """Every engine is a contract graph; every contract graph is there, except those only sampled
+    sessions need (a greedy-only set: the runtime refuses sampled sessions on it)."""
+    missing = sorted(name for name in set(contract) - set(record.engines) if not sampled_only(name))
     extra = sorted(set(record.engines) - set(contract))
     if missing or extra:
         msg = (
@@ -89,16 +121,9 @@ def _check_plan_file(directory: Path, engine: EngineRecord) -> None:
 
 
 def check_flavour(record: EngineSetRecord, flavour: Flavour) -> None:
-    """Plans load only on the TensorRT that built them (unless version-compatible)."""
-    built = f"{record.flavour} {record.trt_version}"
-    here = f"{flavour.name} {flavour.version}"
-    if record.flavour != flavour.name:
-        msg = f"engine set was built with {built}; this loader uses {here}: rebuild with --backend {flavour.name}"
-        raise EngineError(msg)
-    compatible = bool(record.build_options.get("version_compatible"))
-    if record.trt_version != flavour.version and not compatible:
-        msg = f"engine set was built with {built}; installed is {here}: plans are tied to their TensorRT version, rebuild them"
-        raise EngineError(msg)
+    """Plans load only on the TensorRT that built them, unless version-compatible (then also on a
+    later TensorRT of the same major, or the lean / dispatch runtime)."""
+    flavour.check_record(record)
 
 
 def load_engine_set(
@@ -107,7 +132,7 @@ def load_engine_set(
     """Stage 1, then deserialize every plan and check its bindings (needs a supported GPU)."""
     directory = Path(directory)
     record = check_engine_set(directory, contract)
-    flavour = flavour or load_flavour(record.flavour)
+    flavour = flavour or runtime_flavour(record)
     check_flavour(record, flavour)
     log = flavour.new_log()
     runtime = flavour.new_runtime(log, version_compatible=bool(record.build_options.get("version_compatible")))
@@ -115,8 +140,23 @@ def load_engine_set(
     for name, engine_record in record.engines.items():
         engine = _deserialize(flavour, runtime, log, record, engine_record, directory)
         check_io(name, contract[name], engine_bindings(engine), "the deserialized plan")
+        check_aliases(name, contract[name], engine)
         engines[name] = engine
     return LoadedEngineSet(directory, record, flavour, runtime, engines, log)
+
+
+def check_aliases(name: str, io: GraphSpec, engine) -> None:
+    """Every cache output must alias its input (the KV-cache update writes in place): an engine
+    that writes ``present_*`` elsewhere would, bound to the same buffer, race its own reads."""
+    query = getattr(engine, "get_aliased_input_tensor", None)
+    if query is None:  # TensorRT before 10.15: no query, and no in-place cache update either
+        return
+    wrong = [(present_of(s.name), s.name, query(present_of(s.name))) for s in io.cache_inputs]
+    wrong = [(out, want, got) for out, want, got in wrong if got != want]
+    if wrong:
+        detail = "; ".join(f"output {out!r} aliases {got!r}, expected input {want!r}" for out, want, got in wrong)
+        msg = f"engine {name!r}: the deserialized plan does not update its caches in place: {detail}"
+        raise EngineError(msg)
 
 
 def _deserialize(flavour: Flavour, runtime, log, record: EngineSetRecord, engine: EngineRecord, directory: Path):

@@ -9,7 +9,8 @@ Symbols: ``n`` owners (a static graph exists for every n in 1..max_owners),
 ``P`` proposals, ``B`` block size, ``V`` vocabulary, ``W`` tap width
 (m * hidden), ``L`` max context, ``K``/``D`` kv heads / head dim of the
 target (``Kd``/``Dd`` of the draft), ``M`` the model dtype (float32, float16
-or bfloat16). ``"T"`` and ``"C"`` are the only dynamic dims (1..max_chunk).
+or bfloat16). ``"T"`` and ``"C"`` (1..max_chunk) and ``"R"`` (1..n·(P+1) for
+max_owners n) are the only dynamic dims.
 
 ==================  ===========================================  ===========================================
 graph               inputs                                       outputs
@@ -27,7 +28,11 @@ verify_argmax_{n}   logits [n, P+1, V] float32,                  accepted [n] in
                     candidates [n, P+1] int64
 verify_sample_{n}   logits, candidates (as above),               accepted [n] int64, next_token [n] int64
                     temperature [n] float32, top_k [n] int64,
-                    top_p [n] float32, uniforms [n, P+1] float32
+                    top_p [n] float32, seed [n, 3] int64,
+                    position [n] int64
+sample              logits [R, V] float32, temperature [R]       token [R] int64
+                    float32, top_k [R] int64, top_p [R] float32,
+                    seed [R, 3] int64, position [R] int64
 ==================  ===========================================  ===========================================
 
 Cache bindings (``past_*`` in, ``present_*`` out, per layer l, interleaved
@@ -49,6 +54,12 @@ Semantics (positions are cache slots):
   block slots 1..P.
 - ``verify_*``: ``candidates`` = [anchor, d_1..d_P]; ``accepted`` = longest
   prefix with ``d_{i+1} == choice_i``; ``next_token`` = ``choice[accepted]``.
+  ``choice_j`` of owner i is the target's token at position ``position[i] + j``
+  (verify_argmax: the argmax).
+- ``sample``: row r's token at ``position[r]``; it and ``verify_sample_{n}``
+  compute ``export.sampling.choose``: temperature (0 = argmax), top_k (0 =
+  off, <= min(3840, V)), top_p (>= 1 = off), ``seed`` = the session's 64-bit
+  seed as three parts < 2**22, low first (``sampling.seed_parts``).
 
 Pure data: no torch, no onnx. Dtype names are ``float32``, ``float16``,
 ``bfloat16``, ``int64`` (the names TensorRT and ONNX reports map to).
@@ -90,9 +101,12 @@ DRAFT_CONTEXT = "draft_context"
 DRAFT = "draft"
 VERIFY_ARGMAX = "verify_argmax"
 VERIFY_SAMPLE = "verify_sample"
-DYNAMIC_KINDS = (TARGET_PREFILL, DRAFT_CONTEXT)
+SAMPLE = "sample"
+DYNAMIC_KINDS = (TARGET_PREFILL, DRAFT_CONTEXT, SAMPLE)
 STATIC_KINDS = (TARGET_VERIFY, DRAFT, VERIFY_ARGMAX, VERIFY_SAMPLE)
 KINDS = DYNAMIC_KINDS + STATIC_KINDS
+# Kinds only sampled sessions need: an engine set may lack them (greedy only).
+SAMPLED_KINDS = (VERIFY_SAMPLE,)
 
 # Tensor names.
 TOKENS = "tokens"
@@ -108,13 +122,18 @@ CANDIDATES = "candidates"
 TEMPERATURE = "temperature"
 TOP_K = "top_k"
 TOP_P = "top_p"
-UNIFORMS = "uniforms"
+SEED = "seed"
+POSITION = "position"
 ACCEPTED = "accepted"
 NEXT_TOKEN = "next_token"
+TOKEN = "token"
 
 # Dynamic dims.
 TOKENS_DIM = "T"  # target_prefill token count
 CONTEXT_DIM = "C"  # draft_context row count
+ROWS_DIM = "R"  # sample row count
+
+SEED_PARTS = 3  # export.sampling.seed_parts: a 64-bit seed as three int64 parts < 2**22
 
 MIN_PROPOSALS = 2
 
@@ -348,16 +367,27 @@ def _verify_argmax(dims: Dims, n: int) -> GraphSpec:
     return GraphSpec(graph_name(VERIFY_ARGMAX, n), VERIFY_ARGMAX, n, _verify_inputs(dims, n), _verdict_outputs(n))
 
 
+def _sampling_inputs(rows: Dim) -> tuple[TensorSpec, ...]:
+    """Per row: temperature, top_k, top_p, seed parts, position of the first token chosen."""
+    return (
+        TensorSpec(TEMPERATURE, (rows,), FLOAT32),
+        TensorSpec(TOP_K, (rows,), INT64),
+        TensorSpec(TOP_P, (rows,), FLOAT32),
+        TensorSpec(SEED, (rows, SEED_PARTS), INT64),
+        TensorSpec(POSITION, (rows,), INT64),
+    )
+
+
 def _verify_sample(dims: Dims, n: int) -> GraphSpec:
-    sampling = (
-        TensorSpec(TEMPERATURE, (n,), FLOAT32),
-        TensorSpec(TOP_K, (n,), INT64),
-        TensorSpec(TOP_P, (n,), FLOAT32),
-        TensorSpec(UNIFORMS, (n, dims.proposals + 1), FLOAT32),
-    )
-    return GraphSpec(
-        graph_name(VERIFY_SAMPLE, n), VERIFY_SAMPLE, n, _verify_inputs(dims, n) + sampling, _verdict_outputs(n)
-    )
+    inputs = _verify_inputs(dims, n) + _sampling_inputs(n)
+    return GraphSpec(graph_name(VERIFY_SAMPLE, n), VERIFY_SAMPLE, n, inputs, _verdict_outputs(n))
+
+
+def _sample(dims: Dims, n: None) -> GraphSpec:
+    R = ROWS_DIM
+    inputs = (TensorSpec(LOGITS, (R, dims.vocab_size), FLOAT32),) + _sampling_inputs(R)
+    rows = DimRange(1, 1, dims.max_owners * (dims.proposals + 1))
+    return GraphSpec(SAMPLE, SAMPLE, None, inputs, (TensorSpec(TOKEN, (R,), INT64),), {R: rows})
 
 
 _BUILDERS = {
@@ -367,6 +397,7 @@ _BUILDERS = {
     DRAFT: _draft,
     VERIFY_ARGMAX: _verify_argmax,
     VERIFY_SAMPLE: _verify_sample,
+    SAMPLE: _sample,
 }
 
 
@@ -380,10 +411,17 @@ def graph_spec(dims: Dims, name: str) -> GraphSpec:
 
 def graph_names(max_owners: int) -> tuple[str, ...]:
     """Every graph of an artifact set, in export order."""
-    names = [TARGET_PREFILL, DRAFT_CONTEXT]
+    names = list(DYNAMIC_KINDS)
     for kind in STATIC_KINDS:
         names += [graph_name(kind, n) for n in range(1, max_owners + 1)]
     return tuple(names)
+
+
+def sampled_only(name: str) -> bool:
+    """Whether only sampled sessions need graph ``name`` (a greedy-only set may lack it);
+    False for names outside the contract."""
+    match = _STATIC_NAME.match(name)
+    return match is not None and match.group(1) in SAMPLED_KINDS
 
 
 def graph_specs(dims: Dims) -> dict[str, GraphSpec]:

@@ -21,7 +21,7 @@ from torch import nn
 from dflash_trt.export import contract
 from dflash_trt.export.contract import Dims, GraphSpec
 from dflash_trt.export.draft import DraftModel
-from dflash_trt.export.sampling import choose, verdict
+from dflash_trt.export.sampling import choose_op, verdict
 from dflash_trt.export.target import TargetModel
 
 
@@ -192,11 +192,11 @@ class VerifyArgmax(nn.Module):
 
 
 class VerifySample(nn.Module):
-    """logits, candidates, temperature/top_k/top_p [n], uniforms [n, P+1] -> accepted, next_token.
+    """logits, candidates, temperature/top_k/top_p [n], seed [n, 3], position [n] -> accepted, next_token.
 
-    ``uniforms[i, j]`` decides the target's token at position start_i + j + 1
-    (``sampling.positional_uniform``); the choice is ``sampling.choose``, the
-    reference decoder's, so sampled output stays lossless and reproducible.
+    Row j of owner i chooses the target's token at position ``position[i] + j``
+    with ``sampling.choose``, the reference decoder's choice, so sampled output
+    stays lossless and reproducible.
     """
 
     @classmethod
@@ -210,16 +210,34 @@ class VerifySample(nn.Module):
         temperature: torch.Tensor,
         top_k: torch.Tensor,
         top_p: torch.Tensor,
-        uniforms: torch.Tensor,
+        seed: torch.Tensor,
+        position: torch.Tensor,
     ):
         n, rows, vocab = logits.shape
 
-        def per_row(x: torch.Tensor) -> torch.Tensor:  # [n] -> [n * rows]
-            return x[:, None].expand(n, rows).reshape(n * rows)
+        def per_row(x: torch.Tensor) -> torch.Tensor:  # [n, ...] -> [n * rows, ...]
+            return x[:, None].expand(n, rows, *x.shape[1:]).reshape(n * rows, *x.shape[1:])
 
-        flat = logits.reshape(n * rows, vocab)
-        choices = choose(flat, per_row(temperature), per_row(top_k), per_row(top_p), uniforms.reshape(n * rows))
+        positions = (position[:, None] + torch.arange(rows, device=position.device)).reshape(n * rows)
+        params = (per_row(temperature), per_row(top_k), per_row(top_p), per_row(seed))
+        choices = choose_op(logits.reshape(n * rows, vocab), *params, positions)
         return verdict(candidates[:, 1:], choices.reshape(n, rows))
+
+
+class Sample(nn.Module):
+    """logits [R, V], temperature/top_k/top_p [R], seed [R, 3], position [R] -> token [R]: ``sampling.choose``.
+
+    The runtime's choice after a prompt or replay (and any other single
+    choice), so every token a backend emits comes from a graph of this one
+    definition.
+    """
+
+    @classmethod
+    def build(cls, target: TargetModel, draft: DraftModel, dims: Dims) -> Sample:
+        return cls()
+
+    def forward(self, logits, temperature, top_k, top_p, seed, position):
+        return (choose_op(logits, temperature, top_k, top_p, seed, position),)
 
 
 WRAPPERS: dict[str, type[nn.Module]] = {
@@ -229,6 +247,7 @@ WRAPPERS: dict[str, type[nn.Module]] = {
     contract.DRAFT: Draft,
     contract.VERIFY_ARGMAX: VerifyArgmax,
     contract.VERIFY_SAMPLE: VerifySample,
+    contract.SAMPLE: Sample,
 }
 
 

@@ -43,7 +43,7 @@ from dflash_trt.checks import is_int
 from dflash_trt.errors import ManifestError
 from dflash_trt.export import contract
 from dflash_trt.export.contract import DTYPES, Dims, DimRange, GraphSpec, TensorSpec
-from dflash_trt.export.identity import file_sha256
+from dflash_trt.export.identity import verified_sha256
 from dflash_trt.export.onnx_io import declared_io, external_data_files, load_graph
 
 SCHEMA_VERSION = 1
@@ -168,16 +168,34 @@ def load_manifest(directory: str | Path, verify: str = VERIFY_HASH) -> Manifest:
     return manifest
 
 
+MAX_MANIFEST_BYTES = 64 << 20  # a real manifest is well under 1 MB; refuse before reading a huge file
+
+
 def _read(path: Path) -> dict:
+    """The manifest's JSON object; every OS / decode failure is a ManifestError naming the file."""
     try:
-        data = json.loads(path.read_text())
+        size = path.stat().st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{path}: {size} bytes, more than any manifest ({MAX_MANIFEST_BYTES}); not a manifest")
+        data = json.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError as error:
         raise ManifestError(f"{path}: not found (export the graphs first)") from error
-    except json.JSONDecodeError as error:
-        raise ManifestError(f"{path}: not valid JSON ({error})") from error
+    except OSError as error:  # a directory, no permission, not a directory above it...
+        raise ManifestError(f"{path}: cannot be read ({type(error).__name__}: {error.strerror or error})") from error
+    except UnicodeDecodeError as error:
+        raise ManifestError(f"{path}: not UTF-8 text (byte {error.start}); not a manifest") from error
+    except (ValueError, RecursionError) as error:  # JSONDecodeError is a ValueError; deep nesting recurses
+        raise ManifestError(f"{path}: not valid JSON ({type(error).__name__}: {str(error)[:200]})") from error
     if not isinstance(data, dict):
         raise ManifestError(f"{path}: must hold a JSON object, got {type(data).__name__}")
     return data
+
+
+def _file_name(value: str, where: str, path: Path) -> str:
+    """A file the manifest names must be a bare name inside its directory: no path, no '..'."""
+    if not value or value in (".", "..") or "/" in value or "\\" in value or "\0" in value or Path(value).is_absolute():
+        raise ManifestError(f"{path}: field '{where}' must be a file name inside {path.parent} (no directories, no '..'), got {value!r}")
+    return value
 
 
 class _Fields:
@@ -297,7 +315,9 @@ def _graph(graphs: _Fields, name: str) -> GraphFile:
     if len(ranges) != len(dims.data):
         raise ManifestError(f"{graphs.path}: field '{dims.where}' must map dim names to [min, opt, max]")
     io = GraphSpec(name, entry.str("kind"), entry.opt_int("owners"), _tensors(entry, "inputs"), _tensors(entry, "outputs"), ranges)
-    return GraphFile(entry.str("file"), entry.str("sha256"), {k: data_files.str(k) for k in data_files.data}, io)
+    file = _file_name(entry.str("file"), f"{entry.where}.file", graphs.path)
+    data = {_file_name(k, f"{data_files.where}.{k}", graphs.path): data_files.str(k) for k in data_files.data}
+    return GraphFile(file, entry.str("sha256"), data, io)
 
 
 def _refuse(path: Path, field_name: str, got: Any, want: Any, why: str) -> None:
@@ -315,10 +335,15 @@ def _check_consistency(m: Manifest, path: Path) -> None:
         raise ManifestError(f"{path}: dtype must be one of {sorted(DTYPES)}, got {m.dtype!r}")
     if m.ir_version > MAX_IR_VERSION:
         raise ManifestError(f"{path}: ir_version must be <= {MAX_IR_VERSION} (ONNX Runtime's max), got {m.ir_version}")
-    expected = contract.graph_names(m.max_owners) if m.max_owners >= 1 else ()
+    _check_bounds(m, path)
+    # max_owners sizes everything static: bound it by the graphs actually listed before using it.
+    if m.max_owners > len(m.graphs):
+        count = len(contract.DYNAMIC_KINDS) + len(contract.STATIC_KINDS) * m.max_owners
+        raise ManifestError(f"{path}: max_owners {m.max_owners} needs {count} graphs, 'graphs' lists {len(m.graphs)}")
+    expected = contract.graph_names(m.max_owners)
     missing = [n for n in expected if n not in m.graphs]
     if missing:
-        raise ManifestError(f"{path}: graphs lacks '{missing[0]}' (max_owners {m.max_owners} needs {list(expected)})")
+        raise ManifestError(f"{path}: graphs lacks '{missing[0]}' (max_owners {m.max_owners} needs every n in 1..{m.max_owners})")
     extra = [n for n in m.graphs if n not in expected]
     if extra:
         raise ManifestError(f"{path}: graphs has '{extra[0]}', not a graph of max_owners {m.max_owners}")
@@ -330,6 +355,23 @@ def _check_consistency(m: Manifest, path: Path) -> None:
         raise ManifestError(f"{path}: {error}") from error
     for name, graph in m.graphs.items():
         _compare_io(graph.io, contract.graph_spec(dims, name), path, f"graphs.{name}", "recorded", "the contract for these fields")
+
+
+INT32_MAX = (1 << 31) - 1  # TensorRT shapes are int32: no extent of a graph may exceed it
+
+# Every count a buffer or a graph list is sized from: bounded before anything is allocated.
+_COUNTS = (
+    "block_size", "proposals", "max_owners", "max_sessions", "max_context", "max_chunk", "vocab_size", "tap_width",
+    "target.layers", "target.hidden_size", "target.num_heads", "target.kv_heads", "target.head_dim",
+    "draft.layers", "draft.hidden_size", "draft.num_heads", "draft.kv_heads", "draft.head_dim",
+)  # fmt: skip
+
+
+def _check_bounds(m: Manifest, path: Path) -> None:
+    for name in _COUNTS:
+        value = _field_value(m, name)
+        if not 1 <= value <= INT32_MAX:
+            raise ManifestError(f"{path}: {name} must be in [1, {INT32_MAX}], got {value}")
 
 
 def _check_facts(m: Manifest, path: Path) -> None:
@@ -445,7 +487,7 @@ def _check_files(m: Manifest, directory: Path, hashes: bool) -> None:
         if hashes:
             for file, want in ((graph.file, graph.sha256), *graph.data_files.items()):
                 if file not in digests:
-                    digests[file] = file_sha256(directory / file)
+                    digests[file] = verified_sha256(directory / file)
                 got = digests[file]
                 if got != want:
                     raise ManifestError(

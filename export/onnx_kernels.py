@@ -17,18 +17,24 @@ Validity is expressed as lengths (``nonpad_kv_seqlen = start + T``):
   ONNX (>= 1.23 errata) aligns that mask bottom-right: query i sees key j iff
   ``j <= i + nonpad_kv_seqlen - T`` = its own position, which is what the
   target needs. ONNX Runtime 1.32 implements it (tests check).
-- ``causal="mask"``: every attention also gets an explicit mask (boolean
+- ``causal="mask"``: every attention gets an explicit mask instead (boolean
   visibility from positions, passed as a float 0 / lowest-value mask added to
   the scores, see ``additive``): ``[n, 1, T, L]`` causal (+ window) for the target,
-  ``[n, 1, T, L]`` of the length for the draft; the lengths stay as a hint.
-  Slower (the mask spans max_context) but needs neither the lengths nor the
-  bottom-right reading of ``is_causal``: for backends that ignore
-  ``nonpad_kv_seqlen`` (TensorRT-RTX 1.7's ONNX parser does) or align
-  ``is_causal`` top-left. Sliding-window layers always take the mask.
+  ``[n, 1, T, L]`` of the length for the draft. Slower (the mask spans
+  max_context) but needs neither the lengths nor the bottom-right reading of
+  ``is_causal``, for backends that support neither. Sliding-window layers
+  always take the mask.
 
-``TRANSLATIONS`` lowers the one aten op the exporter cannot: the stable sort
-of ``sampling.filtered_probs`` becomes ``TopK(k = axis size)``, whose ties
-keep the lower index first, i.e. a stable descending sort.
+An Attention with a mask gets no ``nonpad_kv_seqlen``: the mask already says
+everything, and a lengths input a backend does not read would be a tensor its
+engine silently drops (the engine build refuses those). TensorRT's ONNX parser
+ignores ``nonpad_kv_seqlen`` and reads ``is_causal`` top-left;
+``engines.attention`` restores both on the parsed network.
+
+``TRANSLATIONS`` lowers ``torch.ops.dflash_trt.choose`` (the sampling graphs'
+token choice, ``export.sampling``) by running the same math over ``OnnxOps``:
+standard ONNX nodes, int64 Mul/Add/Mod for the hash, one TopK of
+K <= 3840, no sort, no cumulative sum.
 """
 
 from __future__ import annotations
@@ -58,14 +64,16 @@ def onnx_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor | None,
-    nonpad_kv_seqlen: torch.Tensor,
+    nonpad_kv_seqlen: torch.Tensor | None,
     is_causal: bool,
 ) -> torch.Tensor:
     """ONNX Attention-24 (4-D, GQA, external cache) in PyTorch: q [n, Hq, T, D],
     k/v [n, Hkv, L, D], mask (boolean, or float added to the scores) broadcastable
-    to [n, Hq, T, L] -> [n, Hq, T, D]."""
+    to [n, Hq, T, L] -> [n, Hq, T, D]. No ``nonpad_kv_seqlen``: every slot is valid."""
     n, _, tokens, _ = q.shape
     slots = torch.arange(k.shape[2], device=q.device)
+    if nonpad_kv_seqlen is None:
+        nonpad_kv_seqlen = torch.full((n,), k.shape[2], dtype=torch.int64, device=q.device)
     visible = slots[None, None, :] < nonpad_kv_seqlen[:, None, None]  # [n, 1, L]
     if is_causal:
         offset = nonpad_kv_seqlen - tokens  # bottom-right alignment
@@ -162,13 +170,14 @@ class OnnxKernels:
         elif not causal and self.causal == CAUSAL_MASK:
             mask = length_mask(kv_len, q.shape[2], max_context)
         is_causal = causal and mask is None
+        lengths = kv_len if mask is None else None  # a mask says it all: no lengths to drop
         if mask is not None:
             mask = additive(mask, q.dtype)
         if not self._emitting():
-            return onnx_attention(q, k_cache, v_cache, mask, kv_len, is_causal)
+            return onnx_attention(q, k_cache, v_cache, mask, lengths, is_causal)
         return torch.onnx.ops.symbolic(
             "Attention",
-            (q, k_cache, v_cache, mask, None, None, kv_len),
+            (q, k_cache, v_cache, mask, None, None, lengths),
             {"is_causal": int(is_causal)},
             dtype=q.dtype,
             shape=q.shape,
@@ -176,13 +185,76 @@ class OnnxKernels:
         )
 
 
-def _sort_stable(self, *, stable=None, dim: int = -1, descending: bool = False):
-    """aten.sort.stable -> ONNX TopK over the whole axis (ties: lower index first)."""
-    from onnxscript import opset23 as op
+class OnnxOps:
+    """``sampling.TorchOps``' primitives as ONNX nodes (onnxscript, inside ``torch.onnx.export``).
 
-    k = op.Shape(self, start=dim, end=None if dim == -1 else dim + 1)
-    values, indices = op.TopK(self, k, axis=dim, largest=int(descending), sorted=1)
-    return values, indices
+    Python constants in the shared math become constants of the other
+    operand's dtype (the exporter binds them by the op's type constraint).
+    """
+
+    def __init__(self) -> None:
+        from onnxscript import opset23 as op
+
+        self.op = op
+
+    def column(self, x, i: int):
+        return self.op.Slice(x, [i], [i + 1], [1])
+
+    def as_column(self, x):
+        return self.op.Unsqueeze(x, [1])
+
+    def tokens(self, like, vocab: int):
+        return self.op.Unsqueeze(self.op.Range(0, vocab, 1), [0])  # [1, V] int64
+
+    def to_float(self, x):
+        return self.op.Cast(x, to=1)  # FLOAT
+
+    def log(self, x):
+        return self.op.Log(x)
+
+    def exp(self, x):
+        return self.op.Exp(x)
+
+    def equal(self, x, y):
+        return self.op.Equal(x, y)
+
+    def where(self, condition, x, y):
+        return self.op.Where(condition, x, y)
+
+    def either(self, x, y):
+        return self.op.Or(x, y)
+
+    def both(self, x, y):
+        return self.op.And(x, y)
+
+    def row_sum(self, x):
+        return self.op.ReduceSum(x, [-1], keepdims=1)
+
+    def top_values(self, x, k: int):
+        values, _ = self.op.TopK(x, [k], axis=-1, largest=1, sorted=1)
+        return values
+
+    def pick(self, x, index):
+        return self.op.GatherElements(x, index, axis=1)
+
+    def clamp(self, x, low: int, high: int):
+        return self.op.Clip(x, low, high)
+
+    def argmax(self, x):
+        return self.op.ArgMax(x, axis=-1, keepdims=0)  # select_last_index=0: first index on ties
 
 
-TRANSLATIONS = {torch.ops.aten.sort.stable: _sort_stable}
+def _choose(logits, temperature, top_k, top_p, seed, position):
+    """torch.ops.dflash_trt.choose -> ``sampling.choose`` over ONNX ops."""
+    from dflash_trt.export import sampling
+
+    return sampling.choose(logits, temperature, top_k, top_p, seed, position, ops=OnnxOps())
+
+
+def _translations() -> dict:
+    from dflash_trt.export.sampling import choose_op
+
+    return {choose_op._opoverload: _choose}
+
+
+TRANSLATIONS = _translations()

@@ -3,9 +3,10 @@
 It is the oracle the rest of the project is tested against:
 ``generate_target`` is plain autoregressive decoding of the target;
 ``generate_dflash`` runs the draft → verify → accept cycle of docs/design.md §1. Both
-choose every token with ``sampling.choose`` and the positional uniform of the
-position being produced, so with the same seed their outputs are identical
-(greedy or sampled) — the property the runtime must preserve.
+choose every token with ``sampling.choose`` at the position being produced
+(its noise is a function of seed, position and token), so with the same seed
+their outputs are identical (greedy or sampled) — the property the runtime
+must preserve.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from dflash_trt.errors import InputError
 from dflash_trt.export.draft import DraftModel
-from dflash_trt.export.sampling import GREEDY, Sampling, check_sampling, choose, positional_uniform, verdict
+from dflash_trt.export.sampling import GREEDY, Sampling, check_sampling, choose, verdict
 from dflash_trt.export.target import TargetModel
 
 
@@ -42,8 +43,10 @@ class ReferenceDecoder:
 
     def _choose(self, logits: torch.Tensor, positions: range, sampling: Sampling) -> list[int]:
         """logits [R, V]; the R tokens produced AT ``positions``."""
-        uniforms = torch.from_numpy(positional_uniform(sampling.seed, list(positions)))
-        return choose(logits, *sampling.tensors(len(positions)), uniforms).tolist()
+        if sampling.temperature == 0:  # choose's greedy rows, without computing their unused noise
+            return logits.float().argmax(dim=-1).tolist()
+        position = torch.tensor(list(positions), dtype=torch.int64)
+        return choose(logits.float(), *sampling.tensors(len(positions)), position).tolist()
 
     def _target(self, tokens: list[int], start: int, cache) -> tuple[torch.Tensor, torch.Tensor]:
         logits, taps = self.target(

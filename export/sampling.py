@@ -1,22 +1,38 @@
-"""Sampling and verification math: small pure functions over tensors.
+"""Sampling and verification math: one definition of the target's token choice, small pure functions over tensors.
 
-One definition serves the reference decoder, the exported verifier graphs and
-the runtime.
+``choose(logits, temperature, top_k, top_p, seed, position)`` is THE token
+choice: the reference decoder calls it, the exported ``sample`` and
+``verify_sample_{n}`` graphs are traced from it, and the runtime runs those
+graphs for every choice (after a prompt or replay and in every cycle), so no
+path can disagree with another.
 
-- ``positional_uniform(seed, positions)``: the random number that decides the
-  token AT a position is a pure function of (seed, position, purpose), so a
-  session's output never depends on how it was batched. Purpose
-  ``PURPOSE_TOKEN`` is used for every target choice, in prefill, in plain
-  decode and in verification alike: DFlash's sampled output is therefore
-  token-for-token the target-only sampled output for the same seed.
-- ``filtered_probs``: temperature, then top-k, then top-p (HF order), per
-  row. Temperature 0 gives the one-hot argmax, so greedy and sampled rows
-  share one code path.
-- ``sample``: inverse CDF in vocabulary order with the row's uniform.
-- ``verdict``: accepting a one-hot draft token d by testing ``d == y`` with
-  ``y`` an independent target sample is exactly rejection sampling with a
-  one-hot proposal (accept w.p. p(d); on reject ``y`` follows p without d,
-  renormalized), hence lossless.
+Per row (logits [V] fp32; the token chosen sits AT ``position``):
+
+- ``temperature == 0``: argmax of the logits, first index on ties.
+- Otherwise ``z = logits / temperature`` and the token is the Gumbel-max
+  ``argmax over kept tokens of z + g(seed, position, token)``, which is a
+  sample of softmax(z) restricted to the kept set (renormalized). No sort,
+  no cumulative sum, no uniform compared against a CDF: a decision changes
+  only when two perturbed scores are equal to within float rounding.
+- Kept set (temperature, then top-k, then top-p, as Hugging Face orders them):
+  ``top_k > 0`` keeps ``z >= v_k``, the k-th largest z (``TopK``; ties at
+  v_k are kept, as HF does); ``top_p < 1`` then keeps ``z >= c``, with ``c``
+  found by ``TOP_P_STEPS`` bisection steps on a threshold in z (see
+  ``nucleus_floor``). ``top_k == 0`` and ``top_p >= 1`` are off: every token
+  is kept.
+
+The noise ``g`` is a pure function of (seed, position, token), computed
+bit-exactly by every backend: an integer hash in int64 multiply/add/mod with
+every intermediate below 2**62 (no overflow, no bitwise operations), then
+``u = (h + 0.5) / 2**31`` strictly inside (0, 1) and
+``g = -log(-log1p(-u))``. A session's output therefore never depends on how
+it was batched, and DFlash's sampled output is token-for-token the
+target-only sampled output for the same seed.
+
+``verdict``: accepting a one-hot draft token d by testing ``d == y`` with
+``y`` an independent target sample is exactly rejection sampling with a
+one-hot proposal (accept w.p. p(d); on reject ``y`` follows p without d,
+renormalized), hence lossless.
 """
 
 from __future__ import annotations
@@ -30,26 +46,19 @@ import torch
 from dflash_trt.checks import is_int
 from dflash_trt.errors import SamplingError
 
-PURPOSE_TOKEN = 0
-_MASK64 = (1 << 64) - 1
+# The hash works modulo PRIME = 2**31 - 69: a product of two residues is < 2**62 and every
+# intermediate fits int64 with room to spare. PRIME ≡ 2 (mod 3), so cubing permutes the residues.
+PRIME = 2147483579
+TOKEN_MULTIPLIER = 1103515245
+# Round constants of the two 31-bit key lanes (initial value, then one per absorbed value).
+LANE_A = (1640531527, 1013904223, 1664525, 2147001325, 747796405)
+LANE_B = (744372876, 1181783497, 982451653, 1500450271, 1119516434)
+SEED_PARTS = 3  # the 64-bit seed as three parts of < 2**22 (low first): each below PRIME
+SEED_PART_BITS = 22
+U_SCALE = 2.0**-31  # u = (h + 0.5) * 2**-31; h <= PRIME - 1 keeps u < 1 after float32 rounding
 
-
-def _mix(value: np.ndarray) -> np.ndarray:
-    """SplitMix64 finalizer over uint64 arrays (wrapping arithmetic)."""
-    value = value + np.uint64(0x9E3779B97F4A7C15)
-    value = (value ^ (value >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    value = (value ^ (value >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return value ^ (value >> np.uint64(31))
-
-
-def positional_uniform(seed: int, positions, purpose: int = PURPOSE_TOKEN) -> np.ndarray:
-    """float32 uniforms in [0, 1), one per position: a pure function of (seed, position, purpose)."""
-    positions = np.atleast_1d(np.asarray(positions, dtype=np.int64)).astype(np.uint64)
-    with np.errstate(over="ignore"):
-        key = np.uint64(seed & _MASK64) ^ _mix(np.array([purpose], dtype=np.uint64))
-        value = _mix(key ^ _mix(positions + np.uint64(1)))
-    # Top 24 bits: exactly representable in float32, strictly below 1.
-    return ((value >> np.uint64(40)).astype(np.float64) / float(1 << 24)).astype(np.float32)
+TOP_K_LIMIT = 3840  # TensorRT's TopK caps K at 3840
+TOP_P_STEPS = 20  # bisection steps of the top-p threshold (bracket width: span / 2**20)
 
 
 @dataclass(frozen=True)
@@ -61,67 +70,246 @@ class Sampling:
     top_p: float = 1.0
     seed: int = 0
 
-    def tensors(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def tensors(self, rows: int, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(temperature [rows] f32, top_k [rows] i64, top_p [rows] f32, seed [rows, 3] i64): ``choose``'s row inputs."""
         return (
-            torch.full((rows,), float(self.temperature)),
-            torch.full((rows,), int(self.top_k), dtype=torch.int64),
-            torch.full((rows,), float(self.top_p)),
+            torch.full((rows,), float(self.temperature), dtype=torch.float32, device=device),
+            torch.full((rows,), int(self.top_k), dtype=torch.int64, device=device),
+            torch.full((rows,), float(self.top_p), dtype=torch.float32, device=device),
+            torch.tensor([seed_parts(self.seed)] * rows, dtype=torch.int64, device=device).reshape(rows, SEED_PARTS),
         )
 
 
 GREEDY = Sampling()
 
 
-def check_sampling(temperature: float, top_k: int, top_p: float, vocab_size: int | None = None) -> None:
-    """Refuse out-of-range sampling parameters, naming the field, range and value."""
-    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
-        raise SamplingError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if not is_int(top_k) or top_k < 0:
-        raise SamplingError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
-    if vocab_size is not None and top_k > vocab_size:
-        raise SamplingError(f"top_k must be in [0, {vocab_size}] (the vocabulary), got {top_k}")
-    if not isinstance(top_p, (int, float)) or not math.isfinite(top_p) or not 0 < top_p <= 1:
-        raise SamplingError(f"top_p must be in (0, 1], got {top_p!r}")
+# What the verifier graphs can represent: sampling parameters are float32 feeds.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal: below it a GPU may flush to 0
+# Below this, logits / temperature leave any sane range (and NaN-prone softmax follows);
+# a caller who wants near-greedy output should ask for greedy (0).
+MIN_TEMPERATURE = 1e-6
 
 
-def filtered_probs(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """logits [R, V]; per-row temperature, top_k (0 = off), top_p [R] -> probs [R, V] fp32."""
-    vocab = logits.shape[-1]
-    greedy = temperature <= 0
-    scale = torch.where(greedy, torch.ones_like(temperature), temperature)
-    scaled = logits.float() / scale[:, None]
-    ordered, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
-    rank = torch.arange(vocab, device=logits.device)
-    k = torch.where((top_k <= 0) | (top_k > vocab), torch.full_like(top_k, vocab), top_k)
-    keep = rank[None, :] < k[:, None]
-    p = torch.softmax(torch.where(keep, ordered, torch.full_like(ordered, float("-inf"))), dim=-1)
-    keep = keep & ((torch.cumsum(p, dim=-1) - p) < top_p[:, None])
-    p = torch.where(keep, p, torch.zeros_like(p))
-    p = p / p.sum(dim=-1, keepdim=True)
-    probs = torch.zeros_like(p).scatter(-1, order, p)
-    one_hot = torch.zeros_like(probs).scatter(-1, order[:, :1], torch.ones_like(probs[:, :1]))
-    return torch.where(greedy[:, None], one_hot, probs)
+def seed_parts(seed: int) -> tuple[int, int, int]:
+    """A seed in [0, 2**64) -> three parts of 22, 22 and 20 bits, low first (each < 2**22 < PRIME)."""
+    mask = (1 << SEED_PART_BITS) - 1
+    return seed & mask, (seed >> SEED_PART_BITS) & mask, seed >> (2 * SEED_PART_BITS)
 
 
-def sample(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """probs [R, V], uniform [R] in [0, 1) -> int64 tokens [R] by inverse CDF in vocab order."""
-    cdf = torch.cumsum(probs, dim=-1)
-    threshold = uniform.float()[:, None] * cdf[:, -1:]
-    # The first index whose CDF exceeds the threshold always has p > 0.
-    return (cdf <= threshold).sum(dim=-1).clamp(max=probs.shape[-1] - 1).to(torch.int64)
+def top_k_limit(vocab_size: int) -> int:
+    """The largest top_k a vocabulary allows: min(3840, V)."""
+    return min(TOP_K_LIMIT, vocab_size)
 
 
-def choose(
+def _real(value) -> bool:
+    """A plain or numpy real number; bools (Python or numpy) are not numbers here."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float, vocab_size: int | None = None) -> tuple[float, int, float]:
+    """Refuse sampling parameters the verifier cannot represent, naming the field, range and value.
+
+    Returns them as plain Python (float, int, float). Numpy scalars are accepted
+    like Python numbers; bools are refused everywhere.
+    """
+    if not _real(temperature) or not math.isfinite(temperature):
+        raise SamplingError(f"temperature must be a finite real number (not a bool), got {temperature!r}")
+    if temperature != 0 and not MIN_TEMPERATURE <= temperature <= FLOAT32_MAX:
+        msg = f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {FLOAT32_MAX}] (float32), got {temperature!r}"
+        raise SamplingError(msg)
+    if not is_int(top_k, numpy=True) or top_k < 0:
+        raise SamplingError(f"top_k must be an int >= 0 (0 = off; not a bool), got {top_k!r}")
+    limit = TOP_K_LIMIT if vocab_size is None else top_k_limit(vocab_size)
+    if top_k > limit:
+        why = f"min({TOP_K_LIMIT}, vocabulary {vocab_size})" if vocab_size is not None else "TensorRT's TopK limit"
+        raise SamplingError(f"top_k must be in [0, {limit}] (0 = off; at most {why}), got {top_k}")
+    if not _real(top_p) or not math.isfinite(top_p) or not FLOAT32_TINY <= top_p <= 1:
+        raise SamplingError(f"top_p must be a real number in [{FLOAT32_TINY}, 1] (float32 normal, > 0), got {top_p!r}")
+    return float(temperature), int(top_k), float(top_p)
+
+
+# --------------------------------------------------------------------------- primitives
+
+
+class TorchOps:
+    """The few primitives the sampling math needs beyond Python operators, in eager PyTorch.
+
+    ``export.onnx_kernels.OnnxOps`` has the same methods as ONNX nodes: the
+    math below is written once over ``ops`` and both run it, the eager module
+    and the exported graphs (``torch.ops.dflash_trt.choose``'s translation).
+    Comparisons and arithmetic use Python operators, which both tensor kinds
+    implement with the same ONNX semantics.
+    """
+
+    column = staticmethod(lambda x, i: x[:, i : i + 1])  # [R, k] -> [R, 1]
+    as_column = staticmethod(lambda x: x[:, None])  # [R] -> [R, 1]
+    tokens = staticmethod(lambda like, vocab: torch.arange(vocab, dtype=torch.int64, device=like.device)[None, :])
+    to_float = staticmethod(lambda x: x.to(torch.float32))
+    log = staticmethod(torch.log)
+    exp = staticmethod(torch.exp)
+    equal = staticmethod(torch.eq)
+    where = staticmethod(torch.where)
+    either = staticmethod(torch.logical_or)
+    both = staticmethod(torch.logical_and)
+    row_sum = staticmethod(lambda x: x.sum(dim=-1, keepdim=True))  # [R, V] -> [R, 1]
+    top_values = staticmethod(lambda x, k: torch.topk(x, k, dim=-1).values)  # [R, V] -> [R, k] descending
+    pick = staticmethod(lambda x, index: torch.gather(x, 1, index))  # [R, K], [R, 1] -> [R, 1]
+    clamp = staticmethod(lambda x, low, high: x.clamp(low, high))
+    argmax = staticmethod(lambda x: x.argmax(dim=-1))  # [R, V] -> [R], first index on ties
+
+
+TORCH = TorchOps()
+
+
+# --------------------------------------------------------------------------- the noise
+
+
+def _mulmod(a, b):
+    return a * b % PRIME  # a, b < PRIME < 2**31: the product < 2**62
+
+
+def _addmod(a, b, ops):
+    total = a + b  # a, b < PRIME: one subtraction reduces it (cheaper than a Mod over [R, V])
+    return ops.where(total >= PRIME, total - PRIME, total)
+
+
+def _cube(x):
+    return _mulmod(_mulmod(x, x), x)
+
+
+def row_keys(seed, position, ops=TORCH):
+    """seed [R, 3] (parts < 2**22), position [R, 1] (< 2**31) -> two 31-bit keys [R, 1] per row.
+
+    Each lane absorbs the seed parts and the position: ``x = (x + value + c)^3 mod PRIME``.
+    """
+    values = (ops.column(seed, 0), ops.column(seed, 1), ops.column(seed, 2), position)
+    keys = []
+    for constants in (LANE_A, LANE_B):
+        x = values[0] * 0 + constants[0]
+        for value, constant in zip(values, constants[1:]):
+            x = _cube((x + value + constant) % PRIME)
+        keys.append(x)
+    return keys[0], keys[1]
+
+
+def token_hash(key_a, key_b, vocab: int, ops=TORCH):
+    """Keys [R, 1] -> h [R, V] int64 in [0, PRIME): ``(((A t + a)^3 + b) mod p)^3 mod p`` of each token t.
+
+    Four Mods per (row, token): ``A t mod p`` is per token only, the two additions reduce by a subtraction.
+    """
+    spread = ops.tokens(key_a, vocab) * TOKEN_MULTIPLIER % PRIME  # [1, V]
+    x = _cube(_addmod(spread, key_a, ops))
+    return _cube(_addmod(x, key_b, ops))
+
+
+def gumbel(h, ops=TORCH):
+    """h [R, V] in [0, PRIME) -> Gumbel noise [R, V] fp32: g = -log(E), E = -log1p(-u) ~ Exp(1).
+
+    u = (h + 0.5) * 2**-31 lies in (0, 1) (h < 2**31 - 64 keeps float32 rounding below 1)
+    with 2**-31 resolution near 0, where E is small and g large. ``log1p`` in
+    Kahan's form (log(w) * u / (w - 1), w = 1 - u) keeps that resolution;
+    ONNX has no Log1p.
+    """
+    u = (ops.to_float(h) + 0.5) * U_SCALE
+    w = 1.0 - u
+    exponential = ops.where(ops.equal(w, 1.0), u, u * ops.log(w) / (w - 1.0))
+    return -ops.log(exponential)
+
+
+def noise(seed, position, vocab: int, ops=TORCH):
+    """seed [R, 3], position [R, 1] -> Gumbel noise g(seed, position, token) [R, V] fp32."""
+    key_a, key_b = row_keys(seed, position, ops)
+    return gumbel(token_hash(key_a, key_b, vocab, ops), ops)
+
+
+# --------------------------------------------------------------------------- the kept set
+
+
+def top_p_span(vocab: int) -> float:
+    """How far below the max z the top-p threshold can lie, for any top_p < 1 in float32.
+
+    Tokens below the threshold hold >= (1 - top_p) >= 2**-24 of the mass, each
+    at most exp(c - m) of the max token's: c >= m - log(V * 2**24). One more
+    for rounding.
+    """
+    return math.log(vocab) + 24 * math.log(2.0) + 1.0
+
+
+def nucleus_floor(z, weights, top, top_p, vocab: int, ops=TORCH):
+    """z [R, V], weights [R, V] = exp(z - top) on the top-k set (else 0), top [R, 1] = max z,
+    top_p [R, 1] -> floor [R, 1].
+
+    Bisection on the threshold: ``floor`` starts at ``top - span`` and steps
+    up by span/2, span/4, ... (exact powers of two times span) whenever the
+    mass with z >= floor + step is still >= top_p of the total. Invariant: the
+    mass with z >= floor is >= top_p * total. After TOP_P_STEPS steps the kept
+    set ``z >= floor`` is the smallest set of the form {z >= c} holding top_p of
+    the mass (HF's nucleus, ties kept together), plus any tokens within
+    span * 2**-20 below its cut (3e-5 for V = 151,936: near-ties). Each step is
+    one masked sum (no sort, no cumulative sum); a step's decision can differ
+    between backends only when that mass equals top_p * total to within float
+    rounding.
+    """
+    span = top_p_span(vocab)
+    target = top_p * ops.row_sum(weights)
+    floor = top - span
+    for step in range(1, TOP_P_STEPS + 1):
+        mid = floor + span * 2.0**-step
+        mass = ops.row_sum(ops.where(z >= mid, weights, 0.0))
+        floor = ops.where(mass >= target, mid, floor)
+    return floor
+
+
+def kept(z, top_k, top_p, vocab: int, ops=TORCH):
+    """z [R, V], top_k [R, 1], top_p [R, 1] -> bool [R, V]: the tokens top-k (k-th largest
+    value, ties kept) then top-p keep."""
+    limit = top_k_limit(vocab)
+    values = ops.top_values(z, limit)  # [R, K] descending
+    keep = ops.either(z >= ops.pick(values, ops.clamp(top_k - 1, 0, limit - 1)), top_k <= 0)
+    top = ops.column(values, 0)
+    weights = ops.where(keep, ops.exp(z - top), 0.0)
+    floor = nucleus_floor(z, weights, top, top_p, vocab, ops)
+    return ops.both(keep, ops.either(z >= floor, top_p >= 1.0))
+
+
+# --------------------------------------------------------------------------- the choice
+
+
+def choose(logits, temperature, top_k, top_p, seed, position, ops=TORCH):
+    """The target's token for each row of logits [R, V] fp32 -> [R] int64.
+
+    temperature [R] f32 (0 = greedy), top_k [R] i64 (0 = off, <= min(3840, V)),
+    top_p [R] f32 (>= 1 = off), seed [R, 3] i64 (``seed_parts``), position [R]
+    i64: the position of the token being chosen (< PRIME).
+    """
+    vocab = int(logits.shape[-1])
+    temperature, top_k, top_p = ops.as_column(temperature), ops.as_column(top_k), ops.as_column(top_p)
+    greedy = temperature <= 0.0
+    z = logits / ops.where(greedy, 1.0, temperature)
+    g = noise(seed, ops.as_column(position), vocab, ops)
+    score = ops.where(kept(z, top_k, top_p, vocab, ops), z + g, float("-inf"))
+    return ops.argmax(ops.where(greedy, logits, score))
+
+
+@torch.library.custom_op("dflash_trt::choose", mutates_args=())
+def choose_op(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
-    uniform: torch.Tensor,
+    seed: torch.Tensor,
+    position: torch.Tensor,
 ) -> torch.Tensor:
-    """The target's token for each row of logits [R, V] -> [R] int64."""
-    return sample(filtered_probs(logits, temperature, top_k, top_p), uniform)
+    """``choose`` as one operator: the graph modules call it, so an exported graph holds it as
+    one node, lowered by ``onnx_kernels.TRANSLATIONS`` through the same math over ONNX ops
+    (a traced copy of the math would cost ~20 s of export per graph)."""
+    return choose(logits, temperature, top_k, top_p, seed, position)
+
+
+@choose_op.register_fake
+def _(logits, temperature, top_k, top_p, seed, position):
+    return logits.new_empty((logits.shape[0],), dtype=torch.int64)
 
 
 def verdict(proposals: torch.Tensor, choices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

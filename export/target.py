@@ -3,9 +3,11 @@
 ``forward(tokens, start, rows, k_cache, v_cache)`` runs ``n`` rows of ``T``
 tokens each; row ``i`` holds tokens at positions ``start[i] .. start[i]+T-1``
 of cache row ``rows[i]``. It writes their K/V into the caches in place and
-returns fp32 logits and the taps: the residual-stream outputs of
-``tap_layers`` (0-indexed decoder layers, before the final norm),
-concatenated along the feature axis.
+returns fp32 logits and the taps of ``tap_layers`` (0-indexed decoder layers),
+concatenated along the feature axis. Layer i's tap is Hugging Face's
+``hidden_states[i + 1]``, which is what the DFlash reference feeds its draft:
+the residual-stream output of the layer, except for the LAST layer, whose
+entry is the final-normed state (``tap_of``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,15 @@ class TargetModel(nn.Module):
     def tap_width(self) -> int:
         return len(self.tap_layers) * self.config.hidden_size
 
+    def tap_of(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer ``index``'s tap from its residual output x: HF's ``hidden_states[index + 1]``.
+
+        HF records the last layer's entry after the final norm, and DFlash's
+        reference (``hidden_states[layer_id + 1]``) feeds exactly that to a
+        draft that taps the last layer; the other layers are tapped un-normed.
+        """
+        return self.model.norm(x) if index == self.config.num_layers - 1 else x
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(tokens)
 
@@ -87,7 +98,7 @@ class TargetModel(nn.Module):
                 x, rope, positions, rows, start, k_cache[index], v_cache[index], self.kernels
             )
             if index in self.tap_layers:
-                taps.append(x)
+                taps.append(self.tap_of(index, x))
         return self.model.norm(x), torch.cat(taps, dim=-1)
 
     def new_cache(self, rows: int, max_context: int, dtype: torch.dtype | None = None, device="cpu"):

@@ -109,10 +109,18 @@ def read_prompts(path: Path, tokenizer, limit: int | None = None) -> list[Prompt
     if not Path(path).is_file():
         msg = f"--prompts: {path} is not a file"
         raise InputError(msg)
+    try:
+        lines = Path(path).read_bytes().decode("utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise InputError(f"--prompts: {path} cannot be read as UTF-8 text ({type(error).__name__}: {error})") from error
     prompts = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    for number, line in enumerate(lines, start=1):
         if line.strip():
-            prompts.append(_prompt(f"{path}:{number}", json.loads(line), tokenizer, len(prompts)))
+            try:
+                row = json.loads(line)
+            except (ValueError, RecursionError) as error:
+                raise InputError(f"{path}:{number}: not a JSON object ({type(error).__name__}: {str(error)[:120]})") from error
+            prompts.append(_prompt(f"{path}:{number}", row, tokenizer, len(prompts)))
         if limit is not None and len(prompts) == limit:
             break
     return prompts
@@ -126,7 +134,9 @@ def _prompt(where: str, row: dict, tokenizer, index: int) -> Prompt:
         msg = f"{where}: a text prompt needs a tokenizer: pass --tokenizer DIR (the target checkpoint)"
         raise TokenizerError(msg)
     tokens = tokenizer.encode(row["prompt"]) if "prompt" in row else row["tokens"]
-    return Prompt(str(row.get("name", index)), list(tokens), row.get("max_new_tokens"))
+    if not isinstance(tokens, list):
+        raise InputError(f"{where}: 'tokens' must be a list of token ids, got {type(tokens).__name__}")
+    return Prompt(str(row.get("name", index)), tokens, row.get("max_new_tokens"))
 
 
 def fit_prompt(tokens: list[int], max_context: int, room: int) -> list[int]:
@@ -181,7 +191,7 @@ def write_outputs(out: Path, prompts: list[Prompt], completions: list[Completion
 def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.tokenizer, args.artifacts, args.target)
     with OPENERS[args.backend](args) as backend:
-        executor = Executor(backend, max_sessions=args.max_sessions)
+        executor = Executor(backend, max_sessions=args.max_sessions, stats_rows=None)  # a finite job: keep every row
         stop = tokenizer.stop_ids if tokenizer is not None else _manifest_stops(args.artifacts)
         room = args.max_new_tokens
         prompts = [Prompt(p.name, fit_prompt(p.tokens, executor.dims.max_context, p.max_new_tokens or room), p.max_new_tokens) for p in read_prompts(args.prompts, tokenizer, args.limit)]

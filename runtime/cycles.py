@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflash_trt.export.sampling import PURPOSE_TOKEN, positional_uniform
+from dflash_trt.export import contract as c
+from dflash_trt.export.sampling import Sampling, seed_parts
 from dflash_trt.runtime.stats import DYNAMIC, STATIC, TARGET
 
 
@@ -173,15 +174,21 @@ def make_bursts(
     return bursts
 
 
-def verify_uniforms(seeds: Sequence[int], starts: Sequence[int], width: int) -> np.ndarray:
-    """float32 [n, width]: the uniform of the token AT position start + 1 + j, per owner.
+def sampling_rows(samplings: Sequence[Sampling], positions: Sequence[int]) -> dict[str, np.ndarray]:
+    """The sampling inputs of ``sample`` / ``verify_sample_{n}`` for one row per (sampling, position).
 
-    Verify row j predicts position start + 1 + j; the same positional uniform
-    the reference and target-only decoding use (PURPOSE_TOKEN), so output
-    does not depend on batching.
+    ``positions[i]``: the position of the first token row i chooses (a verify
+    owner's row j chooses ``positions[i] + j``). The noise of every choice is
+    a function of (seed, position, token) only, so output does not depend on
+    batching or packing.
     """
-    rows = [positional_uniform(seed, np.arange(start + 1, start + 1 + width), PURPOSE_TOKEN) for seed, start in zip(seeds, starts)]
-    return np.stack(rows).astype(np.float32) if rows else np.zeros((0, width), np.float32)
+    return {
+        c.TEMPERATURE: np.array([s.temperature for s in samplings], np.float32),
+        c.TOP_K: np.array([s.top_k for s in samplings], np.int64),
+        c.TOP_P: np.array([s.top_p for s in samplings], np.float32),
+        c.SEED: np.array([seed_parts(s.seed) for s in samplings], np.int64).reshape(len(samplings), c.SEED_PARTS),
+        c.POSITION: np.array(positions, np.int64),
+    }
 
 
 def pick_row(free: Sequence[int], used: Sequence[int]) -> int:

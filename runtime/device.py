@@ -142,6 +142,12 @@ def current_device() -> int:
     return int(cuda_call("cudaGetDevice"))
 
 
+def free_memory() -> int:
+    """Free bytes on the current device (``cudaMemGetInfo``)."""
+    free, _total = cuda_call("cudaMemGetInfo")
+    return int(free)
+
+
 def synchronize_device() -> None:
     """Host sync: wait for all work on the current device (tests and teardown only)."""
     cuda_call("cudaDeviceSynchronize")

@@ -29,7 +29,11 @@ One execute():
 
 A failure after step 1 poisons every session of the batch (PoisonedError
 chained to the cause); those are refused until closed. Other sessions' rows
-are never bound by this batch's graphs, so their outputs do not change.
+are never bound by this batch's graphs, so their outputs do not change. The
+failed batch's cycle rows and counts never reach the stats (``StatsLog``).
+
+Threads: one call at a time per backend; a concurrent call is refused with
+``BusyError`` (``runtime.ownership``).
 
 Taps never leave the device: verify taps are copied device-to-device into the
 context pool, prefill taps are drained or copied the same way
@@ -40,21 +44,23 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import polars as pl
 import torch
 
 from dflash_trt.checks import is_int
-from dflash_trt.errors import PoisonedError
+from dflash_trt.errors import BusyError, DFlashError, EngineError, InputError, PoisonedError, SamplingError, SessionError
 from dflash_trt.export import contract as c
-from dflash_trt.export.sampling import Sampling, check_sampling, choose, positional_uniform
+from dflash_trt.export.sampling import Sampling, check_sampling
 from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 from dflash_trt.runtime.backends.base import Backend
-from dflash_trt.runtime.cycles import Burst, block_fits, chunks, cycle_mode, make_bursts, pack_rows, plan_context, static_context, trim_context, verify_uniforms
+from dflash_trt.runtime.cycles import Burst, block_fits, chunks, cycle_mode, make_bursts, pack_rows, plan_context, sampling_rows, static_context, trim_context
 from dflash_trt.runtime.sessions import ContextPool, Input, Limits, Session, SessionTable, SessionView, Step, check_seed, int_in, validate_batch
-from dflash_trt.runtime.stats import StatsLog, stats_paths, write_parquet
+from dflash_trt.runtime.stats import DEFAULT_MAX_ROWS, StatsLog, stats_paths, write_parquet
 
 __all__ = ["Executor", "Input"]
 
@@ -102,23 +108,71 @@ def make_clock(backend: Backend):
 
 
 class Executor:
-    """Sessions and batched DFlash cycles over one backend (see the module docstring)."""
+    """Sessions and batched DFlash cycles over one backend (see the module docstring).
 
-    def __init__(self, backend: Backend, dims: c.Dims | None = None, max_sessions: int | None = None) -> None:
-        """``dims`` and ``max_sessions`` default to the backend's (its contract dims and pool rows)."""
+    Threads: one call at a time per backend (``runtime.ownership``). A call
+    made while another is running (another thread, or another executor over
+    the same backend) raises ``BusyError`` and changes nothing; stats reads
+    (``cycle_stats``, ``execute_stats``, ``write_stats``, ``refused_calls``)
+    are safe from any thread.
+    """
+
+    def __init__(
+        self, backend: Backend, dims: c.Dims | None = None, max_sessions: int | None = None, stats_rows: int | None = DEFAULT_MAX_ROWS
+    ) -> None:
+        """``dims`` and ``max_sessions`` default to the backend's (its contract dims and pool rows);
+        ``stats_rows`` bounds each stats table in memory (None: unbounded; see ``drain_stats``)."""
         dims = dims if dims is not None else backend.dims
-        rows = backend.max_sessions
+        self.ownership = backend.ownership()
+        rows = self.ownership.rows.rows
         max_sessions = max_sessions if max_sessions is not None else rows
         if not is_int(max_sessions) or not 1 <= max_sessions <= rows:
             msg = f"max_sessions must be an int in [1, {rows}] (the backend's cache rows), got {max_sessions!r}"
-            raise ValueError(msg)
+            raise InputError(msg)
         self.backend, self.dims = backend, dims
         self.device = backend.device
-        self.table = SessionTable(max_sessions)
+        self.table = SessionTable(max_sessions, self.ownership.rows)
+        # Rows are the backend's: a session's pending taps live at its row of a pool as tall as the backend's.
         self.limits = Limits(dims.vocab_size, dims.max_context, dims.block_size)
-        self.context = ContextPool(max_sessions, dims.block_size, dims.tap_width, TORCH_DTYPES[dims.dtype], self.device)
+        self.context = ContextPool(rows, dims.block_size, dims.tap_width, TORCH_DTYPES[dims.dtype], self.device)
         self.clock = make_clock(backend)
-        self.log = StatsLog()
+        if stats_rows is not None and (not isinstance(stats_rows, int) or isinstance(stats_rows, bool) or stats_rows < 1):
+            raise InputError(f"stats_rows must be an int >= 1 or None (unbounded), got {stats_rows!r}")
+        self.log = StatsLog(stats_rows)
+        self.closed = False
+        # Rows go back to the backend even if the executor is dropped without close().
+        self._release = weakref.finalize(self, self.table.rows.give_all, self.table.held)
+
+    @contextmanager
+    def _call(self, name: str, count_refusals: bool = True) -> Iterator[None]:
+        """One API call: holds the backend's call guard; typed errors raised here count as refused."""
+        try:
+            with self.ownership.guard.hold(name):
+                if self.closed:
+                    raise SessionError(f"{name}: this executor is closed")
+                yield
+        except BusyError:
+            self.log.refuse(name)
+            raise
+        except DFlashError:
+            if count_refusals:
+                self.log.refuse(name)
+            raise
+
+    def close(self) -> None:
+        """Close every session and give their rows back to the backend; later calls raise SessionError."""
+        if self.closed:
+            return
+        with self._call("close"):
+            self.table.close_all()
+            self.closed = True
+            self._release.detach()
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ sessions
 
@@ -133,39 +187,65 @@ class Executor:
 
     def open_session(self) -> int:
         """A fresh session (empty caches, greedy sampling); SessionError when max_sessions are open."""
-        self.table.room("open_session")
-        return self.table.open().id
+        with self._call("open_session"):
+            self.table.room("open_session")
+            return self.table.open().id
 
     def close_session(self, session: int) -> None:
         """Release a session and its row (poisoned ones too); SessionError if unknown."""
-        self.table.close(session)
+        with self._call("close_session"):
+            self.table.close(session)
 
     def session(self, session: int) -> SessionView:
-        s = self.table.get(session, "session", allow_poisoned=True)
-        return SessionView(s.id, s.row, s.frontier, s.draft_position, s.pending, s.sampling, s.poisoned)
+        with self._call("session"):
+            s = self.table.get(session, "session", allow_poisoned=True)
+            return SessionView(s.id, s.row, s.frontier, s.draft_position, s.pending, s.sampling, s.poisoned)
 
     def sessions(self) -> list[int]:
-        return sorted(self.table.sessions)
+        with self._call("sessions"):
+            return sorted(self.table.sessions)
 
     def set_sampling(self, session: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> None:
-        """Temperature / top-k / top-p and the positional-uniform seed (random when None)."""
-        s = self.table.get(session, "set_sampling.session")
-        check_sampling(temperature, top_k, top_p, self.dims.vocab_size)
-        seed = secrets.randbits(64) if seed is None else check_seed(seed)
-        s.sampling = Sampling(float(temperature), int(top_k), float(top_p), seed)
+        """Temperature / top-k / top-p and the seed of the sampling noise (random when None)."""
+        with self._call("set_sampling"):
+            s = self.table.get(session, "set_sampling.session")
+            temperature, top_k, top_p = check_sampling(temperature, top_k, top_p, self.dims.vocab_size)
+            if temperature > 0:
+                self._require_sampled_graphs(temperature)
+            seed = secrets.randbits(64) if seed is None else check_seed(seed)
+            s.sampling = Sampling(temperature, top_k, top_p, seed)
+
+    def _require_sampled_graphs(self, temperature: float) -> None:
+        """A greedy-only engine set (no verify_sample_n) cannot serve sampled sessions: refuse up front."""
+        wanted = [c.graph_name(c.VERIFY_SAMPLE, n) for n in range(1, self.dims.max_owners + 1)]
+        missing = [g for g in wanted if g not in self.backend.graph_names]
+        if missing:
+            msg = (
+                f"set_sampling.temperature: this {self.backend.name} backend serves greedy sessions only "
+                f"(temperature 0): its artifacts lack {missing}, needed for sampled verification; got temperature {temperature}"
+            )
+            raise SamplingError(msg)
 
     def clone(self, session: int, upto: int) -> int:
-        """A new session holding positions 0..upto-1 of ``session`` (caches copied row to row)."""
-        source = self.table.get(session, "clone.session")
-        upto = int_in("clone.upto", upto, 0, source.frontier, f"(session {session}'s frontier)")
-        self.table.room("clone")
-        copy = self.table.open()
-        try:
-            self._copy_session(source, copy, upto)
-        except BaseException:
-            self.table.close(copy.id)  # the source was only read
-            raise
-        return copy.id
+        """A new session holding positions 0..upto-1 of ``session`` (caches copied row to row).
+
+        A copy that fails leaves nothing behind (the new session is closed, the
+        source was only read): EngineError naming the cause.
+        """
+        with self._call("clone"):
+            source = self.table.get(session, "clone.session")
+            upto = int_in("clone.upto", upto, 0, source.frontier, f"(session {session}'s frontier)")
+            self.table.room("clone")
+            copy = self.table.open()
+            try:
+                self._copy_session(source, copy, upto)
+            except BaseException as error:
+                self.table.close(copy.id)  # the source was only read
+                if not isinstance(error, Exception) or isinstance(error, DFlashError):
+                    raise
+                msg = f"clone({session}, {upto}): copying the caches failed, nothing changed: {type(error).__name__}: {error}"
+                raise EngineError(msg) from error
+            return copy.id
 
     def _copy_session(self, source: Session, copy: Session, upto: int) -> None:
         draft, keep = trim_context(source.frontier, source.draft_position, upto)
@@ -187,18 +267,22 @@ class Executor:
 
     def execute(self, batch: Sequence[Input | dict]) -> list[list[int]]:
         """Run one batch (see the module docstring). Returns per input its new tokens."""
-        self.log.begin()
+        with self._call("execute", count_refusals=False):
+            return self._execute(batch)
+
+    def _execute(self, batch: Sequence[Input | dict]) -> list[list[int]]:
         try:
             steps = validate_batch(self.table, batch, self.limits)
-        except Exception:
-            self.log.end_execute(len(batch) if isinstance(batch, (list, tuple)) else 0, 0, False, False)
+        except DFlashError:
+            self.log.refuse("execute")  # no execute row, batch_id unchanged: nothing ran
             raise
+        self.log.begin()
+        target_tokens = sum(len(s.tokens) for s in steps if not s.fast)
         try:
             outputs = self._run(steps)
         except BaseException as error:
             self._poison(steps)
-            self.log.counters["failed_batches"] += 1
-            self.log.end_execute(len(steps), sum(len(s.tokens) for s in steps if not s.fast), False, False)
+            self.log.fail(len(steps), target_tokens)  # the batch's cycle rows and counts are dropped
             if not isinstance(error, Exception):
                 raise
             ids = sorted({s.session.id for s in steps})
@@ -206,7 +290,7 @@ class Executor:
             raise PoisonedError(msg) from error
         fast = all(s.fast for s in steps)
         self.log.counters["pending_decode_batches"] += fast
-        self.log.end_execute(len(steps), sum(len(s.tokens) for s in steps if not s.fast), fast, True)
+        self.log.commit(len(steps), target_tokens, fast)
         return outputs
 
     def _poison(self, steps: list[Step]) -> None:
@@ -278,10 +362,10 @@ class Executor:
         return prediction
 
     def _choose(self, s: Session, logits: torch.Tensor, position: int) -> int:
-        """The target's token AT ``position`` from logits [1, V] (the verifier's math and uniform)."""
-        params = [t.to(logits.device) for t in s.sampling.tensors(1)]
-        uniform = torch.from_numpy(positional_uniform(s.sampling.seed, [position])).to(logits.device)
-        return int(choose(logits, *params, uniform)[0].item())  # host sync: one token id
+        """The target's token AT ``position`` from logits [1, V]: the backend's ``sample`` graph (the verifiers' choice)."""
+        feeds = self._sampling_feeds([s.sampling], [position]) | {c.LOGITS: logits}
+        token = self.backend.run(c.SAMPLE, feeds, 0)[c.TOKEN]
+        return int(token[0].item())  # host sync: one token id
 
     def _commit_taps(self, s: Session, taps: torch.Tensor) -> None:
         """taps [R, W] of positions frontier.. : pending context, draining all but B rows (on device)."""
@@ -362,14 +446,13 @@ class Executor:
         feeds = {c.LOGITS: logits, c.CANDIDATES: candidates}
         if all(s.sampling.temperature == 0 for s in sessions):
             return self.backend.run(c.graph_name(c.VERIFY_ARGMAX, n), feeds, first)
-        uniforms = verify_uniforms([s.sampling.seed for s in sessions], starts, self.dims.proposals + 1)
-        feeds |= {
-            c.TEMPERATURE: torch.tensor([s.sampling.temperature for s in sessions], dtype=torch.float32, device=self.device),
-            c.TOP_K: self._ints([s.sampling.top_k for s in sessions]),
-            c.TOP_P: torch.tensor([s.sampling.top_p for s in sessions], dtype=torch.float32, device=self.device),
-            c.UNIFORMS: torch.from_numpy(uniforms).to(self.device),
-        }
+        # Verify row j of an owner chooses the token AT start + 1 + j.
+        feeds |= self._sampling_feeds([s.sampling for s in sessions], [start + 1 for start in starts])
         return self.backend.run(c.graph_name(c.VERIFY_SAMPLE, n), feeds, first)
+
+    def _sampling_feeds(self, samplings: list[Sampling], positions: list[int]) -> dict[str, torch.Tensor]:
+        """``cycles.sampling_rows`` as device tensors (small H2D copies on CUDA)."""
+        return {name: torch.from_numpy(rows).to(self.device) for name, rows in sampling_rows(samplings, positions).items()}
 
     def _ints(self, values: Sequence[int]) -> torch.Tensor:
         """A small int64 feed built on the host (an H2D copy on CUDA; pageable, so it may block briefly)."""
@@ -378,14 +461,40 @@ class Executor:
     # ------------------------------------------------------------------ stats
 
     def cycle_stats(self) -> pl.DataFrame:
-        """One row per owner per cycle (``runtime.stats.CYCLE_SCHEMA``)."""
-        return self.log.cycles.frame()
+        """One row per owner per cycle (``runtime.stats.CYCLE_SCHEMA``), of the rows still in memory."""
+        return self.log.frames()[0]
 
     def execute_stats(self) -> pl.DataFrame:
-        """One row per execute() (``runtime.stats.EXECUTE_SCHEMA``)."""
-        return self.log.executes.frame()
+        """One row per execute() (``runtime.stats.EXECUTE_SCHEMA``), of the rows still in memory."""
+        return self.log.frames()[1]
+
+    def drain_stats(self, stem: str | Path | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+        """Every row in memory as (cycles, executes), removed from the log; written to ``stats_paths(stem)`` when given.
+
+        A long-running service drains periodically (e.g. one stem per hour) so
+        the log's memory stays flat; undrained rows past ``stats_rows`` are
+        dropped oldest first and counted in ``stats_dropped``.
+        """
+        cycles, executes = self.log.drain()
+        if stem is not None:
+            paths = stats_paths(stem)
+            write_parquet(cycles, paths[0], "cycles")
+            write_parquet(executes, paths[1], "executes")
+        return cycles, executes
+
+    @property
+    def stats_dropped(self) -> dict[str, int]:
+        """Rows the log's bound discarded (oldest batches first), per table."""
+        with self.log.lock:
+            return dict(self.log.dropped)
+
+    def refused_calls(self) -> dict[str, int]:
+        """API call name -> calls refused with a typed error that changed nothing (validation, BusyError)."""
+        with self.log.lock:
+            return dict(self.log.refused)
 
     def write_stats(self, stem: str | Path) -> tuple[Path, Path]:
-        """Both tables as Parquet at ``stats_paths(stem)``: (cycles, executes)."""
+        """Both tables (the rows in memory, kept) as Parquet at ``stats_paths(stem)``: (cycles, executes)."""
         cycles, executes = stats_paths(stem)
-        return write_parquet(self.cycle_stats(), cycles, "cycles"), write_parquet(self.execute_stats(), executes, "executes")
+        frames = self.log.frames()
+        return write_parquet(frames[0], cycles, "cycles"), write_parquet(frames[1], executes, "executes")

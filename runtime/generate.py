@@ -6,6 +6,9 @@ sessions leave (closed) and queued requests join, so every call mixes new
 prompts (target prefill + one cycle) with running sessions' pending tokens
 (the fast path: straight to draft → verify).
 
+``Batcher`` is that loop's state, shared with ``runtime.engine.Engine``
+(requests arriving from other threads); ``stream`` drives it over a fixed list.
+
 ``collect(chunks, count)`` folds a stream into one ``Completion`` per
 request; ``generate(executor, prompts, ...)`` is ``stream`` + ``collect``
 (text too, when given a tokenizer).
@@ -17,20 +20,21 @@ when the context is full (its next token would sit at ``max_context``).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from dflash_trt.checks import is_int
-from dflash_trt.errors import InputError
+from dflash_trt.errors import InputError, SamplingError
+from dflash_trt.export.sampling import check_sampling
 from dflash_trt.runtime.executor import Executor
-from dflash_trt.runtime.sessions import Input
+from dflash_trt.runtime.sessions import SEED_LIMIT, Input, check_seed, token_ids
 
 STOP, LENGTH, CONTEXT = "stop", "length", "context"  # finish reasons
 
 
 @dataclass(frozen=True)
 class Request:
-    """One prompt (token ids) with its limits and sampling (seed: the positional-uniform seed)."""
+    """One prompt (token ids) with its limits and sampling (seed: of the sampling noise, see export.sampling)."""
 
     prompt: Sequence[int]
     max_new_tokens: int = 64
@@ -43,9 +47,9 @@ class Request:
 
 @dataclass(frozen=True)
 class Chunk:
-    """New tokens of request ``index``; ``finish`` is set on its last chunk."""
+    """New tokens of request ``index`` (the key it joined with); ``finish`` is set on its last chunk."""
 
-    index: int
+    index: Hashable
     tokens: list[int]
     finish: str | None = None
 
@@ -59,87 +63,124 @@ class Completion:
 
 @dataclass
 class _Running:
-    index: int
+    key: Hashable
     request: Request
     session: int
     produced: int = 0
+    joined: bool = True  # the next input is the prompt (then the pending token)
 
 
-def check_request(index: int, request: Request, max_context: int, vocab_size: int) -> None:
-    """Refuse a request that can never run (before any session opens)."""
-    if not is_int(request.max_new_tokens) or request.max_new_tokens < 1:
-        msg = f"request[{index}].max_new_tokens must be an int >= 1, got {request.max_new_tokens!r}"
+def check_request(index: int, request: Request, max_context: int, vocab_size: int) -> Request:
+    """Refuse a request that can never run (before any session opens); returns it with plain values."""
+    where = f"request[{index}]"
+    if not isinstance(request, Request):
+        raise InputError(f"{where} must be a Request, got {type(request).__name__}")
+    max_new = request.max_new_tokens
+    if not is_int(max_new, numpy=True) or max_new < 1:
+        raise InputError(f"{where}.max_new_tokens must be an int >= 1 (not a bool), got {max_new!r}")
+    prompt = token_ids(f"{where}.prompt", request.prompt, vocab_size)
+    if not 1 <= len(prompt) <= max_context - 1:
+        msg = f"{where}.prompt must hold 1..{max_context - 1} tokens (max_context - 1), got {len(prompt)}"
         raise InputError(msg)
-    if not 1 <= len(request.prompt) <= max_context - 1:
-        msg = f"request[{index}].prompt must hold 1..{max_context - 1} tokens (max_context - 1), got {len(request.prompt)}"
-        raise InputError(msg)
-    bad = [t for t in request.prompt if not is_int(t, numpy=True) or not 0 <= t < vocab_size]
-    if bad:
-        msg = f"request[{index}].prompt tokens must be ids in [0, {vocab_size - 1}], got {bad[0]!r}"
-        raise InputError(msg)
+    stop = token_ids(f"{where}.stop", request.stop, vocab_size)
+    try:
+        temperature, top_k, top_p = check_sampling(request.temperature, request.top_k, request.top_p, vocab_size)
+        seed = check_seed(request.seed)
+    except SamplingError as error:
+        raise SamplingError(f"{where}: {error}") from error
+    return Request(prompt, int(max_new), tuple(stop), temperature, top_k, top_p, seed)
+
+
+class Batcher:
+    """Continuous batching over one executor: the running requests, one execute() per ``step``.
+
+    ``join`` opens a session for a request (its prompt is the next input),
+    ``step`` runs one batch of every running request (prompts of the joined
+    ones, pending tokens of the others: the fast path) and returns a chunk per
+    request; finished requests leave inside ``step`` (session closed).
+    ``leave`` closes a request's session early (cancelled, or poisoned by a
+    failed step). Not thread-safe: one caller drives it.
+    """
+
+    def __init__(self, executor: Executor, max_running: int | None = None) -> None:
+        self.executor = executor
+        self.capacity = min(max_running or executor.max_sessions, executor.max_sessions)
+        self.running: dict[Hashable, _Running] = {}  # in join order
+
+    @property
+    def room(self) -> int:
+        return self.capacity - len(self.running)
+
+    def join(self, key: Hashable, request: Request) -> None:
+        session = self.executor.open_session()
+        try:
+            self.executor.set_sampling(session, request.temperature, request.top_k, request.top_p, request.seed)
+        except BaseException:
+            self.executor.close_session(session)
+            raise
+        self.running[key] = _Running(key, request, session)
+
+    def leave(self, key: Hashable) -> None:
+        self.executor.close_session(self.running.pop(key).session)
+
+    def close(self) -> None:
+        for key in list(self.running):
+            self.leave(key)
+
+    def step(self) -> list[Chunk]:
+        """One execute() over every running request; raises what execute raised (sessions left as they are)."""
+        running = list(self.running.values())
+        outputs = self.executor.execute([self._next_input(r) for r in running])
+        chunks = []
+        for r, tokens in zip(running, outputs):
+            chunk = self._advance(r, tokens)
+            if chunk.finish is not None:
+                self.leave(r.key)
+            chunks.append(chunk)
+        return chunks
+
+    def _next_input(self, r: _Running) -> Input:
+        """A new session's prompt, or a running session's pending token (the fast path)."""
+        if r.joined:
+            r.joined = False
+            return Input(r.session, list(r.request.prompt))
+        return Input(r.session, [self.executor.session(r.session).pending])
+
+    def _advance(self, r: _Running, tokens: list[int]) -> Chunk:
+        """Truncate at the first stop token / max_new_tokens; say whether the request is done."""
+        room = r.request.max_new_tokens - r.produced
+        tokens = tokens[:room]
+        for position, token in enumerate(tokens):
+            if token in r.request.stop:
+                r.produced += position + 1
+                return Chunk(r.key, tokens[: position + 1], STOP)
+        r.produced += len(tokens)
+        if r.produced >= r.request.max_new_tokens:
+            return Chunk(r.key, tokens, LENGTH)
+        # The pending token sits AT the frontier; feeding it needs frontier + 1 <= max_context.
+        if self.executor.session(r.session).frontier + 1 > self.executor.dims.max_context:
+            return Chunk(r.key, tokens, CONTEXT)
+        return Chunk(r.key, tokens)
 
 
 def stream(executor: Executor, requests: Iterable[Request], max_sessions: int | None = None) -> Iterator[Chunk]:
-    """Serve ``requests`` with continuous batching; yields chunks in arrival order.
+    """Serve ``requests`` with continuous batching; yields chunks in arrival order (``Chunk.index``: the request's).
 
     Sessions are closed when their request finishes, and all of this stream's
     sessions are closed if it stops early (an error, or the caller stops iterating).
     """
-    cap = min(max_sessions or executor.max_sessions, executor.max_sessions)
-    queue = deque(enumerate(requests))
-    for index, request in queue:
-        check_request(index, request, executor.dims.max_context, executor.dims.vocab_size)
-    running: list[_Running] = []
+    if max_sessions is not None and (not is_int(max_sessions, numpy=True) or max_sessions < 1):
+        raise InputError(f"max_sessions must be None (the executor's) or an int >= 1, got {max_sessions!r}")
+    dims = executor.dims
+    queue = deque((i, check_request(i, r, dims.max_context, dims.vocab_size)) for i, r in enumerate(requests))
+    batcher = Batcher(executor, int(max_sessions) if max_sessions is not None else None)
     try:
-        while queue or running:
-            joined = {r.session for r in _admit(executor, queue, running, cap)}
-            batch = [_next_input(executor, r, r.session in joined) for r in running]
-            outputs = executor.execute(batch)
-            for r, tokens in zip(list(running), outputs):
-                chunk = _advance(executor, r, tokens)
-                if chunk.finish is not None:
-                    executor.close_session(r.session)
-                    running.remove(r)
-                yield chunk
+        while queue or batcher.running:
+            while queue and batcher.room:
+                batcher.join(*queue.popleft())
+            yield from batcher.step()
     finally:
-        for r in running:
-            executor.close_session(r.session)
-
-
-def _next_input(executor: Executor, r: _Running, joined: bool) -> Input:
-    """A new session's prompt, or a running session's pending token (the fast path)."""
-    if joined:
-        return Input(r.session, list(r.request.prompt))
-    return Input(r.session, [executor.session(r.session).pending])
-
-
-def _admit(executor: Executor, queue: deque, running: list[_Running], cap: int) -> list[_Running]:
-    joined = []
-    while queue and len(running) < cap:
-        index, request = queue.popleft()
-        session = executor.open_session()
-        r = _Running(index, request, session)
-        running.append(r)  # before set_sampling, so a refusal still closes it
-        executor.set_sampling(session, request.temperature, request.top_k, request.top_p, request.seed)
-        joined.append(r)
-    return joined
-
-
-def _advance(executor: Executor, r: _Running, tokens: list[int]) -> Chunk:
-    """Truncate at the first stop token / max_new_tokens; say whether the request is done."""
-    room = r.request.max_new_tokens - r.produced
-    tokens = tokens[:room]
-    for position, token in enumerate(tokens):
-        if token in r.request.stop:
-            r.produced += position + 1
-            return Chunk(r.index, tokens[: position + 1], STOP)
-    r.produced += len(tokens)
-    if r.produced >= r.request.max_new_tokens:
-        return Chunk(r.index, tokens, LENGTH)
-    # The pending token sits AT the frontier; feeding it needs frontier + 1 <= max_context.
-    if executor.session(r.session).frontier + 1 > executor.dims.max_context:
-        return Chunk(r.index, tokens, CONTEXT)
-    return Chunk(r.index, tokens)
+        batcher.close()
 
 
 def collect(chunks: Iterable[Chunk], count: int) -> list[Completion]:
@@ -166,11 +207,16 @@ def generate(
     """Complete every prompt (token ids, or text with ``tokenizer``); request i samples with seed + i.
 
     ``stop`` defaults to the tokenizer's stop ids (none without a tokenizer).
+    Every argument is checked before any session opens (typed errors naming it).
     """
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise InputError(f"prompts must be a list of prompts (token-id lists or strings), got {type(prompts).__name__}")
     if stop is None:
         stop = tokenizer.stop_ids if tokenizer is not None else ()
+    if not is_int(seed, numpy=True) or not 0 <= int(seed) <= SEED_LIMIT - max(len(prompts), 1):
+        raise SamplingError(f"seed must be an int in [0, 2**64 - len(prompts)] (request i uses seed + i), got {seed!r}")
     requests = [
-        Request(_encode(i, prompt, tokenizer), max_new_tokens, tuple(stop), temperature, top_k, top_p, seed + i)
+        Request(_encode(i, prompt, tokenizer), max_new_tokens, stop, temperature, top_k, top_p, int(seed) + i)
         for i, prompt in enumerate(prompts)
     ]
     completions = collect(stream(executor, requests, max_sessions), len(requests))
@@ -186,4 +232,4 @@ def _encode(index: int, prompt, tokenizer) -> list[int]:
             msg = f"prompt[{index}] is text but no tokenizer was given"
             raise InputError(msg)
         return tokenizer.encode(prompt)
-    return list(prompt)
+    return prompt  # token ids: checked with the rest of the request

@@ -29,7 +29,8 @@ import torch
 from dflash_trt.checks import is_int
 from dflash_trt.errors import InputError, PoisonedError, SamplingError, SessionError
 from dflash_trt.export.sampling import GREEDY, Sampling
-from dflash_trt.runtime.cycles import block_fits, pick_row
+from dflash_trt.runtime.cycles import block_fits
+from dflash_trt.runtime.ownership import RowAllocator
 
 SEED_LIMIT = 1 << 64
 
@@ -63,26 +64,6 @@ class SessionView:
     poisoned: bool
 
 
-class RowAllocator:
-    """Free list over ``rows`` pool rows; hands out rows that keep sessions in consecutive runs."""
-
-    def __init__(self, rows: int) -> None:
-        self.rows = rows
-        self.used: set[int] = set()
-
-    def take(self) -> int:
-        free = [row for row in range(self.rows) if row not in self.used]
-        if not free:
-            msg = f"every cache row is in use: max_sessions is {self.rows}; close a session first"
-            raise SessionError(msg)
-        row = pick_row(free, sorted(self.used))
-        self.used.add(row)
-        return row
-
-    def give(self, row: int) -> None:
-        self.used.discard(row)
-
-
 class ContextPool:
     """Pending context taps, on device: ``[rows, block, tap_width]``, one row per session row.
 
@@ -112,16 +93,18 @@ class ContextPool:
 
 
 class SessionTable:
-    """Open sessions by id, over a row allocator. Ids are never reused."""
+    """Open sessions by id, their rows taken from the backend's allocator. Ids are never reused."""
 
-    def __init__(self, max_sessions: int) -> None:
+    def __init__(self, max_sessions: int, rows: RowAllocator) -> None:
         self.max_sessions = max_sessions
-        self.rows = RowAllocator(max_sessions)
+        self.rows = rows  # shared by every executor over the backend
+        self.held: set[int] = set()  # rows of this table's sessions
         self.sessions: dict[int, Session] = {}
         self.next_id = 0
 
     def open(self) -> Session:
         session = Session(self.next_id, self.rows.take())
+        self.held.add(session.row)
         self.sessions[session.id] = session
         self.next_id += 1
         return session
@@ -129,8 +112,13 @@ class SessionTable:
     def close(self, session_id: int) -> Session:
         session = self.get(session_id, "session", allow_poisoned=True)
         del self.sessions[session_id]
+        self.held.discard(session.row)
         self.rows.give(session.row)
         return session
+
+    def close_all(self) -> None:
+        self.sessions.clear()
+        self.rows.give_all(self.held)
 
     def get(self, session_id, what: str = "session", allow_poisoned: bool = False) -> Session:
         """The open session ``session_id``, or the typed error naming ``what``."""
@@ -233,7 +221,7 @@ def _as_input(index: int, item) -> Input:
 def _validate_input(index: int, item: Input, table: SessionTable, limits: Limits, cursors: dict[int, int]) -> Step:
     where = f"input[{index}]"
     session = table.get(item.session, f"{where}.session")
-    tokens = _tokens(where, item.tokens, limits.vocab_size)
+    tokens = token_ids(f"{where}.tokens", item.tokens, limits.vocab_size)
     offset = int_in(f"{where}.offset", item.offset, 0, len(tokens))
     size = len(tokens) - offset if item.size is None else item.size
     size = int_in(f"{where}.size", size, 1, len(tokens) - offset, "(tokens after offset)")
@@ -259,17 +247,23 @@ def _validate_input(index: int, item: Input, table: SessionTable, limits: Limits
     return Step(index, session, chosen, start, first and start < session.frontier, bool(item.produce_output))
 
 
-def _tokens(where: str, tokens, vocab_size: int) -> list[int]:
-    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
-        msg = f"{where}.tokens must be a sequence of token ids, got {type(tokens).__name__}"
-        raise InputError(msg)
-    values = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)  # numpy / torch: plain ints
-    if not isinstance(values, list):
-        msg = f"{where}.tokens must be a 1-D sequence of token ids, got {tokens!r:.80}"
+def token_ids(where: str, tokens, vocab_size: int) -> list[int]:
+    """``tokens`` as plain ints, each in [0, vocab_size): a list, tuple or range of ints (numpy ints
+    too), or a 1-D numpy array / torch tensor. Anything else (str, dict, set, generator...) is refused:
+    a dict would give its keys, a set an arbitrary order."""
+    if isinstance(tokens, (np.ndarray, torch.Tensor)):
+        if tokens.ndim != 1:
+            msg = f"{where} must be a 1-D sequence of token ids, got an array of shape {list(tokens.shape)}"
+            raise InputError(msg)
+        values = tokens.tolist()  # plain Python scalars (floats and bools stay so, and are refused below)
+    elif isinstance(tokens, (list, tuple, range)):
+        values = list(tokens)
+    else:
+        msg = f"{where} must be a list, tuple or 1-D integer array of token ids, got {type(tokens).__name__}"
         raise InputError(msg)
     for j, token in enumerate(values):
         if not is_int(token, numpy=True) or not 0 <= int(token) < vocab_size:
-            msg = f"{where}.tokens[{j}] must be a token id in [0, {vocab_size - 1}], got {token!r}"
+            msg = f"{where}[{j}] must be a token id (an int) in [0, {vocab_size - 1}], got {token!r}"
             raise InputError(msg)
     return [int(token) for token in values]
 

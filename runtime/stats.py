@@ -34,11 +34,15 @@ counters of docs/design.md §8 as per-call deltas, plus timing.
 
 from __future__ import annotations
 
+import threading
 import time
+from array import array
+from bisect import bisect_right
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import polars as pl
 
 if TYPE_CHECKING:
@@ -106,12 +110,28 @@ KIND_KEY = "dflash_trt.stats"  # Parquet key-value metadata: which table
 VERSION_KEY = "dflash_trt.schema_version"
 
 
+# polars dtype -> array.array typecode: columns are typed C arrays (~100 bytes per cycle row), not lists of objects.
+_TYPECODES = {pl.Int64: "q", pl.Int32: "i", pl.Float64: "d", pl.Float32: "f", pl.Boolean: "b"}
+
+
+def _column(dtype: pl.DataType) -> array | list:
+    code = _TYPECODES.get(type(dtype))
+    return array(code) if code is not None else []  # Utf8: a list of (interned) strings
+
+
+_NUMPY = {"q": np.int64, "i": np.int32, "d": np.float64, "f": np.float32, "b": np.bool_}
+
+
+def _numpy(values: array) -> np.ndarray:
+    return np.frombuffer(values, dtype=_NUMPY[values.typecode]).copy()  # a copy: the array keeps growing
+
+
 class ColumnStore:
     """Column-wise accumulator for one table; rows append as dicts of scalars."""
 
     def __init__(self, schema: Mapping[str, pl.DataType]) -> None:
         self.schema = dict(schema)
-        self.columns: dict[str, list] = {name: [] for name in self.schema}
+        self.columns: dict[str, array | list] = {name: _column(dtype) for name, dtype in self.schema.items()}
 
     def append(self, **row) -> None:
         missing = self.schema.keys() - row.keys()
@@ -120,15 +140,25 @@ class ColumnStore:
         for name, value in row.items():
             self.columns[name].append(value)
 
+    def extend(self, other: ColumnStore) -> None:
+        for name, values in self.columns.items():
+            values.extend(other.columns[name])
+
+    def drop_first(self, count: int) -> None:
+        for values in self.columns.values():
+            del values[:count]
+
     def __len__(self) -> int:
         return len(next(iter(self.columns.values()), []))
 
     def frame(self) -> pl.DataFrame:
-        return pl.DataFrame(self.columns, schema=self.schema)
+        """A copy of the rows as a DataFrame (the store keeps growing independently)."""
+        data = {name: _numpy(values) if isinstance(values, array) else list(values) for name, values in self.columns.items()}
+        return pl.DataFrame(data, schema=self.schema)
 
     def clear(self) -> None:
         for values in self.columns.values():
-            values.clear()
+            del values[:]
 
 
 def write_parquet(frame: pl.DataFrame, path: str | Path, kind: str) -> Path:
@@ -154,22 +184,51 @@ def stats_paths(stem: str | Path) -> tuple[Path, Path]:
     return stem.with_name(stem.name + ".parquet"), stem.with_name(stem.name + ".executes.parquet")
 
 
-class StatsLog:
-    """Column-wise stats: cycle rows as they happen, one execute row of counter deltas per call."""
+DEFAULT_MAX_ROWS = 1 << 19  # per table: ~50 MB of cycle rows, ~110 MB of execute rows at most
 
-    def __init__(self) -> None:
+
+class StatsLog:
+    """Column-wise stats: cycle rows as they happen, one execute row of counter deltas per call.
+
+    A batch's cycle rows are staged and land in ``cycles`` only when its
+    execute() succeeds: a failed batch leaves one execute row (``ok`` false,
+    ``failed_batches`` 1, no other counts) and no cycle rows, so τ and every
+    total count only what callers received. A refused call (validation,
+    ``BusyError``) leaves no row and does not advance ``batch_id``; it is
+    counted in ``refused`` by API call.
+
+    Bounded: when either table holds more than ``max_rows`` rows (None: no
+    bound), the oldest batches are dropped from both tables together (down to
+    3/4 of the bound) and counted in ``dropped``; ``drain`` hands every row
+    over and empties the log. The lock makes reads safe from any thread.
+    """
+
+    def __init__(self, max_rows: int | None = DEFAULT_MAX_ROWS) -> None:
         self.cycles = ColumnStore(CYCLE_SCHEMA)
         self.executes = ColumnStore(EXECUTE_SCHEMA)
+        self.staged = ColumnStore(CYCLE_SCHEMA)  # the running batch's cycle rows
+        self.max_rows = max_rows
         self.origin = time.perf_counter()
         self.batch_id = 0
         self.cycle_id = 0
         self.counters = dict.fromkeys(COUNTERS, 0)
+        self.carried = dict(self.counters)  # counters when the running batch began
         self.started = self.origin
+        self.refused: dict[str, int] = {}  # API call -> calls refused (typed error, nothing changed)
+        self.dropped = {"cycles": 0, "executes": 0}  # rows discarded by the bound
+        self.lock = threading.Lock()
+
+    def refuse(self, call: str) -> None:
+        with self.lock:
+            self.refused[call] = self.refused.get(call, 0) + 1
 
     def begin(self) -> None:
         """Counters are NOT reset here: copies made by clone() between calls land in the next row."""
         self.started = time.perf_counter()
         self.cycle_started = self.started
+        self.carried = dict(self.counters)
+        self.first_cycle_id = self.cycle_id
+        self.staged.clear()
 
     def count(self, rows_name: str, rows: int, row_bytes: int) -> None:
         self.counters[rows_name] += rows
@@ -202,7 +261,7 @@ class StatsLog:
         modes = {mode for _, mode, *_ in rows}
         shared = self._shared(len(rows), DYNAMIC if DYNAMIC in modes else STATIC, draft_ms, verify_ms)
         for s, mode, context_rows, start, burst in rows:
-            self.cycles.append(
+            self.staged.append(
                 **shared | dict(mode=mode),
                 session=s.id,
                 context_rows=context_rows,
@@ -217,7 +276,7 @@ class StatsLog:
     def target_row(self, s: Session, position: int, target_ms: float) -> None:
         """A token the target produced outside verify (after a prompt/replay or in plain decode)."""
         shared = self._shared(1, TARGET, 0.0, target_ms)
-        self.cycles.append(
+        self.staged.append(
             **shared,
             session=s.id,
             context_rows=0,
@@ -229,7 +288,22 @@ class StatsLog:
             temperature=s.sampling.temperature,
         )
 
-    def end_execute(self, inputs: int, target_tokens: int, pending_decode: bool, ok: bool) -> None:
+    def commit(self, inputs: int, target_tokens: int, pending_decode: bool) -> None:
+        """The batch succeeded: its cycle rows and one execute row land."""
+        with self.lock:
+            self.cycles.extend(self.staged)
+            self._end_execute(inputs, target_tokens, pending_decode, True)
+        self.staged.clear()
+
+    def fail(self, inputs: int, target_tokens: int) -> None:
+        """The batch failed after mutating: its cycle rows and counts are dropped, one ``ok`` false row lands."""
+        self.staged.clear()
+        self.counters = self.carried | {"failed_batches": self.carried["failed_batches"] + 1}
+        self.cycle_id = self.first_cycle_id
+        with self.lock:
+            self._end_execute(inputs, target_tokens, False, False)
+
+    def _end_execute(self, inputs: int, target_tokens: int, pending_decode: bool, ok: bool) -> None:
         end = time.perf_counter()
         self.executes.append(
             batch_id=self.batch_id,
@@ -243,3 +317,29 @@ class StatsLog:
         )
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.batch_id += 1
+        if self.max_rows is not None and max(len(self.cycles), len(self.executes)) > self.max_rows:
+            self._trim(self.max_rows * 3 // 4)
+
+    def _trim(self, keep: int) -> None:
+        """Drop the oldest batches (both tables, whole batches) until each table holds <= ``keep`` rows."""
+        cutoff = -1  # drop every batch_id <= cutoff
+        for table in (self.cycles, self.executes):
+            if len(table) > keep:
+                cutoff = max(cutoff, table.columns["batch_id"][len(table) - keep - 1])
+        for name, table in (("cycles", self.cycles), ("executes", self.executes)):
+            count = bisect_right(table.columns["batch_id"], cutoff)  # batch ids never decrease
+            table.drop_first(count)
+            self.dropped[name] += count
+
+    def frames(self) -> tuple[pl.DataFrame, pl.DataFrame]:
+        """(cycles, executes) as DataFrames (copies)."""
+        with self.lock:
+            return self.cycles.frame(), self.executes.frame()
+
+    def drain(self) -> tuple[pl.DataFrame, pl.DataFrame]:
+        """(cycles, executes) as DataFrames, and empty both tables."""
+        with self.lock:
+            frames = self.cycles.frame(), self.executes.frame()
+            self.cycles.clear()
+            self.executes.clear()
+        return frames

@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install --quiet torch==2.13.0
-python -m pip install --quiet -e ".[test,rtx]"
+python -m pip install --quiet -e ".[test,rtx,serve]"
 python -m pytest -q "$@"

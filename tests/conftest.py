@@ -21,13 +21,31 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true", default=False, help="also run the long reliability runs (marker 'long')")
+    parser.addoption("--long-examples", type=int, default=10_000, help="random API sequences of the --long state-machine run")
+
+
 def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--long"):
+        skip_long = pytest.mark.skip(reason="long run: pass --long")
+        for item in items:
+            if "long" in item.keywords:
+                item.add_marker(skip_long)
     if _cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory):
+    """Tests never read or write the user's cache (``DFLASH_TRT_CACHE``: hash verdicts, demo exports)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DFLASH_TRT_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -112,3 +130,20 @@ def _tuned_draft(target_dir: Path, random_draft: Path, prompts: list, out: Path)
     config["dflash_config"]["mask_token_id"] = mask
     scaled = {k: v * 0.1 if k.endswith(("o_proj.weight", "down_proj.weight")) else v for k, v in read_tensors(random_draft).items()}
     return save_checkpoint(out, config, scaled)
+
+
+@pytest.fixture(scope="session")
+def default_pair_cache(build_cache) -> Path:
+    """A ``dflash-trt`` cache dir holding the demo's ONNX export of the shipped default pair (made by
+    ``demo.export_dir``, once per code version): ``dflash-trt serve --cache`` finds it there unchanged,
+    the demo test serves its ``export/`` dir. Read-only for tests."""
+    import argparse
+
+    from dflash_trt import demo
+
+    pair = demo._default_pair()
+
+    def build(root: Path) -> None:
+        demo.export_dir(argparse.Namespace(artifacts=None, target=pair / "target", draft=pair / "draft", cache=root))
+
+    return build_cache("default_pair_demo_export", build, str(pair))

@@ -95,7 +95,8 @@ class RecordingBackend(Backend):
     truth[start+1 .. start+P] for that row, with a wrong token at the offset
     a hash of ``start`` in 0..P (P = none wrong), so cycles accept 0..P proposals and
     the a > 0 bookkeeping runs even with an untrained draft.
-    ``fail_on`` = (graph kind, k): raise on the k-th call of that kind.
+    ``fail_on`` = (graph kind, k): raise on the k-th call of that kind (before it runs, or
+    after it wrote its caches with ``fail_after``).
     """
 
     name = "recording"
@@ -106,14 +107,22 @@ class RecordingBackend(Backend):
         self.drafts: list[tuple[int, int, int, list[int]]] = []  # (row, start, anchor, real proposals)
         self.truth: dict[int, list[int]] = {}
         self.fail_on: tuple[str, int] | None = None
+        self.fail_after = False  # fail after the graph ran (caches written) instead of before
         self.counts: dict[str, int] = {}
+
+    @property
+    def graph_names(self):
+        return self.inner.graph_names
 
     def run(self, graph, feeds, first_row):
         kind, n = c.parse_graph_name(graph)
         self.counts[kind] = self.counts.get(kind, 0) + 1
-        if self.fail_on and self.fail_on == (kind, self.counts[kind]):
+        failing = self.fail_on is not None and self.fail_on == (kind, self.counts[kind])
+        if failing and not self.fail_after:
             raise RuntimeError(f"injected failure in {graph}")
         out = self.inner.run(graph, feeds, first_row)
+        if failing:  # the graph ran: its cache rows were written
+            raise RuntimeError(f"injected failure after {graph}")
         if kind != c.DRAFT:
             return out
         starts = (feeds[c.CTX_START] + feeds[c.CTX_COUNT]).tolist()
@@ -134,6 +143,9 @@ class RecordingBackend(Backend):
 
     def copy_rows(self, pool, source, destination, upto):
         self.inner.copy_rows(pool, source, destination, upto)
+
+    def ownership(self):
+        return self.inner.ownership()  # the wrapped backend's rows and call guard
 
 
 class DraftReference:

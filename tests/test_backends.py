@@ -54,11 +54,13 @@ def _feeds(spec: c.GraphSpec, dims: c.Dims, generator: torch.Generator, sizes: d
         for i in range(n):
             cut = 1 + (2 * i + 1) % P
             feeds[c.CANDIDATES][i, cut] = (choices[i, cut - 1] + 1) % V
-    if c.TEMPERATURE in feeds:
-        feeds[c.TEMPERATURE] = torch.tensor([0.0, 0.8, 1.3][:n])
-        feeds[c.TOP_K] = torch.tensor([0, 5, 0][:n])
-        feeds[c.TOP_P] = torch.tensor([1.0, 0.9, 0.6][:n])
-        feeds[c.UNIFORMS] = torch.rand(n, P + 1, generator=generator)
+    if c.TEMPERATURE in feeds:  # per row (sample) or per owner (verify_sample): greedy, top-k, top-p, untruncated
+        rows = feeds[c.TEMPERATURE].shape[0]
+        feeds[c.TEMPERATURE] = torch.tensor([(0.0, 0.8, 1.3, 1.0)[i % 4] for i in range(rows)])
+        feeds[c.TOP_K] = torch.tensor([(0, 5, 0, 0)[i % 4] for i in range(rows)])
+        feeds[c.TOP_P] = torch.tensor([(1.0, 0.9, 0.6, 1.0)[i % 4] for i in range(rows)])
+        feeds[c.SEED] = torch.randint(0, 1 << 22, (rows, c.SEED_PARTS), generator=generator)
+        feeds[c.POSITION] = torch.tensor([(starts * rows)[i] + 1 for i in range(rows)])
     return feeds
 
 
@@ -72,6 +74,8 @@ def script(dims: c.Dims) -> list[tuple[str, dict, int]]:
         (c.TARGET_PREFILL, {c.TOKENS_DIM: 10}, [0], 4),
         (c.DRAFT_CONTEXT, {c.CONTEXT_DIM: 9}, [0], 0),
         (c.DRAFT_CONTEXT, {c.CONTEXT_DIM: 2}, [3], 4),
+        (c.SAMPLE, {c.ROWS_DIM: 1}, [5], 0),
+        (c.SAMPLE, {c.ROWS_DIM: 6}, [5, 9, 30], 0),
     ]
     for n in range(1, dims.max_owners + 1):
         first = ROWS - n
@@ -322,17 +326,18 @@ def cpu_reference(pair, torch_cpu):
     return outputs, pool_state(torch_cpu)
 
 
-def _torch_cuda(pair, cuda_graphs: bool) -> TorchBackend:
+def _torch_cuda(pair, cuda_graphs: bool, kernels: str = "auto") -> TorchBackend:
     target_dir, draft_dir, out_dir, _ = pair
-    return TorchBackend.from_checkpoints(target_dir, draft_dir, out_dir, max_sessions=ROWS, device="cuda", cuda_graphs=cuda_graphs)
+    return TorchBackend.from_checkpoints(target_dir, draft_dir, out_dir, max_sessions=ROWS, device="cuda", cuda_graphs=cuda_graphs, kernels=kernels)
 
 
 @gpu
-@pytest.mark.parametrize("cuda_graphs", [False, True])
-def test_torch_cuda_matches_cpu(pair, cpu_reference, cuda_graphs):
-    """Bug: the CUDA path (device-layer pools, backend stream, CUDA-graph replay) computes or writes
-    something else than the CPU reference."""
-    with _torch_cuda(pair, cuda_graphs) as backend:
+@pytest.mark.parametrize("cuda_graphs,kernels", [(False, "fast"), (True, "fast"), (True, "eager")])
+def test_torch_cuda_matches_cpu(pair, cpu_reference, cuda_graphs, kernels):
+    """Bug: the CUDA path (device-layer pools, backend stream, CUDA-graph replay, the fast kernels) computes
+    or writes something else than the CPU reference: fp32 proposals (tokens) must be equal."""
+    with _torch_cuda(pair, cuda_graphs, kernels) as backend:
+        assert backend.kernels == kernels
         assert all(pool.owners for pool in backend.pools.values())  # device-layer memory
         assert backend.pools["target"].keys[0].data_ptr() == backend.pools["target"].owners[0].ptr
         fill_pools(backend, seed=1)

@@ -80,6 +80,7 @@ class FakeContext:
         self.address_calls = 0
         self.executions = 0
         self.fail = False
+        self.capturable = True
 
     def set_tensor_address(self, name, ptr):
         self.address_calls += 1
@@ -88,6 +89,14 @@ class FakeContext:
 
     def set_input_shape(self, name, shape):
         self.shapes[name] = shape
+        return True
+
+    def is_stream_capturable(self, stream):
+        assert stream == FakeStream.ptr
+        return self.capturable
+
+    def set_device_memory(self, ptr, size):
+        self.device_memory = (ptr, size)
         return True
 
     def execute_async_v3(self, stream):
@@ -189,3 +198,39 @@ def test_cuda_graph_mode_captures_once_per_first_row(pools):
     assert torch.equal(engine.static_inputs[c.ANCHOR], torch.tensor([3, 4]))
     engine.close()
     assert all(b.closed for b in [*engine.buffers.values(), *engine.input_buffers.values()])
+
+
+def test_context_that_cannot_be_captured_runs_eagerly(pools):
+    """Guards against capturing a context TensorRT says is not capturable (TensorRT-RTX with
+    data-dependent shapes or device-side control flow: the capture fails or replays wrong
+    work): with cuda_graphs on, such a context binds the feeds and enqueues every call."""
+    engine, fake = _context("draft_2", cuda_graphs=True)
+    fake.capturable = False
+    FakeGraph.captures = 0
+    feeds = _feeds(engine.spec, {})
+    for first in (0, 1):
+        engine.bind_caches(first, pools["draft"].interleaved(first, 2))
+        out = engine.run(feeds, {}, first)
+        assert torch.all(out[c.PROPOSALS] == 1)
+    assert FakeGraph.captures == 0 and not engine.graphs and fake.executions == 2
+    assert fake.addresses[c.ANCHOR] == feeds[c.ANCHOR].data_ptr()  # the caller's tensor, no static copy
+    assert not engine.input_buffers
+
+
+def test_contexts_share_one_scratch_buffer_as_large_as_the_largest_need():
+    """Guards against one scratch allocation per context (a set of engines paid the sum of
+    their scratch memory although they run one at a time on one stream): one buffer of the
+    largest engine's size is every context's device memory."""
+    from dflash_trt.runtime.backends.trt_backend import SharedScratch
+
+    scratch = SharedScratch(FakeCuda, [4096, 65536, 1024], FakeStream())
+    contexts = [FakeContext(c.graph_spec(DIMS, name)) for name in ("target_prefill", "draft_1", "verify_argmax_1")]
+    for context in contexts:
+        scratch.attach(context.spec.name, context)
+    assert {context.device_memory for context in contexts} == {(scratch.buffer.ptr, 65536)}
+    assert scratch.buffer.tensor.numel() == 65536
+    refusing = FakeContext(c.graph_spec(DIMS, "draft_2"))
+    refusing.set_device_memory = lambda ptr, size: False
+    with pytest.raises(EngineError, match=r"engine 'draft_2': TensorRT refused 65536 bytes of shared scratch"):
+        scratch.attach("draft_2", refusing)
+

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash_trt.export.sampling import positional_uniform
+from dflash_trt.export import contract as c
+from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.cycles import (
     DYNAMIC,
     STATIC,
@@ -19,8 +20,8 @@ from dflash_trt.runtime.cycles import (
     pick_row,
     plan_context,
     static_context,
+    sampling_rows,
     trim_context,
-    verify_uniforms,
 )
 
 
@@ -105,14 +106,18 @@ def test_make_bursts_refuses_bad_verdicts(accepted, token):
         make_bursts(np.array([[1, 2, 3]]), np.array([accepted]), np.array([token]), [0], vocab_size=97)
 
 
-def test_verify_uniforms_are_positional():
-    """Guards against uniforms that depend on batch order (sampled output must not depend on packing)."""
-    u = verify_uniforms([5, 9], [10, 3], 4)
-    assert u.shape == (2, 4) and u.dtype == np.float32
-    np.testing.assert_array_equal(u[0], positional_uniform(5, [11, 12, 13, 14]))
-    np.testing.assert_array_equal(u[1], positional_uniform(9, [4, 5, 6, 7]))
-    np.testing.assert_array_equal(verify_uniforms([9], [3], 4)[0], u[1])
-    assert verify_uniforms([], [], 4).shape == (0, 4)
+def test_sampling_rows_split_the_seed_and_keep_the_positions():
+    """Guards against a seed that loses bits on its way into the graph (a 64-bit seed must enter as
+    three int64 parts < 2**22 the hash absorbs exactly) or rows whose parameters are swapped."""
+    seed = 0xFEDC_BA98_7654_3210
+    rows = sampling_rows([Sampling(0.5, 7, 0.9, seed), Sampling(seed=1)], [11, 4])
+    assert rows[c.TEMPERATURE].tolist() == [0.5, 0.0] and rows[c.TEMPERATURE].dtype == np.float32
+    assert rows[c.TOP_K].tolist() == [7, 0] and rows[c.TOP_P].tolist() == [np.float32(0.9), 1.0]
+    parts = rows[c.SEED]
+    assert parts.shape == (2, c.SEED_PARTS) and parts.dtype == np.int64 and (parts < 2**22).all()
+    assert sum(int(p) << (22 * i) for i, p in enumerate(parts[0])) == seed and parts[1].tolist() == [1, 0, 0]
+    assert rows[c.POSITION].tolist() == [11, 4]
+    assert sampling_rows([], [])[c.SEED].shape == (0, c.SEED_PARTS)
 
 
 def test_pick_row_keeps_runs_consecutive():

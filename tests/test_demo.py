@@ -88,20 +88,20 @@ def test_demo_exports_to_the_cache_then_serves(exported_pair, prompt_file, tmp_p
     assert json.loads(printed.strip().splitlines()[-1])["prompts"] == 3
 
 
-def test_real_demo_on_the_shipped_pair_is_lossless_and_accepts(tmp_path, capsys):
+def test_real_demo_on_the_shipped_pair_is_lossless_and_accepts(default_pair_cache, tmp_path, capsys):
     """Guards against the README's main job breaking on a fresh machine: the real export of the
     shipped pair, served by ONNX Runtime, must give the reference decoder's greedy tokens and
     accept real proposals (τ well above 1)."""
-    from dflash_trt.export.pair import load_pair
+    from dflash_trt.export.pair import DEFAULT_PAIR_DIR, load_pair
     from dflash_trt.export.reference import ReferenceDecoder
     from dflash_trt.export.tokenizer import Tokenizer
-    from dflash_trt.export.pair import DEFAULT_PAIR_DIR
 
-    args = ["demo", "--cache", str(tmp_path / "cache"), "--count", "2", "--max-new-tokens", "24", "--threads", "1"]
+    # The export (conftest default_pair_cache) is demo.export_dir's own; here the demo finds it unchanged.
+    args = ["demo", "--cache", str(default_pair_cache), "--out", str(tmp_path / "run"), "--count", "2", "--max-new-tokens", "24", "--threads", "1"]
     assert main(args) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["prompts"] == 2 and summary["tau"] > 1.5
-    outputs = [json.loads(line) for line in (tmp_path / "cache" / "demo-run" / "outputs.jsonl").read_text().splitlines()]
+    outputs = [json.loads(line) for line in (tmp_path / "run" / "outputs.jsonl").read_text().splitlines()]
     tokenizer = Tokenizer.from_dir(DEFAULT_PAIR_DIR / "target")
     decoder = ReferenceDecoder(load_pair(DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft")[0])
     for output in outputs:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import onnx
 import pytest
@@ -18,7 +19,8 @@ import torch
 from onnx import TensorProto as TP
 from onnx import helper
 
-from dflash_trt.engines.build import BuildOptions, build_engine_set
+from dflash_trt.engines.attention import AttentionBindError, BoundAttention, attention_nodes, bind_attention
+from dflash_trt.engines.build import GRAPH_INPUT, UNREAD_OUTPUT, BuildOptions, build_engine_set, parse_graph, unread_tensors
 from dflash_trt.engines.engine_set import ENGINES_JSON, read_engine_set
 from dflash_trt.engines.flavour import load_flavour
 from dflash_trt.engines.load import check_engine_set, load_engine_set
@@ -179,6 +181,22 @@ def test_unsupported_nodes_of_every_graph_fail_in_one_typed_error(tmp_path, rtx)
     assert not (tmp_path / "out" / ENGINES_JSON).exists()
 
 
+def test_a_sampled_verifier_that_fails_leaves_a_greedy_only_set(tmp_path, rtx):
+    """Guards against losing the whole engine set to a graph only sampled sessions need
+    (verify_sample_n does not build for a real vocabulary while TopK caps K at 3840), and
+    against writing a set when a graph every session needs failed: the first build writes
+    engines.json without verify_sample_1 and says why; the second refuses."""
+    sources = [source(tmp_path, "verify_argmax_1", argmax_model()), source(tmp_path, "verify_sample_1", custom_op_model())]
+    record = build_engine_set(sources, tmp_path / "greedy", rtx)
+    assert set(record.engines) == {"verify_argmax_1"}
+    assert "fancy_node" in record.skipped["verify_sample_1"]
+    assert read_engine_set(tmp_path / "greedy").skipped == record.skipped
+    sources.append(source(tmp_path, "verify_argmax_2", custom_op_model()))
+    with pytest.raises(EngineBuildError, match="2 of 3 graphs failed"):
+        build_engine_set(sources, tmp_path / "broken", rtx)
+    assert not (tmp_path / "broken" / ENGINES_JSON).exists()
+
+
 def test_builder_failure_carries_tensorrts_message(tmp_path, rtx):
     """Guards against a failed build_serialized_network (an fp32 attention has
     no fused kernel in TensorRT-RTX) surfacing as None or a bare 'failed'."""
@@ -187,24 +205,97 @@ def test_builder_failure_carries_tensorrts_message(tmp_path, rtx):
     assert [f.graph for f in caught.value.failures] == ["fp32"]
 
 
+def dead_tensor_model() -> onnx.ModelProto:
+    """Relu, plus a graph input no node reads and an Add whose output nothing reads."""
+    value = helper.make_tensor_value_info
+    nodes = [helper.make_node("Relu", ["x"], ["y"], name="relu"), helper.make_node("Add", ["x", "x"], ["dead"], name="dead_add")]
+    inputs = [value("x", TP.FLOAT16, [2, 4]), value("unused", TP.INT64, [1])]
+    return _model(nodes, inputs, [value("y", TP.FLOAT16, [2, 4])])
+
+
+def test_tensor_read_by_nothing_is_refused(tmp_path, rtx):
+    """Guards against a plan that silently ignores part of its graph (as TensorRT's
+    parser does with Attention's nonpad_kv_seqlen): a graph input or a layer output
+    that nothing reads fails the build, by name; there is no option to build anyway."""
+    with pytest.raises(EngineBuildError) as caught:
+        build_engine_set([source(tmp_path, "g", dead_tensor_model())], tmp_path / "out", rtx)
+    assert sorted((f.node, f.operator, f.tensor) for f in caught.value.failures) == [
+        ("", GRAPH_INPUT, "unused"),
+        ("dead_add", UNREAD_OUTPUT, "dead"),
+    ]
+    assert "allow_unread" not in BuildOptions.__dataclass_fields__
+
+
+def producers(network) -> dict[str, object]:
+    """Tensor name -> the layer that writes it."""
+    layers = (network.get_layer(i) for i in range(network.num_layers))
+    return {layer.get_output(j).name: layer for layer in layers for j in range(layer.num_outputs)}
+
+
+def attention_inputs(trt, network) -> list:
+    """The IAttention of every ATTENTION_INPUT layer, as TensorRT reports it."""
+    found = []
+    for index in range(network.num_layers):
+        layer = network.get_layer(index)
+        if layer.type == trt.LayerType.ATTENTION_INPUT:
+            layer.__class__ = trt.IAttentionInputLayer
+            found.append(layer.attention)
+    return found
+
+
 @pytest.mark.parametrize(
-    ("validity", "producer", "tensor"), [("lengths", "", "lengths"), ("computed", "lengths_add", "lengths")]
+    ("validity", "causal", "kind"),
+    [("lengths", 1, "LOWER_RIGHT"), ("computed", 1, "LOWER_RIGHT"), ("lengths", 0, "NONE"), ("mask", 0, "NONE")],
 )
-def test_tensor_read_by_nothing_is_refused(tmp_path, rtx, validity, producer, tensor):
-    """Guards against a plan that silently ignores part of the graph:
-    TensorRT-RTX 1.7 parses Attention's nonpad_kv_seqlen and wires it to
-    nothing, so the engine would attend over the whole cache. Whether the
-    lengths are a graph input or computed in the graph, either they are read,
-    or the build refuses them by name (and records them when allowed)."""
-    src = source(tmp_path, "g", kv_attention_model(validity=validity))
-    try:
-        record = build_engine_set([src], tmp_path / "strict", rtx)
-    except EngineBuildError as error:
-        assert [(f.node, f.tensor) for f in error.failures] == [(producer, tensor)]
-        record = build_engine_set([src], tmp_path / "lax", rtx, BuildOptions(allow_unread=True))
-        assert record.engines["g"].unread_tensors == (tensor,)
+def test_parsed_attention_gets_the_causality_and_lengths_of_its_node(tmp_path, rtx, validity, causal, kind):
+    """Guards against engines that attend over the whole cache or top-left causally:
+    TensorRT's parser drops nonpad_kv_seqlen and reads is_causal=1 as UPPER_LEFT. After
+    parse_graph every attention is LOWER_RIGHT (is_causal) or NONE, its key/value
+    lengths are the node's own lengths tensor cast to INT32 (a mask graph gets none),
+    nothing is left unread, and the strict build records it in engines.json."""
+    src = source(tmp_path, "g", kv_attention_model(TP.BFLOAT16, validity=validity, causal=causal))
+    log = rtx.new_log()
+    graph = parse_graph(rtx, rtx.trt.Builder(log), log, src)
+    (attention,) = attention_inputs(rtx.trt, graph.network)
+    assert attention.causal_kind.name == kind
+    lengths = attention.key_value_lengths
+    if validity == "mask":
+        assert lengths is None and attention.mask is not None
     else:
-        assert record.engines["g"].unread_tensors == ()
+        cast = producers(graph.network)[lengths.name]
+        assert cast.type == rtx.trt.LayerType.CAST and cast.get_input(0).name == "lengths"
+        assert lengths.dtype == rtx.trt.int32
+    assert unread_tensors(graph.network) == []
+    record = build_engine_set([src], tmp_path / "out", rtx)
+    expected = BoundAttention("attn", kind, "" if validity == "mask" else "lengths", validity == "mask")
+    assert read_engine_set(tmp_path / "out").engines["g"].attention == (expected,) == record.engines["g"].attention
+
+
+def test_attention_binding_needs_an_api_that_can_set_it():
+    """Guards against building a lengths export with a TensorRT whose IAttention has no
+    causal_kind / key_value_lengths (TensorRT 10.x): it would compute upper-left causal
+    attention over the whole cache. The build refuses, naming the node and the fix."""
+
+    class OldAttention:  # TensorRT 10.15/10.16: a causal bool, nothing else
+        causal = True
+
+    class Layer:
+        type = "ATTENTION_OUTPUT"
+        name = "attn_AttentionOutput"
+        num_outputs = 1
+
+        def get_output(self, index):
+            return SimpleNamespace(name="out")
+
+    trt = SimpleNamespace(LayerType=SimpleNamespace(ATTENTION_OUTPUT="ATTENTION_OUTPUT"), IAttentionOutputLayer=Layer)
+    network = SimpleNamespace(num_layers=1, num_inputs=0, get_layer=lambda i: Layer())
+    Layer.attention = OldAttention()
+    nodes = attention_nodes(kv_attention_model(validity="lengths", causal=1))
+    with pytest.raises(AttentionBindError, match=r"TensorRT 10\.16\.0.*need TensorRT >= 11\.0.*--causal mask") as caught:
+        bind_attention(trt, network, nodes, "10.16.0")
+    assert caught.value.node == "attn"
+    masked = attention_nodes(kv_attention_model(validity="mask", causal=0))
+    assert bind_attention(trt, network, masked, "10.16.0") == [BoundAttention("attn", "UPPER_LEFT", "", True)]
 
 
 def test_live_layer_with_one_unread_output_is_not_refused(tmp_path, rtx):
@@ -212,7 +303,7 @@ def test_live_layer_with_one_unread_output_is_not_refused(tmp_path, rtx):
     a TopK (from ArgMax) is live when its indices are used, even though its
     values output is read by nothing."""
     record = build_engine_set([source(tmp_path, "argmax", argmax_model())], tmp_path / "out", rtx)
-    assert record.engines["argmax"].unread_tensors == ()
+    assert set(record.engines) == {"argmax"}
 
 
 def test_graph_that_disagrees_with_the_contract_is_refused_before_building(tmp_path, rtx):
@@ -233,3 +324,25 @@ def test_plans_do_not_deserialize_without_a_gpu_and_the_loader_says_so(tmp_path,
     build_engine_set([src], tmp_path / "out", rtx)
     with pytest.raises(EngineError, match=r"engine 'g'.*cannot"):
         load_engine_set(tmp_path / "out", {"g": src.io}, rtx)
+
+
+def test_verify_sample_for_a_150k_vocabulary_builds(tmp_path, rtx):
+    """Guards against a sampler TensorRT cannot compile for a real vocabulary (the old one sorted
+    all V logits with TopK, which TensorRT caps at K = 3840, and used a cumulative sum): the
+    exported verify_sample_1 of a bf16 export with Qwen's 151,936-token vocabulary (fp32 logits,
+    as the contract has them) builds strictly, every binding the contract's, nothing unread."""
+    from dflash_trt.export import contract
+    from dflash_trt.export.exporter import export_graph
+    from dflash_trt.export.graph_modules import VerifySample
+
+    dims = contract.Dims(
+        vocab_size=151936, tap_width=8, block_size=16, proposals=15, max_owners=1, max_context=64, max_chunk=8,
+        target_layers=1, target_kv_heads=1, target_head_dim=8, draft_layers=1, draft_kv_heads=1, draft_head_dim=8,
+        dtype="bfloat16",
+    )
+    spec = contract.graph_spec(dims, "verify_sample_1")
+    graph = export_graph(VerifySample(), spec, tmp_path)
+    record = build_engine_set([GraphSource(spec.name, tmp_path / graph.file, spec)], tmp_path / "engines", rtx)
+    engine = record.engines[spec.name]
+    assert {(b.mode, b.name) for b in engine.bindings} == {("input", s.name) for s in spec.inputs} | {("output", s.name) for s in spec.outputs}
+    assert {b.name: b.shape for b in engine.bindings}["logits"] == (1, 16, 151936) and engine.unread_tensors == ()

@@ -1,146 +1,245 @@
-"""Every graph of a real export of the tiny pair compiles with TensorRT-RTX (CPU).
+"""Every graph of real exports compiles with TensorRT-RTX (CPU), strictly, and computes the graph's attention.
 
-The tiny pair (conftest's ``tiny_pair``) is exported by the exporter itself
-in the two engine dtypes, one per attention formulation (bf16 with masks,
-fp16 with lengths; max_owners 2: 10 graphs each), then built. Export takes
-~17-45 s per dtype on 2 cores; a build of the 10 graphs ~5 s.
+Three exports, each built once per test session (module fixtures; exports
+are the slow part, ~1 min each on 2 cores, so each graph is exported once):
 
-Known, checked rather than hidden: (1) TensorRT-RTX 1.7's ONNX parser
-ignores Attention's ``nonpad_kv_seqlen``: the strict build refuses it,
-naming the dead node, and may refuse nothing else; with
-``--allow-unread-tensors`` the graphs build. (2) ``KNOWN_FAILURES``: graphs
-that do not build for a known reason; the test checks every other graph,
-then xfails naming the reasons, and fails on any other build failure.
+- the tiny pair (conftest's ``tiny_pair``) in fp16 with lengths (max_owners
+  2: every graph kind, 10 graphs), built through the CLI;
+- the default pair (``export/default_pair``: V 8192, 8 layers) in bf16 with
+  lengths (max_owners 1: 6 graphs, through the CLI), and with masks: only the
+  four graphs the mask changes (the verifiers are the same graphs).
+
+No build may leave a tensor unread (there is no option to allow it), and the
+parsed networks are inspected: every target attention is lower-right causal
+with the graph's own ``start + T`` as its key/value lengths, every draft
+attention non-causal with ``start + B``, and mask graphs keep their masks
+and get no lengths. ``KNOWN_FAILURES``: graphs that do not build for a known
+reason; the test checks every other graph, then xfails naming the reasons,
+and fails on any other build failure.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
 import pytest
+import torch
 
 from dflash_trt import cli
-from dflash_trt.engines.build import build_engine_set
+from dflash_trt.engines.attention import attention_nodes
+from dflash_trt.engines.build import build_engine_set, parse_graph, unread_tensors
 from dflash_trt.engines.engine_set import read_engine_set
 from dflash_trt.engines.flavour import load_flavour
 from dflash_trt.engines.load import check_engine_set
-from dflash_trt.engines.sources import export_sources, load_graph
+from dflash_trt.engines.sources import GraphSource, export_sources, load_graph
 from dflash_trt.errors import EngineBuildError
-
-NONPAD_KV_SEQLEN = 6  # input slot of ONNX Attention-24
-
-
-@pytest.fixture(scope="module", params=[("bf16", "mask"), ("fp16", "lengths")], ids=["bf16-mask", "fp16-lengths"])
-def export_dir(request, tiny_pair, build_cache):
-    """(dtype, directory) of an export of the tiny pair."""
-    pytest.importorskip("tensorrt_rtx")
-    from dflash_trt.export.exporter import ExportOptions, export_pair
-
-    dtype, causal = request.param
-    options = ExportOptions(max_owners=2, max_context=64, dtype=dtype, causal=causal)
-    root = build_cache(f"export_{dtype}_{causal}", lambda out: export_pair(*tiny_pair, out / "graphs", options), *map(str, tiny_pair), options)
-    return dtype, root / "graphs"
-
+from dflash_trt.export import contract
 
 # (graph name prefix, text of TensorRT's message, why): build failures with a known cause.
 KNOWN_FAILURES = (
     (
-        "draft_",
-        "must be a network output",
-        "export: draft_{n} writes each draft cache twice (context rows, then the block: chained "
-        "TensorScatter); TensorRT's KV-cache update needs its output to be a graph output",
-    ),
-    (
-        "target_prefill",
-        "Graph contains more than one op named",
-        "TensorRT-RTX 1.7 (Myelin IR verifier) fails on the bf16 prefill with causal masks, dynamic T",
+        "verify_sample_",
+        "K exceeds the maximum value allowed (3840)",
+        "the sort-based sampler sorts the whole vocabulary with TopK, which TensorRT caps at K = 3840 "
+        "(V 8192 here); a sort-free sampler replaces it",
     ),
 )
+MASK_GRAPHS = ("target_prefill", "target_verify_1", "draft_context", "draft_1")  # what --causal mask changes
 
 
-def known_failures(error: str) -> dict[str, str] | None:
-    """{graph: why} if every failure in a build's message is a known one, else None."""
-    blocks: list[str] = []  # one per failure: "  graph: ..." plus its deeper-indented continuation lines
-    for line in error.splitlines():
-        if line.startswith("   ") and blocks:
-            blocks[-1] += "\n" + line
-        elif line.startswith("  "):
-            blocks.append(line.strip())
-    found = {}
-    for block in blocks:
-        graph = block.split(":")[0]
-        why = next((w for prefix, text, w in KNOWN_FAILURES if graph.startswith(prefix) and text in block), None)
-        if why is None:
-            return None
-        found[graph] = why
-    return found or None
+@dataclass
+class BuiltSet:
+    """One export and its engine set (or the build's error)."""
+
+    label: str
+    dtype: str
+    causal: str
+    sources: list[GraphSource]
+    out: Path
+    error: str = ""  # the build's stderr when some graphs failed
+    printed: str = ""  # the build's stdout
 
 
-def attention_lengths(path) -> set[str]:
-    """Names of the tensors a graph feeds to Attention's nonpad_kv_seqlen."""
-    nodes = load_graph(path).graph.node
-    return {n.input[NONPAD_KV_SEQLEN] for n in nodes if n.op_type == "Attention" and len(n.input) > NONPAD_KV_SEQLEN}
+def _export_tiny(tiny_pair, build_cache, dtype: str, causal: str) -> Path:
+    from dflash_trt.export.exporter import ExportOptions, export_pair
+
+    options = ExportOptions(max_owners=2, max_context=64, dtype=dtype, causal=causal)
+    root = build_cache(f"export_{dtype}_{causal}", lambda out: export_pair(*tiny_pair, out / "graphs", options), *map(str, tiny_pair), options)
+    return root / "graphs"
 
 
-def test_strict_build_refuses_nothing_but_the_ignored_attention_lengths(export_dir, tmp_path):
-    """Guards against TensorRT dropping any other part of an exported graph
-    unnoticed (and against the strict check refusing live layers): whatever
-    the strict build refuses must be a tensor fed to nonpad_kv_seqlen."""
-    _dtype, directory = export_dir
-    sources, manifest = export_sources(directory)
-    lengths = {(s.name, t) for s in sources for t in attention_lengths(s.onnx_path)}
-    try:
-        build_engine_set(sources, tmp_path / "strict", load_flavour("tensorrt_rtx"), source_manifest=manifest)
-    except EngineBuildError as error:
-        refused = {(f.graph, f.tensor) for f in error.failures}
-        assert all(f.tensor for f in error.failures), [str(f) for f in error.failures if not f.tensor]
-        assert refused <= lengths, sorted(refused - lengths)
+def _export_default(build_cache, causal: str) -> Path:
+    from dflash_trt.export.exporter import ExportOptions, export_pair
+    from dflash_trt.export.pair import DEFAULT_PAIR_DIR
+
+    options = ExportOptions(max_owners=1, max_context=128, max_chunk=32, dtype="bf16", causal=causal)
+    target, draft = DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft"
+    root = build_cache(f"default_pair_{causal}", lambda out: export_pair(target, draft, out / "graphs", options), str(target), str(draft), options)
+    return root / "graphs"
 
 
-def test_every_exported_graph_builds_with_the_io_of_the_contract(export_dir, tmp_path, capsys):
-    """Guards against an exported graph that TensorRT cannot compile, or that
-    compiles to an engine whose bindings (names, shapes, dtypes, profile
-    ranges of the dynamic T/C dims) are not the contract's: the runtime would
-    only find out on a GPU. Runs the CLI end to end. Graphs that fail for a
-    known reason (KNOWN_FAILURES) are left out and the others checked, then
-    the test xfails naming the reasons."""
-    from dflash_trt.export.contract import graph_specs
+def _cli_build(label, dtype, causal, directory: Path, out: Path) -> BuiltSet:
+    """``dflash-trt build`` of an export directory, its output captured."""
+    sources, _manifest = export_sources(directory)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = cli.main(["build", "--onnx", str(directory), "--backend", "tensorrt_rtx", "--out", str(out)])
+    return BuiltSet(label, dtype, causal, sources, out, "" if code == 0 else stderr.getvalue(), stdout.getvalue())
+
+
+def _mask_graphs_of_default(build_cache, lengths_dir: Path, engines: Path) -> BuiltSet:
+    """The graphs --causal mask changes, exported one by one (no manifest) and built."""
     from dflash_trt.export.manifest import load_manifest
 
-    dtype, directory = export_dir
-    specs = graph_specs(load_manifest(directory).dims())
-    argv = ["build", "--onnx", str(directory), "--backend", "tensorrt_rtx", "--allow-unread-tensors"]
-    if cli.main([*argv, "--out", str(tmp_path / "all")]) == 0:
-        check_built_set(tmp_path / "all", specs, dtype, directory, capsys.readouterr().out)
-        return
-    error = capsys.readouterr().err
-    known = known_failures(error)
-    if known is None:
-        pytest.fail(error)
-    buildable = {name: spec for name, spec in specs.items() if name not in known}
-    only = [arg for name in buildable for arg in ("--only", name)]
-    assert cli.main([*argv, "--out", str(tmp_path / "some"), *only]) == 0, capsys.readouterr().err
-    check_built_set(tmp_path / "some", buildable, dtype, directory, capsys.readouterr().out)
-    pytest.xfail("; ".join(f"{graph}: {why}" for graph, why in sorted(known.items())))
+    dims = load_manifest(lengths_dir).dims()
+    root = build_cache("default_pair_mask_graphs", lambda out: _export_mask_graphs(out, dims), dims)
+    sources = [GraphSource(name, root / f"{name}.onnx", contract.graph_spec(dims, name)) for name in MASK_GRAPHS]
+    built = BuiltSet("default-bf16-mask", "bf16", "mask", sources, engines)
+    try:
+        build_engine_set(sources, built.out, load_flavour("tensorrt_rtx"))
+    except EngineBuildError as error:
+        built.error = str(error)
+    return built
 
 
-def check_built_set(out, specs, dtype, directory, printed: str) -> None:
-    """The set in ``out`` has exactly ``specs``' engines, each with the contract's IO."""
+def _export_mask_graphs(out: Path, dims) -> None:
+    from dflash_trt.export.exporter import export_graph, kernels_of
+    from dflash_trt.export.graph_modules import graph_module
+    from dflash_trt.export.onnx_kernels import OnnxKernels
+    from dflash_trt.export.pair import DEFAULT_PAIR_DIR, load_pair
+
+    target, draft = load_pair(DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft", torch.bfloat16)
+    with kernels_of([target, draft], OnnxKernels("mask", emit=True)):
+        for name in MASK_GRAPHS:
+            spec = contract.graph_spec(dims, name)
+            export_graph(graph_module(spec, target, draft, dims), spec, out)
+
+
+@pytest.fixture(scope="module")
+def default_lengths(build_cache) -> Path:
+    pytest.importorskip("tensorrt_rtx")
+    return _export_default(build_cache, "lengths")
+
+
+@pytest.fixture(scope="module", params=["tiny-fp16-lengths", "default-bf16-lengths", "default-bf16-mask"])
+def built(request, tiny_pair, build_cache, tmp_path_factory) -> BuiltSet:
+    """An export (cached between runs, build_cache.py) and its engine set, built once per run."""
+    pytest.importorskip("tensorrt_rtx")
+    label = request.param
+    engines = tmp_path_factory.mktemp(label) / "engines"
+    if label.startswith("tiny"):
+        _, dtype, causal = label.split("-")
+        return _cli_build(label, dtype, causal, _export_tiny(tiny_pair, build_cache, dtype, causal), engines)
+    lengths_dir = request.getfixturevalue("default_lengths")
+    if label.endswith("lengths"):
+        return _cli_build(label, "bf16", "lengths", lengths_dir, engines)
+    return _mask_graphs_of_default(build_cache, lengths_dir, engines)
+
+
+def known_reason(graph: str, message: str) -> str | None:
+    return next((why for prefix, text, why in KNOWN_FAILURES if graph.startswith(prefix) and text in message), None)
+
+
+def test_every_exported_graph_builds_strictly_with_the_io_of_the_contract(built):
+    """Guards against an exported graph that TensorRT cannot compile, that compiles only by
+    leaving a tensor unread (TensorRT dropped part of it), or that compiles to an engine whose
+    bindings (names, shapes, dtypes, profile ranges of the dynamic T/C dims) are not the
+    contract's: the runtime would only find out on a GPU. A graph only sampled sessions need
+    may be skipped (a greedy-only set) for a known reason (KNOWN_FAILURES): the others are
+    checked, then the test xfails naming the reasons."""
+    if built.error:
+        pytest.fail(built.error)
+    skipped = read_engine_set(built.out).skipped
+    unknown = {graph: why for graph, why in skipped.items() if known_reason(graph, why) is None}
+    assert not unknown, unknown
+    specs = {s.name: s.io for s in built.sources if s.name not in skipped}
+    check_built_set(built, specs)
+    if skipped:
+        pytest.xfail("; ".join(f"{graph}: {known_reason(graph, why)}" for graph, why in sorted(skipped.items())))
+
+
+def check_built_set(built: BuiltSet, specs) -> None:
+    """The set has exactly ``specs``' engines, each with the contract's IO and its attention bound."""
     from dflash_trt.export.contract import DTYPES
 
-    record = check_engine_set(out, specs)  # recorded bindings == contract, plans hash-checked
+    record = check_engine_set(built.out, specs)  # recorded bindings == contract, plans hash-checked
     assert set(record.engines) == set(specs)
     for name, engine in record.engines.items():
         spec = specs[name]
         expected = {("input", s.name) for s in spec.inputs} | {("output", s.name) for s in spec.outputs}
         assert {(b.mode, b.name) for b in engine.bindings} == expected
-        assert {b.dtype for b in engine.bindings} <= {DTYPES[dtype], "float32", "int64"}
-        assert set(engine.unread_tensors) <= attention_lengths(directory / f"{name}.onnx")
-    profiles = {
-        name: {b.name: b.profile for b in engine.bindings if b.profile} for name, engine in record.engines.items()
-    }
-    assert {name for name, p in profiles.items() if p} == {"target_prefill", "draft_context"} & set(specs)
-    if "target_prefill" in profiles:  # T in 1..max_chunk (64)
-        assert profiles["target_prefill"] == {"tokens": ((1, 1), (1, 64), (1, 64))}
-    if "draft_context" in profiles:  # C in 1..max_chunk
-        assert {name: p[0][1] for name, p in profiles["draft_context"].items()} == {"taps": 1}
-    assert read_engine_set(out).source_manifest["file"] == "manifest.json" and (out / "manifest.json").is_file()
-    assert sum(" built in " in line for line in printed.splitlines()) == len(specs)
+        assert {b.dtype for b in engine.bindings} <= {DTYPES[built.dtype], "float32", "int64"}
+        kind = spec.kind
+        causal = "LOWER_RIGHT" if kind.startswith("target") and built.causal == "lengths" else "NONE"
+        masked = built.causal == "mask"
+        assert {(a.causal, bool(a.lengths), a.mask) for a in engine.attention} <= {(causal, not masked, masked)}, name
+    profiles = {name: {b.name: b.profile for b in engine.bindings if b.profile} for name, engine in record.engines.items()}
+    assert {name for name, p in profiles.items() if p} == {"target_prefill", "draft_context", "sample"} & set(specs)
+    if built.printed:  # built through the CLI from an export directory
+        assert sum(" built in " in line for line in built.printed.splitlines()) == len(specs)
+        assert read_engine_set(built.out).source_manifest["file"] == "manifest.json"
+
+
+def ancestors(network, tensor) -> set[str]:
+    """Names of the network inputs ``tensor`` is computed from."""
+    producers = {}
+    for index in range(network.num_layers):
+        layer = network.get_layer(index)
+        for j in range(layer.num_outputs):
+            producers[layer.get_output(j).name] = layer
+    inputs = {network.get_input(i).name for i in range(network.num_inputs)}
+    seen, stack, found = set(), [tensor.name], set()
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if name in inputs:
+            found.add(name)
+        layer = producers.get(name)
+        if layer is not None:
+            stack.extend(layer.get_input(j).name for j in range(layer.num_inputs) if layer.get_input(j) is not None)
+    return found
+
+
+LENGTH_INPUTS = {"target": {contract.START}, "draft": {contract.CTX_START, contract.CTX_COUNT}, "draft_context": {contract.START}}
+
+
+def test_every_parsed_attention_is_lower_right_causal_or_non_causal_with_its_lengths(built):
+    """Guards against engines that compute other attention than their graphs: TensorRT's
+    parser drops nonpad_kv_seqlen and reads is_causal=1 top-left. Inspected with TensorRT-RTX
+    on every parsed graph with attention: each IAttention is LOWER_RIGHT (target, lengths
+    export) or NONE (draft; any mask export); its key/value lengths are an INT32 cast of
+    the very tensor the ONNX node fed to nonpad_kv_seqlen, computed from the graph's own
+    start input (a mask export: the mask, no lengths); nothing is left unread."""
+    flavour = load_flavour("tensorrt_rtx")
+    trt = flavour.trt
+    builder = trt.Builder(flavour.new_log())
+    for source in built.sources:
+        nodes = {n.output: n for n in attention_nodes(load_graph(source.onnx_path))}
+        if not nodes:
+            continue
+        log = flavour.new_log()
+        graph = parse_graph(flavour, builder, log, source)
+        network = graph.network
+        kind = "draft_context" if source.name == contract.DRAFT_CONTEXT else source.io.kind.split("_")[0]
+        layers = [network.get_layer(i) for i in range(network.num_layers)]  # after binding: the casts too
+        outputs = [layer for layer in layers if layer.type == trt.LayerType.ATTENTION_OUTPUT]
+        assert len(outputs) == len(nodes), source.name
+        for layer in outputs:
+            layer.__class__ = trt.IAttentionOutputLayer
+            attention, node = layer.attention, nodes[layer.get_output(0).name]
+            lengths = attention.key_value_lengths
+            if built.causal == "mask":
+                assert attention.causal_kind.name == "NONE" and attention.mask is not None and lengths is None, source.name
+                continue
+            want = "LOWER_RIGHT" if kind == "target" else "NONE"
+            assert (attention.causal_kind.name, attention.mask) == (want, None), source.name
+            assert lengths is not None and lengths.dtype == trt.int32, source.name
+            cast = next(l for l in layers if l.num_outputs and l.get_output(0).name == lengths.name)
+            assert cast.type == trt.LayerType.CAST and cast.get_input(0).name == node.lengths, source.name
+            assert LENGTH_INPUTS[kind] <= ancestors(network, lengths), source.name
+        assert unread_tensors(network) == [], source.name

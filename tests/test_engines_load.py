@@ -185,6 +185,34 @@ def test_malformed_engines_json_is_refused_naming_the_field(tmp_path, edit, expe
         read_engine_set(tmp_path)
 
 
+GREEDY_CONTRACT = {name: graph_spec(DIMS, name) for name in ("target_prefill", "verify_argmax_1", "verify_sample_1")}
+
+
+def test_set_without_the_sampled_verifier_loads_and_without_another_graph_is_refused(tmp_path):
+    """Guards against refusing a whole engine set because verify_sample_n did not build
+    (TensorRT caps TopK at 3840: every real vocabulary), and against accepting a set that
+    lacks a graph greedy sessions need: a greedy-only set passes both stages and loads
+    the engines it has; one without verify_argmax_1 is refused naming it."""
+    greedy = {name: io for name, io in GREEDY_CONTRACT.items() if name != "verify_sample_1"}
+    write_set(tmp_path / "greedy", greedy)
+    assert set(check_engine_set(tmp_path / "greedy", GREEDY_CONTRACT).engines) == set(greedy)
+    flavour = FakeFlavour(engines={name: FakeEngine(bindings_of(io)) for name, io in greedy.items()})
+    assert sorted(load_engine_set(tmp_path / "greedy", GREEDY_CONTRACT, flavour).engines) == sorted(greedy)
+    write_set(tmp_path / "broken", {name: io for name, io in GREEDY_CONTRACT.items() if name != "verify_argmax_1"})
+    with pytest.raises(EngineError, match=r"missing \['verify_argmax_1'\]"):
+        check_engine_set(tmp_path / "broken", GREEDY_CONTRACT)
+
+
+def test_engine_recorded_with_tensors_read_by_nothing_is_refused(tmp_path):
+    """Guards against loading plans from an older build that allowed tensors nothing
+    reads (e.g. Attention's lengths dropped by TensorRT's parser): they compute
+    something else than their graphs."""
+    write_set(tmp_path)
+    rewrite(tmp_path, lambda d: d["engines"]["verify_2"].update(unread_tensors=["add_6"]))
+    with pytest.raises(EngineError, match=r"engine 'verify_2' was built leaving tensors read by nothing \(\['add_6'\]\).*rebuild"):
+        check_engine_set(tmp_path, CONTRACT)
+
+
 def test_directory_without_engines_json_is_refused(tmp_path):
     """Guards against pointing the runtime at the ONNX directory by mistake."""
     with pytest.raises(EngineError, match="no engines.json"):
@@ -267,6 +295,30 @@ def test_load_checks_every_deserialized_engine_against_the_contract(tmp_path):
     flavour.engines["verify_2"] = FakeEngine(bindings_of(VERIFY))
     loaded = load_engine_set(tmp_path, CONTRACT, flavour)
     assert sorted(loaded.engines) == ["prefill", "verify_2"]
+
+
+class AliasingEngine(FakeEngine):
+    """An engine that reports which input each output aliases (TensorRT >= 10.15)."""
+
+    def __init__(self, bindings, aliases):
+        super().__init__(bindings)
+        self.aliases = aliases
+
+    def get_aliased_input_tensor(self, name):
+        return self.aliases.get(name)
+
+
+def test_engine_whose_caches_are_not_updated_in_place_is_refused(tmp_path):
+    """Guards against binding past_* and present_* to one buffer for an engine that writes the
+    new cache elsewhere (TensorRT reports no alias): its reads and writes of the cache would
+    race, or the update would be lost. Every present_* must alias its own past_*."""
+    write_set(tmp_path)
+    in_place = {f"present_{kind}_0": f"past_{kind}_0" for kind in ("key", "value")}
+    engines = {"prefill": AliasingEngine(bindings_of(PREFILL), in_place), "verify_2": AliasingEngine(bindings_of(VERIFY), {**in_place, "present_value_0": None})}
+    with pytest.raises(EngineError, match=r"engine 'verify_2': .*not update its caches in place: output 'present_value_0' aliases None, expected input 'past_value_0'"):
+        load_engine_set(tmp_path, CONTRACT, FakeFlavour(engines=engines))
+    engines["verify_2"].aliases = in_place
+    assert sorted(load_engine_set(tmp_path, CONTRACT, FakeFlavour(engines=engines)).engines) == ["prefill", "verify_2"]
 
 
 def test_plan_for_another_gpu_is_refused_with_the_runtimes_reason(tmp_path):

@@ -68,6 +68,22 @@ def test_compare_flags_float_drift_and_any_integer_difference():
     assert not checks["argmax"].ok and checks["argmax"].detail == "1 of 2 elements differ"
 
 
+def test_fp32_logits_of_a_bf16_graph_are_held_to_bf16_rounding():
+    """Guards against false selfcheck failures: a bf16 graph's logits are fp32 tensors
+    computed in bf16, so they carry bf16 rounding; they were compared at fp32's 1e-3. The
+    tolerance is the coarser of the output's dtype and its graph's; an fp32 graph keeps 1e-3."""
+    def graph(dtype: str) -> GraphSpec:
+        inputs = (TensorSpec("tokens", (1, 4), "int64"), TensorSpec("past_key_0", (1, 1, 8, 4), dtype))
+        return GraphSpec("g", "synthetic", None, inputs, (TensorSpec("logits", (1, 4, 5), "float32"),))
+
+    want = {"logits": torch.zeros(1, 4, 5)}
+    got = {"logits": want["logits"] + 0.02}
+    (bf16,) = compare("verify", graph("bfloat16"), got, want)
+    (fp32,) = compare("verify", graph("float32"), got, want)
+    assert bf16.ok and "rtol 0.05" in bf16.detail
+    assert not fp32.ok and "rtol 0.001" in fp32.detail
+
+
 def test_onnxruntime_reference_runs_the_graph_through_bound_buffers(tmp_path):
     """Guards against the reference side binding wrong dtypes/shapes by
     pointer: the fp16 KV-write + attention graph must run, write the new rows

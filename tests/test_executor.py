@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dflash_trt.errors import InputError, PoisonedError, SamplingError, SessionError
+from dflash_trt.export import contract as c
 from dflash_trt.export.reference import ReferenceDecoder
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor, Input
@@ -94,15 +95,20 @@ def checked(tiny, tracker: Tracker, backend: RecordingBackend):
      pytest.param("onnxruntime-cuda", marks=pytest.mark.gpu)],
 )
 def test_lossless_sixteen_sessions_with_clones_rewinds_joins_and_leaves(tiny, oracle, backend):
-    """Guards against any cache/context bookkeeping bug that changes output: greedy output must equal
-    target-only output, and every draft call must see exactly the reference draft's context, through
-    prompts (chunked on the torch backend's 8-token chunks), dynamic drains, packing, clones, rewinds,
-    replays, joins, leaves and plain decode."""
+    """Guards against any cache/context bookkeeping bug that changes output, and against a choice made
+    differently after a prompt or replay than in a cycle: greedy and sampled output (untruncated T = 1,
+    and top-k/top-p) must equal target-only output, and every draft call must see exactly the reference
+    draft's context, through prompts (chunked on the torch backend's 8-token chunks), dynamic drains,
+    packing, clones, rewinds, replays, joins, leaves and plain decode."""
     executor, backend = new_executor(tiny, backend=backend)
     t = Tracker(executor, oracle)
     execute = checked(tiny, t, backend)
     lengths = [1, 2, 3, 5, 8, 9, 13, 16, 17, 24, 31, 40]
     sessions = [t.open() for _ in lengths]
+    # Sampled sessions that get cloned (2, 5, 9), rewound and replayed (4, 7) or just decode (10).
+    for index, seed in ((2, 11), (4, 12), (5, 13), (7, 14), (9, 15)):
+        t.set_sampling(sessions[index], Sampling(temperature=1.0, seed=seed))
+    t.set_sampling(sessions[10], SAMPLED)
     execute([(s, prompt(n, s), None, True) for s, n in zip(sessions, lengths)])
     for _ in range(2):
         execute(t.decode_inputs(sessions))
@@ -182,6 +188,32 @@ def test_sampled_session_is_batch_independent(tiny, oracle, with_oracle):
     assert packed_stats["owners"].max() == tiny.dims.max_owners and set(alone_stats["owners"]) == {1}
 
 
+class GreedyOnly(RecordingBackend):
+    """A backend whose artifacts lack the sampled verifiers (a greedy-only engine set)."""
+
+    @property
+    def graph_names(self):
+        return tuple(g for g in self.inner.graph_names if not c.sampled_only(g))
+
+
+def test_greedy_only_artifacts_refuse_sampled_sessions_and_serve_greedy_ones(tiny, oracle):
+    """Guards against a sampled session reaching a verify_sample_n the engine set does not have
+    (a failed run that poisons every session of the batch): set_sampling refuses it up front,
+    naming the missing graphs and the value, and changes nothing; greedy sessions on the same
+    backend still give the reference's tokens."""
+    executor = Executor(GreedyOnly(tiny.ort), tiny.dims, 4)
+    t = Tracker(executor, oracle)
+    s = t.open()
+    with pytest.raises(SamplingError, match=r"set_sampling.temperature: .*greedy sessions only.*'verify_sample_1'.*got temperature 0.8"):
+        executor.set_sampling(s, temperature=0.8, seed=1)
+    assert executor.session(s).sampling == Sampling()
+    t.set_sampling(s, Sampling(temperature=0.0, seed=5))
+    t.execute([(s, prompt(9, 4), None, True)])
+    for _ in range(3):
+        t.execute(t.decode_inputs([s]))
+    assert len(t.seq[s]) > 9 + 3
+
+
 def test_stats_count_every_token_and_tau_matches_reference(tiny, tmp_path):
     """Guards against dropped or duplicated stats rows and a τ that drifts from the reference's
     acceptance (including plain-decode steps near the context end, which must not count in τ)."""
@@ -229,7 +261,7 @@ def snapshot(executor: Executor) -> list:
         (lambda s, v: [Input(s, [1], produce_output="yes")], InputError, ["input[0].produce_output"]),
         (lambda s, v: [Input(s, "abc")], InputError, ["input[0].tokens"]),
         (lambda s, v: [Input(s, np.array(5))], InputError, ["input[0].tokens", "1-D"]),
-        (lambda s, v: [Input(s, torch.tensor([[1, 2]]))], InputError, ["input[0].tokens[0]"]),
+        (lambda s, v: [Input(s, torch.tensor([[1, 2]]))], InputError, ["input[0].tokens", "1-D", "[1, 2]"]),
         (lambda s, v: [Input(s, [1], position=-2)], InputError, ["input[0].position", ">= 0", "-2"]),
         (lambda s, v: [], InputError, ["non-empty"]),
         (lambda s, v: [{"session": s, "tokens": [1], "colour": 3}], InputError, ["input[0]", "colour"]),

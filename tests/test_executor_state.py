@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+import polars as pl
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
-from dflash_trt.errors import InputError, SamplingError, SessionError
+from dflash_trt.analysis.counters import cross_check
+from dflash_trt.errors import InputError, PoisonedError, SamplingError, SessionError
+from dflash_trt.export import contract as c
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor, Input
 from executor_fixtures import Oracle, RecordingBackend, Tiny, Tracker, single_thread
@@ -32,8 +36,19 @@ BAD_SAMPLING = st.sampled_from(
         dict(top_k=-1),
         dict(seed=-3),
         dict(seed=2**64),
+        dict(temperature=1e308),
+        dict(temperature=1e-40),
+        dict(temperature=0.5, top_p=1e-50),
+        dict(temperature=True),
+        dict(top_p=np.bool_(True)),
+        dict(top_k=True),
+        dict(top_k=2.0),
+        dict(seed=True),
     ]
 )
+BAD_CONTAINERS = st.sampled_from([lambda t: dict.fromkeys(t), set, frozenset, lambda t: iter(t), lambda t: [bool(x) for x in t],
+                                  lambda t: np.array(t, dtype=np.float32), lambda t: np.array([t]), str])
+FAULT_KINDS = st.sampled_from([c.TARGET_PREFILL, c.DRAFT_CONTEXT, c.DRAFT, c.TARGET_VERIFY, c.VERIFY_ARGMAX, c.VERIFY_SAMPLE])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,9 +64,14 @@ class ExecutorMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.executor = Executor(RecordingBackend(self.tiny.ort), self.tiny.dims, MAX_SESSIONS)
+        self.backend = RecordingBackend(self.tiny.ort)
+        self.executor = Executor(self.backend, self.tiny.dims, MAX_SESSIONS)
+        self.drained: list[tuple[pl.DataFrame, pl.DataFrame]] = []
         self.t = Tracker(self.executor, self.oracle)
         self.vocab, self.max_context = self.tiny.dims.vocab_size, self.tiny.dims.max_context
+
+    def teardown(self) -> None:
+        self.executor.close()  # its rows go back to the shared backend
 
     # ------------------------------------------------------------ helpers
 
@@ -184,6 +204,38 @@ class ExecutorMachine(RuleBasedStateMachine):
         batch.insert(data.draw(st.integers(mine[-1] + 1 if mine else 0, len(batch)), label="where"), bad[0])
         self.refused(bad[1], lambda: self.executor.execute(batch))
 
+    @precondition(lambda self: self.t.seq)
+    @rule(data=st.data(), spell=BAD_CONTAINERS)
+    def execute_bad_container(self, data, spell) -> None:
+        """Tokens as a dict / set / iterator / bools / floats / 2-D array / text: refused, nothing changed."""
+        s = self.pick(data)
+        tokens = self.tokens(data, 1, 4)
+        self.refused(InputError, lambda: self.executor.execute([Input(s, spell(tokens), position=self.t.frontier(s))]))
+
+    @precondition(lambda self: self.t.seq)
+    @rule(data=st.data(), kind=FAULT_KINDS, after=st.booleans())
+    def execute_with_fault(self, data, kind, after) -> None:
+        """A graph of the batch fails (before or after its cache writes): its sessions are poisoned and
+        closed; every other session must go on exactly as the reference."""
+        batch = self.valid_batch(data)
+        if not batch:
+            return
+        self.backend.fail_on, self.backend.fail_after = (kind, self.backend.counts.get(kind, 0) + 1), after
+        try:
+            self.t.execute(batch)  # this batch may not run that graph kind: then it must just be right
+        except PoisonedError:
+            for s in {item[0] for item in batch}:
+                assert self.executor.session(s).poisoned
+                self.t.forget(s)
+                self.executor.close_session(s)
+        finally:
+            self.backend.fail_on = None
+
+    @rule()
+    def drain_stats(self) -> None:
+        self.drained.append(self.executor.drain_stats())
+        assert self.executor.cycle_stats().height == 0 and self.executor.execute_stats().height == 0
+
     def _end(self, item: Input) -> int:
         start = self.t.frontier(item.session) if item.position is None else item.position
         return start + len(item.tokens)
@@ -194,23 +246,36 @@ class ExecutorMachine(RuleBasedStateMachine):
         assert not any(self.executor.session(s).poisoned for s in self.t.seq)
         self.t.check_state()
 
+    @invariant()
+    def stats_agree(self) -> None:
+        """Counters and cycle rows tell the same story over every row ever logged (drained or not);
+        batch ids are contiguous (refusals leave no row)."""
+        frames = [*self.drained, (self.executor.cycle_stats(), self.executor.execute_stats())]
+        cycles, executes = pl.concat([f[0] for f in frames]), pl.concat([f[1] for f in frames])
+        assert executes["batch_id"].to_list() == list(range(executes.height))
+        assert cross_check(cycles.lazy(), executes.lazy()).collect()["match"].all()
 
-def test_random_api_call_sequences(exported_pair):
-    """Guards against any API call sequence that corrupts state: invalid calls (bad tokens, positions,
-    sizes, offsets, sessions, sampling, clones, a full pool) must raise their typed error and change
-    nothing; valid ones (prompts, decodes, replays, appends without output, clones, sampling changes,
-    closes) must keep every output equal to the reference target-only continuation."""
+
+def test_random_api_call_sequences(exported_pair, request):
+    """Guards against any API call sequence that corrupts state: invalid calls (bad tokens, token
+    containers, positions, sizes, offsets, sessions, sampling values and types, clones, a full pool)
+    must raise their typed error and change nothing; injected graph faults must poison exactly their
+    batch; valid calls (prompts, decodes, replays, appends without output, clones, sampling changes,
+    closes, stats drains) must keep every output equal to the reference target-only continuation and
+    the stats consistent. ``--long`` runs ``--long-examples`` sequences (10,000) instead of 25."""
+    long = request.config.getoption("--long")
+    examples = request.config.getoption("--long-examples") if long else 25
     tiny = Tiny(exported_pair)
     ExecutorMachine.tiny, ExecutorMachine.oracle = tiny, Oracle(tiny.target, tiny.dims.max_context)
     try:
         run_state_machine_as_test(
             ExecutorMachine,
             settings=settings(
-                max_examples=25,
+                max_examples=examples,
                 stateful_step_count=10,
                 deadline=None,
                 database=None,
-                derandomize=True,
+                derandomize=not long,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
             ),
         )

@@ -8,6 +8,7 @@ of docs/design.md §1 for several sessions at once: prefill in chunks, drain
 long contexts with ``draft_context``, then ``draft_n`` -> ``target_verify_n``
 -> ``verify_argmax_n`` / ``verify_sample_n`` over runs of consecutive active
 rows, and plain decode with ``target_prefill`` once a block no longer fits.
+The token after a prefill or plain decode step comes from the ``sample`` graph.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnxruntime as ort
 import pytest
-import torch
 
 from dflash_trt.export import contract
 from dflash_trt.export.pair import load_pair
 from dflash_trt.export.reference import ReferenceDecoder
-from dflash_trt.export.sampling import Sampling, choose, positional_uniform
+from dflash_trt.export.sampling import Sampling
+from dflash_trt.runtime.cycles import sampling_rows
 
 PREFILL_CHUNK = 16
 NUMPY = {"float32": np.float32, "float16": np.float16, "int64": np.int64}
@@ -84,12 +85,6 @@ class Session:
     def done(self) -> bool:
         return len(self.tokens) >= self.max_new
 
-    def choose(self, logits: np.ndarray, first_position: int) -> list[int]:
-        """Host-side choice (prefill / plain decode), exactly as the reference decoder makes it."""
-        s, rows = self.sampling, logits.shape[0]
-        uniforms = torch.from_numpy(positional_uniform(s.seed, list(range(first_position, first_position + rows))))
-        return choose(torch.from_numpy(logits), *s.tensors(rows), uniforms).tolist()
-
     def emit(self, tokens: list[int]) -> None:
         self.tokens += tokens[: self.max_new - len(self.tokens)]
 
@@ -115,7 +110,7 @@ class Driver:
             out = self.call(contract.TARGET_PREFILL, {"tokens": np.array([chunk]), "start": np.array([start])}, self.target, row)
             taps.append(out["taps"][0])
         s.context, s.frontier = np.concatenate(taps), len(s.prompt)
-        s.emit(s.choose(out["logits"], s.frontier))
+        s.emit(self.choose(s, out["logits"], s.frontier))
 
     def plain_decode(self, row: int) -> None:
         s = self.sessions[row]
@@ -123,7 +118,12 @@ class Driver:
         out = self.call(contract.TARGET_PREFILL, feeds, self.target, row)
         s.context = np.concatenate([s.context, out["taps"][0]])
         s.frontier += 1
-        s.emit(s.choose(out["logits"], s.frontier))
+        s.emit(self.choose(s, out["logits"], s.frontier))
+
+    def choose(self, s: Session, logits: np.ndarray, position: int) -> list[int]:
+        """The token AT ``position`` from logits [1, V]: the ``sample`` graph."""
+        feeds = {"logits": logits} | sampling_rows([s.sampling], [position])
+        return self.call(contract.SAMPLE, feeds, None, 0)["token"].tolist()
 
     def drain(self, row: int) -> None:
         """Context beyond one block goes to the draft cache through the dynamic graph."""
@@ -165,14 +165,8 @@ class Driver:
     def verifier_feeds(self, owners, logits, candidates, starts) -> dict[str, np.ndarray]:
         feeds = {"logits": logits, "candidates": candidates}
         if self.verifier(owners, len(owners)).startswith("verify_sample"):
-            feeds |= {
-                "temperature": np.array([s.sampling.temperature for s in owners], np.float32),
-                "top_k": np.array([s.sampling.top_k for s in owners]),
-                "top_p": np.array([s.sampling.top_p for s in owners], np.float32),
-                "uniforms": np.stack(
-                    [positional_uniform(s.sampling.seed, range(p + 1, p + self.P + 2)) for s, p in zip(owners, starts)]
-                ),
-            }
+            # Row j of an owner chooses the token AT start + 1 + j.
+            feeds |= sampling_rows([s.sampling for s in owners], [p + 1 for p in starts])
         return feeds
 
     def generate(self) -> list[list[int]]:
@@ -239,15 +233,16 @@ def test_onnx_runtime_generation_equals_reference_greedy(exported_pair, graphs, 
 
 
 def test_onnx_runtime_generation_equals_reference_sampled(exported_pair, graphs, reference):
-    """Guards against the sampling verifier diverging from the reference (temperature, top-k,
-    top-p, positional uniforms, verdict): per-session sampling parameters and seeds in one
-    verify_sample_3 call reproduce the reference decoder's sampled tokens exactly."""
+    """Guards against the sampling graphs diverging from the reference (temperature, top-k, top-p,
+    noise of (seed, position, token), verdict): per-session sampling parameters and seeds in one
+    verify_sample_3 call, and the sample graph after each prefill, reproduce the reference
+    decoder's sampled tokens exactly, untruncated T = 1 included."""
     prompts = exported_pair.prompts
-    samplings = [Sampling(0.8, 0, 1.0, seed=1), Sampling(1.2, 20, 0.9, seed=2), Sampling(0.6, 5, 0.7, seed=3)]
+    samplings = [Sampling(1.0, 0, 1.0, seed=1), Sampling(1.2, 20, 0.9, seed=2), Sampling(0.6, 5, 0.7, seed=3)]
     tokens, sessions, calls = _generate(graphs, exported_pair, samplings)
     for prompt, sampling, session, got in zip(prompts, samplings, sessions, tokens):
         assert got == reference.generate_dflash(prompt, session.max_new, sampling).tokens
-    assert "verify_sample_3" in calls
+    assert "verify_sample_3" in calls and contract.SAMPLE in calls
 
 
 def test_in_place_binding_changes_only_the_owner_rows_and_slots(exported_pair, graphs):

@@ -25,7 +25,7 @@ from dflash_trt.export.graph_modules import graph_module
 from dflash_trt.export.layers import EagerKernels
 from dflash_trt.export.onnx_kernels import CAUSAL_MASK, OnnxKernels
 from dflash_trt.export.pair import load_pair
-from dflash_trt.export.sampling import choose
+from dflash_trt.export.sampling import choose, seed_parts
 from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 
 FP32_TOLERANCE = 1e-4
@@ -101,7 +101,22 @@ def random_inputs(spec: contract.GraphSpec, dims: contract.Dims, rng: np.random.
             contract.ANCHOR: rng.integers(0, V, n),
         }
         return feeds, [(s, s + c + B) for s, c in zip(ctx_start, count)]
+    if spec.kind == contract.SAMPLE:
+        rows = 7
+        feeds |= {contract.LOGITS: (3 * rng.standard_normal((rows, V))).astype(np.float32)} | sampling_inputs(rng, rows)
+        return feeds, None
     return verifier_inputs(spec, dims, rng), None
+
+
+def sampling_inputs(rng, rows: int) -> dict[str, np.ndarray]:
+    """Per-row sampling parameters (greedy, top-k, top-p, untruncated), seeds and positions."""
+    return {
+        contract.TEMPERATURE: np.array([(0.0, 0.8, 1.5, 1.0)[i % 4] for i in range(rows)], np.float32),
+        contract.TOP_K: np.array([(0, 5, 40, 0)[i % 4] for i in range(rows)], np.int64),
+        contract.TOP_P: np.array([(1.0, 0.9, 0.6, 1.0)[i % 4] for i in range(rows)], np.float32),
+        contract.SEED: np.array([seed_parts(int(s)) for s in rng.integers(0, 2**63, rows)], np.int64),
+        contract.POSITION: rng.integers(0, 60, rows),
+    }
 
 
 def verifier_inputs(spec, dims, rng) -> dict[str, np.ndarray]:
@@ -112,16 +127,12 @@ def verifier_inputs(spec, dims, rng) -> dict[str, np.ndarray]:
     if spec.kind == contract.VERIFY_ARGMAX:
         choices = logits.argmax(-1)
     else:
-        params = {
-            contract.TEMPERATURE: np.array([(0.0, 0.8, 1.5)[i % 3] for i in range(n)], np.float32),
-            contract.TOP_K: np.array([(0, 5, 40)[i % 3] for i in range(n)], np.int64),
-            contract.TOP_P: np.array([(1.0, 0.9, 0.6)[i % 3] for i in range(n)], np.float32),
-            contract.UNIFORMS: rng.random((n, P + 1), dtype=np.float32),
-        }
+        params = sampling_inputs(rng, n)
         feeds |= params
-        per_row = [torch.from_numpy(np.repeat(params[k], P + 1)) for k in (contract.TEMPERATURE, contract.TOP_K, contract.TOP_P)]
-        flat = choose(torch.from_numpy(logits.reshape(-1, V)), *per_row, torch.from_numpy(params[contract.UNIFORMS].reshape(-1)))
-        choices = flat.reshape(n, P + 1).numpy()
+        names = (contract.TEMPERATURE, contract.TOP_K, contract.TOP_P, contract.SEED)
+        per_row = [torch.from_numpy(np.repeat(params[k], P + 1, axis=0)) for k in names]
+        positions = torch.from_numpy((params[contract.POSITION][:, None] + np.arange(P + 1)).reshape(-1))
+        choices = choose(torch.from_numpy(logits.reshape(-1, V)), *per_row, positions).reshape(n, P + 1).numpy()
     candidates = rng.integers(0, V, (n, P + 1))
     for i, accept in enumerate(rng.integers(0, P + 1, n)):
         candidates[i, 1 : accept + 1] = choices[i, :accept]
@@ -214,6 +225,11 @@ def test_graphs_pass_checker_and_use_only_standard_opset_24(exported_pair):
         # TensorRT's KV-cache update must feed a graph output: each cache written once, straight out.
         assert all(node.output[0] in outputs and node.input[0].startswith("past_") for node in scatters), name
         assert ops["Attention"] == attentions.get(kind, 0), name
+        # Sampling for 150k vocabularies in TensorRT: no sort, one TopK (K <= 3840), no bit operations, and
+        # no cumulative sum but the verdict's (over the P proposals).
+        assert not {"BitShift", "BitwiseAnd", "BitwiseXor", "BitwiseOr"} & set(ops), name
+        assert ops["TopK"] == (kind in (contract.SAMPLE, contract.VERIFY_SAMPLE)), name
+        assert ops["CumSum"] == (kind in (contract.VERIFY_ARGMAX, contract.VERIFY_SAMPLE)), name
 
 
 @pytest.mark.parametrize("name", GRAPHS)

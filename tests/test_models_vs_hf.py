@@ -40,11 +40,13 @@ def _hf(directory):
 @torch.no_grad()
 def test_prefill_and_cached_decode_match_transformers(case, tmp_path):
     """Guards against wrong RoPE scaling, GQA grouping, q/k norm, tying, windows or cache writes:
-    prefill logits, cached one-token decode logits and the taps equal HF (max rel. error <= 1e-4)."""
+    prefill logits, cached one-token decode logits and the taps equal HF (max rel. error <= 1e-4).
+    Taps are HF's hidden_states[i + 1], what the DFlash reference feeds its draft: for the LAST
+    layer that entry is final-normed (a draft tapping it must not get the un-normed residual)."""
     options = dict(CASES[case])
     arch = options.pop("arch")
     directory = tiny_models.write_target(tmp_path / case, arch=arch, **options)
-    ours, reference = load_target(directory, tap_layers=(0, 2)), _hf(directory)
+    ours, reference = load_target(directory, tap_layers=(0, 2, 4)), _hf(directory)
     tokens = torch.randint(0, tiny_models.VOCAB, (1, 19), generator=torch.Generator().manual_seed(3))
     prompt, continuation = tokens[:, :12], tokens[0, 12:]
     cache = ours.new_cache(2, 64)
@@ -53,7 +55,8 @@ def test_prefill_and_cached_decode_match_transformers(case, tmp_path):
     hf = reference(prompt, output_hidden_states=True, use_cache=True)
     logits, taps = ours(prompt, torch.tensor([0]), row, *cache)
     assert _relative(logits, hf.logits) <= 1e-4
-    hf_taps = torch.cat([hf.hidden_states[1], hf.hidden_states[3]], dim=-1)
+    assert len(hf.hidden_states) == 6  # embeddings + 5 layers: layer 4 is the last
+    hf_taps = torch.cat([hf.hidden_states[1], hf.hidden_states[3], hf.hidden_states[5]], dim=-1)
     assert _relative(taps, hf_taps) <= 1e-4
 
     past = hf.past_key_values

@@ -64,7 +64,7 @@ def target_forward(
         x = x + layer.self_attn.output(attended)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         if index in tap_layers:
-            taps.append(x)
+            taps.append(model.tap_of(index, x))
     return model.model.norm(x), (torch.cat(taps, dim=-1) if taps else None)
 
 

@@ -2,7 +2,7 @@
 
 ``open_backend(kind, ...)`` builds one from artifacts:
 
-- ``open_backend("torch", target_dir, draft_dir, dims_or_export_dir, max_sessions=None, device="cpu", cuda_graphs=True)``
+- ``open_backend("torch", target_dir, draft_dir, dims_or_export_dir, max_sessions=None, device="cpu", cuda_graphs=True, kernels="auto")``
 - ``open_backend("onnxruntime", export_dir, max_sessions=None, device="cpu", threads=None, optimization="all", lazy=False, spinning=False)``
 - ``open_backend("tensorrt", engine_dir, max_sessions=None, dims=None, device="cuda", cuda_graphs=False)``
 

@@ -36,8 +36,10 @@ from contextlib import nullcontext
 
 import torch
 
+from dflash_trt.export import contract
 from dflash_trt.export.contract import Dims
 from dflash_trt.runtime.backends.pools import pool_named
+from dflash_trt.runtime.ownership import Ownership, ownership_of
 
 class Backend(ABC):
     """Runs contract graphs over in-place cache pools."""
@@ -70,6 +72,12 @@ class Backend(ABC):
         anything is enqueued (graphs without caches ignore ``first_row``).
         """
 
+    @property
+    def graph_names(self) -> tuple[str, ...]:
+        """The contract graphs this backend runs: all of them, unless its artifacts lack some
+        (a greedy-only engine set has no ``verify_sample_n``; the executor then refuses sampling)."""
+        return contract.graph_names(self.dims.max_owners)
+
     def copy_rows(self, pool: str, source: int, destination: int, upto: int) -> None:
         """Copy cache slots ``0 .. upto-1`` of row ``source`` into row ``destination`` (clone).
 
@@ -79,6 +87,10 @@ class Backend(ABC):
         target = pool_named(self.pools, pool)
         with self.stream.scope() if self.stream is not None else nullcontext():
             target.copy_rows(source, destination, upto)
+
+    def ownership(self) -> Ownership:
+        """Rows and call guard shared by every executor over this backend (``runtime.ownership``)."""
+        return ownership_of(self, self.max_sessions)
 
     def synchronize(self) -> None:
         """Wait for all work enqueued by this backend (a host sync point)."""

@@ -32,6 +32,7 @@ POOL_OF_KIND: dict[str, str | None] = {
     c.DRAFT: "draft",
     c.VERIFY_ARGMAX: None,
     c.VERIFY_SAMPLE: None,
+    c.SAMPLE: None,
 }
 
 

@@ -98,10 +98,11 @@ class OrtBackend(Backend):
                 self._session(name)
 
     @classmethod
-    def from_export(cls, directory: str | Path, max_sessions: int | None = None, verify: str = "io", **options) -> OrtBackend:
+    def from_export(cls, directory: str | Path, max_sessions: int | None = None, verify: str = "hash", **options) -> OrtBackend:
         """Open an export directory through its manifest (graph files, dims, max sessions).
 
-        ``verify``: the manifest loader's check level (``none`` / ``io`` / ``hash``).
+        ``verify``: the manifest loader's check level (``none`` / ``io`` / ``hash``). The default
+        checks every file's sha256 (remembered per file version: ``export.identity.verified_sha256``).
         """
         from dflash_trt.export.manifest import load_manifest
 

@@ -14,6 +14,8 @@ is contiguous and starts ``first * row_bytes`` into the buffer).
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -125,14 +127,55 @@ class CachePool:
             buffer.close()
 
 
+def pool_bytes(shape: PoolShape) -> int:
+    """Bytes of one pool: K and V of every layer."""
+    return 2 * shape.layers * math.prod(shape.layer_shape) * torch.empty((), dtype=shape.dtype).element_size()
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory an allocation can still get on ``device`` (CUDA: free device memory; CPU: MemAvailable), or None if unknown."""
+    if device.type == "cuda":
+        from dflash_trt.runtime.device import free_memory
+
+        return free_memory()
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_room(shapes: dict[str, PoolShape], device: torch.device) -> None:
+    """Refuse pools that cannot fit, naming rows and bytes, BEFORE allocating (an allocator's own failure is untyped or late)."""
+    need = {name: pool_bytes(shape) for name, shape in shapes.items()}
+    available = available_bytes(device)
+    if available is not None and sum(need.values()) > available:
+        rows = next(iter(shapes.values())).rows
+        parts = ", ".join(f"{name} {size / 2**30:.3g} GiB" for name, size in need.items())
+        msg = (
+            f"cache pools for max_sessions {rows} need {sum(need.values()) / 2**30:.3g} GiB ({parts}), "
+            f"only {available / 2**30:.3g} GiB is available on {device}: lower max_sessions (or re-export with a smaller max_context)"
+        )
+        raise EngineError(msg)
+
+
 def allocate_pools(shapes: dict[str, PoolShape], device: torch.device, stream=None) -> dict[str, CachePool]:
-    """Both pools, or neither (a failure frees what was allocated)."""
+    """Both pools, or neither (a failure frees what was allocated); refused first if they cannot fit."""
+    check_room(shapes, device)
     pools: dict[str, CachePool] = {}
     try:
         for name, shape in shapes.items():
             pools[name] = CachePool.allocate(name, shape, device, stream)
-    except BaseException:
+    except BaseException as error:
         close_pools(pools)
+        if isinstance(error, (MemoryError, RuntimeError)) and not isinstance(error, EngineError):
+            raise EngineError(f"allocating the cache pools ({shapes}) failed on {device}: {type(error).__name__}: {error}") from error
         raise
     return pools
 

@@ -5,6 +5,16 @@ that takes exactly the contract's inputs (caches = the owners' rows, updated
 in place by ``EagerKernels``) and returns its outputs. This backend runs them
 over its two pools.
 
+Kernels (``kernels=``): "fast" runs the graphs with weights through
+``runtime.kernels`` (q|k|v and gate|up weights fused at load, RMSNorm /
+residual / SiLU-gate fused into the GEMMs, RoPE + KV write in one kernel,
+attention over the valid slots only, cost flat in max_context): Triton
+kernels on CUDA, their pure-torch twin on the CPU (same math; a check, not a
+speed path). "eager" runs ``export.graph_modules``' reference modules. "auto" (the
+default) is "fast" on CUDA where the pair is supported, else "eager". An ops
+object (``runtime.kernels.triton_ops.TritonOps(linear_plans=...)``) runs the fast
+path with it.
+
 CPU: eager, synchronous. CUDA: everything is enqueued on the backend's
 device-layer stream (``BackendStream``). The static graphs (``target_verify_n``,
 ``draft_n``, ``verify_*_n``) are captured once and replayed
@@ -41,6 +51,9 @@ from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.backends.graph_io import check_run, owner_rows, plain_inputs, plain_outputs, pool_of, torch_dtype
 from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, close_pools, pool_shapes
 from dflash_trt.runtime.backends.streams import BackendStream, select_device
+from dflash_trt.runtime.kernels import default_ops, fast_path, supported
+
+KERNELS = ("auto", "fast", "eager")
 
 
 class TorchBackend(Backend):
@@ -59,15 +72,20 @@ class TorchBackend(Backend):
         max_sessions: int,
         device: str | torch.device = "cpu",
         cuda_graphs: bool = True,
+        kernels="auto",
     ) -> None:
         self.dims, self.max_sessions = dims, check_sessions(max_sessions)
         check_models(target, draft, dims)
         self.device = select_device(device)
+        self.kernels = choose_kernels(kernels, self.device, target, draft)
         dtype = torch_dtype(dims.dtype)
         self.target = target.to(device=self.device, dtype=dtype).eval()
         self.draft = draft.to(device=self.device, dtype=dtype).eval()
         self.specs = c.graph_specs(dims)
         self.modules = {name: graph_module(spec, self.target, self.draft, dims) for name, spec in self.specs.items()}
+        if self.kernels == "fast":
+            ops = default_ops(self.device) if isinstance(kernels, str) else kernels
+            self.modules |= fast_path(self.specs, self.target, self.draft, dims, ops)
         self.stream = self.pools = self.graphs = None
         try:
             self._allocate(dtype, cuda_graphs)
@@ -228,3 +246,21 @@ def check_models(target: TargetModel, draft: DraftModel, dims: Dims) -> None:
     wrong = [f"{k}: dims {getattr(dims, k)}, models {v}" for k, v in facts.items() if getattr(dims, k) != v]
     if wrong:
         raise EngineError("the models do not match the graph dims: " + "; ".join(wrong))
+
+
+def choose_kernels(kernels, device: torch.device, target: TargetModel, draft: DraftModel) -> str:
+    """"fast" or "eager" for ``kernels`` in KERNELS ("auto": fast on CUDA when the pair is supported).
+
+    Anything else with a ``linear`` method is an ops object (e.g. ``TritonOps`` with measured GEMV
+    plans) for the fast path.
+    """
+    if not isinstance(kernels, str) and callable(getattr(kernels, "linear", None)):
+        kernels = "fast"
+    elif kernels not in KERNELS:
+        raise EngineError(f"kernels must be one of {list(KERNELS)} or an ops object, got {kernels!r}")
+    reason = supported(target, draft)
+    if kernels == "auto":
+        return "fast" if device.type == "cuda" and reason is None else "eager"
+    if kernels == "fast" and reason is not None:
+        raise EngineError(f"kernels='fast' cannot run this pair: {reason}")
+    return kernels

@@ -1,10 +1,14 @@
 """The TensorRT backend: an engine set from ``dflash_trt.engines``, bound in place.
 
 Load: ``engines.load.load_engine_set`` checks the set (files, hashes,
-flavour/version, bindings against the contract) and deserializes every plan;
-here each engine gets one execution context (``Flavour.execution_context``:
-TensorRT-RTX adds its runtime cache), every plain output one device-layer
-buffer at its largest shape, bound ONCE, and the pools are allocated.
+flavour/version, bindings against the contract, in-place cache aliasing) and
+deserializes every plan; here each engine gets one execution context
+(``Flavour.execution_context``: TensorRT-RTX adds its runtime cache) without
+scratch memory of its own: the contexts run one at a time on the backend's
+one stream, so ONE device buffer, as large as the largest engine needs, is
+every context's scratch. Every plain output gets one device-layer buffer at
+its largest shape, bound ONCE, and the pools are allocated. A set without
+the sampled verifiers (greedy-only) loads; ``graph_names`` says what it runs.
 
 Run: set the feed addresses (and input shapes of the dynamic graphs), bind
 ``past_*`` and ``present_*`` of every layer to the SAME pool rows (re-bound
@@ -14,7 +18,9 @@ the backend's stream. Nothing synchronizes the host.
 Optional CUDA graphs (``cuda_graphs=True``) for the static graphs: like the
 torch backend, one capture per (graph, first_row) over per-graph static input
 buffers (feeds are copied in on the stream), made after one real warm-up
-enqueue, as TensorRT requires.
+enqueue, as TensorRT requires. A context that says it cannot be captured
+(``is_stream_capturable``: TensorRT-RTX, e.g. data-dependent shapes) runs
+eagerly instead.
 
 This backend runs wherever TensorRT runs a plan for the GPU at hand
 (TensorRT-RTX, for one, does not run on Hopper; docs/design.md §7). Without
@@ -72,7 +78,7 @@ class TensorRTBackend(Backend):
         self.max_sessions = check_sessions(max_sessions or manifest_sessions)
         self.specs = c.graph_specs(self.dims)
         self.runtime_cache_dir = Path(runtime_cache_dir) if runtime_cache_dir else None
-        self.stream = self.pools = self.engine_set = None
+        self.stream = self.pools = self.engine_set = self.scratch = None
         self.contexts: dict[str, EngineContext] = {}
         try:
             self.engine_set = load_engine_set(self.directory, self.specs, flavour)
@@ -85,18 +91,27 @@ class TensorRTBackend(Backend):
         self.stream = BackendStream()
         dtype = torch_dtype(self.dims.dtype)
         self.pools = allocate_pools(pool_shapes(self.dims, self.max_sessions, dtype), self.device, self.stream.device_stream)
-        flavour = self.engine_set.flavour
-        for name, spec in self.specs.items():
-            context, cache = flavour.execution_context(self.engine_set.engines[name], self.runtime_cache_dir)
+        flavour, engines = self.engine_set.flavour, self.engine_set.engines
+        self.scratch = SharedScratch(cuda, [engine.device_memory_size_v2 for engine in engines.values()], self.stream)
+        for name, engine in engines.items():  # a greedy-only set lacks verify_sample_*
+            spec = self.specs[name]
+            context, cache = flavour.execution_context(engine, self.runtime_cache_dir, name, user_memory=True)
+            if context is None:
+                raise EngineError(f"engine {name!r}: TensorRT could not create an execution context")
+            self.scratch.attach(name, context)
             graphs = cuda_graphs and spec.owners is not None
             self.contexts[name] = EngineContext(cuda, spec, context, cache, self.stream, graphs)
 
     # ------------------------------------------------------------------ Backend
 
+    @property
+    def graph_names(self) -> tuple[str, ...]:
+        return tuple(self.contexts)
+
     def run(self, graph: str, feeds: Mapping[str, torch.Tensor], first_row: int) -> dict[str, torch.Tensor]:
         context = self.contexts.get(graph)
         if context is None:
-            raise EngineError(f"unknown graph {graph!r} (or backend closed); this backend runs {list(self.specs)}")
+            raise EngineError(f"graph {graph!r} is not in this engine set (or the backend is closed); it runs {list(self.contexts)}")
         spec = context.spec
         sizes = check_run(spec, feeds, first_row, self.device, self.max_sessions)
         pool = pool_of(spec)
@@ -118,11 +133,32 @@ class TensorRTBackend(Backend):
         if self.engine_set is not None:
             self.engine_set.close()
             self.engine_set = None
+        if self.scratch is not None:
+            self.scratch.close()
+            self.scratch = None
         close_pools(self.pools)
         self.pools = None
         if self.stream is not None:
             self.stream.close()
             self.stream = None
+
+
+class SharedScratch:
+    """One device buffer that is every context's scratch memory (they never run at once)."""
+
+    def __init__(self, cuda, sizes: list[int], stream) -> None:
+        self.nbytes = max(sizes, default=0)  # bytes: the largest engine's need over all its profiles
+        self.buffer = cuda.DeviceBuffer((self.nbytes,), torch.uint8, stream.device_stream)
+
+    def attach(self, name: str, context) -> None:
+        if not self.buffer.ptr:
+            raise EngineError("the shared scratch buffer is closed")
+        result = context.set_device_memory(self.buffer.ptr, self.nbytes)
+        if result is False:  # TensorRT returns None (older) or a bool
+            raise EngineError(f"engine {name!r}: TensorRT refused {self.nbytes} bytes of shared scratch memory")
+
+    def close(self) -> None:
+        self.buffer.close()
 
 
 class EngineContext:
@@ -139,6 +175,7 @@ class EngineContext:
         if cuda_graphs:
             self.input_buffers, self.static_inputs = self._allocate(plain_inputs(spec))
         self.graphs: dict[int, object] = {}  # first_row -> device.CudaGraph
+        self.capturable: bool | None = None  # unknown until the first run with cuda_graphs
 
     def _allocate(self, specs) -> tuple[dict, dict[str, torch.Tensor]]:
         """Device buffers at each binding's largest shape, and flat torch views of them."""
@@ -160,7 +197,7 @@ class EngineContext:
 
     def run(self, feeds: Mapping[str, torch.Tensor], sizes: dict[str, int], first_row: int) -> dict[str, torch.Tensor]:
         """Enqueue on the stream (current torch stream = ours); returns views of the output buffers. No host sync."""
-        if self.static_inputs:
+        if self.static_inputs and self._capturable():
             self._replay(feeds, first_row)
         else:
             self._bind_inputs(feeds)
@@ -173,6 +210,18 @@ class EngineContext:
             if any(isinstance(d, str) for d in s.shape) and not self.context.set_input_shape(s.name, tuple(tensor.shape)):
                 raise EngineError(f"engine {self.spec.name!r}: TensorRT refused input shape {list(tensor.shape)} for {s.name!r}")
             self._address(s.name, tensor.data_ptr())
+
+    def _capturable(self) -> bool:
+        """Whether this context may be captured on the stream; asked once (TensorRT-RTX answers,
+        full TensorRT has no such query). When it may not, the graph runs eagerly."""
+        if self.capturable is None:
+            ask = getattr(self.context, "is_stream_capturable", None)
+            self.capturable = True if ask is None else bool(ask(self.stream.ptr))
+            if not self.capturable:
+                for name in list(self.input_buffers):
+                    self.input_buffers.pop(name).close()
+                self.static_inputs = {}
+        return self.capturable
 
     def _execute(self) -> None:
         if not self.context.execute_async_v3(self.stream.ptr):

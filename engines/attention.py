@@ -1,0 +1,152 @@
+"""Give every parsed ``IAttention`` the meaning of its ONNX ``Attention`` node.
+
+TensorRT's ONNX parser (TensorRT-RTX 1.7; TensorRT 11) turns Attention-24
+into an ``IAttention`` but
+
+- drops ``nonpad_kv_seqlen``: the lengths tensor stays in the network, read
+  by nothing, and the engine attends over the whole cache (stale slots too);
+- reads ``is_causal=1`` as upper-left causal (query i sees key j iff j <= i),
+  where ONNX aligns it lower-right (j <= i + kv_length - T): a query at
+  position ``start + i`` of a cache must see every slot up to its own.
+
+``bind_attention`` restores both after parsing: every attention gets the
+causal alignment its node asks for (``LOWER_RIGHT`` or ``NONE``) and, when
+the node has ``nonpad_kv_seqlen``, that very tensor (cast to INT32, which
+``IAttention`` requires) as ``key_value_lengths``. So the target's layers
+are lower-right causal with lengths ``start + T``, the draft's non-causal
+with lengths ``start + B``, and the build's unread-tensor check finds
+nothing to refuse. Nodes with a mask keep it and get neither (exports never
+give a node both, see ``export.onnx_kernels``).
+
+Attention layers are matched to their nodes by output name: the parser
+names each layer output after the ONNX tensor it produces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import onnx
+
+ATTENTION = "Attention"
+NONPAD_KV_SEQLEN = 6  # input slot of ONNX Attention-24
+MASK = 3
+LOWER_RIGHT = "LOWER_RIGHT"
+NO_CAUSALITY = "NONE"
+
+
+@dataclass(frozen=True)
+class AttentionNode:
+    """What one ONNX Attention node asks for."""
+
+    name: str
+    output: str  # its output 0, the name of the parsed attention's output tensor
+    causal: bool
+    lengths: str  # the tensor fed to nonpad_kv_seqlen, "" when none
+    mask: bool
+
+
+@dataclass(frozen=True)
+class BoundAttention:
+    """One attention as the network computes it after ``bind_attention`` (recorded in engines.json)."""
+
+    node: str
+    causal: str  # CausalMaskKind member name
+    lengths: str  # the graph tensor bound (through an INT32 cast) as key_value_lengths, "" when none
+    mask: bool
+
+    def to_json(self) -> dict:
+        return {"node": self.node, "causal": self.causal, "lengths": self.lengths, "mask": self.mask}
+
+    @classmethod
+    def from_json(cls, data) -> BoundAttention:
+        return cls(str(data["node"]), str(data["causal"]), str(data["lengths"]), bool(data["mask"]))
+
+
+def attention_nodes(model: onnx.ModelProto) -> list[AttentionNode]:
+    """Every Attention node of a graph, in graph order."""
+    nodes = []
+    for node in model.graph.node:
+        if node.op_type != ATTENTION or node.domain not in ("", "ai.onnx"):
+            continue
+        causal = any(a.name == "is_causal" and a.i for a in node.attribute)
+        lengths = node.input[NONPAD_KV_SEQLEN] if len(node.input) > NONPAD_KV_SEQLEN else ""
+        mask = len(node.input) > MASK and bool(node.input[MASK])
+        nodes.append(AttentionNode(node.name, node.output[0], causal, lengths, mask))
+    return nodes
+
+
+class AttentionBindError(Exception):
+    """One node whose attention could not be given its meaning: (node, message)."""
+
+    def __init__(self, node: str, message: str):
+        super().__init__(f"{node}: {message}")
+        self.node, self.message = node, message
+
+
+def bind_attention(trt, network, nodes: Sequence[AttentionNode], version: str = "") -> list[BoundAttention]:
+    """Set causal alignment and key/value lengths of every node's IAttention; raise ``AttentionBindError``."""
+    attentions = parsed_attentions(trt, network)
+    tensors = network_tensors(network)
+    casts: dict[str, object] = {}  # one INT32 cast per lengths tensor, shared by the layers that use it
+    bound = []
+    for node in nodes:
+        attention = attentions.get(node.output)
+        if attention is None:
+            raise AttentionBindError(node.name, f"no IAttention in the parsed network produces {node.output!r}")
+        if (node.causal or node.lengths) and not hasattr(attention, "causal_kind"):
+            msg = (
+                f"TensorRT {version} cannot set an attention's causal alignment or key/value lengths "
+                "(IAttention.causal_kind / key_value_lengths need TensorRT >= 11.0 or TensorRT-RTX >= 1.7): "
+                "export with --causal mask for this TensorRT"
+            )
+            raise AttentionBindError(node.name, msg)
+        if node.causal:
+            _set(attention, "causal_kind", trt.CausalMaskKind.LOWER_RIGHT, node)
+        if node.lengths and attention.key_value_lengths is None:
+            source = tensors.get(node.lengths)
+            if source is None:
+                raise AttentionBindError(node.name, f"its nonpad_kv_seqlen {node.lengths!r} is not a tensor of the parsed network")
+            if node.lengths not in casts:
+                cast = network.add_cast(source, trt.int32)  # IAttention takes INT32 lengths only
+                cast.name = f"{node.lengths}/int32_key_value_lengths"
+                casts[node.lengths] = cast.get_output(0)
+            _set(attention, "key_value_lengths", casts[node.lengths], node)
+        has_lengths = getattr(attention, "key_value_lengths", None) is not None
+        bound.append(BoundAttention(node.name, _causal_name(attention), node.lengths if has_lengths else "", node.mask))
+    return bound
+
+
+def _set(attention, field: str, value, node: AttentionNode) -> None:
+    try:
+        setattr(attention, field, value)
+    except (RuntimeError, TypeError) as error:
+        raise AttentionBindError(node.name, f"TensorRT refused IAttention.{field} = {value}: {error}") from error
+
+
+def _causal_name(attention) -> str:
+    kind = getattr(attention, "causal_kind", None)
+    if kind is None:  # TensorRT before 11: a bool that means upper-left
+        return "UPPER_LEFT" if attention.causal else NO_CAUSALITY
+    return kind.name
+
+
+def parsed_attentions(trt, network) -> dict[str, object]:
+    """Output tensor name -> the IAttention of every ATTENTION_OUTPUT layer."""
+    found = {}
+    for index in range(network.num_layers):
+        layer = network.get_layer(index)
+        if layer.type == trt.LayerType.ATTENTION_OUTPUT:
+            layer.__class__ = trt.IAttentionOutputLayer  # TensorRT's Python idiom for a layer's subclass
+            found[layer.get_output(0).name] = layer.attention
+    return found
+
+
+def network_tensors(network) -> dict[str, object]:
+    """Every tensor of a network by name: its inputs and each layer's outputs."""
+    tensors = {network.get_input(i).name: network.get_input(i) for i in range(network.num_inputs)}
+    for index in range(network.num_layers):
+        layer = network.get_layer(index)
+        tensors.update((layer.get_output(j).name, layer.get_output(j)) for j in range(layer.num_outputs))
+    return tensors

@@ -1,0 +1,362 @@
+"""The embedded serving engine: requests from any thread or coroutine, one executor, one loop.
+
+Concurrency model: the ``Engine`` owns ONE ``Executor`` and drives it from
+ONE background thread, the serving loop; no other thread ever calls the
+executor. Callers only touch a bounded queue and their request handles:
+
+    caller threads / event loops                serving loop (one thread)
+    ----------------------------                -------------------------
+    submit() -> RequestHandle  --queue-->       cancels: close their sessions
+    handle.cancel()            --flag-->        joins: queued requests open sessions (room permitting)
+    iterate / await the handle <--deltas--      execute(one batch of every running request)
+                                                deliver tokens (+ text, stop strings); finished leave
+
+Continuous batching is ``generate.Batcher`` (the same code ``generate()``
+runs): between two execute() calls finished and cancelled requests leave and
+queued ones join; running requests feed only their pending token, so a call
+mixes new prompts with the speculative fast path.
+
+- Backpressure: at most ``max_queue`` requests wait for a session; ``submit``
+  raises ``QueueFullError`` beyond that (nothing is queued).
+- Cancel: a queued request leaves at once; a running one at the next gap
+  between execute() calls (its session is closed there).
+- Failure isolation: an execute() that fails poisons the sessions of that
+  batch (``Executor``); the loop closes them, fails exactly those requests
+  with the error (``PoisonedError`` naming the cause) and keeps serving.
+- ``close(drain=True)`` refuses new requests and finishes the accepted ones;
+  ``drain=False`` cancels them. The backend stays the caller's to close.
+
+Outputs do not depend on batching: a request's tokens are those of the same
+request run alone (and of the target-only reference, greedy or sampled with
+the same seed).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dflash_trt.checks import is_int
+from dflash_trt.errors import DFlashError, EngineClosedError, InputError, QueueFullError, TokenizerError
+from dflash_trt.export.sampling import check_sampling
+from dflash_trt.runtime.executor import Executor
+from dflash_trt.runtime.generate import STOP, Batcher, Chunk, Completion, Request, check_request
+from dflash_trt.runtime.handle import CANCELLED, Delta, RequestHandle
+from dflash_trt.runtime.metrics import EngineMetrics, MetricsRecorder
+from dflash_trt.runtime.sessions import check_seed
+from dflash_trt.runtime.text import TextStream
+
+__all__ = ["CANCELLED", "Delta", "Engine", "RequestHandle"]
+
+DEFAULT_MAX_QUEUE = 256
+
+
+@dataclass
+class _Job:
+    """A request as the loop tracks it."""
+
+    handle: RequestHandle
+    request: Request
+    text: TextStream | None
+    submitted: float
+    cancelled: bool = False
+    last_delivery: float | None = None
+
+
+class Engine:
+    """Serve requests over one executor from a background thread (see the module docstring).
+
+    ``tokenizer`` (``export.tokenizer.Tokenizer``) enables text prompts,
+    text deltas and stop strings. ``stop_ids``: the default stop tokens
+    (default: the tokenizer's stop ids, none without a tokenizer).
+    ``max_running`` caps sessions at once (default: the executor's
+    max_sessions). Use as a context manager, or call ``close()``.
+    """
+
+    def __init__(
+        self,
+        executor: Executor,
+        tokenizer=None,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        max_running: int | None = None,
+        stop_ids: Sequence[int] | None = None,
+    ) -> None:
+        if not is_int(max_queue) or max_queue < 0:
+            msg = f"max_queue must be an int >= 0, got {max_queue!r}"
+            raise InputError(msg)
+        self.executor, self.tokenizer, self.max_queue = executor, tokenizer, max_queue
+        self.stop_ids = tuple(stop_ids if stop_ids is not None else tokenizer.stop_ids if tokenizer is not None else ())
+        self.batcher = Batcher(executor, max_running)  # the loop thread's alone
+        self.recorder = MetricsRecorder()
+        self._executes = ExecuteCursor(executor)
+        self._cond = threading.Condition()  # guards everything below
+        self._queue: deque[_Job] = deque()
+        self._jobs: dict[int, _Job] = {}  # running, by handle id
+        self._next_id = 0
+        self._accepting = True
+        self._stopping: str | None = None  # "drain" or "cancel"
+        self._fatal: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, name="dflash-trt-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ callers
+
+    def submit(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 64,
+        stop: Sequence[str] | str | None = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_ids: Sequence[int] | None = None,
+    ) -> RequestHandle:
+        """Queue one request; returns its handle at once (tokens stream into it).
+
+        ``prompt``: text (needs the tokenizer) or token ids. ``stop``: stop
+        strings (need the tokenizer; the text ends before them). ``stop_ids``:
+        stop tokens (default: the engine's). ``seed`` None draws one.
+        Raises InputError / SamplingError / TokenizerError for bad values,
+        QueueFullError when ``max_queue`` requests are waiting,
+        EngineClosedError after ``close()``. Nothing is queued on a refusal.
+        """
+        request, stops = self._request(prompt, max_new_tokens, stop, temperature, top_k, top_p, seed, stop_ids)
+        with self._cond:
+            if not self._accepting:
+                self.recorder.count("rejected")
+                raise EngineClosedError(self._closed_message())
+            if len(self._queue) >= self.max_queue:
+                self.recorder.count("rejected")
+                msg = f"the request queue is full ({len(self._queue)} waiting, max_queue {self.max_queue}); retry later"
+                raise QueueFullError(msg)
+            handle = RequestHandle(self._next_id, list(request.prompt), self._cancel)
+            self._next_id += 1
+            text = TextStream(self.tokenizer, stops) if self.tokenizer is not None else None
+            self._queue.append(_Job(handle, request, text, time.perf_counter()))
+            self._cond.notify_all()
+        self.recorder.count("submitted")
+        self.recorder.count("prompt_tokens", len(request.prompt))
+        return handle
+
+    def _request(self, prompt, max_new_tokens, stop, temperature, top_k, top_p, seed, stop_ids) -> tuple[Request, tuple[str, ...]]:
+        """Validate everything in the caller's thread: the loop only ever sees runnable requests."""
+        dims = self.executor.dims
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise TokenizerError("prompt is text but the engine has no tokenizer: pass token ids or Engine(tokenizer=...)")
+            prompt = self.tokenizer.encode(prompt)
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if stops and self.tokenizer is None:
+            raise TokenizerError("stop strings need a tokenizer: pass stop_ids or Engine(tokenizer=...)")
+        if any(not isinstance(s, str) for s in stops):
+            msg = f"stop must be a string or a list of strings, got {stop!r:.80}"
+            raise InputError(msg)
+        stop_ids = self.stop_ids if stop_ids is None else stop_ids
+        check_sampling(temperature, top_k, top_p, dims.vocab_size)
+        seed = secrets.randbits(63) if seed is None else check_seed(seed)
+        request = Request(list(prompt), max_new_tokens, tuple(stop_ids), float(temperature), int(top_k), float(top_p), seed)
+        check_request(0, request, dims.max_context, dims.vocab_size)
+        return request, stops
+
+    def _cancel(self, handle: RequestHandle) -> None:
+        """RequestHandle.cancel: a queued request finishes now; a running one at the next gap."""
+        with self._cond:
+            queued = next((job for job in self._queue if job.handle is handle), None)
+            if queued is not None:
+                self._queue.remove(queued)
+            elif handle.id in self._jobs:
+                self._jobs[handle.id].cancelled = True
+                self._cond.notify_all()
+        if queued is not None:
+            self._finish(queued, [], CANCELLED)
+
+    def metrics(self) -> EngineMetrics:
+        """One consistent snapshot: requests running/queued, totals, tokens/s, τ, latency percentiles."""
+        with self._cond:
+            running, queued = len(self._jobs), len(self._queue)
+        return self.recorder.snapshot(running, queued)
+
+    @property
+    def healthy(self) -> bool:
+        """The serving loop is alive (it stops only after close() or an internal error)."""
+        return self._thread.is_alive() and self._fatal is None
+
+    def close(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Refuse new requests; finish (``drain``) or cancel the accepted ones; stop the loop."""
+        with self._cond:
+            self._accepting = False
+            if self._stopping != "cancel":
+                self._stopping = "drain" if drain else "cancel"
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(drain=exc[0] is None)
+
+    def _closed_message(self) -> str:
+        if self._fatal is not None:
+            return f"the engine stopped after an internal error: {type(self._fatal).__name__}: {self._fatal}"
+        return "the engine is closed: it accepts no new requests"
+
+    # ------------------------------------------------------------------ the serving loop
+
+    def _serve(self) -> None:
+        try:
+            while self._round():
+                pass
+        except BaseException as error:  # a bug in the loop itself: fail every request, accept none
+            self._stop_everything(error)
+            raise
+
+    def _round(self) -> bool:
+        """One gap between execute() calls, then one execute(); False when the loop should end."""
+        with self._cond:
+            while not (self._queue or self._jobs or self._stopping):
+                self._cond.wait()
+            if self._stopping == "cancel":
+                for job in self._queue:
+                    job.cancelled = True
+                for job in self._jobs.values():
+                    job.cancelled = True
+            leaving = [job for job in self._jobs.values() if job.cancelled]
+            dropped = [job for job in self._queue if job.cancelled]
+            self._queue = deque(job for job in self._queue if not job.cancelled)
+            joining = [self._queue.popleft() for _ in range(min(len(self._queue), self.batcher.room + len(leaving)))]
+            self._jobs.update((job.handle.id, job) for job in joining)  # a cancel from now on flags them
+            if not (self._queue or self._jobs or joining):
+                return False
+        for job in leaving:
+            self.batcher.leave(job.handle.id)
+            self._finish(job, [], CANCELLED)
+        for job in dropped:
+            self._finish(job, [], CANCELLED)
+        for job in joining:
+            self._join(job)
+        if self.batcher.running:
+            self._step()
+        return True
+
+    def _join(self, job: _Job) -> None:
+        try:
+            self.batcher.join(job.handle.id, job.request)
+        except DFlashError as error:  # validated at submit; a refusal here fails this request only
+            self._fail([job], error)
+            return
+        self.recorder.joined(time.perf_counter() - job.submitted)
+
+    def _step(self) -> None:
+        try:
+            chunks = self.batcher.step()
+        except Exception as error:
+            failed = [self._jobs[key] for key in list(self.batcher.running)]
+            for job in failed:
+                self.batcher.leave(job.handle.id)  # poisoned sessions are closed here
+            self._record_executes()
+            self._fail(failed, error if isinstance(error, DFlashError) else _wrap(error))
+            return
+        self._record_executes()
+        for chunk in chunks:
+            self._deliver(self._jobs[chunk.index], chunk)
+
+    def _deliver(self, job: _Job, chunk: Chunk) -> None:
+        """Tokens of one execute() to the handle: text deltas, stop strings, finish."""
+        tokens, finish, text = chunk.tokens, chunk.finish, None
+        if job.text is not None:
+            tokens, text, stopped = _detokenize(job.text, tokens, chunk.finish == STOP)
+            if stopped and finish is None:
+                self.batcher.leave(job.handle.id)
+            finish = STOP if stopped else finish
+            if finish is not None and not stopped:
+                text += job.text.flush()
+        now = time.perf_counter()
+        first = job.last_delivery is None
+        self.recorder.delivered(now, len(tokens), now - job.submitted if first else None, None if first else now - job.last_delivery)
+        job.last_delivery = now
+        if finish is None:
+            job.handle._push(Delta(tokens, text, None))
+        else:
+            self._finish(job, tokens, finish, text)
+
+    def _finish(self, job: _Job, tokens: list[int], finish: str, text: str | None = None) -> None:
+        with self._cond:
+            self._jobs.pop(job.handle.id, None)
+        if text is None and job.text is not None:
+            text = "" if finish == CANCELLED else job.text.flush()
+        job.handle._push(Delta(tokens, text, finish))
+        job.handle._complete(Completion(job.handle.tokens, finish, job.handle.text if job.text is not None else None))
+        self.recorder.count("cancelled" if finish == CANCELLED else "completed")
+
+    def _fail(self, jobs: list[_Job], error: BaseException) -> None:
+        with self._cond:
+            for job in jobs:
+                self._jobs.pop(job.handle.id, None)
+        for job in jobs:
+            job.handle._fail(error)
+        self.recorder.count("failed", len(jobs))
+
+    def _record_executes(self) -> None:
+        self.recorder.executed(*self._executes.read())
+
+    def _stop_everything(self, error: BaseException) -> None:
+        with self._cond:
+            self._fatal, self._accepting = error, False
+            jobs = [*self._queue, *self._jobs.values()]
+            self._queue.clear()
+        self._fail(jobs, _wrap(error))
+        try:
+            self.batcher.close()
+        except Exception:  # the loop is already broken; the sessions die with the executor
+            pass
+
+
+def _detokenize(stream: TextStream, tokens: list[int], stopped_by_token: bool) -> tuple[list[int], str, bool]:
+    """Push tokens one at a time (a stop string ends the chunk at the token completing it).
+
+    A stop token that ended the request is kept in the tokens but not in the text.
+    """
+    text = []
+    textual = tokens[:-1] if stopped_by_token else tokens
+    for i, token in enumerate(textual):
+        delta, stopped = stream.push(token)
+        text.append(delta)
+        if stopped:
+            return tokens[: i + 1], "".join(text), True
+    return tokens, "".join(text), False
+
+
+def _wrap(error: BaseException) -> DFlashError:
+    wrapped = DFlashError(f"the engine failed: {type(error).__name__}: {error}")
+    wrapped.__cause__ = error
+    return wrapped
+
+
+class ExecuteCursor:
+    """The executor's per-execute counters (``runtime.stats`` execute table) not yet read.
+
+    Reads the rows appended since the last call; a store that shrank (stats
+    drained elsewhere) restarts from its first row.
+    """
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
+        self.seen = len(executor.log.executes)
+
+    def read(self) -> tuple[int, int, int, int]:
+        """(owner-cycles, accepted proposals, executes, failed executes) since the last read."""
+        store = self.executor.log.executes
+        total = len(store)
+        start = self.seen if self.seen <= total else 0
+        self.seen = total
+        columns = store.columns
+        rows = slice(start, total)
+        cycles, accepted = sum(columns["cycles"][rows]), sum(columns["accepted"][rows])
+        failed = sum(not ok for ok in columns["ok"][rows])
+        return cycles, accepted, total - start, failed

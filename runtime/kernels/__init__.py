@@ -1,0 +1,39 @@
+"""The fast path of the torch backend: fused weights and fused kernels for the contract graphs.
+
+- ``plan``: launch plans (tilings, attention splits) as pure functions of static shapes;
+- ``triton_ops``: the Triton kernels (CUDA): skinny GEMM with RMSNorm prologue and
+  residual / SiLU-gate epilogues, q/k-norm + RoPE + KV write, split-K attention over
+  the valid cache slots;
+- ``torch_ops``: their pure-torch twin (any device; what the CPU tests run);
+- ``fused``: q|k|v and gate|up weights fused at load, the target/draft forwards over them;
+- ``modules``: the contract graphs built from those forwards.
+
+``fast_path(target, draft, dims, ops)`` returns the graph modules; the torch
+backend uses them on CUDA by default (``TorchBackend(..., kernels="fast")``).
+"""
+
+from __future__ import annotations
+
+from dflash_trt.export.contract import Dims
+from dflash_trt.runtime.kernels.fused import FastDraft, FastTarget, supported
+from dflash_trt.runtime.kernels.modules import fast_graph_modules
+
+
+def fast_path(specs, target, draft, dims: Dims, ops) -> dict:
+    """Fuse the pair's weights (in place: the modules' parameters become views) and build the graphs."""
+    fast_target = FastTarget(target, ops)
+    return fast_graph_modules(specs, fast_target, FastDraft(draft, fast_target, ops), dims)
+
+
+def default_ops(device):
+    """``TritonOps`` on CUDA, the pure-torch twin elsewhere."""
+    if device.type == "cuda":
+        from dflash_trt.runtime.kernels.triton_ops import TritonOps
+
+        return TritonOps()
+    from dflash_trt.runtime.kernels.torch_ops import TorchOps
+
+    return TorchOps()
+
+
+__all__ = ["default_ops", "fast_path", "supported"]

@@ -1,0 +1,227 @@
+"""Fused weights made at load time, and the decoder math of the fast path over them.
+
+``fuse_layer`` concatenates a ``DecoderLayer``'s q|k|v projections into one
+[(Hq + 2 Hkv) * D, H] weight and gate|up into one [2I, H] weight, then points
+the original parameters at row slices of the fused tensors: the checkpoints
+are unchanged, no byte is held twice, and the reference modules keep working
+on the same model. RMSNorm weights are not folded into the projections: the
+GEMM prologue multiplies by them (the draft reads its K|V projection with
+another norm than its layers' input norm).
+
+``FastTarget`` / ``FastDraft`` are the target's and the draft's forward
+passes written against an ops object (``TritonOps`` on CUDA, ``TorchOps``
+anywhere): the graph modules of ``kernels.modules`` call them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dflash_trt.export.draft import DraftModel
+from dflash_trt.export.layers import DecoderLayer
+from dflash_trt.export.target import TargetModel
+
+
+@dataclass(frozen=True)
+class FusedLayer:
+    """One decoder layer's tensors as the fast kernels read them."""
+
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, H]: q_proj | k_proj | v_proj rows
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [H, Hq * D]
+    o_bias: torch.Tensor | None
+    gate_up: torch.Tensor  # [2I, H]: gate_proj | up_proj rows
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor  # [H, I]
+    down_bias: torch.Tensor | None
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    eps: float
+    heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool
+    window: int
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """[2 Hkv * D, H]: the k|v rows alone (the draft's context projection)."""
+        return self.qkv[self.heads * self.head_dim :]
+
+    @property
+    def kv_bias(self) -> torch.Tensor | None:
+        return None if self.qkv_bias is None else self.qkv_bias[self.heads * self.head_dim :]
+
+
+def _adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The rows of ``tensors`` as one view when they already lie back to back in one storage (fused before)."""
+    first = tensors[0]
+    offset = first.storage_offset()
+    for t in tensors:
+        if not t.is_contiguous() or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    shape = (sum(t.shape[0] for t in tensors), *first.shape[1:])
+    return first.as_strided(shape, first.stride(), first.storage_offset())
+
+
+def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several nn.Linear; each module's parameters become views into it.
+
+    Idempotent: parameters fused by an earlier backend over the same model are reused, not copied again.
+    """
+    weights = [m.weight.detach() for m in linears]
+    biases = None if linears[0].bias is None else [m.bias.detach() for m in linears]
+    weight = _adjacent(weights)
+    bias = None if biases is None else _adjacent(biases)
+    if weight is not None and (biases is None or bias is not None):
+        return weight, bias
+    weight = torch.cat(weights)
+    bias = None if biases is None else torch.cat(biases)
+    row = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight.data = weight[row : row + rows]
+        if bias is not None:
+            m.bias.data = bias[row : row + rows]
+        row += rows
+    return weight, bias
+
+
+def fuse_layer(layer: DecoderLayer) -> FusedLayer:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+    gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
+    return FusedLayer(
+        qkv=qkv,
+        qkv_bias=qkv_bias,
+        o=attn.o_proj.weight.detach(),
+        o_bias=None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
+        gate_up=gate_up,
+        gate_up_bias=gate_up_bias,
+        down=mlp.down_proj.weight.detach(),
+        down_bias=None if mlp.down_proj.bias is None else mlp.down_proj.bias.detach(),
+        input_norm=layer.input_layernorm.weight.detach(),
+        post_norm=layer.post_attention_layernorm.weight.detach(),
+        q_norm=None if attn.q_norm is None else attn.q_norm.weight.detach(),
+        k_norm=None if attn.k_norm is None else attn.k_norm.weight.detach(),
+        eps=layer.input_layernorm.eps,
+        heads=attn.heads,
+        kv_heads=attn.kv_heads,
+        head_dim=attn.head_dim,
+        causal=layer.causal,
+        window=layer.window,
+    )
+
+
+def supported(target: TargetModel, draft: DraftModel) -> str | None:
+    """Why the fast kernels cannot run this pair (None: they can)."""
+    for name, config in (("target", target.config), ("draft", draft.config)):
+        d = config.head_dim
+        if d < 16 or d > 256 or d & (d - 1):
+            return f"{name} head_dim must be a power of two in [16, 256], got {d}"
+    return None
+
+
+class FastLayers:
+    """Decoder layers over fused weights (shared by the target and the draft)."""
+
+    def __init__(self, layers, inv_freq: torch.Tensor, ops) -> None:
+        self.layers = [fuse_layer(layer) for layer in layers]
+        self.inv_freq = inv_freq.float()
+        self.ops = ops
+
+    def layer(self, index: int, x, start, tokens, positions, kv_len, k_cache, v_cache, tap=None) -> torch.Tensor:
+        """x [n*T, H] (updated in place) at positions [n, T]; writes K/V at slots start..; returns x."""
+        L, ops = self.layers[index], self.ops
+        n = x.shape[0] // tokens
+        qkv = ops.linear(x, L.qkv, bias=L.qkv_bias, norm=L.input_norm, eps=L.eps)
+        q = ops.qk_rope_write(
+            qkv, start, tokens, L.heads, L.kv_heads, L.head_dim, L.q_norm, L.k_norm, L.eps, self.inv_freq, k_cache, v_cache
+        )  # [n, T, Hq, D]
+        attended = ops.attention(q.transpose(1, 2), k_cache, v_cache, None, positions, kv_len, L.causal, L.window)
+        attended = attended.transpose(1, 2).reshape(n * tokens, L.heads * L.head_dim)
+        x = ops.linear(attended, L.o, bias=L.o_bias, residual=x, out=x)
+        h = ops.linear(x, L.gate_up, bias=L.gate_up_bias, norm=L.post_norm, eps=L.eps, gated=True)
+        return ops.linear(h, L.down, bias=L.down_bias, residual=x, out=x, tap=tap)
+
+
+def _positions(start: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [n, T] = start + t and the attention length start + T (device tensors, no sync)."""
+    return start[:, None] + torch.arange(tokens, device=start.device), start + tokens
+
+
+class FastTarget:
+    """``TargetModel.features`` / ``head`` on fused weights."""
+
+    def __init__(self, target: TargetModel, ops) -> None:
+        config = target.config
+        self.stack = FastLayers(target.model.layers, target.rotary.inv_freq, ops)
+        self.ops, self.hidden = ops, config.hidden_size
+        self.embedding = target.model.embed_tokens.weight.detach()
+        self.norm, self.eps = target.model.norm.weight.detach(), target.model.norm.eps
+        self.lm_head = target.lm_head.weight.detach()
+        self.taps = {layer: slot for slot, layer in enumerate(sorted(set(target.tap_layers)))}  # layer order, like features()
+
+    def features(self, tokens: torch.Tensor, start: torch.Tensor, keys, values) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [n, T] -> residual stream after the last layer [n*T, H] (not normed), taps [n, T, m*H]."""
+        n, T = tokens.shape
+        positions, kv_len = _positions(start, T)
+        x = F.embedding(tokens.reshape(n * T), self.embedding)  # [n*T, H], a fresh tensor updated in place
+        taps = x.new_empty(n * T, len(self.taps) * self.hidden)
+        last = len(self.stack.layers) - 1
+        for index in range(len(self.stack.layers)):
+            slot = self.taps.get(index)
+            tap = None if slot is None or index == last else self._tap(taps, slot)
+            x = self.stack.layer(index, x, start, T, positions, kv_len, keys[index], values[index], tap)
+        if last in self.taps:  # TargetModel.tap_of: the last layer's tap is final-normed (HF hidden_states[-1])
+            self._tap(taps, self.taps[last]).copy_(self.ops.rms_norm(x, self.norm, self.eps))
+        return x, taps.view(n, T, -1)
+
+    def _tap(self, taps: torch.Tensor, slot: int) -> torch.Tensor:
+        return taps[:, slot * self.hidden : (slot + 1) * self.hidden]
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Residual rows [M, H] -> fp32 logits [M, V] of the final norm (``TargetModel.head``)."""
+        return self.ops.linear(x, self.lm_head, norm=self.norm, eps=self.eps, out_dtype=torch.float32)
+
+
+class FastDraft:
+    """The draft's context write and block forward on fused weights (embedding and head: the target's)."""
+
+    def __init__(self, draft: DraftModel, target: FastTarget, ops) -> None:
+        config = draft.config
+        self.stack = FastLayers(draft.layers, draft.rotary.inv_freq, ops)
+        self.ops, self.target, self.config = ops, target, config
+        self.fc = draft.fc.weight.detach()
+        self.hidden_norm, self.norm = draft.hidden_norm.weight.detach(), draft.norm.weight.detach()
+        self.eps = draft.norm.eps
+
+    def write_context(self, taps: torch.Tensor, start: torch.Tensor, keys, values) -> None:
+        """taps [n, C, W] at positions start.. -> context K/V of every layer (``DraftModel.write_context``)."""
+        n, C, W = taps.shape
+        context = self.ops.linear(taps.reshape(n * C, W), self.fc)  # [n*C, H]; hidden_norm: in the K|V prologue
+        for index, L in enumerate(self.stack.layers):
+            kv = self.ops.linear(context, L.kv, bias=L.kv_bias, norm=self.hidden_norm, eps=self.eps)
+            self.ops.qk_rope_write(
+                kv, start, C, 0, L.kv_heads, L.head_dim, None, L.k_norm, L.eps, self.stack.inv_freq, keys[index], values[index]
+            )
+
+    def propose(self, anchor: torch.Tensor, start: torch.Tensor, proposals: int, keys, values) -> torch.Tensor:
+        """Block [anchor, MASK x (B-1)] at start.. -> argmax of the target head over slots 1..P [n, P]."""
+        n, B, config = anchor.shape[0], self.config.block_size, self.config
+        masks = torch.full((n, B - 1), config.mask_token_id, dtype=anchor.dtype, device=anchor.device)
+        x = F.embedding(torch.cat([anchor[:, None], masks], dim=1).reshape(n * B), self.target.embedding)
+        if config.embedding_scale != 1.0:
+            x = x * config.embedding_scale
+        positions, kv_len = _positions(start, B)
+        for index in range(len(self.stack.layers)):
+            x = self.stack.layer(index, x, start, B, positions, kv_len, keys[index], values[index])
+        rows = x.view(n, B, -1)[:, 1 : proposals + 1].reshape(n * proposals, -1)
+        logits = self.ops.linear(rows, self.target.lm_head, norm=self.norm, eps=self.eps)  # model dtype
+        return logits.view(n, proposals, -1).argmax(dim=-1)

@@ -1,0 +1,182 @@
+"""The pure-torch twin of the fast kernels: same signatures, same launch plans, same math.
+
+``TritonOps`` (CUDA) and ``TorchOps`` (any device) are interchangeable under
+the fused graph modules (``kernels.modules``). The twin is what the CPU tests
+run: it checks the fused-weight arithmetic (RMSNorm applied as a per-row scale
+after the GEMM, SiLU·mul on a gate|up product, in-place residual adds), the
+q/k-norm + RoPE + KV write, and the split-K attention with its log-sum-exp
+combine, against the reference modules (``export.layers``); the Triton kernels
+are checked against the twin and the reference on a GPU.
+
+``TorchOps`` is also a ``Kernels`` object of ``export.layers`` (``write_cache``
+and ``attention`` with ``EagerKernels``' signatures).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dflash_trt.export.layers import EagerKernels
+from dflash_trt.runtime.kernels.plan import attention_plan
+
+
+class TorchOps(EagerKernels):
+    """Fast-kernel math in plain torch. ``splits`` forces the attention split count (tests)."""
+
+    processors = 1  # the attention plan's program target on a CPU
+
+    def __init__(self, splits: int | None = None) -> None:
+        self.splits = splits
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        norm: torch.Tensor | None = None,
+        eps: float = 0.0,
+        gated: bool = False,
+        residual: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+        tap: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """y [M, N] = epilogue(prologue(x) [M, K] @ weight.T); see ``TritonOps.linear`` for the options.
+
+        The result is rounded to the weight dtype (what the reference's Linear returns) before it is
+        stored as ``out_dtype`` (default: the weight dtype).
+        """
+        xf = x.float()
+        if norm is not None:
+            # RMSNorm(x) @ W.T == rsqrt(mean(x^2) + eps) * ((x * g) @ W.T): the scale is per row.
+            scale = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            xf = (xf * norm.float()).to(weight.dtype).float()
+        y = xf @ weight.float().T  # [M, N or 2N]
+        if norm is not None:
+            y = y * scale
+        if bias is not None:
+            y = y + bias.float()
+        if gated:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        if residual is not None:
+            y = y + residual.float()
+        y = y.to(weight.dtype).to(out_dtype or weight.dtype)
+        if tap is not None:
+            tap.copy_(y)
+        if out is None:
+            return y
+        return out.copy_(y)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of each row of x [M, K] in fp32, rounded once (``TritonOps.rms_norm``)."""
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+    def qk_rope_write(
+        self,
+        qkv: torch.Tensor,
+        start: torch.Tensor,
+        tokens: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+        inv_freq: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """qkv [n*T, (heads + 2 kv_heads) * D] of rows at positions start[i] + t (slot = position).
+
+        Writes K (k-norm, RoPE) and V at those slots of the caches [n, kv_heads, L, D]; returns Q
+        [n, T, heads, D] (q-norm, RoPE), or None when ``heads`` is 0 (a K|V-only input).
+        """
+        n, D = qkv.shape[0] // tokens, head_dim
+        positions = start[:, None] + torch.arange(tokens, device=start.device)  # [n, T]
+        angles = positions.float()[..., None, None] * inv_freq  # [n, T, 1, D/2]
+        cos, sin = angles.cos(), angles.sin()
+
+        def rotary(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:  # [n, T, h, D]
+            x = x.float()
+            if weight is not None:
+                x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+            first, second = x[..., : D // 2], x[..., D // 2 :]
+            return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+
+        def columns(first: int, count: int) -> torch.Tensor:
+            return qkv[:, first * D : (first + count) * D].reshape(n, tokens, count, D)
+
+        owners = torch.arange(n, device=start.device)[:, None]
+        k_cache[owners, :, positions] = rotary(columns(heads, kv_heads), k_norm).to(k_cache.dtype)
+        v_cache[owners, :, positions] = columns(heads + kv_heads, kv_heads).to(v_cache.dtype)
+        if not heads:
+            return None
+        return rotary(columns(0, heads), q_norm).to(qkv.dtype)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        rows: torch.Tensor | None,
+        q_positions: torch.Tensor,
+        kv_len: torch.Tensor,
+        causal: bool,
+        window: int,
+    ) -> torch.Tensor:
+        """``EagerKernels.attention``, computed the way the split-K kernel does (-> [n, Hq, T, D])."""
+        if rows is not None:
+            k_cache, v_cache = k_cache[rows], v_cache[rows]
+        n, heads, T, D = q.shape
+        kv_heads, L = k_cache.shape[1], k_cache.shape[2]
+        group = heads // kv_heads
+        plan = attention_plan(n, kv_heads, group, T, D, L, self.processors, self.splits)
+        # Query rows r = t * group + g of kv head h: q[i, h * group + g, t].
+        qr = q.float().reshape(n, kv_heads, group, T, D).transpose(2, 3).reshape(n, kv_heads, T * group, D)
+        positions = q_positions[:, :, None].expand(n, T, group).reshape(n, T * group)  # [n, R]
+        scores = qr @ k_cache.float().transpose(-1, -2) / D**0.5  # [n, Hkv, R, L]
+        slots = torch.arange(L, device=q.device)
+        visible = slots < kv_len[:, None, None]  # [n, 1, L]
+        if causal:
+            visible = visible & (slots <= positions[..., None])
+        if window:
+            visible = visible & (positions[..., None] - slots < window)
+        out = torch.cat(
+            [
+                _query_block(scores, v_cache.float(), visible, positions, kv_len, slots, plan, block, causal, window)
+                for block in range(plan.query_blocks)
+            ],
+            dim=2,
+        )  # [n, Hkv, R, D]
+        out = out.reshape(n, kv_heads, T, group, D).transpose(1, 2).reshape(n, T, heads, D)
+        return out.to(q.dtype).transpose(1, 2)
+
+
+def _query_block(scores, values, visible, positions, kv_len, slots, plan, block, causal, window) -> torch.Tensor:
+    """Rows of one query block: each split's softmax over its slots, combined by log-sum-exp."""
+    r0, r1 = block * plan.block_q, min((block + 1) * plan.block_q, scores.shape[2])
+    rows_pos = positions[:, r0:r1]  # [n, rb]
+    hi = kv_len.clone()
+    if causal:
+        hi = torch.minimum(hi, rows_pos.max(dim=1).values + 1)
+    lo = (rows_pos.min(dim=1).values - window + 1).clamp(min=0) if window else torch.zeros_like(hi)
+    width = (hi - lo).clamp(min=0)
+    chunk = -(-(-(-width // plan.splits)) // plan.block_n) * plan.block_n  # cdiv(cdiv(w, S), bn) * bn
+    outs, lses = [], []
+    for split in range(plan.splits):
+        a = lo + split * chunk
+        b = torch.minimum(a + chunk, hi)
+        inside = (slots >= a[:, None]) & (slots < b[:, None])  # [n, L]
+        mask = (visible[:, r0:r1] if visible.shape[1] > 1 else visible) & inside[:, None, :]  # [n, rb, L]
+        s = scores[:, :, r0:r1].masked_fill(~mask[:, None], float("-inf"))
+        top = s.amax(dim=-1, keepdim=True)
+        p = torch.exp(s - torch.where(torch.isfinite(top), top, torch.zeros_like(top)))
+        total = p.sum(dim=-1, keepdim=True)  # [n, Hkv, rb, 1]; 0 where the split sees no slot
+        outs.append((p @ values) / total.clamp_min(1e-30))
+        lses.append(torch.where(total > 0, top + torch.log(total), torch.full_like(total, float("-inf"))))
+    lse = torch.stack(lses)  # [S, n, Hkv, rb, 1]
+    weights = torch.exp(lse - lse.amax(dim=0, keepdim=True))
+    return (weights * torch.stack(outs)).sum(dim=0) / weights.sum(dim=0)

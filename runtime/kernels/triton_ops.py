@@ -1,0 +1,397 @@
+"""Triton kernels of the fast CUDA path (same signatures as the twin in ``torch_ops``).
+
+Per decoder layer, one token (the decode step, M = 1), six or seven launches:
+
+==================  =======================================================================
+``linear``          RMSNorm(x) @ [Wq|Wk|Wv]^T          (norm as prologue + per-row scale)
+``qk_rope_write``   q/k-norm, RoPE, K/V written at their cache slots, Q to a buffer
+``attention``       over the VALID slots only (+ ``combine`` when the slots are split)
+``linear``          x += attended @ Wo^T               (residual epilogue, in place)
+``linear``          silu(h @ Wg^T) * (h @ Wu^T), h = RMSNorm(x)   (one [Wg|Wu] weight)
+``linear``          x += a @ Wd^T                      (+ the tap columns, for tap layers)
+==================  =======================================================================
+
+More rows (verify, draft, prefill: M >= 2) run the same ``linear`` calls as
+cuBLAS GEMMs on the fused weights with the norm, the SiLU·mul and the residual
+around them (a one-pass RMSNorm kernel, a SiLU·mul kernel, ``addmm_`` adding the
+residual in place): cuBLAS streams weights faster than these tiles from M = 16
+on (measured on an H200).
+
+Every launch reads device lengths (``start``, ``kv_len``) from device memory,
+never syncs, and allocates only through torch: everything here can be
+captured in a CUDA graph, and one capture serves every context length.
+fp32 dots run in IEEE fp32 (no TF32), so fp32 models give the CPU's tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from dflash_trt.export.layers import EagerKernels
+from dflash_trt.runtime.kernels.plan import attention_plan, linear_plan
+
+MASKED = tl.constexpr(-1.0e30)  # score of an invisible slot (finite: a row with no visible slot yet stays NaN-free)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, stride_wn, b_ptr, g_ptr, r_ptr, o_ptr, t_ptr, N, K, eps,
+    NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
+    EVEN_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EARLY_SUM: tl.constexpr,
+):
+    """y[n] for BN features of one row; GATED: rows n of W are gates, rows N + n ups."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    n_ok = rn < N
+    w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
+    u_ptrs = w_ptrs + N * stride_wn
+    squares = tl.zeros([BK], dtype=tl.float32)
+    if EARLY_SUM:
+        acc = tl.zeros([BN], dtype=tl.float32)
+        acc_u = tl.zeros([BN], dtype=tl.float32)
+    else:
+        acc2 = tl.zeros([BN, BK], dtype=tl.float32)
+        acc2_u = tl.zeros([BN, BK], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        if EVEN_K:
+            k_ok = rk < BK
+        else:
+            k_ok = (k0 + rk) < K
+        x = tl.load(x_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if GATED:
+            wu = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            squares += x * x
+            # the reference rounds the normed input to the weight dtype before its GEMM
+            x = (x * tl.load(g_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)).to(w.dtype).to(tl.float32)
+        if EARLY_SUM:
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+            if GATED:
+                acc_u += tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
+        else:
+            acc2 += w.to(tl.float32) * x[None, :]
+            if GATED:
+                acc2_u += wu.to(tl.float32) * x[None, :]
+        w_ptrs += BK
+        u_ptrs += BK
+    if not EARLY_SUM:
+        acc = tl.sum(acc2, axis=1)
+        if GATED:
+            acc_u = tl.sum(acc2_u, axis=1)
+    if NORM:
+        scale = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+        acc = acc * scale
+        if GATED:
+            acc_u = acc_u * scale
+    if BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        if GATED:
+            acc_u += tl.load(b_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_u
+    if RESIDUAL:
+        acc += tl.load(r_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    y = acc.to(w_ptr.dtype.element_ty)  # rounded like the reference Linear's output
+    tl.store(o_ptr + rn, y.to(o_ptr.dtype.element_ty), mask=n_ok)
+    if TAP:
+        tl.store(t_ptr + rn, y.to(t_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, stride_xm, g_ptr, y_ptr, stride_ym, K, eps, BK: tl.constexpr):
+    """One row: y = x * rsqrt(mean(x^2) + eps) * g (fp32 math, one rounding)."""
+    m = tl.program_id(0)
+    rk = tl.arange(0, BK)
+    ok = rk < K
+    x = tl.load(x_ptr + m * stride_xm + rk, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+    y = x * scale * tl.load(g_ptr + rk, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + rk, y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _silu_mul_kernel(h_ptr, stride_hm, y_ptr, stride_ym, N, BN: tl.constexpr):
+    """y[m, n] = silu(h[m, n]) * h[m, N + n] (h = [gate | up] of a row)."""
+    m = tl.program_id(0)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    ok = rn < N
+    gate = tl.load(h_ptr + m * stride_hm + rn, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(h_ptr + m * stride_hm + N + rn, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + rn, (gate * tl.sigmoid(gate) * up).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rms_rope(x1, x2, w_ptr, half, cos, sin, eps, D: tl.constexpr, NORM: tl.constexpr):
+    """RMSNorm over the head (two halves, fp32) then rotate-half RoPE."""
+    if NORM:
+        scale = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+        x1 = x1 * scale * tl.load(w_ptr + half).to(tl.float32)
+        x2 = x2 * scale * tl.load(w_ptr + D // 2 + half).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _qk_rope_write_kernel(
+    qkv_ptr, stride_m, start_ptr, freq_ptr, qn_ptr, kn_ptr, q_ptr, k_ptr, v_ptr,
+    stride_cn, stride_ch, stride_cl, T, HQ, HKV, eps,
+    D: tl.constexpr, NORM: tl.constexpr,
+):
+    """Program (row m, head h): h < HQ -> Q head h; else K/V head h - HQ into its cache slot."""
+    m = tl.program_id(0)
+    h = tl.program_id(1)
+    i = m // T
+    position = tl.load(start_ptr + i) + m % T
+    half = tl.arange(0, D // 2)
+    angles = position.to(tl.float32) * tl.load(freq_ptr + half)
+    cos, sin = tl.cos(angles), tl.sin(angles)
+    row = qkv_ptr + m * stride_m
+    if h < HQ:
+        x1 = tl.load(row + h * D + half).to(tl.float32)
+        x2 = tl.load(row + h * D + D // 2 + half).to(tl.float32)
+        y1, y2 = _rms_rope(x1, x2, qn_ptr, half, cos, sin, eps, D, NORM)
+        out = q_ptr + (m * HQ + h) * D
+        tl.store(out + half, y1.to(q_ptr.dtype.element_ty))
+        tl.store(out + D // 2 + half, y2.to(q_ptr.dtype.element_ty))
+    else:
+        j = h - HQ
+        key = row + (HQ + j) * D
+        x1 = tl.load(key + half).to(tl.float32)
+        x2 = tl.load(key + D // 2 + half).to(tl.float32)
+        y1, y2 = _rms_rope(x1, x2, kn_ptr, half, cos, sin, eps, D, NORM)
+        slot = i * stride_cn + j * stride_ch + position * stride_cl
+        tl.store(k_ptr + slot + half, y1.to(k_ptr.dtype.element_ty))
+        tl.store(k_ptr + slot + D // 2 + half, y2.to(k_ptr.dtype.element_ty))
+        full = tl.arange(0, D)
+        value = tl.load(row + (HQ + HKV + j) * D + full)
+        tl.store(v_ptr + slot + full, value.to(v_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr, sq_n, sq_h, sq_t, k_ptr, v_ptr, sk_n, sk_h, sk_l, pos_ptr, spos_n, len_ptr,
+    o_ptr, so_n, so_h, so_t, part_ptr, lse_ptr, T, G, HKV, window, scale,
+    D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """Program (split s, owner x kv head, query block): online softmax over its slice of valid slots."""
+    s = tl.program_id(0)
+    nh = tl.program_id(1)
+    qb = tl.program_id(2)
+    splits = tl.num_programs(0)
+    i = nh // HKV
+    kvh = nh % HKV
+    r = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)  # query row = t * G + g
+    t = r // G
+    h = kvh * G + r % G
+    row_ok = t < T
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + i * sq_n + h[:, None] * sq_h + t[:, None] * sq_t + d[None, :], mask=row_ok[:, None], other=0.0)
+    pos = tl.load(pos_ptr + i * spos_n + t, mask=row_ok, other=0)
+    hi = tl.load(len_ptr + i)
+    if CAUSAL:
+        hi = tl.minimum(hi, tl.max(tl.where(row_ok, pos, 0), axis=0) + 1)
+    lo = hi * 0
+    if WINDOW:
+        lo = tl.maximum(tl.min(tl.where(row_ok, pos, hi), axis=0) - window + 1, 0)
+    width = tl.maximum(hi - lo, 0)
+    chunk = tl.cdiv(tl.cdiv(width, splits), BLOCK_N) * BLOCK_N
+    first = lo + s * chunk
+    last = tl.minimum(first + chunk, hi)
+    top = tl.full([BLOCK_Q], MASKED, dtype=tl.float32)
+    total = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
+    kv_row = i * sk_n + kvh * sk_h
+    for j0 in range(first, last, BLOCK_N):
+        slots = j0 + tl.arange(0, BLOCK_N)
+        inside = slots < last
+        k = tl.load(k_ptr + kv_row + slots[:, None] * sk_l + d[None, :], mask=inside[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_row + slots[:, None] * sk_l + d[None, :], mask=inside[:, None], other=0.0)  # in flight with K
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        visible = inside[None, :] & row_ok[:, None]
+        if CAUSAL:
+            visible = visible & (slots[None, :] <= pos[:, None])
+        if WINDOW:
+            visible = visible & (pos[:, None] - slots[None, :] < window)
+        scores = tl.where(visible, scores, MASKED)
+        new_top = tl.maximum(top, tl.max(scores, axis=1))
+        alpha = tl.exp(top - new_top)
+        p = tl.where(visible, tl.exp(scores - new_top[:, None]), 0.0)
+        total = total * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        top = new_top
+    seen = total > 0
+    out = acc / tl.where(seen, total, 1.0)[:, None]
+    if SPLIT:
+        slot = (s * tl.num_programs(1) + nh) * tl.num_programs(2) + qb
+        rows = slot * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        tl.store(part_ptr + rows[:, None] * D + d[None, :], out)
+        tl.store(lse_ptr + rows, tl.where(seen, top + tl.log(total), float("-inf")))
+    else:
+        dest = o_ptr + i * so_n + h[:, None] * so_h + t[:, None] * so_t + d[None, :]
+        tl.store(dest, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine_kernel(
+    part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, T, G, HKV,
+    D: tl.constexpr, BLOCK_Q: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, ROWS: tl.constexpr,
+):
+    """Program (owner x kv head, query block, ROWS-row slice): the splits' outputs weighted by exp(lse - max lse).
+
+    SPLITS is static: the loops unroll, so every split's loads are issued at once (latency, not bytes,
+    is what a short combine pays); row slices spread the partials' bytes over more processors.
+    """
+    nh = tl.program_id(0)
+    qb = tl.program_id(1)
+    programs = tl.num_programs(0) * tl.num_programs(1)
+    local = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
+    d = tl.arange(0, D)
+    base = nh * tl.num_programs(1) + qb
+    split = tl.arange(0, SPLITS_P2)
+    lse = tl.load(  # [S, BQ]
+        lse_ptr + (split[:, None] * programs + base) * BLOCK_Q + local[None, :], mask=(split < SPLITS)[:, None], other=float("-inf")
+    )
+    best = tl.max(lse, axis=0)
+    best = tl.where(best == float("-inf"), 0.0, best)  # padding rows: no split saw a slot
+    weight_sum = tl.sum(tl.exp(lse - best[None, :]), axis=0)
+    acc = tl.zeros([ROWS, D], dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        rows = (s * programs + base) * BLOCK_Q + local
+        weight = tl.exp(tl.load(lse_ptr + rows) - best)
+        acc += weight[:, None] * tl.load(part_ptr + rows[:, None] * D + d[None, :])
+    r = qb * BLOCK_Q + local
+    t = r // G
+    h = (nh % HKV) * G + r % G
+    i = nh // HKV
+    out = acc / tl.where(weight_sum > 0, weight_sum, 1.0)[:, None]
+    dest = o_ptr + i * so_n + h[:, None] * so_h + t[:, None] * so_t + d[None, :]
+    tl.store(dest, out.to(o_ptr.dtype.element_ty), mask=(t < T)[:, None])
+
+
+class TritonOps(EagerKernels):
+    """The fast kernels on CUDA tensors. Also a ``Kernels`` object (``attention`` over valid slots).
+
+    ``splits`` forces the attention split count; ``linear_plans`` maps (N, K, gated) to the
+    ``LinearPlan`` of a one-row GEMV, replacing ``plan.linear_plan``'s choice (benchmark sweeps).
+    """
+
+    def __init__(self, splits: int | None = None, linear_plans: dict | None = None) -> None:
+        self.splits = splits
+        self.linear_plans = dict(linear_plans or {})
+        self._processors: dict[int, int] = {}
+
+    def processors(self, device: torch.device) -> int:
+        if device.type != "cuda":
+            return 4  # Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._processors:
+            self._processors[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        return self._processors[index]
+
+    def linear(self, x, weight, bias=None, norm=None, eps=0.0, gated=False, residual=None, out=None, out_dtype=None, tap=None):
+        """y [M, N] = epilogue(prologue(x) @ weight.T), x [M, K] with unit inner stride.
+
+        ``norm`` [K]: RMSNorm weight (x is normalized first); ``gated``: weight is [gate; up] (2N rows)
+        and y = silu(x @ gate.T) * (x @ up.T); ``bias`` [N or 2N]; ``residual`` [M, N]: added (``out``
+        may be the residual itself: in place); ``tap`` [M, N]: a second destination of y. y is rounded
+        to the weight dtype, then stored as ``out_dtype``. Never syncs.
+        """
+        M, K = x.shape
+        N = weight.shape[0] // 2 if gated else weight.shape[0]
+        if M > 1:
+            return self._cublas_linear(x, weight, bias, norm, eps, gated, residual, out, out_dtype, tap)
+        if out is None:
+            out = torch.empty((1, N), dtype=out_dtype or weight.dtype, device=x.device)
+        plan = self.linear_plans.get((N, K, gated)) or linear_plan(N, K, gated, weight.element_size())
+        _gemv_kernel[(triton.cdiv(N, plan.block_n),)](
+            x, weight, weight.stride(0), bias if bias is not None else weight, norm if norm is not None else weight,
+            residual if residual is not None else out, out, tap if tap is not None else out, N, K, eps,
+            NORM=norm is not None, GATED=gated, BIAS=bias is not None, RESIDUAL=residual is not None,
+            TAP=tap is not None, EVEN_K=K % plan.block_k == 0, BN=plan.block_n, BK=plan.block_k,
+            EARLY_SUM=plan.early_sum, num_warps=plan.warps,
+        )
+        return out
+
+    def _cublas_linear(self, x, weight, bias, norm, eps, gated, residual, out, out_dtype, tap):
+        """M > 1: cuBLAS on the fused weight; RMSNorm, SiLU·mul and the residual around it."""
+        if norm is not None:
+            x = self.rms_norm(x, norm, eps)
+        if residual is not None and out is not None and out.data_ptr() == residual.data_ptr() and bias is None and not gated:
+            out.addmm_(x, weight.t())  # the residual added by cuBLAS's epilogue, in place
+            if tap is not None:
+                tap.copy_(out)
+            return out
+        y = F.linear(x, weight, bias)
+        if gated:
+            y = self.silu_mul(y)
+        if residual is not None:
+            y = y + residual
+        if out_dtype is not None and out_dtype != y.dtype:
+            y = y.to(out_dtype)
+        if tap is not None:
+            tap.copy_(y)
+        return y if out is None else out.copy_(y)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of each row of x [M, K] (unit inner stride), one pass."""
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        block = triton.next_power_of_2(x.shape[1])
+        _rms_norm_kernel[(x.shape[0],)](x, x.stride(0), weight, y, y.stride(0), x.shape[1], eps, BK=block, num_warps=4 if block <= 4096 else 8)
+        return y
+
+    def silu_mul(self, h: torch.Tensor) -> torch.Tensor:
+        """h [M, 2N] = [gate | up] -> silu(gate) * up [M, N]."""
+        M, N = h.shape[0], h.shape[1] // 2
+        y = torch.empty((M, N), dtype=h.dtype, device=h.device)
+        _silu_mul_kernel[(M, triton.cdiv(N, 1024))](h, h.stride(0), y, y.stride(0), N, BN=1024, num_warps=4)
+        return y
+
+    def qk_rope_write(self, qkv, start, tokens, heads, kv_heads, head_dim, q_norm, k_norm, eps, inv_freq, k_cache, v_cache):
+        """See ``TorchOps.qk_rope_write``. Caches: [n, kv_heads, L, D] views with unit inner stride."""
+        M = qkv.shape[0]
+        n = M // tokens
+        q = torch.empty((n, tokens, heads, head_dim), dtype=qkv.dtype, device=qkv.device) if heads else qkv
+        norm = k_norm is not None
+        q_weight = q_norm if q_norm is not None else (k_norm if norm else inv_freq)  # unread when there is no Q
+        _qk_rope_write_kernel[(M, heads + kv_heads)](
+            qkv, qkv.stride(0), start, inv_freq, q_weight, k_norm if norm else inv_freq,
+            q, k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            tokens, heads, kv_heads, eps, D=head_dim, NORM=norm, num_warps=1 if head_dim <= 64 else 2,
+        )
+        return q if heads else None
+
+    def attention(self, q, k_cache, v_cache, rows, q_positions, kv_len, causal, window):
+        """``EagerKernels.attention`` over the valid slots only: q [n, Hq, T, D] -> [n, Hq, T, D].
+
+        ``rows`` must be None (the caches are the owners' rows); GQA shares each K/V tile among its
+        query heads. Cost follows ``kv_len`` (device memory), not ``max_context``.
+        """
+        if rows is not None:
+            return super().attention(q, k_cache, v_cache, rows, q_positions, kv_len, causal, window)
+        n, heads, T, D = q.shape
+        kv_heads, L = k_cache.shape[1], k_cache.shape[2]
+        group = heads // kv_heads
+        plan = attention_plan(n, kv_heads, group, T, D, L, self.processors(q.device), self.splits)
+        out = torch.empty((n, T, heads, D), dtype=q.dtype, device=q.device)
+        grid = (plan.splits, n * kv_heads, plan.query_blocks)
+        split = plan.splits > 1
+        rows_total = plan.splits * n * kv_heads * plan.query_blocks * plan.block_q
+        part = torch.empty((rows_total, D) if split else (1,), dtype=torch.float32, device=q.device)
+        lse = torch.empty((rows_total,) if split else (1,), dtype=torch.float32, device=q.device)
+        _attention_kernel[grid](
+            q, q.stride(0), q.stride(1), q.stride(2), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), q_positions, q_positions.stride(0), kv_len, out, out.stride(0), out.stride(2),
+            out.stride(1), part, lse, T, group, kv_heads, window, D**-0.5, D=D, BLOCK_Q=plan.block_q,
+            BLOCK_N=plan.block_n, CAUSAL=causal, WINDOW=window > 0, SPLIT=split, num_warps=4, num_stages=2,
+        )
+        if split:
+            _combine_kernel[(n * kv_heads, plan.query_blocks, plan.block_q // 16)](
+                part, lse, out, out.stride(0), out.stride(2), out.stride(1), T, group, kv_heads,
+                D=D, BLOCK_Q=plan.block_q, SPLITS=plan.splits, SPLITS_P2=triton.next_power_of_2(plan.splits), ROWS=16,
+                num_warps=4,
+            )
+        return out.transpose(1, 2)

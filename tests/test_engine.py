@@ -1,0 +1,269 @@
+"""The serving engine (runtime.engine) over the exported tiny pair: threads and coroutines against the
+reference, cancel, backpressure, failure isolation, close — no HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import polars as pl
+import pytest
+
+from dflash_trt.errors import EngineClosedError, InputError, PoisonedError, QueueFullError, SamplingError, TokenizerError
+from dflash_trt.export import contract as c
+from dflash_trt.export.sampling import Sampling
+from dflash_trt.runtime.engine import CANCELLED, Engine
+from dflash_trt.runtime.executor import Executor
+from dflash_trt.runtime.generate import CONTEXT, LENGTH, STOP
+from executor_fixtures import Oracle, RecordingBackend, Tiny, single_thread
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    yield from single_thread()
+
+
+@pytest.fixture(scope="module")
+def tiny(exported_pair):
+    tiny = Tiny(exported_pair, rows=4)
+    yield tiny
+    tiny.close()
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny):
+    return Oracle(tiny.target, tiny.dims.max_context)
+
+
+class GatedBackend(RecordingBackend):
+    """Runs block while the gate is closed (``entered`` is set once a run waits): the serving loop is
+    held inside one execute() while the test submits, cancels or fills the queue."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.gate.set()
+
+    def run(self, graph, feeds, first_row):
+        if not self.gate.is_set():
+            self.entered.set()
+            assert self.gate.wait(30), "gate never opened"
+        return super().run(graph, feeds, first_row)
+
+
+def engine_over(tiny, **options) -> tuple[Engine, GatedBackend]:
+    backend = GatedBackend(tiny.ort)
+    return Engine(Executor(backend, tiny.dims, 4), **options), backend
+
+
+def reference(oracle, prompt, max_new, stop=(), sampling=Sampling()) -> tuple[list[int], str]:
+    tokens = oracle.continuation(list(prompt), sampling)[:max_new]
+    cut = next((i + 1 for i, t in enumerate(tokens) if t in stop), None)
+    if cut is not None:
+        return tokens[:cut], STOP
+    return tokens, LENGTH if len(tokens) == max_new else CONTEXT
+
+
+REQUESTS = [  # (prompt, max_new_tokens, sampling)
+    ([5, 6, 7], 20, Sampling()),
+    (list(range(10, 40)), 12, Sampling(0.9, 10, 1.0, 11)),
+    ([9] * 12, 25, Sampling()),
+    ([44], 8, Sampling(1.2, 0, 0.8, 3)),
+    (list(range(60, 50, -1)), 30, Sampling(0.7, 0, 1.0, 5)),
+    ([1, 2], 16, Sampling()),
+    (list(range(3, 58)), 20, Sampling()),  # runs into the context end (64)
+    ([17, 18, 19, 20], 1, Sampling()),
+]
+
+
+def submit(engine, prompt, max_new, sampling):
+    return engine.submit(prompt, max_new, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed)
+
+
+def test_requests_from_threads_and_coroutines_equal_the_reference(tiny, oracle):
+    """Guards against continuous batching across threads changing outputs (greedy or sampled), against
+    a consumer mode (blocking iterator, async iterator, future) losing or reordering deltas, and
+    against sessions leaking after requests finish."""
+    requests = REQUESTS + [(p, 20, Sampling()) for p in tiny.prompts[:2]]  # the draft accepts on these
+    engine, _ = engine_over(tiny, max_running=3)
+    with ThreadPoolExecutor(len(requests)) as pool:
+        handles = list(pool.map(lambda r: submit(engine, *r), requests))
+    iterated = {}
+
+    def consume(i):
+        iterated[i] = [t for delta in handles[i] for t in delta.tokens]
+
+    async def consume_async(i):
+        deltas = [delta async for delta in handles[i]]
+        return [t for d in deltas for t in d.tokens], deltas[-1].finish, await handles[i]
+
+    readers = [threading.Thread(target=consume, args=(i,)) for i in range(0, len(requests), 2)]
+    for reader in readers:
+        reader.start()
+
+    async def gather():
+        return await asyncio.gather(*(consume_async(i) for i in range(1, len(requests), 2)))
+
+    awaited = dict(zip(range(1, len(requests), 2), asyncio.run(gather())))
+    for reader in readers:
+        reader.join(60)
+    for i, ((prompt, max_new, sampling), handle) in enumerate(zip(requests, handles)):
+        tokens, finish = reference(oracle, prompt, max_new, sampling=sampling)
+        completion = handle.result(60)
+        assert (completion.tokens, completion.finish) == (tokens, finish), i
+        if i % 2 == 0:
+            assert iterated[i] == tokens, i
+        else:
+            assert awaited[i][:2] == (tokens, finish) and awaited[i][2] == completion, i
+    engine.close()
+    metrics = engine.metrics()
+    assert engine.executor.sessions() == [] and not engine.healthy
+    assert (metrics.submitted, metrics.completed, metrics.running, metrics.queued) == (len(requests), len(requests), 0, 0)
+    assert metrics.output_tokens == sum(len(h.result().tokens) for h in handles)
+    assert metrics.ttft_s.count == len(requests) and metrics.queue_wait_s.count == len(requests)
+    speculative = engine.executor.cycle_stats().filter(pl.col("mode") != "target")
+    assert metrics.cycles == speculative.height and metrics.tau == pytest.approx(speculative["emitted"].mean()) and metrics.tau > 1
+    assert metrics.executes == engine.executor.execute_stats().height and metrics.itl_s.p99 >= metrics.itl_s.p50 > 0
+
+
+def test_cancel_queued_now_running_at_the_next_gap(tiny, oracle):
+    """Guards against a cancelled request keeping its session (cache row) or its place in the queue,
+    against cancel racing the loop (a running request must stop between executes, keeping the
+    tokens it already got), and against the engine stalling after cancels."""
+    engine, backend = engine_over(tiny, max_running=1)
+    backend.gate.clear()
+    running = engine.submit([5, 6, 7], 40)
+    assert backend.entered.wait(30)
+    queued = engine.submit([8, 9], 40)
+    queued.cancel()
+    assert queued.result(5).finish == CANCELLED and queued.result().tokens == []
+    running.cancel()
+    backend.gate.set()
+    result = running.result(30)
+    expected, _ = reference(oracle, [5, 6, 7], 40)
+    assert result.finish == CANCELLED and 1 <= len(result.tokens) < 40 and result.tokens == expected[: len(result.tokens)]
+    assert engine.executor.sessions() == []
+    after = engine.submit([8, 9], 6)
+    assert after.result(30).tokens == reference(oracle, [8, 9], 6)[0]
+    running.cancel()  # finished: a no-op
+    assert engine.metrics().cancelled == 2
+    engine.close()
+
+
+def test_queue_full_refuses_and_loses_no_accepted_request(tiny, oracle):
+    """Guards against an unbounded queue (no backpressure), a refusal that still queues the request,
+    and accepted requests lost or changed when the queue was full."""
+    engine, backend = engine_over(tiny, max_queue=2, max_running=1)
+    backend.gate.clear()
+    first = engine.submit([5, 6, 7], 10)
+    assert backend.entered.wait(30)
+    accepted = [first, engine.submit([8, 9], 10), engine.submit([30, 31, 32], 10, temperature=0.8, seed=4)]
+    with pytest.raises(QueueFullError, match="max_queue 2"):
+        engine.submit([1], 10)
+    assert (engine.metrics().queued, engine.metrics().rejected) == (2, 1)
+    backend.gate.set()
+    for handle, (prompt, sampling) in zip(accepted, [([5, 6, 7], Sampling()), ([8, 9], Sampling()), ([30, 31, 32], Sampling(0.8, 0, 1.0, 4))]):
+        assert handle.result(30).tokens == reference(oracle, prompt, 10, sampling=sampling)[0]
+    engine.close()
+
+
+def test_a_failed_execute_fails_its_requests_and_the_engine_keeps_serving(tiny, oracle):
+    """Guards against one failing backend run killing the serving loop, leaving the poisoned session
+    open (a lost cache row), hanging the failed request's readers, or changing later requests."""
+    engine, backend = engine_over(tiny, max_running=1)
+    backend.gate.clear()
+    doomed = engine.submit([5, 6, 7], 20)
+    assert backend.entered.wait(30)
+    later = [engine.submit([8, 9], 12), engine.submit([40, 41], 12, temperature=1.0, seed=9)]
+    backend.fail_on = (c.TARGET_VERIFY, backend.counts.get(c.TARGET_VERIFY, 0) + 1)  # doomed's first verify
+    backend.gate.set()
+    with pytest.raises(PoisonedError, match="injected failure"):
+        doomed.result(30)
+    with pytest.raises(PoisonedError):
+        list(doomed)
+    assert later[0].result(30).tokens == reference(oracle, [8, 9], 12)[0]
+    assert later[1].result(30).tokens == reference(oracle, [40, 41], 12, sampling=Sampling(1.0, 0, 1.0, 9))[0]
+    metrics = engine.metrics()
+    assert engine.healthy and engine.executor.sessions() == []
+    assert (metrics.failed, metrics.completed, metrics.failed_executes) == (1, 2, 1)
+    engine.close()
+
+
+def test_close_drains_or_cancels_then_refuses(tiny, oracle):
+    """Guards against close() dropping accepted requests (drain), hanging, or accepting new ones."""
+    engine, _ = engine_over(tiny, max_running=2)
+    handles = [engine.submit([5, 6, 7], 15), engine.submit([8, 9], 15), engine.submit([10], 15)]
+    engine.close(drain=True)
+    assert [h.result(0).tokens for h in handles] == [reference(oracle, p, 15)[0] for p in ([5, 6, 7], [8, 9], [10])]
+    with pytest.raises(EngineClosedError):
+        engine.submit([1], 3)
+
+    engine, backend = engine_over(tiny, max_running=1)
+    backend.gate.clear()
+    handles = [engine.submit([5, 6, 7], 30), engine.submit([8, 9], 30)]
+    assert backend.entered.wait(30)
+    closer = threading.Thread(target=engine.close, kwargs={"drain": False})
+    closer.start()
+    backend.gate.set()
+    closer.join(30)
+    assert [h.result(0).finish for h in handles] == [CANCELLED, CANCELLED] and engine.executor.sessions() == []
+
+
+class CharTokenizer:
+    """One token per character (the tiny pair has no tokenizer): ids 3..92 are ' '..'y'."""
+
+    stop_ids = (0,)
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(ch) - 29 for ch in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i + 29) for i in ids)
+
+
+def test_text_prompts_stop_strings_and_stop_tokens(tiny, oracle):
+    """Guards against stop strings being matched on tokens instead of text, text after the stop being
+    streamed, the request running on after its stop string (session kept), or the tokenizer's stop ids
+    not being the default stop tokens."""
+    tokenizer = CharTokenizer()
+    engine, _ = engine_over(tiny, tokenizer=tokenizer)
+    prompt = "def f(x):"
+    tokens, _ = reference(oracle, tokenizer.encode(prompt), 30)
+    text = tokenizer.decode(tokens)
+    stop = text[9:12]
+    cut = text.index(stop)
+    handle = engine.submit(prompt, 30, stop=[stop, "never"])
+    deltas = list(handle)
+    completion = handle.result()
+    assert completion.finish == STOP and completion.text == text[:cut] == "".join(d.text for d in deltas)
+    assert completion.tokens == tokens[: cut + len(stop)]
+    stop_token = tokens[4]
+    by_token = engine.submit(prompt, 30, stop_ids=[stop_token]).result(30)
+    assert by_token.tokens == tokens[: tokens.index(stop_token) + 1] and by_token.finish == STOP
+    assert by_token.text == text[: tokens.index(stop_token)]  # the stop token's own text is not streamed
+    engine.close()
+    assert engine.executor.sessions() == []
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(prompt="text"), TokenizerError, "no tokenizer"),
+        (dict(prompt=[1], stop="x"), TokenizerError, "stop strings need a tokenizer"),
+        (dict(prompt=[1], temperature=-1.0), SamplingError, "temperature"),
+        (dict(prompt=[1], top_p=0.0), SamplingError, "top_p"),
+        (dict(prompt=[1], seed=-3), SamplingError, "seed"),
+        (dict(prompt=[1] * 64), InputError, "got 64"),
+        (dict(prompt=[1, 97]), InputError, "got 97"),
+        (dict(prompt=[1], max_new_tokens=0), InputError, "max_new_tokens"),
+    ],
+)
+def test_bad_submits_are_refused_in_the_callers_thread(tiny, kwargs, error, words):
+    """Guards against a bad request reaching the serving loop (where it would fail a batch) instead of a
+    typed error at submit naming the field; nothing is queued."""
+    engine, _ = engine_over(tiny)
+    with pytest.raises(error, match=words):
+        engine.submit(**kwargs)
+    assert engine.metrics().submitted == 0
+    engine.close()
