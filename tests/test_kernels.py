@@ -185,9 +185,9 @@ def test_fast_graphs_equal_eager_graphs_on_cpu(fast_pair):
         assert_same_pools(pool_state(eager), pool_state(fast), atol=1e-4)
 
 
-def test_fast_target_taps_the_last_layer_final_normed(tmp_path):
-    """Bug: the fast target taps the last layer's residual where the reference (TargetModel.tap_of, HF's
-    hidden_states[-1]) feeds the draft the final-normed state."""
+def test_fast_target_taps_the_last_layer_like_the_reference(tmp_path):
+    """Bug: the fast target's tap of the last layer differs from the reference's (with TargetModel.tap_of,
+    HF's hidden_states[-1]: the final-normed state; taps fused into the GEMM epilogue are residuals)."""
     import tiny_models
 
     from dflash_trt.export.target import load_target

@@ -167,6 +167,8 @@ class FastTarget:
         self.norm, self.eps = target.model.norm.weight.detach(), target.model.norm.eps
         self.lm_head = target.lm_head.weight.detach()
         self.taps = {layer: slot for slot, layer in enumerate(sorted(set(target.tap_layers)))}  # layer order, like features()
+        # TargetModel.tap_of (HF hidden_states[i + 1]) where the model defines it: inner taps are residuals.
+        self.tap_of = getattr(target, "tap_of", None)
 
     def features(self, tokens: torch.Tensor, start: torch.Tensor, keys, values) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [n, T] -> residual stream after the last layer [n*T, H] (not normed), taps [n, T, m*H]."""
@@ -179,8 +181,8 @@ class FastTarget:
             slot = self.taps.get(index)
             tap = None if slot is None or index == last else self._tap(taps, slot)
             x = self.stack.layer(index, x, start, T, positions, kv_len, keys[index], values[index], tap)
-        if last in self.taps:  # TargetModel.tap_of: the last layer's tap is final-normed (HF hidden_states[-1])
-            self._tap(taps, self.taps[last]).copy_(self.ops.rms_norm(x, self.norm, self.eps))
+        if last in self.taps:  # the last layer's tap as the reference model defines it (final-normed, with tap_of)
+            self._tap(taps, self.taps[last]).copy_(self.tap_of(last, x) if self.tap_of is not None else x)
         return x, taps.view(n, T, -1)
 
     def _tap(self, taps: torch.Tensor, slot: int) -> torch.Tensor:

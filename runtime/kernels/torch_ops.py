@@ -69,11 +69,6 @@ class TorchOps(EagerKernels):
             return y
         return out.copy_(y)
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """RMSNorm of each row of x [M, K] in fp32, rounded once (``TritonOps.rms_norm``)."""
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
-
     def qk_rope_write(
         self,
         qkv: torch.Tensor,
