@@ -6,11 +6,13 @@ via TopK, 20 top-p bisection steps, the int64 hash and the Gumbel noise), so
 the rows mix greedy, untruncated, top-k and top-p settings. Timed with CUDA
 events over replays of one CUDA graph (no launch overhead, no host syncs):
 
-- ``eager``: the PyTorch module as the torch backend runs it (one kernel per op);
+- ``fused``: the torch backend's CUDA kernel of the op (``runtime/backends/sampling_kernels.py``:
+  a dozen Triton passes);
+- ``eager``: the PyTorch definition, one kernel per op (~130 kernels);
 - ``compiled``: the same function under ``torch.compile`` (Inductor fuses the
   elementwise work; optional, ``--compile``);
-- ``noise`` / ``kept``: the eager module's two halves (hash + Gumbel noise; top-k
-  + top-p), to show where the time goes.
+- ``noise`` / ``kept`` / ``topk``: parts of the eager module (hash + Gumbel
+  noise; top-k + top-p; the TopK of K = 3840 alone), to show where the time goes.
 
 Correctness: the GPU's tokens are compared with the CPU's on the same logits
 (the backends must agree, DESIGN §1). Prints a table and ends with one JSON line.
@@ -55,6 +57,10 @@ def kept_only(logits, temperature, top_k, top_p, seed, position):
     return sampling.kept(z, top_k[:, None], top_p[:, None], logits.shape[-1])
 
 
+def topk_only(logits, temperature, top_k, top_p, seed, position):
+    return torch.topk(logits, sampling.top_k_limit(logits.shape[-1]), dim=-1).values
+
+
 def time_graph(function, args, repeats: int) -> tuple[float, torch.Tensor]:
     """Mean ms per call over ``repeats`` replays of one CUDA graph of ``function(*args)``."""
     stream = torch.cuda.Stream()
@@ -88,12 +94,15 @@ def main() -> None:
         raise SystemExit("needs a CUDA GPU")
     cpu = inputs(args.rows, args.vocab, "cpu")
     gpu = inputs(args.rows, args.vocab, "cuda")
+    from dflash_trt.runtime.backends.sampling_kernels import choose_cuda
+
+    variants = (("fused", choose_cuda), ("eager", choose), ("noise", noise_only), ("kept", kept_only), ("topk", topk_only))
     with torch.no_grad():
         want = choose(*cpu)
         rows = []
-        for name, function in (("eager", choose), ("noise", noise_only), ("kept", kept_only)):
+        for name, function in variants:
             ms, result = time_graph(function, gpu, args.repeats)
-            agree = int((result.cpu() == want).sum()) if name == "eager" else None
+            agree = int((result.cpu() == want).sum()) if name in ("fused", "eager") else None
             rows.append({"variant": name, "ms": round(ms, 4), "agree": agree})
         if args.compile:
             started = time.perf_counter()

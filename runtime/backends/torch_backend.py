@@ -16,7 +16,9 @@ object (``runtime.kernels.triton_ops.TritonOps(linear_plans=...)``) runs the fas
 path with it.
 
 CPU: eager, synchronous. CUDA: everything is enqueued on the backend's
-device-layer stream (``BackendStream``). The static graphs (``target_verify_n``,
+device-layer stream (``BackendStream``), and the token choice of ``sample`` /
+``verify_sample_n`` (``torch.ops.dflash_trt.choose``) runs as fused Triton
+passes (``sampling_kernels``) instead of ~130 eager kernels. The static graphs (``target_verify_n``,
 ``draft_n``, ``verify_*_n``) are captured once and replayed
 (``StaticGraphs``); the dynamic ones (``target_prefill``, ``draft_context``)
 run eagerly (their token count varies).
@@ -96,6 +98,8 @@ class TorchBackend(Backend):
     def _allocate(self, dtype: torch.dtype, cuda_graphs: bool) -> None:
         device_stream = None
         if self.device.type == "cuda":
+            from dflash_trt.runtime.backends import sampling_kernels  # noqa: F401  (importing registers choose's CUDA kernel)
+
             self.stream = BackendStream()
             device_stream = self.stream.device_stream
         self.pools = allocate_pools(pool_shapes(self.dims, self.max_sessions, dtype), self.device, device_stream)
