@@ -33,6 +33,7 @@ the same seed).
 
 from __future__ import annotations
 
+import bisect
 import secrets
 import threading
 import time
@@ -42,12 +43,10 @@ from dataclasses import dataclass
 
 from dflash_trt.checks import is_int
 from dflash_trt.errors import DFlashError, EngineClosedError, InputError, QueueFullError, TokenizerError
-from dflash_trt.export.sampling import check_sampling
 from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.generate import STOP, Batcher, Chunk, Completion, Request, check_request
 from dflash_trt.runtime.handle import CANCELLED, Delta, RequestHandle
 from dflash_trt.runtime.metrics import EngineMetrics, MetricsRecorder
-from dflash_trt.runtime.sessions import check_seed
 from dflash_trt.runtime.text import TextStream
 
 __all__ = ["CANCELLED", "Delta", "Engine", "RequestHandle"]
@@ -157,11 +156,9 @@ class Engine:
             msg = f"stop must be a string or a list of strings, got {stop!r:.80}"
             raise InputError(msg)
         stop_ids = self.stop_ids if stop_ids is None else stop_ids
-        check_sampling(temperature, top_k, top_p, dims.vocab_size)
-        seed = secrets.randbits(63) if seed is None else check_seed(seed)
-        request = Request(list(prompt), max_new_tokens, tuple(stop_ids), float(temperature), int(top_k), float(top_p), seed)
-        check_request(0, request, dims.max_context, dims.vocab_size)
-        return request, stops
+        seed = secrets.randbits(63) if seed is None else seed
+        request = Request(prompt, max_new_tokens, stop_ids, temperature, top_k, top_p, seed)
+        return check_request(0, request, dims.max_context, dims.vocab_size), stops  # plain values, every field checked
 
     def _cancel(self, handle: RequestHandle) -> None:
         """RequestHandle.cancel: a queued request finishes now; a running one at the next gap."""
@@ -341,22 +338,25 @@ def _wrap(error: BaseException) -> DFlashError:
 class ExecuteCursor:
     """The executor's per-execute counters (``runtime.stats`` execute table) not yet read.
 
-    Reads the rows appended since the last call; a store that shrank (stats
-    drained elsewhere) restarts from its first row.
+    Rows are found by ``batch_id`` (increasing), so the log's bound dropping
+    old rows, or a drain emptying it, never makes a row count twice; rows
+    drained by someone else before this read are not counted.
     """
 
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
-        self.seen = len(executor.log.executes)
+        self.next_batch = executor.log.batch_id
 
     def read(self) -> tuple[int, int, int, int]:
         """(owner-cycles, accepted proposals, executes, failed executes) since the last read."""
-        store = self.executor.log.executes
-        total = len(store)
-        start = self.seen if self.seen <= total else 0
-        self.seen = total
-        columns = store.columns
-        rows = slice(start, total)
-        cycles, accepted = sum(columns["cycles"][rows]), sum(columns["accepted"][rows])
-        failed = sum(not ok for ok in columns["ok"][rows])
-        return cycles, accepted, total - start, failed
+        log = self.executor.log
+        with log.lock:
+            columns = log.executes.columns
+            start = bisect.bisect_left(columns["batch_id"], self.next_batch)
+            rows = slice(start, len(columns["batch_id"]))
+            cycles, accepted = sum(columns["cycles"][rows]), sum(columns["accepted"][rows])
+            failed = sum(not ok for ok in columns["ok"][rows])
+            executes = len(columns["batch_id"]) - start
+            if executes:
+                self.next_batch = columns["batch_id"][-1] + 1
+        return cycles, accepted, executes, failed
