@@ -89,7 +89,7 @@ def test_stream_closes_sessions_when_abandoned(tiny):
         (Request([], 4), "prompt must hold 1..63"),
         (Request([1] * 64, 4), "got 64"),
         (Request([1], 0), "max_new_tokens"),
-        (Request([1, 97], 4), r"ids in \[0, 96\], got 97"),
+        (Request([1, 97], 4), r"in \[0, 96\], got 97"),
     ],
 )
 def test_bad_requests_refused_before_any_session_opens(tiny, request_, words):
