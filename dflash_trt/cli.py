@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "build": ("dflash_trt.engines.command", "build TensorRT / TensorRT-RTX engines from exported graphs"),
     "selfcheck": ("dflash_trt.engines.selfcheck", "compare every engine with ONNX Runtime on random inputs"),
     "run": ("dflash_trt.runtime.command", "serve a prompt file through the runtime, write outputs + stats"),
+    "bench": ("dflash_trt.runtime.bench", "plain decoding vs DFlash on the same prompts: tokens/s, τ, speedup"),
     "demo": ("dflash_trt.demo", "run the embedded default pair end to end on this machine"),
     "serve": ("dflash_trt.server.command", "OpenAI-compatible HTTP server (completions, chat, SSE, metrics)"),
     "report": ("dflash_trt.analysis.command", "summarize stats Parquet files: tables, plots, JSON"),

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from dflash_trt.runtime.backends import OrtBackend
 
     with OrtBackend.from_export(artifacts, max_sessions=args.max_sessions, threads=args.threads) as backend:
-        executor = Executor(backend)
+        executor = Executor(backend, max_cycles=args.max_cycles)
         prompts = command.read_prompts(args.prompts, tokenizer, args.count)
         room = min(args.max_new_tokens, executor.dims.max_context - 1)
         prompts = [command.Prompt(p.name, command.fit_prompt(p.tokens[-args.prompt_tokens :], executor.dims.max_context, room), None) for p in prompts]

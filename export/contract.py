@@ -19,6 +19,8 @@ target_prefill      tokens [1, T] int64, start [1] int64,        logits [1, V] f
                     past_key_l / past_value_l [1, K, L, D] M     taps [1, T, W] M, present_key_l/_value_l
 target_verify_{n}   tokens [n, P+1] int64, start [n] int64,      logits [n, P+1, V] float32,
                     past_key_l / past_value_l [n, K, L, D] M     taps [n, P+1, W] M, present_key_l/_value_l
+target_decode_{n}   tokens [n, 1] int64, start [n] int64,        logits [n, V] float32,
+                    past_key_l / past_value_l [n, K, L, D] M     taps [n, 1, W] M, present_key_l/_value_l
 draft_context       taps [1, C, W] M, start [1] int64,           present_key_l / present_value_l
                     past_key_l / past_value_l [1, Kd, L, Dd] M
 draft_{n}           ctx_taps [n, B, W] M, ctx_start [n] int64,   proposals [n, P] int64,
@@ -46,6 +48,8 @@ Semantics (positions are cache slots):
 - ``target_*``: row i holds tokens at ``start[i] ..``; their K/V are written at
   those slots and attention is causal over slots ``< start[i] + T`` (plus the
   layer's sliding window). Taps are the residual outputs of the tap layers.
+  ``target_decode_{n}`` is plain decoding: one token per owner, the logits of
+  the token after it (speculation off, or a block no longer fits the cache).
 - ``draft_context``: context rows ``taps`` at ``start ..`` into the draft cache.
 - ``draft_{n}``: all B ``ctx_taps`` rows are written at ``ctx_start ..``
   (only ``ctx_count`` are real; padding lands inside the block and is then
@@ -97,13 +101,14 @@ ONNX_ELEMENT_TYPES: dict[str, int] = {
 # Graph kinds. Static kinds exist once per owner count n and are named f"{kind}_{n}".
 TARGET_PREFILL = "target_prefill"
 TARGET_VERIFY = "target_verify"
+TARGET_DECODE = "target_decode"
 DRAFT_CONTEXT = "draft_context"
 DRAFT = "draft"
 VERIFY_ARGMAX = "verify_argmax"
 VERIFY_SAMPLE = "verify_sample"
 SAMPLE = "sample"
 DYNAMIC_KINDS = (TARGET_PREFILL, DRAFT_CONTEXT, SAMPLE)
-STATIC_KINDS = (TARGET_VERIFY, DRAFT, VERIFY_ARGMAX, VERIFY_SAMPLE)
+STATIC_KINDS = (TARGET_VERIFY, TARGET_DECODE, DRAFT, VERIFY_ARGMAX, VERIFY_SAMPLE)
 KINDS = DYNAMIC_KINDS + STATIC_KINDS
 # Kinds only sampled sessions need: an engine set may lack them (greedy only).
 SAMPLED_KINDS = (VERIFY_SAMPLE,)
@@ -325,6 +330,17 @@ def _target_verify(dims: Dims, n: int) -> GraphSpec:
     )
 
 
+def _target_decode(dims: Dims, n: int) -> GraphSpec:
+    return GraphSpec(
+        graph_name(TARGET_DECODE, n),
+        TARGET_DECODE,
+        n,
+        (TensorSpec(TOKENS, (n, 1), INT64), TensorSpec(START, (n,), INT64)) + _target_caches(dims, n, "past"),
+        (TensorSpec(LOGITS, (n, dims.vocab_size), FLOAT32), TensorSpec(TAPS, (n, 1, dims.tap_width), dims.dtype))
+        + _target_caches(dims, n, "present"),
+    )
+
+
 def _draft_context(dims: Dims, n: None) -> GraphSpec:
     C = CONTEXT_DIM
     return GraphSpec(
@@ -393,6 +409,7 @@ def _sample(dims: Dims, n: None) -> GraphSpec:
 _BUILDERS = {
     TARGET_PREFILL: _target_prefill,
     TARGET_VERIFY: _target_verify,
+    TARGET_DECODE: _target_decode,
     DRAFT_CONTEXT: _draft_context,
     DRAFT: _draft,
     VERIFY_ARGMAX: _verify_argmax,

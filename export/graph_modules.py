@@ -63,6 +63,14 @@ class TargetPrefill(_TargetGraph):
         return (self.target.head(hidden[:, -1]), taps, *_interleave(keys, values))
 
 
+class TargetDecode(TargetPrefill):
+    """tokens [n, 1], start [n], caches -> logits [n, V] fp32, taps [n, 1, W], caches.
+
+    Plain decoding, one token per owner: the prefill computation at a static
+    owner count, so it can be captured and batched like the verify graphs.
+    """
+
+
 class TargetVerify(_TargetGraph):
     """tokens [n, P+1] = [anchor, d_1..d_P], start [n], caches -> logits [n, P+1, V] fp32, taps, caches."""
 
@@ -243,6 +251,7 @@ class Sample(nn.Module):
 WRAPPERS: dict[str, type[nn.Module]] = {
     contract.TARGET_PREFILL: TargetPrefill,
     contract.TARGET_VERIFY: TargetVerify,
+    contract.TARGET_DECODE: TargetDecode,
     contract.DRAFT_CONTEXT: DraftContext,
     contract.DRAFT: Draft,
     contract.VERIFY_ARGMAX: VerifyArgmax,

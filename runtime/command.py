@@ -1,6 +1,7 @@
 """``dflash-trt run``: serve a prompt file through the runtime; write outputs (JSONL) and stats (Parquet).
 
     dflash-trt run --artifacts EXPORT_DIR --backend onnxruntime --prompts prompts.jsonl --out run/
+    dflash-trt run ... --no-draft        # the same prompts, plain target decoding (the AR baseline)
 
 Prompt file: one JSON object per line with ``prompt`` (text; needs a
 tokenizer) or ``tokens`` (ids), and optionally ``name`` and
@@ -22,7 +23,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import polars as pl
 
 from dflash_trt.cli import positive_int
 from dflash_trt.errors import InputError, TokenizerError
@@ -44,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", type=Path, help="draft checkpoint (torch backend)")
     parser.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cpu, cuda for tensorrt)")
     parser.add_argument("--limit", type=positive_int, help="serve only the first N prompts")
+    parser.add_argument("--no-draft", action="store_true", help="plain target decoding (no speculation): the autoregressive baseline")
 
 
 def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +56,7 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i")
     parser.add_argument("--max-sessions", type=positive_int, help="sessions at once (default: the artifacts' max_sessions)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for ONNX Runtime / torch")
+    parser.add_argument("--max-cycles", type=positive_int, default=8, help="cycles per session per execute call (default 8)")
 
 
 # ---------------------------------------------------------------------- backends
@@ -159,12 +161,27 @@ def serve(executor: Executor, prompts: list[Prompt], args, stop: tuple[int, ...]
 
 
 def summary(executor: Executor, completions: list[Completion], seconds: float) -> dict:
-    """Headline figures of a run: tokens, seconds, tokens/s, τ (speculative cycles, bonus included)."""
+    """Headline figures of a run.
+
+    tokens/s over the wall time of serving; τ over speculative cycles (bonus
+    included); ``ms_per_call``: wall ms per device launch of the decode loop
+    (a cycle, or a plain decode step); ``host_overhead_fraction``: (wall −
+    device busy) / wall, device busy = every timed call (prefill and loop);
+    ``gpu_idle_fraction``: the device's idle share between consecutive
+    launches of one execute (CUDA; 0 on CPU, where launches are synchronous).
+    """
+    import polars as pl
+
     cycles = executor.cycle_stats()
     speculative = cycles.filter(pl.col("mode") != TARGET)
     tokens = sum(len(c.tokens) for c in completions)
     tau = speculative["emitted"].mean() if speculative.height else None
-    per_cycle_host_ms = speculative.group_by("cycle_id").agg(pl.col("host_ms").first())["host_ms"].mean() if speculative.height else None
+    per_call = cycles.group_by("cycle_id").agg(pl.col("draft_ms", "verify_ms", "host_ms").first())
+    host_ms = per_call["host_ms"].mean() if per_call.height else None
+    busy_s = float((per_call["draft_ms"] + per_call["verify_ms"]).sum()) / 1000 if per_call.height else 0.0
+    timeline = executor.loop.timeline
+    launches = timeline.launches
+    loop_ms = timeline.busy_ms + timeline.idle_ms
     return {
         "prompts": len(completions),
         "tokens": tokens,
@@ -172,7 +189,11 @@ def summary(executor: Executor, completions: list[Completion], seconds: float) -
         "tokens_per_s": round(tokens / seconds, 2) if seconds > 0 else None,
         "tau": round(tau, 3) if tau is not None else None,
         "cycles": speculative["cycle_id"].n_unique(),
-        "host_ms_per_cycle": round(per_cycle_host_ms, 3) if per_cycle_host_ms is not None else None,
+        "host_ms_per_cycle": round(host_ms, 3) if host_ms is not None else None,
+        "ms_per_call": round(seconds * 1000 / launches, 4) if launches else None,
+        "device_s": round(busy_s, 4),
+        "host_overhead_fraction": round(max(0.0, 1 - busy_s / seconds), 4) if seconds > 0 else None,
+        "gpu_idle_fraction": round(timeline.idle_ms / loop_ms, 4) if loop_ms > 0 else None,
     }
 
 
@@ -190,17 +211,34 @@ def write_outputs(out: Path, prompts: list[Prompt], completions: list[Completion
 
 def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.tokenizer, args.artifacts, args.target)
-    with OPENERS[args.backend](args) as backend:
-        executor = Executor(backend, max_sessions=args.max_sessions, stats_rows=None)  # a finite job: keep every row
-        stop = tokenizer.stop_ids if tokenizer is not None else _manifest_stops(args.artifacts)
-        room = args.max_new_tokens
-        prompts = [Prompt(p.name, fit_prompt(p.tokens, executor.dims.max_context, p.max_new_tokens or room), p.max_new_tokens) for p in read_prompts(args.prompts, tokenizer, args.limit)]
+    with OPENERS[args.backend](args) as backend, make_executor(backend, args, not args.no_draft) as executor:
+        stop = stop_tokens(args, tokenizer)
+        prompts = load_prompts(args, tokenizer, executor.dims.max_context)
         completions, seconds = serve(executor, prompts, args, stop)
         outputs = write_outputs(args.out, prompts, completions, tokenizer)
         cycles, executes = executor.write_stats(args.out / "stats")
         print(f"wrote {outputs}, {cycles}, {executes}")
         print(json.dumps(summary(executor, completions, seconds)))
     return 0
+
+
+def make_executor(backend, args, speculate: bool) -> Executor:
+    """A finite job's executor: every stats row kept."""
+    return Executor(backend, max_sessions=args.max_sessions, stats_rows=None, speculate=speculate, max_cycles=args.max_cycles)
+
+
+def load_prompts(args, tokenizer, max_context: int) -> list[Prompt]:
+    """The prompt file, each prompt cut to leave room for its new tokens."""
+    room = args.max_new_tokens
+    return [
+        Prompt(p.name, fit_prompt(p.tokens, max_context, p.max_new_tokens or room), p.max_new_tokens)
+        for p in read_prompts(args.prompts, tokenizer, args.limit)
+    ]
+
+
+def stop_tokens(args, tokenizer) -> tuple[int, ...]:
+    """The tokenizer's stop ids, else the manifest's."""
+    return tokenizer.stop_ids if tokenizer is not None else _manifest_stops(args.artifacts)
 
 
 def _manifest_stops(directory: Path) -> tuple[int, ...]:

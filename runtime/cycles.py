@@ -200,3 +200,58 @@ def pick_row(free: Sequence[int], used: Sequence[int]) -> int:
     assert free, "no free row"
     taken = set(used)
     return min(free, key=lambda row: (-((row - 1 in taken) + (row + 1 in taken)), row))
+
+
+# ---------------------------------------------------------------------- bursts
+#
+# An execute may run several cycles (or plain decode steps) per owner group,
+# launching cycle k+1 before the host has read cycle k (the device never waits
+# for the host). What the host decides per cycle is below; it only ever sees
+# verdicts it has read, so every decision holds for the worst case of the
+# cycles still in flight.
+
+
+@dataclass(frozen=True)
+class LoopShape:
+    """How far one launch can move an owner: ``width`` positions at most (P+1 for a cycle,
+    1 for a decode step); it needs ``need`` free slots at its start (B, or 1)."""
+
+    width: int
+    need: int
+    max_context: int
+    max_cycles: int
+
+
+def may_launch(frontier: int, in_flight: int, launched: int, room: int | None, finished: bool, shape: LoopShape) -> bool:
+    """May one more cycle be launched for an owner whose last READ frontier is ``frontier``?
+
+    ``in_flight`` cycles are launched but unread, ``launched`` in all this
+    execute. ``room``: tokens the owner may still return (None: one cycle
+    only). The new cycle starts at most ``in_flight * width`` past the frontier
+    and must fit the cache; each unread cycle yields at least one token.
+    """
+    if finished or launched >= shape.max_cycles:
+        return False
+    if room is None:
+        return launched == 0
+    fits = frontier + in_flight * shape.width + shape.need <= shape.max_context
+    return fits and room > in_flight
+
+
+def take(tokens: Sequence[int], room: int | None, stop: frozenset[int] | set[int]) -> tuple[tuple[int, ...], bool]:
+    """The prefix of ``tokens`` an owner keeps, and whether it is finished.
+
+    At most ``room`` tokens (None: no limit), through the first stop token
+    (kept). Finished: a stop token was kept or the room is used up.
+
+    >>> take([5, 7, 9], 10, {7})
+    ((5, 7), True)
+    """
+    kept: list[int] = []
+    for token in tokens:
+        if room is not None and len(kept) == room:
+            return tuple(kept), True
+        kept.append(int(token))
+        if token in stop:
+            return tuple(kept), True
+    return tuple(kept), room is not None and len(kept) == room

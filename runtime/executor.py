@@ -2,13 +2,16 @@
 
 API (docs/design.md §5):
 
-- ``open_session() -> id``, ``close_session(id)``, ``clone(id, upto) -> id``,
-  ``set_sampling(id, temperature, top_k, top_p, seed)``, ``session(id)``.
+- ``open_session(speculate=None) -> id``, ``close_session(id)``,
+  ``clone(id, upto) -> id``, ``set_sampling(id, temperature, top_k, top_p,
+  seed)``, ``session(id)``.
 - ``execute(batch) -> outputs``: a batch is a list of ``Input`` (or dicts)
-  ``{session, tokens, offset, size, position, produce_output}``; the output of
-  input i is the list of new tokens it produced ([] without produce_output):
-  the target's prediction after a prompt/replay input, then the tokens of one
-  speculative cycle (emitted d_1..d_a, y_a).
+  ``{session, tokens, offset, size, position, produce_output,
+  max_new_tokens, stop}``; the output of input i is the list of new tokens
+  it produced ([] without produce_output): the target's prediction after a
+  prompt/replay input, then the tokens of one speculative cycle (emitted
+  d_1..d_a, y_a) — or, with ``max_new_tokens``, of as many cycles as fit
+  (``max_cycles`` per call), cut at the room and the first stop token.
 - ``preferred_batch_tokens``: the largest prefill chunk.
 
 One execute():
@@ -17,14 +20,21 @@ One execute():
    SessionError / PoisonedError / InputError naming the field).
 2. Rewinds (a first input that starts before its session's frontier).
 3. Target step (``target_prefill``, chunked) for every input that is not
-   exactly its session's pending token; taps are committed to the context
-   pool on device, draining all but B rows through ``draft_context``.
-4. One cycle for each session whose last input produced output and whose
-   block still fits: owners packed by consecutive rows, ≤ max_owners per call:
-   ``draft_n`` → ``target_verify_n`` → ``verify_argmax_n``/``verify_sample_n``
-   → bookkeeping. Inputs that are exactly the pending token skip step 3 (the
-   pending-decode fast path; each input qualifies on its own, whatever the
-   rest of the batch holds).
+   one token to decode; taps are committed to the context pool on device,
+   draining all but B rows through ``draft_context`` (sessions that do not
+   speculate keep no taps).
+4. The loop (``runtime.loop`` on the device, ``runtime.bursts`` on the
+   host): every session whose last input produced output decodes, owners
+   packed by consecutive rows, ≤ max_owners per launch. A drafting session
+   whose block fits runs cycles: ``draft_n`` → ``target_verify_n`` →
+   ``verify_argmax_n``/``verify_sample_n`` → bookkeeping, on the device,
+   one CUDA graph per cycle where the backend allows it. Others (speculation
+   off, or no room for a block) run plain decode steps (``target_decode_n``,
+   then ``sample`` or the argmax). Inputs that are exactly the pending token
+   skip step 3 (the pending-decode fast path; each input qualifies on its
+   own, whatever the rest of the batch holds). The host reads each verdict
+   from pinned memory while the next cycle runs; tokens past a stop or the
+   room are discarded and the session rewound to its last returned token.
 5. Pending tokens are set for the next call.
 
 A failure after step 1 poisons every session of the batch (PoisonedError
@@ -49,6 +59,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import torch
 
@@ -58,7 +69,9 @@ from dflash_trt.export import contract as c
 from dflash_trt.export.sampling import Sampling, check_sampling
 from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 from dflash_trt.runtime.backends.base import Backend
-from dflash_trt.runtime.cycles import Burst, block_fits, chunks, cycle_mode, make_bursts, pack_rows, plan_context, sampling_rows, static_context, trim_context
+from dflash_trt.runtime.bursts import Group, Lane, run_bursts
+from dflash_trt.runtime.cycles import LoopShape, block_fits, chunks, cycle_mode, make_bursts, pack_rows, plan_context, sampling_rows, trim_context
+from dflash_trt.runtime.loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_COLUMN, PROPOSALS_COLUMN, DeviceLoop, Launch
 from dflash_trt.runtime.sessions import ContextPool, Input, Limits, Session, SessionTable, SessionView, Step, check_seed, int_in, validate_batch
 from dflash_trt.runtime.stats import DEFAULT_MAX_ROWS, StatsLog, stats_paths, write_parquet
 
@@ -118,10 +131,28 @@ class Executor:
     """
 
     def __init__(
-        self, backend: Backend, dims: c.Dims | None = None, max_sessions: int | None = None, stats_rows: int | None = DEFAULT_MAX_ROWS
+        self,
+        backend: Backend,
+        dims: c.Dims | None = None,
+        max_sessions: int | None = None,
+        stats_rows: int | None = DEFAULT_MAX_ROWS,
+        speculate: bool = True,
+        max_cycles: int = 8,
+        lag: bool = True,
+        cycle_graphs: bool = True,
     ) -> None:
         """``dims`` and ``max_sessions`` default to the backend's (its contract dims and pool rows);
-        ``stats_rows`` bounds each stats table in memory (None: unbounded; see ``drain_stats``)."""
+        ``stats_rows`` bounds each stats table in memory (None: unbounded; see ``drain_stats``).
+
+        ``speculate``: sessions draft by default (False: plain target decoding,
+        the autoregressive baseline through the same runtime; per session:
+        ``open_session(speculate=...)``). ``max_cycles``: cycles (or decode
+        steps) one execute may run per owner group for inputs with
+        ``max_new_tokens``. ``lag``: launch a group's next cycle before reading
+        the current one (the outputs are the same either way).
+        ``cycle_graphs``: capture each cycle as one CUDA graph where the
+        backend allows it (``Backend.capturable``).
+        """
         dims = dims if dims is not None else backend.dims
         self.ownership = backend.ownership()
         rows = self.ownership.rows.rows
@@ -139,6 +170,10 @@ class Executor:
         if stats_rows is not None and (not isinstance(stats_rows, int) or isinstance(stats_rows, bool) or stats_rows < 1):
             raise InputError(f"stats_rows must be an int >= 1 or None (unbounded), got {stats_rows!r}")
         self.log = StatsLog(stats_rows)
+        if not is_int(max_cycles) or max_cycles < 1:
+            raise InputError(f"max_cycles must be an int >= 1, got {max_cycles!r}")
+        self.speculate, self.max_cycles, self.lag = bool(speculate), max_cycles, bool(lag)
+        self.loop = DeviceLoop(backend, dims, self.context, rows, cycle_graphs)
         self.closed = False
         # Rows go back to the backend even if the executor is dropped without close().
         self._release = weakref.finalize(self, self.table.rows.give_all, self.table.held)
@@ -165,6 +200,7 @@ class Executor:
             return
         with self._call("close"):
             self.table.close_all()
+            self.loop.close()
             self.closed = True
             self._release.detach()
 
@@ -185,11 +221,14 @@ class Executor:
         """Tokens one target_prefill call takes at most (longer inputs are chunked)."""
         return self.dims.max_chunk
 
-    def open_session(self) -> int:
-        """A fresh session (empty caches, greedy sampling); SessionError when max_sessions are open."""
+    def open_session(self, speculate: bool | None = None) -> int:
+        """A fresh session (empty caches, greedy sampling); SessionError when max_sessions are open.
+
+        ``speculate`` (default: the executor's): draft, or decode with the target alone.
+        """
         with self._call("open_session"):
             self.table.room("open_session")
-            return self.table.open().id
+            return self.table.open(self.speculate if speculate is None else bool(speculate)).id
 
     def close_session(self, session: int) -> None:
         """Release a session and its row (poisoned ones too); SessionError if unknown."""
@@ -199,7 +238,7 @@ class Executor:
     def session(self, session: int) -> SessionView:
         with self._call("session"):
             s = self.table.get(session, "session", allow_poisoned=True)
-            return SessionView(s.id, s.row, s.frontier, s.draft_position, s.pending, s.sampling, s.poisoned)
+            return SessionView(s.id, s.row, s.frontier, s.draft_position, s.pending, s.sampling, s.poisoned, s.speculate)
 
     def sessions(self) -> list[int]:
         with self._call("sessions"):
@@ -236,7 +275,7 @@ class Executor:
             source = self.table.get(session, "clone.session")
             upto = int_in("clone.upto", upto, 0, source.frontier, f"(session {session}'s frontier)")
             self.table.room("clone")
-            copy = self.table.open()
+            copy = self.table.open(source.speculate)
             try:
                 self._copy_session(source, copy, upto)
             except BaseException as error:
@@ -303,26 +342,37 @@ class Executor:
             if step.rewind:
                 self._rewind(step.session, step.start)
         outputs: list[list[int]] = [[] for _ in steps]
-        anchors: dict[int, int] = {}  # step index -> anchor of its cycle
-        for step in steps:
-            if step.fast:
-                anchors[step.index] = step.tokens[0]
-                self.log.counters["pending_decode_owners"] += 1
-                continue
-            prediction = self._target_step(step)
-            if prediction is None:
-                continue
-            outputs[step.index].append(prediction)
-            if step.last and block_fits(step.session.frontier, self.dims.block_size, self.dims.max_context):
-                anchors[step.index] = prediction
-            else:
-                self.log.counters["target_decode_steps"] += step.last
-        self._speculate([s for s in steps if s.index in anchors], anchors, outputs)
+        lanes = [lane for step in steps if (lane := self._lane(step, outputs)) is not None]
+        self._decode(lanes)
+        for lane in lanes:
+            outputs[lane.step.index] = lane.tokens
+            if lane.session.frontier > lane.keep_until:  # tokens past a stop / the room were discarded
+                self._rewind(lane.session, lane.keep_until)
         for step in steps:
             if step.last:
                 # The last emitted token sits AT the new frontier, not yet fed.
                 step.session.pending = outputs[step.index][-1] if outputs[step.index] else None
         return outputs
+
+    def _lane(self, step: Step, outputs: list[list[int]]) -> Lane | None:
+        """The step's target work (prefill, unless it is a fast/decode step) and its lane in the loop, if any."""
+        s = step.session
+        if step.fast or step.decode:
+            self.log.counters["pending_decode_owners"] += step.fast
+            s.pending = None
+            return Lane(step, s, step.tokens[0], step.start + 1)
+        prediction = self._target_step(step)
+        if prediction is None:
+            return None
+        lane = Lane(step, s, prediction, s.frontier)
+        lane.add([prediction])
+        outputs[step.index] = lane.tokens
+        drafts = s.speculate and block_fits(s.frontier, self.dims.block_size, self.dims.max_context)
+        decodes = step.room is not None and s.frontier + 1 <= self.dims.max_context
+        if not step.last or lane.finished or not (drafts or decodes):
+            self.log.counters["target_decode_steps"] += step.last
+            return None
+        return lane
 
     def _rewind(self, s: Session, position: int) -> None:
         """Rewind to ``position``: target KV past it is stale (masked by length, overwritten later).
@@ -350,7 +400,10 @@ class Executor:
             out = self.backend.run(c.TARGET_PREFILL, feeds, s.row)
             self.log.counters["target_preamble_forwards"] += 1
             logits = out[c.LOGITS]  # [1, V]
-            self._commit_taps(s, out[c.TAPS][0])  # before the next chunk reuses the output
+            if s.speculate:
+                self._commit_taps(s, out[c.TAPS][0])  # before the next chunk reuses the output
+            else:
+                s.frontier = s.draft_position = s.frontier + hi - lo  # no drafting: taps are not kept
         self.log.counters["target_preamble_calls"] += 1
         if not step.produce_output:
             self.clock.release(t0)
@@ -391,74 +444,87 @@ class Executor:
         self.log.counters["draft_forwards"] += 1
         self.log.counters["warmed_context_tokens"] += rows.shape[0]
 
-    # ------------------------------------------------------------------ cycles
+    # ------------------------------------------------------------------ the loop
 
-    def _speculate(self, steps: list[Step], anchors: dict[int, int], outputs: list[list[int]]) -> None:
-        groups = pack_rows([step.session.row for step in steps], self.dims.max_owners)
-        for group in groups:
-            members = [steps[m] for m in group.members]
-            bursts = self._cycle(group.first_row, [m.session for m in members], [anchors[m.index] for m in members])
-            for member, burst in zip(members, bursts):
-                outputs[member.index].extend(burst.tokens)
+    def _decode(self, lanes: list[Lane]) -> None:
+        """Every lane's cycles (drafting sessions with a block's room) or plain decode steps, on the device."""
+        if not lanes:
+            return
+        groups = self._groups(lanes)
+        stage = [(l.session.row, l.anchor, l.session.frontier, l.session.draft_position, l.session.sampling) for l in lanes]
+        with self.loop.running():
+            self.loop.stage(stage)
+            run_bursts(groups, self._launch, self._read, self.lag)
 
-    def _cycle(self, first: int, sessions: list[Session], anchors: list[int]) -> list[Burst]:
-        """draft_n → target_verify_n → verdict → bookkeeping for n owners at rows first.. ."""
-        n, P = len(sessions), self.dims.proposals
+    def _groups(self, lanes: list[Lane]) -> list[Group]:
+        P, B, L = self.dims.proposals, self.dims.block_size, self.dims.max_context
+        shapes = {CYCLE: LoopShape(P + 1, B, L, self.max_cycles), DECODE: LoopShape(1, 1, L, self.max_cycles)}
+        by_kind: dict[str, list[Lane]] = {CYCLE: [], DECODE: []}
+        for lane in lanes:
+            s = lane.session
+            drafts = s.speculate and block_fits(s.frontier, B, L)
+            if s.speculate and not drafts:
+                lane.max_launches = 1  # the host commits a drafting session's decode taps after each step
+            by_kind[CYCLE if drafts else DECODE].append(lane)
+        groups = []
+        for kind, members in by_kind.items():
+            for packed in pack_rows([lane.session.row for lane in members], self.dims.max_owners):
+                group_lanes = [members[m] for m in packed.members]
+                sampled = any(lane.session.sampling.temperature > 0 for lane in group_lanes)
+                groups.append(Group(kind, sampled, packed.first_row, group_lanes, shapes[kind]))
+        return groups
+
+    def _launch(self, group: Group, slot: int) -> Launch:
+        return self.loop.launch(group.key, slot)
+
+    def _read(self, group: Group, launch: Launch) -> None:
+        """Host sync (the launch's event): apply its verdict to the sessions, lanes and stats."""
+        record, device_ms = self.loop.read(launch)
+        if group.kind == CYCLE:
+            self._read_cycle(group, record, device_ms)
+        else:
+            self._read_decode(group, record, device_ms)
+
+    def _read_cycle(self, group: Group, record: np.ndarray, device_ms: float) -> None:
+        P = self.dims.proposals
+        sessions = [lane.session for lane in group.lanes]
         starts = [s.frontier for s in sessions]
-        ctx_start, counts = static_context([s.draft_position for s in sessions], starts, self.dims.block_size)
-        t0 = self.clock.mark()
-        candidates = self._draft(first, anchors, ctx_start, counts)  # [n, P+1] = [anchor, d_1..d_P], device
-        t1 = self.clock.mark()
-        verify = self.backend.run(c.graph_name(c.TARGET_VERIFY, n), {c.TOKENS: candidates, c.START: self._ints(starts)}, first)
-        # Next context = taps of verify rows 0..a; rows past a are padding the static draft overwrites.
-        self.context.view(first, n)[:, : P + 1].copy_(verify[c.TAPS])  # device to device
-        verdict = self._verdict(first, sessions, verify[c.LOGITS], candidates, starts)
-        t2 = self.clock.mark()
-        # Host sync: the verdict and the proposals (token ids only, never taps) come to the host.
-        accepted, next_token = verdict[c.ACCEPTED].cpu().numpy(), verdict[c.NEXT_TOKEN].cpu().numpy()
-        bursts = make_bursts(candidates[:, 1:].cpu().numpy(), accepted, next_token, starts, self.dims.vocab_size)
-        draft_ms, verify_ms = self.clock.elapsed_ms(t0, t1), self.clock.elapsed_ms(t1, t2)
-        self.clock.release(t0, t1, t2)
-        self.log.cycle_counters(n, P, counts, bursts, self.tap_row_bytes)
+        counts = [s.frontier - s.draft_position for s in sessions]
+        accepted, tokens, proposals = record[:, ACCEPTED_COLUMN], record[:, NEXT_COLUMN], record[:, PROPOSALS_COLUMN:]
+        bursts = make_bursts(proposals, accepted, tokens, starts, self.dims.vocab_size)
+        self.log.cycle_counters(len(sessions), P, counts, bursts, self.tap_row_bytes)
         rows = []
-        for s, burst, count, start in zip(sessions, bursts, counts, starts):
+        for lane, burst, count, start in zip(group.lanes, bursts, counts, starts):
+            s = lane.session
             mode = cycle_mode(start, self.dims.block_size, self.dims.max_context, s.drained_rows)
             rows.append((s, mode, count + s.drained_rows, start, burst))
             s.draft_position, s.frontier, s.drained_rows = start, burst.frontier, 0
-        self.log.cycle_rows(rows, P, draft_ms, verify_ms)
-        return bursts
+            lane.add(burst.tokens)
+        # One device unit: the draft is not timed apart inside a cycle's graph (the whole cycle is verify_ms).
+        self.log.cycle_rows(rows, P, 0.0, device_ms)
 
-    def _draft(self, first: int, anchors: list[int], ctx_start: list[int], counts: list[int]) -> torch.Tensor:
-        """Static draft_n over the owners' pending context (the pool view, ≤ B rows each) -> candidates [n, P+1]."""
-        n, anchor = len(anchors), self._ints(anchors)
-        feeds = {
-            c.CTX_TAPS: self.context.view(first, n),  # [n, B, W], no copy
-            c.CTX_START: self._ints(ctx_start),
-            c.CTX_COUNT: self._ints(counts),
-            c.ANCHOR: anchor,
-        }
-        proposals = self.backend.run(c.graph_name(c.DRAFT, n), feeds, first)[c.PROPOSALS]  # [n, P]
-        # Our own copy: the backend's output buffer is reused by its next draft_n run.
-        return torch.cat([anchor[:, None], proposals], dim=1)
-
-    def _verdict(self, first: int, sessions: list[Session], logits, candidates, starts) -> dict[str, torch.Tensor]:
-        n = len(sessions)
-        feeds = {c.LOGITS: logits, c.CANDIDATES: candidates}
-        if all(s.sampling.temperature == 0 for s in sessions):
-            return self.backend.run(c.graph_name(c.VERIFY_ARGMAX, n), feeds, first)
-        # Verify row j of an owner chooses the token AT start + 1 + j.
-        feeds |= self._sampling_feeds([s.sampling for s in sessions], [start + 1 for start in starts])
-        return self.backend.run(c.graph_name(c.VERIFY_SAMPLE, n), feeds, first)
+    def _read_decode(self, group: Group, record: np.ndarray, device_ms: float) -> None:
+        self.log.decode_rows([lane.session for lane in group.lanes], device_ms)
+        for lane, token in zip(group.lanes, record[:, NEXT_COLUMN]):
+            s, token = lane.session, int(token)
+            if not 0 <= token < self.dims.vocab_size:
+                raise ValueError(f"decoded token of session {s.id} out of range: {token} (valid [0, {self.dims.vocab_size - 1}])")
+            if s.speculate:
+                self._commit_taps(s, self.loop.taps_out[s.row : s.row + 1])  # frontier += 1, drains if needed
+            else:
+                s.frontier += 1
+                s.draft_position = s.frontier  # no drafting: no pending context
+            lane.add([token])
 
     def _sampling_feeds(self, samplings: list[Sampling], positions: list[int]) -> dict[str, torch.Tensor]:
         """``cycles.sampling_rows`` as device tensors (small H2D copies on CUDA)."""
         return {name: torch.from_numpy(rows).to(self.device) for name, rows in sampling_rows(samplings, positions).items()}
 
-    def _ints(self, values: Sequence[int]) -> torch.Tensor:
-        """A small int64 feed built on the host (an H2D copy on CUDA; pageable, so it may block briefly)."""
-        return torch.tensor(list(values), dtype=torch.int64, device=self.device)
-
     # ------------------------------------------------------------------ stats
+
+    def clear_stats(self) -> None:
+        """Start the stats tables afresh (e.g. after a warm-up whose captures should not be timed)."""
+        self.log = StatsLog(self.log.max_rows)
 
     def cycle_stats(self) -> pl.DataFrame:
         """One row per owner per cycle (``runtime.stats.CYCLE_SCHEMA``), of the rows still in memory."""

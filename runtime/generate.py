@@ -3,8 +3,11 @@
 ``stream(executor, requests)`` yields ``Chunk``s as tokens arrive. Up to
 ``max_sessions`` requests run at once; between execute() calls finished
 sessions leave (closed) and queued requests join, so every call mixes new
-prompts (target prefill + one cycle) with running sessions' pending tokens
-(the fast path: straight to draft → verify).
+prompts (target prefill + cycles) with running sessions' pending tokens
+(the fast path: straight to draft → verify). Each input carries its
+request's remaining room and stop tokens, so one call runs up to the
+executor's ``max_cycles`` cycles per session, the device never waiting for
+the host between them.
 
 ``Batcher`` is that loop's state, shared with ``runtime.engine.Engine``
 (requests arriving from other threads); ``stream`` drives it over a fixed list.
@@ -140,11 +143,16 @@ class Batcher:
         return chunks
 
     def _next_input(self, r: _Running) -> Input:
-        """A new session's prompt, or a running session's pending token (the fast path)."""
+        """A new session's prompt, or a running session's pending token (the fast path).
+
+        With the request's remaining room and stop tokens, so the executor may run
+        several cycles in one call (and cut its output where the request ends).
+        """
+        room, stop = r.request.max_new_tokens - r.produced, r.request.stop
         if r.joined:
             r.joined = False
-            return Input(r.session, list(r.request.prompt))
-        return Input(r.session, [self.executor.session(r.session).pending])
+            return Input(r.session, list(r.request.prompt), max_new_tokens=room, stop=stop)
+        return Input(r.session, [self.executor.session(r.session).pending], max_new_tokens=room, stop=stop)
 
     def _advance(self, r: _Running, tokens: list[int]) -> Chunk:
         """Truncate at the first stop token / max_new_tokens; say whether the request is done."""

@@ -12,6 +12,7 @@ owners binds the consecutive rows of their sessions. Per session (docs/design.md
 | pending | the emitted token AT position ``frontier`` not yet fed to the target, or None |
 | sampling | temperature / top_k / top_p / seed (``export.sampling.Sampling``) |
 | poisoned | a failure after mutation left the caches unknown: refused until closed |
+| speculate | drafts (DFlash cycles) or plain target decoding only (its taps are never kept) |
 
 ``validate_batch`` checks every input of a batch against this state and
 returns a plan without touching anything; the executor mutates only after it
@@ -45,6 +46,7 @@ class Session:
     sampling: Sampling = GREEDY
     poisoned: bool = False
     drained_rows: int = 0  # context rows drained through the dynamic draft since the last cycle (stats)
+    speculate: bool = True  # False: plain target decoding; the draft and the context pool are never used
 
     @property
     def pending_rows(self) -> int:
@@ -62,6 +64,7 @@ class SessionView:
     pending: int | None
     sampling: Sampling
     poisoned: bool
+    speculate: bool = True
 
 
 class ContextPool:
@@ -102,8 +105,8 @@ class SessionTable:
         self.sessions: dict[int, Session] = {}
         self.next_id = 0
 
-    def open(self) -> Session:
-        session = Session(self.next_id, self.rows.take())
+    def open(self, speculate: bool = True) -> Session:
+        session = Session(self.next_id, self.rows.take(), speculate=speculate)
         self.held.add(session.row)
         self.sessions[session.id] = session
         self.next_id += 1
@@ -152,6 +155,13 @@ class Input:
     frontier minus ``offset`` (append). ``size`` None means the rest of
     ``tokens``. ``produce_output``: return the target's next token (and run
     a speculative cycle after it).
+
+    ``max_new_tokens`` None: one step, as the seed's executor (the target's
+    prediction and at most one cycle). An int N lets the executor run several
+    cycles (or plain decode steps) in this call and return up to N tokens,
+    through the first of ``stop`` (kept); tokens it computed past that are
+    discarded and the session rewound, so the output equals the one-step
+    calls'. Only with ``produce_output``.
     """
 
     session: int
@@ -160,6 +170,8 @@ class Input:
     size: int | None = None
     position: int | None = None
     produce_output: bool = True
+    max_new_tokens: int | None = None
+    stop: Sequence[int] = ()
 
 
 @dataclass
@@ -174,6 +186,9 @@ class Step:
     produce_output: bool
     last: bool = False  # the session's last input in the batch (may seed a cycle)
     fast: bool = False  # exactly the session's pending token: skip the target, speculate at once
+    decode: bool = False  # one token, no speculation from it: a plain decode step (target_decode_n)
+    room: int | None = None  # max_new_tokens (None: one step)
+    stop: frozenset[int] = frozenset()
 
     @property
     def end(self) -> int:
@@ -187,7 +202,7 @@ class Limits:
     block: int
 
 
-_FIELDS = ("session", "tokens", "offset", "size", "position", "produce_output")
+_FIELDS = ("session", "tokens", "offset", "size", "position", "produce_output", "max_new_tokens", "stop")
 
 
 def validate_batch(table: SessionTable, batch, limits: Limits) -> list[Step]:
@@ -242,9 +257,15 @@ def _validate_input(index: int, item: Input, table: SessionTable, limits: Limits
     if not isinstance(item.produce_output, (bool, np.bool_)):
         msg = f"{where}.produce_output must be a bool, got {item.produce_output!r}"
         raise InputError(msg)
+    room = None if item.max_new_tokens is None else int_in(f"{where}.max_new_tokens", item.max_new_tokens, 1, None)
+    if room is not None and not item.produce_output:
+        msg = f"{where}.max_new_tokens needs produce_output=True (an input without output returns no tokens), got {room}"
+        raise InputError(msg)
+    stop = frozenset(token_ids(f"{where}.stop", item.stop, limits.vocab_size))
     cursors[session.id] = start + size
     chosen = tokens[offset : offset + size]
-    return Step(index, session, chosen, start, first and start < session.frontier, bool(item.produce_output))
+    rewind = first and start < session.frontier
+    return Step(index, session, chosen, start, rewind, bool(item.produce_output), room=room, stop=stop)
 
 
 def token_ids(where: str, tokens, vocab_size: int) -> list[int]:
@@ -277,7 +298,9 @@ def int_in(name: str, value, low: int, high: int | None, note: str = "") -> int:
 
 
 def _mark_last_and_fast(steps: list[Step], limits: Limits) -> None:
-    """``last``: the session's final input; ``fast``: its only input, exactly its pending token."""
+    """``last``: the session's final input; ``fast``: its only input, exactly its pending token, and
+    the session drafts with room for a block; ``decode``: its only input, one token, that will not
+    seed a cycle (the session does not speculate, or no block fits): a plain decode step."""
     count: dict[int, int] = {}
     for step in steps:
         count[step.session.id] = count.get(step.session.id, 0) + 1
@@ -287,11 +310,7 @@ def _mark_last_and_fast(steps: list[Step], limits: Limits) -> None:
         seen[sid] = seen.get(sid, 0) + 1
         step.last = seen[sid] == count[sid]
         s = step.session
-        step.fast = (
-            count[sid] == 1
-            and step.produce_output
-            and len(step.tokens) == 1
-            and step.start == s.frontier
-            and s.pending == step.tokens[0]
-            and block_fits(s.frontier, limits.block, limits.max_context)
-        )
+        single = count[sid] == 1 and step.produce_output and len(step.tokens) == 1
+        drafts = s.speculate and block_fits(step.start, limits.block, limits.max_context)
+        step.fast = single and drafts and step.start == s.frontier and s.pending == step.tokens[0]
+        step.decode = single and not drafts

@@ -288,6 +288,23 @@ class StatsLog:
             temperature=s.sampling.temperature,
         )
 
+    def decode_rows(self, sessions: list[Session], device_ms: float) -> None:
+        """One plain decode step (``target_decode_n``) of ``sessions``: a token each, at its frontier + 1."""
+        shared = self._shared(len(sessions), TARGET, 0.0, device_ms)
+        self.counters["target_decode_steps"] += len(sessions)
+        for s in sessions:
+            self.staged.append(
+                **shared,
+                session=s.id,
+                context_rows=0,
+                proposed=0,
+                accepted=0,
+                bonus=False,
+                emitted=1,
+                position=s.frontier,
+                temperature=s.sampling.temperature,
+            )
+
     def commit(self, inputs: int, target_tokens: int, pending_decode: bool) -> None:
         """The batch succeeded: its cycle rows and one execute row land."""
         with self.lock:

@@ -185,8 +185,8 @@ class Tracker:
         self.pending: dict[int, bool] = {}
         self.sampling: dict[int, Sampling] = {}
 
-    def open(self) -> int:
-        s = self.executor.open_session()
+    def open(self, speculate: bool | None = None) -> int:
+        s = self.executor.open_session(speculate)
         self.seq[s], self.pending[s], self.sampling[s] = [], False, Sampling()
         return s
 
@@ -213,12 +213,17 @@ class Tracker:
         self.sampling[s] = sampling
 
     def execute(self, inputs: list[tuple]) -> list[list[int]]:
-        """inputs: (session, tokens, position or None, produce_output)."""
+        """inputs: (session, tokens, position or None, produce_output[, {max_new_tokens, stop}])."""
         from dflash_trt.runtime.sessions import Input
 
-        batch = [Input(s, list(tokens), position=position, produce_output=produce) for s, tokens, position, produce in inputs]
+        extras = [item[4] if len(item) > 4 else {} for item in inputs]
+        inputs = [item[:4] for item in inputs]
+        batch = [Input(s, list(tokens), position=position, produce_output=produce, **extra) for (s, tokens, position, produce), extra in zip(inputs, extras)]
         outputs = self.executor.execute(batch)
-        for (s, tokens, position, produce), out in zip(inputs, outputs):
+        for (s, tokens, position, produce), out, extra in zip(inputs, outputs, extras):
+            room, stop = extra.get("max_new_tokens"), set(extra.get("stop", ()))
+            assert room is None or len(out) <= room, (s, out, room)
+            assert not stop & set(out[:-1]), f"session {s} returned tokens past a stop token: {out}"
             p = self.frontier(s) if position is None else position
             fed = self.seq[s][:p] + list(tokens)
             assert (len(out) >= 1) == produce, (s, out)

@@ -182,7 +182,7 @@ def _written(spec: c.GraphSpec, feeds: dict, dims: c.Dims) -> list[tuple[int, in
     return [(s, s + tokens) for s in feeds[c.START].tolist()]
 
 
-@pytest.mark.parametrize("graph", ["target_prefill", "draft_context", "target_verify_2", "draft_2", "draft_3"])
+@pytest.mark.parametrize("graph", ["target_prefill", "draft_context", "target_verify_2", "target_decode_3", "draft_2", "draft_3"])
 def test_in_place_writes_touch_only_the_owners_slots(pair, backend, graph):
     """Bug: a graph writes other sessions' rows, slots outside its tokens, or the other pool
     (e.g. a view that is not at first_row, a copy-back of a whole row, a padding row landing past the block)."""
@@ -193,7 +193,7 @@ def test_in_place_writes_touch_only_the_owners_slots(pair, backend, graph):
     before = pool_state(backend)
     backend.run(name, to(feeds, backend.device), first)
     after = pool_state(backend)
-    pool = "target" if spec.kind in (c.TARGET_PREFILL, c.TARGET_VERIFY) else "draft"
+    pool = "target" if spec.kind in (c.TARGET_PREFILL, c.TARGET_VERIFY, c.TARGET_DECODE) else "draft"
     expected = torch.zeros(ROWS, dims.max_context, dtype=torch.bool)
     for owner, (lo, hi) in enumerate(_written(spec, feeds, dims)):
         expected[first + owner, lo:hi] = True

@@ -49,6 +49,26 @@ def test_run_command_writes_reference_outputs_and_stats(exported_pair, prompt_fi
     assert figures["prompts"] == 4 and figures["tokens"] == sum(len(r["tokens"]) for r in rows) and figures["tau"] > 1
 
 
+def test_bench_runs_both_modes_on_the_same_prompts_and_report_compares_them(exported_pair, prompt_file, tmp_path, capsys):
+    """Guards against the AR baseline and DFlash being measured differently (other prompts, limits or
+    stats) or the baseline drafting: both write outputs + stats, plain decoding logs only target rows
+    and gives the same greedy tokens, and `report --baseline` renders the speedup from the two files."""
+    out = tmp_path / "bench"
+    args = ["bench", "--artifacts", str(exported_pair.out), "--prompts", str(prompt_file), "--out", str(out),
+            "--max-new-tokens", "12", "--max-sessions", "2", "--threads", "1", "--no-warmup"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["identical_outputs"] == result["prompts"] == 4  # fp32 greedy: the same tokens
+    assert result["ar"]["tau"] is None and result["dflash"]["tau"] > 1
+    assert result["speedup"] == pytest.approx(result["dflash"]["tokens_per_s"] / result["ar"]["tokens_per_s"], rel=1e-2)
+    ar, dflash = (pl.read_parquet(out / mode / "stats.parquet") for mode in ("ar", "dflash"))
+    assert set(ar["mode"]) == {"target"} and set(dflash["mode"]) > {"target"}
+    assert result["ar"]["tokens"] == result["dflash"]["tokens"] and ar["emitted"].sum() >= result["ar"]["tokens"]
+    assert main(["report", str(out / "dflash" / "stats.parquet"), "--baseline", str(out / "ar" / "stats.parquet")]) == 0
+    headline = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert headline["speedup"] is not None and headline["baseline_tokens_per_s"] > 0
+
+
 def test_run_command_refuses_text_without_tokenizer(exported_pair, tmp_path, capsys):
     """Guards against a traceback (instead of a message naming the line and the fix) for text prompts
     when no tokenizer.json is found."""

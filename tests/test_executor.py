@@ -243,6 +243,38 @@ def test_stats_count_every_token_and_tau_matches_reference(tiny, tmp_path):
     assert pl.read_parquet(paths[0]).equals(cycles) and pl.read_parquet(paths[1]).equals(executes)
 
 
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
+def test_budgeted_executes_cut_rewind_and_continue_losslessly(tiny, oracle, backend):
+    """Guards against a wrong rewind after a multi-cycle execute discards tokens past a stop token or
+    max_new_tokens (a cycle in flight when the stop was read): the next calls must continue from the
+    last returned token with the reference's output, for drafting and plain-decoding sessions sharing
+    batches, greedy and sampled, through the context end (plain decode of a drafting session)."""
+    executor, backend = new_executor(tiny, 6, backend)
+    executor.max_cycles = 5
+    t = Tracker(executor, oracle)
+    drafting, plain = [t.open() for _ in range(3)], [t.open(speculate=False) for _ in range(2)]
+    t.set_sampling(drafting[1], SAMPLED)
+    t.set_sampling(plain[1], SAMPLED)
+    sessions = drafting + plain
+    execute = checked(tiny, t, backend)
+    execute([(s, prompt(4 + 5 * s, s), None, True, {"max_new_tokens": 3 + s}) for s in sessions])
+    for call in range(40):
+        live = [s for s in sessions if t.frontier(s) + 1 <= executor.dims.max_context]
+        if not live:
+            break
+        extra = [{"max_new_tokens": 1 + (call + s) % 9} for s in live]
+        for s, e in zip(live, extra):  # a stop token a few tokens ahead, every other call
+            ahead = oracle.continuation(t.seq[s], t.sampling[s])[1 : 2 + (call + s) % 4]
+            if (call + s) % 2 and ahead:
+                e["stop"] = [ahead[-1]]
+        execute([item + (e,) for item, e in zip(t.decode_inputs(live), extra)])
+    assert not live
+    stats = executor.cycle_stats()
+    plain_rows = stats.filter(pl.col("session").is_in(plain))
+    assert set(plain_rows["mode"]) == {"target"} and set(stats.filter(pl.col("session").is_in(drafting))["mode"]) >= {"static", "target"}
+    assert not [d for d in backend.drafts if d[0] in {executor.session(s).row for s in plain}]
+
+
 def snapshot(executor: Executor) -> list:
     return [executor.session(s) for s in executor.sessions()]
 
@@ -265,6 +297,9 @@ def snapshot(executor: Executor) -> list:
         (lambda s, v: [Input(s, [1], position=-2)], InputError, ["input[0].position", ">= 0", "-2"]),
         (lambda s, v: [], InputError, ["non-empty"]),
         (lambda s, v: [{"session": s, "tokens": [1], "colour": 3}], InputError, ["input[0]", "colour"]),
+        (lambda s, v: [Input(s, [1], max_new_tokens=0)], InputError, ["input[0].max_new_tokens", ">= 1", "0"]),
+        (lambda s, v: [Input(s, [1], max_new_tokens=4, produce_output=False)], InputError, ["input[0].max_new_tokens", "produce_output"]),
+        (lambda s, v: [Input(s, [1], max_new_tokens=4, stop=[3, 97])], InputError, ["input[0].stop[1]", "[0, 96]", "97"]),
     ],
 )
 def test_invalid_batches_are_refused_and_change_nothing(tiny, oracle, make_batch, error, words):

@@ -79,8 +79,8 @@ def random_inputs(spec: contract.GraphSpec, dims: contract.Dims, rng: np.random.
     n, V, L, B, P = spec.owners or 1, dims.vocab_size, dims.max_context, dims.block_size, dims.proposals
     dtype = NUMPY_DTYPES[dims.dtype]
     feeds = _caches(spec, rng, dtype)
-    if spec.kind in (contract.TARGET_PREFILL, contract.TARGET_VERIFY):
-        tokens = 5 if spec.kind == contract.TARGET_PREFILL else P + 1
+    if spec.kind in (contract.TARGET_PREFILL, contract.TARGET_VERIFY, contract.TARGET_DECODE):
+        tokens = {contract.TARGET_PREFILL: 5, contract.TARGET_DECODE: 1}.get(spec.kind, P + 1)
         start = rng.integers(0, L - tokens + 1, n)
         feeds |= {contract.TOKENS: rng.integers(0, V, (n, tokens)), contract.START: start}
         return feeds, [(s, s + tokens) for s in start]
@@ -215,10 +215,13 @@ def test_graphs_pass_checker_and_use_only_standard_opset_24(exported_pair):
         writes = {
             contract.TARGET_PREFILL: 2 * dims.target_layers,
             contract.TARGET_VERIFY: 2 * dims.target_layers,
+            contract.TARGET_DECODE: 2 * dims.target_layers,
             contract.DRAFT_CONTEXT: 2 * dims.draft_layers,
             contract.DRAFT: 2 * dims.draft_layers,  # context rows and block fused: one write per cache
         }.get(kind, 0)
-        attentions = {contract.TARGET_PREFILL: dims.target_layers, contract.TARGET_VERIFY: dims.target_layers, contract.DRAFT: dims.draft_layers}
+        attentions = {contract.DRAFT: dims.draft_layers} | dict.fromkeys(
+            (contract.TARGET_PREFILL, contract.TARGET_VERIFY, contract.TARGET_DECODE), dims.target_layers
+        )
         assert ops["TensorScatter"] == writes, name
         outputs = {o.name for o in model.graph.output}
         scatters = [node for node in model.graph.node if node.op_type == "TensorScatter"]

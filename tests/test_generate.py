@@ -125,3 +125,85 @@ def test_generate_text_prompts_seeds_and_defaults(tiny, oracle):
         assert completion.text == tokenizer.decode(completion.tokens)
     with pytest.raises(InputError, match="no tokenizer"):
         generate(executor, ["text"])
+
+
+def burst_requests(oracle: Oracle, prompts: list[list[int]]) -> list[Request]:
+    """Requests whose stop tokens land a few tokens into a continuation (mid-burst for multi-cycle
+    executes), one cut by length, sampled ones, and one that runs into the context end."""
+    conts = [oracle.continuation(p) for p in prompts[:3]]
+    return [
+        Request(prompts[0], 40, stop=(conts[0][6],)),
+        Request(prompts[1], 40, stop=(conts[1][9],)),
+        Request(prompts[2], 60),  # context end
+        Request([5, 6, 7], 13),
+        Request(list(range(10, 30)), 30, temperature=0.9, top_k=10, seed=11),
+        Request([9] * 12, 25, stop=(3, 4), temperature=1.2, top_p=0.8, seed=3),
+    ]
+
+
+def collect(executor: Executor, requests: list[Request]) -> list[tuple[list[int], str]]:
+    got = [([], None) for _ in requests]
+    for chunk in stream(executor, requests):
+        got[chunk.index] = (got[chunk.index][0] + chunk.tokens, chunk.finish)
+    return got
+
+
+def oracle_backend(tiny, oracle: Oracle, requests: list[Request]):
+    """ONNX Runtime whose draft proposes the reference's continuation (a wrong token at varying
+    places): cycles accept 0..P, so stops land inside multi-token cycles. Request i runs in row i."""
+    from executor_fixtures import RecordingBackend
+
+    backend = RecordingBackend(tiny.ort)
+    for row, r in enumerate(requests):
+        sampling = Sampling(r.temperature, r.top_k, r.top_p, r.seed)
+        backend.truth[row] = list(r.prompt) + oracle.continuation(list(r.prompt), sampling)
+    return backend
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", pytest.param("torch-cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("lag", [True, False])
+def test_multi_cycle_executes_equal_one_cycle_at_a_time(tiny, oracle, backend, lag):
+    """Guards against the multi-cycle loop changing output: stop tokens and max_new_tokens found a
+    cycle late (the next cycle already launched) or inside a multi-token cycle, extra tokens discarded
+    and sessions rewound, device-side anchors/positions/uniform lookups, pinned-memory reads; outputs
+    must equal the one-cycle-per-call executor's and the reference's, with and without lag (on CUDA:
+    the torch backend, one captured graph per cycle)."""
+    requests = burst_requests(oracle, tiny.prompts)
+    want = [expected(oracle, r) for r in requests]
+    assert collect(Executor(tiny.ort, max_sessions=3, max_cycles=1, lag=False), requests) == want
+    if backend == "onnxruntime":
+        executor = Executor(oracle_backend(tiny, oracle, requests[:3]), tiny.dims, max_sessions=3, max_cycles=6, lag=lag)
+    else:
+        import copy
+
+        from dflash_trt.runtime.backends.torch_backend import TorchBackend
+
+        # The backend moves its models to the GPU: copies, so the CPU oracle keeps the originals.
+        gpu = TorchBackend(copy.deepcopy(tiny.target), copy.deepcopy(tiny.draft), tiny.dims, 3, device="cuda")
+        executor = Executor(gpu, max_sessions=3, max_cycles=6, lag=lag)
+    assert collect(executor, requests) == want
+    cycles = executor.cycle_stats()
+    per_call = cycles.group_by("batch_id", "session").agg(cycles=cycles["cycle_id"].n_unique())
+    assert per_call["cycles"].max() > 1  # executes really ran several cycles
+    discarded = cycles["emitted"].sum() - sum(len(tokens) for tokens, _ in want)
+    assert discarded > 0 if lag else discarded >= 0  # with lag, a stop is always read a cycle late
+    if backend == "onnxruntime":
+        assert cycles["accepted"].max() >= 3  # multi-token cycles
+    else:
+        assert executor.loop.captured and executor.loop.timeline.launches > len(executor.loop.captured)  # replays
+        executor.close()
+        executor.backend.close()
+
+
+def test_plain_decoding_mode_equals_reference_and_never_drafts(tiny, oracle):
+    """Guards against the autoregressive baseline (speculate=False) diverging from the target, drafting
+    anyway (draft graphs run, taps kept) or logging anything but plain-decode rows."""
+    from executor_fixtures import RecordingBackend
+
+    requests = burst_requests(oracle, tiny.prompts)
+    backend = RecordingBackend(tiny.ort)
+    executor = Executor(backend, tiny.dims, max_sessions=3, speculate=False, max_cycles=5)
+    assert collect(executor, requests) == [expected(oracle, r) for r in requests]
+    assert set(backend.counts) == {"target_prefill", "target_decode"}
+    assert set(executor.cycle_stats()["mode"]) == {"target"}
+    assert int(executor.execute_stats()["hidden_rows_d2d"].sum()) == 0

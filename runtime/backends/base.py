@@ -21,6 +21,12 @@ the caller's stream after them, with device-side waits (no host sync); a
 caller that runs its own torch ops on ``backend.stream.torch`` skips the
 waits.
 
+Whole-cycle capture: a backend whose ``capturable`` is True lets a caller
+record several ``run`` calls into ONE CUDA graph of its own (the executor's
+per-cycle graphs): inside ``plain_runs()``, ``run`` enqueues its work
+directly on the backend's stream (no CUDA graph of its own, no host sync, no
+allocation outside torch's allocator or memory allocated at load).
+
 Backends: ``torch`` (the contract's PyTorch graph modules, eager or CUDA
 graphs), ``onnxruntime`` (the exact exported ONNX files; CPU provider, or the
 CUDA provider bound to device-layer memory), ``tensorrt`` (engine sets from
@@ -31,8 +37,8 @@ one by name.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
-from contextlib import nullcontext
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -50,6 +56,7 @@ class Backend(ABC):
     max_sessions: int  # rows of each pool
     pools: dict  # "target" / "draft" -> pools.CachePool (per-layer K/V views; tests and debugging read them)
     stream: object | None = None  # streams.BackendStream on CUDA
+    capturable: bool = False  # run() may be recorded into a caller's CUDA graph (inside plain_runs())
 
     @classmethod
     def open(cls, *args, **kwargs) -> Backend:
@@ -91,6 +98,11 @@ class Backend(ABC):
     def ownership(self) -> Ownership:
         """Rows and call guard shared by every executor over this backend (``runtime.ownership``)."""
         return ownership_of(self, self.max_sessions)
+    @contextmanager
+    def plain_runs(self) -> Iterator[None]:
+        """Within the block, ``run`` enqueues its work directly (no CUDA graph of its own), so a
+        caller on ``stream.torch`` can capture several runs into one graph (see ``capturable``)."""
+        yield
 
     def synchronize(self) -> None:
         """Wait for all work enqueued by this backend (a host sync point)."""

@@ -28,6 +28,7 @@ from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 POOL_OF_KIND: dict[str, str | None] = {
     c.TARGET_PREFILL: "target",
     c.TARGET_VERIFY: "target",
+    c.TARGET_DECODE: "target",
     c.DRAFT_CONTEXT: "draft",
     c.DRAFT: "draft",
     c.VERIFY_ARGMAX: None,

@@ -30,14 +30,18 @@ and outputs are allocated once per graph name and shared by all its
 captures; captured intermediates share one private memory pool. Captures are
 made lazily, on a (graph, first_row)'s first use: at most
 ``sum(max_sessions - n + 1)`` per cache-using kind. A device-side first row
-would need a ``rows`` input in the contract (or a cycle-level capture by the
-executor over static feeds, for which ``cuda_graphs=False`` makes every
-``run`` capturable: no host syncs, no allocation outside torch's allocator).
+would need a ``rows`` input in the contract.
+
+Whole-cycle capture (``capturable`` on CUDA): inside ``plain_runs()`` every
+``run`` is the eager module on the backend's stream, so the executor can
+record draft → verify → verdict → bookkeeping as one CUDA graph of its own
+(no host syncs, no allocation outside torch's allocator).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -89,6 +93,7 @@ class TorchBackend(Backend):
             ops = default_ops(self.device) if isinstance(kernels, str) else kernels
             self.modules |= fast_path(self.specs, self.target, self.draft, dims, ops)
         self.stream = self.pools = self.graphs = None
+        self.plain = False  # inside plain_runs(): no StaticGraphs replay
         try:
             self._allocate(dtype, cuda_graphs)
         except BaseException:
@@ -102,6 +107,7 @@ class TorchBackend(Backend):
 
             self.stream = BackendStream()
             device_stream = self.stream.device_stream
+            self.capturable = True
         self.pools = allocate_pools(pool_shapes(self.dims, self.max_sessions, dtype), self.device, device_stream)
         if self.stream is not None and cuda_graphs:
             self.graphs = StaticGraphs(self.stream.torch, self._eager)
@@ -136,11 +142,19 @@ class TorchBackend(Backend):
         if self.stream is None:
             return self._eager(spec, feeds, first_row)  # CPU: finished on return
         with self.stream.scope():
-            if self.graphs is not None and spec.owners is not None:
+            if self.graphs is not None and spec.owners is not None and not self.plain:
                 return self.graphs.run(spec, feeds, first_row)
             outputs = self._eager(spec, feeds, first_row)
             self.stream.hand_over(outputs.values())
             return outputs
+
+    @contextmanager
+    def plain_runs(self) -> Iterator[None]:
+        previous, self.plain = self.plain, True
+        try:
+            yield
+        finally:
+            self.plain = previous
 
     def close(self) -> None:
         """Drop captures, wait for the stream (host sync), free the pools, close the stream."""

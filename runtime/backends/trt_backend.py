@@ -20,7 +20,10 @@ torch backend, one capture per (graph, first_row) over per-graph static input
 buffers (feeds are copied in on the stream), made after one real warm-up
 enqueue, as TensorRT requires. A context that says it cannot be captured
 (``is_stream_capturable``: TensorRT-RTX, e.g. data-dependent shapes) runs
-eagerly instead.
+eagerly instead. Inside ``plain_runs()`` a run is a plain
+``execute_async_v3`` (``capturable`` when every context may be captured):
+the executor records it into its own per-cycle graph, after a real enqueue
+of the same cycle.
 
 This backend runs wherever TensorRT runs a plan for the GPU at hand
 (TensorRT-RTX, for one, does not run on Hopper; docs/design.md §7). Without
@@ -30,7 +33,8 @@ saying which is missing.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -80,6 +84,7 @@ class TensorRTBackend(Backend):
         self.runtime_cache_dir = Path(runtime_cache_dir) if runtime_cache_dir else None
         self.stream = self.pools = self.engine_set = self.scratch = None
         self.contexts: dict[str, EngineContext] = {}
+        self.plain = False  # inside plain_runs(): no per-graph CUDA graph replay
         try:
             self.engine_set = load_engine_set(self.directory, self.specs, flavour)
             self._allocate(cuda, cuda_graphs)
@@ -118,7 +123,20 @@ class TensorRTBackend(Backend):
         with self.stream.scope():
             if pool is not None:
                 context.bind_caches(first_row, self.pools[pool].interleaved(first_row, owner_rows(spec)))
-            return context.run(feeds, sizes, first_row)
+            return context.run(feeds, sizes, first_row, replay=not self.plain)
+
+    @property
+    def capturable(self) -> bool:
+        """A caller may capture runs into its own graph: every context must allow stream capture."""
+        return bool(self.contexts) and all(context._capturable() for context in self.contexts.values())
+
+    @contextmanager
+    def plain_runs(self) -> Iterator[None]:
+        previous, self.plain = self.plain, True
+        try:
+            yield
+        finally:
+            self.plain = previous
 
     def close(self) -> None:
         """Host sync (the stream), then contexts, engines, pools, stream, in that order."""
@@ -195,9 +213,12 @@ class EngineContext:
             self._address(c.present_of(s.name), view.data_ptr())  # in place: same memory
         self.bound_row = first_row
 
-    def run(self, feeds: Mapping[str, torch.Tensor], sizes: dict[str, int], first_row: int) -> dict[str, torch.Tensor]:
-        """Enqueue on the stream (current torch stream = ours); returns views of the output buffers. No host sync."""
-        if self.static_inputs and self._capturable():
+    def run(self, feeds: Mapping[str, torch.Tensor], sizes: dict[str, int], first_row: int, replay: bool = True) -> dict[str, torch.Tensor]:
+        """Enqueue on the stream (current torch stream = ours); returns views of the output buffers. No host sync.
+
+        ``replay`` False: a plain enqueue even where this context has CUDA graphs (a caller captures it).
+        """
+        if self.static_inputs and replay and self._capturable():
             self._replay(feeds, first_row)
         else:
             self._bind_inputs(feeds)

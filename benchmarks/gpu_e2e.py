@@ -1,0 +1,252 @@
+"""The product's own speedup on a GPU: plain decoding vs DFlash through Executor + generate.
+
+    python benchmarks/gpu_e2e.py [--quick] [--out DIR] [--pairs default,8b]
+    python benchmarks/gpu_e2e.py --device cpu --quick --new-tokens 16   # a smoke run of the script itself
+
+For each case (pair, dtype, sessions, temperature) one torch backend on CUDA
+serves the same prompts twice per mode, first to capture the CUDA graphs
+(untimed), then timed with fresh stats: the AR mode (``Executor(...,
+speculate=False)``: prefill, then ``target_decode_n`` steps) and DFlash
+(cycles). Figures per mode: tokens/s (tokens returned / wall seconds of
+``generate``), τ, device-busy seconds (every timed call: prefill and the
+loop's launches), host overhead fraction = (wall − device busy) / wall, GPU
+idle fraction between consecutive launches of one execute, device ms per
+launch (a cycle or a decode step).
+
+Pairs:
+
+- ``default``: the shipped pair (export/default_pair), fp32 and bf16, its
+  held-out prompts (last 192 tokens), 128 new tokens, its stop tokens;
+- ``8b``: the Qwen3-8B shape (36 layers, hidden 4096, 32/8 heads, head dim
+  128, FFN 12288, vocab 151936) with a 5-layer block-16 draft tapping layers
+  1, 9, 17, 25, 33, random bf16 weights made on the device: τ is meaningless
+  there (the draft is random), the cost of a cycle against a decode step is not.
+
+Needs no Polars (the stats are read from the executor's column lists). Writes
+one JSON line per case to OUT/gpu_e2e.jsonl as it goes (the keys of
+benchmarks/results.jsonl), prints a table, and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_trt.export.contract import Dims
+from dflash_trt.export.pair import DEFAULT_PAIR_DIR, load_pair
+from dflash_trt.runtime.backends.torch_backend import TorchBackend
+from dflash_trt.runtime.executor import Executor
+from dflash_trt.runtime.generate import Request, stream
+
+PROMPT_TOKENS, NEW_TOKENS = 192, 128
+PROMPTS_PER_SESSION = {1: 6, 4: 4, 16: 3}  # prompts = sessions x this (continuous batching past 1)
+
+
+# ---------------------------------------------------------------------- pairs
+
+
+def default_pair(dtype: torch.dtype):
+    """(target, draft, prompts, stop) of the shipped pair: held-out prompts, last PROMPT_TOKENS each."""
+    from dflash_trt.export.tokenizer import Tokenizer
+
+    target, draft = load_pair(DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft", dtype=dtype)
+    tokenizer = Tokenizer.from_dir(DEFAULT_PAIR_DIR / "target")
+    rows = [json.loads(line) for line in (DEFAULT_PAIR_DIR / "prompts.jsonl").read_text().splitlines() if line.strip()]
+    prompts = [(tokenizer.encode(r["prompt"]) if "prompt" in r else r["tokens"])[-PROMPT_TOKENS:] for r in rows]
+    return target, draft, prompts, tuple(tokenizer.stop_ids)
+
+
+def qwen3_8b_shape(dtype: torch.dtype):
+    """Random Qwen3-8B-shaped target + 5-layer draft, built on the GPU (nothing to download)."""
+    from dflash_trt.export.config import DraftConfig, RopeConfig, TargetConfig
+    from dflash_trt.export.draft import DraftModel
+    from dflash_trt.export.layers import Rotary, inverse_frequencies
+    from dflash_trt.export.target import TargetModel
+
+    common = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_heads=32, num_kv_heads=8, head_dim=128,
+                  rms_norm_eps=1e-6, rope=RopeConfig(theta=1e6), attention_bias=False, mlp_bias=False, qk_norm=True)
+    taps = (1, 9, 17, 25, 33)
+    target_config = TargetConfig(num_layers=36, windows=(0,) * 36, max_position_embeddings=40960, **common)
+    draft_config = DraftConfig(num_layers=5, windows=(0,) * 5, block_size=16, num_target_layers=36, target_layer_ids=taps,
+                               mask_token_id=151669, **common)
+    models = []
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    for build in (lambda: TargetModel(target_config, taps), lambda: DraftModel(draft_config)):
+        with torch.device("meta"):
+            model = build()
+        model = model.to_empty(device="cuda").to(dtype)
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                parameter.data.fill_(1.0)
+            else:
+                parameter.data.normal_(0.0, 0.02, generator=generator)
+        for module in model.modules():
+            if isinstance(module, Rotary):
+                module.inv_freq = inverse_frequencies(module.rope, module.head_dim).cuda()
+        models.append(model.eval())
+    prompts = torch.randint(0, 151936, (64, PROMPT_TOKENS), generator=torch.Generator().manual_seed(1)).tolist()
+    return models[0], models[1], prompts, ()
+
+
+def dims_of(target, draft, owners: int, dtype: torch.dtype) -> Dims:
+    """The export's dims (max_context: min(4096, the target's max positions), chunks of 512), ``owners`` per call."""
+    from dflash_trt.export.exporter import ExportOptions, contract_dims
+
+    max_context = min(4096, target.config.max_position_embeddings)
+    label = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    options = ExportOptions(max_owners=owners, max_context=max_context, max_chunk=512, proposals=draft.config.block_size - 1, dtype=label)
+    return contract_dims(target, draft, options)
+
+
+# ---------------------------------------------------------------------- one mode
+
+
+def serve(executor: Executor, requests: list[Request], sessions: int) -> tuple[list[list[int]], float]:
+    tokens = [[] for _ in requests]
+    executor.backend.synchronize()
+    started = time.perf_counter()
+    for chunk in stream(executor, requests, sessions):
+        tokens[chunk.index] += chunk.tokens
+    return tokens, time.perf_counter() - started
+
+
+def figures(executor: Executor, tokens: list[list[int]], seconds: float) -> dict:
+    """The run's figures from the executor's stats columns (no Polars)."""
+    columns = executor.log.cycles.columns
+    speculative = [e for e, mode in zip(columns["emitted"], columns["mode"]) if mode != "target"]
+    per_call = {}
+    for cycle, draft_ms, verify_ms in zip(columns["cycle_id"], columns["draft_ms"], columns["verify_ms"]):
+        per_call[cycle] = draft_ms + verify_ms
+    busy_s = sum(per_call.values()) / 1000
+    timeline = executor.loop.timeline
+    returned = sum(len(t) for t in tokens)
+    return {
+        "tokens": returned,
+        "seconds": round(seconds, 4),
+        "tokens_per_s": round(returned / seconds, 1),
+        "tau": round(sum(speculative) / len(speculative), 3) if speculative else None,
+        "launches": timeline.launches,
+        "device_ms_per_launch": round(timeline.busy_ms / timeline.launches, 4) if timeline.launches else None,
+        "wall_ms_per_launch": round(seconds * 1000 / timeline.launches, 4) if timeline.launches else None,
+        "host_overhead_fraction": round(max(0.0, 1 - busy_s / seconds), 4),
+        "gpu_idle_fraction": round(timeline.idle_ms / (timeline.busy_ms + timeline.idle_ms), 4) if timeline.launches else None,
+        "captured_graphs": len(executor.loop.captured),
+    }
+
+
+def run_mode(backend, requests: list[Request], sessions: int, speculate: bool, max_cycles: int) -> tuple[dict, list[list[int]]]:
+    with Executor(backend, max_sessions=sessions, speculate=speculate, max_cycles=max_cycles) as executor:
+        serve(executor, requests, sessions)  # warm-up: every graph this workload needs is captured here
+        executor.clear_stats()
+        executor.loop.timeline.reset()
+        tokens, seconds = serve(executor, requests, sessions)
+        return figures(executor, tokens, seconds), tokens
+
+
+# ---------------------------------------------------------------------- cases
+
+
+def case(name: str, models, dtype, sessions: int, options, write):
+    target, draft, prompts, stop = models
+    count = sessions * (options.rounds or PROMPTS_PER_SESSION.get(sessions, 2))
+    dims = dims_of(target, draft, sessions, dtype)
+    backend = TorchBackend(target, draft, dims, sessions, device=options.device)
+    temperatures, new_tokens, max_cycles = options.temperatures, options.new_tokens, options.max_cycles
+    try:
+        for temperature in temperatures:
+            requests = [Request(p, new_tokens, stop, temperature, 0, 1.0, i) for i, p in enumerate(prompts[:count])]
+            ar, ar_tokens = run_mode(backend, requests, sessions, False, max_cycles)
+            dflash, dflash_tokens = run_mode(backend, requests, sessions, True, max_cycles)
+            write(row(name, sessions, temperature, ar, dflash, sum(a == b for a, b in zip(ar_tokens, dflash_tokens)), count, max_cycles))
+    finally:
+        backend.close()
+
+
+def row(name, sessions, temperature, ar, dflash, identical, prompts, max_cycles) -> dict:
+    return {
+        "name": name,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine(),
+        "command": "python benchmarks/gpu_e2e.py " + " ".join(sys.argv[1:]),
+        "sessions": sessions,
+        "temperature": temperature,
+        "tau": dflash["tau"],
+        "ar_tokens_per_s": ar["tokens_per_s"],
+        "dflash_tokens_per_s": dflash["tokens_per_s"],
+        "speedup": round(dflash["tokens_per_s"] / ar["tokens_per_s"], 3),
+        "host_overhead_fraction": dflash["host_overhead_fraction"],
+        "gpu_idle_fraction": dflash["gpu_idle_fraction"],
+        "ar_host_overhead_fraction": ar["host_overhead_fraction"],
+        "ar_gpu_idle_fraction": ar["gpu_idle_fraction"],
+        "ar_device_ms_per_step": ar["device_ms_per_launch"],
+        "ar_wall_ms_per_token": round(1000 / ar["tokens_per_s"] * sessions, 4),
+        "dflash_device_ms_per_cycle": dflash["device_ms_per_launch"],
+        "dflash_wall_ms_per_cycle": dflash["wall_ms_per_launch"],
+        "prompts": prompts,
+        "identical_outputs": identical,
+        "max_cycles": max_cycles,
+        "ar": ar,
+        "dflash": dflash,
+    }
+
+
+def machine() -> str:
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    return f"{name}, torch {torch.__version__}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="default pair only, 1 and 16 sessions, T=0")
+    parser.add_argument("--pairs", default="default,8b", help="comma-separated: default, 8b")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")))
+    parser.add_argument("--max-cycles", type=int, default=8)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="default pair (the 8B shape: half)")
+    parser.add_argument("--rounds", type=int, help="prompts per session (default: 6 / 4 / 3 at 1 / 4 / 16 sessions)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+
+    def write(result: dict) -> None:
+        rows.append(result)
+        with (args.out / "gpu_e2e.jsonl").open("a") as file:
+            file.write(json.dumps(result) + "\n")
+        print({k: result[k] for k in ("name", "sessions", "temperature", "tau", "ar_tokens_per_s", "dflash_tokens_per_s",
+                                       "speedup", "host_overhead_fraction", "gpu_idle_fraction", "identical_outputs")}, flush=True)
+
+    sessions_list, args.temperatures = ((1, 16), (0.0,)) if args.quick else ((1, 4, 16), (0.0, 1.0))
+    pairs = ["default"] if args.quick else args.pairs.split(",")
+    if "default" in pairs:
+        for dtype in (torch.float32, torch.bfloat16):
+            models = default_pair(dtype)
+            label = "fp32" if dtype == torch.float32 else "bf16"
+            for sessions in sessions_list:
+                case(f"gpu_e2e default_pair {label}", models, dtype, sessions, args, write)
+            del models
+    if "8b" in pairs:
+        models = qwen3_8b_shape(torch.bfloat16)
+        args.new_tokens, args.rounds = args.new_tokens // 2, args.rounds or 1
+        for sessions in sessions_list:
+            case("gpu_e2e qwen3-8b-shape random bf16", models, torch.bfloat16, sessions, args, write)
+    print(table(rows))
+    print(json.dumps({"rows": len(rows), "speedups": [r["speedup"] for r in rows]}))
+
+
+def table(rows: list[dict]) -> str:
+    keys = ("name", "sessions", "temperature", "tau", "ar_tokens_per_s", "dflash_tokens_per_s", "speedup",
+            "ar_device_ms_per_step", "dflash_device_ms_per_cycle", "host_overhead_fraction", "gpu_idle_fraction")
+    lines = ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
+    lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
