@@ -47,6 +47,17 @@ class FastTargetVerify:
         return (self.target.head(x).view(*tokens.shape, -1), taps, *caches)
 
 
+class FastTargetDecode:
+    """tokens [n, 1], start [n], caches -> logits [n, V] fp32, taps [n, 1, W], caches (plain decoding)."""
+
+    def __init__(self, target: FastTarget) -> None:
+        self.target = target
+
+    def __call__(self, tokens: torch.Tensor, start: torch.Tensor, *caches: torch.Tensor):
+        x, taps = self.target.features(tokens, start, *_caches(caches))
+        return (self.target.head(x), taps, *caches)
+
+
 class FastDraftContext:
     """taps [1, C, W] at positions start.. -> the draft caches."""
 
@@ -76,6 +87,7 @@ def fast_graph_modules(specs: dict[str, GraphSpec], target: FastTarget, draft: F
     builders = {
         c.TARGET_PREFILL: lambda: FastTargetPrefill(target),
         c.TARGET_VERIFY: lambda: FastTargetVerify(target),
+        c.TARGET_DECODE: lambda: FastTargetDecode(target),
         c.DRAFT_CONTEXT: lambda: FastDraftContext(draft),
         c.DRAFT: lambda: FastDraftBlock(draft, dims.proposals),
     }
