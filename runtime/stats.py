@@ -23,9 +23,9 @@ per session per plain target-decode step:
 | emitted | Int32 | tokens this cycle produced: accepted + 1 |
 | position | Int64 | position of the anchor (first verified token) |
 | temperature | Float32 | the session's sampling temperature (0 = greedy) |
-| draft_ms | Float64 | device time of the draft call (shared by its owners) |
-| verify_ms | Float64 | device time of target verify + verdict (shared) |
-| host_ms | Float64 | host time of the cycle outside device work (shared) |
+| draft_ms | Float64 | device time of the draft alone (shared by its owners); 0 for the device loop's cycles, timed as one unit |
+| verify_ms | Float64 | device time of target verify + verdict (shared); a loop launch's whole device time (cycle or decode step) |
+| host_ms | Float64 | host time since the previous row outside this call's device time (shared) |
 | end_ms | Float64 | wall-clock time the cycle ended, ms since the executor started |
 
 Execute table (``EXECUTE_SCHEMA``), one row per ``execute()``: the
