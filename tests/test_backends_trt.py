@@ -234,3 +234,27 @@ def test_contexts_share_one_scratch_buffer_as_large_as_the_largest_need():
     with pytest.raises(EngineError, match=r"engine 'draft_2': TensorRT refused 65536 bytes of shared scratch"):
         scratch.attach("draft_2", refusing)
 
+
+
+def test_plain_runs_enqueue_for_a_callers_capture_and_capturable_needs_every_context(pools):
+    """Guards against the executor's whole-cycle capture recording this backend's own per-graph
+    replay (a graph launch and static-input copies from stale feeds) instead of the enqueue, and
+    against offering whole-cycle capture when one context (TensorRT-RTX) says it cannot be captured."""
+    from dflash_trt.runtime.backends.trt_backend import TensorRTBackend
+
+    draft, draft_fake = _context("draft_2", cuda_graphs=True)
+    verify, verify_fake = _context("target_verify_2", cuda_graphs=True)
+    backend = TensorRTBackend.__new__(TensorRTBackend)
+    backend.contexts, backend.plain = {"draft_2": draft, "target_verify_2": verify}, False
+    FakeGraph.captures = 0
+    feeds = _feeds(draft.spec, {})
+    draft.bind_caches(0, pools["draft"].interleaved(0, 2))
+    with backend.plain_runs():
+        assert backend.plain
+        out = draft.run(feeds, {}, 0, replay=not backend.plain)
+    assert not backend.plain and FakeGraph.captures == 0 and not draft.graphs
+    assert draft_fake.executions == 1 and draft_fake.addresses[c.ANCHOR] == feeds[c.ANCHOR].data_ptr()
+    assert torch.all(out[c.PROPOSALS] == 1)
+    assert backend.capturable
+    verify_fake.capturable, verify.capturable = False, None  # asked again: TensorRT-RTX refuses
+    assert not backend.capturable
