@@ -211,6 +211,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="default pair (the 8B shape: half)")
     parser.add_argument("--rounds", type=int, help="prompts per session (default: 6 / 4 / 3 at 1 / 4 / 16 sessions)")
+    parser.add_argument("--also-max-cycles", type=int, help="the default pair at 1 session, T=0, once more with this max_cycles")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -230,6 +231,9 @@ def main() -> None:
             label = "fp32" if dtype == torch.float32 else "bf16"
             for sessions in sessions_list:
                 case(f"gpu_e2e default_pair {label}", models, dtype, sessions, args, write)
+            if args.also_max_cycles:
+                other = argparse.Namespace(**vars(args) | {"max_cycles": args.also_max_cycles, "temperatures": (0.0,)})
+                case(f"gpu_e2e default_pair {label}", models, dtype, 1, other, write)
             del models
     if "8b" in pairs:
         models = qwen3_8b_shape(torch.bfloat16)

@@ -223,11 +223,11 @@ class DeviceLoop:
 
     def stage(self, rows: list[tuple[int, int, int, int, object]]) -> None:
         """(row, anchor, frontier, draft, sampling) per owner of this execute -> device (async; inside ``running``)."""
-        ints, seeds, floats = self.ints.host, self.seeds.host, self.floats.host
-        for row, anchor, frontier, draft, sampling in rows:
-            ints[:, row] = torch.tensor([anchor, frontier, draft, sampling.top_k])
-            seeds[row] = torch.tensor(seed_parts(sampling.seed))
-            floats[TEMPERATURE, row], floats[TOP_P, row] = sampling.temperature, sampling.top_p
+        index = [row for row, *_ in rows]
+        samplings = [sampling for *_, sampling in rows]
+        self.ints.host[:, index] = torch.tensor([[a, f, d, s.top_k] for _, a, f, d, s in rows], dtype=torch.int64).T
+        self.seeds.host[index] = torch.tensor([seed_parts(s.seed) for s in samplings], dtype=torch.int64)
+        self.floats.host[:, index] = torch.tensor([[s.temperature, s.top_p] for s in samplings], dtype=torch.float32).T
         for mirror in (self.ints, self.seeds, self.floats):
             mirror.upload(self.stream)
 
