@@ -165,7 +165,7 @@ def oracle_backend(tiny, oracle: Oracle, requests: list[Request]):
 def test_multi_cycle_executes_equal_one_cycle_at_a_time(tiny, oracle, backend, lag):
     """Guards against the multi-cycle loop changing output: stop tokens and max_new_tokens found a
     cycle late (the next cycle already launched) or inside a multi-token cycle, extra tokens discarded
-    and sessions rewound, device-side anchors/positions/uniform lookups, pinned-memory reads; outputs
+    and sessions rewound, device-side anchors/positions/sampling positions, pinned-memory reads; outputs
     must equal the one-cycle-per-call executor's and the reference's, with and without lag (on CUDA:
     the torch backend, one captured graph per cycle)."""
     requests = burst_requests(oracle, tiny.prompts)
@@ -204,6 +204,6 @@ def test_plain_decoding_mode_equals_reference_and_never_drafts(tiny, oracle):
     backend = RecordingBackend(tiny.ort)
     executor = Executor(backend, tiny.dims, max_sessions=3, speculate=False, max_cycles=5)
     assert collect(executor, requests) == [expected(oracle, r) for r in requests]
-    assert set(backend.counts) == {"target_prefill", "target_decode"}
+    assert set(backend.counts) == {"target_prefill", "target_decode", "sample"}  # sample: every token choice but the argmax
     assert set(executor.cycle_stats()["mode"]) == {"target"}
     assert int(executor.execute_stats()["hidden_rows_d2d"].sum()) == 0
