@@ -56,7 +56,7 @@ MANIFEST_EDITS = {
     "absolute-graph-path": (_graph_file("draft_1", "/etc/hostname"), ["graphs.draft_1.file", "'/etc/hostname'"]),
     "nested-graph-path": (_graph_file("draft_1", "sub/draft_1.onnx"), ["'sub/draft_1.onnx'", "no directories"]),
     "parent-data-path": (_data_file("../weights.data"), ["data_files", "'../weights.data'"]),
-    "huge-max-owners": (_set("max_owners", 10**5), ["max_owners 100000 needs 400003 graphs", "lists 15"]),
+    "huge-max-owners": (_set("max_owners", 10**5), ["max_owners 100000 needs 500003 graphs", "lists 18"]),
     "huger-max-owners": (_set("max_owners", 3 * 10**7), ["max_owners 30000000 needs"]),
     "vocab-past-int32": (_set("vocab_size", 10**12), ["vocab_size must be in [1, 2147483647]", "1000000000000"]),
     "context-past-int32": (_set("max_context", 2**40), ["max_context must be in [1, 2147483647]"]),
