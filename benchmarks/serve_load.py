@@ -1,24 +1,33 @@
 """Load on ``dflash-trt serve``: N concurrent streaming clients for a fixed time.
 
 Starts the server as a subprocess on 127.0.0.1 (the embedded default pair,
-exported to the cache as ``dflash-trt demo`` does, unless ``--artifacts``),
-then runs N clients (the official openai client, asyncio, one event loop)
-that each send streaming completions back to back: a prompt from the
-default pair's held-out code prompts, ``--max-tokens`` new tokens, greedy.
-Requests still running when the time is up are cancelled (disconnect): they
-do not count as requests, but their tokens (the server's own output-token
-counter over the window) and latencies do.
+exported to the cache as ``dflash-trt demo`` does, unless ``--artifacts``;
+``--backend torch`` runs the checkpoints directly), then runs N clients (the
+official openai client, asyncio, spread over ``--client-procs`` processes so
+the clients' own parsing does not become the bottleneck) that each send
+streaming completions back to back: a prompt from the default pair's held-out
+code prompts, ``--max-tokens`` new tokens, greedy. The clients first load the
+server for ``--warmup-seconds`` (CUDA graph captures, allocator growth),
+then the window of ``--seconds`` is measured. Requests still running when
+the window ends are cancelled (disconnect): they do not count as requests,
+but their tokens (the server's own output-token counter over the window) and
+latencies do.
 
-Per mode (DFlash on, and off where the server has the switch) it prints:
-requests/s and output tokens/s over the window, TTFT and inter-token
-latency (gap between two stream events of a request: a DFlash cycle's
-accepted tokens arrive together) p50/p99, τ from the server's /metrics.
+Per mode (DFlash on; off = the server's ``--no-draft``, plain target decoding
+through the same engine) and per client count (each on the same server) it
+prints: requests/s and output tokens/s over the window, TTFT, inter-token
+latency (ITL: the gap between two stream events of a request; a DFlash
+cycle's accepted tokens, and an execute's cycles, arrive together) p50/p99,
+time per output token (TPOT: per finished request, (last event − first
+event) / (tokens − 1)) p50/p99, τ from the server's /metrics.
 
-    python benchmarks/serve_load.py [--clients 8] [--seconds 30] [--max-tokens 64] [--modes on off]
-        [--artifacts DIR --backend onnxruntime] [--threads N] [--record]
+    python benchmarks/serve_load.py [--clients 8 [1 ...]] [--seconds 30] [--max-tokens 64] [--modes on off]
+        [--artifacts DIR] [--backend onnxruntime|torch|tensorrt] [--device cuda] [--serve-args "--max-cycles 4"]
+        [--threads N] [--client-procs P] [--warmup-seconds S] [--record]
 
-``--record`` appends one row per mode to benchmarks/results.jsonl. The last
-line printed is one JSON object with every figure.
+``--record`` appends one row per mode and client count to
+benchmarks/results.jsonl. The last line printed is one JSON object with
+every figure.
 """
 
 from __future__ import annotations
@@ -26,8 +35,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import platform
+import shlex
 import signal
 import socket
 import subprocess
@@ -38,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-MODES = {"on": [], "off": ["--no-speculate"]}  # "off" is one serve flag (Executor(speculate=False))
+MODES = {"on": [], "off": ["--no-draft"]}  # "off": plain target decoding through the same engine
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -48,27 +59,27 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def serve_flags() -> str:
-    return subprocess.run([sys.executable, "-m", "dflash_trt.cli", "serve", "--help"], capture_output=True, text=True, check=True).stdout
-
-
-def start_server(args, extra: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(args, extra: list[str]) -> tuple[subprocess.Popen, str, Path]:
     port = free_port()
-    command = [sys.executable, "-m", "dflash_trt.cli", "serve", "--port", str(port), "--max-sessions", str(args.max_sessions), *extra]
+    command = [sys.executable, "-m", "dflash_trt.cli", "serve", "--port", str(port), "--max-sessions", str(args.max_sessions),
+               "--backend", args.backend, *extra, *shlex.split(args.serve_args)]
     if args.artifacts:
-        command += ["--artifacts", str(args.artifacts), "--backend", args.backend]
+        command += ["--artifacts", str(args.artifacts)]
+    if args.device:
+        command += ["--device", args.device]
     if args.threads:
         command += ["--threads", str(args.threads)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = Path(os.environ.get("SERVE_LOAD_LOG_DIR", "/tmp")) / f"serve_load_{port}.log"
+    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise SystemExit(f"server exited: {process.stdout.read()}")
+            raise SystemExit(f"server exited: {log.read_text()[-4000:]}")
         try:
             with urllib.request.urlopen(base + "/health", timeout=5) as response:
                 if response.status == 200:
-                    return process, base
+                    return process, base, log
         except OSError:
             time.sleep(0.5)
     process.kill()
@@ -84,56 +95,111 @@ def server_metrics(base: str) -> dict[str, float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-async def client_loop(client, model: str, prompts: list[str], index: int, args, stop_at: float, record: dict) -> None:
-    """Back-to-back streaming requests until ``stop_at``; completed ones are recorded."""
-    n = index
-    while time.perf_counter() < stop_at:
+async def client_loop(client, model: str, prompts: list[str], index: int, clients: int, args, window: tuple[float, float], record: dict) -> None:
+    """Back-to-back streaming requests until the window ends; what falls inside the window is recorded.
+
+    Times are ``time.time()`` (one clock for every client process).
+    """
+    n, (window_start, stop_at) = index, window
+    while time.time() < stop_at:
         prompt = prompts[n % len(prompts)]
-        n += args.clients
-        started, events, finished = time.perf_counter(), [], False
-        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens, temperature=0, stream=True)
+        n += clients
+        started, events, finished, usage = time.time(), [], False, None
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True})
         try:
             async for event in stream:
                 if event.choices and event.choices[0].text:
-                    events.append(time.perf_counter())
-                finished = bool(event.choices and event.choices[0].finish_reason)
-                if time.perf_counter() > stop_at:
+                    events.append(time.time())
+                finished = finished or bool(event.choices and event.choices[0].finish_reason)
+                usage = event.usage or usage
+                if time.time() > stop_at:
                     break  # cut off by the window (the disconnect cancels it): latencies count, the request does not
         finally:
             await stream.close()
-        if events:
+        inside = [t for t in events if t >= window_start]
+        if events and started >= window_start:
             record["ttft"].append(events[0] - started)
-            record["itl"].extend(np.diff(events).tolist())
-        record["requests"] += finished
+        record["itl"].extend(np.diff(inside).tolist())
+        if finished and usage is not None and events and started >= window_start and events[-1] <= stop_at:
+            record["requests"] += 1
+            if usage.completion_tokens > 1 and len(events) > 1:
+                record["tpot"].append((events[-1] - events[0]) / (usage.completion_tokens - 1))
 
 
-async def load(base: str, args, prompts: list[str]) -> dict:
+async def clients_part(base: str, model: str, prompts: list[str], indices: list[int], clients: int, args, window: tuple[float, float]) -> dict:
     import openai
 
+    record = {"requests": 0, "ttft": [], "itl": [], "tpot": []}
     client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
-    model = (await client.models.list()).data[0].id
-    # Warm-up: one request so first-call costs (ORT allocations) are outside the window.
-    await client.completions.create(model=model, prompt=prompts[0], max_tokens=8, temperature=0)
-    record = {"requests": 0, "ttft": [], "itl": []}
+    try:
+        await asyncio.gather(*(client_loop(client, model, prompts, i, clients, args, window, record) for i in indices))
+    finally:
+        await client.close()
+    return record
+
+
+def client_process(conn, base: str, model: str, prompts: list[str], indices: list[int], clients: int, args) -> None:
+    """One client process: imports, says ready, gets the window, runs its share of the clients on one event loop."""
+    import openai  # noqa: F401  (imported before "ready": the window starts with every process loaded)
+
+    conn.send("ready")
+    window = conn.recv()
+    conn.send(asyncio.run(clients_part(base, model, prompts, indices, clients, args, window)))
+    conn.close()
+
+
+def load(base: str, args, prompts: list[str], clients: int) -> dict:
+    """``clients`` streaming clients: warm-up, then the measured window; the window's figures."""
+    import openai
+
+    sync = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
+    model = sync.models.list().data[0].id
+    sync.completions.create(model=model, prompt=prompts[0], max_tokens=8, temperature=0)  # first-call costs outside the window
+    procs = max(1, min(args.client_procs, clients))
+    context = multiprocessing.get_context("spawn")
+    pipes, workers = [], []
+    for i in range(procs):
+        mine, theirs = context.Pipe()
+        worker = context.Process(target=client_process, args=(theirs, base, model, prompts, list(range(i, clients, procs)), clients, args))
+        worker.start()
+        pipes.append(mine)
+        workers.append(worker)
+    for pipe in pipes:
+        assert pipe.recv() == "ready"
+    window_start = time.time() + args.warmup_seconds
+    window = (window_start, window_start + args.seconds)
+    for pipe in pipes:
+        pipe.send(window)
+    time.sleep(max(0.0, window_start - time.time()))
     before = server_metrics(base)
-    started = time.perf_counter()
-    stop_at = started + args.seconds
-    await asyncio.gather(*(client_loop(client, model, prompts, i, args, stop_at, record) for i in range(args.clients)))
-    elapsed = time.perf_counter() - started
+    time.sleep(max(0.0, window[1] - time.time()))
     after = server_metrics(base)
-    await client.close()
+    records = [pipe.recv() for pipe in pipes]
+    for worker in workers:
+        worker.join(60)
+    return figures(records, before, after, window[1] - window[0])
+
+
+def figures(records: list[dict], before: dict, after: dict, seconds: float) -> dict:
+    merged = {key: sum((r[key] for r in records), [] if key != "requests" else 0) for key in ("requests", "ttft", "itl", "tpot")}
     cycles = after["dflash_trt_cycles_total"] - before["dflash_trt_cycles_total"]
     tokens = after["dflash_trt_output_tokens_total"] - before["dflash_trt_output_tokens_total"]  # partial requests too
     return {
-        "requests": record["requests"],
+        "requests": merged["requests"],
         "output_tokens": int(tokens),
-        "seconds": round(elapsed, 3),
-        "requests_per_s": round(record["requests"] / elapsed, 3),
-        "output_tokens_per_s": round(tokens / elapsed, 2),
-        "ttft_p50_ms": _ms(record["ttft"], 50),
-        "ttft_p99_ms": _ms(record["ttft"], 99),
-        "itl_p50_ms": _ms(record["itl"], 50),
-        "itl_p99_ms": _ms(record["itl"], 99),
+        "seconds": round(seconds, 3),
+        "requests_per_s": round(merged["requests"] / seconds, 3),
+        "output_tokens_per_s": round(tokens / seconds, 2),
+        "ttft_p50_ms": _ms(merged["ttft"], 50),
+        "ttft_p99_ms": _ms(merged["ttft"], 99),
+        "itl_p50_ms": _ms(merged["itl"], 50),
+        "itl_p99_ms": _ms(merged["itl"], 99),
+        "tpot_p50_ms": _ms(merged["tpot"], 50),
+        "tpot_p99_ms": _ms(merged["tpot"], 99),
+        "executes": int(after["dflash_trt_executes_total"] - before["dflash_trt_executes_total"]),
+        "cycles": int(cycles),
+        "server_itl_p99_ms": _server_ms(after, "dflash_trt_inter_token_latency_seconds[0.99]"),
         "tau": round(after["dflash_trt_acceptance_length"], 3) if cycles else None,  # since the server started (warm-up included)
     }
 
@@ -142,47 +208,66 @@ def _ms(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)) * 1000.0, 2) if values else None
 
 
+def _server_ms(metrics: dict, name: str) -> float | None:
+    value = metrics.get(name)
+    return None if value is None or value != value else round(value * 1000.0, 2)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--clients", type=int, nargs="+", default=[8], help="concurrent clients; several counts run one after the other on each server")
+    parser.add_argument("--seconds", type=float, default=30.0, help="measured window per client count")
+    parser.add_argument("--warmup-seconds", type=float, default=5.0, help="full load before each window (not measured)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-sessions", type=int, default=16)
     parser.add_argument("--modes", nargs="+", choices=tuple(MODES), default=["on", "off"])
     parser.add_argument("--artifacts", type=Path, help="serve this export/engine dir (default: the embedded pair)")
     parser.add_argument("--backend", default="onnxruntime")
+    parser.add_argument("--device", help="the server's --device (cpu, cuda)")
+    parser.add_argument("--serve-args", default="", help="more dflash-trt serve flags, one string")
     parser.add_argument("--threads", type=int, help="server CPU threads (ONNX Runtime / torch)")
+    parser.add_argument("--client-procs", type=int, default=1, help="client processes (each an event loop over its share of clients)")
     parser.add_argument("--prompt-chars", type=int, default=600, help="keep the last N characters of each prompt")
     parser.add_argument("--record", action="store_true", help="append rows to benchmarks/results.jsonl")
     args = parser.parse_args()
     rows = [json.loads(line) for line in (ROOT / "export" / "default_pair" / "prompts.jsonl").read_text().splitlines() if line.strip()]
     prompts = [row["prompt"][-args.prompt_chars :] for row in rows]
-    available = serve_flags()
     results = {}
-    print(f"| mode | clients | requests/s | output tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | τ |\n| --- | --- | --- | --- | --- | --- | --- |")
+    print("| mode | clients | requests/s | output tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 / p99 ms | τ |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     for mode in args.modes:
-        if any(flag not in available for flag in MODES[mode]):
-            results[mode] = {"skipped": f"dflash-trt serve has no {' '.join(MODES[mode])} yet"}
-            print(f"| {mode} | skipped: the server has no {' '.join(MODES[mode])} switch yet | | | | | |")
-            continue
-        process, base = start_server(args, MODES[mode])
+        process, base, log = start_server(args, MODES[mode])
         try:
-            figures = asyncio.run(load(base, args, prompts))
+            for clients in args.clients:
+                figures = load(base, args, prompts, clients)
+                results[f"{mode}_{clients}"] = {"mode": mode, "clients": clients, **figures}
+                print(f"| {mode} | {clients} | {figures['requests_per_s']} | {figures['output_tokens_per_s']} | {figures['ttft_p50_ms']} / {figures['ttft_p99_ms']} "
+                      f"| {figures['itl_p50_ms']} / {figures['itl_p99_ms']} | {figures['tpot_p50_ms']} / {figures['tpot_p99_ms']} | {figures['tau']} |", flush=True)
         finally:
             process.send_signal(signal.SIGINT)
             process.wait(60)
-        results[mode] = figures
-        print(f"| {mode} | {args.clients} | {figures['requests_per_s']} | {figures['output_tokens_per_s']} | {figures['ttft_p50_ms']} / {figures['ttft_p99_ms']} "
-              f"| {figures['itl_p50_ms']} / {figures['itl_p99_ms']} | {figures['tau']} |", flush=True)
-    summary = {"name": "serve_load", "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
-               "command": " ".join(["python", "benchmarks/serve_load.py", *sys.argv[1:]]), "clients": args.clients, "seconds": args.seconds,
-               "max_tokens": args.max_tokens, "max_sessions": args.max_sessions, "modes": results}
+        print(next((line for line in log.read_text().splitlines() if line.startswith("serving")), "no serving line in the log"), flush=True)
+    summary = {"name": "serve_load", "date": time.strftime("%Y-%m-%d"), "machine": machine(),
+               "command": " ".join(["python", "benchmarks/serve_load.py", *sys.argv[1:]]), "seconds": args.seconds, "warmup_seconds": args.warmup_seconds,
+               "max_tokens": args.max_tokens, "max_sessions": args.max_sessions, "backend": args.backend, "device": args.device, "runs": results}
     if args.record:
         with (ROOT / "benchmarks" / "results.jsonl").open("a") as file:
-            for mode, figures in results.items():
-                file.write(json.dumps({**{k: v for k, v in summary.items() if k != "modes"}, "name": f"serve_load_{mode}", **figures}) + "\n")
+            for figures in results.values():
+                row = {**{k: v for k, v in summary.items() if k != "runs"}, "name": f"serve_load_{figures['mode']}", **figures}
+                file.write(json.dumps(row) + "\n")
     print(json.dumps(summary))
     return 0
+
+
+def machine() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"{torch.cuda.get_device_name(0)}, {os.cpu_count()} CPUs, torch {torch.__version__}"
+    except ImportError:
+        pass
+    return f"{platform.machine()} {os.cpu_count()} CPUs"
 
 
 if __name__ == "__main__":

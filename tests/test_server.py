@@ -87,11 +87,12 @@ class Server:
 
 @pytest.fixture(scope="module")
 def servers(default_pair_cache, tmp_path_factory):
-    """(main server: 8 sessions and a chat template; small server: 1 session, queue of 1), started together."""
+    """(main server: 8 sessions and a chat template; small server: 1 session, queue of 1, the torch backend
+    straight from the checkpoints, --no-draft), started together."""
     root = tmp_path_factory.mktemp("serve")
     (root / "chat.jinja").write_text(TEMPLATE)
     main = Server(default_pair_cache, root / "main.log", "--max-sessions", "8", "--chat-template", str(root / "chat.jinja"))
-    small = Server(default_pair_cache, root / "small.log", "--max-sessions", "1", "--max-queue", "1")
+    small = Server(default_pair_cache, root / "small.log", "--max-sessions", "1", "--max-queue", "1", "--backend", "torch", "--no-draft")
     try:
         main.wait_ready()
         small.wait_ready()
@@ -139,7 +140,7 @@ def test_models_health_and_metrics(server):
     """Guards against the discovery and monitoring routes missing or not in their formats (OpenAI list,
     Prometheus text a Prometheus parser reads)."""
     assert [m.id for m in server.client().models.list()] == [MODEL]
-    assert server.get("/health") == (200, '{"status":"ok"}')
+    assert server.get("/health") == (200, '{"status":"ok","speculate":true}')
     metrics = server.metrics()
     assert ("dflash_trt_requests_running", "") in metrics and ("dflash_trt_requests_total", "rejected") in metrics
     assert ("dflash_trt_time_to_first_token_seconds", "") in metrics
@@ -181,6 +182,24 @@ def test_stop_sequences_cut_the_text_streamed_or_not(server, reference, prompts)
     assert (done.choices[0].text, done.choices[0].finish_reason) == (cut, "stop")
     events = list(client.completions.create(model=MODEL, prompt=prompts[2], max_tokens=40, temperature=0, stop=stop, stream=True))
     assert "".join(e.choices[0].text for e in events) == cut and events[-1].choices[0].finish_reason == "stop"
+
+
+def test_no_draft_server_equals_speculation_and_the_reference(servers, reference, prompts):
+    """Guards against --no-draft not switching speculation off, or plain decoding through the engine
+    changing outputs: the server started with --no-draft (torch backend from the checkpoints) says so in
+    /health and /v1/models, runs no speculative cycle, and returns the same greedy completions as the
+    speculative server and the target-only reference."""
+    main, plain = servers
+    assert plain.get("/health") == (200, '{"status":"ok","speculate":false}')
+    listed = plain.client().models.list().data[0]
+    assert (listed.id, listed.speculate, listed.max_sessions) == (MODEL, False, 1)
+    assert main.client().models.list().data[0].speculate is True
+    for prompt in prompts[5:7]:
+        text, finish, count = reference(prompt, 24)
+        for server in (main, plain):
+            done = server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+            assert (done.choices[0].text, done.choices[0].finish_reason, done.usage.completion_tokens) == (text, finish, count), server.log
+    assert plain.metrics()[("dflash_trt_cycles_total", "")] == 0 < main.metrics()[("dflash_trt_cycles_total", "")]
 
 
 CONCURRENT, NEW_TOKENS = 32, 16

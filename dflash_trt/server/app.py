@@ -4,8 +4,8 @@
 | --- | --- |
 | ``POST /v1/completions`` | one prompt (text or token ids) |
 | ``POST /v1/chat/completions`` | messages through the chat template |
-| ``GET /v1/models`` | the one served model |
-| ``GET /health`` | 200 while the serving loop runs, 503 otherwise |
+| ``GET /v1/models`` | the one served model (with ``speculate``, ``max_sessions``, ``max_context``) |
+| ``GET /health`` | 200 while the serving loop runs, 503 otherwise; ``speculate``: DFlash on, or plain decoding |
 | ``GET /metrics`` | Prometheus text format (``server.prometheus``) |
 
 ``stream: true`` answers with server-sent events (FastAPI's encoder), one
@@ -97,7 +97,8 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
         ok = engine.healthy
-        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+        body = {"status": "ok" if ok else "unavailable", "speculate": engine.executor.speculate}
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -105,7 +106,9 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "dflash-trt"}]}
+        served = {"id": model, "object": "model", "created": 0, "owned_by": "dflash-trt", "speculate": engine.executor.speculate,
+                  "max_sessions": engine.executor.max_sessions, "max_context": engine.executor.dims.max_context}
+        return {"object": "list", "data": [served]}
 
     @app.post("/v1/completions")
     async def completions(body: schema.CompletionRequest):

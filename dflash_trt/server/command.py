@@ -3,9 +3,13 @@
     dflash-trt serve                                     # the embedded default pair, ONNX Runtime, CPU
     dflash-trt serve --artifacts EXPORT_DIR --backend onnxruntime --port 8000
     dflash-trt serve --artifacts ENGINE_DIR --backend tensorrt --tokenizer TARGET_DIR
+    dflash-trt serve --backend torch --device cuda       # the checkpoints in PyTorch (bf16 on CUDA), no export
+    dflash-trt serve ... --no-draft                      # plain target decoding: the autoregressive baseline
 
 Without ``--artifacts`` the default pair is exported to the cache exactly as
-``dflash-trt demo`` does (reused when unchanged). The tokenizer (text
+``dflash-trt demo`` does (reused when unchanged), except for ``--backend
+torch``, which runs the checkpoints (``--target``/``--draft``) directly with
+the export's default geometry (``--dtype``, ``--max-owners``). The tokenizer (text
 prompts, chat template, stop tokens) is the first ``tokenizer.json`` among
 ``--tokenizer``, the artifacts dir and ``--target``. One engine serves every
 connection: one executor on one background thread (``runtime.engine``).
@@ -17,9 +21,10 @@ import argparse
 import signal
 from pathlib import Path
 
-from dflash_trt.errors import ServingError
 from dflash_trt import demo
 from dflash_trt.cli import positive_int
+from dflash_trt.errors import ServingError
+from dflash_trt.export.contract import DTYPES
 from dflash_trt.runtime import command
 
 DEFAULT_PAIR_SESSIONS = 16  # cache rows when serving the default pair (its export says 4, for the demo)
@@ -40,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache", type=Path, default=demo._default_cache(), help="export cache for the default pair")
     parser.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cpu, cuda for tensorrt)")
     parser.add_argument("--max-sessions", type=positive_int, help=f"requests decoding at once (default: the artifacts' max_sessions; {DEFAULT_PAIR_SESSIONS} for the default pair)")
+    parser.add_argument("--max-cycles", type=positive_int, default=8, help="cycles per request per execute (default 8; tokens stream after each execute)")
+    parser.add_argument("--no-draft", action="store_true", help="plain target decoding (no speculation): the autoregressive baseline")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), help="torch backend without --artifacts: weights and caches (default: bf16 on CUDA, fp32 on CPU)")
+    parser.add_argument("--max-owners", type=positive_int, help="torch backend without --artifacts: sessions per draft/verify launch (default: --max-sessions)")
     parser.add_argument("--max-queue", type=int, default=256, help="requests waiting for a session before 429 (default 256)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for ONNX Runtime / torch")
     parser.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds open streams get to finish on SIGINT/SIGTERM (default 10)")
@@ -73,22 +82,59 @@ def run(args: argparse.Namespace) -> int:
     uvicorn, create_app = _imports()
     default_pair = args.artifacts is None
     if default_pair:
-        args.artifacts = demo.export_dir(args)
         args.max_sessions = args.max_sessions or DEFAULT_PAIR_SESSIONS
-    model = args.model_name or (DEFAULT_PAIR_MODEL if default_pair else Path(args.artifacts).resolve().name)
+        if args.backend != "torch":
+            args.artifacts = demo.export_dir(args)
+    model = args.model_name or _model_name(args)
     tokenizer = _tokenizer(args)
-    with command.OPENERS[args.backend](args) as backend:
-        executor = Executor(backend, max_sessions=args.max_sessions)
+    with _open_backend(args) as backend:
+        executor = Executor(backend, max_sessions=args.max_sessions, speculate=not args.no_draft, max_cycles=args.max_cycles)
         stop_ids = tokenizer.stop_ids if tokenizer is not None else command._manifest_stops(args.artifacts)
         engine = Engine(executor, tokenizer, max_queue=args.max_queue, stop_ids=stop_ids)
         try:
-            print(f"serving {model} ({args.backend}, {executor.max_sessions} sessions) on http://{args.host}:{args.port}/v1", flush=True)
+            mode = "DFlash" if executor.speculate else "plain target decoding (--no-draft)"
+            print(f"serving {model} ({args.backend}, {executor.max_sessions} sessions, {mode}) on http://{args.host}:{args.port}/v1", flush=True)
             config = uvicorn.Config(create_app(engine, model), host=args.host, port=args.port, log_level=args.log_level,
                                     timeout_graceful_shutdown=args.shutdown_timeout)
             _run_until_signal(uvicorn.Server(config))
         finally:
             engine.close(drain=False, timeout=30)
     return 0
+
+
+def _model_name(args) -> str:
+    if args.artifacts is not None:
+        return Path(args.artifacts).resolve().name
+    default = Path(args.target).resolve() == (demo._default_pair() / "target").resolve()
+    return DEFAULT_PAIR_MODEL if default else Path(args.target).resolve().name
+
+
+def _open_backend(args):
+    """The backend the flags name; torch without ``--artifacts`` runs the checkpoints directly."""
+    if args.backend == "torch" and args.artifacts is None:
+        return _torch_from_checkpoints(args)
+    if args.dtype is not None or args.max_owners is not None:
+        raise ServingError("--dtype and --max-owners apply to --backend torch without --artifacts (an artifact set fixes both)")
+    return command.OPENERS[args.backend](args)
+
+
+def _torch_from_checkpoints(args):
+    """TorchBackend over ``--target``/``--draft`` with the export's default geometry, sized for this server."""
+    import torch
+
+    from dflash_trt.export.exporter import ExportOptions, contract_dims
+    from dflash_trt.export.pair import load_pair
+    from dflash_trt.runtime.backends import TorchBackend
+    from dflash_trt.runtime.backends.graph_io import torch_dtype
+
+    device = args.device or "cpu"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = args.dtype or ("fp32" if device == "cpu" else "bf16")
+    owners = min(args.max_owners or args.max_sessions, args.max_sessions)
+    options = ExportOptions(max_owners=owners, max_sessions=args.max_sessions, dtype=dtype).resolve(args.target, args.draft)
+    target, draft = load_pair(args.target, args.draft, dtype=torch_dtype(DTYPES[dtype]))
+    return TorchBackend(target, draft, contract_dims(target, draft, options), args.max_sessions, device=device)
 
 
 def _stop(_signal, _frame) -> None:
