@@ -21,8 +21,12 @@ mixes new prompts with the speculative fast path.
 - Cancel: a queued request leaves at once; a running one at the next gap
   between execute() calls (its session is closed there).
 - Failure isolation: an execute() that fails poisons the sessions of that
-  batch (``Executor``); the loop closes them, fails exactly those requests
-  with the error (``PoisonedError`` naming the cause) and keeps serving.
+  batch (``Executor``); the loop closes them and replays each of those
+  requests ALONE (its prompt + the tokens it already received, same seed:
+  the same positions, so the same output), one execute each, before anything
+  else runs. A request that fails alone fails with the error
+  (``PoisonedError`` naming the cause); the others carry on, so one bad
+  request does not fail its neighbours. The loop keeps serving.
 - ``close(drain=True)`` refuses new requests and finishes the accepted ones;
   ``drain=False`` cancels them. The backend stays the caller's to close.
 
@@ -39,7 +43,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dflash_trt.checks import is_int
 from dflash_trt.errors import DFlashError, EngineClosedError, InputError, QueueFullError, TokenizerError
@@ -64,6 +68,7 @@ class _Job:
     submitted: float
     cancelled: bool = False
     last_delivery: float | None = None
+    suspect: BaseException | None = None  # the error of a failed batch it was in: replayed alone next
 
 
 class Engine:
@@ -94,7 +99,8 @@ class Engine:
         self._executes = ExecuteCursor(executor)
         self._cond = threading.Condition()  # guards everything below
         self._queue: deque[_Job] = deque()
-        self._jobs: dict[int, _Job] = {}  # running, by handle id
+        self._jobs: dict[int, _Job] = {}  # running (or suspects), by handle id
+        self._suspects: deque[_Job] = deque()  # the loop thread's alone: requests of a failed batch, to replay alone
         self._next_id = 0
         self._accepting = True
         self._stopping: str | None = None  # "drain" or "cancel"
@@ -226,18 +232,24 @@ class Engine:
             leaving = [job for job in self._jobs.values() if job.cancelled]
             dropped = [job for job in self._queue if job.cancelled]
             self._queue = deque(job for job in self._queue if not job.cancelled)
-            joining = [self._queue.popleft() for _ in range(min(len(self._queue), self.batcher.room + len(leaving)))]
+            room = 0 if self._suspects else min(len(self._queue), self.batcher.room + len(leaving))  # replays first
+            joining = [self._queue.popleft() for _ in range(room)]
             self._jobs.update((job.handle.id, job) for job in joining)  # a cancel from now on flags them
             if not (self._queue or self._jobs or joining):
                 return False
         for job in leaving:
-            self.batcher.leave(job.handle.id)
+            if job.suspect is None:
+                self.batcher.leave(job.handle.id)
+            else:
+                self._suspects.remove(job)
             self._finish(job, [], CANCELLED)
         for job in dropped:
             self._finish(job, [], CANCELLED)
         for job in joining:
             self._join(job)
-        if self.batcher.running:
+        if self._suspects:
+            self._replay(self._suspects.popleft())
+        elif self.batcher.running:
             self._step()
         return True
 
@@ -257,11 +269,42 @@ class Engine:
             for job in failed:
                 self.batcher.leave(job.handle.id)  # poisoned sessions are closed here
             self._record_executes()
-            self._fail(failed, error if isinstance(error, DFlashError) else _wrap(error))
+            error = error if isinstance(error, DFlashError) else _wrap(error)
+            if len(failed) == 1:
+                self._fail(failed, error)  # it ran alone: the request itself fails
+                return
+            for job in failed:
+                job.suspect = error
+            self._suspects.extend(failed)
             return
         self._record_executes()
         for chunk in chunks:
             self._deliver(self._jobs[chunk.index], chunk)
+
+    def _replay(self, job: _Job) -> None:
+        """Run one request of a failed batch alone, from its prompt + the tokens it already received.
+
+        The same seed at the same positions gives the same tokens, so its output is as if nothing
+        failed; if it fails alone, it fails (with the new error, chained like any execute failure).
+        """
+        key, request, received = job.handle.id, job.request, job.handle.tokens
+        replay = replace(request, prompt=[*request.prompt, *received], max_new_tokens=request.max_new_tokens - len(received))
+        if len(replay.prompt) > self.executor.dims.max_context - 1:  # no room to replay it as a prompt
+            self._fail([job], job.suspect)
+            return
+        try:
+            self.batcher.join(key, replay)
+            chunks = self.batcher.step([key])
+        except Exception as error:
+            if key in self.batcher.running:
+                self.batcher.leave(key)
+            self._record_executes()
+            self._fail([job], error if isinstance(error, DFlashError) else _wrap(error))
+            return
+        self._record_executes()
+        job.suspect = None
+        for chunk in chunks:
+            self._deliver(job, chunk)
 
     def _deliver(self, job: _Job, chunk: Chunk) -> None:
         """Tokens of one execute() to the handle: text deltas, stop strings, finish."""

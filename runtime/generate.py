@@ -130,9 +130,10 @@ class Batcher:
         for key in list(self.running):
             self.leave(key)
 
-    def step(self) -> list[Chunk]:
-        """One execute() over every running request; raises what execute raised (sessions left as they are)."""
-        running = list(self.running.values())
+    def step(self, keys: Iterable[Hashable] | None = None) -> list[Chunk]:
+        """One execute() over every running request (or only ``keys``: the others wait, their pending
+        tokens kept); raises what execute raised (sessions left as they are)."""
+        running = list(self.running.values()) if keys is None else [self.running[key] for key in keys]
         outputs = self.executor.execute([self._next_input(r) for r in running])
         chunks = []
         for r, tokens in zip(running, outputs):

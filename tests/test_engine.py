@@ -190,6 +190,43 @@ def test_a_failed_execute_fails_its_requests_and_the_engine_keeps_serving(tiny, 
     engine.close()
 
 
+POISON = 13  # a prompt holding this token fails its target prefill, every time (PoisonBackend)
+
+
+class PoisonBackend(GatedBackend):
+    """Fails every target_prefill whose tokens hold POISON: one request that can never run."""
+
+    def run(self, graph, feeds, first_row):
+        if c.parse_graph_name(graph)[0] == c.TARGET_PREFILL and POISON in feeds[c.TOKENS].flatten().tolist():
+            raise RuntimeError("poison token in the prompt")
+        return super().run(graph, feeds, first_row)
+
+
+def test_a_bad_request_fails_alone_its_batch_neighbours_are_replayed(tiny, oracle):
+    """Guards against one bad request failing every request batched with it: the failed batch's requests
+    are replayed alone (a running one from its prompt + the tokens it already received), so only the bad
+    one fails and the others' outputs (greedy and sampled) equal the reference."""
+    backend = PoisonBackend(tiny.ort)
+    engine = Engine(Executor(backend, tiny.dims, 4, max_cycles=2), max_running=4)
+    backend.gate.clear()
+    running = engine.submit([5, 6, 7], 45)  # mid-stream when the batch fails: replayed from what it received
+    assert backend.entered.wait(30)
+    neighbours = [([8, 9], 20, Sampling()), ([40, 41, 42], 18, Sampling(1.0, 0, 1.0, 9))]
+    first = submit(engine, *neighbours[0])
+    bad = engine.submit([30, POISON, 31], 10)
+    second = submit(engine, *neighbours[1])
+    backend.gate.set()
+    with pytest.raises(PoisonedError, match="poison token"):
+        bad.result(30)
+    assert running.result(30).tokens == reference(oracle, [5, 6, 7], 45)[0]
+    for handle, (prompt, max_new, sampling) in zip((first, second), neighbours):
+        assert handle.result(30).tokens == reference(oracle, prompt, max_new, sampling=sampling)[0]
+    metrics = engine.metrics()
+    assert (metrics.failed, metrics.completed, metrics.failed_executes) == (1, 3, 2)  # the batch, then the bad one alone
+    assert engine.healthy and engine.executor.sessions() == []
+    engine.close()
+
+
 def test_close_drains_or_cancels_then_refuses(tiny, oracle):
     """Guards against close() dropping accepted requests (drain), hanging, or accepting new ones."""
     engine, _ = engine_over(tiny, max_running=2)

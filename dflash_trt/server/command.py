@@ -80,12 +80,11 @@ def run(args: argparse.Namespace) -> int:
     from dflash_trt.runtime.executor import Executor
 
     uvicorn, create_app = _imports()
-    default_pair = args.artifacts is None
-    if default_pair:
+    model = args.model_name or _model_name(args)
+    if args.artifacts is None:
         args.max_sessions = args.max_sessions or DEFAULT_PAIR_SESSIONS
         if args.backend != "torch":
             args.artifacts = demo.export_dir(args)
-    model = args.model_name or _model_name(args)
     tokenizer = _tokenizer(args)
     with _open_backend(args) as backend:
         executor = Executor(backend, max_sessions=args.max_sessions, speculate=not args.no_draft, max_cycles=args.max_cycles)
