@@ -17,7 +17,10 @@ events over replays of one CUDA graph (no launch overhead, no host syncs):
 Correctness: the GPU's tokens are compared with the CPU's on the same logits
 (the backends must agree, DESIGN §1). Prints a table and ends with one JSON line.
 
-    python benchmarks/sampling_speed.py [--rows 16] [--vocab 151936] [--repeats 100] [--compile] [--out FILE]
+``--profile`` also prints the fused kernel's launches with their device time
+(torch.profiler, outside a graph: where the time goes).
+
+    python benchmarks/sampling_speed.py [--rows 16] [--vocab 151936] [--repeats 100] [--compile] [--profile] [--out FILE]
 """
 
 from __future__ import annotations
@@ -82,12 +85,32 @@ def time_graph(function, args, repeats: int) -> tuple[float, torch.Tensor]:
     return start.elapsed_time(end) / repeats, result
 
 
+def kernel_times(function, args, repeats: int) -> list[dict]:
+    """Per-launch device time of ``function(*args)`` (torch.profiler, mean over ``repeats`` calls), in launch order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    function(*args)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            function(*args)
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_call = len(events) // repeats
+    rows = []
+    for i in range(per_call):
+        mine = events[i::per_call]
+        rows.append({"kernel": mine[0].name[:60], "us": round(sum(e.device_time for e in mine) / len(mine), 2)})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--repeats", type=int, default=100)
     parser.add_argument("--compile", action="store_true", help="also time torch.compile(choose)")
+    parser.add_argument("--profile", action="store_true", help="also print the fused kernel's launches and their device time")
     parser.add_argument("--out", type=Path, help="write the JSON line here too")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -115,8 +138,20 @@ def main() -> None:
     for row in rows:
         agree = "" if row["agree"] is None else f"{row['agree']}/{args.rows}"
         print(f"{row['variant']:10s} {row['ms']:9.4f} {agree:>7s}")
-    line = json.dumps({"name": "sampling_speed", "rows": args.rows, "vocab": args.vocab, "device": torch.cuda.get_device_name(),
-                       "torch": torch.__version__, "results": rows})
+    record = {"name": "sampling_speed", "rows": args.rows, "vocab": args.vocab, "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "results": rows}
+    if args.profile:
+        try:
+            with torch.no_grad():
+                launches = kernel_times(choose_cuda, gpu, 20)
+        except Exception as error:  # the profiler needs CUPTI; the timings above stand without it
+            print(f"no profile: {error!r}")
+            launches = []
+        print(f"fused launches (outside a graph, mean of 20 calls): {sum(r['us'] for r in launches):.1f} us of kernels")
+        for launch in launches:
+            print(f"  {launch['us']:8.2f} us  {launch['kernel']}")
+        record["launches"] = launches
+    line = json.dumps(record)
     print(line)
     if args.out:
         args.out.write_text(line + "\n")

@@ -1,26 +1,33 @@
-"""``export.sampling.choose`` on CUDA in a dozen fused Triton passes (the torch backend's token choice).
+"""``export.sampling.choose`` on CUDA in ten fused Triton passes (the torch backend's token choice).
 
 The eager definition runs ~130 PyTorch kernels over [R, V] (int64 hash, 20
 top-p bisection steps); here each pass reads the row block once, in chunks of
-``BLOCK`` tokens per program, and the cross-chunk reductions are small
-per-chunk partials that the next pass sums in a fixed order:
+``BLOCK`` tokens per program, and each row stage ends in the row's last
+program (a per-row arrival counter): it reduces the chunks' partials in a
+fixed order and leaves the row's scalars (max z, k-th value, top-p target and
+floor, the chosen token) for the next pass. Every pass skips the rows whose
+settings skip its stage:
 
-1. ``_scan``: z = logits / T (IEEE division, as torch), per-chunk max; for
-   top-k rows the first 8-bit digit histogram of an order-preserving key of z.
-2. ``_radix`` x 3: the next digits: the exact k-th largest z (TopK's value).
-3. ``_mass``: the total of w = exp(z - max) over the top-k set.
-4. ``_nucleus`` x 5: the 20 top-p bisection steps, 4 per pass: the 15 thresholds
-   the next 4 steps may test are known (each a float sum of the current floor
-   and the steps taken), so one pass sums w above each and the bisection walks
-   4 steps on those masses; the result is the sequential bisection's.
-5. ``_noise``: keep, the integer hash (exact int64), Gumbel noise, per-chunk
-   argmax (first index on ties); the chunks' winners are reduced in torch.
+1. ``_scan``: a greedy row's argmax, an untruncated row's Gumbel-max (both
+   done here); for the others z = logits / T (IEEE division, as torch), the
+   max z and, for top-k rows, the first 8-bit digit histogram of an
+   order-preserving key of z.
+2. ``_radix`` x 3 (top-k rows): the next digits: the exact k-th largest z (TopK's value).
+3. ``_nucleus`` x 5 (top-p rows): the 20 top-p bisection steps, 4 per pass:
+   the 15 floors the next 4 steps may test are known (each a float sum of the
+   current floor and the steps taken), so one pass sums w = exp(z - max) over
+   the top-k set above each (and, first, the total), and the row's last
+   program walks 4 steps on those masses: the sequential bisection's result.
+4. ``_final`` (truncated rows): keep, the integer hash, Gumbel noise, argmax.
 
-Same function as the eager module: the integer hash, the comparisons and the
-threshold arithmetic are exact; exp and log are libdevice's (what PyTorch's
-CUDA kernels call); only the summation order of the masses differs, which
-can change a top-p decision only when a mass equals top_p x total to within
-float rounding. tests/test_sampling_cuda.py holds it against the eager module.
+Same function as the eager module: the integer hash (reduced with shifts and
+adds modulo 2**31 - 69, the same residues), the comparisons, the threshold
+arithmetic and the argmax (first index on ties) are exact; exp and log are
+libdevice's (what PyTorch's CUDA kernels call); only the summation order of
+the masses differs, which can change a top-p decision only when a mass equals
+top_p x total to within float rounding. Deterministic: float sums run in a
+fixed order, atomics only add or max integers. tests/test_sampling_cuda.py
+holds it against the eager module.
 """
 
 from __future__ import annotations
@@ -36,11 +43,20 @@ from triton.language.extra import libdevice
 from dflash_trt.export import sampling
 from dflash_trt.export.sampling import LANE_A, LANE_B, PRIME, TOKEN_MULTIPLIER
 
-BLOCK = 4096  # tokens per program
-SUB = 256  # tokens per inner step (the nucleus pass holds SUB x 16 values)
+BLOCK = 4096  # tokens per program (one chunk of a row)
+SUB = 1024  # tokens per inner step of the elementwise passes
+LANE_SUB = 256  # tokens per inner step of the nucleus passes (LANE_SUB x 16 accumulators)
 STEPS_PER_PASS = 4
 PASSES = sampling.TOP_P_STEPS // STEPS_PER_PASS
 assert PASSES * STEPS_PER_PASS == sampling.TOP_P_STEPS
+# Per-row arrival counters, one per pass that ends a row stage: scan, radix (last digit), nucleus 0..4, final.
+SCAN_COUNTER, RADIX_COUNTER, NUCLEUS_COUNTER = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+FINAL_COUNTER = tl.constexpr(2 + PASSES)
+COUNTERS = 3 + PASSES
+# Per-row float scalars the passes leave for the next ones: state [R, 4].
+TOP, KTH, FLOOR, TARGET = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+STATE = 4
+INDEX_BITS = 31  # the argmax packs (order key of the score) << 31 | (2**31 - 1 - token) into an int64
 # libdevice's expf/logf are what PyTorch's CUDA kernels call (tl.exp/tl.log are approximations);
 # Triton's CPU interpreter (TRITON_INTERPRET=1, the tests' way to run these kernels) has no libdevice.
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -64,21 +80,14 @@ else:
         return libdevice.log(x)
 
 
-
-# --------------------------------------------------------------------------- per-row scalars
-
-
-@triton.jit
-def _scale(temperature_ptr, row):
-    t = tl.load(temperature_ptr + row)
-    return tl.where(t <= 0.0, 1.0, t)
+# --------------------------------------------------------------------------- per-token math
 
 
 @triton.jit
 def _z(logits_ptr, row, offsets, vocab, scale):
-    """z of the chunk (-inf past the vocabulary) and the in-range mask."""
+    """z of the tile (-inf past the vocabulary) and the in-range mask."""
     valid = offsets < vocab
-    x = tl.load(logits_ptr + row * vocab + offsets, mask=valid, other=float("-inf"))
+    x = tl.load(logits_ptr + row.to(tl.int64) * vocab + offsets, mask=valid, other=float("-inf"))
     return tl.math.div_rn(x, scale), valid
 
 
@@ -98,9 +107,159 @@ def _unkey(key):
 
 
 @triton.jit
-def _row_max(pmax_ptr, row, chunks, CHUNKS: tl.constexpr):
-    c = tl.arange(0, CHUNKS)
-    return tl.max(tl.load(pmax_ptr + row * chunks + c, mask=c < chunks, other=float("-inf")), axis=0)
+def _mulmod(a, b):
+    """a * b mod 2**31 - 69 for uint32 a, b < 2**31 - 69, without a 64-bit remainder.
+
+    a * b = hi 2**32 + lo = q 2**31 + r, and 2**31 = 69 (mod p): a * b = 69 q + r = t
+    (< 2**38), then t = 69 (t >> 31) + (t & (2**31 - 1)) < p + 5,400, then one subtraction.
+    """
+    lo = a * b
+    hi = tl.umulhi(a, b)
+    q = (hi << 1) | (lo >> 31)  # < 2**31
+    t = q.to(tl.uint64) * 69 + (lo & 0x7FFFFFFF).to(tl.uint64)
+    s = (t >> 31).to(tl.uint32) * 69 + (t & 0x7FFFFFFF).to(tl.uint32)
+    return tl.where(s >= 2147483579, s - 2147483579, s)
+
+
+@triton.jit
+def _addmod(a, b):
+    s = a + b  # uint32: a, b < p < 2**31
+    return tl.where(s >= 2147483579, s - 2147483579, s)
+
+
+@triton.jit
+def _cube(x):
+    return _mulmod(_mulmod(x, x), x)
+
+
+@triton.jit
+def _lane(seed_ptr, row, position, c0, c1, c2, c3, c4):
+    """One of the row's two 31-bit keys (a few scalar int64 operations per program)."""
+    x = tl.zeros((), tl.int64) + c0
+    x = (x + tl.load(seed_ptr + row * 3) + c1) % 2147483579
+    x = _cube(x.to(tl.uint32)).to(tl.int64)
+    x = (x + tl.load(seed_ptr + row * 3 + 1) + c2) % 2147483579
+    x = _cube(x.to(tl.uint32)).to(tl.int64)
+    x = (x + tl.load(seed_ptr + row * 3 + 2) + c3) % 2147483579
+    x = _cube(x.to(tl.uint32)).to(tl.int64)
+    x = (x + position + c4) % 2147483579
+    return _cube(x.to(tl.uint32))
+
+
+@triton.jit
+def _noise_scores(z, offsets, key_a, key_b):
+    """z + g(seed, position, token) for the tile's tokens (the integer hash, then Gumbel)."""
+    tokens = offsets.to(tl.uint32)
+    spread = _mulmod(tokens, tokens * 0 + 1103515245)
+    h = _cube(_addmod(_cube(_addmod(spread, key_a)), key_b))
+    u = (h.to(tl.float32) + 0.5) * 4.656612873077393e-10  # 2**-31
+    w = 1.0 - u
+    exponential = tl.where(w == 1.0, u, tl.math.div_rn(u * _log(w), w - 1.0))
+    return z - _log(exponential)
+
+
+@triton.jit
+def _better(score, offsets, best, index):
+    """Running argmax of a tile position over the tiles (strict: the earlier token wins ties)."""
+    take = score > best
+    return tl.where(take, score, best), tl.where(take, offsets, index)
+
+
+@triton.jit
+def _packed(best, index):
+    """The tile's argmax (first index on ties) as one int64 that orders like (score, -index)."""
+    top = tl.max(best, axis=0)
+    first = tl.min(tl.where(best == top, index, 2147483647), axis=0)
+    return (_key(top) << 31) | (2147483647 - first).to(tl.int64)
+
+
+@triton.jit
+def _arrive(counter_ptr, row, chunks):
+    """Count this program in; True in the row's last program (after the others' writes)."""
+    tl.debug_barrier()  # every thread's partial writes come before the release
+    return tl.atomic_add(counter_ptr + row, 1, sem="acq_rel") == chunks - 1
+
+
+@triton.jit
+def _finish(packed, best_ptr, counter_ptr, out_ptr, row, chunks):
+    """Fold the chunk's packed argmax into the row's; the row's last program writes the token."""
+    tl.atomic_max(best_ptr + row, packed)
+    if _arrive(counter_ptr, row, chunks):
+        final = tl.atomic_max(best_ptr + row, 0)  # an atomic read of the row's maximum
+        tl.store(out_ptr + row, 2147483647 - (final & 2147483647))
+
+
+# --------------------------------------------------------------------------- stage: scan
+
+
+@triton.jit
+def _argmax_logits(logits_ptr, row, chunk, vocab, BLOCK: tl.constexpr, SUB: tl.constexpr):
+    best = tl.full((SUB,), float("-inf"), tl.float32)
+    index = tl.zeros((SUB,), tl.int32)
+    for start in range(0, BLOCK, SUB):
+        offsets = chunk * BLOCK + start + tl.arange(0, SUB)
+        x = tl.load(logits_ptr + row.to(tl.int64) * vocab + offsets, mask=offsets < vocab, other=float("-inf"))
+        best, index = _better(x, offsets, best, index)
+    return _packed(best, index)
+
+
+@triton.jit
+def _argmax_noise(logits_ptr, seed_ptr, position_ptr, row, chunk, vocab, scale, keep_below,
+                  A0, A1, A2, A3, A4, B0, B1, B2, B3, B4, BLOCK: tl.constexpr, SUB: tl.constexpr):
+    """Gumbel-max over the chunk's kept tokens: z >= keep (a scalar; -inf keeps all)."""
+    position = tl.load(position_ptr + row)
+    key_a = _lane(seed_ptr, row, position, A0, A1, A2, A3, A4)
+    key_b = _lane(seed_ptr, row, position, B0, B1, B2, B3, B4)
+    best = tl.full((SUB,), float("-inf"), tl.float32)
+    index = tl.zeros((SUB,), tl.int32)
+    for start in range(0, BLOCK, SUB):
+        offsets = chunk * BLOCK + start + tl.arange(0, SUB)
+        z, valid = _z(logits_ptr, row, offsets, vocab, scale)
+        score = tl.where(valid & (z >= keep_below), _noise_scores(z, offsets, key_a, key_b), float("-inf"))
+        best, index = _better(score, offsets, best, index)
+    return _packed(best, index)
+
+
+@triton.jit
+def _max_and_digit(logits_ptr, hist_ptr, row, chunk, vocab, scale, top_k, BLOCK: tl.constexpr, SUB: tl.constexpr):
+    """The chunk's max z; for top-k rows, its first-digit histogram added to the row's."""
+    top = tl.full((SUB,), float("-inf"), tl.float32)
+    counts = tl.zeros((256,), tl.int32)
+    for start in range(0, BLOCK, SUB):
+        offsets = chunk * BLOCK + start + tl.arange(0, SUB)
+        z, valid = _z(logits_ptr, row, offsets, vocab, scale)
+        top = tl.maximum(top, z)
+        if top_k > 0:
+            counts += tl.histogram((_key(z) >> 24).to(tl.int32), 256, mask=valid)
+    if top_k > 0:
+        tl.atomic_add(hist_ptr + row * 256 + tl.arange(0, 256), counts)
+    return tl.max(top, axis=0)
+
+
+@triton.jit
+def _scan(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, position_ptr, pmax_ptr, hist_ptr, best_ptr,
+          counter_ptr, state_ptr, out_ptr, vocab, rows, chunks, A0, A1, A2, A3, A4, B0, B1, B2, B3, B4,
+          CHUNKS: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    temperature = tl.load(temperature_ptr + row)
+    top_k = tl.load(top_k_ptr + row)
+    if temperature <= 0.0:
+        packed = _argmax_logits(logits_ptr, row, chunk, vocab, BLOCK, SUB)
+        _finish(packed, best_ptr, counter_ptr + FINAL_COUNTER * rows, out_ptr, row, chunks)
+    elif (top_k <= 0) & (tl.load(top_p_ptr + row) >= 1.0):
+        packed = _argmax_noise(logits_ptr, seed_ptr, position_ptr, row, chunk, vocab, temperature,
+                               float("-inf"), A0, A1, A2, A3, A4, B0, B1, B2, B3, B4, BLOCK, SUB)
+        _finish(packed, best_ptr, counter_ptr + FINAL_COUNTER * rows, out_ptr, row, chunks)
+    else:
+        top = _max_and_digit(logits_ptr, hist_ptr, row, chunk, vocab, temperature, top_k, BLOCK, SUB)
+        tl.store(pmax_ptr + row * chunks + chunk, top)
+        if _arrive(counter_ptr + SCAN_COUNTER * rows, row, chunks):
+            c = tl.arange(0, CHUNKS)
+            parts = tl.load(pmax_ptr + row * chunks + c, mask=c < chunks, other=float("-inf"), volatile=True)
+            tl.store(state_ptr + row * 4 + TOP, tl.max(parts, axis=0))
+
+
+# --------------------------------------------------------------------------- stage: the k-th largest z
 
 
 @triton.jit
@@ -111,7 +270,7 @@ def _kth_prefix(hist_ptr, row, rows, k, digits: tl.constexpr):
     bins = tl.arange(0, 256)
     for d in tl.static_range(digits):
         # Reversed histogram: position i holds digit 255 - i; cumulative = keys with digit >= 255 - i.
-        counts = tl.load(hist_ptr + (d * rows + row) * 256 + 255 - bins).to(tl.int64)
+        counts = tl.load(hist_ptr + (d * rows + row) * 256 + 255 - bins, volatile=True).to(tl.int64)
         cumulative = tl.cumsum(counts, axis=0)
         hit = cumulative >= remaining
         first = tl.min(tl.where(hit, bins, 256), axis=0)
@@ -122,64 +281,31 @@ def _kth_prefix(hist_ptr, row, rows, k, digits: tl.constexpr):
 
 
 @triton.jit
-def _kth_value(hist_ptr, row, rows, k):
-    prefix, _ = _kth_prefix(hist_ptr, row, rows, k, 4)
-    return _unkey(prefix)
-
-
-# --------------------------------------------------------------------------- passes
-
-
-@triton.jit
-def _scan(logits_ptr, temperature_ptr, top_k_ptr, pmax_ptr, hist_ptr, vocab, chunks, BLOCK: tl.constexpr):
-    row, chunk = tl.program_id(0), tl.program_id(1)
-    offsets = chunk * BLOCK + tl.arange(0, BLOCK)
-    z, valid = _z(logits_ptr, row, offsets, vocab, _scale(temperature_ptr, row))
-    tl.store(pmax_ptr + row * chunks + chunk, tl.max(z, axis=0))
-    if tl.load(top_k_ptr + row) > 0:
-        counts = tl.histogram((_key(z) >> 24).to(tl.int32), 256, mask=valid)
-        tl.atomic_add(hist_ptr + row * 256 + tl.arange(0, 256), counts)
-
-
-@triton.jit
-def _radix(logits_ptr, temperature_ptr, top_k_ptr, hist_ptr, vocab, rows, DIGIT: tl.constexpr, BLOCK: tl.constexpr):
-    """Digit DIGIT (1..3) of the k-th largest key, among keys whose higher digits match."""
+def _radix(logits_ptr, temperature_ptr, top_k_ptr, hist_ptr, counter_ptr, state_ptr, vocab, rows, chunks,
+           DIGIT: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
+    """Digit DIGIT (1..3) of the k-th largest key, among keys whose higher digits match; the last
+    digit's last program leaves the k-th value."""
     row, chunk = tl.program_id(0), tl.program_id(1)
     k = tl.load(top_k_ptr + row)
-    if k > 0:
+    temperature = tl.load(temperature_ptr + row)
+    if (k > 0) & (temperature > 0.0):
         prefix, _ = _kth_prefix(hist_ptr, row, rows, k, DIGIT)
-        offsets = chunk * BLOCK + tl.arange(0, BLOCK)
-        z, valid = _z(logits_ptr, row, offsets, vocab, _scale(temperature_ptr, row))
-        key = _key(z)
-        shift = 24 - 8 * DIGIT
-        inside = valid & ((key >> (shift + 8)) == prefix)
-        counts = tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=inside)
+        shift: tl.constexpr = 24 - 8 * DIGIT
+        counts = tl.zeros((256,), tl.int32)
+        for start in range(0, BLOCK, SUB):
+            offsets = chunk * BLOCK + start + tl.arange(0, SUB)
+            z, valid = _z(logits_ptr, row, offsets, vocab, temperature)
+            key = _key(z)
+            inside = valid & ((key >> (shift + 8)) == prefix)
+            counts += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=inside)
         tl.atomic_add(hist_ptr + (DIGIT * rows + row) * 256 + tl.arange(0, 256), counts)
+        if DIGIT == 3:
+            if _arrive(counter_ptr + RADIX_COUNTER * rows, row, chunks):
+                kth, _ = _kth_prefix(hist_ptr, row, rows, k, 4)
+                tl.store(state_ptr + row * 4 + KTH, _unkey(kth))
 
 
-@triton.jit
-def _top_k_keep(z, valid, k, kth):
-    """z >= the k-th largest z (every token when k == 0)."""
-    return valid & (z >= tl.where(k > 0, kth, float("-inf")))
-
-
-@triton.jit
-def _weights(z, valid, top, k, kth):
-    keep = _top_k_keep(z, valid, k, kth)
-    return tl.where(keep, _exp(z - top), 0.0), keep
-
-
-@triton.jit
-def _mass(logits_ptr, temperature_ptr, top_k_ptr, pmax_ptr, hist_ptr, psum_ptr, vocab, rows, chunks,
-          CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
-    row, chunk = tl.program_id(0), tl.program_id(1)
-    k = tl.load(top_k_ptr + row)
-    kth = _kth_value(hist_ptr, row, rows, k)
-    top = _row_max(pmax_ptr, row, chunks, CHUNKS)
-    offsets = chunk * BLOCK + tl.arange(0, BLOCK)
-    z, valid = _z(logits_ptr, row, offsets, vocab, _scale(temperature_ptr, row))
-    w, _ = _weights(z, valid, top, k, kth)
-    tl.store(psum_ptr + row * chunks + chunk, tl.sum(w, axis=0))
+# --------------------------------------------------------------------------- stage: top-p
 
 
 @triton.jit
@@ -197,104 +323,76 @@ def _candidates(floor, first_step, deltas_ptr):
 
 
 @triton.jit
-def _floor(pmass_ptr, psum_ptr, pmax_ptr, top_p_ptr, deltas_ptr, row, rows, chunks, span, PASS: tl.constexpr, CHUNKS: tl.constexpr):
-    """The bisection floor after PASS passes (4 steps each), from the earlier passes' partial masses."""
+def _walk(pmass_ptr, psum_ptr, state_ptr, top_p_ptr, candidates, row, chunks, PASS: tl.constexpr, CHUNKS: tl.constexpr):
+    """The row's last program: sum the chunks' masses (fixed order) and take 4 bisection steps."""
     c = tl.arange(0, CHUNKS)
-    total = tl.sum(tl.load(psum_ptr + row * chunks + c, mask=c < chunks, other=0.0), axis=0)
-    target = tl.load(top_p_ptr + row) * total
-    floor = _row_max(pmax_ptr, row, chunks, CHUNKS) - span
     lanes = tl.arange(0, 16)
-    for p in tl.static_range(PASS):
-        candidates = _candidates(floor, 1 + 4 * p, deltas_ptr)
-        parts = tl.load(pmass_ptr + ((p * rows + row) * chunks + c[:, None]) * 16 + lanes[None, :], mask=(c < chunks)[:, None], other=0.0)
-        masses = tl.sum(parts, axis=0)  # [16]; lane 0 unused
-        # Monotone in the lane: the bisection takes the largest candidate whose mass reaches the target.
-        best = tl.max(tl.where((masses >= target) & (lanes > 0), lanes, 0), axis=0)
-        floor = tl.sum(tl.where(lanes == best, candidates, 0.0), axis=0)
-    return floor
+    if PASS == 0:
+        total = tl.sum(tl.load(psum_ptr + row * chunks + c, mask=c < chunks, other=0.0, volatile=True), axis=0)
+        target = tl.load(top_p_ptr + row) * total
+        tl.store(state_ptr + row * 4 + TARGET, target)
+    else:
+        target = tl.load(state_ptr + row * 4 + TARGET)
+    parts = tl.load(pmass_ptr + (row * chunks + c[:, None]) * 16 + lanes[None, :], mask=(c < chunks)[:, None],
+                    other=0.0, volatile=True)
+    masses = tl.sum(parts, axis=0)  # [16]; lane 0 (the floor itself) unused
+    # Monotone in the lane: the bisection takes the largest candidate whose mass reaches the target.
+    best = tl.max(tl.where((masses >= target) & (lanes > 0), lanes, 0), axis=0)
+    tl.store(state_ptr + row * 4 + FLOOR, tl.sum(tl.where(lanes == best, candidates, 0.0), axis=0))
 
 
 @triton.jit
-def _nucleus(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, pmax_ptr, hist_ptr, psum_ptr, pmass_ptr, deltas_ptr,
-             vocab, rows, chunks, span, PASS: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
+def _nucleus(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, psum_ptr, pmass_ptr, deltas_ptr, counter_ptr,
+             state_ptr, vocab, rows, chunks, span, PASS: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+             LANE_SUB: tl.constexpr):
     """Pass PASS of the top-p bisection: the mass of w above each of the next 15 candidate floors."""
     row, chunk = tl.program_id(0), tl.program_id(1)
-    lanes = tl.arange(0, 16)
-    if tl.load(top_p_ptr + row) < 1.0:
-        k = tl.load(top_k_ptr + row)
-        kth = _kth_value(hist_ptr, row, rows, k)
-        top = _row_max(pmax_ptr, row, chunks, CHUNKS)
-        floor = _floor(pmass_ptr, psum_ptr, pmax_ptr, top_p_ptr, deltas_ptr, row, rows, chunks, span, PASS, CHUNKS)
+    temperature = tl.load(temperature_ptr + row)
+    if (tl.load(top_p_ptr + row) < 1.0) & (temperature > 0.0):
+        top = tl.load(state_ptr + row * 4 + TOP)
+        kth = tl.where(tl.load(top_k_ptr + row) > 0, tl.load(state_ptr + row * 4 + KTH), float("-inf"))
+        if PASS == 0:
+            floor = top - span
+        else:
+            floor = tl.load(state_ptr + row * 4 + FLOOR)
         candidates = _candidates(floor, 1 + 4 * PASS, deltas_ptr)
-        scale = _scale(temperature_ptr, row)
-        acc = tl.zeros((16,), tl.float32)
-        for start in range(0, BLOCK, SUB):
-            offsets = chunk * BLOCK + start + tl.arange(0, SUB)
-            z, valid = _z(logits_ptr, row, offsets, vocab, scale)
-            w, _ = _weights(z, valid, top, k, kth)
-            acc += tl.sum(tl.where(z[:, None] >= candidates[None, :], w[:, None], 0.0), axis=0)
-        tl.store(pmass_ptr + ((PASS * rows + row) * chunks + chunk) * 16 + lanes, acc)
+        acc = tl.zeros((LANE_SUB, 16), tl.float32)
+        total = tl.zeros((LANE_SUB,), tl.float32)
+        for start in range(0, BLOCK, LANE_SUB):
+            offsets = chunk * BLOCK + start + tl.arange(0, LANE_SUB)
+            z, valid = _z(logits_ptr, row, offsets, vocab, temperature)
+            w = tl.where(valid & (z >= kth), _exp(z - top), 0.0)
+            acc += tl.where(z[:, None] >= candidates[None, :], w[:, None], 0.0)
+            if PASS == 0:
+                total += w
+        tl.store(pmass_ptr + (row * chunks + chunk) * 16 + tl.arange(0, 16), tl.sum(acc, axis=0))
+        if PASS == 0:
+            tl.store(psum_ptr + row * chunks + chunk, tl.sum(total, axis=0))
+        if _arrive(counter_ptr + (NUCLEUS_COUNTER + PASS) * rows, row, chunks):
+            _walk(pmass_ptr, psum_ptr, state_ptr, top_p_ptr, candidates, row, chunks, PASS, CHUNKS)
+
+
+# --------------------------------------------------------------------------- stage: the choice
 
 
 @triton.jit
-def _mulmod(a, b):
-    return a * b % 2147483579
-
-
-@triton.jit
-def _cube(x):
-    return _mulmod(_mulmod(x, x), x)
-
-
-@triton.jit
-def _lane(seed_ptr, row, position, c0, c1, c2, c3, c4):
-    x = tl.zeros((), tl.int64) + c0
-    x = _cube((x + tl.load(seed_ptr + row * 3) + c1) % 2147483579)
-    x = _cube((x + tl.load(seed_ptr + row * 3 + 1) + c2) % 2147483579)
-    x = _cube((x + tl.load(seed_ptr + row * 3 + 2) + c3) % 2147483579)
-    return _cube((x + position + c4) % 2147483579)
-
-
-@triton.jit
-def _noise_scores(z, offsets, key_a, key_b):
-    """z + g(seed, position, token) for the chunk's tokens (the integer hash, then Gumbel)."""
-    spread = offsets.to(tl.int64) * 1103515245 % 2147483579
-    x = spread + key_a
-    x = _cube(tl.where(x >= 2147483579, x - 2147483579, x))
-    x = x + key_b
-    h = _cube(tl.where(x >= 2147483579, x - 2147483579, x))
-    u = (h.to(tl.float32) + 0.5) * 4.656612873077393e-10  # 2**-31
-    w = 1.0 - u
-    exponential = tl.where(w == 1.0, u, tl.math.div_rn(u * _log(w), w - 1.0))
-    return z - _log(exponential)
-
-
-@triton.jit
-def _noise(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, position_ptr, pmax_ptr, hist_ptr,
-           psum_ptr, pmass_ptr, deltas_ptr, best_ptr, index_ptr, vocab, rows, chunks, span,
-           A0, A1, A2, A3, A4, B0, B1, B2, B3, B4,
-           PASSES: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+def _final(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, position_ptr, best_ptr, counter_ptr,
+           state_ptr, out_ptr, vocab, rows, chunks, A0, A1, A2, A3, A4, B0, B1, B2, B3, B4,
+           BLOCK: tl.constexpr, SUB: tl.constexpr):
+    """Gumbel-max over a truncated row's kept set: z >= max(k-th value, top-p floor)."""
     row, chunk = tl.program_id(0), tl.program_id(1)
-    offsets = chunk * BLOCK + tl.arange(0, BLOCK)
-    valid = offsets < vocab
-    logits = tl.load(logits_ptr + row * vocab + offsets, mask=valid, other=float("-inf"))
-    if tl.load(temperature_ptr + row) <= 0.0:
-        score = logits
-    else:
-        z, _ = _z(logits_ptr, row, offsets, vocab, _scale(temperature_ptr, row))
-        k = tl.load(top_k_ptr + row)
-        keep = _top_k_keep(z, valid, k, _kth_value(hist_ptr, row, rows, k))
-        if tl.load(top_p_ptr + row) < 1.0:
-            floor = _floor(pmass_ptr, psum_ptr, pmax_ptr, top_p_ptr, deltas_ptr, row, rows, chunks, span, PASSES, CHUNKS)
-            keep = keep & (z >= floor)
-        position = tl.load(position_ptr + row)
-        key_a = _lane(seed_ptr, row, position, A0, A1, A2, A3, A4)
-        key_b = _lane(seed_ptr, row, position, B0, B1, B2, B3, B4)
-        score = tl.where(keep, _noise_scores(z, offsets, key_a, key_b), float("-inf"))
-    best = tl.max(score, axis=0)
-    first = tl.min(tl.where(score == best, offsets, 2147483647), axis=0)
-    tl.store(best_ptr + row * chunks + chunk, best)
-    tl.store(index_ptr + row * chunks + chunk, first.to(tl.int64))
+    temperature = tl.load(temperature_ptr + row)
+    top_k = tl.load(top_k_ptr + row)
+    top_p = tl.load(top_p_ptr + row)
+    if (temperature > 0.0) & ((top_k > 0) | (top_p < 1.0)):
+        keep = tl.full((), float("-inf"), tl.float32)
+        if top_k > 0:
+            keep = tl.load(state_ptr + row * 4 + KTH)
+        if top_p < 1.0:
+            keep = tl.maximum(keep, tl.load(state_ptr + row * 4 + FLOOR))
+        packed = _argmax_noise(logits_ptr, seed_ptr, position_ptr, row, chunk, vocab, temperature, keep,
+                               A0, A1, A2, A3, A4, B0, B1, B2, B3, B4, BLOCK, SUB)
+        _finish(packed, best_ptr, counter_ptr + FINAL_COUNTER * rows, out_ptr, row, chunks)
 
 
 # --------------------------------------------------------------------------- the op's CUDA kernel
@@ -314,7 +412,8 @@ def _bisection_steps(vocab: int, device: torch.device) -> tuple[float, torch.Ten
 
 def choose_cuda(logits, temperature, top_k, top_p, seed, position) -> torch.Tensor:
     """``sampling.choose`` for CUDA tensors (same arguments, same result). Allocates its partials
-    with the caching allocator and never syncs the host, so it can be captured in a CUDA graph."""
+    with the caching allocator (one zeroed workspace: one memset) and never syncs the host, so it
+    can be captured in a CUDA graph."""
     rows, vocab = logits.shape
     logits = logits.float().contiguous()
     temperature, top_k, top_p, seed, position = (t.contiguous() for t in (temperature, top_k, top_p, seed, position))
@@ -322,28 +421,32 @@ def choose_cuda(logits, temperature, top_k, top_p, seed, position) -> torch.Tens
     block_chunks = triton.next_power_of_2(chunks)
     device = logits.device
     span, deltas = _bisection_steps(vocab, device)
-    pmax = torch.empty(rows, chunks, device=device)
-    hist = torch.zeros(4, rows, 256, dtype=torch.int32, device=device)
-    psum = torch.empty(rows, chunks, device=device)
-    pmass = torch.zeros(PASSES, rows, chunks, 16, device=device)
-    best = torch.empty(rows, chunks, device=device)
-    index = torch.empty(rows, chunks, dtype=torch.int64, device=device)
+    # Zeroed int32 workspace: digit histograms [4, R, 256], arrival counters [COUNTERS, R], argmax [R] int64.
+    work = torch.zeros(4 * rows * 256 + COUNTERS * rows + 2 * rows, dtype=torch.int32, device=device)
+    hist = work[: 4 * rows * 256]
+    counters = work[4 * rows * 256 : 4 * rows * 256 + COUNTERS * rows]
+    best = work[4 * rows * 256 + COUNTERS * rows :].view(torch.int64)
+    floats = torch.empty(rows * (STATE + 2 * chunks + 16 * chunks), device=device)
+    state, pmax, psum, pmass = floats.split([rows * STATE, rows * chunks, rows * chunks, rows * chunks * 16])
+    out = torch.empty(rows, dtype=torch.int64, device=device)
     grid = (rows, chunks)
-    _scan[grid](logits, temperature, top_k, pmax, hist, vocab, chunks, BLOCK=BLOCK)
+    keys = (*LANE_A, *LANE_B)
+    _scan[grid](logits, temperature, top_k, top_p, seed, position, pmax, hist, best, counters, state, out,
+                vocab, rows, chunks, *keys, CHUNKS=block_chunks, BLOCK=BLOCK, SUB=SUB)
     for digit in (1, 2, 3):
-        _radix[grid](logits, temperature, top_k, hist, vocab, rows, DIGIT=digit, BLOCK=BLOCK)
-    _mass[grid](logits, temperature, top_k, pmax, hist, psum, vocab, rows, chunks, CHUNKS=block_chunks, BLOCK=BLOCK)
+        _radix[grid](logits, temperature, top_k, hist, counters, state, vocab, rows, chunks,
+                     DIGIT=digit, BLOCK=BLOCK, SUB=SUB)
     for p in range(PASSES):
-        _nucleus[grid](logits, temperature, top_k, top_p, pmax, hist, psum, pmass, deltas, vocab, rows, chunks, span,
-                       PASS=p, CHUNKS=block_chunks, BLOCK=BLOCK, SUB=SUB)
-    _noise[grid](logits, temperature, top_k, top_p, seed, position, pmax, hist, psum, pmass, deltas, best, index,
-                 vocab, rows, chunks, span, *LANE_A, *LANE_B, PASSES=PASSES, CHUNKS=block_chunks, BLOCK=BLOCK)
-    winner = best.argmax(dim=1, keepdim=True)  # first chunk holding the max: the first index overall
-    return index.gather(1, winner)[:, 0]
+        _nucleus[grid](logits, temperature, top_k, top_p, psum, pmass, deltas, counters, state, vocab, rows, chunks,
+                       span, PASS=p, CHUNKS=block_chunks, BLOCK=BLOCK, LANE_SUB=LANE_SUB)
+    _final[grid](logits, temperature, top_k, top_p, seed, position, best, counters, state, out, vocab, rows, chunks,
+                 *keys, BLOCK=BLOCK, SUB=SUB)
+    return out
 
 
 # The kernels spell these constants out (Triton inlines literals); keep them the definition's.
 assert TOKEN_MULTIPLIER == 1103515245 and PRIME == 2147483579 and 2.0**-31 == 4.656612873077393e-10
+assert PRIME == 2**31 - 69  # _mulmod's reduction
 
 
 sampling.choose_op.register_kernel("cuda")(choose_cuda)  # the torch backend's token choice on CUDA
