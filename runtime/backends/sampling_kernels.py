@@ -46,6 +46,7 @@ from dflash_trt.export.sampling import LANE_A, LANE_B, PRIME, TOKEN_MULTIPLIER
 BLOCK = 4096  # tokens per program (one chunk of a row)
 SUB = 1024  # tokens per inner step of the elementwise passes
 LANE_SUB = 256  # tokens per inner step of the nucleus passes (LANE_SUB x 16 accumulators)
+NUM_WARPS = 4
 STEPS_PER_PASS = 4
 PASSES = sampling.TOP_P_STEPS // STEPS_PER_PASS
 assert PASSES * STEPS_PER_PASS == sampling.TOP_P_STEPS
@@ -432,15 +433,15 @@ def choose_cuda(logits, temperature, top_k, top_p, seed, position) -> torch.Tens
     grid = (rows, chunks)
     keys = (*LANE_A, *LANE_B)
     _scan[grid](logits, temperature, top_k, top_p, seed, position, pmax, hist, best, counters, state, out,
-                vocab, rows, chunks, *keys, CHUNKS=block_chunks, BLOCK=BLOCK, SUB=SUB)
+                vocab, rows, chunks, *keys, CHUNKS=block_chunks, BLOCK=BLOCK, SUB=SUB, num_warps=NUM_WARPS)
     for digit in (1, 2, 3):
         _radix[grid](logits, temperature, top_k, hist, counters, state, vocab, rows, chunks,
-                     DIGIT=digit, BLOCK=BLOCK, SUB=SUB)
+                     DIGIT=digit, BLOCK=BLOCK, SUB=SUB, num_warps=NUM_WARPS)
     for p in range(PASSES):
         _nucleus[grid](logits, temperature, top_k, top_p, psum, pmass, deltas, counters, state, vocab, rows, chunks,
-                       span, PASS=p, CHUNKS=block_chunks, BLOCK=BLOCK, LANE_SUB=LANE_SUB)
+                       span, PASS=p, CHUNKS=block_chunks, BLOCK=BLOCK, LANE_SUB=LANE_SUB, num_warps=NUM_WARPS)
     _final[grid](logits, temperature, top_k, top_p, seed, position, best, counters, state, out, vocab, rows, chunks,
-                 *keys, BLOCK=BLOCK, SUB=SUB)
+                 *keys, BLOCK=BLOCK, SUB=SUB, num_warps=NUM_WARPS)
     return out
 
 
