@@ -18,7 +18,9 @@ settings skip its stage:
    current floor and the steps taken), so one pass sums w = exp(z - max) over
    the top-k set above each (and, first, the total), and the row's last
    program walks 4 steps on those masses: the sequential bisection's result.
-4. ``_final`` (truncated rows): keep, the integer hash, Gumbel noise, argmax.
+4. ``_final`` (truncated rows): each program lists its kept tokens (z >= max(k-th value,
+   floor), in token order: often a few percent), then the integer hash, Gumbel noise and
+   argmax run over that list only.
 
 Same function as the eager module: the integer hash (reduced with shifts and
 adds modulo 2**31 - 69, the same residues), the comparisons, the threshold
@@ -222,6 +224,37 @@ def _argmax_noise(logits_ptr, seed_ptr, position_ptr, row, chunk, vocab, scale, 
 
 
 @triton.jit
+def _argmax_kept(logits_ptr, seed_ptr, position_ptr, kept_ptr, row, chunk, chunks, vocab, scale, keep_below,
+                 A0, A1, A2, A3, A4, B0, B1, B2, B3, B4, BLOCK: tl.constexpr, SUB: tl.constexpr):
+    """Gumbel-max over the chunk's tokens with z >= keep_below: the kept tokens (a truncated row's
+    few percent) are listed first, in token order, and only they get the noise."""
+    listing = kept_ptr + (row * chunks + chunk).to(tl.int64) * BLOCK  # this program's BLOCK slots
+    count = tl.zeros((), tl.int32)
+    for start in range(0, BLOCK, SUB):
+        offsets = chunk * BLOCK + start + tl.arange(0, SUB)
+        z, valid = _z(logits_ptr, row, offsets, vocab, scale)
+        keep = (valid & (z >= keep_below)).to(tl.int32)
+        tl.store(listing + count + tl.cumsum(keep, axis=0) - 1, offsets, mask=keep == 1)
+        count += tl.sum(keep, axis=0)
+    tl.debug_barrier()  # the list's writes (by any thread) before its reads (by any thread)
+    position = tl.load(position_ptr + row)
+    key_a = _lane(seed_ptr, row, position, A0, A1, A2, A3, A4)
+    key_b = _lane(seed_ptr, row, position, B0, B1, B2, B3, B4)
+    best = tl.full((SUB,), float("-inf"), tl.float32)
+    index = tl.zeros((SUB,), tl.int32)
+    for start in range(0, BLOCK, SUB):
+        if start < count:
+            slots = start + tl.arange(0, SUB)
+            listed = slots < count
+            offsets = tl.load(listing + slots, mask=listed, other=0)
+            x = tl.load(logits_ptr + row.to(tl.int64) * vocab + offsets, mask=listed, other=float("-inf"))
+            z = tl.math.div_rn(x, scale)
+            score = tl.where(listed, _noise_scores(z, offsets, key_a, key_b), float("-inf"))
+            best, index = _better(score, offsets, best, index)
+    return _packed(best, index)
+
+
+@triton.jit
 def _max_and_digit(logits_ptr, hist_ptr, row, chunk, vocab, scale, top_k, BLOCK: tl.constexpr, SUB: tl.constexpr):
     """The chunk's max z; for top-k rows, its first-digit histogram added to the row's."""
     top = tl.full((SUB,), float("-inf"), tl.float32)
@@ -358,17 +391,18 @@ def _nucleus(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, psum_ptr, pmass_
             floor = tl.load(state_ptr + row * 4 + FLOOR)
         candidates = _candidates(floor, 1 + 4 * PASS, deltas_ptr)
         acc = tl.zeros((LANE_SUB, 16), tl.float32)
-        total = tl.zeros((LANE_SUB,), tl.float32)
+        total = tl.zeros((LANE_SUB, 1), tl.float32)
         for start in range(0, BLOCK, LANE_SUB):
-            offsets = chunk * BLOCK + start + tl.arange(0, LANE_SUB)
+            # [LANE_SUB, 1] from the load on: z is made where the lanes use it (no layout shuffle per tile).
+            offsets = chunk * BLOCK + start + tl.arange(0, LANE_SUB)[:, None]
             z, valid = _z(logits_ptr, row, offsets, vocab, temperature)
             w = tl.where(valid & (z >= kth), _exp(z - top), 0.0)
-            acc += tl.where(z[:, None] >= candidates[None, :], w[:, None], 0.0)
+            acc += tl.where(z >= candidates[None, :], w, 0.0)
             if PASS == 0:
                 total += w
         tl.store(pmass_ptr + (row * chunks + chunk) * 16 + tl.arange(0, 16), tl.sum(acc, axis=0))
         if PASS == 0:
-            tl.store(psum_ptr + row * chunks + chunk, tl.sum(total, axis=0))
+            tl.store(psum_ptr + row * chunks + chunk, tl.sum(tl.sum(total, axis=1), axis=0))
         if _arrive(counter_ptr + (NUCLEUS_COUNTER + PASS) * rows, row, chunks):
             _walk(pmass_ptr, psum_ptr, state_ptr, top_p_ptr, candidates, row, chunks, PASS, CHUNKS)
 
@@ -377,7 +411,7 @@ def _nucleus(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, psum_ptr, pmass_
 
 
 @triton.jit
-def _final(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, position_ptr, best_ptr, counter_ptr,
+def _final(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, position_ptr, kept_ptr, best_ptr, counter_ptr,
            state_ptr, out_ptr, vocab, rows, chunks, A0, A1, A2, A3, A4, B0, B1, B2, B3, B4,
            BLOCK: tl.constexpr, SUB: tl.constexpr):
     """Gumbel-max over a truncated row's kept set: z >= max(k-th value, top-p floor)."""
@@ -391,8 +425,8 @@ def _final(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, position
             keep = tl.load(state_ptr + row * 4 + KTH)
         if top_p < 1.0:
             keep = tl.maximum(keep, tl.load(state_ptr + row * 4 + FLOOR))
-        packed = _argmax_noise(logits_ptr, seed_ptr, position_ptr, row, chunk, vocab, temperature, keep,
-                               A0, A1, A2, A3, A4, B0, B1, B2, B3, B4, BLOCK, SUB)
+        packed = _argmax_kept(logits_ptr, seed_ptr, position_ptr, kept_ptr, row, chunk, chunks, vocab, temperature,
+                              keep, A0, A1, A2, A3, A4, B0, B1, B2, B3, B4, BLOCK, SUB)
         _finish(packed, best_ptr, counter_ptr + FINAL_COUNTER * rows, out_ptr, row, chunks)
 
 
@@ -440,7 +474,8 @@ def choose_cuda(logits, temperature, top_k, top_p, seed, position) -> torch.Tens
     for p in range(PASSES):
         _nucleus[grid](logits, temperature, top_k, top_p, psum, pmass, deltas, counters, state, vocab, rows, chunks,
                        span, PASS=p, CHUNKS=block_chunks, BLOCK=BLOCK, LANE_SUB=LANE_SUB, num_warps=NUM_WARPS)
-    _final[grid](logits, temperature, top_k, top_p, seed, position, best, counters, state, out, vocab, rows, chunks,
+    kept = torch.empty(rows * chunks * BLOCK, dtype=torch.int32, device=device)  # each program's list of kept tokens
+    _final[grid](logits, temperature, top_k, top_p, seed, position, kept, best, counters, state, out, vocab, rows, chunks,
                  *keys, BLOCK=BLOCK, SUB=SUB, num_warps=NUM_WARPS)
     return out
 
