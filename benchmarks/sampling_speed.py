@@ -7,7 +7,7 @@ the rows mix greedy, untruncated, top-k and top-p settings. Timed with CUDA
 events over replays of one CUDA graph (no launch overhead, no host syncs):
 
 - ``fused``: the torch backend's CUDA kernel of the op (``runtime/backends/sampling_kernels.py``:
-  a dozen Triton passes);
+  ten Triton passes);
 - ``eager``: the PyTorch definition, one kernel per op (~130 kernels);
 - ``compiled``: the same function under ``torch.compile`` (Inductor fuses the
   elementwise work; optional, ``--compile``);

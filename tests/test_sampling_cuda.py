@@ -138,23 +138,23 @@ assert torch.equal(out, want), (a[out != want][:5].tolist(), b[out != want][:5].
 """
 
 
-def _run_mulmod_check(device: str, draws_: int, interpret: bool) -> None:
+def _run_mulmod_check(directory: Path, device: str, draws_: int, interpret: bool) -> None:
+    script = directory / "mulmod_check.py"  # Triton compiles @jit functions from a source file
+    script.write_text(MULMOD_CHECK.replace("DRAWS", str(draws_)).replace("DEVICE", repr(device)))
     env = dict(os.environ, TRITON_INTERPRET="1") if interpret else dict(os.environ)
-    code = MULMOD_CHECK.replace("DRAWS", str(draws_)).replace("DEVICE", repr(device))
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
-                            cwd=Path(__file__).parent)
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
 
 
 @pytest.mark.skipif(not TRITON, reason="needs triton (it ships with the CUDA builds of torch)")
-def test_mulmod_reduction_equals_the_remainder_in_the_interpreter():
+def test_mulmod_reduction_equals_the_remainder_in_the_interpreter(tmp_path):
     """Bug: the shift-and-add reduction modulo 2**31 - 69 differs from int64 ``%`` (a missed carry,
     a second subtraction needed): on edge residues and random products, Triton's interpreter."""
-    _run_mulmod_check("cpu", 100_000, interpret=True)
+    _run_mulmod_check(tmp_path, "cpu", 100_000, interpret=True)
 
 
 @gpu
-def test_mulmod_reduction_equals_the_remainder_on_the_gpu():
+def test_mulmod_reduction_equals_the_remainder_on_the_gpu(tmp_path):
     """Bug: the compiled reduction differs from int64 ``%`` (signed instead of unsigned shifts or
     high product): on edge residues and 10**7 random products, on the GPU."""
-    _run_mulmod_check("cuda", 10_000_000, interpret=False)
+    _run_mulmod_check(tmp_path, "cuda", 10_000_000, interpret=False)
