@@ -76,7 +76,8 @@ class RequestHandle:
         return self.future.result(timeout)
 
     def __await__(self):
-        return asyncio.wrap_future(self.future).__await__()
+        # Shielded: a cancelled awaiter must not cancel the shared future (the loop completes it later).
+        return asyncio.shield(asyncio.wrap_future(self.future)).__await__()
 
     def __iter__(self) -> Iterator[Delta]:
         cursor = 0

@@ -190,6 +190,32 @@ def test_a_failed_execute_fails_its_requests_and_the_engine_keeps_serving(tiny, 
     engine.close()
 
 
+def test_a_cancelled_await_leaves_the_request_and_the_engine_alone(tiny, oracle):
+    """Guards against a cancelled coroutine awaiting a handle cancelling the handle's shared future: the
+    serving loop then failed completing that request (InvalidStateError) and stopped serving everyone."""
+    engine, backend = engine_over(tiny)
+    backend.gate.clear()
+    handle = engine.submit([5, 6, 7], 20)
+    assert backend.entered.wait(30)
+
+    async def waits():
+        return await handle
+
+    async def cancel_a_waiter():
+        task = asyncio.ensure_future(waits())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_a_waiter())
+    backend.gate.set()
+    assert handle.result(30).tokens == reference(oracle, [5, 6, 7], 20)[0]
+    assert engine.submit([8, 9], 12).result(30).tokens == reference(oracle, [8, 9], 12)[0]
+    assert engine.healthy
+    engine.close()
+
+
 POISON = 13  # a prompt holding this token fails its target prefill, every time (PoisonBackend)
 
 

@@ -252,6 +252,25 @@ def test_client_disconnect_mid_stream_cancels_and_frees_the_session(server, prom
     assert metrics[("dflash_trt_output_tokens_total", "")] - before[("dflash_trt_output_tokens_total", "")] < 800
 
 
+def test_client_gone_before_a_whole_completion_cancels_it(servers, prompts):
+    """Guards against a non-streaming request decoding to max_tokens after its client went away (the
+    handler waited on the completion alone, never on the connection)."""
+    plain = servers[1]  # plain decoding on one session: 900 tokens take seconds
+    before = plain.metrics()
+    with pytest.raises(openai.APITimeoutError):
+        plain.client().with_options(timeout=0.5).completions.create(model=MODEL, prompt=prompts[3], max_tokens=900, temperature=0)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        metrics = plain.metrics()
+        if metrics[("dflash_trt_requests_running", "")] + metrics[("dflash_trt_requests_queued", "")] == 0:
+            break
+        time.sleep(0.1)
+    assert metrics[("dflash_trt_requests_running", "")] + metrics[("dflash_trt_requests_queued", "")] == 0
+    assert metrics[("dflash_trt_requests_total", "cancelled")] == before[("dflash_trt_requests_total", "cancelled")] + 1
+    assert metrics[("dflash_trt_output_tokens_total", "")] - before[("dflash_trt_output_tokens_total", "")] < 900
+    assert plain.get("/health")[0] == 200
+
+
 BAD = [
     (b'{"model": "m", "prompt": "x",', 400, "parse the JSON"),
     (json.dumps({"model": MODEL, "prompt": "x", "frobnicate": 1}).encode(), 400, "Unrecognized request argument supplied: frobnicate"),

@@ -10,8 +10,8 @@
 
 ``stream: true`` answers with server-sent events (FastAPI's encoder), one
 event per delivery of the engine (a DFlash cycle's accepted tokens arrive
-together), then ``[DONE]``. A client that disconnects mid-stream cancels its
-request: the engine closes its session at the next gap between executes.
+together), then ``[DONE]``. A client that disconnects cancels its request,
+streamed or not: the engine closes its session at the next gap between executes.
 
 Errors have OpenAI's shape ``{"error": {message, type, param, code}}``:
 400 for malformed JSON, unknown fields, out-of-range values, a prompt that
@@ -23,6 +23,7 @@ after a stream started is sent as a last ``{"error": ...}`` event.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -111,24 +112,24 @@ def _add_routes(app: FastAPI) -> None:
         return {"object": "list", "data": [served]}
 
     @app.post("/v1/completions")
-    async def completions(body: schema.CompletionRequest):
+    async def completions(body: schema.CompletionRequest, request: Request):
         _check_model(body.model, model)
         handle = _submit(engine, body.prompt_value(), body.max_tokens or 16, body.sampling())
         request_id = f"cmpl-{handle.id}"
         if body.stream:
             return _stream(_completion_events(handle, request_id, model, body.include_usage))
-        result = await _result(handle)
+        result = await _result(handle, request)
         return schema.completion_object(request_id, model, result.text, result.finish, _usage(handle))
 
     @app.post("/v1/chat/completions")
-    async def chat(body: schema.ChatRequest):
+    async def chat(body: schema.ChatRequest, request: Request):
         _check_model(body.model, model)
         prompt = _render_chat(engine, body)
         handle = _submit(engine, prompt, body.limit or engine.executor.dims.max_context, body.sampling())
         request_id = f"chatcmpl-{handle.id}"
         if body.stream:
             return _stream(_chat_events(handle, request_id, model, body.include_usage))
-        result = await _result(handle)
+        result = await _result(handle, request)
         return schema.chat_object(request_id, model, result.text, result.finish, _usage(handle))
 
 
@@ -166,11 +167,33 @@ def _param_of(message: str) -> str | None:
     return None
 
 
-async def _result(handle: RequestHandle):
+async def _result(handle: RequestHandle, request: Request):
+    """The whole completion; the request is cancelled if its client disconnects first (or the handler is)."""
+    completion = asyncio.ensure_future(_completion(handle))
+    disconnect = asyncio.ensure_future(_disconnected(request))
     try:
-        return await handle
+        await asyncio.wait((completion, disconnect), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect.cancel()
+        if not completion.done():
+            completion.cancel()
+            handle.cancel()  # its session is closed at the next gap between executes
+    if completion.cancelled():
+        raise ApiError(499, "the client closed the connection before the completion was ready", code="client_closed_request")
+    try:
+        return completion.result()
     except DFlashError as error:
         raise ApiError(500, f"the engine failed this request: {type(error).__name__}: {error}", "server_error") from error
+
+
+async def _completion(handle: RequestHandle):
+    return await handle
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body is already read: the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _usage(handle: RequestHandle) -> dict:
