@@ -23,7 +23,7 @@ event) / (tokens − 1)) p50/p99, τ from the server's /metrics.
 
     python benchmarks/serve_load.py [--clients 8 [1 ...]] [--seconds 30] [--max-tokens 64] [--modes on off]
         [--artifacts DIR] [--backend onnxruntime|torch|tensorrt] [--device cuda] [--serve-args "--max-cycles 4"]
-        [--threads N] [--client-procs P] [--warmup-seconds S] [--record]
+        [--threads N] [--client-procs P] [--warmup-seconds S] [--server-logs DIR] [--record]
 
 ``--record`` appends one row per mode and client count to
 benchmarks/results.jsonl. The last line printed is one JSON object with
@@ -43,6 +43,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -69,7 +70,8 @@ def start_server(args, extra: list[str]) -> tuple[subprocess.Popen, str, Path]:
         command += ["--device", args.device]
     if args.threads:
         command += ["--threads", str(args.threads)]
-    log = Path(os.environ.get("SERVE_LOAD_LOG_DIR", "/tmp")) / f"serve_load_{port}.log"
+    args.server_logs.mkdir(parents=True, exist_ok=True)
+    log = args.server_logs / f"serve_load_{port}.log"
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
@@ -228,6 +230,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, help="server CPU threads (ONNX Runtime / torch)")
     parser.add_argument("--client-procs", type=int, default=1, help="client processes (each an event loop over its share of clients)")
     parser.add_argument("--prompt-chars", type=int, default=600, help="keep the last N characters of each prompt")
+    parser.add_argument("--server-logs", type=Path, default=Path(tempfile.gettempdir()), help="where each server's output goes (serve_load_PORT.log)")
     parser.add_argument("--record", action="store_true", help="append rows to benchmarks/results.jsonl")
     args = parser.parse_args()
     rows = [json.loads(line) for line in (ROOT / "export" / "default_pair" / "prompts.jsonl").read_text().splitlines() if line.strip()]
