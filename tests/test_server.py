@@ -4,6 +4,7 @@ errors and backpressure. The shipped default pair, exported once per run (confte
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -25,6 +26,8 @@ from dflash_trt.export.pair import DEFAULT_PAIR_DIR, load_pair
 from dflash_trt.export.reference import ReferenceDecoder
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.export.tokenizer import Tokenizer
+from dflash_trt.errors import ServingError
+from dflash_trt.server import command
 from dflash_trt.server.command import DEFAULT_PAIR_MODEL as MODEL
 
 TEMPLATE = "{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}### assistant:\n{% endif %}"
@@ -330,3 +333,13 @@ def test_queue_full_gets_429_and_no_accepted_request_is_lost(servers, reference,
     metrics = small.metrics()
     for outcome, count in (("rejected", 6 - len(accepted)), ("completed", len(accepted))):
         assert metrics[("dflash_trt_requests_total", outcome)] - before[("dflash_trt_requests_total", outcome)] == count, outcome
+
+
+@pytest.mark.parametrize("flags", [["--dtype", "bf16"], ["--max-owners", "2", "--backend", "onnxruntime"], ["--dtype", "fp16", "--backend", "torch", "--artifacts", "x"]])
+def test_dtype_and_max_owners_only_where_they_apply(flags):
+    """Guards against --dtype / --max-owners being silently ignored where an artifact set (or the default
+    ONNX export) fixes the geometry: refused before anything is exported or loaded."""
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    with pytest.raises(ServingError, match="--dtype and --max-owners apply to --backend torch without --artifacts"):
+        command.run(parser.parse_args(flags))

@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=command.BACKEND_CHOICES, default="onnxruntime")
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--model-name", help="the model id clients send (default: the artifacts dir name)")
+    parser.add_argument("--model-name", help="the model id clients send (default: the artifacts dir name, or the target dir name; dflash-trt-default-pair for the default pair)")
     parser.add_argument("--tokenizer", type=Path, help="dir with tokenizer.json (default: --artifacts, then --target)")
     parser.add_argument("--chat-template", type=Path, help="Jinja chat template file (default: the tokenizer's)")
     parser.add_argument("--target", type=Path, default=pair / "target", help="target checkpoint (torch backend; default pair)")
@@ -80,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
     from dflash_trt.runtime.executor import Executor
 
     uvicorn, create_app = _imports()
+    if (args.dtype is not None or args.max_owners is not None) and not (args.backend == "torch" and args.artifacts is None):
+        raise ServingError("--dtype and --max-owners apply to --backend torch without --artifacts (an artifact set fixes both)")
     model = args.model_name or _model_name(args)
     if args.artifacts is None:
         args.max_sessions = args.max_sessions or DEFAULT_PAIR_SESSIONS
@@ -112,8 +114,6 @@ def _open_backend(args):
     """The backend the flags name; torch without ``--artifacts`` runs the checkpoints directly."""
     if args.backend == "torch" and args.artifacts is None:
         return _torch_from_checkpoints(args)
-    if args.dtype is not None or args.max_owners is not None:
-        raise ServingError("--dtype and --max-owners apply to --backend torch without --artifacts (an artifact set fixes both)")
     return command.OPENERS[args.backend](args)
 
 
