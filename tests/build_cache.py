@@ -8,6 +8,10 @@ runtime/, engines/ or analysis/ cannot change an export and keep the cache).
 Concurrent test runs serialize on a lock file; a half-written directory is
 never published (built under a temporary name, then renamed).
 
+A full run also starts ``tests/prebuilt.py`` in the background (conftest), which
+builds the same artifacts through the same functions on the second core; the lock
+makes a fixture wait for, or reuse, what it built.
+
 Where: ``$DFLASH_TRT_TEST_CACHE``, else ``~/.cache/dflash-trt/tests``. Under
 CI (``CI`` set) the cache lives in the run's temporary directory, so CI
 measures a cold build every time.
@@ -25,12 +29,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("dflash_trt", "export")
-TOOLS = ("torch", "onnx", "onnxscript", "onnxruntime", "onnx-ir")
+ENGINE_SOURCES = (*SOURCES, "engines")  # an engine build also depends on the builder's code
+TOOLS = ("torch", "onnx", "onnxscript", "onnxruntime", "onnx-ir", "tensorrt_rtx_cu13")
 
 
-def _digest(name: str, inputs: tuple) -> str:
+def _digest(name: str, inputs: tuple, sources: tuple[str, ...]) -> str:
     digest = hashlib.sha256(f"{name}\0{inputs!r}\n".encode())
-    files = [p for folder in SOURCES for p in sorted((ROOT / folder).rglob("*.py"))]
+    files = [p for folder in sources for p in sorted((ROOT / folder).rglob("*.py"))]
     for path in [*files, ROOT / "tests" / "tiny_models.py"]:
         digest.update(f"{path.relative_to(ROOT)}\0".encode() + path.read_bytes())
     for tool in TOOLS:
@@ -47,10 +52,11 @@ def cache_root(fallback: Path) -> Path:
     return Path(os.environ.get("DFLASH_TRT_TEST_CACHE", "~/.cache/dflash-trt/tests")).expanduser()
 
 
-def cached_build(root: Path, name: str, build: Callable[[Path], None], *inputs) -> Path:
-    """``root/<name>-<key>``, made by ``build(directory)`` unless a finished one exists."""
+def cached_build(root: Path, name: str, build: Callable[[Path], None], *inputs, sources: tuple[str, ...] = SOURCES) -> Path:
+    """``root/<name>-<key>``, made by ``build(directory)`` unless a finished one exists (the key:
+    ``sources``' Python files, the tools' versions and ``inputs``)."""
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{name}-{_digest(name, inputs)}"
+    final = root / f"{name}-{_digest(name, inputs, sources)}"
     with open(root / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another run building the same artifact: wait for it
         if not final.exists():

@@ -1,8 +1,14 @@
-"""Shared fixtures: tiny random checkpoints written once per test session."""
+"""Shared fixtures: tiny random checkpoints and exports built once per code version (build_cache.py),
+in the background during a full run (prebuilt.py)."""
 
 from __future__ import annotations
 
+import functools
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -11,8 +17,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import tiny_models  # noqa: E402
+import prebuilt  # noqa: E402
 from build_cache import cache_root, cached_build  # noqa: E402
+from prebuilt import EXPORT_NEW_TOKENS  # noqa: E402
 
 torch.set_num_threads(1)  # tiny models: thread sync costs more than it saves
 
@@ -24,6 +31,40 @@ def _cuda() -> bool:
 def pytest_addoption(parser):
     parser.addoption("--long", action="store_true", default=False, help="also run the long reliability runs (marker 'long')")
     parser.addoption("--long-examples", type=int, default=10_000, help="random API sequences of the --long state-machine run")
+
+
+PREBUILD_MIN_TESTS = 100  # a full run: worth building its artifacts on the second core
+
+
+def pytest_configure(config):
+    """The artifact cache's root for this run (build_cache.py: a private temporary one under CI)."""
+    config.dflash_cold_cache = Path(tempfile.mkdtemp(prefix="dflash-trt-build-cache-")) if os.environ.get("CI") else None
+    config.dflash_cache_root = cache_root(config.dflash_cold_cache)
+    config.dflash_prebuilder = None
+
+
+def pytest_collection_finish(session):
+    """A full run builds its expensive artifacts (tests/prebuilt.py) in a background process,
+    so the second core exports and compiles while the first runs tests."""
+    config = session.config
+    if len(session.items) < PREBUILD_MIN_TESTS or os.environ.get("DFLASH_TRT_TEST_PREBUILD") == "0":
+        return
+    root = config.dflash_cache_root
+    root.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DFLASH_TRT_CACHE": str(root / "prebuilder-cache")}
+    with open(root / "prebuild.log", "a") as log:
+        config.dflash_prebuilder = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("prebuilt.py")), str(root)], stdout=log, stderr=subprocess.STDOUT, env=env
+        )
+
+
+def pytest_unconfigure(config):
+    prebuilder = getattr(config, "dflash_prebuilder", None)
+    if prebuilder is not None and prebuilder.poll() is None:
+        prebuilder.terminate()  # a cut-short run: whatever it had not finished is never published
+        prebuilder.wait()
+    if getattr(config, "dflash_cold_cache", None) is not None:
+        shutil.rmtree(config.dflash_cold_cache, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -49,10 +90,9 @@ def _private_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def build_cache(tmp_path_factory):
+def build_cache(request):
     """``build(name, fn, *inputs) -> Path``: an expensive artifact made once per code version (build_cache.py)."""
-    root = cache_root(tmp_path_factory.getbasetemp() / "build-cache")
-    return lambda name, fn, *inputs: cached_build(root, name, fn, *inputs)
+    return functools.partial(cached_build, request.config.dflash_cache_root)
 
 
 @pytest.fixture(scope="session")
@@ -60,12 +100,7 @@ def tiny_pair(build_cache) -> tuple[Path, Path]:
     """(target_dir, draft_dir): a Qwen3 target and a block-8 DFlash draft tapping layers 1 and 3.
 
     Cached like the exports made from it: their keys fingerprint these files (mtimes included)."""
-
-    def build(root: Path) -> None:
-        tiny_models.write_draft(root / "draft", tiny_models.write_target(root / "target"))
-
-    root = build_cache("tiny_pair", build)
-    return root / "target", root / "draft"
+    return prebuilt.tiny_pair(build_cache)
 
 
 class ExportedPair(NamedTuple):
@@ -75,10 +110,6 @@ class ExportedPair(NamedTuple):
     manifest: object
     prompts: list
     new_tokens: tuple
-
-
-EXPORT_PROMPT_LENGTHS = (5, 19, 40)  # <= block, > block (drained), long (ends in plain decode)
-EXPORT_NEW_TOKENS = (30, 25, 20)
 
 
 @pytest.fixture(scope="session")
@@ -94,42 +125,9 @@ def exported_pair(tiny_pair, build_cache):
     """
     from dflash_trt.export.manifest import load_manifest
 
-    target_dir, random_draft = tiny_pair
-    generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, tiny_models.VOCAB - 1, (n,), generator=generator).tolist() for n in EXPORT_PROMPT_LENGTHS]
-
-    def build(root: Path) -> None:
-        from dflash_trt.export.exporter import ExportOptions, export_pair
-
-        draft_dir = _tuned_draft(target_dir, random_draft, prompts, root / "draft")
-        export_pair(target_dir, draft_dir, root / "graphs", ExportOptions(max_owners=3, max_context=64, dtype="fp32", shared_weights=True))
-
-    root = build_cache("exported_pair", build, str(target_dir), str(random_draft), prompts, EXPORT_NEW_TOKENS)
+    root = prebuilt.exported_pair(build_cache)
     manifest = load_manifest(root / "graphs")
-    return ExportedPair(target_dir, root / "draft", root / "graphs", manifest, prompts, EXPORT_NEW_TOKENS)
-
-
-def _tuned_draft(target_dir: Path, random_draft: Path, prompts: list, out: Path) -> Path:
-    """The random draft with its mask token and scaled layer outputs (see ``exported_pair``)."""
-    import collections
-    import json
-
-    from dflash_trt.export.checkpoint import read_tensors, save_checkpoint
-    from dflash_trt.export.draft import load_draft
-    from dflash_trt.export.reference import ReferenceDecoder
-    from dflash_trt.export.target import load_target
-
-    draft = load_draft(random_draft)
-    target = load_target(target_dir, tap_layers=draft.config.target_layer_ids)
-    decoder = ReferenceDecoder(target, max_context=64)
-    counts = collections.Counter(t for p, n in zip(prompts, EXPORT_NEW_TOKENS) for t in decoder.generate_target(p, n).tokens)
-    with torch.no_grad():
-        slot_choice = target.head(draft.norm(target.embed(torch.arange(tiny_models.VOCAB)))).argmax(-1).tolist()
-    mask = next((m for token, _ in counts.most_common() for m, c in enumerate(slot_choice) if c == token), 0)
-    config = json.loads((random_draft / "config.json").read_text())
-    config["dflash_config"]["mask_token_id"] = mask
-    scaled = {k: v * 0.1 if k.endswith(("o_proj.weight", "down_proj.weight")) else v for k, v in read_tensors(random_draft).items()}
-    return save_checkpoint(out, config, scaled)
+    return ExportedPair(tiny_pair[0], root / "draft", root / "graphs", manifest, prebuilt.export_prompts(), EXPORT_NEW_TOKENS)
 
 
 @pytest.fixture(scope="session")
@@ -137,13 +135,4 @@ def default_pair_cache(build_cache) -> Path:
     """A ``dflash-trt`` cache dir holding the demo's ONNX export of the shipped default pair (made by
     ``demo.export_dir``, once per code version): ``dflash-trt serve --cache`` finds it there unchanged,
     the demo test serves its ``export/`` dir. Read-only for tests."""
-    import argparse
-
-    from dflash_trt import demo
-
-    pair = demo._default_pair()
-
-    def build(root: Path) -> None:
-        demo.export_dir(argparse.Namespace(artifacts=None, target=pair / "target", draft=pair / "draft", cache=root))
-
-    return build_cache("default_pair_demo_export", build, str(pair))
+    return prebuilt.default_pair_cache(build_cache)

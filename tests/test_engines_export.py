@@ -20,23 +20,20 @@ and fails on any other build failure.
 
 from __future__ import annotations
 
-import contextlib
-import io
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
-from dflash_trt import cli
 from dflash_trt.engines.attention import attention_nodes
-from dflash_trt.engines.build import build_engine_set, parse_graph, unread_tensors
+from dflash_trt.engines.build import parse_graph, unread_tensors
 from dflash_trt.engines.engine_set import read_engine_set
 from dflash_trt.engines.flavour import load_flavour
 from dflash_trt.engines.load import check_engine_set
 from dflash_trt.engines.sources import GraphSource, export_sources, load_graph
-from dflash_trt.errors import EngineBuildError
 from dflash_trt.export import contract
+
+import prebuilt
 
 # (graph name prefix, text of TensorRT's message, why): build failures with a known cause.
 KNOWN_FAILURES = (
@@ -47,7 +44,6 @@ KNOWN_FAILURES = (
         "(V 8192 here); a sort-free sampler replaces it",
     ),
 )
-MASK_GRAPHS = ("target_prefill", "target_verify_1", "draft_context", "draft_1")  # what --causal mask changes
 
 
 @dataclass
@@ -63,80 +59,25 @@ class BuiltSet:
     printed: str = ""  # the build's stdout
 
 
-def _export_tiny(tiny_pair, build_cache, dtype: str, causal: str) -> Path:
-    from dflash_trt.export.exporter import ExportOptions, export_pair
-
-    options = ExportOptions(max_owners=2, max_context=64, dtype=dtype, causal=causal)
-    root = build_cache(f"export_{dtype}_{causal}", lambda out: export_pair(*tiny_pair, out / "graphs", options), *map(str, tiny_pair), options)
-    return root / "graphs"
-
-
-def _export_default(build_cache, causal: str) -> Path:
-    from dflash_trt.export.exporter import ExportOptions, export_pair
-    from dflash_trt.export.pair import DEFAULT_PAIR_DIR
-
-    options = ExportOptions(max_owners=1, max_context=128, max_chunk=32, dtype="bf16", causal=causal)
-    target, draft = DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft"
-    root = build_cache(f"default_pair_{causal}", lambda out: export_pair(target, draft, out / "graphs", options), str(target), str(draft), options)
-    return root / "graphs"
-
-
-def _cli_build(label, dtype, causal, directory: Path, out: Path) -> BuiltSet:
-    """``dflash-trt build`` of an export directory, its output captured."""
-    sources, _manifest = export_sources(directory)
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = cli.main(["build", "--onnx", str(directory), "--backend", "tensorrt_rtx", "--out", str(out)])
-    return BuiltSet(label, dtype, causal, sources, out, "" if code == 0 else stderr.getvalue(), stdout.getvalue())
-
-
-def _mask_graphs_of_default(build_cache, lengths_dir: Path, engines: Path) -> BuiltSet:
-    """The graphs --causal mask changes, exported one by one (no manifest) and built."""
-    from dflash_trt.export.manifest import load_manifest
-
-    dims = load_manifest(lengths_dir).dims()
-    root = build_cache("default_pair_mask_graphs", lambda out: _export_mask_graphs(out, dims), dims)
-    sources = [GraphSource(name, root / f"{name}.onnx", contract.graph_spec(dims, name)) for name in MASK_GRAPHS]
-    built = BuiltSet("default-bf16-mask", "bf16", "mask", sources, engines)
-    try:
-        build_engine_set(sources, built.out, load_flavour("tensorrt_rtx"))
-    except EngineBuildError as error:
-        built.error = str(error)
-    return built
-
-
-def _export_mask_graphs(out: Path, dims) -> None:
-    from dflash_trt.export.exporter import export_graph, kernels_of
-    from dflash_trt.export.graph_modules import graph_module
-    from dflash_trt.export.onnx_kernels import OnnxKernels
-    from dflash_trt.export.pair import DEFAULT_PAIR_DIR, load_pair
-
-    target, draft = load_pair(DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft", torch.bfloat16)
-    with kernels_of([target, draft], OnnxKernels("mask", emit=True)):
-        for name in MASK_GRAPHS:
-            spec = contract.graph_spec(dims, name)
-            export_graph(graph_module(spec, target, draft, dims), spec, out)
-
-
 @pytest.fixture(scope="module")
 def default_lengths(build_cache) -> Path:
     pytest.importorskip("tensorrt_rtx")
-    return _export_default(build_cache, "lengths")
+    return prebuilt.default_export(build_cache, "lengths")
 
 
 @pytest.fixture(scope="module", params=["tiny-fp16-lengths", "default-bf16-lengths", "default-bf16-mask"])
-def built(request, tiny_pair, build_cache, tmp_path_factory) -> BuiltSet:
-    """An export (cached between runs, build_cache.py) and its engine set, built once per run."""
+def built(request, build_cache) -> BuiltSet:
+    """An export and its engine set (both cached between runs, build_cache.py; built in the background
+    during a full run, prebuilt.py)."""
     pytest.importorskip("tensorrt_rtx")
     label = request.param
-    engines = tmp_path_factory.mktemp(label) / "engines"
-    if label.startswith("tiny"):
-        _, dtype, causal = label.split("-")
-        return _cli_build(label, dtype, causal, _export_tiny(tiny_pair, build_cache, dtype, causal), engines)
-    lengths_dir = request.getfixturevalue("default_lengths")
-    if label.endswith("lengths"):
-        return _cli_build(label, "bf16", "lengths", lengths_dir, engines)
-    return _mask_graphs_of_default(build_cache, lengths_dir, engines)
+    _, dtype, causal = label.split("-")
+    out = prebuilt.engines(build_cache, label)
+    if causal == "mask":
+        sources = prebuilt.mask_sources(build_cache)
+    else:
+        sources, _manifest = export_sources(prebuilt.export_of(build_cache, label))
+    return BuiltSet(label, dtype, causal, sources, out, (out.parent / prebuilt.ERROR).read_text(), (out.parent / prebuilt.PRINTED).read_text())
 
 
 def known_reason(graph: str, message: str) -> str | None:
