@@ -1,16 +1,18 @@
-"""Expensive test artifacts (ONNX exports) built once per distinct code and kept between runs.
+"""Expensive test artifacts (ONNX exports, TensorRT-RTX engine sets) built once per distinct code and kept between runs.
 
 ``cached_build(name, build, *inputs)`` returns a directory that ``build(path)``
 filled. The key is a digest of every source file an export can depend on (export/,
 dflash_trt/ and the tests' model factory), the tool versions and ``inputs``;
 any edit there makes a new key, so a stale artifact is never used (edits in
-runtime/, engines/ or analysis/ cannot change an export and keep the cache).
+runtime/, engines/ or analysis/ cannot change an export and keep the cache; an
+engine set's key also covers engines/, ``sources=ENGINE_SOURCES``).
 Concurrent test runs serialize on a lock file; a half-written directory is
 never published (built under a temporary name, then renamed).
 
 A full run also starts ``tests/prebuilt.py`` in the background (conftest), which
 builds the same artifacts through the same functions on the second core; the lock
-makes a fixture wait for, or reuse, what it built.
+makes a fixture wait for, or reuse, what it built (``DFLASH_TRT_TEST_PREBUILD=0`` turns it off;
+the modules needing its artifacts run last in a full run).
 
 Where: ``$DFLASH_TRT_TEST_CACHE``, else ``~/.cache/dflash-trt/tests``. Under
 CI (``CI`` set) the cache lives in the run's temporary directory, so CI

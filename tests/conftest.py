@@ -34,6 +34,7 @@ def pytest_addoption(parser):
 
 
 PREBUILD_MIN_TESTS = 100  # a full run: worth building its artifacts on the second core
+LATE_MODULES = ("test_demo.py", "test_engines_export.py", "test_server.py")  # need what the prebuilder makes
 
 
 def pytest_configure(config):
@@ -68,6 +69,8 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    if len(items) >= PREBUILD_MIN_TESTS:  # a full run: the modules needing prebuilt artifacts go last
+        items.sort(key=lambda item: item.path.name in LATE_MODULES)
     if not config.getoption("--long"):
         skip_long = pytest.mark.skip(reason="long run: pass --long")
         for item in items:
@@ -136,3 +139,26 @@ def default_pair_cache(build_cache) -> Path:
     ``demo.export_dir``, once per code version): ``dflash-trt serve --cache`` finds it there unchanged,
     the demo test serves its ``export/`` dir. Read-only for tests."""
     return prebuilt.default_pair_cache(build_cache)
+
+
+@pytest.fixture(scope="module")
+def tiny(exported_pair, request):
+    """``executor_fixtures.Tiny`` over the exported pair with the module's ``TINY_ROWS`` cache rows
+    (16 if it sets none), torch on one thread while the module runs (tiny models: 2 spin-waiting
+    threads on a loaded 2-core machine are ~40x slower)."""
+    from executor_fixtures import Tiny
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    tiny = Tiny(exported_pair, rows=getattr(request.module, "TINY_ROWS", 16))
+    yield tiny
+    tiny.close()
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny):
+    """The target-only reference decoder over the tiny target (``executor_fixtures.Oracle``)."""
+    from executor_fixtures import Oracle
+
+    return Oracle(tiny.target, tiny.dims.max_context)

@@ -200,10 +200,8 @@ def _has_rtx() -> bool:
 
 
 def jobs(cache) -> list:
-    """What the prebuilder makes, in the order a full run (test files in name order) needs them
-    after its first minute: the run itself makes what it needs first (the tiny pair and its fp32
-    export, test_artifacts) while this makes the demo export (test_demo), then the engine sets
-    (test_engines_export)."""
+    """What the prebuilder makes: what conftest's LATE_MODULES need (a full run moves them to its
+    end), while the run itself makes what the others need (the tiny pair and its fp32 export)."""
     labels = ("tiny-fp16-lengths", "default-bf16-lengths", "default-bf16-mask") if _has_rtx() else ()
     return [
         functools.partial(default_pair_cache, cache),

@@ -16,24 +16,10 @@ from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.engine import CANCELLED, Engine
 from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.generate import CONTEXT, LENGTH, STOP
-from executor_fixtures import Oracle, RecordingBackend, Tiny, single_thread
+from executor_fixtures import RecordingBackend
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    yield from single_thread()
-
-
-@pytest.fixture(scope="module")
-def tiny(exported_pair):
-    tiny = Tiny(exported_pair, rows=4)
-    yield tiny
-    tiny.close()
-
-
-@pytest.fixture(scope="module")
-def oracle(tiny):
-    return Oracle(tiny.target, tiny.dims.max_context)
+TINY_ROWS = 4  # cache rows of the module's Tiny (conftest)
 
 
 class GatedBackend(RecordingBackend):

@@ -15,26 +15,9 @@ from dflash_trt.export.reference import ReferenceDecoder
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor, Input
 from dflash_trt.runtime.stats import CYCLE_SCHEMA, EXECUTE_SCHEMA, stats_paths
-from executor_fixtures import Oracle, RecordingBackend, DraftReference, Tiny, Tracker, single_thread, tiny_dims
+from executor_fixtures import RecordingBackend, DraftReference, Tiny, Tracker, tiny_dims
 
 SAMPLED = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=1234)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    yield from single_thread()
-
-
-@pytest.fixture(scope="module")
-def tiny(exported_pair):
-    tiny = Tiny(exported_pair)
-    yield tiny
-    tiny.close()
-
-
-@pytest.fixture(scope="module")
-def oracle(tiny):
-    return Oracle(tiny.target, tiny.dims.max_context)
 
 
 def new_executor(tiny: Tiny, max_sessions: int = 16, backend: str = "onnxruntime") -> tuple[Executor, RecordingBackend]:

@@ -10,27 +10,13 @@ from dflash_trt.errors import PoisonedError
 from dflash_trt.export import contract as c
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor, Input
-from executor_fixtures import Oracle, RecordingBackend, Tiny, Tracker, single_thread
+from executor_fixtures import RecordingBackend, Tracker
 
 KINDS = (c.TARGET_PREFILL, c.DRAFT_CONTEXT, c.DRAFT, c.TARGET_VERIFY, c.VERIFY_ARGMAX, c.VERIFY_SAMPLE)
 SAMPLED = Sampling(temperature=0.9, top_k=0, top_p=0.95, seed=5)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    yield from single_thread()
-
-
-@pytest.fixture(scope="module")
-def tiny(exported_pair):
-    tiny = Tiny(exported_pair, rows=4)
-    yield tiny
-    tiny.close()
-
-
-@pytest.fixture(scope="module")
-def oracle(tiny):
-    return Oracle(tiny.target, tiny.dims.max_context)
+TINY_ROWS = 4  # cache rows of the module's Tiny (conftest)
 
 
 @pytest.mark.parametrize("when", ["before", "after"])

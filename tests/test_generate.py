@@ -8,24 +8,10 @@ from dflash_trt.errors import InputError
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.generate import CONTEXT, LENGTH, STOP, Request, generate, stream
-from executor_fixtures import Oracle, Tiny, single_thread
+from executor_fixtures import Oracle
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    yield from single_thread()
-
-
-@pytest.fixture(scope="module")
-def tiny(exported_pair):
-    tiny = Tiny(exported_pair, rows=4)
-    yield tiny
-    tiny.close()
-
-
-@pytest.fixture(scope="module")
-def oracle(tiny):
-    return Oracle(tiny.target, tiny.dims.max_context)
+TINY_ROWS = 4  # cache rows of the module's Tiny (conftest)
 
 
 def expected(oracle: Oracle, request: Request) -> tuple[list[int], str]:

@@ -13,26 +13,12 @@ from dflash_trt.errors import DFlashError, EngineError, InputError, SamplingErro
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor, Input
 from dflash_trt.runtime.generate import Request, generate, stream
-from executor_fixtures import Oracle, RecordingBackend, Tiny, Tracker, single_thread
+from executor_fixtures import RecordingBackend, Tracker
 
 VOCAB = 97  # the tiny pair's vocabulary
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    yield from single_thread()
-
-
-@pytest.fixture(scope="module")
-def tiny(exported_pair):
-    tiny = Tiny(exported_pair, rows=6)
-    yield tiny
-    tiny.close()
-
-
-@pytest.fixture(scope="module")
-def oracle(tiny):
-    return Oracle(tiny.target, tiny.dims.max_context)
+TINY_ROWS = 6  # cache rows of the module's Tiny (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -12,21 +12,12 @@ import tracemalloc
 import pytest
 
 from dflash_trt.runtime.executor import Executor, Input
-from executor_fixtures import Oracle, Tiny, single_thread
+from executor_fixtures import Oracle
 
 PROMPT = [9, 8, 7, 6, 5, 4, 3, 2, 1, 2, 3]  # > block 8: a drain every round
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    yield from single_thread()
-
-
-@pytest.fixture(scope="module")
-def tiny(exported_pair):
-    tiny = Tiny(exported_pair, rows=4)
-    yield tiny
-    tiny.close()
+TINY_ROWS = 4  # cache rows of the module's Tiny (conftest)
 
 
 def churn(executor: Executor, expected: list[int], rounds: int) -> int:

@@ -11,19 +11,10 @@ from dflash_trt.errors import InputError, PoisonedError
 from dflash_trt.runtime.executor import Executor, Input
 from dflash_trt.runtime.sessions import Session
 from dflash_trt.runtime.stats import COUNTERS, StatsLog
-from executor_fixtures import RecordingBackend, Tiny, single_thread
+from executor_fixtures import RecordingBackend
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    yield from single_thread()
-
-
-@pytest.fixture(scope="module")
-def tiny(exported_pair):
-    tiny = Tiny(exported_pair, rows=6)
-    yield tiny
-    tiny.close()
+TINY_ROWS = 6  # cache rows of the module's Tiny (conftest)
 
 
 def test_failed_batch_leaves_no_cycle_rows_and_refusals_leave_no_rows(tiny):

@@ -8,24 +8,10 @@ import pytest
 
 from dflash_trt.errors import BusyError
 from dflash_trt.runtime.executor import Executor, Input
-from executor_fixtures import Oracle, RecordingBackend, Tiny, single_thread
+from executor_fixtures import RecordingBackend
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    yield from single_thread()
-
-
-@pytest.fixture(scope="module")
-def tiny(exported_pair):
-    tiny = Tiny(exported_pair, rows=8)
-    yield tiny
-    tiny.close()
-
-
-@pytest.fixture(scope="module")
-def oracle(tiny):
-    return Oracle(tiny.target, tiny.dims.max_context)
+TINY_ROWS = 8  # cache rows of the module's Tiny (conftest)
 
 
 class GatedBackend(RecordingBackend):
