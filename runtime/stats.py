@@ -275,24 +275,17 @@ class StatsLog:
 
     def target_row(self, s: Session, position: int, target_ms: float) -> None:
         """A token the target produced outside verify (after a prompt/replay or in plain decode)."""
-        shared = self._shared(1, TARGET, 0.0, target_ms)
-        self.staged.append(
-            **shared,
-            session=s.id,
-            context_rows=0,
-            proposed=0,
-            accepted=0,
-            bonus=False,
-            emitted=1,
-            position=position,
-            temperature=s.sampling.temperature,
-        )
+        self._target_tokens([(s, position)], target_ms)
 
     def decode_rows(self, sessions: list[Session], device_ms: float) -> None:
         """One plain decode step (``target_decode_n``) of ``sessions``: a token each, at its frontier + 1."""
-        shared = self._shared(len(sessions), TARGET, 0.0, device_ms)
         self.counters["target_decode_steps"] += len(sessions)
-        for s in sessions:
+        self._target_tokens([(s, s.frontier) for s in sessions], device_ms)
+
+    def _target_tokens(self, tokens: list[tuple[Session, int]], target_ms: float) -> None:
+        """One row per (session, position): a token of the target alone, from one launch of ``target_ms``."""
+        shared = self._shared(len(tokens), TARGET, 0.0, target_ms)
+        for s, position in tokens:
             self.staged.append(
                 **shared,
                 session=s.id,
@@ -301,7 +294,7 @@ class StatsLog:
                 accepted=0,
                 bonus=False,
                 emitted=1,
-                position=s.frontier,
+                position=position,
                 temperature=s.sampling.temperature,
             )
 

@@ -162,3 +162,23 @@ def oracle(tiny):
     from executor_fixtures import Oracle
 
     return Oracle(tiny.target, tiny.dims.max_context)
+
+
+@pytest.fixture
+def export_copy(exported_pair, tmp_path):
+    """(directory, edit): a private copy of the exported pair's graphs (they are small) and
+    ``edit(change)``, which applies ``change(data)`` to its manifest JSON."""
+    import json
+
+    from dflash_trt.export.manifest import MANIFEST_FILE
+
+    out = tmp_path / "graphs"
+    shutil.copytree(exported_pair.out, out)
+
+    def edit(change) -> None:
+        path = out / MANIFEST_FILE
+        data = json.loads(path.read_text())
+        change(data)
+        path.write_text(json.dumps(data))
+
+    return out, edit

@@ -18,21 +18,6 @@ from dflash_trt.runtime.backends.ort_backend import OrtBackend
 from test_engines_load import CONTRACT, rewrite, write_set
 
 
-@pytest.fixture
-def export_copy(exported_pair, tmp_path):
-    """A private copy of the export (the graphs are small) and an editor of its manifest JSON."""
-    out = tmp_path / "graphs"
-    shutil.copytree(exported_pair.out, out)
-
-    def edit(change) -> None:
-        path = out / MANIFEST_FILE
-        data = json.loads(path.read_text())
-        change(data)
-        path.write_text(json.dumps(data))
-
-    return out, edit
-
-
 def _graph_file(name: str, value: str):
     return lambda d: d["graphs"][name].update(file=value)
 

@@ -15,7 +15,7 @@ from dflash_trt.export import contract
 from dflash_trt.export.contract import Dims
 from dflash_trt.export.exporter import ExportOptions, up_to_date
 from dflash_trt.export.identity import file_sha256
-from dflash_trt.export.manifest import MANIFEST_FILE, load_manifest
+from dflash_trt.export.manifest import load_manifest
 
 OPTIONS = ExportOptions(max_owners=3, max_context=64, dtype="fp32", shared_weights=True)
 
@@ -42,21 +42,6 @@ def test_manifest_records_the_facts_the_runtime_needs(exported_pair):
         weightless = graph.io.kind.startswith("verify") or graph.io.kind == "sample"  # token choice only
         assert weightless or dict(graph.data_files) == shared
         assert graph.io == contract.graph_spec(m.dims(), name)
-
-
-@pytest.fixture
-def copy(exported_pair, tmp_path):
-    """A private copy of the export and a way to edit its manifest JSON."""
-    out = tmp_path / "graphs"
-    shutil.copytree(exported_pair.out, out)
-
-    def edit(change) -> None:
-        path = out / MANIFEST_FILE
-        data = json.loads(path.read_text())
-        change(data)
-        path.write_text(json.dumps(data))
-
-    return out, edit
 
 
 def _set(key, value):
@@ -100,11 +85,11 @@ REFUSALS = {
 
 
 @pytest.mark.parametrize("case", sorted(REFUSALS))
-def test_manifest_disagreeing_with_its_graphs_is_refused_naming_field_and_values(copy, case):
+def test_manifest_disagreeing_with_its_graphs_is_refused_naming_field_and_values(export_copy, case):
     """Guards against serving an artifact set whose manifest lies about its graphs (the runtime
     would size buffers or blocks wrongly): each edit is refused with ManifestError naming the field
     and both values."""
-    out, edit = copy
+    out, edit = export_copy
     change, words = REFUSALS[case]
     edit(change)
     with pytest.raises(ManifestError) as error:
@@ -113,9 +98,9 @@ def test_manifest_disagreeing_with_its_graphs_is_refused_naming_field_and_values
         assert word in str(error.value), f"{word!r} not in: {error.value}"
 
 
-def test_missing_or_changed_graph_file_is_refused(copy, exported_pair):
+def test_missing_or_changed_graph_file_is_refused(export_copy, exported_pair):
     """Guards against a graph or weights file deleted or replaced after export (stale or partial copies)."""
-    out, _ = copy
+    out, _ = export_copy
     model = onnx.load(str(out / "verify_argmax_2.onnx"))
     model.doc_string = "changed after export"
     onnx.save(model, str(out / "verify_argmax_2.onnx"))

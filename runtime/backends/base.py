@@ -57,6 +57,7 @@ class Backend(ABC):
     pools: dict  # "target" / "draft" -> pools.CachePool (per-layer K/V views; tests and debugging read them)
     stream: object | None = None  # streams.BackendStream on CUDA
     capturable: bool = False  # run() may be recorded into a caller's CUDA graph (inside plain_runs())
+    plain: bool = False  # inside plain_runs(): no CUDA graph of the backend's own
 
     @classmethod
     def open(cls, *args, **kwargs) -> Backend:
@@ -98,11 +99,17 @@ class Backend(ABC):
     def ownership(self) -> Ownership:
         """Rows and call guard shared by every executor over this backend (``runtime.ownership``)."""
         return ownership_of(self, self.max_sessions)
+
     @contextmanager
     def plain_runs(self) -> Iterator[None]:
-        """Within the block, ``run`` enqueues its work directly (no CUDA graph of its own), so a
-        caller on ``stream.torch`` can capture several runs into one graph (see ``capturable``)."""
-        yield
+        """Within the block, ``run`` enqueues its work directly (no CUDA graph of its own: ``plain``
+        is set), so a caller on ``stream.torch`` can capture several runs into one graph (see
+        ``capturable``)."""
+        previous, self.plain = self.plain, True
+        try:
+            yield
+        finally:
+            self.plain = previous
 
     def synchronize(self) -> None:
         """Wait for all work enqueued by this backend (a host sync point)."""

@@ -40,8 +40,7 @@ record draft → verify → verdict → bookkeeping as one CUDA graph of its own
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -93,7 +92,6 @@ class TorchBackend(Backend):
             ops = default_ops(self.device) if isinstance(kernels, str) else kernels
             self.modules |= fast_path(self.specs, self.target, self.draft, dims, ops)
         self.stream = self.pools = self.graphs = None
-        self.plain = False  # inside plain_runs(): no StaticGraphs replay
         try:
             self._allocate(dtype, cuda_graphs)
         except BaseException:
@@ -147,14 +145,6 @@ class TorchBackend(Backend):
             outputs = self._eager(spec, feeds, first_row)
             self.stream.hand_over(outputs.values())
             return outputs
-
-    @contextmanager
-    def plain_runs(self) -> Iterator[None]:
-        previous, self.plain = self.plain, True
-        try:
-            yield
-        finally:
-            self.plain = previous
 
     def close(self) -> None:
         """Drop captures, wait for the stream (host sync), free the pools, close the stream."""

@@ -33,8 +33,7 @@ saying which is missing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -84,7 +83,6 @@ class TensorRTBackend(Backend):
         self.runtime_cache_dir = Path(runtime_cache_dir) if runtime_cache_dir else None
         self.stream = self.pools = self.engine_set = self.scratch = None
         self.contexts: dict[str, EngineContext] = {}
-        self.plain = False  # inside plain_runs(): no per-graph CUDA graph replay
         try:
             self.engine_set = load_engine_set(self.directory, self.specs, flavour)
             self._allocate(cuda, cuda_graphs)
@@ -129,14 +127,6 @@ class TensorRTBackend(Backend):
     def capturable(self) -> bool:
         """A caller may capture runs into its own graph: every context must allow stream capture."""
         return bool(self.contexts) and all(context._capturable() for context in self.contexts.values())
-
-    @contextmanager
-    def plain_runs(self) -> Iterator[None]:
-        previous, self.plain = self.plain, True
-        try:
-            yield
-        finally:
-            self.plain = previous
 
     def close(self) -> None:
         """Host sync (the stream), then contexts, engines, pools, stream, in that order."""
