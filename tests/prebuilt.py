@@ -28,6 +28,7 @@ EXPORT_PROMPT_LENGTHS = (5, 19, 40)  # <= block, > block (drained), long (ends i
 EXPORT_NEW_TOKENS = (30, 25, 20)
 MASK_GRAPHS = ("target_prefill", "target_verify_1", "draft_context", "draft_1")  # what --causal mask changes
 PRINTED, ERROR = "build.stdout", "build.stderr"  # a cached engine build's captured output
+ENGINE_LABELS = ("tiny-fp16-lengths", "default-bf16-lengths", "default-bf16-mask")  # engine sets the tests build
 
 
 def tiny_pair(cache) -> tuple[Path, Path]:
@@ -202,12 +203,8 @@ def _has_rtx() -> bool:
 def jobs(cache) -> list:
     """What the prebuilder makes: what conftest's LATE_MODULES need (a full run moves them to its
     end), while the run itself makes what the others need (the tiny pair and its fp32 export)."""
-    labels = ("tiny-fp16-lengths", "default-bf16-lengths", "default-bf16-mask") if _has_rtx() else ()
-    return [
-        functools.partial(default_pair_cache, cache),
-        *(functools.partial(engines, cache, label) for label in labels),
-        functools.partial(exported_pair, cache),
-    ]
+    labels = ENGINE_LABELS if _has_rtx() else ()
+    return [functools.partial(default_pair_cache, cache), *(functools.partial(engines, cache, label) for label in labels)]
 
 
 def main(root: str) -> int:

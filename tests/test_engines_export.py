@@ -4,18 +4,16 @@ Three exports, each built once per test session (module fixtures; exports
 are the slow part, ~1 min each on 2 cores, so each graph is exported once):
 
 - the tiny pair (conftest's ``tiny_pair``) in fp16 with lengths (max_owners
-  2: every graph kind, 10 graphs), built through the CLI;
+  2: every graph kind, 13 graphs), built through the CLI;
 - the default pair (``export/default_pair``: V 8192, 8 layers) in bf16 with
-  lengths (max_owners 1: 6 graphs, through the CLI), and with masks: only the
+  lengths (max_owners 1: 8 graphs, through the CLI), and with masks: only the
   four graphs the mask changes (the verifiers are the same graphs).
 
 No build may leave a tensor unread (there is no option to allow it), and the
 parsed networks are inspected: every target attention is lower-right causal
 with the graph's own ``start + T`` as its key/value lengths, every draft
 attention non-causal with ``start + B``, and mask graphs keep their masks
-and get no lengths. ``KNOWN_FAILURES``: graphs that do not build for a known
-reason; the test checks every other graph, then xfails naming the reasons,
-and fails on any other build failure.
+and get no lengths. Any graph that fails to build fails the test.
 """
 
 from __future__ import annotations
@@ -35,17 +33,6 @@ from dflash_trt.export import contract
 
 import prebuilt
 
-# (graph name prefix, text of TensorRT's message, why): build failures with a known cause.
-KNOWN_FAILURES = (
-    (
-        "verify_sample_",
-        "K exceeds the maximum value allowed (3840)",
-        "the sort-based sampler sorts the whole vocabulary with TopK, which TensorRT caps at K = 3840 "
-        "(V 8192 here); a sort-free sampler replaces it",
-    ),
-)
-
-
 @dataclass
 class BuiltSet:
     """One export and its engine set (or the build's error)."""
@@ -59,13 +46,7 @@ class BuiltSet:
     printed: str = ""  # the build's stdout
 
 
-@pytest.fixture(scope="module")
-def default_lengths(build_cache) -> Path:
-    pytest.importorskip("tensorrt_rtx")
-    return prebuilt.default_export(build_cache, "lengths")
-
-
-@pytest.fixture(scope="module", params=["tiny-fp16-lengths", "default-bf16-lengths", "default-bf16-mask"])
+@pytest.fixture(scope="module", params=prebuilt.ENGINE_LABELS)
 def built(request, build_cache) -> BuiltSet:
     """An export and its engine set (both cached between runs, build_cache.py; built in the background
     during a full run, prebuilt.py)."""
@@ -80,26 +61,17 @@ def built(request, build_cache) -> BuiltSet:
     return BuiltSet(label, dtype, causal, sources, out, (out.parent / prebuilt.ERROR).read_text(), (out.parent / prebuilt.PRINTED).read_text())
 
 
-def known_reason(graph: str, message: str) -> str | None:
-    return next((why for prefix, text, why in KNOWN_FAILURES if graph.startswith(prefix) and text in message), None)
-
-
 def test_every_exported_graph_builds_strictly_with_the_io_of_the_contract(built):
     """Guards against an exported graph that TensorRT cannot compile, that compiles only by
     leaving a tensor unread (TensorRT dropped part of it), or that compiles to an engine whose
     bindings (names, shapes, dtypes, profile ranges of the dynamic T/C dims) are not the
-    contract's: the runtime would only find out on a GPU. A graph only sampled sessions need
-    may be skipped (a greedy-only set) for a known reason (KNOWN_FAILURES): the others are
-    checked, then the test xfails naming the reasons."""
+    contract's: the runtime would only find out on a GPU. Every graph of the export builds (none is
+    skipped: the sampled verifiers too, since the sampler needs no vocabulary-wide sort)."""
     if built.error:
         pytest.fail(built.error)
     skipped = read_engine_set(built.out).skipped
-    unknown = {graph: why for graph, why in skipped.items() if known_reason(graph, why) is None}
-    assert not unknown, unknown
-    specs = {s.name: s.io for s in built.sources if s.name not in skipped}
-    check_built_set(built, specs)
-    if skipped:
-        pytest.xfail("; ".join(f"{graph}: {known_reason(graph, why)}" for graph, why in sorted(skipped.items())))
+    assert not skipped, skipped
+    check_built_set(built, {s.name: s.io for s in built.sources})
 
 
 def check_built_set(built: BuiltSet, specs) -> None:
