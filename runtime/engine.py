@@ -269,7 +269,7 @@ class Engine:
             for job in failed:
                 self.batcher.leave(job.handle.id)  # poisoned sessions are closed here
             self._record_executes()
-            error = error if isinstance(error, DFlashError) else _wrap(error)
+            error = _typed(error)
             if len(failed) == 1:
                 self._fail(failed, error)  # it ran alone: the request itself fails
                 return
@@ -299,7 +299,7 @@ class Engine:
             if key in self.batcher.running:
                 self.batcher.leave(key)
             self._record_executes()
-            self._fail([job], error if isinstance(error, DFlashError) else _wrap(error))
+            self._fail([job], _typed(error))
             return
         self._record_executes()
         job.suspect = None
@@ -376,6 +376,11 @@ def _wrap(error: BaseException) -> DFlashError:
     wrapped = DFlashError(f"the engine failed: {type(error).__name__}: {error}")
     wrapped.__cause__ = error
     return wrapped
+
+
+def _typed(error: BaseException) -> DFlashError:
+    """A failed execute's error as the requests see it: typed errors as they are, others wrapped."""
+    return error if isinstance(error, DFlashError) else _wrap(error)
 
 
 class ExecuteCursor:
