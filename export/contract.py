@@ -10,7 +10,8 @@ Symbols: ``n`` owners (a static graph exists for every n in 1..max_owners),
 (m * hidden), ``L`` max context, ``K``/``D`` kv heads / head dim of the
 target (``Kd``/``Dd`` of the draft), ``M`` the model dtype (float32, float16
 or bfloat16). ``"T"`` and ``"C"`` (1..max_chunk) and ``"R"`` (1..n·(P+1) for
-max_owners n) are the only dynamic dims.
+max_owners n) are the only dynamic dims of the run graphs; the exported
+models add ``"N"`` (owners), ``"S"`` (tokens per owner) and ``"Q"`` (picked rows).
 
 ==================  ===========================================  ===========================================
 graph               inputs                                       outputs
@@ -37,6 +38,32 @@ sample              logits [R, V] float32, temperature [R]       token [R] int64
                     seed [R, 3] int64, position [R] int64
 ==================  ===========================================  ===========================================
 
+The graphs above are what the runtime runs ("run graphs"). The export holds
+fewer files, so that every model's weights exist once: ONE network per model
+computes all of its run graphs at different shapes, and the small graphs are
+exported as they are ("exported graphs", ``export_specs``):
+
+==================  ===========================================  ===========================================
+exported graph      inputs                                       outputs
+==================  ===========================================  ===========================================
+target_model        tokens [N, S] int64, start [N] int64,        logits [N, Q, V] float32 (rows ``picks``
+                    picks [Q] int64,                             of every owner), taps [N, S, W] M,
+                    past_key_l / past_value_l [N, K, L, D] M     present_key_l/_value_l
+draft_model         ctx_taps [N, C, W] M, ctx_start [N] int64,   proposals [N, P] int64,
+                    ctx_count [N] int64, anchor [N] int64,       present_key_l / present_value_l
+                    past_key_l / past_value_l [N, Kd, L, Dd] M
+==================  ===========================================  ===========================================
+
+Each run graph is one ``Profile`` of its exported graph (a TensorRT
+optimization profile; ``profiles_of``), fed as follows:
+
+- ``target_prefill``: N 1, S = T, picks = [T-1] (logits [1, 1, V] are the run graph's [1, V]);
+- ``target_verify_{n}``: N n, S = Q = P+1, picks = 0..P;
+- ``target_decode_{n}``: N n, S = Q = 1, picks = [0] (logits [n, 1, V] are [n, V]);
+- ``draft_context``: N 1, C = C, ctx_taps = taps, ctx_start = start, ctx_count = [C],
+  anchor = [-1]: a negative anchor writes no block, proposals are not read;
+- ``draft_{n}``: N n, C = B, as it is.
+
 Cache bindings (``past_*`` in, ``present_*`` out, per layer l, interleaved
 key/value in layer order) are meant to be bound to the SAME buffer: the graph
 writes the new rows in place. Graph batch index i is owner i and addresses the
@@ -51,11 +78,10 @@ Semantics (positions are cache slots):
   ``target_decode_{n}`` is plain decoding: one token per owner, the logits of
   the token after it (speculation off, or a block no longer fits the cache).
 - ``draft_context``: context rows ``taps`` at ``start ..`` into the draft cache.
-- ``draft_{n}``: all B ``ctx_taps`` rows are written at ``ctx_start ..``
-  (only ``ctx_count`` are real; padding lands inside the block and is then
-  overwritten), the block ``[anchor, MASK × (B-1)]`` runs at
-  ``ctx_start + ctx_count``; ``proposals`` = argmax of the target's head over
-  block slots 1..P.
+- ``draft_{n}``: the ``ctx_count`` real rows of ``ctx_taps`` are written at
+  ``ctx_start ..``, the block ``[anchor, MASK × (B-1)]`` runs (and is
+  written) at ``ctx_start + ctx_count``; ``proposals`` = argmax of the
+  target's head over block slots 1..P. Other slots keep their values.
 - ``verify_*``: ``candidates`` = [anchor, d_1..d_P]; ``accepted`` = longest
   prefix with ``d_{i+1} == choice_i``; ``next_token`` = ``choice[accepted]``.
   ``choice_j`` of owner i is the target's token at position ``position[i] + j``
@@ -107,6 +133,10 @@ DRAFT = "draft"
 VERIFY_ARGMAX = "verify_argmax"
 VERIFY_SAMPLE = "verify_sample"
 SAMPLE = "sample"
+# Exported networks, one per model: each computes several run graphs (its profiles).
+TARGET_MODEL = "target_model"
+DRAFT_MODEL = "draft_model"
+MODEL_KINDS = (TARGET_MODEL, DRAFT_MODEL)
 DYNAMIC_KINDS = (TARGET_PREFILL, DRAFT_CONTEXT, SAMPLE)
 STATIC_KINDS = (TARGET_VERIFY, TARGET_DECODE, DRAFT, VERIFY_ARGMAX, VERIFY_SAMPLE)
 KINDS = DYNAMIC_KINDS + STATIC_KINDS
@@ -132,11 +162,17 @@ POSITION = "position"
 ACCEPTED = "accepted"
 NEXT_TOKEN = "next_token"
 TOKEN = "token"
+PICKS = "picks"
 
 # Dynamic dims.
 TOKENS_DIM = "T"  # target_prefill token count
 CONTEXT_DIM = "C"  # draft_context row count
 ROWS_DIM = "R"  # sample row count
+OWNERS_DIM = "N"  # owners of one model run
+STEP_DIM = "S"  # tokens per owner of one target_model run
+PICKS_DIM = "Q"  # rows per owner whose logits target_model returns
+
+NO_ANCHOR = -1  # draft_model anchor: write the context rows only (no block)
 
 SEED_PARTS = 3  # export.sampling.seed_parts: a 64-bit seed as three int64 parts < 2**22
 
@@ -165,8 +201,8 @@ def present_of(past_name: str) -> str:
 
 
 def graph_name(kind: str, owners: int | None = None) -> str:
-    """``target_prefill`` / ``draft_context``, or ``f"{kind}_{owners}"`` for static kinds."""
-    if kind in DYNAMIC_KINDS:
+    """``target_prefill`` / ``draft_context`` / ``target_model``..., or ``f"{kind}_{owners}"`` for static kinds."""
+    if kind in DYNAMIC_KINDS or kind in MODEL_KINDS:
         if owners is not None:
             raise ValueError(f"graph kind {kind!r} has no owner count, got {owners}")
         return kind
@@ -182,7 +218,7 @@ _STATIC_NAME = re.compile(r"^(" + "|".join(STATIC_KINDS) + r")_([1-9][0-9]*)$")
 
 def parse_graph_name(name: str) -> tuple[str, int | None]:
     """Inverse of ``graph_name``: (kind, owners or None)."""
-    if name in DYNAMIC_KINDS:
+    if name in DYNAMIC_KINDS or name in MODEL_KINDS:
         return name, None
     match = _STATIC_NAME.match(name)
     if match is None:
@@ -197,6 +233,19 @@ class DimRange:
     min: int
     opt: int
     max: int
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One run graph as a range of shapes of the exported graph that computes it
+    (a TensorRT optimization profile): every dim of that graph, min == max where static."""
+
+    graph: str  # the run graph
+    dims: Mapping[str, DimRange]
+
+    def fixed(self) -> bool:
+        """Every extent static: the run graph has one shape (CUDA-graph capturable)."""
+        return all(r.min == r.max for r in self.dims.values())
 
 
 @dataclass(frozen=True)
@@ -229,6 +278,7 @@ class GraphSpec:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     dims: Mapping[str, DimRange] = field(default_factory=dict)
+    profiles: tuple[Profile, ...] = ()  # exported models: one per run graph they compute
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -286,17 +336,17 @@ class Dims:
         return asdict(self)
 
 
-def _caches(prefix: str, layers: int, shape: tuple[Dim, ...], dtype: str) -> tuple[TensorSpec, ...]:
+def _caches(prefix: str, layers: int, shape: tuple[Dim, ...], dtype: str) -> tuple[TensorSpec, ...]:  # noqa: E302
     key, value = (past_key, past_value) if prefix == "past" else (present_key, present_value)
     return tuple(TensorSpec(name(l), shape, dtype) for l in range(layers) for name in (key, value))
 
 
-def _target_caches(dims: Dims, n: int, prefix: str) -> tuple[TensorSpec, ...]:
+def _target_caches(dims: Dims, n: Dim, prefix: str) -> tuple[TensorSpec, ...]:
     shape = (n, dims.target_kv_heads, dims.max_context, dims.target_head_dim)
     return _caches(prefix, dims.target_layers, shape, dims.dtype)
 
 
-def _draft_caches(dims: Dims, n: int, prefix: str) -> tuple[TensorSpec, ...]:
+def _draft_caches(dims: Dims, n: Dim, prefix: str) -> tuple[TensorSpec, ...]:
     shape = (n, dims.draft_kv_heads, dims.max_context, dims.draft_head_dim)
     return _caches(prefix, dims.draft_layers, shape, dims.dtype)
 
@@ -406,6 +456,59 @@ def _sample(dims: Dims, n: None) -> GraphSpec:
     return GraphSpec(SAMPLE, SAMPLE, None, inputs, (TensorSpec(TOKEN, (R,), INT64),), {R: rows})
 
 
+def _fixed(value: int) -> DimRange:
+    return DimRange(value, value, value)
+
+
+def _model_dims(dims: Dims, profiles: tuple[Profile, ...]) -> dict[str, DimRange]:
+    """An exported model's dim ranges: the union of its profiles' (opt: the first profile's)."""
+    symbols = profiles[0].dims
+    return {
+        d: DimRange(min(p.dims[d].min for p in profiles), symbols[d].opt, max(p.dims[d].max for p in profiles))
+        for d in symbols
+    }
+
+
+def _target_model_profiles(dims: Dims) -> tuple[Profile, ...]:
+    N, S, Q = OWNERS_DIM, STEP_DIM, PICKS_DIM
+    rows = dims.proposals + 1
+    profiles = [Profile(TARGET_PREFILL, {N: _fixed(1), S: _chunk(dims), Q: _fixed(1)})]
+    for n in range(1, dims.max_owners + 1):
+        profiles.append(Profile(graph_name(TARGET_VERIFY, n), {N: _fixed(n), S: _fixed(rows), Q: _fixed(rows)}))
+        profiles.append(Profile(graph_name(TARGET_DECODE, n), {N: _fixed(n), S: _fixed(1), Q: _fixed(1)}))
+    return tuple(profiles)
+
+
+def _draft_model_profiles(dims: Dims) -> tuple[Profile, ...]:
+    N, C = OWNERS_DIM, CONTEXT_DIM
+    profiles = [Profile(DRAFT_CONTEXT, {N: _fixed(1), C: _chunk(dims)})]
+    profiles += [Profile(graph_name(DRAFT, n), {N: _fixed(n), C: _fixed(dims.block_size)}) for n in range(1, dims.max_owners + 1)]
+    return tuple(profiles)
+
+
+def _target_model(dims: Dims, n: None) -> GraphSpec:
+    N, S, Q = OWNERS_DIM, STEP_DIM, PICKS_DIM
+    profiles = _target_model_profiles(dims)
+    inputs = (TensorSpec(TOKENS, (N, S), INT64), TensorSpec(START, (N,), INT64), TensorSpec(PICKS, (Q,), INT64))
+    outputs = (TensorSpec(LOGITS, (N, Q, dims.vocab_size), FLOAT32), TensorSpec(TAPS, (N, S, dims.tap_width), dims.dtype))
+    caches = _target_caches(dims, N, "past"), _target_caches(dims, N, "present")
+    return GraphSpec(TARGET_MODEL, TARGET_MODEL, None, inputs + caches[0], outputs + caches[1], _model_dims(dims, profiles), profiles)
+
+
+def _draft_model(dims: Dims, n: None) -> GraphSpec:
+    N, C = OWNERS_DIM, CONTEXT_DIM
+    profiles = _draft_model_profiles(dims)
+    inputs = (
+        TensorSpec(CTX_TAPS, (N, C, dims.tap_width), dims.dtype),
+        TensorSpec(CTX_START, (N,), INT64),
+        TensorSpec(CTX_COUNT, (N,), INT64),
+        TensorSpec(ANCHOR, (N,), INT64),
+    )
+    outputs = (TensorSpec(PROPOSALS, (N, dims.proposals), INT64),)
+    caches = _draft_caches(dims, N, "past"), _draft_caches(dims, N, "present")
+    return GraphSpec(DRAFT_MODEL, DRAFT_MODEL, None, inputs + caches[0], outputs + caches[1], _model_dims(dims, profiles), profiles)
+
+
 _BUILDERS = {
     TARGET_PREFILL: _target_prefill,
     TARGET_VERIFY: _target_verify,
@@ -415,6 +518,8 @@ _BUILDERS = {
     VERIFY_ARGMAX: _verify_argmax,
     VERIFY_SAMPLE: _verify_sample,
     SAMPLE: _sample,
+    TARGET_MODEL: _target_model,
+    DRAFT_MODEL: _draft_model,
 }
 
 
@@ -427,7 +532,7 @@ def graph_spec(dims: Dims, name: str) -> GraphSpec:
 
 
 def graph_names(max_owners: int) -> tuple[str, ...]:
-    """Every graph of an artifact set, in export order."""
+    """Every run graph, in contract order."""
     names = list(DYNAMIC_KINDS)
     for kind in STATIC_KINDS:
         names += [graph_name(kind, n) for n in range(1, max_owners + 1)]
@@ -442,5 +547,51 @@ def sampled_only(name: str) -> bool:
 
 
 def graph_specs(dims: Dims) -> dict[str, GraphSpec]:
-    """Every graph's contract, by name, in export order."""
+    """Every run graph's contract, by name."""
     return {name: graph_spec(dims, name) for name in graph_names(dims.max_owners)}
+
+
+# Run graphs computed by a model network rather than exported as they are.
+MODEL_OF_KIND = {
+    TARGET_PREFILL: TARGET_MODEL,
+    TARGET_VERIFY: TARGET_MODEL,
+    TARGET_DECODE: TARGET_MODEL,
+    DRAFT_CONTEXT: DRAFT_MODEL,
+    DRAFT: DRAFT_MODEL,
+}
+
+
+def export_names(max_owners: int) -> tuple[str, ...]:
+    """Every exported graph (one file, one engine each), in export order."""
+    small = [name for name in graph_names(max_owners) if parse_graph_name(name)[0] not in MODEL_OF_KIND]
+    return MODEL_KINDS + tuple(small)
+
+
+def export_specs(dims: Dims) -> dict[str, GraphSpec]:
+    """Every exported graph's contract, by name, in export order."""
+    return {name: graph_spec(dims, name) for name in export_names(dims.max_owners)}
+
+
+def exported_as(name: str) -> str:
+    """The exported graph that computes run graph ``name`` (itself for the small graphs)."""
+    kind, _owners = parse_graph_name(name)
+    return MODEL_OF_KIND.get(kind, name)
+
+
+def profiles_of(spec: GraphSpec) -> tuple[Profile, ...]:
+    """The run graphs an exported graph computes, as its profiles: a model's own list, else one
+    profile over its dynamic dims (none for a static graph)."""
+    if spec.profiles:
+        return spec.profiles
+    return (Profile(spec.name, dict(spec.dims)),) if spec.dims else ()
+
+
+def profile_of(dims: Dims, name: str) -> tuple[GraphSpec, int, Profile]:
+    """(exported graph, profile index, profile) computing run graph ``name``; index 0 for a
+    static small graph (which has no profile: its one shape)."""
+    exported = graph_spec(dims, exported_as(name))
+    profiles = profiles_of(exported)
+    for index, profile in enumerate(profiles):
+        if profile.graph == name:
+            return exported, index, profile
+    return exported, 0, Profile(name, {})

@@ -69,7 +69,7 @@ class ExportOptions:
     max_owners: int = 4
     max_sessions: int | None = None  # default: max_owners
     max_context: int | None = None  # default: min(4096, target max_position_embeddings)
-    max_chunk: int | None = None  # default: min(512, max_context)
+    max_chunk: int | None = None  # default: min(512, max_context - block_size)
     proposals: int | None = None  # default: block_size - 1
     dtype: str = "bf16"
     causal: str = CAUSAL_LENGTHS
@@ -88,7 +88,7 @@ class ExportOptions:
             self,
             max_sessions=self.max_sessions or self.max_owners,
             max_context=max_context,
-            max_chunk=self.max_chunk or min(DEFAULT_MAX_CHUNK, max_context),
+            max_chunk=self.max_chunk or min(DEFAULT_MAX_CHUNK, max_context - block),
             proposals=self.proposals or block - 1,
             shared_weights=shared,
         )
@@ -100,7 +100,8 @@ class ExportOptions:
             ("max_owners", self.max_owners, 1, None),
             ("max_sessions", self.max_sessions, self.max_owners, None),
             ("max_context", self.max_context, 2 * block, None),  # draft_n's fused write spans 2B slots
-            ("max_chunk", self.max_chunk, TRACE_SIZE, self.max_context),
+            # draft_model writes a chunk and a block in one C+B window of the cache
+            ("max_chunk", self.max_chunk, TRACE_SIZE, self.max_context - block),
             ("proposals", self.proposals, contract.MIN_PROPOSALS, block - 1),
         ]
         for name, value, low, high in checks:
@@ -198,10 +199,13 @@ def trace_inputs(spec: GraphSpec) -> tuple[torch.Tensor, ...]:
 def _dynamic_shapes(spec: GraphSpec) -> tuple:
     """torch.export dynamic_shapes for a wrapper ``forward(*named, *caches)``."""
     dims = {symbol: torch.export.Dim(symbol, min=r.min, max=r.max) for symbol, r in spec.dims.items()}
-    named = [s for s in spec.inputs if not s.name.startswith("past_")]
-    shapes = [{axis: dims[d] for axis, d in enumerate(s.shape) if isinstance(d, str)} or None for s in named]
-    caches = len(spec.inputs) - len(named)
-    return tuple(shapes) + ((tuple([None] * caches),) if caches else ())
+
+    def shape(s) -> dict | None:
+        return {axis: dims[d] for axis, d in enumerate(s.shape) if isinstance(d, str)} or None
+
+    named = [shape(s) for s in spec.inputs if not s.name.startswith("past_")]
+    caches = tuple(shape(s) for s in spec.cache_inputs)
+    return tuple(named) + ((caches,) if caches else ())
 
 
 @contextlib.contextmanager
@@ -354,7 +358,7 @@ def export_pair(
     out.mkdir(parents=True, exist_ok=True)
     target, draft = load_pair(target_dir, draft_dir, TORCH_DTYPES[DTYPES[resolved.dtype]])
     dims = contract_dims(target, draft, resolved)
-    specs = contract.graph_specs(dims)
+    specs = contract.export_specs(dims)
     _clear(out, list(specs))
     graphs: dict[str, GraphFile] = {}
     kernels = OnnxKernels(resolved.causal, emit=True)

@@ -71,6 +71,16 @@ class TargetDecode(TargetPrefill):
     """
 
 
+class TargetNetwork(_TargetGraph):
+    """tokens [N, S], start [N], picks [Q], caches -> logits [N, Q, V] fp32 (rows ``picks`` of every
+    owner), taps [N, S, W], caches: the ``target_model`` that computes every target run graph."""
+
+    def forward(self, tokens: torch.Tensor, start: torch.Tensor, picks: torch.Tensor, *caches: torch.Tensor):
+        keys, values = _caches(caches)
+        hidden, taps = self.target.features(tokens, start, _owners(tokens), keys, values)
+        return (self.target.head(hidden.index_select(1, picks)), taps, *_interleave(keys, values))
+
+
 class TargetVerify(_TargetGraph):
     """tokens [n, P+1] = [anchor, d_1..d_P], start [n], caches -> logits [n, P+1, V] fp32, taps, caches."""
 
@@ -98,37 +108,35 @@ class DraftContext(nn.Module):
 
 
 class ContextAndBlock:
-    """The single cache write of ``draft_{n}``: context rows and the block as ONE update.
+    """The single cache write of ``draft_model``: context rows and the block as ONE update.
 
     TensorRT's KV-cache update must feed a graph output directly, so a graph
-    may write each cache once. The update spans the 2B slots ``first ..
-    first+2B-1``, ``first = max(start - B, 0)``, which cover the context rows
-    ``ctx_start .. start-1`` (ctx_count <= B of them) and the block ``start ..
-    start+B-1``; its other slots are rewritten with their own old values. The
-    result equals writing all B context rows at ``ctx_start`` and then the
-    block at ``start``. Needs ``start + B <= max_context`` and ``2B <= max_context``.
+    may write each cache once. The update spans the C+B slots ``first ..
+    first+C+B-1``, ``first = min(ctx_start, L - C - B)`` (the exporter keeps
+    C + B <= L), which cover the ``ctx_count`` context rows at ``ctx_start``
+    and, when the block fits (``start + B <= L``), the block at ``start =
+    ctx_start + ctx_count``; a row without a block (anchor < 0) writes its
+    context only. Every other slot is rewritten with its own old value.
     """
 
-    def __init__(self, ctx_start: torch.Tensor, start: torch.Tensor, block: int) -> None:
-        width = 2 * block
-        self.first = (start - block).clamp(min=0)  # [n]
-        offsets = torch.arange(width, device=start.device)
-        self.slots = self.first[:, None] + offsets  # [n, 2B]
-        ctx, begin = ctx_start[:, None], start[:, None]
-        # Index into [old window (2B) ; context rows (B) ; block (B)] for each slot.
+    def __init__(self, ctx_start: torch.Tensor, ctx_count: torch.Tensor, has_block: torch.Tensor, rows: int, block: int, length: int) -> None:
+        width = rows + block
+        self.first = torch.clamp(ctx_start, max=length - width)  # [n]
+        offsets = torch.arange(width, device=ctx_start.device)
+        slots = self.first[:, None] + offsets  # [n, C+B]
+        ctx, begin = ctx_start[:, None], (ctx_start + ctx_count)[:, None]
+        in_block = (slots >= begin) & (slots < begin + block) & has_block[:, None]
+        # Index into [old window (C+B) ; context rows (C) ; block (B)] for each slot.
         self.pick = torch.where(
-            self.slots < ctx,
-            offsets,
-            torch.where(
-                self.slots < begin,
-                width + self.slots - ctx,
-                torch.where(self.slots < begin + block, width + block + self.slots - begin, offsets),
-            ),
+            (slots >= ctx) & (slots < begin),
+            width + slots - ctx,
+            torch.where(in_block, width + rows + slots - begin, offsets),
         )
+        self.slots = slots
 
     def write(self, kernels, cache: torch.Tensor, rows: torch.Tensor, context: torch.Tensor, block: torch.Tensor):
-        """cache [n, H, L, D]; context, block [n, H, B, D] -> the written cache."""
-        def expand(index: torch.Tensor) -> torch.Tensor:  # [n, 2B] -> [n, H, 2B, D]
+        """cache [n, H, L, D]; context [n, H, C, D], block [n, H, B, D] -> the written cache."""
+        def expand(index: torch.Tensor) -> torch.Tensor:  # [n, C+B] -> [n, H, C+B, D]
             return index[:, None, :, None].expand(-1, cache.shape[1], -1, cache.shape[3])
 
         old = torch.gather(cache, 2, expand(self.slots))
@@ -137,13 +145,16 @@ class ContextAndBlock:
 
 
 class Draft(nn.Module):
-    """ctx_taps [n, B, W], ctx_start, ctx_count, anchor [n], caches -> proposals [n, P] int64, caches.
+    """ctx_taps [n, C, W], ctx_start, ctx_count, anchor [n], caches -> proposals [n, P] int64, caches.
 
-    Equals ``DraftModel.write_context`` of the ``ctx_count`` real rows followed
-    by ``ReferenceDecoder._propose``: the block ``[anchor, MASK × (B-1)]`` runs
-    at ``start = ctx_start + ctx_count``. It is ``DraftModel.forward`` with the
-    context write fused into each layer's block write (``ContextAndBlock``).
-    Holds the target for its embedding and LM head only.
+    ``draft_{n}`` (C = B) and the ``draft_model`` that computes every draft run
+    graph. Equals ``DraftModel.write_context`` of the ``ctx_count`` real rows
+    followed by ``ReferenceDecoder._propose``: the block ``[anchor, MASK ×
+    (B-1)]`` runs at ``start = ctx_start + ctx_count``. It is
+    ``DraftModel.forward`` with the context write fused into each layer's
+    block write (``ContextAndBlock``). An owner whose anchor is negative
+    (``contract.NO_ANCHOR``: ``draft_context``) gets its context rows only;
+    its proposals mean nothing. Holds the target for its embedding and LM head only.
     """
 
     @classmethod
@@ -164,23 +175,25 @@ class Draft(nn.Module):
     ):
         keys, values = _caches(caches)
         draft, config, kernels = self.draft, self.draft.config, self.draft.kernels
-        rows, block = _owners(anchor), config.block_size
+        rows, block, length = _owners(anchor), config.block_size, keys[0].shape[2]
         start = ctx_start + ctx_count
-        write = ContextAndBlock(ctx_start, start, block)
+        write = ContextAndBlock(ctx_start, ctx_count, anchor >= 0, ctx_taps.shape[1], block, length)
         context = draft.context_kv(ctx_taps, ctx_start)
         masks = torch.full((anchor.shape[0], block - 1), config.mask_token_id, device=anchor.device)
-        x = self.target.embed(torch.cat([anchor[:, None], masks], dim=1))  # [n, B, H]
+        x = self.target.embed(torch.cat([anchor.clamp(min=0)[:, None], masks], dim=1))  # [n, B, H]
         if config.embedding_scale != 1.0:
             x = x * config.embedding_scale
         positions = start[:, None] + torch.arange(block, device=start.device)  # [n, B]
         cos, sin = draft.rotary(positions, x.dtype)
+        # A block that does not fit (draft_context near the end of the cache) attends what there is.
+        lengths = torch.clamp(start + block, max=length)
         for index, layer in enumerate(draft.layers):  # DecoderLayer.forward, one write per cache
             h = layer.input_layernorm(x)
             q = layer.self_attn.query(h, cos, sin)
             k, v = layer.self_attn.key_value(h, cos, sin)
             keys[index] = write.write(kernels, keys[index], rows, context[index][0], k)
             values[index] = write.write(kernels, values[index], rows, context[index][1], v)
-            attended = kernels.attention(q, keys[index], values[index], rows, positions, start + block, False, 0)
+            attended = kernels.attention(q, keys[index], values[index], rows, positions, lengths, False, 0)
             x = x + layer.self_attn.output(attended)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         hidden = draft.norm(x)
@@ -257,6 +270,8 @@ WRAPPERS: dict[str, type[nn.Module]] = {
     contract.VERIFY_ARGMAX: VerifyArgmax,
     contract.VERIFY_SAMPLE: VerifySample,
     contract.SAMPLE: Sample,
+    contract.TARGET_MODEL: TargetNetwork,
+    contract.DRAFT_MODEL: Draft,
 }
 
 

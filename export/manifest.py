@@ -23,8 +23,10 @@ vocab_size          V
 special_tokens      bos, eos (list), stop (list), pad
 target, draft       layers, hidden_size, num_heads, kv_heads, head_dim,
                     windows (per layer, 0 = full), cache_key (distinct)
-graphs              name -> file, sha256, data_files {file: sha256}, kind,
-                    owners, inputs, outputs, dims (the contract's IO)
+graphs              exported graph (``contract.export_names``: target_model,
+                    draft_model, sample, verify_*_n) -> file, sha256,
+                    data_files {file: sha256}, kind, owners, inputs,
+                    outputs, dims (the contract's IO)
 versions            torch, onnx, onnxruntime, onnxscript, dflash_trt
 ==================  ==========================================================
 """
@@ -338,9 +340,9 @@ def _check_consistency(m: Manifest, path: Path) -> None:
     _check_bounds(m, path)
     # max_owners sizes everything static: bound it by the graphs actually listed before using it.
     if m.max_owners > len(m.graphs):
-        count = len(contract.DYNAMIC_KINDS) + len(contract.STATIC_KINDS) * m.max_owners
+        count = len(contract.export_names(1)) + (len(contract.export_names(2)) - len(contract.export_names(1))) * (m.max_owners - 1)
         raise ManifestError(f"{path}: max_owners {m.max_owners} needs {count} graphs, 'graphs' lists {len(m.graphs)}")
-    expected = contract.graph_names(m.max_owners)
+    expected = contract.export_names(m.max_owners)
     missing = [n for n in expected if n not in m.graphs]
     if missing:
         raise ManifestError(f"{path}: graphs lacks '{missing[0]}' (max_owners {m.max_owners} needs every n in 1..{m.max_owners})")
@@ -387,6 +389,8 @@ def _check_facts(m: Manifest, path: Path) -> None:
         raise ManifestError(f"{path}: mask_token_id must be in [0, {m.vocab_size - 1}], got {m.mask_token_id}")
     if m.target.cache_key == m.draft.cache_key:
         raise ManifestError(f"{path}: target.cache_key and draft.cache_key must differ, both are {m.target.cache_key!r}")
+    if m.max_chunk + m.block_size > m.max_context:
+        raise ManifestError(f"{path}: max_chunk must be <= max_context - block_size = {m.max_context - m.block_size} (draft_model's write window), got {m.max_chunk}")
     if m.max_sessions < m.max_owners:
         raise ManifestError(f"{path}: max_sessions must be >= max_owners {m.max_owners}, got {m.max_sessions}")
     for role, geometry in (("target", m.target), ("draft", m.draft)):
@@ -395,19 +399,18 @@ def _check_facts(m: Manifest, path: Path) -> None:
 
 # (manifest field, graph, tensor, axis or None for the dtype): how each fact shows in the graphs.
 def _probes() -> tuple[tuple[str, str, str, int | None], ...]:
-    prefill, context, draft1 = contract.TARGET_PREFILL, contract.DRAFT_CONTEXT, contract.graph_name(contract.DRAFT, 1)
+    target, draft = contract.TARGET_MODEL, contract.DRAFT_MODEL
     key = contract.past_key(0)
     return (
-        ("vocab_size", prefill, contract.LOGITS, 1),
-        ("tap_width", prefill, contract.TAPS, 2),
-        ("dtype", prefill, contract.TAPS, None),
-        ("max_context", prefill, key, 2),
-        ("target.kv_heads", prefill, key, 1),
-        ("target.head_dim", prefill, key, 3),
-        ("draft.kv_heads", context, key, 1),
-        ("draft.head_dim", context, key, 3),
-        ("block_size", draft1, contract.CTX_TAPS, 1),
-        ("proposals", draft1, contract.PROPOSALS, 1),
+        ("vocab_size", target, contract.LOGITS, 2),
+        ("tap_width", target, contract.TAPS, 2),
+        ("dtype", target, contract.TAPS, None),
+        ("max_context", target, key, 2),
+        ("target.kv_heads", target, key, 1),
+        ("target.head_dim", target, key, 3),
+        ("draft.kv_heads", draft, key, 1),
+        ("draft.head_dim", draft, key, 3),
+        ("proposals", draft, contract.PROPOSALS, 1),
     )
 
 
@@ -431,7 +434,7 @@ def _check_observed_dims(m: Manifest, graphs: Mapping[str, GraphSpec], path: Pat
                 f"{path}: {name} is {mine!r} in the manifest but {seen!r} in the {source} "
                 f"{graph_name_!r} ({tensor} {list(spec.shape)} {spec.dtype})"
             )
-    for role, graph_name_ in (("target", contract.TARGET_PREFILL), ("draft", contract.DRAFT_CONTEXT)):
+    for role, graph_name_ in (("target", contract.TARGET_MODEL), ("draft", contract.DRAFT_MODEL)):
         layers = sum(s.name.startswith("past_key_") for s in graphs[graph_name_].inputs)
         _refuse(path, f"{role}.layers", getattr(m, role).layers, layers, f"the {source} {graph_name_!r} has caches of")
 

@@ -1,14 +1,16 @@
 """The ONNX Runtime backend: the exact exported ONNX files, IO bound to our memory.
 
-One ``InferenceSession`` per graph (created at load, or on first use with
-``lazy=True``), each with one ``IOBinding`` that every ``run`` rebinds by raw
-pointer:
+One ``InferenceSession`` per exported graph (created at load, or on first use
+with ``lazy=True``): the two model networks serve every target / draft run
+graph through ``routes.Route``, so each model's weights are loaded once. Each
+run graph has its own ``IOBinding`` on its exported graph's session, which
+every ``run`` rebinds by raw pointer:
 
 - cache inputs ``past_*`` AND outputs ``present_*`` -> the same pool rows
   (``CachePool.interleaved(first_row, n)``): the graph's ``TensorScatter``
   writes the new slots in place, nothing is copied back;
 - other inputs -> the caller's feed tensors (no copy);
-- other outputs -> tensors preallocated once per graph at their largest
+- other outputs -> tensors preallocated once per run graph at their largest
   shape; a dynamic output is bound to a prefix of its buffer.
 
 The first run of each graph checks that ONNX Runtime really wrote every bound
@@ -37,7 +39,6 @@ from dflash_trt.export.contract import ONNX_ELEMENT_TYPES, Dims, GraphSpec, Tens
 from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.backends.graph_io import (
     check_run,
-    max_shape,
     owner_rows,
     plain_inputs,
     plain_outputs,
@@ -46,6 +47,7 @@ from dflash_trt.runtime.backends.graph_io import (
     torch_dtype,
 )
 from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, close_pools, pool_shapes
+from dflash_trt.runtime.backends.routes import Route, RouteConstants, routes
 from dflash_trt.runtime.backends.streams import BackendStream, select_device
 
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
@@ -71,11 +73,12 @@ class OrtBackend(Backend):
 
         self.ort, self.device = onnxruntime, torch.device(device)  # index filled in by _allocate
         self.dims, self.max_sessions = dims, check_sessions(max_sessions)
-        self.specs = c.graph_specs(dims)
-        self.files = _graph_files(self.specs, graph_files)
+        self.routes = routes(dims)
+        self.files = _graph_files(c.export_specs(dims), graph_files)
         self.options = _session_options(onnxruntime, threads, optimization, self.device, spinning)
-        self.stream = self.pools = None
-        self.sessions: dict[str, GraphSession] = {}
+        self.stream = self.pools = self.constants = None
+        self.models: dict[str, object] = {}  # exported graph -> its InferenceSession
+        self.sessions: dict[str, GraphSession] = {}  # run graph -> its binding on that session
         self.copied_outputs = 0  # outputs ONNX Runtime did not write in place (copied by us)
         try:
             self._allocate(lazy)
@@ -93,8 +96,9 @@ class OrtBackend(Backend):
             self.stream = BackendStream()
         device_stream = self.stream.device_stream if self.stream is not None else None
         self.pools = allocate_pools(pool_shapes(self.dims, self.max_sessions, torch_dtype(self.dims.dtype)), self.device, device_stream)
+        self.constants = RouteConstants(self.dims, self.device)
         if not lazy:
-            for name in self.specs:
+            for name in self.routes:
                 self._session(name)
 
     @classmethod
@@ -116,22 +120,25 @@ class OrtBackend(Backend):
 
     def run(self, graph: str, feeds: Mapping[str, torch.Tensor], first_row: int) -> dict[str, torch.Tensor]:
         session = self._session(graph)
-        spec = session.spec
-        sizes = check_run(spec, feeds, first_row, self.device, self.max_sessions)
-        pool = pool_of(spec)
-        caches = self.pools[pool].interleaved(first_row, owner_rows(spec)) if pool else []
+        route = session.route
+        sizes = check_run(route.run, feeds, first_row, self.device, self.max_sessions)
+        pool = pool_of(route.run)
+        caches = self.pools[pool].interleaved(first_row, owner_rows(route.run)) if pool else []
+        routed = route.feeds(feeds, sizes, self.constants)
         if self.stream is None:
-            return self._run(session, feeds, caches, sizes)
+            return route.outputs(self._run(session, routed, caches, route.sizes(sizes)), sizes)
         with self.stream.scope():
             # Host sync: ONNX Runtime's run blocks until its outputs are done anyway; waiting
             # for our stream here (which waits for the caller's) also orders the feeds for a
             # provider that ignores user_compute_stream.
             self.stream.torch.synchronize()
-            return self._run(session, feeds, caches, sizes)
+            return route.outputs(self._run(session, routed, caches, route.sizes(sizes)), sizes)
 
     def close(self) -> None:
         """Drop the sessions, wait for the stream (host sync), free the pools, close the stream."""
         self.sessions.clear()
+        self.models.clear()
+        self.constants = None
         if self.stream is not None:
             self.stream.synchronize()  # host sync: nothing enqueued may touch the pools once freed
         close_pools(self.pools)
@@ -146,14 +153,25 @@ class OrtBackend(Backend):
         session = self.sessions.get(graph)
         if session is not None:
             return session
-        spec = self.specs.get(graph)
-        if spec is None:
-            raise EngineError(f"unknown graph {graph!r}; this backend runs {list(self.specs)}")
+        route = self.routes.get(graph)
+        if route is None:
+            raise EngineError(f"unknown graph {graph!r}; this backend runs {list(self.routes)}")
         if self.pools is None:
             raise EngineError(f"backend {self.name!r} is closed")
-        providers = _providers(self.device, self.stream)
-        self.sessions[graph] = session = GraphSession(self.ort, spec, self.files[graph], self.options, providers, self.device)
+        self.sessions[graph] = session = GraphSession(route, self._model(route.graph), self.device)
         return session
+
+    def _model(self, graph: GraphSpec):
+        """The InferenceSession of exported graph ``graph`` (made once, shared by its run graphs)."""
+        if graph.name not in self.models:
+            path, providers = self.files[graph.name], _providers(self.device, self.stream)
+            try:
+                session = self.ort.InferenceSession(str(path), sess_options=self.options, providers=providers)
+            except Exception as error:  # ORT raises its own exception types (Fail, InvalidGraph, ...)
+                raise EngineError(f"graph {graph.name!r}: ONNX Runtime cannot load {path}: {error}") from error
+            _check_session_io(graph, session, path)
+            self.models[graph.name] = session
+        return self.models[graph.name]
 
     def _run(self, session: GraphSession, feeds, caches: list[torch.Tensor], sizes: dict[str, int]) -> dict[str, torch.Tensor]:
         outputs = session.bind(feeds, caches, sizes)
@@ -164,17 +182,13 @@ class OrtBackend(Backend):
 
 
 class GraphSession:
-    """One graph's session, its IO binding and its preallocated plain outputs."""
+    """One run graph: its exported graph's session, its own IO binding and preallocated plain outputs."""
 
-    def __init__(self, ort, spec: GraphSpec, path: Path, options, providers, device: torch.device) -> None:
-        self.spec, self.device = spec, device
-        try:
-            self.session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
-        except Exception as error:  # ORT raises its own exception types (Fail, InvalidGraph, ...)
-            raise EngineError(f"graph {spec.name!r}: ONNX Runtime cannot load {path}: {error}") from error
-        _check_session_io(spec, self.session, path)
+    def __init__(self, route: Route, session, device: torch.device) -> None:
+        self.route, self.spec, self.session, self.device = route, route.graph, session, device
         self.binding = self.session.io_binding()
-        self.buffers = {s.name: torch.zeros(max_shape(spec, s), dtype=torch_dtype(s.dtype), device=device) for s in plain_outputs(spec)}
+        largest = route.max_sizes
+        self.buffers = {s.name: torch.zeros(s.resolve(largest), dtype=torch_dtype(s.dtype), device=device) for s in plain_outputs(self.spec)}
         self.verified = False
         self.ort_device = "cuda" if device.type == "cuda" else "cpu"
         self.device_id = device.index or 0
