@@ -3,10 +3,11 @@
 Two views of one graph's IO meet here:
 
 - the contract's ``GraphSpec`` (``dflash_trt.export.contract``): tensor
-  names, shapes whose dynamic dims are symbols (``"T"``), dtypes, and for
-  every symbol its ``DimRange`` (min/opt/max: the optimization profile);
+  names, shapes whose dynamic dims are symbols (``"T"``), dtypes, and its
+  optimization profiles (``contract.profiles_of``: one per run graph a model
+  computes, each a ``DimRange`` min/opt/max per symbol);
 - ``Binding``: what TensorRT reports for a built network or a deserialized
-  engine: ``-1`` for a dynamic dim, and for dynamic inputs the profile's
+  engine: ``-1`` for a dynamic dim, and for dynamic inputs every profile's
   min/opt/max shapes.
 
 ``io_mismatches`` compares them and names the binding and both values;
@@ -20,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from dflash_trt.errors import EngineError
-from dflash_trt.export.contract import GraphSpec, TensorSpec
+from dflash_trt.export.contract import DimRange, GraphSpec, TensorSpec, profiles_of
 
 # TensorRT DataType member name -> the dtype names used by the contract.
 TRT_DTYPES: dict[str, str] = {
@@ -60,24 +61,34 @@ def compute_dtype(graph: GraphSpec) -> str:
 
 
 def check_ranges(graph: GraphSpec) -> None:
-    """Every dynamic dim has a range, and min <= opt <= max for each."""
-    missing = sorted(symbols(graph) - set(graph.dims))
-    if missing:
-        msg = f"graph {graph.name!r} uses dynamic dims {missing} without a min/opt/max range (ranges given: {sorted(graph.dims)})"
-        raise EngineError(msg)
-    for dim, r in graph.dims.items():
-        if not 0 <= r.min <= r.opt <= r.max:
-            msg = f"graph {graph.name!r}: dim {dim!r} range must satisfy 0 <= min <= opt <= max, got {r.min}/{r.opt}/{r.max}"
+    """Every dynamic dim has a range in every profile, and min <= opt <= max for each."""
+    for where, dims in [(p.graph, p.dims) for p in profiles_of(graph)] or [(graph.name, graph.dims)]:
+        label = f"graph {graph.name!r}" + (f" profile {where!r}" if where != graph.name else "")
+        missing = sorted(symbols(graph) - set(dims))
+        if missing:
+            msg = f"{label} uses dynamic dims {missing} without a min/opt/max range (ranges given: {sorted(dims)})"
             raise EngineError(msg)
+        for dim, r in dims.items():
+            if not 0 <= r.min <= r.opt <= r.max:
+                msg = f"{label}: dim {dim!r} range must satisfy 0 <= min <= opt <= max, got {r.min}/{r.opt}/{r.max}"
+                raise EngineError(msg)
 
 
-def profile_shapes(graph: GraphSpec, spec: TensorSpec) -> tuple[tuple[int, ...], ...] | None:
-    """(min, opt, max) shapes of a dynamic input; None for a static one."""
+Shapes = tuple[tuple[int, ...], ...]  # (min, opt, max) shapes of one input in one profile
+
+
+def profile_shapes(dims: Mapping[str, DimRange], spec: TensorSpec) -> Shapes | None:
+    """(min, opt, max) shapes of a dynamic input under one profile's ranges; None for a static one."""
     if not any(isinstance(d, str) for d in spec.shape):
         return None
-    return tuple(
-        tuple(getattr(graph.dims[d], end) if isinstance(d, str) else d for d in spec.shape) for end in ("min", "opt", "max")
-    )
+    return tuple(tuple(getattr(dims[d], end) if isinstance(d, str) else d for d in spec.shape) for end in ("min", "opt", "max"))
+
+
+def input_profiles(graph: GraphSpec, spec: TensorSpec) -> tuple[Shapes, ...] | None:
+    """Every profile's (min, opt, max) shapes of a dynamic input, in profile order; None for a static one."""
+    if not any(isinstance(d, str) for d in spec.shape):
+        return None
+    return tuple(profile_shapes(p.dims, spec) for p in profiles_of(graph))
 
 
 @dataclass(frozen=True)
@@ -88,21 +99,21 @@ class Binding:
     mode: str  # INPUT | OUTPUT
     shape: tuple[int, ...]  # -1 where dynamic
     dtype: str
-    profile: tuple[tuple[int, ...], ...] | None = None  # (min, opt, max) for dynamic inputs
+    profiles: tuple[Shapes, ...] | None = None  # dynamic inputs: (min, opt, max) in each profile
 
     def to_json(self) -> dict:
-        profile = None if self.profile is None else [list(s) for s in self.profile]
-        return {"name": self.name, "mode": self.mode, "shape": list(self.shape), "dtype": self.dtype, "profile": profile}
+        profiles = None if self.profiles is None else [[list(s) for s in p] for p in self.profiles]
+        return {"name": self.name, "mode": self.mode, "shape": list(self.shape), "dtype": self.dtype, "profiles": profiles}
 
     @classmethod
     def from_json(cls, data: Mapping) -> Binding:
-        profile = data.get("profile")
+        profiles = data.get("profiles")
         return cls(
             name=str(data["name"]),
             mode=str(data["mode"]),
             shape=tuple(int(d) for d in data["shape"]),
             dtype=str(data["dtype"]),
-            profile=None if profile is None else tuple(tuple(int(d) for d in s) for s in profile),
+            profiles=None if profiles is None else tuple(tuple(tuple(int(d) for d in s) for s in p) for p in profiles),
         )
 
 
@@ -141,13 +152,23 @@ def _binding_mismatches(graph: GraphSpec, spec: TensorSpec, binding: Binding) ->
     if binding.shape != want_shape:
         lines.append(f"{where} shape: contract {list(spec.shape)} (= {list(want_shape)}), engine {list(binding.shape)}")
     # Outputs carry no profile in TensorRT; their dynamic extents follow the inputs.
-    want_profile = profile_shapes(graph, spec) if binding.mode == INPUT else None
-    if binding.mode == INPUT and binding.profile != want_profile:
-        lines.append(f"{where} profile min/opt/max: contract {_show(want_profile)}, engine {_show(binding.profile)}")
+    if binding.mode == INPUT:
+        want = input_profiles(graph, spec)
+        if (want is None) != (binding.profiles is None) or (want is not None and len(want) != len(binding.profiles)):
+            lines.append(f"{where} profiles: contract {_count(want)}, engine {_count(binding.profiles)}")
+        elif want is not None:
+            names = [p.graph for p in profiles_of(graph)]
+            for name, mine, theirs in zip(names, want, binding.profiles):
+                if mine != theirs:
+                    lines.append(f"{where} profile {name!r} min/opt/max: contract {_show(mine)}, engine {_show(theirs)}")
     return lines
 
 
-def _show(profile: tuple[tuple[int, ...], ...] | None) -> str:
+def _count(profiles) -> str:
+    return "none (static)" if profiles is None else f"{len(profiles)}"
+
+
+def _show(profile: Shapes | None) -> str:
     return "none (static)" if profile is None else " / ".join(str(list(s)) for s in profile)
 
 

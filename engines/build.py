@@ -5,8 +5,10 @@ Per graph: parse with TensorRT's ONNX parser into a strongly typed network
 key/value lengths of its ONNX node (``engines.attention``: the parser drops
 the lengths and misaligns ``is_causal``), refuse any graph input or layer
 output that nothing reads (TensorRT dropped what it meant: there is no
-option to build anyway), add an optimization profile only when the contract
-has dynamic dims, check the network's IO against the contract, then build. Failures do not stop the run: every failing graph and node is
+option to build anyway), add the contract's optimization profiles (a model
+network gets one per run graph it computes: ``target_model`` serves
+prefill, every verify_n and decode_n, so its weights are in ONE plan; a
+static graph gets none), check the network's IO against the contract, then build. Failures do not stop the run: every failing graph and node is
 collected and raised at the end as one ``EngineBuildError`` — except when
 only graphs that sampled sessions alone need (``verify_sample_{n}``) failed:
 the set is then written without them, greedy-only, and engines.json says
@@ -32,7 +34,6 @@ from dflash_trt.engines.bindings import (
     check_ranges,
     compute_dtype,
     io_mismatches,
-    is_dynamic,
     profile_shapes,
     trt_dtype_name,
 )
@@ -40,7 +41,7 @@ from dflash_trt.engines.engine_set import ENGINES_JSON, EngineRecord, EngineSetR
 from dflash_trt.engines.flavour import TIMING_CACHE_FILE, Flavour
 from dflash_trt.engines.sources import GraphSource, load_graph, source_files
 from dflash_trt.errors import EngineBuildError
-from dflash_trt.export.contract import GraphSpec, sampled_only
+from dflash_trt.export.contract import GraphSpec, profiles_of, sampled_only
 from dflash_trt.export.identity import file_sha256
 
 Progress = Callable[[str], None]
@@ -121,7 +122,8 @@ def build_engine_set(
             say(f"[{index}/{len(sources)}] {source.name}: FAILED after {time.perf_counter() - start:.2f} s")
             continue
         rec = records[source.name]
-        say(f"[{index}/{len(sources)}] {source.name}: built in {rec.build_seconds:.2f} s, plan {rec.plan_bytes / 1e6:.1f} MB")
+        profiles = f", {len(rec.profiles)} profiles" if len(rec.profiles) > 1 else ""
+        say(f"[{index}/{len(sources)}] {source.name}: built in {rec.build_seconds:.2f} s, plan {rec.plan_bytes / 1e6:.1f} MB{profiles}")
     builder.save_cache()  # what the good graphs timed is kept even when others failed
     if not records or any(not sampled_only(f.graph) for f in failures):
         raise _build_error(failures, len(sources))
@@ -187,10 +189,10 @@ class _SetBuilder:
         network = graph.network
         failures = unread_failures(source.name, network)
         config = self._config(source)
-        profile = self._profile(network, source.io)
-        if profile is not None:
+        profiles = self._profiles(network, source.io)
+        for profile in profiles:
             config.add_optimization_profile(profile)
-        bindings = network_bindings(network, profile)
+        bindings = network_bindings(network, profiles)
         failures += [BuildFailure(source.name, "", "IO contract", line) for line in io_mismatches(source.io, bindings)]
         if failures:  # both kinds at once: one rebuild fixes all
             raise _GraphFailed(failures)
@@ -215,18 +217,19 @@ class _SetBuilder:
             self.flavour.use_build_cache(config, self.cache)
         return config
 
-    def _profile(self, network, io: GraphSpec):
-        """One profile from the contract's ranges; None for a static graph."""
-        if not is_dynamic(io):
-            return None
-        profile = self.builder.create_optimization_profile()
+    def _profiles(self, network, io: GraphSpec) -> list:
+        """The contract's profiles, in order (``contract.profiles_of``); none for a static graph."""
         specs = {s.name: s for s in io.inputs}
-        for i in range(network.num_inputs):
-            spec = specs.get(network.get_input(i).name)
-            shapes = None if spec is None else profile_shapes(io, spec)
-            if shapes is not None:
-                profile.set_shape(spec.name, *shapes)
-        return profile
+        profiles = []
+        for ranges in profiles_of(io):
+            profile = self.builder.create_optimization_profile()
+            for i in range(network.num_inputs):
+                spec = specs.get(network.get_input(i).name)
+                shapes = None if spec is None else profile_shapes(ranges.dims, spec)
+                if shapes is not None:
+                    profile.set_shape(spec.name, *shapes)
+            profiles.append(profile)
+        return profiles
 
     def _record(self, source, plan, bindings, attention, mark, seconds) -> EngineRecord:
         plan_path = self.out_dir / f"{source.name}.plan"
@@ -240,6 +243,7 @@ class _SetBuilder:
             sources=dict(source.file_hashes) or {p.name: self._hash(p) for p in source_files(source.onnx_path, model)},
             bindings=tuple(bindings),
             build_seconds=seconds,
+            profiles=tuple(p.graph for p in profiles_of(source.io)),
             attention=tuple(attention),
             warnings=tuple(self.log.since(mark, "WARNING")),
         )
@@ -289,16 +293,16 @@ def unread_failures(graph: str, network) -> list[BuildFailure]:
     return [BuildFailure(graph, producer, kind, f"{tensor!r}: {why}", tensor) for tensor, producer, kind in unread_tensors(network)]
 
 
-def network_bindings(network, profile=None) -> list[Binding]:
-    """The IO of a parsed network, with the profile's min/opt/max for dynamic inputs."""
+def network_bindings(network, profiles=()) -> list[Binding]:
+    """The IO of a parsed network, with every profile's min/opt/max for dynamic inputs."""
     bindings = []
     for mode, count, get in ((INPUT, network.num_inputs, network.get_input), (OUTPUT, network.num_outputs, network.get_output)):
         for i in range(count):
             tensor = get(i)
             shape = tuple(int(d) for d in tensor.shape)
             shapes = None
-            if mode == INPUT and profile is not None and -1 in shape:
-                shapes = tuple(tuple(int(d) for d in s) for s in profile.get_shape(tensor.name)) or None
+            if mode == INPUT and profiles and -1 in shape:
+                shapes = tuple(tuple(tuple(int(d) for d in s) for s in p.get_shape(tensor.name)) for p in profiles)
             bindings.append(Binding(tensor.name, mode, shape, trt_dtype_name(tensor.dtype), shapes))
     return bindings
 

@@ -3,11 +3,12 @@
 Layout of an engine-set directory::
 
     engines.json        this record
-    <graph>.plan        one serialized TensorRT plan per exported graph
+    <graph>.plan        one serialized TensorRT plan per exported graph (target_model,
+                        draft_model: one per model, a profile per run graph)
     manifest.json       the export manifest, copied unchanged (hash recorded)
     timing.cache        TensorRT only: the timing cache reused by later builds
 
-``engines.json`` (format_version 1)::
+``engines.json`` (format_version 2)::
 
     format, format_version
     flavour             "tensorrt" | "tensorrt_rtx"
@@ -20,8 +21,9 @@ Layout of an engine-set directory::
     skipped             {graph name: why}: graphs only sampled sessions need
                         that failed to build; the set serves greedy sessions
 
-Each engine records its plan's and source graph's sha256, the bindings of
-the built network (names, shapes, dtypes, profile ranges) so the IO can be
+Each engine records its plan's and source graph's sha256, its profiles (the
+run graph each serves, in profile order), the bindings of the built network
+(names, shapes, dtypes, every profile's ranges) so the IO can be
 checked against the contract on machines that cannot deserialize the plan,
 and every attention as built: its ONNX node, causal alignment (``LOWER_RIGHT``
 or ``NONE``), the graph tensor bound as its key/value lengths, and whether it
@@ -42,7 +44,7 @@ from dflash_trt.errors import EngineError
 
 ENGINES_JSON = "engines.json"
 FORMAT = "dflash-trt/engines"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: one plan per model with a profile per run graph
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class EngineRecord:
     sources: Mapping[str, str]  # source file name (graph + external data) -> sha256
     bindings: tuple[Binding, ...]
     build_seconds: float
+    profiles: tuple[str, ...] = ()  # the run graph each optimization profile serves, in order
     attention: tuple[BoundAttention, ...] = ()  # every attention's causality and lengths tensor, as built
     warnings: tuple[str, ...] = ()  # TensorRT's warnings while parsing/building
 
@@ -67,6 +70,7 @@ class EngineRecord:
             "sources": dict(self.sources),
             "bindings": [b.to_json() for b in self.bindings],
             "build_seconds": round(self.build_seconds, 3),
+            "profiles": list(self.profiles),
             "attention": [a.to_json() for a in self.attention],
             "warnings": list(self.warnings),
         }
@@ -87,6 +91,7 @@ class EngineRecord:
             sources={str(k): str(v) for k, v in data["sources"].items()},
             bindings=tuple(Binding.from_json(b) for b in data["bindings"]),
             build_seconds=float(data["build_seconds"]),
+            profiles=tuple(str(p) for p in data.get("profiles", ())),
             attention=tuple(BoundAttention.from_json(a) for a in data.get("attention", ())),
             warnings=tuple(data.get("warnings", ())),
         )

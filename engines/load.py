@@ -1,9 +1,11 @@
 """Load an engine set only after checking it, in two stages.
 
 1. ``check_engine_set`` — files + manifest, works on any machine: engines.json
-   is well formed, names exactly the contract's engines, every plan exists
-   and hashes to what was recorded, and the bindings recorded at build time
-   equal the contract (names, shapes, dtypes, profile ranges).
+   is well formed, names exactly the contract's engines (its exported
+   graphs), every plan exists and hashes to what was recorded, each engine's
+   profiles serve the contract's run graphs in the contract's order, and the
+   bindings recorded at build time equal the contract (names, shapes,
+   dtypes, every profile's ranges).
 2. ``load_engine_set`` — needs a TensorRT runtime and a GPU it supports: the
    flavour and version that built the set are the ones loading it, the
    runtime says the plan is valid on this GPU (compute capability, driver),
@@ -26,7 +28,7 @@ from dflash_trt.engines.bindings import INPUT, OUTPUT, Binding, check_io, trt_dt
 from dflash_trt.engines.engine_set import ENGINES_JSON, EngineRecord, EngineSetRecord, read_engine_set
 from dflash_trt.engines.flavour import Flavour, runtime_flavour
 from dflash_trt.errors import EngineError
-from dflash_trt.export.contract import GraphSpec, present_of, sampled_only
+from dflash_trt.export.contract import GraphSpec, present_of, profiles_of, sampled_only
 from dflash_trt.export.identity import file_sha256
 from dflash_trt.export.manifest import MANIFEST_FILE
 
@@ -56,8 +58,20 @@ def check_engine_set(directory: Path, contract: Mapping[str, GraphSpec]) -> Engi
     _check_engine_names(directory, record, contract)
     for name, engine in record.engines.items():
         _check_plan_file(directory, engine)
+        _check_profiles(directory, engine, contract[name])
         check_io(name, contract[name], engine.bindings, f"{ENGINES_JSON} (bindings recorded at build)")
     return record
+
+
+def _check_profiles(directory: Path, engine: EngineRecord, io: GraphSpec) -> None:
+    """Profile k must serve the contract's k-th run graph: the runtime selects profiles by index."""
+    want = tuple(p.graph for p in profiles_of(io))
+    if engine.profiles != want:
+        msg = (
+            f"{directory / ENGINES_JSON}: engine {engine.name!r} profiles serve {list(engine.profiles)}, "
+            f"the contract's are {list(want)}; rebuild the set"
+        )
+        raise EngineError(msg)
 
 
 def _check_source_manifest(directory: Path, record: EngineSetRecord) -> None:
@@ -205,14 +219,17 @@ def _diagnostic_names(flavour: Flavour, bits: int) -> list[str]:
 
 
 def engine_bindings(engine) -> list[Binding]:
-    """IO of a deserialized engine, with profile 0's min/opt/max for dynamic inputs."""
+    """IO of a deserialized engine, with every profile's min/opt/max for dynamic inputs."""
     bindings = []
     for i in range(engine.num_io_tensors):
         name = engine.get_tensor_name(i)
         mode = INPUT if engine.get_tensor_mode(name).name == "INPUT" else OUTPUT
         shape = tuple(int(d) for d in engine.get_tensor_shape(name))
-        profile = None
+        profiles = None
         if mode == INPUT and -1 in shape:
-            profile = tuple(tuple(int(d) for d in s) for s in engine.get_tensor_profile_shape(name, 0))
-        bindings.append(Binding(name, mode, shape, trt_dtype_name(engine.get_tensor_dtype(name)), profile))
+            profiles = tuple(
+                tuple(tuple(int(d) for d in s) for s in engine.get_tensor_profile_shape(name, k))
+                for k in range(engine.num_optimization_profiles)
+            )
+        bindings.append(Binding(name, mode, shape, trt_dtype_name(engine.get_tensor_dtype(name)), profiles))
     return bindings

@@ -5,10 +5,12 @@
 
 For a user with a GPU the engines support (TensorRT: the build GPU or
 Ampere+; TensorRT-RTX: SM80..SM121, not Hopper). It loads the set through the
-checking loader, then per engine: random feeds from the contract (dynamic
-dims at their profile's opt value, less room for the integer feeds; floats uniform in [0, 1), integers
-uniform in [LOW, HIGH) so token ids, positions, write indices and lengths
-stay valid for any export), runs the engine (execute_async_v3 over CUDA
+checking loader, then per engine and per optimization profile (a model
+engine has one per run graph it computes): random feeds from the contract
+(dynamic dims at the profile's opt value, less room for the integer feeds;
+floats uniform in [0, 1), integers uniform in [LOW, HIGH) so token ids,
+positions, write indices and lengths stay valid for any export; ``picks``
+within the rows fed), runs the engine (execute_async_v3 over CUDA
 buffers bound with set_tensor_address; cache outputs alias their inputs, as
 the runtime binds them) and the exact ONNX graph in ONNX Runtime on the same
 feeds (CUDA provider where onnxruntime-gpu is installed: the CPU provider
@@ -34,7 +36,7 @@ from dflash_trt.engines.flavour import FLAVOURS, Flavour, load_flavour
 from dflash_trt.engines.load import load_engine_set
 from dflash_trt.engines.sources import GraphSource, export_sources
 from dflash_trt.errors import EngineError
-from dflash_trt.export.contract import ONNX_ELEMENT_TYPES, GraphSpec, TensorSpec, present_of
+from dflash_trt.export.contract import PICKS, STEP_DIM, ONNX_ELEMENT_TYPES, DimRange, GraphSpec, TensorSpec, present_of, profiles_of
 from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 
 # (rtol, atol) per compute dtype: engines fuse and reorder, so they round differently. An
@@ -109,14 +111,23 @@ def selfcheck(
 
 
 def check_one(flavour: Flavour, engine, source: GraphSource, seed: int, int_range, cache_dir: Path) -> list[OutputCheck]:
-    """One engine against its graph; a run that fails is one failed check, not the end of the selfcheck."""
-    feeds = random_feeds(source.io, seed, int_range)
-    try:
-        engine_out = run_engine(flavour, engine, feeds, Path(cache_dir), cache_aliases(source.io), source.name)
-        reference = run_reference(source, feeds)
-    except EngineError as error:
-        return [OutputCheck(source.name, "*", False, str(error))]
-    return compare(source.name, source.io, engine_out, reference)
+    """One engine against its graph at every profile; a run that fails is one failed check, not
+    the end of the selfcheck. Checks of a model engine are named ``engine[run graph]``."""
+    profiles = profiles_of(source.io)
+    checks = []
+    for index, profile in enumerate(profiles or (None,)):
+        dims = None if profile is None else profile.dims
+        label = source.name if len(profiles) <= 1 else f"{source.name}[{profile.graph}]"
+        cache_name = source.name if len(profiles) <= 1 else f"{source.name}.{profile.graph}"
+        feeds = random_feeds(source.io, seed, int_range, dims)
+        try:
+            engine_out = run_engine(flavour, engine, feeds, Path(cache_dir), cache_aliases(source.io), cache_name, index)
+            reference = run_reference(source, feeds)
+        except EngineError as error:
+            checks.append(OutputCheck(label, "*", False, str(error)))
+            continue
+        checks.extend(compare(label, source.io, engine_out, reference))
+    return checks
 
 
 def cache_aliases(io: GraphSpec) -> dict[str, str]:
@@ -124,22 +135,25 @@ def cache_aliases(io: GraphSpec) -> dict[str, str]:
     return {present_of(spec.name): spec.name for spec in io.cache_inputs}
 
 
-def dynamic_sizes(io: GraphSpec, int_range: tuple[int, int]) -> dict[str, int]:
-    """Each dynamic dim at its opt value, but leaving room for the integer
-    feeds: a prefill chunk of T rows written at ``start`` must fit the cache
-    (start + T <= max_context), and max_chunk may equal max_context."""
+def dynamic_sizes(io: GraphSpec, int_range: tuple[int, int], dims: Mapping[str, DimRange] | None = None) -> dict[str, int]:
+    """Each dynamic dim at its opt value (in ``dims``, one profile's ranges; default the graph's),
+    but leaving room for the integer feeds: a prefill chunk of T rows written at ``start`` must
+    fit the cache (start + T <= max_context), and max_chunk may equal max_context."""
     headroom = int_range[1] - 1  # the largest integer fed
-    return {d: max(r.min, min(r.opt, r.max - headroom)) for d, r in io.dims.items()}
+    return {d: max(r.min, min(r.opt, r.max - headroom)) for d, r in (io.dims if dims is None else dims).items()}
 
 
 def concrete_shape(io: GraphSpec, spec: TensorSpec, sizes: Mapping[str, int]) -> tuple[int, ...]:
     return tuple(sizes[d] if isinstance(d, str) else d for d in spec.shape)
 
 
-def random_feeds(io: GraphSpec, seed: int, int_range: tuple[int, int]) -> dict[str, torch.Tensor]:
-    """Host tensors for every input of ``io`` (see the module doc for value ranges)."""
+def random_feeds(
+    io: GraphSpec, seed: int, int_range: tuple[int, int], dims: Mapping[str, DimRange] | None = None
+) -> dict[str, torch.Tensor]:
+    """Host tensors for every input of ``io`` at one profile's shapes (``dims``; default the
+    graph's ranges); see the module doc for value ranges."""
     generator = torch.Generator().manual_seed(seed)
-    sizes = dynamic_sizes(io, int_range)
+    sizes = dynamic_sizes(io, int_range, dims)
     feeds = {}
     for spec in io.inputs:
         shape, dtype = concrete_shape(io, spec, sizes), TORCH_DTYPES[spec.dtype]
@@ -147,15 +161,24 @@ def random_feeds(io: GraphSpec, seed: int, int_range: tuple[int, int]) -> dict[s
             feeds[spec.name] = torch.rand(shape, generator=generator).to(dtype)
         elif dtype == torch.bool:
             feeds[spec.name] = torch.rand(shape, generator=generator) < 0.5
+        elif spec.name == PICKS:  # row indices into the S tokens of each owner
+            feeds[spec.name] = torch.randint(0, sizes[STEP_DIM], shape, generator=generator, dtype=dtype)
         else:
             feeds[spec.name] = torch.randint(*int_range, shape, generator=generator, dtype=dtype)
     return feeds
 
 
 def run_engine(
-    flavour: Flavour, engine, feeds: Mapping[str, torch.Tensor], cache_dir: Path, aliases: Mapping[str, str], name: str = "engine"
+    flavour: Flavour,
+    engine,
+    feeds: Mapping[str, torch.Tensor],
+    cache_dir: Path,
+    aliases: Mapping[str, str],
+    name: str = "engine",
+    profile: int = 0,
 ) -> dict[str, torch.Tensor]:
-    """One execute_async_v3 on the current CUDA stream; outputs copied back to host.
+    """One execute_async_v3 on the current CUDA stream at optimization profile ``profile``;
+    outputs copied back to host.
 
     ``aliases`` (present -> past) bind each cache output to its input's buffer,
     as the runtime does: the KV-cache update writes in place.
@@ -164,6 +187,9 @@ def run_engine(
     if context is None:
         msg = "TensorRT could not create an execution context (device memory?)"
         raise EngineError(msg)
+    stream = torch.cuda.current_stream()
+    if profile and not context.set_optimization_profile_async(profile, stream.cuda_stream):
+        raise EngineError(f"TensorRT refused optimization profile {profile}")
     # Copies: the engine writes cache inputs in place.
     device = {name: tensor.cuda() for name, tensor in feeds.items()}
     for name, tensor in device.items():
@@ -175,7 +201,6 @@ def run_engine(
             outputs[name] = _output_buffer(engine, context, name, device, aliases)
         buffer = device[name] if name in device else outputs[name]
         context.set_tensor_address(name, buffer.data_ptr())
-    stream = torch.cuda.current_stream()
     if not context.execute_async_v3(stream.cuda_stream):
         msg = "execute_async_v3 returned False (see TensorRT's log above)"
         raise EngineError(msg)

@@ -58,11 +58,11 @@ def export_sources(onnx_dir: Path) -> tuple[list[GraphSource], Path]:
     (IO and sha256), so its hashes are reused instead of hashing the weights
     again.
     """
-    from dflash_trt.export.contract import graph_specs
+    from dflash_trt.export.contract import export_specs
     from dflash_trt.export.manifest import MANIFEST_FILE, VERIFY_HASH, load_manifest
 
     manifest = load_manifest(onnx_dir, verify=VERIFY_HASH)
-    specs = graph_specs(manifest.dims())
+    specs = export_specs(manifest.dims())
     sources = []
     for name, graph in manifest.graphs.items():
         hashes = {graph.file: graph.sha256, **graph.data_files}

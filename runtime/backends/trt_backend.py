@@ -1,21 +1,27 @@
 """The TensorRT backend: an engine set from ``dflash_trt.engines``, bound in place.
 
 Load: ``engines.load.load_engine_set`` checks the set (files, hashes,
-flavour/version, bindings against the contract, in-place cache aliasing) and
-deserializes every plan; here each engine gets one execution context
-(``Flavour.execution_context``: TensorRT-RTX adds its runtime cache) without
+flavour/version, profiles and bindings against the contract, in-place cache
+aliasing) and deserializes every plan: one per model (``target_model``,
+``draft_model``: each model's weights once on the GPU) and one per small
+graph. Every run graph gets one execution context of the engine that
+computes it, set to its optimization profile (``routes.Route``;
+``Flavour.execution_context``: TensorRT-RTX adds its runtime cache), without
 scratch memory of its own: the contexts run one at a time on the backend's
-one stream, so ONE device buffer, as large as the largest engine needs, is
-every context's scratch. Every plain output gets one device-layer buffer at
-its largest shape, bound ONCE, and the pools are allocated. A set without
-the sampled verifiers (greedy-only) loads; ``graph_names`` says what it runs.
+one stream, so ONE device buffer, as large as the largest profile needs, is
+every context's scratch (``SharedScratch``; its bytes per profile in
+``scratch.needs``). Every plain output gets one device-layer buffer at its
+largest shape for that run graph, bound ONCE, and the pools are allocated.
+A set without the sampled verifiers (greedy-only) loads; ``graph_names``
+says what it runs.
 
-Run: set the feed addresses (and input shapes of the dynamic graphs), bind
-``past_*`` and ``present_*`` of every layer to the SAME pool rows (re-bound
-only when ``first_row`` changes for that context), ``execute_async_v3`` on
-the backend's stream. Nothing synchronizes the host.
+Run: route the feeds (``picks`` and the like are views of constants made at
+load), set their addresses and input shapes, bind ``past_*`` and
+``present_*`` of every layer to the SAME pool rows (re-bound only when
+``first_row`` changes for that context), ``execute_async_v3`` on the
+backend's stream. Nothing synchronizes the host.
 
-Optional CUDA graphs (``cuda_graphs=True``) for the static graphs: like the
+Optional CUDA graphs (``cuda_graphs=True``) for the run graphs of one shape: like the
 torch backend, one capture per (graph, first_row) over per-graph static input
 buffers (feeds are copied in on the stream), made after one real warm-up
 enqueue, as TensorRT requires. A context that says it cannot be captured
@@ -40,11 +46,10 @@ import torch
 
 from dflash_trt.errors import CudaError, EngineError
 from dflash_trt.export import contract as c
-from dflash_trt.export.contract import Dims, GraphSpec
+from dflash_trt.export.contract import Dims
 from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.backends.graph_io import (
     check_run,
-    max_shape,
     owner_rows,
     plain_inputs,
     plain_outputs,
@@ -53,6 +58,7 @@ from dflash_trt.runtime.backends.graph_io import (
     torch_dtype,
 )
 from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, close_pools, pool_shapes
+from dflash_trt.runtime.backends.routes import Route, RouteConstants, routes
 from dflash_trt.runtime.backends.streams import BackendStream, select_device
 
 
@@ -79,12 +85,12 @@ class TensorRTBackend(Backend):
         self.device = select_device(self.device)  # before TensorRT deserializes onto the current device
         self.dims, manifest_sessions = _dims_and_sessions(self.directory, dims)
         self.max_sessions = check_sessions(max_sessions or manifest_sessions)
-        self.specs = c.graph_specs(self.dims)
+        self.routes = routes(self.dims)
         self.runtime_cache_dir = Path(runtime_cache_dir) if runtime_cache_dir else None
-        self.stream = self.pools = self.engine_set = self.scratch = None
-        self.contexts: dict[str, EngineContext] = {}
+        self.stream = self.pools = self.engine_set = self.scratch = self.constants = None
+        self.contexts: dict[str, EngineContext] = {}  # run graph -> its context
         try:
-            self.engine_set = load_engine_set(self.directory, self.specs, flavour)
+            self.engine_set = load_engine_set(self.directory, c.export_specs(self.dims), flavour)
             self._allocate(cuda, cuda_graphs)
         except BaseException:
             self.close()
@@ -94,16 +100,19 @@ class TensorRTBackend(Backend):
         self.stream = BackendStream()
         dtype = torch_dtype(self.dims.dtype)
         self.pools = allocate_pools(pool_shapes(self.dims, self.max_sessions, dtype), self.device, self.stream.device_stream)
+        self.constants = RouteConstants(self.dims, self.device)
         flavour, engines = self.engine_set.flavour, self.engine_set.engines
-        self.scratch = SharedScratch(cuda, [engine.device_memory_size_v2 for engine in engines.values()], self.stream)
-        for name, engine in engines.items():  # a greedy-only set lacks verify_sample_*
-            spec = self.specs[name]
-            context, cache = flavour.execution_context(engine, self.runtime_cache_dir, name, user_memory=True)
+        served = {name: route for name, route in self.routes.items() if route.graph.name in engines}  # greedy-only: no verify_sample_*
+        self.scratch = SharedScratch(cuda, {name: scratch_bytes(engines[r.graph.name], r.index) for name, r in served.items()}, self.stream)
+        for name, route in served.items():
+            context, cache = flavour.execution_context(engines[route.graph.name], self.runtime_cache_dir, name, user_memory=True)
             if context is None:
-                raise EngineError(f"engine {name!r}: TensorRT could not create an execution context")
+                raise EngineError(f"engine {route.graph.name!r}: TensorRT could not create an execution context for {name!r}")
             self.scratch.attach(name, context)
-            graphs = cuda_graphs and spec.owners is not None
-            self.contexts[name] = EngineContext(cuda, spec, context, cache, self.stream, graphs)
+            if route.graph.profiles and not context.set_optimization_profile_async(route.index, self.stream.ptr):
+                raise EngineError(f"engine {route.graph.name!r}: TensorRT refused profile {route.index} ({name!r})")
+            graphs = cuda_graphs and route.profile.fixed()
+            self.contexts[name] = EngineContext(cuda, route, context, cache, self.stream, graphs)
 
     # ------------------------------------------------------------------ Backend
 
@@ -115,13 +124,14 @@ class TensorRTBackend(Backend):
         context = self.contexts.get(graph)
         if context is None:
             raise EngineError(f"graph {graph!r} is not in this engine set (or the backend is closed); it runs {list(self.contexts)}")
-        spec = context.spec
-        sizes = check_run(spec, feeds, first_row, self.device, self.max_sessions)
-        pool = pool_of(spec)
+        route = context.route
+        sizes = check_run(route.run, feeds, first_row, self.device, self.max_sessions)
+        pool = pool_of(route.run)
+        routed = route.feeds(feeds, sizes, self.constants)
         with self.stream.scope():
             if pool is not None:
-                context.bind_caches(first_row, self.pools[pool].interleaved(first_row, owner_rows(spec)))
-            return context.run(feeds, sizes, first_row, replay=not self.plain)
+                context.bind_caches(first_row, self.pools[pool].interleaved(first_row, owner_rows(route.run)))
+            return route.outputs(context.run(routed, route.sizes(sizes), first_row, replay=not self.plain), sizes)
 
     @property
     def capturable(self) -> bool:
@@ -144,6 +154,7 @@ class TensorRTBackend(Backend):
         if self.scratch is not None:
             self.scratch.close()
             self.scratch = None
+        self.constants = None
         close_pools(self.pools)
         self.pools = None
         if self.stream is not None:
@@ -151,11 +162,18 @@ class TensorRTBackend(Backend):
             self.stream = None
 
 
+def scratch_bytes(engine, profile: int) -> int:
+    """Scratch memory one profile of an engine needs (TensorRT before 10.x: the engine's largest)."""
+    per_profile = getattr(engine, "get_device_memory_size_for_profile_v2", None)
+    return int(per_profile(profile)) if per_profile is not None else int(engine.device_memory_size_v2)
+
+
 class SharedScratch:
     """One device buffer that is every context's scratch memory (they never run at once)."""
 
-    def __init__(self, cuda, sizes: list[int], stream) -> None:
-        self.nbytes = max(sizes, default=0)  # bytes: the largest engine's need over all its profiles
+    def __init__(self, cuda, needs: dict[str, int], stream) -> None:
+        self.needs = dict(needs)  # run graph -> bytes its profile needs
+        self.nbytes = max(self.needs.values(), default=0)  # the largest need: every context fits
         self.buffer = cuda.DeviceBuffer((self.nbytes,), torch.uint8, stream.device_stream)
 
     def attach(self, name: str, context) -> None:
@@ -170,10 +188,12 @@ class SharedScratch:
 
 
 class EngineContext:
-    """One engine's execution context, its output buffers and (optionally) its CUDA graphs."""
+    """One run graph's execution context (its engine at its profile), its output buffers and
+    (optionally) its CUDA graphs. Names and shapes are the exported graph's."""
 
-    def __init__(self, cuda, spec: GraphSpec, context, cache, stream, cuda_graphs: bool) -> None:
-        self.cuda, self.spec, self.context, self.cache, self.stream = cuda, spec, context, cache, stream
+    def __init__(self, cuda, route: Route, context, cache, stream, cuda_graphs: bool) -> None:
+        self.cuda, self.route, self.context, self.cache, self.stream = cuda, route, context, cache, stream
+        self.spec = spec = route.graph
         self.bound_row: int | None = None  # first_row the cache addresses are set for
         self.buffers, self.outputs = self._allocate(plain_outputs(spec))
         for s in plain_outputs(spec):
@@ -186,8 +206,9 @@ class EngineContext:
         self.capturable: bool | None = None  # unknown until the first run with cuda_graphs
 
     def _allocate(self, specs) -> tuple[dict, dict[str, torch.Tensor]]:
-        """Device buffers at each binding's largest shape, and flat torch views of them."""
-        buffers = {s.name: self.cuda.DeviceBuffer(max_shape(self.spec, s), torch_dtype(s.dtype), self.stream.device_stream) for s in specs}
+        """Device buffers at each binding's largest shape for this run graph, and flat torch views of them."""
+        largest = self.route.max_sizes
+        buffers = {s.name: self.cuda.DeviceBuffer(s.resolve(largest), torch_dtype(s.dtype), self.stream.device_stream) for s in specs}
         return buffers, {name: b.as_tensor().view(-1) for name, b in buffers.items()}
 
     def _address(self, name: str, ptr: int) -> None:
@@ -199,6 +220,7 @@ class EngineContext:
         if self.bound_row == first_row:
             return
         for s, view in zip(self.spec.cache_inputs, views):
+            self._shape(s.name, tuple(view.shape))  # the model's owner count N is an input dim
             self._address(s.name, view.data_ptr())
             self._address(c.present_of(s.name), view.data_ptr())  # in place: same memory
         self.bound_row = first_row
@@ -218,9 +240,13 @@ class EngineContext:
     def _bind_inputs(self, feeds: Mapping[str, torch.Tensor]) -> None:
         for s in plain_inputs(self.spec):
             tensor = feeds[s.name]
-            if any(isinstance(d, str) for d in s.shape) and not self.context.set_input_shape(s.name, tuple(tensor.shape)):
-                raise EngineError(f"engine {self.spec.name!r}: TensorRT refused input shape {list(tensor.shape)} for {s.name!r}")
+            if any(isinstance(d, str) for d in s.shape):
+                self._shape(s.name, tuple(tensor.shape))
             self._address(s.name, tensor.data_ptr())
+
+    def _shape(self, name: str, shape: tuple[int, ...]) -> None:
+        if not self.context.set_input_shape(name, shape):
+            raise EngineError(f"engine {self.spec.name!r} ({self.route.run.name}): TensorRT refused input shape {list(shape)} for {name!r}")
 
     def _capturable(self) -> bool:
         """Whether this context may be captured on the stream; asked once (TensorRT-RTX answers,
@@ -245,6 +271,8 @@ class EngineContext:
         graph = self.graphs.get(first_row)
         if graph is None:
             for s in plain_inputs(self.spec):
+                if any(isinstance(d, str) for d in s.shape):
+                    self._shape(s.name, tuple(feeds[s.name].shape))
                 self._address(s.name, self.input_buffers[s.name].ptr)
             self._execute()  # warm-up: TensorRT applies deferred updates on the first enqueue
             graph = self.cuda.CudaGraph()
