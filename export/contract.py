@@ -278,7 +278,9 @@ class GraphSpec:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     dims: Mapping[str, DimRange] = field(default_factory=dict)
-    profiles: tuple[Profile, ...] = ()  # exported models: one per run graph they compute
+    # Exported models: one per run graph they compute. Derived from the dims, not part of the IO
+    # (a manifest records the IO): equality ignores them.
+    profiles: tuple[Profile, ...] = field(default=(), compare=False)
 
     @property
     def input_names(self) -> tuple[str, ...]:

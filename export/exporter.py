@@ -198,7 +198,9 @@ def trace_inputs(spec: GraphSpec) -> tuple[torch.Tensor, ...]:
 
 def _dynamic_shapes(spec: GraphSpec) -> tuple:
     """torch.export dynamic_shapes for a wrapper ``forward(*named, *caches)``."""
-    dims = {symbol: torch.export.Dim(symbol, min=r.min, max=r.max) for symbol, r in spec.dims.items()}
+    # A dim whose range is one value (N of max_owners 1) stays symbolic: torch.export needs
+    # room to trace at TRACE_SIZE; the contract's ranges bound what is ever fed.
+    dims = {symbol: torch.export.Dim(symbol, min=r.min, max=max(r.max, TRACE_SIZE)) for symbol, r in spec.dims.items()}
 
     def shape(s) -> dict | None:
         return {axis: dims[d] for axis, d in enumerate(s.shape) if isinstance(d, str)} or None

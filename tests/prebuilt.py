@@ -26,7 +26,7 @@ from build_cache import ENGINE_SOURCES, cached_build  # noqa: E402
 
 EXPORT_PROMPT_LENGTHS = (5, 19, 40)  # <= block, > block (drained), long (ends in plain decode)
 EXPORT_NEW_TOKENS = (30, 25, 20)
-MASK_GRAPHS = ("target_prefill", "target_verify_1", "draft_context", "draft_1")  # what --causal mask changes
+MASK_GRAPHS = ("target_model", "draft_model")  # what --causal mask changes
 PRINTED, ERROR = "build.stdout", "build.stderr"  # a cached engine build's captured output
 ENGINE_LABELS = ("tiny-fp16-lengths", "default-bf16-lengths", "default-bf16-mask")  # engine sets the tests build
 

@@ -37,11 +37,11 @@ def _set(key, value):
 
 MANIFEST_EDITS = {
     # case: (edit of the manifest JSON, words the error must contain)
-    "parent-graph-path": (_graph_file("draft_1", "../draft_1.onnx"), ["graphs.draft_1.file", "'../draft_1.onnx'", "file name inside"]),
-    "absolute-graph-path": (_graph_file("draft_1", "/etc/hostname"), ["graphs.draft_1.file", "'/etc/hostname'"]),
-    "nested-graph-path": (_graph_file("draft_1", "sub/draft_1.onnx"), ["'sub/draft_1.onnx'", "no directories"]),
+    "parent-graph-path": (_graph_file("draft_model", "../draft_model.onnx"), ["graphs.draft_model.file", "'../draft_model.onnx'", "file name inside"]),
+    "absolute-graph-path": (_graph_file("draft_model", "/etc/hostname"), ["graphs.draft_model.file", "'/etc/hostname'"]),
+    "nested-graph-path": (_graph_file("draft_model", "sub/draft_model.onnx"), ["'sub/draft_model.onnx'", "no directories"]),
     "parent-data-path": (_data_file("../weights.data"), ["data_files", "'../weights.data'"]),
-    "huge-max-owners": (_set("max_owners", 10**5), ["max_owners 100000 needs 500003 graphs", "lists 18"]),
+    "huge-max-owners": (_set("max_owners", 10**5), ["max_owners 100000 needs 200003 graphs", "lists 9"]),
     "huger-max-owners": (_set("max_owners", 3 * 10**7), ["max_owners 30000000 needs"]),
     "vocab-past-int32": (_set("vocab_size", 10**12), ["vocab_size must be in [1, 2147483647]", "1000000000000"]),
     "context-past-int32": (_set("max_context", 2**40), ["max_context must be in [1, 2147483647]"]),
@@ -113,7 +113,7 @@ def test_unreadable_manifest_is_a_manifest_error_naming_the_file(export_copy, ca
         load_manifest(out, verify="none")
     assert words in str(error.value)
     with pytest.raises(ManifestError):
-        load_manifest(out / "draft_1.onnx")  # a file where the directory should be
+        load_manifest(out / "draft_model.onnx")  # a file where the directory should be
 
 
 def test_default_open_checks_hashes_and_remembers_verdicts(export_copy):

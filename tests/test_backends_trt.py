@@ -9,6 +9,7 @@ first row — is checked against a stand-in context that records the calls and
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import pytest
@@ -17,7 +18,8 @@ import torch
 from dflash_trt.errors import EngineError
 from dflash_trt.export import contract as c
 from dflash_trt.runtime.backends.pools import CachePool, pool_shapes
-from dflash_trt.runtime.backends.trt_backend import EngineContext
+from dflash_trt.runtime.backends.routes import RouteConstants, route_of, routes
+from dflash_trt.runtime.backends.trt_backend import EngineContext, TensorRTBackend
 
 DIMS = c.Dims(
     vocab_size=11, tap_width=8, block_size=4, proposals=3, max_owners=2, max_context=16, max_chunk=6,
@@ -49,8 +51,6 @@ class FakeGraph:
 
     def capture(self, stream):
         FakeGraph.captures += 1
-        import contextlib
-
         return contextlib.nullcontext(self)
 
     def launch(self, stream):
@@ -68,6 +68,9 @@ class FakeCuda:
 class FakeStream:
     ptr = 1234
     device_stream = object()
+
+    def scope(self):
+        return contextlib.nullcontext()
 
 
 class FakeContext:
@@ -117,30 +120,52 @@ def pools():
     return {name: CachePool.allocate(name, shape, torch.device("cpu")) for name, shape in shapes.items()}
 
 
+def _backend(pools, names, cuda_graphs: bool = False):
+    """A TensorRTBackend over fake contexts (one per run graph in ``names``), as ``_allocate`` wires them."""
+    backend = TensorRTBackend.__new__(TensorRTBackend)
+    backend.dims, backend.device, backend.max_sessions, backend.pools = DIMS, torch.device("cpu"), ROWS, pools
+    backend.stream, backend.plain = FakeStream(), False
+    backend.routes, backend.constants = routes(DIMS), RouteConstants(DIMS, torch.device("cpu"))
+    backend.contexts, fakes = {}, {}
+    for name in names:
+        route = backend.routes[name]
+        fakes[name] = FakeContext(route.graph)
+        backend.contexts[name] = EngineContext(FakeCuda, route, fakes[name], None, backend.stream, cuda_graphs and route.profile.fixed())
+    return backend, fakes
+
+
 def _context(name: str, cuda_graphs: bool = False):
-    spec = c.graph_spec(DIMS, name)
-    fake = FakeContext(spec)
-    return EngineContext(FakeCuda, spec, fake, None, FakeStream(), cuda_graphs), fake
+    route = route_of(DIMS, name)
+    fake = FakeContext(route.graph)
+    return EngineContext(FakeCuda, route, fake, None, FakeStream(), cuda_graphs), fake
 
 
 def _feeds(spec: c.GraphSpec, sizes: dict) -> dict:
     return {s.name: torch.zeros(s.resolve(sizes), dtype=torch.int64 if s.dtype == "int64" else torch.float32) for s in spec.inputs if not s.name.startswith("past_")}
 
 
+def _at(address: int, count: int) -> list[int]:
+    """``count`` int64 values at a bound host address."""
+    return list((ctypes.c_int64 * count).from_address(address))
+
+
 def test_every_binding_gets_an_address_and_caches_are_in_place(pools):
     """Bug: a binding left unaddressed (TensorRT reads garbage), or present_* bound apart from past_*
     (the cache update lands in a scratch buffer and is lost)."""
-    engine, fake = _context("target_verify_2")
-    feeds = _feeds(engine.spec, {})
-    engine.bind_caches(1, pools["target"].interleaved(1, 2))
-    out = engine.run(feeds, {}, 1)
+    backend, fakes = _backend(pools, ["target_verify_2"])
+    engine, fake = backend.contexts["target_verify_2"], fakes["target_verify_2"]
+    feeds = _feeds(c.graph_spec(DIMS, "target_verify_2"), {})
+    out = backend.run("target_verify_2", feeds, 1)
     assert set(fake.addresses) == set(engine.spec.input_names + engine.spec.output_names)
     for layer in range(DIMS.target_layers):
         for which, tensors in (("key", pools["target"].keys), ("value", pools["target"].values)):
             row_one = tensors[layer][1:3].data_ptr()
             assert fake.addresses[f"past_{which}_{layer}"] == fake.addresses[f"present_{which}_{layer}"] == row_one
+        assert fake.shapes[f"past_key_{layer}"] == (2, DIMS.target_kv_heads, DIMS.max_context, DIMS.target_head_dim)
     assert fake.addresses[c.TOKENS] == feeds[c.TOKENS].data_ptr()  # feeds bound where they are: no copy
+    assert _at(fake.addresses[c.PICKS], DIMS.proposals + 1) == list(range(DIMS.proposals + 1))  # every row's logits
     assert out[c.LOGITS].data_ptr() == fake.addresses[c.LOGITS] and torch.all(out[c.LOGITS] == 1)
+    assert out[c.LOGITS].shape == (2, DIMS.proposals + 1, DIMS.vocab_size)
     assert out[c.TAPS].shape == (2, DIMS.proposals + 1, DIMS.tap_width)
 
 
@@ -157,16 +182,33 @@ def test_caches_rebound_only_when_the_first_row_changes(pools):
 
 
 def test_dynamic_graph_sets_input_shapes_and_returns_a_prefix_view(pools):
-    """Bug: a dynamic engine runs with its previous (or profile-max) input shape, or the returned taps
-    have the max shape instead of this call's token count."""
-    engine, fake = _context("target_prefill")
+    """Bug: a dynamic engine runs with its previous (or profile-max) input shape, the returned taps
+    have the max shape instead of this call's token count, or prefill's logits are of another row
+    than the last (``picks`` = [T-1])."""
+    backend, fakes = _backend(pools, ["target_prefill"])
+    engine, fake = backend.contexts["target_prefill"], fakes["target_prefill"]
     for tokens in (5, 2):
-        feeds = _feeds(engine.spec, {c.TOKENS_DIM: tokens})
-        engine.bind_caches(0, pools["target"].interleaved(0, 1))
-        out = engine.run(feeds, {c.TOKENS_DIM: tokens}, 0)
-        assert fake.shapes[c.TOKENS] == (1, tokens)
-        assert out[c.TAPS].shape == (1, tokens, DIMS.tap_width)
+        feeds = _feeds(c.graph_spec(DIMS, "target_prefill"), {c.TOKENS_DIM: tokens})
+        out = backend.run("target_prefill", feeds, 0)
+        assert fake.shapes[c.TOKENS] == (1, tokens) and fake.shapes[c.PICKS] == (1,)
+        assert _at(fake.addresses[c.PICKS], 1) == [tokens - 1]
+        assert out[c.TAPS].shape == (1, tokens, DIMS.tap_width) and out[c.LOGITS].shape == (1, DIMS.vocab_size)
         assert out[c.TAPS].data_ptr() == engine.buffers[c.TAPS].ptr  # outputs never move
+
+
+def test_draft_context_runs_the_draft_model_with_its_count_and_no_block(pools):
+    """Bug: draft_context routed onto draft_model with a count other than its rows (context rows
+    lost or padding written), or with a real anchor (a block written past the context: the next
+    cycle's draft attends stale slots); and its proposals handed back as if they meant something."""
+    backend, fakes = _backend(pools, ["draft_context", "target_decode_2"])
+    fake = fakes["draft_context"]
+    feeds = {c.TAPS: torch.zeros(1, 3, DIMS.tap_width), c.START: torch.tensor([4])}
+    out = backend.run("draft_context", feeds, 2)
+    assert fake.addresses[c.CTX_TAPS] == feeds[c.TAPS].data_ptr() and fake.addresses[c.CTX_START] == feeds[c.START].data_ptr()
+    assert _at(fake.addresses[c.CTX_COUNT], 1) == [3] and _at(fake.addresses[c.ANCHOR], 1) == [c.NO_ANCHOR]
+    assert fake.shapes[c.CTX_TAPS] == (1, 3, DIMS.tap_width) and out == {}
+    decode = backend.run("target_decode_2", {c.TOKENS: torch.zeros(2, 1, dtype=torch.int64), c.START: torch.tensor([3, 5])}, 0)
+    assert decode[c.LOGITS].shape == (2, DIMS.vocab_size) and _at(fakes["target_decode_2"].addresses[c.PICKS], 1) == [0]
 
 
 def test_refusals_raise_engine_error(pools):
@@ -174,11 +216,11 @@ def test_refusals_raise_engine_error(pools):
     engine, fake = _context("verify_argmax_1")
     fake.fail = True
     with pytest.raises(EngineError, match="execute_async_v3 failed"):
-        engine.run(_feeds(engine.spec, {}), {}, 0)
+        engine.run(_feeds(engine.spec, engine.route.max_sizes), {}, 0)
     fake.fail = False
     fake.set_tensor_address = lambda name, ptr: name != c.CANDIDATES
     with pytest.raises(EngineError, match="refused the address of binding 'candidates'"):
-        engine.run(_feeds(engine.spec, {}), {}, 0)
+        engine.run(_feeds(engine.spec, engine.route.max_sizes), {}, 0)
 
 
 def test_cuda_graph_mode_captures_once_per_first_row(pools):
@@ -186,11 +228,11 @@ def test_cuda_graph_mode_captures_once_per_first_row(pools):
     feeds must be copied into the static inputs the capture reads."""
     engine, fake = _context("draft_2", cuda_graphs=True)
     FakeGraph.captures = 0
-    feeds = _feeds(engine.spec, {})
+    feeds = _feeds(engine.spec, engine.route.max_sizes)
     feeds[c.ANCHOR] = torch.tensor([3, 4])
     for first in (0, 0, 1, 0):
         engine.bind_caches(first, pools["draft"].interleaved(first, 2))
-        engine.run(feeds, {}, first)
+        engine.run(feeds, engine.route.max_sizes, first)
     assert FakeGraph.captures == 2 and set(engine.graphs) == {0, 1}
     assert fake.executions == 2 * 2  # per capture: one warm-up enqueue + one captured enqueue
     assert engine.graphs[0].launches == 3 and engine.graphs[1].launches == 1
@@ -207,10 +249,10 @@ def test_context_that_cannot_be_captured_runs_eagerly(pools):
     engine, fake = _context("draft_2", cuda_graphs=True)
     fake.capturable = False
     FakeGraph.captures = 0
-    feeds = _feeds(engine.spec, {})
+    feeds = _feeds(engine.spec, engine.route.max_sizes)
     for first in (0, 1):
         engine.bind_caches(first, pools["draft"].interleaved(first, 2))
-        out = engine.run(feeds, {}, first)
+        out = engine.run(feeds, engine.route.max_sizes, first)
         assert torch.all(out[c.PROPOSALS] == 1)
     assert FakeGraph.captures == 0 and not engine.graphs and fake.executions == 2
     assert fake.addresses[c.ANCHOR] == feeds[c.ANCHOR].data_ptr()  # the caller's tensor, no static copy
@@ -223,7 +265,7 @@ def test_contexts_share_one_scratch_buffer_as_large_as_the_largest_need():
     largest engine's size is every context's device memory."""
     from dflash_trt.runtime.backends.trt_backend import SharedScratch
 
-    scratch = SharedScratch(FakeCuda, [4096, 65536, 1024], FakeStream())
+    scratch = SharedScratch(FakeCuda, {"target_prefill": 4096, "draft_1": 65536, "verify_argmax_1": 1024}, FakeStream())
     contexts = [FakeContext(c.graph_spec(DIMS, name)) for name in ("target_prefill", "draft_1", "verify_argmax_1")]
     for context in contexts:
         scratch.attach(context.spec.name, context)
@@ -240,18 +282,16 @@ def test_plain_runs_enqueue_for_a_callers_capture_and_capturable_needs_every_con
     """Guards against the executor's whole-cycle capture recording this backend's own per-graph
     replay (a graph launch and static-input copies from stale feeds) instead of the enqueue, and
     against offering whole-cycle capture when one context (TensorRT-RTX) says it cannot be captured."""
-    from dflash_trt.runtime.backends.trt_backend import TensorRTBackend
-
     draft, draft_fake = _context("draft_2", cuda_graphs=True)
     verify, verify_fake = _context("target_verify_2", cuda_graphs=True)
     backend = TensorRTBackend.__new__(TensorRTBackend)
     backend.contexts, backend.plain = {"draft_2": draft, "target_verify_2": verify}, False
     FakeGraph.captures = 0
-    feeds = _feeds(draft.spec, {})
+    feeds = _feeds(draft.spec, draft.route.max_sizes)
     draft.bind_caches(0, pools["draft"].interleaved(0, 2))
     with backend.plain_runs():
         assert backend.plain
-        out = draft.run(feeds, {}, 0, replay=not backend.plain)
+        out = draft.run(feeds, draft.route.max_sizes, 0, replay=not backend.plain)
     assert not backend.plain and FakeGraph.captures == 0 and not draft.graphs
     assert draft_fake.executions == 1 and draft_fake.addresses[c.ANCHOR] == feeds[c.ANCHOR].data_ptr()
     assert torch.all(out[c.PROPOSALS] == 1)

@@ -125,11 +125,11 @@ def test_static_and_dynamic_graphs_build_with_the_io_of_the_contract(tmp_path, r
         assert set(bindings) == expected
     dyn = {b.name: b for b in record.engines["dynamic_bf16"].bindings}
     assert dyn["q"].shape == (1, HEADS, -1, HEAD_DIM) and dyn["q"].dtype == "bfloat16"
-    assert dyn["q"].profile == ((1, HEADS, 1, HEAD_DIM), (1, HEADS, 4, HEAD_DIM), (1, HEADS, 8, HEAD_DIM))
-    assert dyn["mask"].dtype == "bool" and dyn["write_index"].dtype == "int64" and dyn["write_index"].profile is None
-    assert dyn["k_cache_out"].shape == (1, KV_HEADS, MAX_CONTEXT, HEAD_DIM) and dyn["out"].profile is None
+    assert dyn["q"].profiles == (((1, HEADS, 1, HEAD_DIM), (1, HEADS, 4, HEAD_DIM), (1, HEADS, 8, HEAD_DIM)),)
+    assert dyn["mask"].dtype == "bool" and dyn["write_index"].dtype == "int64" and dyn["write_index"].profiles is None
+    assert dyn["k_cache_out"].shape == (1, KV_HEADS, MAX_CONTEXT, HEAD_DIM) and dyn["out"].profiles is None
     static = {b.name: b for b in record.engines["static_fp16"].bindings}
-    assert static["q"].shape == (1, HEADS, 4, HEAD_DIM) and static["q"].dtype == "float16" and static["q"].profile is None
+    assert static["q"].shape == (1, HEADS, 4, HEAD_DIM) and static["q"].dtype == "float16" and static["q"].profiles is None
     assert len(lines) == 3 and all(" built in " in line for line in lines)
     # The loader's file/manifest stage accepts what the build wrote.
     check_engine_set(tmp_path / "engines", {s.name: s.io for s in sources})

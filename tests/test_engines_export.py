@@ -4,10 +4,11 @@ Three exports, each built once per test session (module fixtures; exports
 are the slow part, ~1 min each on 2 cores, so each graph is exported once):
 
 - the tiny pair (conftest's ``tiny_pair``) in fp16 with lengths (max_owners
-  2: every graph kind, 13 graphs), built through the CLI;
+  2: both models with every profile and the small graphs, 7 graphs), built
+  through the CLI;
 - the default pair (``export/default_pair``: V 8192, 8 layers) in bf16 with
-  lengths (max_owners 1: 8 graphs, through the CLI), and with masks: only the
-  four graphs the mask changes (the verifiers are the same graphs).
+  lengths (max_owners 1: 5 graphs, through the CLI), and with masks: only the
+  two model graphs the mask changes (the verifiers are the same graphs).
 
 No build may leave a tensor unread (there is no option to allow it), and the
 parsed networks are inspected: every target attention is lower-right causal
@@ -89,8 +90,12 @@ def check_built_set(built: BuiltSet, specs) -> None:
         causal = "LOWER_RIGHT" if kind.startswith("target") and built.causal == "lengths" else "NONE"
         masked = built.causal == "mask"
         assert {(a.causal, bool(a.lengths), a.mask) for a in engine.attention} <= {(causal, not masked, masked)}, name
-    profiles = {name: {b.name: b.profile for b in engine.bindings if b.profile} for name, engine in record.engines.items()}
-    assert {name for name, p in profiles.items() if p} == {"target_prefill", "draft_context", "sample"} & set(specs)
+    dynamic = {name for name, engine in record.engines.items() if any(b.profiles for b in engine.bindings)}
+    assert dynamic == {contract.TARGET_MODEL, contract.DRAFT_MODEL, contract.SAMPLE} & set(specs)
+    for name in set(specs) & set(contract.MODEL_KINDS):  # one engine per model: a profile per run graph
+        engine, served = record.engines[name], [p.graph for p in contract.profiles_of(specs[name])]
+        assert list(engine.profiles) == served and len(served) > 1, name
+        assert all(len(b.profiles) == len(served) for b in engine.bindings if b.profiles), name
     if built.printed:  # built through the CLI from an export directory
         assert sum(" built in " in line for line in built.printed.splitlines()) == len(specs)
         assert read_engine_set(built.out).source_manifest["file"] == "manifest.json"
@@ -118,7 +123,7 @@ def ancestors(network, tensor) -> set[str]:
     return found
 
 
-LENGTH_INPUTS = {"target": {contract.START}, "draft": {contract.CTX_START, contract.CTX_COUNT}, "draft_context": {contract.START}}
+LENGTH_INPUTS = {"target": {contract.START}, "draft": {contract.CTX_START, contract.CTX_COUNT}}
 
 
 def test_every_parsed_attention_is_lower_right_causal_or_non_causal_with_its_lengths(built):
@@ -138,7 +143,7 @@ def test_every_parsed_attention_is_lower_right_causal_or_non_causal_with_its_len
         log = flavour.new_log()
         graph = parse_graph(flavour, builder, log, source)
         network = graph.network
-        kind = "draft_context" if source.name == contract.DRAFT_CONTEXT else source.io.kind.split("_")[0]
+        kind = source.io.kind.split("_")[0]
         layers = [network.get_layer(i) for i in range(network.num_layers)]  # after binding: the casts too
         outputs = [layer for layer in layers if layer.type == trt.LayerType.ATTENTION_OUTPUT]
         assert len(outputs) == len(nodes), source.name

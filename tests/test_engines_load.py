@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash_trt.engines.bindings import TRT_DTYPES, Binding, check_io, io_mismatches, profile_shapes
+from dflash_trt.engines.bindings import TRT_DTYPES, Binding, check_io, input_profiles, io_mismatches
 from dflash_trt.engines.engine_set import (
     ENGINES_JSON,
     EngineRecord,
@@ -26,23 +26,23 @@ from dflash_trt.engines.engine_set import (
 from dflash_trt.engines.flavour import Flavour, load_flavour
 from dflash_trt.engines.load import check_engine_set, check_flavour, engine_bindings, load_engine_set
 from dflash_trt.errors import EngineError
-from dflash_trt.export.contract import DimRange, Dims, GraphSpec, TensorSpec, graph_spec
+from dflash_trt.export.contract import DimRange, Dims, GraphSpec, TensorSpec, graph_spec, profiles_of
 from dflash_trt.export.identity import file_sha256
 
-# A tiny pair's contract: one dynamic graph (T in 1..16) and one static one.
+# A tiny pair's contract: one model engine (5 profiles: prefill, verify_n, decode_n) and one static graph.
 DIMS = Dims(
     vocab_size=100, tap_width=32, block_size=4, proposals=3, max_owners=2, max_context=64, max_chunk=16,
     target_layers=1, target_kv_heads=2, target_head_dim=16, draft_layers=1, draft_kv_heads=1, draft_head_dim=16,
     dtype="bfloat16",
 )
-PREFILL = graph_spec(DIMS, "target_prefill")
+PREFILL = graph_spec(DIMS, "target_model")
 VERIFY = graph_spec(DIMS, "target_verify_2")
 CONTRACT = {"prefill": PREFILL, "verify_2": VERIFY}
 
 
 def bindings_of(io: GraphSpec) -> tuple[Binding, ...]:
     """What a correct build of ``io`` records."""
-    inputs = tuple(Binding(s.name, "input", _shape(s), s.dtype, profile_shapes(io, s)) for s in io.inputs)
+    inputs = tuple(Binding(s.name, "input", _shape(s), s.dtype, input_profiles(io, s)) for s in io.inputs)
     return inputs + tuple(Binding(s.name, "output", _shape(s), s.dtype) for s in io.outputs)
 
 
@@ -57,7 +57,8 @@ def write_set(directory: Path, contract=CONTRACT, flavour="tensorrt_rtx", versio
         plan = directory / f"{name}.plan"
         plan.write_bytes(f"plan of {name}".encode())
         engines[name] = EngineRecord(
-            name, plan.name, file_sha256(plan), plan.stat().st_size, {f"{name}.onnx": "0" * 64}, bindings_of(io), 0.1
+            name, plan.name, file_sha256(plan), plan.stat().st_size, {f"{name}.onnx": "0" * 64}, bindings_of(io), 0.1,
+            tuple(p.graph for p in profiles_of(io)),
         )
     record = EngineSetRecord(flavour, version, ("SM89",), {"workspace_mb": None, "version_compatible": False}, engines)
     write_engine_set(directory, record)
@@ -142,9 +143,22 @@ def test_profile_range_that_differs_from_the_manifest_is_refused(tmp_path):
     """Guards against a dynamic engine whose profile stops short of the
     manifest's chunk size (it would fail at runtime on a long prompt)."""
     write_set(tmp_path)
-    rewrite(tmp_path, lambda d: d["engines"]["prefill"]["bindings"][0].update(profile=[[1, 1], [1, 8], [1, 8]]))
-    expected = r"input 'tokens' profile min/opt/max: contract \[1, 1\] / \[1, 16\] / \[1, 16\], engine \[1, 1\] / \[1, 8\] / \[1, 8\]"
+    rewrite(tmp_path, lambda d: d["engines"]["prefill"]["bindings"][0]["profiles"][0].__setitem__(slice(None), [[1, 1], [1, 8], [1, 8]]))
+    expected = (
+        r"input 'tokens' profile 'target_prefill' min/opt/max: contract \[1, 1\] / \[1, 16\] / \[1, 16\], "
+        r"engine \[1, 1\] / \[1, 8\] / \[1, 8\]"
+    )
     with pytest.raises(EngineError, match=expected):
+        check_engine_set(tmp_path, CONTRACT)
+
+
+def test_model_engine_with_profiles_in_another_order_is_refused(tmp_path):
+    """Guards against a model engine whose profile k serves another run graph than the
+    contract's k-th: the runtime selects a run graph's profile by index, so target_verify_1
+    would run at the decode shape (or fail to bind)."""
+    write_set(tmp_path)
+    rewrite(tmp_path, lambda d: d["engines"]["prefill"]["profiles"].reverse())
+    with pytest.raises(EngineError, match=r"engine 'prefill' profiles serve \['target_decode_2', .*the contract's are \['target_prefill', 'target_verify_1'"):
         check_engine_set(tmp_path, CONTRACT)
 
 
@@ -154,9 +168,9 @@ def test_static_contract_against_a_dynamic_engine_is_refused(tmp_path):
     write_set(tmp_path)
     rewrite(
         tmp_path,
-        lambda d: d["engines"]["verify_2"]["bindings"][0].update(shape=[2, -1], profile=[[2, 1], [2, 4], [2, 4]]),
+        lambda d: d["engines"]["verify_2"]["bindings"][0].update(shape=[2, -1], profiles=[[[2, 1], [2, 4], [2, 4]]]),
     )
-    with pytest.raises(EngineError, match=r"profile min/opt/max: contract none \(static\)"):
+    with pytest.raises(EngineError, match=r"input 'tokens' profiles: contract none \(static\), engine 1"):
         check_engine_set(tmp_path, CONTRACT)
 
 
@@ -171,7 +185,7 @@ def test_set_missing_an_engine_of_the_contract_is_refused(tmp_path):
 @pytest.mark.parametrize(
     ("edit", "expected"),
     [
-        (lambda d: d.update(format_version=99), r"'format_version' must be 1, got 99"),
+        (lambda d: d.update(format_version=99), r"'format_version' must be 2, got 99"),
         (lambda d: d.update(format="something/else"), r"'format' must be 'dflash-trt/engines'"),
         (lambda d: d["engines"]["prefill"].pop("plan_sha256"), r"malformed field \(KeyError: 'plan_sha256'\)"),
     ],
@@ -272,9 +286,12 @@ class FakeEngine:
         trt_names = {contract: trt for trt, contract in TRT_DTYPES.items()}
         return SimpleNamespace(name=trt_names[self._get(name).dtype])
 
+    @property
+    def num_optimization_profiles(self):
+        return max((len(b.profiles) for b in self.bindings if b.profiles), default=0)
+
     def get_tensor_profile_shape(self, name, profile):
-        assert profile == 0
-        return [list(s) for s in self._get(name).profile]
+        return [list(s) for s in self._get(name).profiles[profile]]
 
 
 def test_engine_bindings_reads_names_shapes_dtypes_and_profiles():

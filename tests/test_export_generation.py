@@ -1,6 +1,7 @@
 """DFlash generation driven ONLY by ONNX Runtime sessions over the exported graphs.
 
-A small test driver (not the runtime) keeps one numpy cache pool per model
+A small test driver (not the runtime: its own routing of run graphs onto
+the exported model networks) keeps one numpy cache pool per model
 ([rows, kv_heads, max_context, head_dim] per layer), binds each call's owners
 as a view of consecutive rows with ``past_*`` and ``present_*`` on the SAME
 memory (in place, as the engines are meant to be bound), and runs the cycle
@@ -24,13 +25,15 @@ from dflash_trt.export.pair import load_pair
 from dflash_trt.export.reference import ReferenceDecoder
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.cycles import sampling_rows
+from test_export_graphs import routed
 
 PREFILL_CHUNK = 16
 NUMPY = {"float32": np.float32, "float16": np.float16, "int64": np.int64}
 
 
 class Graphs:
-    """ORT sessions by graph name; ``run`` binds caches in place on a row range of a pool."""
+    """ORT sessions by exported graph; ``run`` runs a run graph on the graph that computes it
+    (the contract's feeding rules) with its caches bound in place on a row range of a pool."""
 
     def __init__(self, directory, manifest) -> None:
         options = ort.SessionOptions()
@@ -46,24 +49,28 @@ class Graphs:
 
     def run(self, name: str, feeds: dict[str, np.ndarray], pool: dict[str, np.ndarray] | None = None, first_row: int = 0):
         """Outputs other than caches, by name; ``pool`` rows first_row.. are updated in place."""
-        spec, binding = self.specs[name], self.sessions[name].io_binding()
-        views = {}
-        for s in spec.inputs:
-            if s.name.startswith("past_"):
-                view = pool[s.name][first_row : first_row + s.shape[0]]
-                assert view.flags.c_contiguous
-                views[contract.present_of(s.name)] = view
-                binding.bind_input(s.name, "cpu", 0, NUMPY[s.dtype], list(s.shape), view.ctypes.data)
+        spec = self.specs[name]
+        exported, inputs = routed(spec, self.dims, feeds)
+        graph = self.sessions[exported]
+        binding, views = graph.io_binding(), {}
+        for s in spec.cache_inputs:
+            view = pool[s.name][first_row : first_row + s.shape[0]]
+            assert view.flags.c_contiguous
+            views[contract.present_of(s.name)] = view
+            binding.bind_input(s.name, "cpu", 0, NUMPY[s.dtype], list(s.shape), view.ctypes.data)
+        dtypes = {i.name: i.type for i in graph.get_inputs()}
+        for key, value in inputs.items():
+            binding.bind_cpu_input(key, np.ascontiguousarray(value, dtype=np.int64 if dtypes[key] == "tensor(int64)" else None))
+        names = [o.name for o in graph.get_outputs()]
+        for out in names:  # presents on the past's memory: in place
+            if out in views:
+                view = views[out]
+                binding.bind_output(out, "cpu", 0, view.dtype, list(view.shape), view.ctypes.data)
             else:
-                binding.bind_cpu_input(s.name, np.ascontiguousarray(feeds[s.name], dtype=NUMPY[s.dtype]))
-        for s in spec.outputs:  # presents on the past's memory: in place
-            if s.name in views:
-                binding.bind_output(s.name, "cpu", 0, NUMPY[s.dtype], list(s.shape), views[s.name].ctypes.data)
-            else:
-                binding.bind_output(s.name, "cpu")
-        self.sessions[name].run_with_iobinding(binding)
-        outputs = dict(zip(spec.output_names, binding.copy_outputs_to_cpu()))
-        return {k: v for k, v in outputs.items() if k not in views}
+                binding.bind_output(out, "cpu")
+        graph.run_with_iobinding(binding)
+        outputs = dict(zip(names, binding.copy_outputs_to_cpu()))
+        return {s.name: outputs[s.name].reshape(s.resolve({})) if s.name == contract.LOGITS else outputs[s.name] for s in spec.outputs if s.name not in views}
 
 
 def pools(spec: contract.GraphSpec, rows: int) -> dict[str, np.ndarray]:

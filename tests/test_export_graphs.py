@@ -1,9 +1,12 @@
 """Exported ONNX graphs against the contract and against the PyTorch wrappers they were traced from.
 
-ONNX Runtime (CPU) runs every graph of the tiny fp32 export on fresh random
-inputs; the same wrapper with ``EagerKernels`` runs in PyTorch; outputs must
-agree (fp32: max relative error <= 1e-4) and the cache outputs must differ
-from the cache inputs exactly in the slots the graph is meant to write.
+ONNX Runtime (CPU) runs every run graph of the tiny fp32 export on fresh
+random inputs — the target / draft ones through their model network
+(``target_model`` / ``draft_model``) fed by the contract's rules, the small
+graphs as they are; the run graph's own wrapper with ``EagerKernels`` runs
+in PyTorch; outputs must agree (fp32: max relative error <= 1e-4) and the
+cache outputs must differ from the cache inputs exactly in the slots the
+graph is meant to write.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 
 FP32_TOLERANCE = 1e-4
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64}
-GRAPHS = contract.graph_names(3)
+GRAPHS = contract.graph_names(3)  # run graphs
+EXPORTED = contract.export_names(3)  # exported graphs
 
 
 def session(path) -> ort.InferenceSession:
@@ -192,8 +196,8 @@ def test_bindings_of_every_graph_equal_the_contract(exported_pair):
     or re-types a binding, or leaves a dynamic dim unnamed: the engines and runtime bind by these names."""
     out, manifest = exported_pair.out, exported_pair.manifest
     dims = manifest.dims()
-    assert tuple(manifest.graphs) == GRAPHS
-    for name in GRAPHS:
+    assert tuple(manifest.graphs) == EXPORTED
+    for name in EXPORTED:
         assert_bindings_equal_contract(out / manifest.graphs[name].file, contract.graph_spec(dims, name))
 
 
@@ -213,15 +217,10 @@ def test_graphs_pass_checker_and_use_only_standard_opset_24(exported_pair):
         assert "ScatterND" not in ops, name
         kind = graph.io.kind
         writes = {
-            contract.TARGET_PREFILL: 2 * dims.target_layers,
-            contract.TARGET_VERIFY: 2 * dims.target_layers,
-            contract.TARGET_DECODE: 2 * dims.target_layers,
-            contract.DRAFT_CONTEXT: 2 * dims.draft_layers,
-            contract.DRAFT: 2 * dims.draft_layers,  # context rows and block fused: one write per cache
+            contract.TARGET_MODEL: 2 * dims.target_layers,
+            contract.DRAFT_MODEL: 2 * dims.draft_layers,  # context rows and block fused: one write per cache
         }.get(kind, 0)
-        attentions = {contract.DRAFT: dims.draft_layers} | dict.fromkeys(
-            (contract.TARGET_PREFILL, contract.TARGET_VERIFY, contract.TARGET_DECODE), dims.target_layers
-        )
+        attentions = {contract.TARGET_MODEL: dims.target_layers, contract.DRAFT_MODEL: dims.draft_layers}
         assert ops["TensorScatter"] == writes, name
         outputs = {o.name for o in model.graph.output}
         scatters = [node for node in model.graph.node if node.op_type == "TensorScatter"]
@@ -235,21 +234,62 @@ def test_graphs_pass_checker_and_use_only_standard_opset_24(exported_pair):
         assert ops["CumSum"] == (kind in (contract.VERIFY_ARGMAX, contract.VERIFY_SAMPLE)), name
 
 
+def routed(spec: contract.GraphSpec, dims: contract.Dims, feeds: dict) -> tuple[str, dict]:
+    """(exported graph, its feeds) computing run graph ``spec`` on ``feeds``: the contract's feeding rules."""
+    kind = spec.kind
+    if kind in (contract.TARGET_PREFILL, contract.TARGET_VERIFY, contract.TARGET_DECODE):
+        tokens = feeds[contract.TOKENS].shape[1]
+        picks = {contract.TARGET_PREFILL: [tokens - 1], contract.TARGET_DECODE: [0]}.get(kind, range(dims.proposals + 1))
+        return contract.TARGET_MODEL, feeds | {contract.PICKS: np.array(list(picks), np.int64)}
+    if kind == contract.DRAFT_CONTEXT:
+        caches = {k: v for k, v in feeds.items() if k.startswith("past_")}
+        count = np.array([feeds[contract.TAPS].shape[1]], np.int64)
+        context = {contract.CTX_TAPS: feeds[contract.TAPS], contract.CTX_START: feeds[contract.START], contract.CTX_COUNT: count}
+        return contract.DRAFT_MODEL, caches | context | {contract.ANCHOR: np.array([contract.NO_ANCHOR], np.int64)}
+    return contract.exported_as(spec.name), feeds
+
+
+def run_routed(graph: ort.InferenceSession, spec: contract.GraphSpec, dims: contract.Dims, feeds: dict) -> dict:
+    """Run graph ``spec``'s outputs, computed by its exported graph's session."""
+    _, inputs = routed(spec, dims, feeds)
+    outputs = dict(zip([o.name for o in graph.get_outputs()], graph.run(None, inputs)))
+    return {s.name: outputs[s.name].reshape(s.resolve({})) if s.name == contract.LOGITS else outputs[s.name] for s in spec.outputs}
+
+
 @pytest.mark.parametrize("name", GRAPHS)
 def test_onnx_runtime_equals_eager_fp32(exported_pair, eager_models, name):
     """Guards against any divergence between a traced graph and its PyTorch wrapper (attention
     alignment, lengths, GQA, RoPE positions, draft padding, sampling/verdict lowering, TopK ties) and
-    against a cache write that touches any slot but the ones meant (whole caches compared)."""
+    against a cache write that touches any slot but the ones meant (whole caches compared) — for
+    every run graph as its model network computes it (picks, draft_context's count and absent
+    anchor: a block written past the context would show as a write outside its slots)."""
     target, draft, dims = eager_models
     out, manifest = exported_pair.out, exported_pair.manifest
     spec = contract.graph_spec(dims, name)
     module = graph_module(spec, target, draft, dims)
     rng = np.random.default_rng(zlib.crc32(name.encode()))
-    graph = session(out / manifest.graphs[name].file)
+    graph = session(out / manifest.graphs[contract.exported_as(name)].file)
     for _ in range(2):
         feeds, written = random_inputs(spec, dims, rng)
-        ours = dict(zip(spec.output_names, graph.run(None, feeds)))
-        compare(spec, feeds, written, ours, run_eager(module, spec, feeds), FP32_TOLERANCE)
+        compare(spec, feeds, written, run_routed(graph, spec, dims, feeds), run_eager(module, spec, feeds), FP32_TOLERANCE)
+
+
+def test_draft_context_at_the_end_of_the_cache_writes_its_rows_only(exported_pair, eager_models):
+    """Guards against draft_model's write window reaching past the cache when a prompt ends near
+    max_context (its block would not fit: start + C + B > L), and against the absent block being
+    written anyway: the context rows land, every other slot keeps its value."""
+    target, draft, dims = eager_models
+    spec = contract.graph_spec(dims, contract.DRAFT_CONTEXT)
+    graph = session(exported_pair.out / exported_pair.manifest.graphs[contract.DRAFT_MODEL].file)
+    rng = np.random.default_rng(5)
+    for rows in (1, dims.max_chunk):
+        start = dims.max_context - rows
+        feeds = _caches(spec, rng, np.float32) | {
+            contract.TAPS: rng.standard_normal((1, rows, dims.tap_width)).astype(np.float32),
+            contract.START: np.array([start]),
+        }
+        want = run_eager(graph_module(spec, target, draft, dims), spec, feeds)
+        compare(spec, feeds, [(start, start + rows)], run_routed(graph, spec, dims, feeds), want, FP32_TOLERANCE)
 
 
 def test_onnx_kernels_eager_formulation_equals_eager_kernels():

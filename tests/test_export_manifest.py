@@ -29,7 +29,7 @@ def test_manifest_records_the_facts_the_runtime_needs(exported_pair):
     assert (m.block_size, m.proposals, m.min_proposals, m.max_proposals) == (8, 7, 2, 7)
     assert m.mask_token_id == draft_config["dflash_config"]["mask_token_id"]
     assert (m.tap_layer_ids, m.tap_width, m.vocab_size) == ((1, 3), 2 * 64, 97)
-    assert (m.max_owners, m.max_sessions, m.max_context, m.max_chunk) == (3, 3, 64, 64)
+    assert (m.max_owners, m.max_sessions, m.max_context, m.max_chunk) == (3, 3, 64, 56)  # chunk + block fit the cache
     assert (m.special_tokens.bos, m.special_tokens.eos, m.special_tokens.stop) == (2, (1,), (1,))
     assert (m.target.layers, m.target.kv_heads, m.target.head_dim, m.target.windows) == (5, 2, 16, (0,) * 5)
     assert (m.draft.layers, m.draft.kv_heads, m.draft.head_dim, m.draft.windows) == (2, 2, 16, (0, 0))
@@ -51,9 +51,9 @@ def _set(key, value):
     return change
 
 
-def _relabel_block(data):
-    """Edit block size AND every recorded IO consistently: only the graph files can tell."""
-    data["block_size"], data["max_proposals"] = 16, 15
+def _relabel_proposals(data):
+    """Edit proposals AND every recorded IO consistently: only the graph files can tell."""
+    data["proposals"] = 5
     fields = {k: data[k] for k in ("vocab_size", "tap_width", "block_size", "proposals", "max_owners", "max_context", "max_chunk")}
     dims = Dims(
         **fields,
@@ -70,16 +70,16 @@ def _same_cache_keys(data):
 
 REFUSALS = {
     # case: (edit of the manifest JSON, words the error must contain)
-    "edited-block-size": (_set("block_size", 16), ["block_size", "16", "8", "draft_1"]),
-    "edited-block-size-and-io": (_relabel_block, ["block_size", "16", "8", "file of graph", "draft_1"]),
-    "edited-proposals": (_set("proposals", 5), ["proposals", "5", "7"]),
+    "edited-block-size": (_set("block_size", 16), ["max_proposals", "7", "block_size - 1", "15"]),
+    "edited-proposals": (_set("proposals", 5), ["proposals", "5", "7", "draft_model"]),
+    "edited-proposals-and-io": (_relabel_proposals, ["proposals", "5", "7", "file of graph", "draft_model"]),
     "edited-dtype": (_set("dtype", "bf16"), ["dtype", "bfloat16", "float32"]),
     "edited-vocab": (_set("vocab_size", 98), ["vocab_size", "98", "97"]),
     "unknown-schema": (_set("schema_version", 2), ["schema_version", "2", "1"]),
     "malformed-field": (_set("block_size", "8"), ["block_size", "must be an int", "'8'"]),
     "unknown-field": (_set("blok_size", 8), ["blok_size", "unknown field"]),
-    "graph-entry-missing": (lambda d: d["graphs"].pop("draft_3"), ["graphs lacks 'draft_3'", "max_owners 3"]),
-    "wrong-hash": (lambda d: d["graphs"]["draft_1"].update(sha256="0" * 64), ["draft_1", "sha256", "0" * 64]),
+    "graph-entry-missing": (lambda d: d["graphs"].pop("verify_argmax_3"), ["graphs lacks 'verify_argmax_3'", "max_owners 3"]),
+    "wrong-hash": (lambda d: d["graphs"]["draft_model"].update(sha256="0" * 64), ["draft_model", "sha256", "0" * 64]),
     "same-cache-keys": (_same_cache_keys, ["cache_key", "must differ"]),
 }
 
@@ -112,8 +112,8 @@ def test_missing_or_changed_graph_file_is_refused(export_copy, exported_pair):
         handle.write(b"\0")
     with pytest.raises(ManifestError, match=r"sha256 of 'weights.data' is [0-9a-f]{64} in the manifest but [0-9a-f]{64} on disk"):
         load_manifest(out)
-    (out / "draft_2.onnx").unlink()
-    with pytest.raises(ManifestError, match=r"graphs.draft_2 names file 'draft_2.onnx', which is missing"):
+    (out / "draft_model.onnx").unlink()
+    with pytest.raises(ManifestError, match=r"graphs.draft_model names file 'draft_model.onnx', which is missing"):
         load_manifest(out, verify="io")
     assert load_manifest(out, verify="none").block_size == 8  # a manifest copied beside engines
 
