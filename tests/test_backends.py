@@ -263,9 +263,9 @@ def test_ort_refuses_a_file_with_other_io(pair, tmp_path):
     from dflash_trt.export.manifest import load_manifest
 
     files = {name: out_dir / g.file for name, g in load_manifest(out_dir, verify="none").graphs.items()}
-    files["target_verify_1"] = files["draft_1"]
+    files["target_model"] = files["draft_model"]
     with OrtBackend(files, dims, ROWS, lazy=True) as backend:
-        with pytest.raises(EngineError, match="target_verify_1.*declares inputs"):
+        with pytest.raises(EngineError, match="target_model.*declares inputs"):
             backend.run("target_verify_1", {}, 0)
 
 
