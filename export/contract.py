@@ -237,15 +237,17 @@ class DimRange:
 
 @dataclass(frozen=True)
 class Profile:
-    """One run graph as a range of shapes of the exported graph that computes it
-    (a TensorRT optimization profile): every dim of that graph, min == max where static."""
+    """One run graph as a range of shapes of the exported graph that computes it (a TensorRT
+    optimization profile). ``shape``: each dim of the exported graph as the run graph feeds it,
+    an extent or the run graph's own dynamic dim; ``dims``: the profile's ranges (``_extent``)."""
 
     graph: str  # the run graph
+    shape: Mapping[str, int | str]
     dims: Mapping[str, DimRange]
 
-    def fixed(self) -> bool:
-        """Every extent static: the run graph has one shape (CUDA-graph capturable)."""
-        return all(r.min == r.max for r in self.dims.values())
+    def sizes(self, run_sizes: Mapping[str, int]) -> dict[str, int]:
+        """The exported graph's dims for one run, given the run graph's dynamic sizes."""
+        return {d: run_sizes[v] if isinstance(v, str) else v for d, v in self.shape.items()}
 
 
 @dataclass(frozen=True)
@@ -471,20 +473,39 @@ def _model_dims(dims: Dims, profiles: tuple[Profile, ...]) -> dict[str, DimRange
     }
 
 
+# A profile never pins a row count (tokens per owner S, picked rows Q) at exactly 1: TensorRT-RTX
+# 1.7 then stores a second, one-row layout of every weight those rows meet (seen at the Qwen3-8B
+# width: a target plan with prefill and decode_1 among its profiles held its layers twice, one
+# with decode_1 and decode_2 nearly all its weights twice; with [1, 2] each weight is stored once).
+ROW_DIMS = (STEP_DIM, PICKS_DIM)
+ONE_ROW = DimRange(1, 1, 2)
+
+
+def _extent(dim: str, value: int) -> DimRange:
+    """The profile range of a dim a run graph feeds at one extent."""
+    return ONE_ROW if value == 1 and dim in ROW_DIMS else _fixed(value)
+
+
+def _profile(graph: str, shape: Mapping[str, int | str], run_dims: Mapping[str, DimRange]) -> Profile:
+    """Run graph ``graph`` feeding ``shape``: its own dynamic dims keep their ranges."""
+    ranges = {d: run_dims[v] if isinstance(v, str) else _extent(d, v) for d, v in shape.items()}
+    return Profile(graph, dict(shape), ranges)
+
+
 def _target_model_profiles(dims: Dims) -> tuple[Profile, ...]:
     N, S, Q = OWNERS_DIM, STEP_DIM, PICKS_DIM
     rows = dims.proposals + 1
-    profiles = [Profile(TARGET_PREFILL, {N: _fixed(1), S: _chunk(dims), Q: _fixed(1)})]
+    profiles = [_profile(TARGET_PREFILL, {N: 1, S: TOKENS_DIM, Q: 1}, {TOKENS_DIM: _chunk(dims)})]
     for n in range(1, dims.max_owners + 1):
-        profiles.append(Profile(graph_name(TARGET_VERIFY, n), {N: _fixed(n), S: _fixed(rows), Q: _fixed(rows)}))
-        profiles.append(Profile(graph_name(TARGET_DECODE, n), {N: _fixed(n), S: _fixed(1), Q: _fixed(1)}))
+        profiles.append(_profile(graph_name(TARGET_VERIFY, n), {N: n, S: rows, Q: rows}, {}))
+        profiles.append(_profile(graph_name(TARGET_DECODE, n), {N: n, S: 1, Q: 1}, {}))
     return tuple(profiles)
 
 
 def _draft_model_profiles(dims: Dims) -> tuple[Profile, ...]:
     N, C = OWNERS_DIM, CONTEXT_DIM
-    profiles = [Profile(DRAFT_CONTEXT, {N: _fixed(1), C: _chunk(dims)})]
-    profiles += [Profile(graph_name(DRAFT, n), {N: _fixed(n), C: _fixed(dims.block_size)}) for n in range(1, dims.max_owners + 1)]
+    profiles = [_profile(DRAFT_CONTEXT, {N: 1, C: CONTEXT_DIM}, {CONTEXT_DIM: _chunk(dims)})]
+    profiles += [_profile(graph_name(DRAFT, n), {N: n, C: dims.block_size}, {}) for n in range(1, dims.max_owners + 1)]
     return tuple(profiles)
 
 
@@ -585,7 +606,7 @@ def profiles_of(spec: GraphSpec) -> tuple[Profile, ...]:
     profile over its dynamic dims (none for a static graph)."""
     if spec.profiles:
         return spec.profiles
-    return (Profile(spec.name, dict(spec.dims)),) if spec.dims else ()
+    return (Profile(spec.name, {d: d for d in spec.dims}, dict(spec.dims)),) if spec.dims else ()
 
 
 def profile_of(dims: Dims, name: str) -> tuple[GraphSpec, int, Profile]:
@@ -596,4 +617,4 @@ def profile_of(dims: Dims, name: str) -> tuple[GraphSpec, int, Profile]:
     for index, profile in enumerate(profiles):
         if profile.graph == name:
             return exported, index, profile
-    return exported, 0, Profile(name, {})
+    return exported, 0, Profile(name, {}, {})

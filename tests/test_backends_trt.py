@@ -130,7 +130,7 @@ def _backend(pools, names, cuda_graphs: bool = False):
     for name in names:
         route = backend.routes[name]
         fakes[name] = FakeContext(route.graph)
-        backend.contexts[name] = EngineContext(FakeCuda, route, fakes[name], None, backend.stream, cuda_graphs and route.profile.fixed())
+        backend.contexts[name] = EngineContext(FakeCuda, route, fakes[name], None, backend.stream, cuda_graphs and not route.run.dims)
     return backend, fakes
 
 

@@ -349,3 +349,51 @@ def test_verify_sample_for_a_150k_vocabulary_builds(tmp_path, rtx):
     engine = record.engines[spec.name]
     assert {(b.mode, b.name) for b in engine.bindings} == {("input", s.name) for s in spec.inputs} | {("output", s.name) for s in spec.outputs}
     assert {b.name: b.shape for b in engine.bindings}["logits"] == (1, 16, 151936)
+
+
+def weight_model(rows: int = 4096, cols: int = 8192) -> onnx.ModelProto:
+    """y [M, cols] = x [M, rows] @ W: one fp16 weight of rows * cols (64 MiB by default)."""
+    weight = onnx.numpy_helper.from_array(torch.randn(rows, cols).half().numpy(), "w")
+    x = helper.make_tensor_value_info("x", TP.FLOAT16, ["M", rows])
+    y = helper.make_tensor_value_info("y", TP.FLOAT16, ["M", cols])
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g", [x], [y], initializer=[weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)])
+    model.ir_version = 10
+    return model
+
+
+def test_model_profiles_never_pin_a_row_count_at_one():
+    """Guards against a model engine holding its weights twice: TensorRT-RTX stores a second,
+    one-row layout of every weight that a profile with exactly one row meets (the Qwen3-8B-wide
+    target plan with prefill and decode_1 among its profiles held its layers twice). Every
+    row dim (tokens per owner, picked rows) of every model profile spans at least [1, 2]."""
+    from dflash_trt.export import contract
+
+    dims = contract.Dims(
+        vocab_size=100, tap_width=32, block_size=4, proposals=3, max_owners=3, max_context=64, max_chunk=16,
+        target_layers=1, target_kv_heads=2, target_head_dim=16, draft_layers=1, draft_kv_heads=1, draft_head_dim=16,
+        dtype="bfloat16",
+    )
+    for name in contract.MODEL_KINDS:
+        for profile in contract.profiles_of(contract.graph_spec(dims, name)):
+            for dim in set(contract.ROW_DIMS) & set(profile.dims):
+                assert profile.dims[dim].max >= 2, (name, profile.graph, dim)
+            assert all(profile.dims[d].min <= v <= profile.dims[d].max for d, v in profile.sizes({"T": 1, "C": 1}).items())
+
+
+def test_two_profiles_one_of_them_one_row_store_the_weight_once(tmp_path, rtx):
+    """Guards against the one-row profile rule not doing what it is for: a MatMul engine with the
+    profiles a decode_1 and a verify run graph get (rows in [1, 2] and rows = 8) holds its 64 MiB
+    weight once (plan <= 1.15 x the weight's bytes), as the one-profile build does."""
+    from dflash_trt.export.contract import ONE_ROW, GraphSpec, Profile, TensorSpec
+
+    model = weight_model()
+    path = tmp_path / "matmul.onnx"
+    onnx.save(model, path)
+    io = graph_io_from_onnx(model, "matmul", {"M": DimRange(1, 8, 8)})
+    profiles = (Profile("one_row", {"M": 1}, {"M": ONE_ROW}), Profile("eight_rows", {"M": 8}, {"M": DimRange(8, 8, 8)}))
+    spec = GraphSpec(io.name, io.kind, None, io.inputs, io.outputs, io.dims, profiles)
+    record = build_engine_set([GraphSource("matmul", path, spec)], tmp_path / "engines", rtx)
+    weight_bytes = 4096 * 8192 * 2
+    assert record.engines["matmul"].profiles == ("one_row", "eight_rows")
+    assert record.engines["matmul"].plan_bytes <= 1.15 * weight_bytes

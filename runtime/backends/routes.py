@@ -49,17 +49,11 @@ class Route:
     @property
     def max_sizes(self) -> dict[str, int]:
         """The exported graph's dims at their largest for this run graph (buffer sizes)."""
-        return {d: r.max for d, r in self.profile.dims.items()}
+        return self.profile.sizes({d: r.max for d, r in self.run.dims.items()})
 
     def sizes(self, run_sizes: Mapping[str, int]) -> dict[str, int]:
-        """The exported graph's dims for one run: the profile's fixed extents, and its one
-        dynamic dim (if any) at the run graph's one dynamic size (T -> S, C -> C, R -> R)."""
-        dynamic = [d for d, r in self.profile.dims.items() if r.min != r.max]
-        sizes = {d: r.min for d, r in self.profile.dims.items() if r.min == r.max}
-        if dynamic:
-            (value,) = run_sizes.values()
-            sizes[dynamic[0]] = value
-        return sizes
+        """The exported graph's dims for one run (T -> S, C -> C, R -> R; the rest fixed)."""
+        return self.profile.sizes(run_sizes)
 
     def feeds(self, feeds: Mapping[str, torch.Tensor], run_sizes: Mapping[str, int], constants: RouteConstants) -> dict[str, torch.Tensor]:
         """The exported graph's plain inputs for the run graph's ``feeds``."""
@@ -67,7 +61,7 @@ class Route:
         if kind == c.TARGET_PREFILL:
             return {**feeds, c.PICKS: constants.count(run_sizes[c.TOKENS_DIM] - 1)}  # the last row
         if kind in (c.TARGET_VERIFY, c.TARGET_DECODE):
-            rows = self.profile.dims[c.PICKS_DIM].min
+            rows = self.profile.shape[c.PICKS_DIM]
             return {**feeds, c.PICKS: constants.counts[:rows]}  # every row: 0..P, or [0]
         if kind == c.DRAFT_CONTEXT:
             count = constants.count(run_sizes[c.CONTEXT_DIM])

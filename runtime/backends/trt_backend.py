@@ -111,7 +111,7 @@ class TensorRTBackend(Backend):
             self.scratch.attach(name, context)
             if route.graph.profiles and not context.set_optimization_profile_async(route.index, self.stream.ptr):
                 raise EngineError(f"engine {route.graph.name!r}: TensorRT refused profile {route.index} ({name!r})")
-            graphs = cuda_graphs and route.profile.fixed()
+            graphs = cuda_graphs and not route.run.dims  # a run graph of one shape
             self.contexts[name] = EngineContext(cuda, route, context, cache, self.stream, graphs)
 
     # ------------------------------------------------------------------ Backend
