@@ -14,10 +14,14 @@ reported by ``TensorRTBackend.scratch.needs`` on a GPU TensorRT-RTX runs on,
 and are "n/a" here when none is visible.
 
 Stages keep their results in ``--work`` so that a long run can be split over
-several processes (``--stages make export``, then ``--stages build report``):
+several processes (``--stages make export``, then ``--stages build report``).
+``--graphs target_model draft_model`` exports (``export_graph``, shared
+weights, no manifest) and builds those graphs only, for a quicker look at
+the models' plans; the report then covers them alone. Random weights are
+drawn on the GPU when there is one (the CPU takes minutes for 8B values).
 
     python benchmarks/engine_size.py --work /tmp/size [--stages make export build report]
-        [--target SM89] [--layers 36] [--record]
+        [--graphs NAME ...] [--target SM89] [--layers 36] [--record]
 
 Prints a table and ends with one JSON line; ``--record`` appends it to
 benchmarks/results.jsonl.
@@ -84,11 +88,13 @@ def random_checkpoint(directory: Path, config: dict, build) -> int:
     save_checkpoint(directory, config, {})
     with torch.device("meta"):
         model = build(directory)
-    generator = torch.Generator().manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device).manual_seed(0)
     tensors = {}
     for name, parameter in model.state_dict().items():
-        tensor = torch.empty(parameter.shape, dtype=torch.bfloat16)
-        tensors[name] = tensor.fill_(1.0) if "norm" in name else tensor.normal_(0.0, 0.02, generator=generator)
+        tensor = torch.empty(parameter.shape, dtype=torch.bfloat16, device=device)
+        tensor = tensor.fill_(1.0) if "norm" in name else tensor.normal_(0.0, 0.02, generator=generator)
+        tensors[name] = tensor.cpu()
     save_checkpoint(directory, config, tensors)
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -105,26 +111,61 @@ def make(work: Path, layers: int) -> dict:
     return {"target_weight_bytes": target_bytes, "draft_weight_bytes": draft_bytes, "make_seconds": time.perf_counter() - started}
 
 
-def export(work: Path) -> dict:
+OPTIONS = dict(max_owners=4, max_chunk=512, dtype="bf16", shared_weights=True)
+
+
+def export(work: Path, graphs: list[str]) -> dict:
     from dflash_trt.export.exporter import ExportOptions, export_pair
 
     seconds: dict[str, float] = {}
-    options = ExportOptions(max_owners=4, max_chunk=512, dtype="bf16", shared_weights=True)
     started = time.perf_counter()
-    export_pair(work / "target", work / "draft", work / "graphs", options, progress=True,
-                on_graph=lambda name, _graph, s: seconds.__setitem__(name, round(s, 1)))
+    if graphs:
+        export_some(work, graphs, seconds)
+    else:
+        export_pair(work / "target", work / "draft", work / "graphs", ExportOptions(**OPTIONS), progress=True,
+                    on_graph=lambda name, _graph, s: seconds.__setitem__(name, round(s, 1)))
     onnx_bytes = sum(f.stat().st_size for f in (work / "graphs").iterdir() if f.is_file())
     return {"export_seconds": time.perf_counter() - started, "export_graph_seconds": seconds, "onnx_bytes": onnx_bytes}
 
 
-def build(work: Path, target: str) -> dict:
+def export_some(work: Path, graphs: list[str], seconds: dict[str, float]) -> None:
+    """``graphs`` alone, as export_pair writes them (shared weights), without a manifest."""
+    from dflash_trt.export import contract
+    from dflash_trt.export.exporter import ExportOptions, contract_dims, export_graph, kernels_of
+    from dflash_trt.export.graph_modules import graph_module
+    from dflash_trt.export.onnx_kernels import OnnxKernels
+    from dflash_trt.export.pair import load_pair
+    from dflash_trt.export.weights import SharedWeights
+
+    options = ExportOptions(**OPTIONS).resolve(work / "target", work / "draft")
+    target, draft = load_pair(work / "target", work / "draft", torch.bfloat16)
+    dims = contract_dims(target, draft, options)
+    (work / "graphs").mkdir(exist_ok=True)
+    with SharedWeights(work / "graphs") as weights, kernels_of([target, draft], OnnxKernels(emit=True)):
+        for name in graphs:
+            started, spec = time.perf_counter(), contract.graph_spec(dims, name)
+            export_graph(graph_module(spec, target, draft, dims), spec, work / "graphs", weights)
+            seconds[name] = round(time.perf_counter() - started, 1)
+    (work / "graphs" / "dims.json").write_text(json.dumps(dims.to_json()))
+
+
+def sources_of(work: Path, graphs: list[str]) -> tuple[list, Path | None]:
+    from dflash_trt.engines.sources import GraphSource, export_sources
+    from dflash_trt.export import contract
+
+    if not graphs:
+        return export_sources(work / "graphs")
+    dims = contract.Dims(**json.loads((work / "graphs" / "dims.json").read_text()))
+    return [GraphSource(name, work / "graphs" / f"{name}.onnx", contract.graph_spec(dims, name)) for name in graphs], None
+
+
+def build(work: Path, target: str, graphs: list[str]) -> dict:
     from dflash_trt.engines.build import BuildOptions, build_engine_set
     from dflash_trt.engines.flavour import load_flavour
-    from dflash_trt.engines.sources import export_sources
 
     shutil.rmtree(work / "target", ignore_errors=True)  # the checkpoints are not needed past the export: disk
     shutil.rmtree(work / "draft", ignore_errors=True)
-    sources, manifest = export_sources(work / "graphs")
+    sources, manifest = sources_of(work, graphs)
     started = time.perf_counter()
     record = build_engine_set(sources, work / "engines", load_flavour("tensorrt_rtx"), BuildOptions(targets=(target,)),
                               progress=lambda line: print(line, flush=True), source_manifest=manifest)
@@ -156,7 +197,8 @@ def report(results: dict, work: Path) -> dict:
     for name, e in results["engines"].items():
         print(f"{name:<18} {len(e['profiles']):>8} {e['plan_bytes'] / 1e9:>9.3f} {e['build_seconds']:>8.1f}")
     print(f"weights {weights / 1e9:.3f} GB (target {results['target_weight_bytes'] / 1e9:.3f}, draft {results['draft_weight_bytes'] / 1e9:.3f})")
-    print(f"plans   {plans / 1e9:.3f} GB = {plans / weights:.3f} x the weights (goal <= 1.15)")
+    print(f"plans   {plans / 1e9:.3f} GB = {plans / weights:.3f} x the weights (goal <= 1.15)"
+          + (f" -- of {', '.join(results['engines'])} only" if results.get("graphs") else ""))
     return {
         "benchmark": "engine_size",
         "date": time.strftime("%Y-%m-%d"),
@@ -175,6 +217,7 @@ def main() -> int:
     parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
     parser.add_argument("--target", default="SM89", help="compute capability the plans are built for")
     parser.add_argument("--layers", type=int, default=36, help="target layers (36: Qwen3-8B)")
+    parser.add_argument("--graphs", nargs="+", default=[], help="export and build only these graphs (default: the whole set)")
     parser.add_argument("--record", action="store_true", help="append the JSON line to benchmarks/results.jsonl")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -188,9 +231,9 @@ def main() -> int:
         if stage == "make":
             results |= make(args.work, args.layers)
         elif stage == "export":
-            results |= export(args.work)
+            results |= export(args.work, args.graphs) | {"graphs": args.graphs}
         elif stage == "build":
-            results |= build(args.work, args.target)
+            results |= build(args.work, args.target, args.graphs)
         else:
             line = report(results, args.work)
             print(json.dumps(line))

@@ -50,9 +50,13 @@ class DraftModel(nn.Module):
     def context_kv(self, taps: torch.Tensor, start: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the context K, V [n, kv_heads, C, D] of taps [n, C, m*H] at positions start.."""
         positions = start[:, None] + torch.arange(taps.shape[1], device=taps.device)  # [n, C]
-        c = self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
+        c = self.context_features(taps)
         cos, sin = self.rotary(positions, c.dtype)
         return [layer.self_attn.key_value(c, cos, sin) for layer in self.layers]
+
+    def context_features(self, taps: torch.Tensor) -> torch.Tensor:
+        """taps [n, C, m*H] -> the context rows every layer projects to K/V [n, C, H]."""
+        return self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
 
     def forward(
         self,

@@ -134,13 +134,13 @@ class ContextAndBlock:
         )
         self.slots = slots
 
-    def write(self, kernels, cache: torch.Tensor, rows: torch.Tensor, context: torch.Tensor, block: torch.Tensor):
-        """cache [n, H, L, D]; context [n, H, C, D], block [n, H, B, D] -> the written cache."""
+    def write(self, kernels, cache: torch.Tensor, rows: torch.Tensor, new: torch.Tensor):
+        """cache [n, H, L, D]; new [n, H, C+B, D] = [context rows ; block] -> the written cache."""
         def expand(index: torch.Tensor) -> torch.Tensor:  # [n, C+B] -> [n, H, C+B, D]
             return index[:, None, :, None].expand(-1, cache.shape[1], -1, cache.shape[3])
 
         old = torch.gather(cache, 2, expand(self.slots))
-        source = torch.cat([old, context.to(cache.dtype), block.to(cache.dtype)], dim=2)
+        source = torch.cat([old, new.to(cache.dtype)], dim=2)
         return kernels.write_cache(cache, rows, self.first, torch.gather(source, 2, expand(self.pick)))
 
 
@@ -152,7 +152,9 @@ class Draft(nn.Module):
     followed by ``ReferenceDecoder._propose``: the block ``[anchor, MASK ×
     (B-1)]`` runs at ``start = ctx_start + ctx_count``. It is
     ``DraftModel.forward`` with the context write fused into each layer's
-    block write (``ContextAndBlock``). An owner whose anchor is negative
+    block write (``ContextAndBlock``), and the context rows' K/V projected
+    with the block's in one product per layer (a weight read by two products
+    is stored twice by TensorRT-RTX: ~90 MB at the 8B width). An owner whose anchor is negative
     (``contract.NO_ANCHOR``: ``draft_context``) gets its context rows only;
     its proposals mean nothing. Holds the target for its embedding and LM head only.
     """
@@ -177,22 +179,25 @@ class Draft(nn.Module):
         draft, config, kernels = self.draft, self.draft.config, self.draft.kernels
         rows, block, length = _owners(anchor), config.block_size, keys[0].shape[2]
         start = ctx_start + ctx_count
-        write = ContextAndBlock(ctx_start, ctx_count, anchor >= 0, ctx_taps.shape[1], block, length)
-        context = draft.context_kv(ctx_taps, ctx_start)
+        context_rows = ctx_taps.shape[1]
+        write = ContextAndBlock(ctx_start, ctx_count, anchor >= 0, context_rows, block, length)
+        c = draft.context_features(ctx_taps)  # [n, C, H]
         masks = torch.full((anchor.shape[0], block - 1), config.mask_token_id, device=anchor.device)
         x = self.target.embed(torch.cat([anchor.clamp(min=0)[:, None], masks], dim=1))  # [n, B, H]
         if config.embedding_scale != 1.0:
             x = x * config.embedding_scale
         positions = start[:, None] + torch.arange(block, device=start.device)  # [n, B]
-        cos, sin = draft.rotary(positions, x.dtype)
+        context_positions = ctx_start[:, None] + torch.arange(context_rows, device=start.device)  # [n, C]
+        cos, sin = draft.rotary(torch.cat([context_positions, positions], dim=1), x.dtype)  # [n, 1, C+B, D]
+        block_cos, block_sin = cos[:, :, context_rows:], sin[:, :, context_rows:]
         # A block that does not fit (draft_context near the end of the cache) attends what there is.
         lengths = torch.clamp(start + block, max=length)
         for index, layer in enumerate(draft.layers):  # DecoderLayer.forward, one write per cache
             h = layer.input_layernorm(x)
-            q = layer.self_attn.query(h, cos, sin)
-            k, v = layer.self_attn.key_value(h, cos, sin)
-            keys[index] = write.write(kernels, keys[index], rows, context[index][0], k)
-            values[index] = write.write(kernels, values[index], rows, context[index][1], v)
+            q = layer.self_attn.query(h, block_cos, block_sin)
+            k, v = layer.self_attn.key_value(torch.cat([c, h], dim=1), cos, sin)  # [n, Hkv, C+B, D]
+            keys[index] = write.write(kernels, keys[index], rows, k)
+            values[index] = write.write(kernels, values[index], rows, v)
             attended = kernels.attention(q, keys[index], values[index], rows, positions, lengths, False, 0)
             x = x + layer.self_attn.output(attended)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
