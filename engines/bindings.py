@@ -45,10 +45,6 @@ def symbols(graph: GraphSpec) -> set[str]:
     return {d for spec in graph.inputs + graph.outputs for d in spec.shape if isinstance(d, str)}
 
 
-def is_dynamic(graph: GraphSpec) -> bool:
-    return bool(symbols(graph))
-
-
 # Float dtypes from the finest to the coarsest rounding.
 FLOAT_PRECISION = ("float32", "float16", "bfloat16")
 

@@ -340,7 +340,7 @@ class Dims:
         return asdict(self)
 
 
-def _caches(prefix: str, layers: int, shape: tuple[Dim, ...], dtype: str) -> tuple[TensorSpec, ...]:  # noqa: E302
+def _caches(prefix: str, layers: int, shape: tuple[Dim, ...], dtype: str) -> tuple[TensorSpec, ...]:
     key, value = (past_key, past_value) if prefix == "past" else (present_key, present_value)
     return tuple(TensorSpec(name(l), shape, dtype) for l in range(layers) for name in (key, value))
 

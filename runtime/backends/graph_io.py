@@ -133,7 +133,3 @@ def prefix_view(flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         count *= d
     return flat[:count].view(shape)
 
-
-def max_shape(spec: GraphSpec, tensor: TensorSpec) -> tuple[int, ...]:
-    """The largest shape a binding takes (dynamic dims at their range's max): preallocation size."""
-    return tensor.resolve({name: r.max for name, r in spec.dims.items()})
