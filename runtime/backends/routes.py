@@ -74,7 +74,7 @@ class Route:
 
 
 def route_of(dims: Dims, name: str) -> Route:
-    """How run graph ``name`` executes (``EngineError``-free: ``name`` must be a contract graph)."""
+    """How run graph ``name`` executes (a name outside the contract raises ``ValueError``)."""
     graph, index, profile = c.profile_of(dims, name)
     return Route(c.graph_spec(dims, name), graph, index, profile)
 
