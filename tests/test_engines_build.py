@@ -385,7 +385,7 @@ def test_two_profiles_one_of_them_one_row_store_the_weight_once(tmp_path, rtx):
     """Guards against the one-row profile rule not doing what it is for: a MatMul engine with the
     profiles a decode_1 and a verify run graph get (rows in [1, 2] and rows = 8) holds its 64 MiB
     weight once (plan <= 1.15 x the weight's bytes), as the one-profile build does."""
-    from dflash_trt.export.contract import ONE_ROW, GraphSpec, Profile, TensorSpec
+    from dflash_trt.export.contract import ONE_ROW, GraphSpec, Profile
 
     model = weight_model()
     path = tmp_path / "matmul.onnx"

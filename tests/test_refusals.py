@@ -149,7 +149,7 @@ BAD_FIELDS = {
     "offset-float": (lambda a, f: Input(a, [1, 2], offset=1.0), InputError, ["input[0].offset", "1.0"]),
     "size-numpy-bool": (lambda a, f: Input(a, [1, 2], size=np.bool_(True)), InputError, ["input[0].size"]),
     "produce-int": (lambda a, f: Input(a, [1], produce_output=1), InputError, ["input[0].produce_output", "1"]),
-    "position-past-frontier": (lambda a, f: Input(a, [1], position=f + 1), InputError, ["input[0].position", f"got"]),
+    "position-past-frontier": (lambda a, f: Input(a, [1], position=f + 1), InputError, ["input[0].position", "got"]),
 }
 
 

@@ -163,7 +163,7 @@ class TensorRTBackend(Backend):
 
 
 def scratch_bytes(engine, profile: int) -> int:
-    """Scratch memory one profile of an engine needs (TensorRT before 10.x: the engine's largest)."""
+    """Scratch memory one profile of an engine needs (a TensorRT without the per-profile query: the engine's largest)."""
     per_profile = getattr(engine, "get_device_memory_size_for_profile_v2", None)
     return int(per_profile(profile)) if per_profile is not None else int(engine.device_memory_size_v2)
 
