@@ -96,7 +96,7 @@ class CudaError(DFlashError):
 
 
 class ServingError(DFlashError):
-    """The serving engine (``runtime.engine``) refused a request; see the subclasses."""
+    """The serving engine (``runtime.serving.engine``) refused a request; see the subclasses."""
 
 
 class QueueFullError(ServingError):

@@ -3,7 +3,7 @@
 The executor only sequences these; every decision about which owners share a
 graph call, which draft path a context takes, how a prompt is chunked and
 what a verdict commits is made here and tested with literal arrays
-(tests/test_cycles.py).
+(tests/runtime/test_cycles.py).
 
 Vocabulary (docs/design.md §1, §5):
 

@@ -1,6 +1,6 @@
 """Checks of the Triton kernels against their pure-torch twin and the reference, on any device.
 
-Imported by tests/test_kernels.py: on CUDA (gpu tests) and, through Triton's
+Imported by tests/runtime/test_kernels.py: on CUDA (gpu tests) and, through Triton's
 interpreter (``TRITON_INTERPRET=1``, set before import), on CPU tensors.
 """
 

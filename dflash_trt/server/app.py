@@ -36,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException
 
 from dflash_trt.errors import DFlashError, EngineClosedError, InputError, QueueFullError, SamplingError, TokenizerError
-from dflash_trt.runtime.engine import Engine, RequestHandle
+from dflash_trt.runtime.serving.engine import Engine, RequestHandle
 from dflash_trt.server import schema
 from dflash_trt.server.prometheus import EngineCollector
 

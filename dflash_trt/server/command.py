@@ -12,7 +12,7 @@ torch``, which runs the checkpoints (``--target``/``--draft``) directly with
 the export's default geometry (``--dtype``, ``--max-owners``). The tokenizer (text
 prompts, chat template, stop tokens) is the first ``tokenizer.json`` among
 ``--tokenizer``, the artifacts dir and ``--target``. One engine serves every
-connection: one executor on one background thread (``runtime.engine``).
+connection: one executor on one background thread (``runtime.serving.engine``).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def _tokenizer(args):
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_trt.runtime.engine import Engine
+    from dflash_trt.runtime.serving.engine import Engine
     from dflash_trt.runtime.executor import Executor
 
     uvicorn, create_app = _imports()

@@ -20,8 +20,8 @@ from __future__ import annotations
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from dflash_trt.runtime.engine import Engine
-from dflash_trt.runtime.metrics import OUTCOMES, Percentiles
+from dflash_trt.runtime.serving.engine import Engine
+from dflash_trt.runtime.serving.metrics import OUTCOMES, Percentiles
 
 PREFIX = "dflash_trt"
 

@@ -20,8 +20,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dflash_trt.runtime.engine import CANCELLED
-from dflash_trt.runtime.generate import CONTEXT, LENGTH, STOP
+from dflash_trt.runtime.serving.engine import CANCELLED
+from dflash_trt.runtime.serving.batcher import CONTEXT, LENGTH, STOP
 
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
 SEED_MAX = (1 << 64) - 1

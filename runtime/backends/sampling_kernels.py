@@ -28,7 +28,7 @@ arithmetic and the argmax (first index on ties) are exact; exp and log are
 libdevice's (what PyTorch's CUDA kernels call); only the summation order of
 the masses differs, which can change a top-p decision only when a mass equals
 top_p x total to within float rounding. Deterministic: float sums run in a
-fixed order, atomics only add or max integers. tests/test_sampling_cuda.py
+fixed order, atomics only add or max integers. tests/runtime/test_sampling_cuda.py
 holds it against the eager module.
 """
 

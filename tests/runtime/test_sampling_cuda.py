@@ -2,7 +2,7 @@
 
 The torch backend on CUDA runs ``torch.ops.dflash_trt.choose`` as fused
 Triton passes; they must choose what the eager definition (``sampling.choose``)
-chooses, on the GPU and on the CPU, for the same draws as tests/test_sampling.py,
+chooses, on the GPU and on the CPU, for the same draws as tests/export/test_sampling.py,
 for rows built to hit ties, masked tokens and chunk edges, and inside a CUDA graph.
 The kernels' modular multiply (shifts and adds instead of a 64-bit remainder) is
 also checked alone, on the GPU or through Triton's interpreter.

@@ -231,7 +231,7 @@ def test_triton_interpreter_equals_the_twin():
     by Triton's interpreter, fp32)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     code = (
-        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import torch, kernel_checks; "
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parents[1])!r}); import torch, kernel_checks; "
         "kernel_checks.check_all('cpu', torch.float32, small=True)"
     )
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)

@@ -1,4 +1,4 @@
-"""The serving engine (runtime.engine) over the exported tiny pair: threads and coroutines against the
+"""The serving engine (runtime.serving.engine) over the exported tiny pair: threads and coroutines against the
 reference, cancel, backpressure, failure isolation, close — no HTTP."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 from dflash_trt.errors import EngineClosedError, InputError, PoisonedError, QueueFullError, SamplingError, TokenizerError
 from dflash_trt.export import contract as c
 from dflash_trt.export.sampling import Sampling
-from dflash_trt.runtime.engine import CANCELLED, Engine
+from dflash_trt.runtime.serving.engine import CANCELLED, Engine
 from dflash_trt.runtime.executor import Executor
-from dflash_trt.runtime.generate import CONTEXT, LENGTH, STOP
+from dflash_trt.runtime.serving.batcher import CONTEXT, LENGTH, STOP
 from executor_fixtures import RecordingBackend
 
 

@@ -11,7 +11,7 @@ executor. Callers only touch a bounded queue and their request handles:
     iterate / await the handle <--deltas--      execute(one batch of every running request)
                                                 deliver tokens (+ text, stop strings); finished leave
 
-Continuous batching is ``generate.Batcher`` (the same code ``generate()``
+Continuous batching is ``serving.batcher.Batcher`` (the same code ``generate()``
 runs): between two execute() calls finished and cancelled requests leave and
 queued ones join; running requests feed only their pending token, so a call
 mixes new prompts with the speculative fast path.
@@ -48,10 +48,10 @@ from dataclasses import dataclass, replace
 from dflash_trt.checks import is_int
 from dflash_trt.errors import DFlashError, EngineClosedError, InputError, QueueFullError, TokenizerError
 from dflash_trt.runtime.executor import Executor
-from dflash_trt.runtime.generate import STOP, Batcher, Chunk, Completion, Request, check_request
-from dflash_trt.runtime.handle import CANCELLED, Delta, RequestHandle
-from dflash_trt.runtime.metrics import EngineMetrics, MetricsRecorder
-from dflash_trt.runtime.text import TextStream
+from dflash_trt.runtime.serving.batcher import STOP, Batcher, Chunk, Completion, Request, check_request
+from dflash_trt.runtime.serving.handle import CANCELLED, Delta, RequestHandle
+from dflash_trt.runtime.serving.metrics import EngineMetrics, MetricsRecorder
+from dflash_trt.runtime.serving.text import TextStream
 
 __all__ = ["CANCELLED", "Delta", "Engine", "RequestHandle"]
 

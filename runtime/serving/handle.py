@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from dflash_trt.runtime.generate import Completion
+from dflash_trt.runtime.serving.batcher import Completion
 
 CANCELLED = "cancelled"  # finish reason of a cancelled request (beside generate's stop / length / context)
 
