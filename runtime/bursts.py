@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from dflash_trt.runtime.cycles import LoopShape, may_launch, take
-from dflash_trt.runtime.loop import Key
+from dflash_trt.runtime.device_loop import Key
 from dflash_trt.runtime.sessions import Session, Step
 
 

@@ -23,7 +23,7 @@ One execute():
    one token to decode; taps are committed to the context pool on device,
    draining all but B rows through ``draft_context`` (sessions that do not
    speculate keep no taps).
-4. The loop (``runtime.loop`` on the device, ``runtime.bursts`` on the
+4. The loop (``runtime.device_loop`` on the device, ``runtime.bursts`` on the
    host): every session whose last input produced output decodes, owners
    packed by consecutive rows, ≤ max_owners per launch. A drafting session
    whose block fits runs cycles: ``draft_n`` → ``target_verify_n`` →
@@ -71,7 +71,7 @@ from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.bursts import Group, Lane, run_bursts
 from dflash_trt.runtime.cycles import LoopShape, block_fits, chunks, cycle_mode, make_bursts, pack_rows, plan_context, sampling_rows, trim_context
-from dflash_trt.runtime.loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_COLUMN, PROPOSALS_COLUMN, DeviceLoop, Launch
+from dflash_trt.runtime.device_loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_COLUMN, PROPOSALS_COLUMN, DeviceLoop, Launch
 from dflash_trt.runtime.sessions import ContextPool, Input, Limits, Session, SessionTable, SessionView, Step, check_seed, int_in, validate_batch
 from dflash_trt.runtime.stats import DEFAULT_MAX_ROWS, StatsLog, stats_paths, write_parquet
 

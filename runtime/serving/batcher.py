@@ -2,7 +2,7 @@
 
 ``Batcher`` is the request layer's state for one executor: running requests,
 one execute() per ``step``. ``runtime.generate.stream`` drives it over a
-fixed list; the serving loop (``runtime.serving.engine``) over requests
+fixed list; the serving loop (``runtime.serving.loop``) over requests
 arriving from other threads.
 
 A request finishes at its first stop token (kept), at ``max_new_tokens``, or

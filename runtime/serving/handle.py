@@ -35,7 +35,7 @@ class Delta:
 
 
 class RequestHandle:
-    """One submitted request (``Engine.submit``): see the module docstring."""
+    """One submitted request (``ServingLoop.submit``): see the module docstring."""
 
     def __init__(self, request_id: int, prompt: list[int], cancel: Callable[[RequestHandle], None]) -> None:
         self.id = request_id
