@@ -11,6 +11,11 @@ outputs.jsonl`` and ``OUT/<mode>/stats.parquet`` (+ executes), prints a
 table (tokens/s, τ, ms per launch, host overhead, device idle) and, last, one
 JSON line with both modes' figures and the speedup. Render the comparison
 with ``dflash-trt report OUT/dflash/stats.parquet --baseline OUT/ar/stats.parquet``.
+
+    dflash-trt bench --serve http://127.0.0.1:8000 [--concurrency 8] [--num-prompts 64] [--max-new-tokens 128]
+
+measures a running server as a client instead (TTFT, TPOT, ITL, E2E,
+throughput; ``dflash_trt.server.bench``): nothing is loaded here.
 """
 
 from __future__ import annotations
@@ -22,17 +27,33 @@ from pathlib import Path
 from dflash_trt.runtime import command
 from dflash_trt.runtime.executor import Executor
 
+from dflash_trt.cli import positive_int
+from dflash_trt.errors import InputError
+
 MODES = (("ar", False), ("dflash", True))  # (name, speculate)
 COLUMNS = ("tokens_per_s", "tau", "ms_per_call", "host_overhead_fraction", "gpu_idle_fraction", "tokens", "seconds")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    command.add_arguments(parser)
+    command.add_arguments(parser, required=False)
     parser.set_defaults(no_draft=False)
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", help="time the first pass (captures included)")
+    client = parser.add_argument_group("client mode (--serve URL): measure a running server")
+    client.add_argument("--serve", metavar="URL", help="an OpenAI-compatible server (e.g. http://127.0.0.1:8000): load it and time its streams")
+    client.add_argument("--concurrency", type=positive_int, default=8, help="requests in flight at once (default 8)")
+    client.add_argument("--num-prompts", type=positive_int, default=64, help="requests to send (default 64; the prompts file cycled)")
+    client.add_argument("--model", help="model name to send (default: the server's first)")
+    client.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request before it counts as failed (default 600)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.serve is not None:
+        from dflash_trt.server.bench import run as run_client
+
+        return run_client(args)
+    missing = [flag for flag, value in (("--artifacts", args.artifacts), ("--prompts", args.prompts), ("--out", args.out)) if value is None]
+    if missing:
+        raise InputError(f"dflash-trt bench needs {', '.join(missing)} (or --serve URL to measure a running server)")
     tokenizer = command.load_tokenizer(args.tokenizer, args.artifacts, args.target)
     figures: dict[str, dict] = {}
     outputs: dict[str, list[list[int]]] = {}

@@ -34,11 +34,12 @@ from dflash_trt.runtime.stats import TARGET
 BACKEND_CHOICES = ("onnxruntime", "torch", "tensorrt")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--artifacts", type=Path, required=True, help="export dir (manifest.json + ONNX), or engine dir for tensorrt")
+def add_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    """``required``: --artifacts, --prompts and --out must be given (``bench`` checks them itself: ``--serve`` needs none)."""
+    parser.add_argument("--artifacts", type=Path, required=required, help="export dir (manifest.json + ONNX), or engine dir for tensorrt")
     parser.add_argument("--backend", choices=BACKEND_CHOICES, default="onnxruntime")
-    parser.add_argument("--prompts", type=Path, required=True, help="JSONL: {prompt | tokens, name?, max_new_tokens?} per line")
-    parser.add_argument("--out", type=Path, required=True, help="output dir: outputs.jsonl, stats.parquet, stats.executes.parquet")
+    parser.add_argument("--prompts", type=Path, required=required, help="JSONL: {prompt | tokens, name?, max_new_tokens?} per line")
+    parser.add_argument("--out", type=Path, required=required, help="output dir: outputs.jsonl, stats.parquet, stats.executes.parquet")
     add_generation_arguments(parser)
     parser.add_argument("--tokenizer", type=Path, help="dir with tokenizer.json (default: --artifacts, then --target)")
     parser.add_argument("--target", type=Path, help="target checkpoint (torch backend; tokenizer fallback)")
@@ -239,10 +240,11 @@ def load_prompts(args, tokenizer, max_context: int) -> list[Prompt]:
 
 def stop_tokens(args, tokenizer) -> tuple[int, ...]:
     """The tokenizer's stop ids, else the manifest's."""
-    return tokenizer.stop_ids if tokenizer is not None else _manifest_stops(args.artifacts)
+    return tokenizer.stop_ids if tokenizer is not None else manifest_stops(args.artifacts)
 
 
-def _manifest_stops(directory: Path) -> tuple[int, ...]:
+def manifest_stops(directory: Path) -> tuple[int, ...]:
+    """The stop tokens an export's manifest records; none for a directory without one (an engine dir)."""
     from dflash_trt.export.manifest import load_manifest
 
     try:

@@ -90,7 +90,7 @@ def default_pair_cache(cache) -> Path:
 
     from dflash_trt import demo
 
-    pair = demo._default_pair()
+    pair = demo.default_pair_dir()
 
     def build(root: Path) -> None:
         demo.export_dir(argparse.Namespace(artifacts=None, target=pair / "target", draft=pair / "draft", cache=root))

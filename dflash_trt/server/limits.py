@@ -1,0 +1,88 @@
+"""Bounds on what one client can make the server read: body size, time to send a request, connections.
+
+Nothing a client sends is read without a bound, so no request (or half-sent
+request) can hold memory, sockets or the event loop for long:
+
+| bound | where | on breach |
+| --- | --- | --- |
+| ``max_body_bytes`` | FastAPI's ``max_body_size`` (Starlette's body limit middleware) | 413 as soon as the declared Content-Length, or the bytes received so far, exceed it; nothing past the limit is kept, and the connection closes |
+| ``read_timeout_s`` | ``TimedH11Protocol`` | the connection is closed when a whole request (head and body) has not arrived within it of connecting, or of the previous response |
+| ``keep_alive_s`` | uvicorn's ``timeout_keep_alive`` | an idle keep-alive connection is closed |
+| ``max_connections`` | uvicorn's ``limit_concurrency`` | 503 for requests beyond it (connections or requests at once) |
+| ``max_header_bytes`` | h11's ``max_incomplete_event_size`` | 400 and close for a larger request head |
+
+uvicorn has no deadline for a request's head (a connection that sends part of
+one, or nothing, stays open), hence ``TimedH11Protocol``: uvicorn's own h11
+protocol with one timer per connection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Every bound of the HTTP layer (``dflash-trt serve`` flags)."""
+
+    max_body_bytes: int = 8 * MiB
+    read_timeout_s: float = 30.0
+    keep_alive_s: float = 5.0
+    max_connections: int = 512
+    max_header_bytes: int = 16 * 1024
+
+
+class TimedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a read deadline: a request must arrive whole (head and body) within
+    ``config.read_timeout_s`` of the connection opening or of the previous response, or the
+    connection is closed. A request being answered (a stream, however long) is never cut by it."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._read_deadline = None
+        self._arm_read_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_read_deadline()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm_read_deadline()
+        super().connection_lost(exc)
+
+    def _arm_read_deadline(self) -> None:
+        self._disarm_read_deadline()
+        self._read_deadline = self.loop.call_later(self.config.read_timeout_s, self._read_deadline_passed)
+
+    def _disarm_read_deadline(self) -> None:
+        if getattr(self, "_read_deadline", None) is not None:
+            self._read_deadline.cancel()
+            self._read_deadline = None
+
+    def _read_deadline_passed(self) -> None:
+        self._read_deadline = None
+        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
+            self.logger.info("closing a connection that did not send a whole request within %.1f s (--read-timeout)", self.config.read_timeout_s)
+            self.transport.close()
+
+
+class ServeConfig(uvicorn.Config):
+    """uvicorn's config with the ``Limits`` applied (and ``read_timeout_s`` for ``TimedH11Protocol``)."""
+
+    def __init__(self, app, limits: Limits, **options) -> None:
+        super().__init__(
+            app,
+            http=TimedH11Protocol,
+            timeout_keep_alive=limits.keep_alive_s,
+            limit_concurrency=limits.max_connections,
+            h11_max_incomplete_event_size=limits.max_header_bytes,
+            **options,
+        )
+        self.read_timeout_s = limits.read_timeout_s
