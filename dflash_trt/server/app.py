@@ -66,7 +66,7 @@ from dflash_trt.errors import (
 )
 from dflash_trt.runtime.serving.loop import CANCELLED, RequestHandle, ServingLoop
 from dflash_trt.server import schema
-from dflash_trt.server.limits import Limits
+from dflash_trt.server.limits import BodyLimit, BodyTooLarge, Limits
 from dflash_trt.server.prometheus import ServingCollector
 from dflash_trt.server.shutdown import InFlight, Shutdown
 
@@ -111,23 +111,28 @@ def create_app(serving: ServingLoop, names: str | list[str], limits: Limits = Li
         if logger is not None:
             logger.cancel()
 
-    app = FastAPI(title="dflash-trt", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan, max_body_size=limits.max_body_bytes)
+    app = FastAPI(title="dflash-trt", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.serving, app.state.names = serving, names
     app.state.shutdown = Shutdown()
     app.state.limiter = anyio.CapacityLimiter(PREPARE_THREADS)
     app.state.registry = CollectorRegistry()
     app.state.registry.register(ServingCollector(serving, names[0]))
-    app.add_middleware(InFlight, shutdown=app.state.shutdown)  # a request is open until its response is sent
-    _add_error_handlers(app, limits.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+    app.add_middleware(InFlight, shutdown=app.state.shutdown)  # outermost: a request is open until its response is sent
+    _add_error_handlers(app)
     _add_routes(app)
     return app
 
 
-def _add_error_handlers(app: FastAPI, max_body_bytes: int) -> None:
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, error: ApiError) -> JSONResponse:
         headers = {"Retry-After": "1"} if error.status == 429 else None
         return JSONResponse(error.body, status_code=error.status, headers=headers)
+
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(_request: Request, error: BodyTooLarge) -> JSONResponse:  # close: the rest of the body is never read
+        return JSONResponse(schema.error_body(str(error), code="request_too_large"), status_code=413, headers={"Connection": "close"})
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, error: RequestValidationError) -> JSONResponse:
@@ -136,9 +141,6 @@ def _add_error_handlers(app: FastAPI, max_body_bytes: int) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(_request: Request, error: HTTPException) -> JSONResponse:
-        if error.status_code == 413:  # FastAPI's max_body_size: close, so the rest of the body is never read
-            message = f"the request body is larger than {max_body_bytes} bytes (--max-body-bytes)"
-            return JSONResponse(schema.error_body(message, code="request_too_large"), status_code=413, headers={"Connection": "close"})
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
         return JSONResponse(schema.error_body(str(error.detail), kind), status_code=error.status_code)
 
@@ -304,12 +306,10 @@ async def _result(handle: RequestHandle, request: Request, request_id: str, shut
     """The whole completion; cancelled if its client disconnects first; 503 if the shutdown aborts it."""
     completion = asyncio.ensure_future(_completion(handle))
     disconnect = asyncio.ensure_future(_disconnected(request))
-    aborted = asyncio.ensure_future(shutdown.wait_aborted())
     try:
-        await asyncio.wait((completion, disconnect, aborted), return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((completion, disconnect, shutdown.aborted), return_when=asyncio.FIRST_COMPLETED)
     finally:
         disconnect.cancel()
-        aborted.cancel()
         if not completion.done():
             completion.cancel()
             handle.cancel()  # its session is closed at the next gap between executes
@@ -320,7 +320,7 @@ async def _result(handle: RequestHandle, request: Request, request_id: str, shut
         raise ApiError(500, f"the server failed this request (request id {request_id}); see the server log", "server_error") from None
     if result is not None and result.finish != CANCELLED:
         return result
-    if shutdown.aborted.is_set():  # the deadline passed (or the serving loop cancelled it for the shutdown)
+    if shutdown.aborted.done():  # the deadline passed (or the serving loop cancelled it for the shutdown)
         raise ApiError(503, "the server is shutting down: this request was aborted at the shutdown deadline", "server_error", code="shutting_down")
     raise ApiError(499, "the client closed the connection before the completion was ready", code="client_closed_request")
 
@@ -363,23 +363,15 @@ def _stream(events: AsyncIterator[dict], headers: dict) -> _Stream:
 async def _deltas(handle: RequestHandle, shutdown: Shutdown):
     """The handle's deltas until it finishes, or until the shutdown aborts it (then one last delta with
     finish ``cancelled``); the request is cancelled if the consumer stops early (disconnect)."""
-    aborted = asyncio.ensure_future(shutdown.wait_aborted())
+    finished = False
     try:
-        async with aclosing(handle.__aiter__()) as deltas:
-            while True:
-                following = asyncio.ensure_future(anext(deltas, None))
-                await asyncio.wait((following, aborted), return_when=asyncio.FIRST_COMPLETED)
-                if not following.done():
-                    following.cancel()
-                    await asyncio.wait((following,))  # the handle's iterator has stopped: it can be closed
-                    yield _ABORTED
-                    return
-                delta = following.result()
-                if delta is None:
-                    return
+        async with aclosing(handle.deltas(until=shutdown.aborted)) as deltas:
+            async for delta in deltas:
+                finished = delta.finish is not None
                 yield delta
+        if not finished:  # the deltas stopped at the deadline
+            yield _ABORTED
     finally:
-        aborted.cancel()
         handle.cancel()  # a no-op once finished
 
 

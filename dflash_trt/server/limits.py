@@ -5,7 +5,7 @@ request) can hold memory, sockets or the event loop for long:
 
 | bound | where | on breach |
 | --- | --- | --- |
-| ``max_body_bytes`` | FastAPI's ``max_body_size`` (Starlette's body limit middleware) | 413 as soon as the declared Content-Length, or the bytes received so far, exceed it; nothing past the limit is kept, and the connection closes |
+| ``max_body_bytes`` | ``BodyLimit`` (ASGI middleware) | 413 as soon as the declared Content-Length, or the bytes received so far, exceed it; nothing past the limit is kept, and the connection closes |
 | ``read_timeout_s`` | ``TimedH11Protocol`` | the connection is closed when a whole request (head and body) has not arrived within it of connecting, or of the previous response |
 | ``keep_alive_s`` | uvicorn's ``timeout_keep_alive`` | an idle keep-alive connection is closed |
 | ``max_connections`` | uvicorn's ``limit_concurrency`` | 503 for requests beyond it (connections or requests at once) |
@@ -13,12 +13,16 @@ request) can hold memory, sockets or the event loop for long:
 
 uvicorn has no deadline for a request's head (a connection that sends part of
 one, or nothing, stays open), hence ``TimedH11Protocol``: uvicorn's own h11
-protocol with one timer per connection.
+protocol with one timer per connection. FastAPI's own ``max_body_size``
+answers a declared-too-large body in plain text, replacing any response the
+app starts (so not in OpenAI's error format), hence ``BodyLimit``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import json
 
 import h11
 import uvicorn
@@ -36,6 +40,55 @@ class Limits:
     keep_alive_s: float = 5.0
     max_connections: int = 512
     max_header_bytes: int = 16 * 1024
+
+
+class BodyTooLarge(Exception):
+    """Raised from ``receive`` when the body passes the limit; the app's handler answers 413."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the request body is larger than {limit} bytes (--max-body-bytes)")
+
+
+class BodyLimit:
+    """ASGI middleware: a body over ``max_bytes`` gets 413, its bytes counted as they stream in.
+
+    A declared ``Content-Length`` over the limit is answered before any of the
+    body is read; otherwise ``receive`` raises ``BodyTooLarge`` on the chunk
+    that passes the limit. Either answer says ``Connection: close``, so the
+    rest of the body is never read; at most ``max_bytes`` plus one chunk is
+    ever held.
+    """
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await _send_413(send, str(BodyTooLarge(self.max_bytes)))
+            return
+        received = 0
+
+        async def counted():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, counted, send)
+
+
+async def _send_413(send, message: str) -> None:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "request_too_large"}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+    await send({"type": "http.response.start", "status": 413, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 class TimedH11Protocol(H11Protocol):

@@ -35,11 +35,20 @@ class Shutdown:
 
     def __init__(self) -> None:
         self.draining = False  # refuse new requests (503)
-        self.aborted = asyncio.Event()  # end every open request now
         self.open = 0  # API requests whose response is not yet sent (``InFlight``)
+        self._aborted: asyncio.Future | None = None
 
-    async def wait_aborted(self) -> None:
-        await self.aborted.wait()
+    @property
+    def aborted(self) -> asyncio.Future:
+        """Done once the deadline passed: every open request ends now. One future for all requests
+        (made on first use, on the event loop), so waiting on it costs no task per request."""
+        if self._aborted is None:
+            self._aborted = asyncio.get_running_loop().create_future()
+        return self._aborted
+
+    def abort(self) -> None:
+        if not self.aborted.done():
+            self.aborted.set_result(None)
 
 
 class InFlight:
@@ -108,7 +117,7 @@ class GracefulServer(uvicorn.Server):
             await asyncio.sleep(POLL_S)
         if state.open:
             log.warning("shutdown deadline: aborting %d open requests (streams end with finish_reason abort)", state.open)
-            state.aborted.set()
+            state.abort()
             self.serving.close(drain=False, timeout=0)
             grace = loop.time() + ABORT_GRACE_S
             while state.open and loop.time() < grace:

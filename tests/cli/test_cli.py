@@ -43,3 +43,10 @@ def test_bad_checkpoint_gives_a_message_not_a_traceback(tmp_path, capsys):
 def test_no_command_prints_help():
     """Guards against a bare `dflash-trt` crashing instead of showing usage."""
     assert main([]) == 2
+
+
+def test_bench_names_what_it_needs_without_serve(capsys):
+    """Guards against bench's local mode losing its required flags when --serve made them optional:
+    without --serve, a bench missing --artifacts/--prompts/--out is refused naming them."""
+    assert main(["bench", "--prompts", "p.jsonl"]) == 1
+    assert "needs --artifacts, --out (or --serve URL" in capsys.readouterr().err
