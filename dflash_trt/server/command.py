@@ -27,8 +27,10 @@ import argparse
 import copy
 import logging
 import logging.config
+import os
 import signal
 import socket
+import sys
 from pathlib import Path
 
 from dflash_trt import demo
@@ -96,7 +98,7 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
 
     d = Limits()
     parser.add_argument("--max-queue", type=int, default=256, help="requests waiting for a session before 429 (default 256; 0: only when a session is free)")
-    parser.add_argument("--max-body-bytes", type=positive_int, default=d.max_body_bytes, help=f"request body size; larger gets 413 (default {d.max_body_bytes // MiB} MiB)")
+    parser.add_argument("--max-body-bytes", type=positive_int, help="request body size; larger gets 413 (default: 64 bytes per token of context, at least 1 MiB)")
     parser.add_argument("--read-timeout", type=positive_float, default=d.read_timeout_s,
                         help=f"seconds a client gets to send a whole request (head and body), from connecting or from its previous response; then the connection is closed (default {d.read_timeout_s:g})")
     parser.add_argument("--keep-alive-timeout", type=positive_float, default=d.keep_alive_s, help=f"seconds an idle keep-alive connection stays open (default {d.keep_alive_s:g})")
@@ -112,12 +114,12 @@ def _imports():
         import uvicorn  # noqa: F401
 
         from dflash_trt.server.app import create_app
-        from dflash_trt.server.limits import Limits, ServeConfig
+        from dflash_trt.server.limits import Limits, ServeConfig, default_body_bytes
         from dflash_trt.server.shutdown import GracefulServer
     except ModuleNotFoundError as error:
         msg = f"dflash-trt serve needs the serve extra ({error.name} is missing): pip install 'dflash-trt[serve]'"
         raise ServingError(msg) from error
-    return create_app, Limits, ServeConfig, GracefulServer
+    return create_app, Limits, ServeConfig, GracefulServer, default_body_bytes
 
 
 def _tokenizer(args):
@@ -140,7 +142,7 @@ def chat_template(value: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    create_app, Limits, ServeConfig, GracefulServer = _imports()
+    create_app, Limits, ServeConfig, GracefulServer, default_body_bytes = _imports()
     if (args.dtype is not None or args.max_owners is not None) and not (args.backend == "torch" and args.artifacts is None):
         raise ServingError("--dtype and --max-owners apply to --backend torch without --artifacts (an artifact set fixes both)")
     logging_config = _logging_config(args.log_level)
@@ -158,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
         raise
     with backend:
         try:
-            limits = Limits(args.max_body_bytes, args.read_timeout, args.keep_alive_timeout, args.max_connections, args.max_header_bytes)
+            body_bytes = args.max_body_bytes or default_body_bytes(serving.executor.dims.max_context)
+            limits = Limits(body_bytes, args.read_timeout, args.keep_alive_timeout, args.max_connections, args.max_header_bytes)
             app = create_app(serving, names, limits, args.log_interval)
             executor = serving.executor
             mode = "DFlash" if executor.speculate else "plain target decoding (--no-draft)"
@@ -171,7 +174,17 @@ def run(args: argparse.Namespace) -> int:
             serving.close(drain=False, timeout=30)
             listener.close()
     log.info("stopped")
-    return 0
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """Exit 0 without the interpreter's teardown of torch / onnxruntime module state (0.3–0.7 s on a CPU
+    box), which would push the exit past --shutdown-timeout + 1 s: every resource is closed above
+    (the serving thread joined, the backend and the listener closed), and logs are flushed here."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _load(args):
@@ -201,7 +214,9 @@ def _load(args):
 def bind(host: str, port: int) -> socket.socket:
     """A listening-ready TCP socket on (host, port), as uvicorn binds it; ServingError naming both if it cannot."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, as create_server makes it: asyncio sets TCP_NODELAY only on such sockets (with
+    # proto 0, a keep-alive request waited ~40 ms for the client's delayed ACK, Nagle holding the body).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -31,11 +31,21 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 MiB = 1 << 20
 
 
+BODY_BYTES_PER_TOKEN = 64  # a context's worth of prompt as JSON: text (~4 characters a token, escapes) or ids
+MIN_BODY_BYTES = MiB
+
+
+def default_body_bytes(max_context: int) -> int:
+    """The body limit for a model of ``max_context`` tokens: 64 bytes a token, at least 1 MiB (a whole
+    context of text or token ids fits with room to spare; 8 MiB at 128k tokens)."""
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_context)
+
+
 @dataclass(frozen=True)
 class Limits:
     """Every bound of the HTTP layer (``dflash-trt serve`` flags)."""
 
-    max_body_bytes: int = 8 * MiB
+    max_body_bytes: int = MIN_BODY_BYTES
     read_timeout_s: float = 30.0
     keep_alive_s: float = 5.0
     max_connections: int = 512
