@@ -56,14 +56,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from dflash_trt.errors import (
-    DFlashError,
-    InputError,
-    QueueFullError,
-    SamplingError,
-    ServingClosedError,
-    TokenizerError,
-)
+from dflash_trt.errors import DFlashError, InputError, QueueFullError, SamplingError, ServingClosedError, TokenizerError
 from dflash_trt.runtime.serving.loop import CANCELLED, RequestHandle, ServingLoop
 from dflash_trt.server import schema
 from dflash_trt.server.limits import BodyLimit, BodyTooLarge, Limits
@@ -100,9 +93,11 @@ COMPLETIONS = Route(schema.CompletionRequest, "cmpl", "prompt", 16)  # OpenAI's 
 CHAT = Route(schema.ChatRequest, "chatcmpl", "messages", None)
 
 
-def create_app(serving: ServingLoop, names: str | list[str], limits: Limits = Limits(), log_interval_s: float = DEFAULT_LOG_INTERVAL_S) -> FastAPI:
-    """The API over ``serving``; ``names``: the model names clients may send (the first is the one reported)."""
+def create_app(serving: ServingLoop, names: str | list[str], limits: Limits | None = None, log_interval_s: float = DEFAULT_LOG_INTERVAL_S) -> FastAPI:
+    """The API over ``serving``; ``names``: the model names clients may send (the first is the one reported);
+    ``limits``: the HTTP layer's bounds (default ``Limits()``); a throughput log line every ``log_interval_s``."""
     names = [names] if isinstance(names, str) else list(names)
+    limits = limits or Limits()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -70,6 +70,8 @@ def read_prompts(path: Path | None) -> list[str | list[int]]:
 
 
 async def _one(client, model: str, prompt, args, seed: int) -> Record:
+    import openai
+
     record = Record(sent=time.perf_counter())
     try:
         stream = await client.completions.create(model=model, prompt=prompt, max_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -81,7 +83,7 @@ async def _one(client, model: str, prompt, args, seed: int) -> Record:
                 record.finish = event.choices[0].finish_reason
             if event.usage is not None:
                 record.prompt_tokens, record.output_tokens = event.usage.prompt_tokens, event.usage.completion_tokens
-    except Exception as error:  # the openai client's errors: the request failed; the run goes on
+    except (openai.OpenAIError, OSError, ValueError) as error:  # the request failed (API, connection, a bad event); the run goes on
         record.error = f"{type(error).__name__}: {error}"[:300]
     record.ended = time.perf_counter()
     if record.error is None and record.finish is None:

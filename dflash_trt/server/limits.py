@@ -20,9 +20,8 @@ app starts (so not in OpenAI's error format), hence ``BodyLimit``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import json
+from dataclasses import dataclass
 
 import h11
 import uvicorn

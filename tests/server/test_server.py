@@ -28,12 +28,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dflash_trt.cli import main as cli_main
+from dflash_trt.errors import ServingError
 from dflash_trt.export import contract as c
 from dflash_trt.export.pair import DEFAULT_PAIR_DIR, load_pair
 from dflash_trt.export.reference import ReferenceDecoder
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.export.tokenizer import Tokenizer
-from dflash_trt.errors import ServingError
 from dflash_trt.server import command
 from dflash_trt.server.command import DEFAULT_PAIR_MODEL as MODEL
 
