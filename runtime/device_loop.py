@@ -16,7 +16,7 @@ the backend is ``capturable`` and replayed from then on. A launch ends with
 an async copy of the owners' verdict record (accepted, next token,
 proposals) into a pinned host buffer and an event; ``read`` waits for that
 event only. Nothing else in a launch synchronizes the host, so the executor
-can launch cycle k+1 before reading cycle k (``runtime.bursts``).
+can launch cycle k+1 before reading cycle k (``runtime.launches``).
 
 Row-indexed state (``R`` = pool rows, int64 unless said):
 
@@ -39,7 +39,6 @@ eagerly and "pinned" buffers are plain tensors.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from dflash_trt.export import contract as c
 from dflash_trt.export.sampling import seed_parts
 from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.sessions import ContextPool
+from dflash_trt.runtime.timing import Timeline
 
 CYCLE, DECODE = "cycle", "decode"  # program kinds
 ANCHOR, FRONTIER, DRAFT, TOP_K = range(4)  # rows of the int state
@@ -109,72 +109,6 @@ class Launch:
     slot: int
     started: object  # device Event (CUDA) or host seconds (CPU)
     ended: object
-
-
-class Timeline:
-    """Device busy time of launches and the device's idle gaps between consecutive ones.
-
-    CUDA: events recorded around every launch on the backend's stream (taken from
-    a pool, returned once read). CPU: host time around the synchronous launch.
-    """
-
-    def __init__(self, stream) -> None:
-        self.stream = stream  # device-layer Stream, None on CPU
-        self.free: list = []
-        self.previous_end = None
-        self.busy_ms = 0.0
-        self.idle_ms = 0.0
-        self.launches = 0
-
-    def mark(self):
-        if self.stream is None:
-            return time.perf_counter()
-        if not self.free:
-            from dflash_trt.runtime.device import Event
-
-            self.free.append(Event(timing=True))
-        event = self.free.pop()
-        event.record(self.stream)
-        return event
-
-    def wait(self, launch: Launch) -> None:
-        """Host sync: until the launch has finished on the device."""
-        if self.stream is not None:
-            launch.ended.synchronize()
-
-    def account(self, launch: Launch) -> float:
-        """The launch's device ms (call after ``wait``); adds the gap since the previous launch ended."""
-        if self.stream is None:
-            device_ms = (launch.ended - launch.started) * 1000.0
-            gap_ms = 0.0
-        else:
-            device_ms = launch.started.elapsed_ms(launch.ended)
-            gap_ms = self.previous_end.elapsed_ms(launch.started) if self.previous_end is not None else 0.0
-            if self.previous_end is not None:
-                self.free.append(self.previous_end)
-            self.free.append(launch.started)
-        self.previous_end = launch.ended if self.stream is not None else None
-        self.busy_ms += device_ms
-        self.idle_ms += max(0.0, gap_ms)
-        self.launches += 1
-        return device_ms
-
-    def reset(self) -> None:
-        """Zero the totals (e.g. after a warm-up)."""
-        self.busy_ms = self.idle_ms = 0.0
-        self.launches = 0
-
-    def end_run(self) -> None:
-        """Between executes the host works: gaps are counted only within one run of launches."""
-        if self.previous_end is not None:
-            self.free.append(self.previous_end)
-        self.previous_end = None
-
-    def close(self) -> None:
-        self.end_run()
-        for event in self.free:
-            event.close()
-        self.free.clear()
 
 
 class DeviceLoop:

@@ -23,7 +23,7 @@ One execute():
    one token to decode; taps are committed to the context pool on device,
    draining all but B rows through ``draft_context`` (sessions that do not
    speculate keep no taps).
-4. The loop (``runtime.device_loop`` on the device, ``runtime.bursts`` on the
+4. The loop (``runtime.device_loop`` on the device, ``runtime.launches`` on the
    host): every session whose last input produced output decodes, owners
    packed by consecutive rows, ≤ max_owners per launch. A drafting session
    whose block fits runs cycles: ``draft_n`` → ``target_verify_n`` →
@@ -53,7 +53,6 @@ context pool, prefill taps are drained or copied the same way
 from __future__ import annotations
 
 import secrets
-import time
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -69,55 +68,14 @@ from dflash_trt.export import contract as c
 from dflash_trt.export.sampling import Sampling, check_sampling
 from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 from dflash_trt.runtime.backends.base import Backend
-from dflash_trt.runtime.bursts import Group, Lane, run_bursts
-from dflash_trt.runtime.cycles import LoopShape, block_fits, chunks, cycle_mode, make_bursts, pack_rows, plan_context, sampling_rows, trim_context
+from dflash_trt.runtime.cycles import block_fits, chunks, cycle_mode, make_verdicts, pack_rows, plan_context, sampling_rows, trim_context
 from dflash_trt.runtime.device_loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_COLUMN, PROPOSALS_COLUMN, DeviceLoop, Launch
+from dflash_trt.runtime.launches import Group, Lane, LoopShape, run_bursts
 from dflash_trt.runtime.sessions import ContextPool, Input, Limits, Session, SessionTable, SessionView, Step, check_seed, int_in, validate_batch
 from dflash_trt.runtime.stats import DEFAULT_MAX_ROWS, StatsLog, stats_paths, write_parquet
+from dflash_trt.runtime.timing import make_clock
 
 __all__ = ["Executor", "Input"]
-
-
-class HostClock:
-    """Device time as host time around backend calls: right where ``run`` returns finished work (CPU)."""
-
-    def mark(self) -> float:
-        return time.perf_counter()
-
-    def elapsed_ms(self, start: float, end: float) -> float:
-        return (end - start) * 1000.0
-
-    def release(self, *marks) -> None:
-        pass
-
-
-class EventClock:
-    """Device time from CUDA events on the backend's stream (read after the cycle's host sync)."""
-
-    def __init__(self, stream) -> None:
-        from dflash_trt.runtime import device
-
-        self.stream, self.device = stream, device
-
-    def mark(self):
-        event = self.device.Event(timing=True)
-        event.record(self.stream)
-        return event
-
-    def elapsed_ms(self, start, end) -> float:
-        end.synchronize()  # host sync: the cycle already waited on its verdict, so this is free
-        return start.elapsed_ms(end)
-
-    def release(self, *marks) -> None:
-        for event in marks:
-            event.close()
-
-
-def make_clock(backend: Backend):
-    """Events on the backend's device-layer stream when it has one (CUDA), host time otherwise."""
-    if backend.device.type == "cuda" and backend.stream is not None:
-        return EventClock(backend.stream.device_stream)
-    return HostClock()
 
 
 class Executor:
@@ -491,15 +449,15 @@ class Executor:
         starts = [s.frontier for s in sessions]
         counts = [s.frontier - s.draft_position for s in sessions]
         accepted, tokens, proposals = record[:, ACCEPTED_COLUMN], record[:, NEXT_COLUMN], record[:, PROPOSALS_COLUMN:]
-        bursts = make_bursts(proposals, accepted, tokens, starts, self.dims.vocab_size)
-        self.log.cycle_counters(len(sessions), P, counts, bursts, self.tap_row_bytes)
+        verdicts = make_verdicts(proposals, accepted, tokens, starts, self.dims.vocab_size)
+        self.log.cycle_counters(len(sessions), P, counts, verdicts, self.tap_row_bytes)
         rows = []
-        for lane, burst, count, start in zip(group.lanes, bursts, counts, starts):
+        for lane, verdict, count, start in zip(group.lanes, verdicts, counts, starts):
             s = lane.session
             mode = cycle_mode(start, self.dims.block_size, self.dims.max_context, s.drained_rows)
-            rows.append((s, mode, count + s.drained_rows, start, burst))
-            s.draft_position, s.frontier, s.drained_rows = start, burst.frontier, 0
-            lane.add(burst.tokens)
+            rows.append((s, mode, count + s.drained_rows, start, verdict))
+            s.draft_position, s.frontier, s.drained_rows = start, verdict.frontier, 0
+            lane.add(verdict.tokens)
         # One device unit: the draft is not timed apart inside a cycle's graph (the whole cycle is verify_ms).
         self.log.cycle_rows(rows, P, 0.0, device_ms)
 

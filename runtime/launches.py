@@ -1,4 +1,4 @@
-"""Several cycles per execute, the host one cycle behind the device.
+"""Launch planning: several cycles per execute, the host one cycle behind the device.
 
 An execute hands the device loop *lanes* (one per session that decodes in
 this call) packed into *groups* (owners at consecutive rows, one program per
@@ -6,7 +6,7 @@ launch). ``run_bursts`` launches every group's first cycle, then for each
 launch in order: launches the group's NEXT cycle (when ``lag``), then reads
 this one's verdict, so the device is already busy with cycle k+1 while the
 host turns cycle k into tokens. Whether a next cycle may start is decided
-from what has been read (``cycles.may_launch``: room, stops, the cache's end
+from what has been read (``may_launch``: room, stops, the cache's end
 in the worst case of the cycle still in flight); a lane that finishes while
 its group's next cycle is in flight has that cycle's tokens discarded, and
 the executor rewinds the session to its last kept token (``Lane.keep_until``).
@@ -20,9 +20,55 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from dflash_trt.runtime.cycles import LoopShape, may_launch, take
 from dflash_trt.runtime.device_loop import Key
 from dflash_trt.runtime.sessions import Session, Step
+
+
+@dataclass(frozen=True)
+class LoopShape:
+    """How far one launch can move an owner: ``width`` positions at most (P+1 for a cycle,
+    1 for a decode step); it needs ``need`` free slots at its start (B, or 1)."""
+
+    width: int
+    need: int
+    max_context: int
+    max_cycles: int
+
+
+def may_launch(frontier: int, in_flight: int, launched: int, room: int | None, finished: bool, shape: LoopShape) -> bool:
+    """May one more cycle be launched for an owner whose last READ frontier is ``frontier``?
+
+    ``in_flight`` cycles are launched but unread, ``launched`` in all this
+    execute. ``room``: tokens the owner may still return (None: one cycle
+    only). The new cycle starts at most ``in_flight * width`` past the frontier
+    and must fit the cache; each unread cycle yields at least one token.
+    """
+    if finished or launched >= shape.max_cycles:
+        return False
+    if room is None:
+        return launched == 0
+    fits = frontier + in_flight * shape.width + shape.need <= shape.max_context
+    return fits and room > in_flight
+
+
+def take(tokens: Sequence[int], room: int | None, stop: frozenset[int] | set[int]) -> tuple[tuple[int, ...], bool]:
+    """The prefix of ``tokens`` an owner keeps, and whether it is finished.
+
+    At most ``room`` tokens (None: no limit), through the first stop token
+    (kept). Finished: a stop token was kept or the room is used up.
+
+    >>> take([5, 7, 9], 10, {7})
+    ((5, 7), True)
+    """
+    kept: list[int] = []
+    for token in tokens:
+        if room is not None and len(kept) == room:
+            return tuple(kept), True
+        kept.append(int(token))
+        if token in stop:
+            return tuple(kept), True
+    return tuple(kept), room is not None and len(kept) == room
+
 
 
 @dataclass
