@@ -1,17 +1,22 @@
 """Launch planning: several cycles per execute, the host one cycle behind the device.
 
 An execute hands the device loop *lanes* (one per session that decodes in
-this call) packed into *groups* (owners at consecutive rows, one program per
-launch). ``run_bursts`` launches every group's first cycle, then for each
-launch in order: launches the group's NEXT cycle (when ``lag``), then reads
-this one's verdict, so the device is already busy with cycle k+1 while the
-host turns cycle k into tokens. Whether a next cycle may start is decided
-from what has been read (``may_launch``: room, stops, the cache's end
-in the worst case of the cycle still in flight); a lane that finishes while
-its group's next cycle is in flight has that cycle's tokens discarded, and
-the executor rewinds the session to its last kept token (``Lane.keep_until``).
-Without ``lag`` every cycle is read before the next one of its group starts;
-the outputs are the same.
+this call). Each launch runs one program for a *group* of lanes (``pack``
+makes them: owners at consecutive rows for backends that bind row ranges,
+any rows for row-indexed ones). ``run_launches`` launches every group, then
+for each launch in order: launches the NEXT cycle of that group's lanes that
+may go on (when ``lag``), then reads this one's verdict, so the device is
+already busy with cycle k+1 while the host turns cycle k into tokens.
+
+Launching is decided per lane, from what has been read (``may_launch``:
+room, stops, the cache's end in the worst case of the cycle still in
+flight): a lane that finishes leaves its group and the others go on, re-packed
+into smaller groups, so how many tokens an input gets from one execute never
+depends on which other inputs share it. A lane that finishes while its next
+cycle is in flight has that cycle's tokens discarded, and the executor
+rewinds the session to its last kept token (``Lane.keep_until``). Without
+``lag`` every cycle is read before the lane's next one starts; the outputs
+are the same.
 """
 
 from __future__ import annotations
@@ -20,8 +25,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from dflash_trt.runtime.device_loop import Key
-from dflash_trt.runtime.sessions import Session, Step
+from dflash_trt.runtime.sessions import LENGTH, STOP, Session, Step
 
 
 @dataclass(frozen=True)
@@ -51,24 +55,24 @@ def may_launch(frontier: int, in_flight: int, launched: int, room: int | None, f
     return fits and room > in_flight
 
 
-def take(tokens: Sequence[int], room: int | None, stop: frozenset[int] | set[int]) -> tuple[tuple[int, ...], bool]:
-    """The prefix of ``tokens`` an owner keeps, and whether it is finished.
+def take(tokens: Sequence[int], room: int | None, stop: frozenset[int] | set[int]) -> tuple[tuple[int, ...], str | None]:
+    """The prefix of ``tokens`` an owner keeps, and why it finished (None: it has not).
 
     At most ``room`` tokens (None: no limit), through the first stop token
-    (kept). Finished: a stop token was kept or the room is used up.
+    (kept): finished with ``STOP`` when a stop token was kept, ``LENGTH`` when
+    the room is used up.
 
     >>> take([5, 7, 9], 10, {7})
-    ((5, 7), True)
+    ((5, 7), 'stop')
     """
     kept: list[int] = []
     for token in tokens:
         if room is not None and len(kept) == room:
-            return tuple(kept), True
+            return tuple(kept), LENGTH
         kept.append(int(token))
         if token in stop:
-            return tuple(kept), True
-    return tuple(kept), room is not None and len(kept) == room
-
+            return tuple(kept), STOP
+    return tuple(kept), LENGTH if room is not None and len(kept) == room else None
 
 
 @dataclass
@@ -83,9 +87,17 @@ class Lane:
     session: Session
     anchor: int
     first_position: int
+    kind: str = ""  # device_loop.CYCLE or DECODE: which program serves it
+    shape: LoopShape | None = None
     tokens: list[int] = field(default_factory=list)  # kept: returned by execute
-    finished: bool = False
-    max_launches: int | None = None  # None: the executor's limit
+    finish: str | None = None  # STOP / LENGTH once finished
+    decodes: bool = True  # the loop runs it (False: its prompt's prediction was all it gets this call)
+    launched: int = 0  # launches this execute
+    in_flight: int = 0  # launched, not read yet
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
 
     @property
     def room(self) -> int | None:
@@ -96,7 +108,7 @@ class Lane:
         """A read cycle's tokens: keep what room and stop tokens allow (nothing once finished)."""
         if self.finished:
             return
-        kept, self.finished = take(tokens, self.room, self.step.stop)
+        kept, self.finish = take(tokens, self.room, self.step.stop)
         self.tokens += kept
 
     @property
@@ -104,58 +116,48 @@ class Lane:
         """Position of the last kept token: the session's frontier once extra tokens are discarded."""
         return self.first_position + len(self.tokens) - 1
 
+    def may_launch(self) -> bool:
+        """One more launch fits and is wanted, judged from what has been read."""
+        return may_launch(self.session.frontier, self.in_flight, self.launched, self.room, self.finished, self.shape)
+
 
 @dataclass
 class Group:
-    """Lanes at consecutive rows sharing one program per launch."""
+    """Lanes of one kind sharing one program per launch (``sampled``: any lane samples)."""
 
-    kind: str  # loop.CYCLE or loop.DECODE
+    kind: str
     sampled: bool
-    first: int
     lanes: list[Lane]
-    shape: LoopShape
-    launched: int = 0
-    in_flight: int = 0
 
     @property
-    def key(self) -> Key:
-        return Key(self.kind, self.sampled, len(self.lanes), self.first)
-
-    def may_launch(self) -> bool:
-        """Every lane wants (and fits) one more launch, judged from what has been read."""
-        return all(
-            may_launch(lane.session.frontier, self.in_flight, self.launched, lane.room, lane.finished, self._shape(lane))
-            for lane in self.lanes
-        )
-
-    def _shape(self, lane: Lane) -> LoopShape:
-        if lane.max_launches is None:
-            return self.shape
-        return LoopShape(self.shape.width, self.shape.need, self.shape.max_context, min(lane.max_launches, self.shape.max_cycles))
+    def rows(self) -> list[int]:
+        return [lane.session.row for lane in self.lanes]
 
 
-def run_bursts(groups: Sequence[Group], launch: Callable, read: Callable, lag: bool) -> None:
-    """Launch and read every group's cycles until none may launch (see the module docstring).
+def run_launches(lanes: Sequence[Lane], pack: Callable, launch: Callable, read: Callable, lag: bool) -> None:
+    """Launch and read every lane's cycles until none may launch (see the module docstring).
 
-    ``launch(group, slot)`` enqueues one cycle and returns its handle;
+    ``pack(lanes)`` -> the groups one launch each serves (lanes of one kind);
+    ``launch(group)`` enqueues one program and returns its handle;
     ``read(group, handle)`` waits for it and applies its verdict to the lanes.
     Reads happen in launch order.
     """
     queue: deque = deque()
 
-    def start(group: Group) -> None:
-        queue.append((group, launch(group, group.launched % 2)))
-        group.launched += 1
-        group.in_flight += 1
+    def start(candidates: Sequence[Lane]) -> None:
+        for group in pack([lane for lane in candidates if lane.may_launch()]):
+            queue.append((group, launch(group)))
+            for lane in group.lanes:
+                lane.launched += 1
+                lane.in_flight += 1
 
-    for group in groups:
-        if group.may_launch():
-            start(group)
+    start(lanes)
     while queue:
         group, handle = queue.popleft()
-        if lag and group.may_launch():
-            start(group)
+        if lag:
+            start(group.lanes)
         read(group, handle)
-        group.in_flight -= 1
-        if not lag and group.may_launch():
-            start(group)
+        for lane in group.lanes:
+            lane.in_flight -= 1
+        if not lag:
+            start(group.lanes)
