@@ -200,3 +200,28 @@ def pick_row(free: Sequence[int], used: Sequence[int]) -> int:
     assert free, "no free row"
     taken = set(used)
     return min(free, key=lambda row: (-((row - 1 in taken) + (row + 1 in taken)), row))
+
+
+def prefill_batches(lengths: Sequence[int], budget: int, quantum: int) -> list[tuple[tuple[int, ...], int]]:
+    """Prompts of ``lengths`` tokens -> batches (indices, padded length T): one launch each, T a multiple
+    of ``quantum``, ``len(indices) * T <= budget`` (a prompt longer than the budget goes alone).
+
+    Prompts are taken shortest first, so a batch pads each prompt to about its neighbours' length.
+
+    >>> prefill_batches([5, 40, 7, 33], budget=96, quantum=8)
+    [((0, 2), 8), ((3, 1), 40)]
+    """
+    assert budget >= 1 and quantum >= 1, (budget, quantum)
+    batches: list[tuple[tuple[int, ...], int]] = []
+    members: list[int] = []
+    width = 0
+    for index in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        padded = -(-lengths[index] // quantum) * quantum
+        if members and (len(members) + 1) * max(width, padded) > budget:
+            batches.append((tuple(members), width))
+            members, width = [], 0
+        members.append(index)
+        width = max(width, padded)
+    if members:
+        batches.append((tuple(members), width))
+    return batches

@@ -56,6 +56,7 @@ import logging
 import secrets
 import time
 import weakref
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -70,7 +71,9 @@ from dflash_trt.export import contract as c
 from dflash_trt.export.sampling import Sampling, check_sampling
 from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 from dflash_trt.runtime.backends.base import Backend
-from dflash_trt.runtime.cycles import block_fits, chunks, cycle_mode, make_verdicts, pack_rows, plan_context, sampling_rows, trim_context
+from dflash_trt.runtime.cycles import (
+    block_fits, chunks, cycle_mode, make_verdicts, pack_rows, plan_context, prefill_batches, sampling_rows, trim_context,
+)
 from dflash_trt.runtime.device_loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_COLUMN, PROPOSALS_COLUMN, DeviceLoop, Launch
 from dflash_trt.runtime.launches import Group, Lane, LoopShape, run_launches
 from dflash_trt.runtime.sessions import CONTEXT, ContextPool, Input, Limits, Output, Session, SessionTable, SessionView, Step, check_seed, int_in, validate_batch
@@ -80,6 +83,9 @@ from dflash_trt.runtime.timing import make_clock
 __all__ = ["Executor", "Input", "Output"]
 
 LOG = logging.getLogger(__name__)
+
+# Batched prefill (row-indexed backends): tokens per launch, padded lengths a multiple of PREFILL_QUANTUM.
+PREFILL_TOKENS, PREFILL_QUANTUM = 4096, 32
 
 
 class Executor:
@@ -321,7 +327,8 @@ class Executor:
         for step in steps:
             if step.rewind:
                 self._rewind(step.session, step.start)
-        lanes = [lane for step in steps if (lane := self._lane(step)) is not None]
+        predictions = self._target_work(steps)
+        lanes = [lane for step in steps if (lane := self._lane(step, predictions)) is not None]
         self._decode([lane for lane in lanes if lane.decodes])
         outputs = [Output([]) for _ in steps]
         for lane in lanes:
@@ -338,15 +345,15 @@ class Executor:
         """CONTEXT when the session's next token would sit at max_context (its pending token cannot be fed)."""
         return CONTEXT if s.frontier + 1 > self.dims.max_context else None
 
-    def _lane(self, step: Step) -> Lane | None:
-        """The step's target work (prefill, unless it is a fast/decode step) and its lane, if it produces
-        tokens (``Lane.decodes``: whether the loop runs it further)."""
+    def _lane(self, step: Step, predictions: dict[int, int | None]) -> Lane | None:
+        """The step's lane, if it produces tokens (``Lane.decodes``: whether the loop runs it further);
+        ``predictions``: the target's token after each prompt/replay step (``_target_work``)."""
         s = step.session
         if step.fast or step.decode:
             self.log.counters["pending_decode_owners"] += step.fast
             s.pending = None
             return Lane(step, s, step.tokens[0], step.start + 1)
-        prediction = self._target_step(step)
+        prediction = predictions[step.index]
         if prediction is None:
             return None
         lane = Lane(step, s, prediction, s.frontier)
@@ -368,6 +375,90 @@ class Executor:
         s.frontier, s.pending = position, None
 
     # ------------------------------------------------------------------ target
+
+    def _target_work(self, steps: list[Step]) -> dict[int, int | None]:
+        """Run every prompt/replay step's tokens through the target: the prediction after each (None
+        without produce_output), by step index.
+
+        On a row-indexed backend the prompts of fresh contexts (one step of their session in this
+        batch, one chunk long, no pending taps) are prefilled together, a few launches per batch
+        (``cycles.prefill_batches``); every other step runs alone, in batch order (``_target_step``).
+        """
+        targets = [step for step in steps if not (step.fast or step.decode)]
+        sessions = Counter(step.session.id for step in targets)
+        together = [step for step in targets if self._batchable(step, sessions)]
+        predictions: dict[int, int | None] = {}
+        lengths = [len(step.tokens) for step in together]
+        for members, width in prefill_batches(lengths, PREFILL_TOKENS, PREFILL_QUANTUM):
+            predictions |= self._prefill_batch([together[m] for m in members], width)
+        batched = {step.index for step in together}
+        for step in targets:
+            if step.index not in batched:
+                predictions[step.index] = self._target_step(step)
+        return predictions
+
+    def _batchable(self, step: Step, sessions: Counter) -> bool:
+        s = step.session
+        return (
+            self.loop.row_indexed
+            and sessions[s.id] == 1
+            and len(step.tokens) <= self.dims.max_chunk
+            and (not s.speculate or s.pending_rows == 0)
+        )
+
+    def _prefill_batch(self, steps: list[Step], width: int) -> dict[int, int | None]:
+        """One ragged prefill launch for ``steps`` (padded to ``width`` tokens), their taps committed
+        (drained together), their predictions chosen in one ``sample`` call (one host sync)."""
+        sessions = [step.session for step in steps]
+        t0 = self.clock.mark()
+        tokens = torch.zeros((len(steps), width), dtype=torch.int64)
+        for i, step in enumerate(steps):
+            tokens[i, : len(step.tokens)] = torch.tensor(step.tokens, dtype=torch.int64)
+        lengths = [len(step.tokens) for step in steps]
+        device = lambda values: torch.as_tensor(values, dtype=torch.int64).to(self.device)  # noqa: E731
+        slots, start, length = device([s.row for s in sessions]), device([s.frontier for s in sessions]), device(lengths)
+        logits, taps = self.backend.prefill_many(tokens.to(self.device), start, length, slots)
+        self.log.counters["target_preamble_forwards"] += 1
+        self.log.counters["target_preamble_calls"] += len(steps)
+        self._commit_many(sessions, taps, lengths, slots)
+        wanted = [i for i, step in enumerate(steps) if step.produce_output]
+        chosen = self._choose_many([sessions[i] for i in wanted], logits[wanted], [steps[i].end for i in wanted]) if wanted else []
+        t1 = self.clock.mark()
+        ms = self.clock.elapsed_ms(t0, t1) / len(steps)  # one launch: its device time shared evenly
+        for i, token in zip(wanted, chosen):
+            self.log.target_row(sessions[i], steps[i].end - 1, ms)
+        self.clock.release(t0, t1)
+        predictions: dict[int, int | None] = {step.index: None for step in steps}
+        predictions |= {steps[i].index: token for i, token in zip(wanted, chosen)}
+        for s in sessions:
+            s.pending = None
+        return predictions
+
+    def _commit_many(self, sessions: list[Session], taps: torch.Tensor, lengths: list[int], slots: torch.Tensor) -> None:
+        """Fresh contexts' taps [n, T, W]: all but the last B rows of each drafting session drained in one
+        ``draft_context_many`` launch, the rest kept pending (``cycles.plan_context`` with nothing pending)."""
+        B = self.dims.block_size
+        drains = [max(0, length - B) if s.speculate else 0 for s, length in zip(sessions, lengths)]
+        if any(drains):
+            starts = torch.as_tensor([s.draft_position for s in sessions], dtype=torch.int64).to(self.device)
+            counts = torch.as_tensor(drains, dtype=torch.int64).to(self.device)
+            self.backend.draft_context_many(taps[:, : max(drains)], starts, counts, slots)
+            self.log.counters["draft_forwards"] += 1
+            self.log.counters["warmed_context_tokens"] += sum(drains)
+        for i, (s, length, drained) in enumerate(zip(sessions, lengths, drains)):
+            if s.speculate:
+                self.context.store(s.row, taps[i, drained:length])  # device copy
+                self.log.count("hidden_rows_d2d", length - drained, self.tap_row_bytes)
+                s.draft_position += drained
+                s.drained_rows += drained
+                s.frontier += length
+            else:
+                s.frontier = s.draft_position = s.frontier + length  # no drafting: taps are not kept
+
+    def _choose_many(self, sessions: list[Session], logits: torch.Tensor, positions: list[int]) -> list[int]:
+        """Each session's token AT its position from logits [n, V]: one ``sample`` call, one host sync."""
+        feeds = self._sampling_feeds([s.sampling for s in sessions], positions) | {c.LOGITS: logits.contiguous()}
+        return [int(t) for t in self.backend.run(c.SAMPLE, feeds, 0)[c.TOKEN].tolist()]  # host sync: the token ids
 
     def _target_step(self, step: Step) -> int | None:
         """Run the input's tokens through target_prefill (chunked); the prediction at ``end`` if asked."""

@@ -122,6 +122,12 @@ class RecordingBackend(Backend):
     def run_at(self, graph, feeds, slots):
         return self._recorded(graph, feeds, lambda: self.inner.run_at(graph, feeds, slots), slots.tolist(), None)
 
+    def prefill_many(self, *args):
+        return self.inner.prefill_many(*args)
+
+    def draft_context_many(self, *args):
+        self.inner.draft_context_many(*args)
+
     def _recorded(self, graph, feeds, run, rows, first_row):
         """Count, maybe fail, run; record a draft call's proposals per owner row (padded lanes at the scratch row: not)."""
         kind, n = c.parse_graph_name(graph)

@@ -88,6 +88,17 @@ class Backend(ABC):
         rows. Only backends with ``row_indexed``; the others bind row ranges (``run``)."""
         raise EngineError(f"the {self.name} backend binds row ranges (run); it has no row-indexed runs")
 
+    def prefill_many(self, tokens: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor):
+        """Batched prefill of fresh contexts, one launch (``row_indexed`` backends): tokens [n, T] (owner
+        i's first lengths[i] real) at positions start[i].. of cache rows ``slots`` -> (fp32 logits [n, V]
+        of each owner's last real row, taps [n, T, W]). The others prefill one session a call."""
+        raise EngineError(f"the {self.name} backend prefills one session a call (target_prefill)")
+
+    def draft_context_many(self, taps: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor) -> None:
+        """Batched ``draft_context`` (``row_indexed`` backends): owner i's first lengths[i] rows of taps
+        [n, C, W], at positions start[i].., into draft cache rows ``slots``."""
+        raise EngineError(f"the {self.name} backend drains one session a call (draft_context)")
+
     @property
     def graph_names(self) -> tuple[str, ...]:
         """The contract graphs this backend runs: all of them, unless its artifacts lack some

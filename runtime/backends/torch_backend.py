@@ -65,6 +65,7 @@ from dflash_trt.runtime.backends.graph_io import check_feeds, check_run, owner_r
 from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, close_pools, pool_shapes
 from dflash_trt.runtime.backends.streams import BackendStream, select_device
 from dflash_trt.runtime.kernels import default_ops, fast_path, supported
+from dflash_trt.runtime.kernels.modules import DRAFT_CONTEXT_MANY, PREFILL_MANY
 
 KERNELS = ("auto", "fast", "eager")
 
@@ -175,6 +176,26 @@ class TorchBackend(Backend):
             results = self.modules[spec.name](*(feeds[s.name] for s in plain_inputs(spec)), *caches, rows=slots)
         names = [s.name for s in plain_outputs(spec)]
         return dict(zip(names, results[: len(names)]))
+
+    def prefill_many(self, tokens: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor):
+        """Batched prefill (row-indexed backends): tokens [n, T] (owner i's first lengths[i] real, the
+        rest padding) at positions start[i].. of rows ``slots`` -> (fp32 logits [n, V] of each owner's
+        last real row, taps [n, T, W]); K/V written for the real rows only. Eager, no host sync."""
+        return self._ragged(PREFILL_MANY, "target", (tokens, start, lengths), slots)[:2]
+
+    def draft_context_many(self, taps: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor) -> None:
+        """Batched ``draft_context``: taps [n, C, W] of positions start[i].., owner i's first lengths[i]
+        rows written into the draft cache rows ``slots``. Eager, no host sync."""
+        self._ragged(DRAFT_CONTEXT_MANY, "draft", (taps, start, lengths), slots)
+
+    def _ragged(self, name: str, pool: str, inputs: tuple, slots: torch.Tensor) -> tuple:
+        if not self.row_indexed:
+            raise EngineError(f"{name}: the {self.kernels!r} kernels of this torch backend have no ragged batches")
+        if self.pools is None:
+            raise EngineError(f"backend {self.name!r} is closed")
+        caches = self.pools[pool].interleaved(0, self.max_sessions + 1)
+        with self.stream.scope() if self.stream is not None else nullcontext(), torch.no_grad():
+            return self.modules[name](*inputs, *caches, rows=slots)
 
     def close(self) -> None:
         """Drop captures, wait for the stream (host sync), free the pools, close the stream."""

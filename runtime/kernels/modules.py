@@ -84,8 +84,37 @@ class FastDraftBlock:
         return (proposals, *caches)
 
 
+PREFILL_MANY, DRAFT_CONTEXT_MANY = "target_prefill_many", "draft_context_many"  # ragged batches (not contract graphs)
+
+
+class FastTargetPrefillMany:
+    """tokens [n, T] (owner i's first lengths[i] real), start [n], lengths [n], caches, rows ->
+    logits [n, V] fp32 of each owner's last real row, taps [n, T, W] (rows past lengths[i]: padding)."""
+
+    def __init__(self, target: FastTarget) -> None:
+        self.target = target
+
+    def __call__(self, tokens, start, lengths, *caches: torch.Tensor, rows=None):
+        n, T = tokens.shape
+        x, taps = self.target.features(tokens, start, *_caches(caches), rows, lengths)
+        last = x.view(n, T, -1)[torch.arange(n, device=x.device), lengths - 1]  # [n, H]
+        return (self.target.head(last), taps, *caches)
+
+
+class FastDraftContextMany:
+    """taps [n, C, W] at positions start.. (owner i's first lengths[i] rows), caches, rows -> the draft caches."""
+
+    def __init__(self, draft: FastDraft) -> None:
+        self.draft = draft
+
+    def __call__(self, taps, start, lengths, *caches: torch.Tensor, rows=None):
+        self.draft.write_context(taps, start, *_caches(caches), rows, lengths)
+        return caches
+
+
 def fast_graph_modules(specs: dict[str, GraphSpec], target: FastTarget, draft: FastDraft, dims: Dims) -> dict:
-    """The fast module of every graph with weights, by name (verdict graphs are not included)."""
+    """The fast module of every graph with weights, by name (verdict graphs are not included), and the
+    ragged-batch modules of batched prefill (``PREFILL_MANY``, ``DRAFT_CONTEXT_MANY``)."""
     builders = {
         c.TARGET_PREFILL: lambda: FastTargetPrefill(target),
         c.TARGET_VERIFY: lambda: FastTargetVerify(target),
@@ -93,4 +122,5 @@ def fast_graph_modules(specs: dict[str, GraphSpec], target: FastTarget, draft: F
         c.DRAFT_CONTEXT: lambda: FastDraftContext(draft),
         c.DRAFT: lambda: FastDraftBlock(draft, dims.proposals),
     }
-    return {name: builders[spec.kind]() for name, spec in specs.items() if spec.kind in builders}
+    modules = {name: builders[spec.kind]() for name, spec in specs.items() if spec.kind in builders}
+    return modules | {PREFILL_MANY: FastTargetPrefillMany(target), DRAFT_CONTEXT_MANY: FastDraftContextMany(draft)}

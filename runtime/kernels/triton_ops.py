@@ -136,13 +136,14 @@ def _rms_rope(x1, x2, w_ptr, half, cos, sin, eps, D: tl.constexpr, NORM: tl.cons
 
 @triton.jit
 def _qk_rope_write_kernel(
-    qkv_ptr, stride_m, start_ptr, freq_ptr, qn_ptr, kn_ptr, q_ptr, k_ptr, v_ptr, rows_ptr,
+    qkv_ptr, stride_m, start_ptr, freq_ptr, qn_ptr, kn_ptr, q_ptr, k_ptr, v_ptr, rows_ptr, len_ptr,
     stride_cn, stride_ch, stride_cl, T, HQ, HKV, eps,
-    D: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr,
+    D: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr, LENGTHS: tl.constexpr,
 ):
     """Program (row m, head h): h < HQ -> Q head h; else K/V head h - HQ into its cache slot.
 
-    ROWS: owner i's cache row is ``rows[i]`` (a device input); else row i of the caches."""
+    ROWS: owner i's cache row is ``rows[i]`` (a device input); else row i of the caches.
+    LENGTHS: owner i writes only its first ``lengths[i]`` rows (the rest pad a ragged batch)."""
     m = tl.program_id(0)
     h = tl.program_id(1)
     i = m // T
@@ -168,12 +169,17 @@ def _qk_rope_write_kernel(
         x1 = tl.load(key + half).to(tl.float32)
         x2 = tl.load(key + D // 2 + half).to(tl.float32)
         y1, y2 = _rms_rope(x1, x2, kn_ptr, half, cos, sin, eps, D, NORM)
+        if LENGTHS:
+            limit = tl.load(len_ptr + i)
+        else:
+            limit = T
+        write = (m % T) < limit
         slot = cache_row * stride_cn + j * stride_ch + position * stride_cl
-        tl.store(k_ptr + slot + half, y1.to(k_ptr.dtype.element_ty))
-        tl.store(k_ptr + slot + D // 2 + half, y2.to(k_ptr.dtype.element_ty))
+        tl.store(k_ptr + slot + half, y1.to(k_ptr.dtype.element_ty), mask=(half >= 0) & write)
+        tl.store(k_ptr + slot + D // 2 + half, y2.to(k_ptr.dtype.element_ty), mask=(half >= 0) & write)
         full = tl.arange(0, D)
         value = tl.load(row + (HQ + HKV + j) * D + full)
-        tl.store(v_ptr + slot + full, value.to(v_ptr.dtype.element_ty))
+        tl.store(v_ptr + slot + full, value.to(v_ptr.dtype.element_ty), mask=(full >= 0) & write)
 
 
 @triton.jit
@@ -359,9 +365,12 @@ class TritonOps(EagerKernels):
         _silu_mul_kernel[(M, triton.cdiv(N, 1024))](h, h.stride(0), y, y.stride(0), N, BN=1024, num_warps=4)
         return y
 
-    def qk_rope_write(self, qkv, start, tokens, heads, kv_heads, head_dim, q_norm, k_norm, eps, inv_freq, k_cache, v_cache, rows=None):
+    def qk_rope_write(
+        self, qkv, start, tokens, heads, kv_heads, head_dim, q_norm, k_norm, eps, inv_freq, k_cache, v_cache, rows=None, lengths=None
+    ):
         """See ``TorchOps.qk_rope_write``. Caches: [n, kv_heads, L, D] views with unit inner stride, or
-        whole pools [R, kv_heads, L, D] with ``rows`` [n] (owner i writes row rows[i])."""
+        whole pools [R, kv_heads, L, D] with ``rows`` [n] (owner i writes row rows[i]); ``lengths`` [n]:
+        owner i writes its first lengths[i] rows only."""
         M = qkv.shape[0]
         n = M // tokens
         q = torch.empty((n, tokens, heads, head_dim), dtype=qkv.dtype, device=qkv.device) if heads else qkv
@@ -369,8 +378,9 @@ class TritonOps(EagerKernels):
         q_weight = q_norm if q_norm is not None else (k_norm if norm else inv_freq)  # unread when there is no Q
         _qk_rope_write_kernel[(M, heads + kv_heads)](
             qkv, qkv.stride(0), start, inv_freq, q_weight, k_norm if norm else inv_freq,
-            q, k_cache, v_cache, rows if rows is not None else start, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            tokens, heads, kv_heads, eps, D=head_dim, NORM=norm, ROWS=rows is not None, num_warps=1 if head_dim <= 64 else 2,
+            q, k_cache, v_cache, rows if rows is not None else start, lengths if lengths is not None else start,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tokens, heads, kv_heads, eps, D=head_dim, NORM=norm,
+            ROWS=rows is not None, LENGTHS=lengths is not None, num_warps=1 if head_dim <= 64 else 2,
         )
         return q if heads else None
 

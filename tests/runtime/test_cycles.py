@@ -19,6 +19,7 @@ from dflash_trt.runtime.cycles import (
     pack_rows,
     pick_row,
     plan_context,
+    prefill_batches,
     static_context,
     sampling_rows,
     trim_context,
@@ -127,3 +128,16 @@ def test_pick_row_keeps_runs_consecutive():
     assert pick_row([3, 7, 8], [0, 1, 2, 4, 5, 6]) == 3  # fills a one-row gap: two runs become one
     assert pick_row([9, 12], [10, 11]) == 9  # extends a run, lowest first
     assert pick_row([20, 30], [0]) == 20
+
+
+def test_prefill_batches_respect_the_token_budget_and_pad_to_neighbours():
+    """Guards against a batched prefill launch larger than its token budget (padding included), a
+    prompt left out or taken twice, and padding short prompts to a long one's length."""
+    lengths = [5, 40, 7, 33, 100, 1, 64]
+    batches = prefill_batches(lengths, budget=96, quantum=8)
+    assert sorted(i for members, _ in batches for i in members) == list(range(len(lengths)))
+    for members, width in batches:
+        assert width % 8 == 0 and width >= max(lengths[i] for i in members)
+        assert len(members) * width <= 96 or len(members) == 1  # a prompt past the budget goes alone
+    assert batches[0] == ((5, 0, 2), 8)  # the short ones together
+    assert prefill_batches([], 96, 8) == []

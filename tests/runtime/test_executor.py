@@ -411,3 +411,22 @@ def test_outputs_say_why_they_ended(tiny, oracle):
     # Tokens at positions L-3 .. L: the last one can never be fed (its K/V would need slot L).
     assert len(outputs[2].tokens) == 4 and outputs[2].finish == "context"
     assert outputs[3].finish is None and outputs[3].tokens == expected[: len(outputs[3].tokens)]
+
+
+def test_joining_prompts_are_prefilled_together_losslessly(tiny, oracle):
+    """Guards against batched prefill (one ragged launch for every joining prompt, padded rows masked)
+    writing padding into a cache, attending past a prompt's end or draining the wrong taps: outputs of
+    prompts of mixed lengths, greedy and sampled, drafting and plain, must equal the reference's, with
+    fewer target launches than prompts."""
+    dims = tiny_dims(tiny.target, tiny.draft, tiny.dims.max_context, max_chunk=40)
+    executor = Executor(tiny.torch_backend(dims, 8, kernels="fast"), dims, 8)
+    t = Tracker(executor, oracle)
+    sessions = [t.open() for _ in range(5)] + [t.open(speculate=False)]
+    t.set_sampling(sessions[1], SAMPLED)
+    lengths = [3, 30, 17, 1, 25, 9]  # drafting prompts longer than B drain through the batched draft_context
+    t.execute([(s, prompt(n, 50 + s), None, True, {"max_new_tokens": 12}) for s, n in zip(sessions, lengths)])
+    counters = executor.execute_stats()
+    assert counters["target_preamble_calls"].sum() == len(sessions)
+    assert counters["target_preamble_forwards"].sum() < len(sessions)
+    for _ in range(3):
+        t.execute([item + ({"max_new_tokens": 5},) for item in t.decode_inputs(sessions)])
