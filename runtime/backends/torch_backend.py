@@ -18,7 +18,8 @@ path with it.
 CPU: eager, synchronous. CUDA: everything is enqueued on the backend's
 device-layer stream (``BackendStream``), and the token choice of ``sample`` /
 ``verify_sample_n`` (``torch.ops.dflash_trt.choose``) runs as fused Triton
-passes (``sampling_kernels``) instead of ~130 eager kernels. The static graphs (``target_verify_n``,
+passes (``runtime.kernels.sampling``, registered when the backend sets up
+CUDA) instead of ~130 eager kernels. The static graphs (``target_verify_n``,
 ``draft_n``, ``verify_*_n``) are captured once and replayed
 (``StaticGraphs``); the dynamic ones (``target_prefill``, ``draft_context``)
 run eagerly (their token count varies).
@@ -101,8 +102,9 @@ class TorchBackend(Backend):
     def _allocate(self, dtype: torch.dtype, cuda_graphs: bool) -> None:
         device_stream = None
         if self.device.type == "cuda":
-            from dflash_trt.runtime.backends import sampling_kernels  # noqa: F401  (importing registers choose's CUDA kernel)
+            from dflash_trt.runtime.kernels.sampling import register_cuda_choose  # imports triton: CUDA only
 
+            register_cuda_choose()
             self.stream = BackendStream()
             device_stream = self.stream.device_stream
             self.capturable = True

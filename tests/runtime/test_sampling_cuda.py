@@ -1,4 +1,4 @@
-"""The CUDA kernel of the token choice (``runtime/backends/sampling_kernels.py``) against the definition.
+"""The CUDA kernel of the token choice (``runtime/kernels/sampling.py``) against the definition.
 
 The torch backend on CUDA runs ``torch.ops.dflash_trt.choose`` as fused
 Triton passes; they must choose what the eager definition (``sampling.choose``)
@@ -30,8 +30,9 @@ TRITON = importlib.util.find_spec("triton") is not None
 
 @pytest.fixture(scope="module")
 def kernels():
-    from dflash_trt.runtime.backends import sampling_kernels as kernels
+    from dflash_trt.runtime.kernels import sampling as kernels
 
+    kernels.register_cuda_choose()  # torch.ops.dflash_trt.choose on CUDA runs choose_cuda from here on
     return kernels
 
 
@@ -115,7 +116,7 @@ def test_cuda_kernel_replays_in_a_cuda_graph(kernels):
 
 MULMOD_CHECK = """
 import torch, triton, triton.language as tl
-from dflash_trt.runtime.backends.sampling_kernels import _mulmod
+from dflash_trt.runtime.kernels.sampling import _mulmod
 
 @triton.jit
 def mulmod_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):

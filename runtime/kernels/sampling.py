@@ -30,6 +30,9 @@ the masses differs, which can change a top-p decision only when a mass equals
 top_p x total to within float rounding. Deterministic: float sums run in a
 fixed order, atomics only add or max integers. tests/runtime/test_sampling_cuda.py
 holds it against the eager module.
+
+Importing this module registers nothing: ``register_cuda_choose()`` (called by
+the torch backend when it sets up CUDA) makes ``choose_cuda`` the op's CUDA kernel.
 """
 
 from __future__ import annotations
@@ -484,4 +487,8 @@ assert TOKEN_MULTIPLIER == 1103515245 and PRIME == 2147483579 and 2.0**-31 == 4.
 assert PRIME == 2**31 - 69  # _mulmod's reduction
 
 
-sampling.choose_op.register_kernel("cuda")(choose_cuda)  # the torch backend's token choice on CUDA
+@functools.cache
+def register_cuda_choose() -> None:
+    """Make ``choose_cuda`` the CUDA kernel of ``torch.ops.dflash_trt.choose`` (the torch backend's
+    token choice on CUDA). Idempotent: the first call registers, later calls do nothing."""
+    sampling.choose_op.register_kernel("cuda")(choose_cuda)
