@@ -55,7 +55,7 @@ from dflash_trt.export.pair import load_pair
 from dflash_trt.export.target import TargetModel
 from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.backends.graph_io import check_run, owner_rows, plain_inputs, plain_outputs, pool_of, torch_dtype
-from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, close_pools, pool_shapes
+from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, pool_shapes
 from dflash_trt.runtime.backends.streams import BackendStream, select_device
 from dflash_trt.runtime.kernels import default_ops, fast_path, supported
 
@@ -148,18 +148,11 @@ class TorchBackend(Backend):
             self.stream.hand_over(outputs.values())
             return outputs
 
-    def close(self) -> None:
-        """Drop captures, wait for the stream (host sync), free the pools, close the stream."""
+    def _close_own(self) -> None:
+        """Drop the CUDA-graph captures."""
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
-        if self.stream is not None:
-            self.stream.synchronize()  # host sync: no enqueued work may touch the pools once freed
-        close_pools(self.pools)
-        self.pools = None
-        if self.stream is not None:
-            self.stream.close()
-            self.stream = None
 
     # ------------------------------------------------------------------ internals
 
