@@ -15,7 +15,7 @@ events over replays of one CUDA graph (no launch overhead, no host syncs):
   noise; top-k + top-p; the TopK of K = 3840 alone), to show where the time goes.
 
 Correctness: the GPU's tokens are compared with the CPU's on the same logits
-(the backends must agree, DESIGN §1). Prints a table and ends with one JSON line.
+(the backends must agree, docs/design.md §6). Prints a table and ends with one JSON line.
 
 ``--profile`` also prints the fused kernel's launches with their device time
 (torch.profiler, outside a graph: where the time goes).
