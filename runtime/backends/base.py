@@ -42,6 +42,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from dflash_trt.errors import EngineError
 from dflash_trt.export import contract
 from dflash_trt.export.contract import Dims
 from dflash_trt.runtime.backends.pools import close_pools, pool_named
@@ -58,6 +59,7 @@ class Backend(ABC):
     stream: object | None = None  # streams.BackendStream on CUDA
     capturable: bool = False  # run() may be recorded into a caller's CUDA graph (inside plain_runs())
     plain: bool = False  # inside plain_runs(): no CUDA graph of the backend's own
+    row_indexed: bool = False  # run_at() takes the owners' rows as a device tensor (pools hold a scratch row past max_sessions)
 
     @classmethod
     def open(cls, *args, **kwargs) -> Backend:
@@ -79,6 +81,12 @@ class Backend(ABC):
         with the contract / pool are refused with ``EngineError`` before
         anything is enqueued (graphs without caches ignore ``first_row``).
         """
+
+    def run_at(self, graph: str, feeds: Mapping[str, torch.Tensor], slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``run`` with the owners' cache rows given as a device tensor ``slots`` [n] (any rows, in any
+        order; the scratch row ``max_sessions`` included), so one captured program serves every set of
+        rows. Only backends with ``row_indexed``; the others bind row ranges (``run``)."""
+        raise EngineError(f"the {self.name} backend binds row ranges (run); it has no row-indexed runs")
 
     @property
     def graph_names(self) -> tuple[str, ...]:

@@ -39,7 +39,8 @@ def new_executor(tiny: Tiny, max_sessions: int = 16, backend: str = "onnxruntime
         # The backend moves its modules to the GPU: give it copies, the CPU oracle keeps the originals.
         torch_cuda = TorchBackend(copy.deepcopy(tiny.target), copy.deepcopy(tiny.draft), dims, max_sessions, device="cuda")
         return Executor(recording := RecordingBackend(torch_cuda), dims, max_sessions), recording
-    return Executor(recording := RecordingBackend(tiny.torch_backend(dims, max_sessions)), dims, max_sessions), recording
+    kernels = "fast" if backend == "torch-fast" else "auto"  # fast: the kernels' CPU twin, row-indexed programs
+    return Executor(recording := RecordingBackend(tiny.torch_backend(dims, max_sessions, kernels)), dims, max_sessions), recording
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -74,7 +75,7 @@ def checked(tiny, tracker: Tracker, backend: RecordingBackend):
 
 @pytest.mark.parametrize(
     "backend",
-    ["onnxruntime", "torch", pytest.param("torch-cuda", marks=pytest.mark.gpu),
+    ["onnxruntime", "torch", "torch-fast", pytest.param("torch-cuda", marks=pytest.mark.gpu),
      pytest.param("onnxruntime-cuda", marks=pytest.mark.gpu)],
 )
 def test_lossless_sixteen_sessions_with_clones_rewinds_joins_and_leaves(tiny, oracle, backend):
@@ -226,7 +227,7 @@ def test_stats_count_every_token_and_tau_matches_reference(tiny, tmp_path):
     assert pl.read_parquet(paths[0]).equals(cycles) and pl.read_parquet(paths[1]).equals(executes)
 
 
-@pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch", "torch-fast"])
 def test_budgeted_executes_cut_rewind_and_continue_losslessly(tiny, oracle, backend):
     """Guards against a wrong rewind after a multi-cycle execute discards tokens past a stop token or
     max_new_tokens (a cycle in flight when the stop was read): the next calls must continue from the
@@ -361,13 +362,14 @@ def test_failure_poisons_the_batch_sessions_only(tiny, oracle):
     t.execute(t.decode_inputs([fresh, bystander]))
 
 
-@pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch", "torch-fast"])
 def test_tokens_per_call_do_not_depend_on_batching(tiny, oracle, backend):
     """Guards against a lane's budget being cut by its neighbours: an execute stopped a group's cycles
     as soon as one lane was done, so a session given max_new_tokens=20 returned its 20 tokens alone but
     7 beside a one-step input on the next row. Each lane now launches until its own room, stop or
     max_cycles end it."""
     executor, _ = new_executor(tiny, 6, backend)
+    assert executor.loop.row_indexed == (backend == "torch-fast")  # one program per padded count, any rows
     executor.max_cycles = 8
     text = prompt(9, 1)
     alone_session = executor.open_session()
