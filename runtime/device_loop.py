@@ -1,7 +1,7 @@
 """The decode loop on the device: per-row state, pinned staging, one program per owner group.
 
 A *program* is what one launch does for ``n`` owners at consecutive rows
-``first .. first+n-1`` (DESIGN §3, Speed):
+``first .. first+n-1`` (docs/design.md §5, "The loop on the device"):
 
 - ``cycle``: ``draft_n`` → ``target_verify_n`` → tap copy into the context
   pool → ``verify_argmax_n`` / ``verify_sample_n`` → device-side update of

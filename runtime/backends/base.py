@@ -45,7 +45,7 @@ import torch
 from dflash_trt.errors import EngineError
 from dflash_trt.export import contract
 from dflash_trt.export.contract import Dims
-from dflash_trt.runtime.backends.pools import pool_named
+from dflash_trt.runtime.backends.pools import close_pools, pool_named
 from dflash_trt.runtime.ownership import Ownership, ownership_of
 
 class Backend(ABC):
@@ -55,7 +55,7 @@ class Backend(ABC):
     device: torch.device
     dims: Dims  # the contract dims of the graphs it runs (the executor's default)
     max_sessions: int  # rows of each pool
-    pools: dict  # "target" / "draft" -> pools.CachePool (per-layer K/V views; tests and debugging read them)
+    pools: dict | None = None  # "target" / "draft" -> pools.CachePool (per-layer K/V views; tests and debugging read them)
     stream: object | None = None  # streams.BackendStream on CUDA
     capturable: bool = False  # run() may be recorded into a caller's CUDA graph (inside plain_runs())
     plain: bool = False  # inside plain_runs(): no CUDA graph of the backend's own
@@ -136,7 +136,24 @@ class Backend(ABC):
             self.stream.synchronize()
 
     def close(self) -> None:
-        """Release every resource the backend owns (idempotent)."""
+        """Release every resource the backend owns (idempotent; also what a failed construction calls).
+
+        Host sync first (the stream): nothing enqueued may outlive what it uses. Then the
+        backend's own resources (``_close_own``), the pools, the stream, in that order.
+        """
+        if self.stream is not None:
+            self.stream.synchronize()  # host sync
+        self._close_own()
+        close_pools(self.pools)
+        self.pools = None
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+
+    def _close_own(self) -> None:
+        """Release what this backend owns besides the pools and the stream (graphs, sessions,
+        contexts...): called by ``close`` after the host sync, before the pools are freed; must
+        tolerate a partly built or already closed backend."""
 
     def __enter__(self):
         return self

@@ -18,7 +18,8 @@ path with it.
 CPU: eager, synchronous. CUDA: everything is enqueued on the backend's
 device-layer stream (``BackendStream``), and the token choice of ``sample`` /
 ``verify_sample_n`` (``torch.ops.dflash_trt.choose``) runs as fused Triton
-passes (``sampling_kernels``) instead of ~130 eager kernels. The static graphs (``target_verify_n``,
+passes (``runtime.kernels.sampling``, registered when the backend sets up
+CUDA) instead of ~130 eager kernels. The static graphs (``target_verify_n``,
 ``draft_n``, ``verify_*_n``) are captured once and replayed
 (``StaticGraphs``); the dynamic ones (``target_prefill``, ``draft_context``)
 run eagerly (their token count varies).
@@ -62,7 +63,7 @@ from dflash_trt.export.pair import load_pair
 from dflash_trt.export.target import TargetModel
 from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.backends.graph_io import check_feeds, check_run, owner_rows, plain_inputs, plain_outputs, pool_of, torch_dtype
-from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, close_pools, pool_shapes
+from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, pool_shapes
 from dflash_trt.runtime.backends.streams import BackendStream, select_device
 from dflash_trt.runtime.kernels import default_ops, fast_path, supported
 from dflash_trt.runtime.kernels.modules import DRAFT_CONTEXT_MANY, PREFILL_MANY
@@ -111,8 +112,9 @@ class TorchBackend(Backend):
     def _allocate(self, dtype: torch.dtype, cuda_graphs: bool) -> None:
         device_stream = None
         if self.device.type == "cuda":
-            from dflash_trt.runtime.backends import sampling_kernels  # noqa: F401  (importing registers choose's CUDA kernel)
+            from dflash_trt.runtime.kernels.sampling import register_cuda_choose  # imports triton: CUDA only
 
+            register_cuda_choose()
             self.stream = BackendStream()
             device_stream = self.stream.device_stream
             self.capturable = True
@@ -197,18 +199,11 @@ class TorchBackend(Backend):
         with self.stream.scope() if self.stream is not None else nullcontext(), torch.no_grad():
             return self.modules[name](*inputs, *caches, rows=slots)
 
-    def close(self) -> None:
-        """Drop captures, wait for the stream (host sync), free the pools, close the stream."""
+    def _close_own(self) -> None:
+        """Drop the CUDA-graph captures."""
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
-        if self.stream is not None:
-            self.stream.synchronize()  # host sync: no enqueued work may touch the pools once freed
-        close_pools(self.pools)
-        self.pools = None
-        if self.stream is not None:
-            self.stream.close()
-            self.stream = None
 
     # ------------------------------------------------------------------ internals
 

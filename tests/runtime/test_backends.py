@@ -310,6 +310,49 @@ def test_pools_are_allocated_once_at_fixed_addresses(backend, pair):
     assert addresses == [t.data_ptr() for pool in backend.pools.values() for t in pool.keys + pool.values]
 
 
+class _Log:
+    """A stream and a pool that write what is done to them into one shared list."""
+
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name = log, name
+
+    def synchronize(self) -> None:
+        self.log.append(f"{self.name} synchronize")
+
+    def close(self) -> None:
+        self.log.append(f"{self.name} close")
+
+
+class _Owning(OrtBackend):
+    """An ONNX Runtime backend whose stream and pools are logged, and whose own resources log their close."""
+
+    def _close_own(self) -> None:
+        self.log.append("own")
+        super()._close_own()
+
+
+def test_close_syncs_then_frees_own_resources_pools_and_stream_once(pair):
+    """Bug: the shared close frees the pools (or the stream) before the host sync, while enqueued work
+    may still write them; skips a backend's own resources; or frees something twice on a second
+    close (a double free of device memory)."""
+    backend = _Owning.from_export(pair[2], max_sessions=ROWS, lazy=True)
+    name, feeds, first = script(pair[3])[0]
+    backend.run(name, feeds, first)
+    assert backend.sessions and backend.models
+    for pool in backend.pools.values():
+        pool.close()  # the real memory, freed here; the backend then closes the logged stand-ins
+    backend.log = log = []
+    backend.stream = _Log(log, "stream")
+    backend.pools = {name: _Log(log, name) for name in ("target", "draft")}
+    backend.close()
+    assert log == ["stream synchronize", "own", "target close", "draft close", "stream close"]
+    assert backend.pools is None and backend.stream is None and not backend.sessions and not backend.models
+    backend.close()
+    assert log[5:] == ["own"]  # a second close frees nothing again
+    with pytest.raises(EngineError, match="closed"):
+        backend.run(name, feeds, first)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_tensorrt_backend_refuses_without_gpu(tmp_path):
     """Bug: the tensorrt backend dies deep inside TensorRT/CUDA (or hangs) where there is no GPU."""
