@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +28,6 @@ from dflash_trt.errors import InputError, TokenizerError
 from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.generate import collect, stream
 from dflash_trt.runtime.serving.batcher import Completion, Request
-from dflash_trt.runtime.stats import TARGET
 
 BACKEND_CHOICES = ("onnxruntime", "torch", "tensorrt")
 
@@ -150,52 +148,62 @@ def fit_prompt(tokens: list[int], max_context: int, room: int) -> list[int]:
 # ---------------------------------------------------------------------- serving
 
 
-def serve(executor: Executor, prompts: list[Prompt], args, stop: tuple[int, ...]) -> tuple[list[Completion], float]:
-    """Every prompt through ``generate.stream``; (completions, wall seconds)."""
+def serve(executor: Executor, prompts: list[Prompt], args, stop: tuple[int, ...]) -> list[Completion]:
+    """Every prompt through ``generate.stream`` (its time is in the stats: ``summary``)."""
     requests = [
         Request(p.tokens, p.max_new_tokens or args.max_new_tokens, stop, args.temperature, args.top_k, args.top_p, args.seed + i)
         for i, p in enumerate(prompts)
     ]
-    started = time.perf_counter()
-    completions = collect(stream(executor, requests, args.max_sessions), len(requests))
-    return completions, time.perf_counter() - started
+    return collect(stream(executor, requests, args.max_sessions), len(requests))
 
 
-def summary(executor: Executor, completions: list[Completion], seconds: float) -> dict:
-    """Headline figures of a run.
+def summary(executor: Executor, completions: list[Completion]) -> dict:
+    """Headline figures of a run, from its stats with the report's definitions (``analysis.compare.run_summary``).
 
-    tokens/s over the wall time of serving; τ over speculative cycles (bonus
-    included); ``ms_per_call``: wall ms per device launch of the decode loop
-    (a cycle, or a plain decode step); ``host_overhead_fraction``: (wall −
-    device busy) / wall, device busy = every timed call (prefill and loop);
-    ``gpu_idle_fraction``: the device's idle share between consecutive
-    launches of one execute (CUDA; 0 on CPU, where launches are synchronous).
+    ``mode``: ``dflash`` or ``plain`` (no speculative cycle); ``tokens``:
+    tokens callers received; ``seconds``: the run's span, first execute start
+    to last execute end; ``tokens_per_s``: tokens / seconds; ``tau``: mean
+    accepted + 1 over speculative owner-cycles (None for plain decoding);
+    ``cycles``: those owner-cycles; ``calls``: device calls (prefills, cycles,
+    decode steps); ``device_s``: their device time; ``host_ms_per_call``: mean
+    host time between calls; ``ms_per_launch``: wall ms per launch of the
+    decode loop (a cycle, or a plain decode step); ``host_overhead_fraction``:
+    (wall − device) / wall; ``gpu_idle_fraction``: the device's idle share
+    between consecutive launches of one execute (CUDA; 0 on CPU, where
+    launches are synchronous). ``dflash-trt report`` on the written stats
+    prints the same tokens, seconds, tokens/s, τ, cycles and calls.
     """
-    import polars as pl
+    from dflash_trt.analysis.compare import run_summary
+    from dflash_trt.analysis.load import Run, mode_name
+    from dflash_trt.analysis.throughput import latency_breakdown
 
-    cycles = executor.cycle_stats()
-    speculative = cycles.filter(pl.col("mode") != TARGET)
-    tokens = sum(len(c.tokens) for c in completions)
-    tau = speculative["emitted"].mean() if speculative.height else None
-    per_call = cycles.group_by("cycle_id").agg(pl.col("draft_ms", "verify_ms", "host_ms").first())
-    host_ms = per_call["host_ms"].mean() if per_call.height else None
-    busy_s = float((per_call["draft_ms"] + per_call["verify_ms"]).sum()) / 1000 if per_call.height else 0.0
+    cycles, executes = executor.cycle_stats().lazy(), executor.execute_stats().lazy()
+    run = Run(mode_name(cycles), cycles, executes)
+    overview = run_summary(run).collect().row(0, named=True)
+    phases = latency_breakdown(cycles).collect()
+    host = dict(zip(phases["phase"], phases["mean_ms"]))["host_ms"]
+    seconds, device_s = overview["wall_s"] or 0.0, overview["device_s"] or 0.0
     timeline = executor.loop.timeline
-    launches = timeline.launches
     loop_ms = timeline.busy_ms + timeline.idle_ms
     return {
+        "mode": run.name,
         "prompts": len(completions),
-        "tokens": tokens,
+        "tokens": overview["tokens"],
         "seconds": round(seconds, 3),
-        "tokens_per_s": round(tokens / seconds, 2) if seconds > 0 else None,
-        "tau": round(tau, 3) if tau is not None else None,
-        "cycles": speculative["cycle_id"].n_unique(),
-        "host_ms_per_cycle": round(host_ms, 3) if host_ms is not None else None,
-        "ms_per_call": round(seconds * 1000 / launches, 4) if launches else None,
-        "device_s": round(busy_s, 4),
-        "host_overhead_fraction": round(max(0.0, 1 - busy_s / seconds), 4) if seconds > 0 else None,
-        "gpu_idle_fraction": round(timeline.idle_ms / loop_ms, 4) if loop_ms > 0 else None,
+        "tokens_per_s": rounded(overview["tokens_per_s"], 2),
+        "tau": rounded(overview["tau"], 3),
+        "cycles": overview["cycles"],
+        "calls": overview["calls"],
+        "device_s": round(device_s, 3),
+        "host_ms_per_call": rounded(host, 3),
+        "ms_per_launch": round(seconds * 1000 / timeline.launches, 3) if timeline.launches else None,
+        "host_overhead_fraction": round(max(0.0, 1 - device_s / seconds), 3) if seconds > 0 else None,
+        "gpu_idle_fraction": round(timeline.idle_ms / loop_ms, 3) if loop_ms > 0 else None,
     }
+
+
+def rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def write_outputs(out: Path, prompts: list[Prompt], completions: list[Completion], tokenizer) -> Path:
@@ -215,11 +223,11 @@ def run(args: argparse.Namespace) -> int:
     with OPENERS[args.backend](args) as backend, make_executor(backend, args, not args.no_draft) as executor:
         stop = stop_tokens(args, tokenizer)
         prompts = load_prompts(args, tokenizer, executor.dims.max_context)
-        completions, seconds = serve(executor, prompts, args, stop)
+        completions = serve(executor, prompts, args, stop)
         outputs = write_outputs(args.out, prompts, completions, tokenizer)
         cycles, executes = executor.write_stats(args.out / "stats")
         print(f"wrote {outputs}, {cycles}, {executes}")
-        print(json.dumps(summary(executor, completions, seconds)))
+        print(json.dumps(summary(executor, completions)))
     return 0
 
 

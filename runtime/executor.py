@@ -492,19 +492,31 @@ class Executor:
         counts = [s.frontier - s.draft_position for s in sessions]
         accepted, tokens, proposals = record[:, ACCEPTED_COLUMN], record[:, NEXT_COLUMN], record[:, PROPOSALS_COLUMN:]
         bursts = make_bursts(proposals, accepted, tokens, starts, self.dims.vocab_size)
-        self.log.cycle_counters(len(sessions), P, counts, bursts, self.tap_row_bytes)
-        rows = []
+        rows, live_counts, live_bursts = [], [], []
         for lane, burst, count, start in zip(group.lanes, bursts, counts, starts):
             s = lane.session
             mode = cycle_mode(start, self.dims.block_size, self.dims.max_context, s.drained_rows)
-            rows.append((s, mode, count + s.drained_rows, start, burst))
+            context_rows = count + s.drained_rows
             s.draft_position, s.frontier, s.drained_rows = start, burst.frontier, 0
+            if lane.finished:
+                # Launched before the lane's finishing cycle was read (lag): its tokens are discarded and
+                # the session rewound after the loop, so it is no cycle of the stats.
+                continue
+            before = len(lane.tokens)
             lane.add(burst.tokens)
+            rows.append((s, mode, context_rows, start, burst, len(lane.tokens) - before))
+            live_counts.append(count)
+            live_bursts.append(burst)
+        if not rows:
+            return
+        self.log.cycle_counters(len(rows), P, live_counts, live_bursts, self.tap_row_bytes)
         # One device unit: the draft is not timed apart inside a cycle's graph (the whole cycle is verify_ms).
-        self.log.cycle_rows(rows, P, 0.0, device_ms)
+        self.log.cycle_rows(rows, P, 0.0, device_ms, owners=len(group.lanes))
 
     def _read_decode(self, group: Group, record: np.ndarray, device_ms: float) -> None:
-        self.log.decode_rows([lane.session for lane in group.lanes], device_ms)
+        live = [lane.session for lane in group.lanes if not lane.finished]  # a finished lane's read-ahead step is discarded
+        if live:
+            self.log.decode_rows(live, device_ms, owners=len(group.lanes))
         for lane, token in zip(group.lanes, record[:, NEXT_COLUMN]):
             s, token = lane.session, int(token)
             if not 0 <= token < self.dims.vocab_size:
