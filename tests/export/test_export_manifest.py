@@ -140,5 +140,5 @@ def test_cli_export_is_a_no_op_when_up_to_date_and_refuses_bad_options(exported_
     assert main([*common, "--max-owners", "3", "--max-context", "64", "--dtype", "fp32", "--shared-weights"]) == 0
     assert "up to date" in capsys.readouterr().out
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == mtimes
-    assert main([*common, "--max-context", "64", "--proposals", "9"]) == 1
-    assert "proposals must be an int [2, 7], got 9" in capsys.readouterr().err
+    assert main([*common, "--max-context", "64", "--proposals", "9"]) == 2  # a usage error, refused before any work
+    assert "UsageError: export option proposals must be an int [2, 7], got 9" in capsys.readouterr().err
