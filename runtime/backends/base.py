@@ -42,6 +42,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from dflash_trt.errors import EngineError
 from dflash_trt.export import contract
 from dflash_trt.export.contract import Dims
 from dflash_trt.runtime.backends.pools import pool_named
@@ -58,6 +59,7 @@ class Backend(ABC):
     stream: object | None = None  # streams.BackendStream on CUDA
     capturable: bool = False  # run() may be recorded into a caller's CUDA graph (inside plain_runs())
     plain: bool = False  # inside plain_runs(): no CUDA graph of the backend's own
+    row_indexed: bool = False  # run_at() takes the owners' rows as a device tensor (pools hold a scratch row past max_sessions)
 
     @classmethod
     def open(cls, *args, **kwargs) -> Backend:
@@ -79,6 +81,23 @@ class Backend(ABC):
         with the contract / pool are refused with ``EngineError`` before
         anything is enqueued (graphs without caches ignore ``first_row``).
         """
+
+    def run_at(self, graph: str, feeds: Mapping[str, torch.Tensor], slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``run`` with the owners' cache rows given as a device tensor ``slots`` [n] (any rows, in any
+        order; the scratch row ``max_sessions`` included), so one captured program serves every set of
+        rows. Only backends with ``row_indexed``; the others bind row ranges (``run``)."""
+        raise EngineError(f"the {self.name} backend binds row ranges (run); it has no row-indexed runs")
+
+    def prefill_many(self, tokens: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor):
+        """Batched prefill of fresh contexts, one launch (``row_indexed`` backends): tokens [n, T] (owner
+        i's first lengths[i] real) at positions start[i].. of cache rows ``slots`` -> (fp32 logits [n, V]
+        of each owner's last real row, taps [n, T, W]). The others prefill one session a call."""
+        raise EngineError(f"the {self.name} backend prefills one session a call (target_prefill)")
+
+    def draft_context_many(self, taps: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor) -> None:
+        """Batched ``draft_context`` (``row_indexed`` backends): owner i's first lengths[i] rows of taps
+        [n, C, W], at positions start[i].., into draft cache rows ``slots``."""
+        raise EngineError(f"the {self.name} backend drains one session a call (draft_context)")
 
     @property
     def graph_names(self) -> tuple[str, ...]:

@@ -18,9 +18,8 @@ from dflash_trt.checks import is_int
 from dflash_trt.errors import InputError, SamplingError
 from dflash_trt.export.sampling import check_sampling
 from dflash_trt.runtime.executor import Executor
-from dflash_trt.runtime.sessions import Input, check_seed, token_ids
+from dflash_trt.runtime.sessions import CONTEXT, LENGTH, STOP, Input, check_seed, token_ids  # noqa: F401  (finish reasons, re-exported)
 
-STOP, LENGTH, CONTEXT = "stop", "length", "context"  # finish reasons
 
 
 @dataclass(frozen=True)
@@ -59,6 +58,7 @@ class _Running:
     session: int
     produced: int = 0
     joined: bool = True  # the next input is the prompt (then the pending token)
+    pending: int | None = None  # the last token returned: the session's pending token, fed next
 
 
 def check_request(index: int, request: Request, max_context: int, vocab_size: int) -> Request:
@@ -122,39 +122,24 @@ class Batcher:
         """One execute() over every running request (or only ``keys``: the others wait, their pending
         tokens kept); raises what execute raised (sessions left as they are)."""
         running = list(self.running.values()) if keys is None else [self.running[key] for key in keys]
-        outputs = self.executor.execute([self._next_input(r) for r in running])
+        outputs = self.executor.execute_outputs([self._next_input(r) for r in running])
         chunks = []
-        for r, tokens in zip(running, outputs):
-            chunk = self._advance(r, tokens)
-            if chunk.finish is not None:
+        for r, output in zip(running, outputs):
+            r.produced += len(output.tokens)
+            r.pending = output.tokens[-1] if output.tokens else r.pending
+            if output.finish is not None:
                 self.leave(r.key)
-            chunks.append(chunk)
+            chunks.append(Chunk(r.key, output.tokens, output.finish))
         return chunks
 
     def _next_input(self, r: _Running) -> Input:
         """A new session's prompt, or a running session's pending token (the fast path).
 
         With the request's remaining room and stop tokens, so the executor may run
-        several cycles in one call (and cut its output where the request ends).
+        several cycles in one call and cut its output where the request ends.
         """
         room, stop = r.request.max_new_tokens - r.produced, r.request.stop
         if r.joined:
             r.joined = False
             return Input(r.session, list(r.request.prompt), max_new_tokens=room, stop=stop)
-        return Input(r.session, [self.executor.session(r.session).pending], max_new_tokens=room, stop=stop)
-
-    def _advance(self, r: _Running, tokens: list[int]) -> Chunk:
-        """Truncate at the first stop token / max_new_tokens; say whether the request is done."""
-        room = r.request.max_new_tokens - r.produced
-        tokens = tokens[:room]
-        for position, token in enumerate(tokens):
-            if token in r.request.stop:
-                r.produced += position + 1
-                return Chunk(r.key, tokens[: position + 1], STOP)
-        r.produced += len(tokens)
-        if r.produced >= r.request.max_new_tokens:
-            return Chunk(r.key, tokens, LENGTH)
-        # The pending token sits AT the frontier; feeding it needs frontier + 1 <= max_context.
-        if self.executor.session(r.session).frontier + 1 > self.executor.dims.max_context:
-            return Chunk(r.key, tokens, CONTEXT)
-        return Chunk(r.key, tokens)
+        return Input(r.session, [r.pending], max_new_tokens=room, stop=stop)

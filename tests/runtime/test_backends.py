@@ -100,8 +100,10 @@ def run_script(backend, dims: c.Dims) -> list[dict[str, torch.Tensor]]:
 
 
 def pool_state(backend) -> dict[str, list[torch.Tensor]]:
+    """The sessions' rows of every pool (a row-indexed backend's scratch row past them is not state)."""
     backend.synchronize()
-    return {name: [t.cpu().clone() for t in pool.keys + pool.values] for name, pool in backend.pools.items()}
+    rows = backend.max_sessions
+    return {name: [t[:rows].cpu().clone() for t in pool.keys + pool.values] for name, pool in backend.pools.items()}
 
 
 def fill_pools(backend, seed: int) -> None:
@@ -109,7 +111,8 @@ def fill_pools(backend, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     for pool in backend.pools.values():
         for tensor in pool.keys + pool.values:
-            tensor.copy_(torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype))
+            sessions = tensor[: backend.max_sessions]  # the same values whether or not a scratch row follows
+            sessions.copy_(torch.randn(sessions.shape, generator=generator, dtype=tensor.dtype))
     if backend.device.type == "cuda":
         torch.cuda.synchronize()
 
