@@ -10,6 +10,12 @@ class DFlashError(Exception):
     """Base class of every error this library raises on purpose."""
 
 
+class UsageError(DFlashError):
+    """A command line asks for what cannot work: a flag's value out of range, flags that do not go
+    together, or artifacts the chosen backend cannot run. Raised before anything is loaded; the
+    ``dflash-trt`` command prints it on one line and exits with 2."""
+
+
 class CheckpointError(DFlashError):
     """A Hugging Face checkpoint (config or tensors) cannot be used."""
 

@@ -596,19 +596,31 @@ class Executor:
         counts = [s.frontier - s.draft_position for s in sessions]
         accepted, tokens, proposals = record[:, ACCEPTED_COLUMN], record[:, NEXT_COLUMN], record[:, PROPOSALS_COLUMN:]
         verdicts = make_verdicts(proposals, accepted, tokens, starts, self.dims.vocab_size)
-        self.log.cycle_counters(len(sessions), P, counts, verdicts, self.tap_row_bytes)
-        rows = []
+        rows, live_counts, live_verdicts = [], [], []
         for lane, verdict, count, start in zip(group.lanes, verdicts, counts, starts):
             s = lane.session
             mode = cycle_mode(start, self.dims.block_size, self.dims.max_context, s.drained_rows)
-            rows.append((s, mode, count + s.drained_rows, start, verdict))
+            context_rows = count + s.drained_rows
             s.draft_position, s.frontier, s.drained_rows = start, verdict.frontier, 0
+            if lane.finished:
+                # Launched before the lane's finishing cycle was read (lag): its tokens are discarded and
+                # the session rewound after the loop, so it is no cycle of the stats.
+                continue
+            before = len(lane.tokens)
             lane.add(verdict.tokens)
+            rows.append((s, mode, context_rows, start, verdict, len(lane.tokens) - before))
+            live_counts.append(count)
+            live_verdicts.append(verdict)
+        if not rows:
+            return
+        self.log.cycle_counters(len(rows), P, live_counts, live_verdicts, self.tap_row_bytes)
         # One device unit: the draft is not timed apart inside a cycle's graph (the whole cycle is verify_ms).
-        self.log.cycle_rows(rows, P, 0.0, device_ms)
+        self.log.cycle_rows(rows, P, 0.0, device_ms, owners=len(group.lanes))
 
     def _read_decode(self, group: Group, record: np.ndarray, device_ms: float) -> None:
-        self.log.decode_rows([lane.session for lane in group.lanes], device_ms)
+        live = [lane.session for lane in group.lanes if not lane.finished]  # a finished lane's read-ahead step is discarded
+        if live:
+            self.log.decode_rows(live, device_ms, owners=len(group.lanes))
         for lane, token in zip(group.lanes, record[:, NEXT_COLUMN]):
             s, token = lane.session, int(token)
             if not 0 <= token < self.dims.vocab_size:
