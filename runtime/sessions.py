@@ -298,6 +298,8 @@ def token_ids(where: str, tokens, vocab_size: int) -> list[int]:
     else:
         msg = f"{where} must be a list, tuple or 1-D integer array of token ids, got {type(tokens).__name__}"
         raise InputError(msg)
+    if set(map(type, values)) <= {int} and (not values or (min(values) >= 0 and max(values) < vocab_size)):
+        return values  # plain ints in range: the common case, checked at C speed (bools are not of type int)
     for j, token in enumerate(values):
         if not is_int(token, numpy=True) or not 0 <= int(token) < vocab_size:
             msg = f"{where}[{j}] must be a token id (an int) in [0, {vocab_size - 1}], got {token!r}"

@@ -41,7 +41,7 @@ import threading
 import time
 from array import array
 from bisect import bisect_right
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -143,6 +143,18 @@ class ColumnStore:
         assert not missing and not extra, f"stats row: missing {missing}, extra {extra}"
         for name, value in row.items():
             self.columns[name].append(value)
+
+    def append_rows(self, count: int, shared: Mapping[str, object], **columns: Sequence) -> None:
+        """``count`` rows at once: ``shared`` values repeated, ``columns`` one value per row (one
+        extend per column instead of one append per value)."""
+        missing = self.schema.keys() - shared.keys() - columns.keys()
+        extra = (shared.keys() | columns.keys()) - self.schema.keys()
+        assert not missing and not extra and not shared.keys() & columns.keys(), f"stats rows: missing {missing}, extra {extra}"
+        assert all(len(values) == count for values in columns.values()), f"stats rows: columns of another length than {count}"
+        for name, value in shared.items():
+            self.columns[name].extend([value] * count)
+        for name, values in columns.items():
+            self.columns[name].extend(values)
 
     def extend(self, other: ColumnStore) -> None:
         for name, values in self.columns.items():
@@ -263,20 +275,21 @@ class StatsLog:
     def cycle_rows(self, rows: list, proposals: int, draft_ms: float, verify_ms: float, owners: int | None = None) -> None:
         """rows: (session, mode, context_rows, start, verdict, delivered) per owner of one call whose tokens
         reached the caller (``delivered`` of them); ``owners``: the call's owners (default: the rows)."""
-        modes = {mode for _, mode, *_ in rows}
+        modes = [mode for _, mode, *_ in rows]
         shared = self._shared(owners or len(rows), DYNAMIC if DYNAMIC in modes else STATIC, draft_ms, verify_ms)
-        for s, mode, context_rows, start, verdict, delivered in rows:
-            self.staged.append(
-                **shared | dict(mode=mode),
-                session=s.id,
-                context_rows=context_rows,
-                proposed=proposals,
-                accepted=verdict.accepted,
-                bonus=verdict.bonus,
-                emitted=delivered,
-                position=start,
-                temperature=s.sampling.temperature,
-            )
+        del shared["mode"]  # per row
+        self.staged.append_rows(
+            len(rows),
+            shared | dict(proposed=proposals),
+            mode=modes,
+            session=[s.id for s, *_ in rows],
+            context_rows=[context_rows for _, _, context_rows, *_ in rows],
+            accepted=[verdict.accepted for *_, verdict, _ in rows],
+            bonus=[verdict.bonus for *_, verdict, _ in rows],
+            emitted=[delivered for *_, delivered in rows],
+            position=[start for _, _, _, start, *_ in rows],
+            temperature=[s.sampling.temperature for s, *_ in rows],
+        )
 
     def target_row(self, s: Session, position: int, target_ms: float) -> None:
         """A token the target produced outside verify (after a prompt/replay or in plain decode)."""
@@ -292,18 +305,13 @@ class StatsLog:
     def _target_tokens(self, tokens: list[tuple[Session, int]], target_ms: float, owners: int | None = None) -> None:
         """One row per (session, position): a token of the target alone, from one launch of ``target_ms``."""
         shared = self._shared(owners or len(tokens), TARGET, 0.0, target_ms)
-        for s, position in tokens:
-            self.staged.append(
-                **shared,
-                session=s.id,
-                context_rows=0,
-                proposed=0,
-                accepted=0,
-                bonus=False,
-                emitted=1,
-                position=position,
-                temperature=s.sampling.temperature,
-            )
+        self.staged.append_rows(
+            len(tokens),
+            shared | dict(context_rows=0, proposed=0, accepted=0, bonus=False, emitted=1),
+            session=[s.id for s, _ in tokens],
+            position=[position for _, position in tokens],
+            temperature=[s.sampling.temperature for s, _ in tokens],
+        )
 
     def commit(self, inputs: int, target_tokens: int, pending_decode: bool) -> None:
         """The batch succeeded: its cycle rows and one execute row land."""
