@@ -11,7 +11,10 @@
    runtime says the plan is valid on this GPU (compute capability, driver),
    the plan deserializes, the engine's own bindings equal the contract, and
    every ``present_*`` cache output is the in-place alias of its ``past_*``
-   input (the runtime binds both to the same pool rows).
+   input (the runtime binds both to the same pool rows), and the semantics
+   probe passed on this GPU with this TensorRT (``prove``: the verdict
+   recorded in engines.json, else the probe runs now and its verdict is
+   recorded).
 
 Every refusal is an ``EngineError`` naming the engine, the binding or file,
 and both values; nothing is left half-loaded.
@@ -20,17 +23,21 @@ and both values; nothing is left half-loaded.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dflash_trt.engines.bindings import INPUT, OUTPUT, Binding, check_io, trt_dtype_name
-from dflash_trt.engines.engine_set import ENGINES_JSON, EngineRecord, EngineSetRecord, read_engine_set
+from dflash_trt.engines.engine_set import ENGINES_JSON, PROBE_NAME, EngineRecord, EngineSetRecord, read_engine_set, write_engine_set
 from dflash_trt.engines.flavour import Flavour, runtime_flavour
+from dflash_trt.engines.verdict import Site, check_verdict, run_probe
 from dflash_trt.errors import EngineError
 from dflash_trt.export.contract import GraphSpec, present_of, profiles_of, sampled_only
 from dflash_trt.export.identity import file_sha256
 from dflash_trt.export.manifest import MANIFEST_FILE
+
+AUTO = object()  # load_engine_set's site: the current CUDA device, if any
 
 
 @dataclass
@@ -60,7 +67,32 @@ def check_engine_set(directory: Path, contract: Mapping[str, GraphSpec]) -> Engi
         _check_plan_file(directory, engine)
         _check_profiles(directory, engine, contract[name])
         check_io(name, contract[name], engine.bindings, f"{ENGINES_JSON} (bindings recorded at build)")
+    _check_probe(directory, record)
     return record
+
+
+def _check_probe(directory: Path, record: EngineSetRecord) -> None:
+    """The probe's plan is there and its recorded IO is the probe its spec describes; a set whose
+    attention relies on TensorRT's causal alignment or key/value lengths and has no probe is
+    refused (nothing would prove their semantics)."""
+    from dflash_trt.engines.probe import ProbeSpec, probe_io
+
+    where = directory / ENGINES_JSON
+    if record.probe is None:
+        if any(a.causal != "NONE" or a.lengths for engine in record.engines.values() for a in engine.attention):
+            msg = (
+                f"{where}: field 'probe' is null, yet the set's attention relies on TensorRT's causal alignment and "
+                "key/value lengths: nothing would prove that TensorRT computes them as the graphs mean on this GPU; "
+                "rebuild the set with `dflash-trt build --onnx DIR`"
+            )
+            raise EngineError(msg)
+        return
+    try:
+        spec = ProbeSpec.from_json(record.probe.spec)
+    except (KeyError, TypeError, ValueError) as error:
+        raise EngineError(f"{where}: field 'probe.spec' is malformed ({type(error).__name__}: {error}); rebuild the set") from error
+    _check_plan_file(directory, record.probe.engine)
+    check_io(PROBE_NAME, probe_io(spec), record.probe.engine.bindings, f"{ENGINES_JSON} (bindings recorded at build)")
 
 
 def _check_profiles(directory: Path, engine: EngineRecord, io: GraphSpec) -> None:
@@ -141,9 +173,11 @@ def check_flavour(record: EngineSetRecord, flavour: Flavour) -> None:
 
 
 def load_engine_set(
-    directory: Path, contract: Mapping[str, GraphSpec], flavour: Flavour | None = None
+    directory: Path, contract: Mapping[str, GraphSpec], flavour: Flavour | None = None, site: Site | None | object = AUTO
 ) -> LoadedEngineSet:
-    """Stage 1, then deserialize every plan and check its bindings (needs a supported GPU)."""
+    """Stage 1, then deserialize every plan and check its bindings, then the probe's verdict for
+    this GPU (run now if none is recorded). ``site``: where the probe runs (default: the current
+    CUDA device). Needs a GPU the plans run on."""
     directory = Path(directory)
     record = check_engine_set(directory, contract)
     flavour = flavour or runtime_flavour(record)
@@ -152,11 +186,41 @@ def load_engine_set(
     runtime = flavour.new_runtime(log, version_compatible=bool(record.build_options.get("version_compatible")))
     engines = {}
     for name, engine_record in record.engines.items():
-        engine = _deserialize(flavour, runtime, log, record, engine_record, directory)
+        engine = deserialize(flavour, runtime, log, record, engine_record, directory)
         check_io(name, contract[name], engine_bindings(engine), "the deserialized plan")
         check_aliases(name, contract[name], engine)
         engines[name] = engine
+    record = prove(directory, record, flavour, runtime, log, Site.current() if site is AUTO else site)
     return LoadedEngineSet(directory, record, flavour, runtime, engines, log)
+
+
+def prove(directory: Path, record: EngineSetRecord, flavour: Flavour, runtime, log, site: Site | None) -> EngineSetRecord:
+    """The probe's verdict for this GPU and TensorRT: the recorded one, else run it now and record
+    it in engines.json (a set in a read-only directory runs it at every load). A failed verdict
+    refuses the set (``verdict.check_verdict``)."""
+    probe = record.probe
+    if probe is None:  # a set of hand-made graphs without attention (check_engine_set refuses the others)
+        return record
+    if site is None:
+        msg = f"engine set {directory}: the semantics probe must run on the GPU that serves the set, and no CUDA GPU is visible"
+        raise EngineError(msg)
+    verdict = probe.verdict_for(site.gpu, flavour.name, flavour.version)
+    if verdict is None:
+        from dflash_trt.engines.probe import ProbeSpec
+
+        engine = deserialize(flavour, runtime, log, record, probe.engine, directory)
+        verdict = run_probe(flavour, engine, ProbeSpec.from_json(probe.spec), site, "load")
+        record = replace(record, probe=replace(probe, verdicts=(*probe.verdicts, verdict)))
+        _save_verdict(directory, record)
+    check_verdict(directory, verdict)
+    return record
+
+
+def _save_verdict(directory: Path, record: EngineSetRecord) -> None:
+    try:
+        write_engine_set(directory, record)
+    except OSError as error:
+        logging.getLogger(__name__).warning("cannot record the probe's verdict in %s (%s): it runs again at the next load", directory / ENGINES_JSON, error)
 
 
 def check_aliases(name: str, io: GraphSpec, engine) -> None:
@@ -173,7 +237,7 @@ def check_aliases(name: str, io: GraphSpec, engine) -> None:
         raise EngineError(msg)
 
 
-def _deserialize(flavour: Flavour, runtime, log, record: EngineSetRecord, engine: EngineRecord, directory: Path):
+def deserialize(flavour: Flavour, runtime, log, record: EngineSetRecord, engine: EngineRecord, directory: Path):
     data = (directory / engine.plan).read_bytes()
     if hashlib.sha256(data).hexdigest() != engine.plan_sha256:
         msg = f"engine {engine.name!r}: plan {engine.plan!r} changed while loading (sha256 differs from {ENGINES_JSON})"

@@ -96,9 +96,28 @@ def check_built_set(built: BuiltSet, specs) -> None:
         engine, served = record.engines[name], [p.graph for p in contract.profiles_of(specs[name])]
         assert list(engine.profiles) == served and len(served) > 1, name
         assert all(len(b.profiles) == len(served) for b in engine.bindings if b.profiles), name
+    check_probe(built, record)
     if built.printed:  # built through the CLI from an export directory
-        assert sum(" built in " in line for line in built.printed.splitlines()) == len(specs)
+        lines = built.printed.splitlines()
+        assert sum(" built in " in line for line in lines) == len(specs) + 1  # the graphs and the probe
+        assert any(line.startswith("[probe] built in") for line in lines)
         assert read_engine_set(built.out).source_manifest["file"] == "manifest.json"
+
+
+def check_probe(built: BuiltSet, record) -> None:
+    """The set carries its semantics probe, built with the set's own attention constructions
+    (target lower-right with lengths and draft non-causal with lengths, or masks), unproven
+    (no GPU here: the first load on one runs it)."""
+    from dflash_trt.engines.probe import ProbeSpec
+
+    probe = record.probe
+    assert probe is not None and probe.verdicts == ()
+    spec = ProbeSpec.from_json(probe.spec)
+    assert (spec.causal, spec.dtype) == (built.causal, contract.DTYPES[built.dtype])
+    masked = built.causal == "mask"
+    kinds = [(a.causal, bool(a.lengths), a.mask) for a in probe.engine.attention]
+    assert kinds == ([("NONE", False, True)] * 2 if masked else [("LOWER_RIGHT", True, False), ("NONE", True, False)])
+    assert (built.out / probe.engine.plan).is_file() and probe.engine.warnings is not None
 
 
 def ancestors(network, tensor) -> set[str]:

@@ -185,7 +185,7 @@ def test_set_missing_an_engine_of_the_contract_is_refused(tmp_path):
 @pytest.mark.parametrize(
     ("edit", "expected"),
     [
-        (lambda d: d.update(format_version=99), r"'format_version' must be 2, got 99"),
+        (lambda d: d.update(format_version=99), r"'format_version' must be 3, got 99"),
         (lambda d: d.update(format="something/else"), r"'format' must be 'dflash-trt/engines'"),
         (lambda d: d["engines"]["prefill"].pop("plan_sha256"), r"malformed field \(KeyError: 'plan_sha256'\)"),
     ],
