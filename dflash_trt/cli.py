@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._run(args) or 0)
     except DFlashError as error:
         print(f"dflash-trt {args.command}: {type(error).__name__}: {error}", file=sys.stderr)
-        return 1
+        return error.exit_status  # 1; 2 for an input the command cannot take (e.g. UnsupportedExportError)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,12 @@ pipeline: catch ``DFlashError`` to catch them all.
 
 
 class DFlashError(Exception):
-    """Base class of every error this library raises on purpose."""
+    """Base class of every error this library raises on purpose.
+
+    ``exit_status``: what the ``dflash-trt`` command exits with when it ends in this error.
+    """
+
+    exit_status = 1
 
 
 class CheckpointError(DFlashError):
@@ -79,6 +84,13 @@ class EngineBuildError(EngineError):
     def __init__(self, message: str, failures: tuple = ()):
         super().__init__(message)
         self.failures = tuple(failures)
+
+
+class UnsupportedExportError(EngineError):
+    """An export a TensorRT build cannot take (fp32 model graphs: ONNX Runtime's configuration),
+    refused before anything is parsed. Like a usage error, the command exits 2."""
+
+    exit_status = 2
 
 
 class CudaError(DFlashError):

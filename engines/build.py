@@ -44,7 +44,7 @@ from dflash_trt.engines.flavour import TIMING_CACHE_FILE, Flavour
 from dflash_trt.engines.probe import ProbeSpec, export_probe, probe_io
 from dflash_trt.engines.sources import GraphSource, load_graph, source_files
 from dflash_trt.engines.verdict import Site, refusal, run_probe
-from dflash_trt.errors import EngineBuildError, EngineError
+from dflash_trt.errors import EngineBuildError, EngineError, UnsupportedExportError
 from dflash_trt.export.contract import GraphSpec, profiles_of, sampled_only
 from dflash_trt.export.identity import file_sha256
 
@@ -120,6 +120,7 @@ def build_engine_set(
     # An old engines.json must never describe the plans this run rewrites.
     (out_dir / ENGINES_JSON).unlink(missing_ok=True)
     _check_sources(sources)
+    refuse_fp32(sources)
     say = progress or (lambda _line: None)
     builder = _SetBuilder(flavour, options, out_dir, echo)
     records, failures = {}, []
@@ -210,6 +211,19 @@ def _check_sources(sources: Sequence[GraphSource]) -> None:
     if bad or dupes or not names:
         msg = f"engine names must be unique file-safe names ([A-Za-z0-9_.@-]+), non-empty list; bad {bad}, duplicated {dupes}, count {len(names)}"
         raise EngineBuildError(msg)
+
+
+def refuse_fp32(sources: Sequence[GraphSource]) -> None:
+    """An fp32 graph with attention is ONNX Runtime's configuration: TensorRT has no fused fp32
+    attention kernel and fails deep in its builder (Myelin: "Attention operation was not supported
+    by a dedicated kernel"), for every head dim. Refused here, before parsing, in one line."""
+    fp32 = [s.name for s in sources if compute_dtype(s.io) == "float32" and attention_nodes(load_graph(s.onnx_path))]
+    if fp32:
+        msg = (
+            f"{', '.join(fp32)}: float32 attention is ONNX Runtime's configuration and TensorRT has no kernel for it; "
+            "re-export with `dflash-trt export --dtype bf16` (or fp16) to build engines"
+        )
+        raise UnsupportedExportError(msg)
 
 
 def _build_error(failures: Sequence[BuildFailure], total: int) -> EngineBuildError:

@@ -43,3 +43,16 @@ def test_bad_checkpoint_gives_a_message_not_a_traceback(tmp_path, capsys):
 def test_no_command_prints_help():
     """Guards against a bare `dflash-trt` crashing instead of showing usage."""
     assert main([]) == 2
+
+
+def test_build_of_an_fp32_export_exits_2_with_one_line(exported_pair, tmp_path, capsys):
+    """Guards against `dflash-trt build` on an fp32 export (ONNX Runtime's configuration)
+    ending in TensorRT's internal Myelin error: it exits 2 with one line naming the graphs
+    and the export to make, before TensorRT is looked for, and writes nothing."""
+    out = tmp_path / "engines"
+    assert main(["build", "--onnx", str(exported_pair.out), "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and captured.out == "", captured
+    assert lines[0].startswith("dflash-trt build: UnsupportedExportError: target_model, draft_model: float32 attention")
+    assert "--dtype bf16" in lines[0] and not out.exists()

@@ -20,12 +20,21 @@ from onnx import TensorProto as TP
 from onnx import helper
 
 from dflash_trt.engines.attention import AttentionBindError, BoundAttention, attention_nodes, bind_attention
-from dflash_trt.engines.build import GRAPH_INPUT, UNREAD_OUTPUT, BuildOptions, build_engine_set, parse_graph, unread_tensors
+from dflash_trt.engines.build import (
+    GRAPH_INPUT,
+    UNREAD_OUTPUT,
+    BuildOptions,
+    _GraphFailed,
+    _SetBuilder,
+    build_engine_set,
+    parse_graph,
+    unread_tensors,
+)
 from dflash_trt.engines.engine_set import ENGINES_JSON, read_engine_set
 from dflash_trt.engines.flavour import load_flavour
 from dflash_trt.engines.load import check_engine_set, load_engine_set
 from dflash_trt.engines.sources import GraphSource, graph_io_from_onnx
-from dflash_trt.errors import EngineBuildError, EngineError
+from dflash_trt.errors import EngineBuildError, EngineError, UnsupportedExportError
 from dflash_trt.export.contract import DimRange
 from dflash_trt.export.identity import file_sha256
 
@@ -199,10 +208,29 @@ def test_a_sampled_verifier_that_fails_leaves_a_greedy_only_set(tmp_path, rtx):
 
 def test_builder_failure_carries_tensorrts_message(tmp_path, rtx):
     """Guards against a failed build_serialized_network (an fp32 attention has
-    no fused kernel in TensorRT-RTX) surfacing as None or a bare 'failed'."""
-    with pytest.raises(EngineBuildError, match="not supported by a dedicated kernel") as caught:
-        build_engine_set([source(tmp_path, "fp32", kv_attention_model(TP.FLOAT))], tmp_path / "out", rtx)
+    no fused kernel in TensorRT-RTX; build_engine_set refuses those before
+    parsing, so the graph goes to the per-graph builder directly) surfacing as
+    None or a bare 'failed'."""
+    with pytest.raises(_GraphFailed) as caught:
+        _SetBuilder(rtx, BuildOptions(), tmp_path).build(source(tmp_path, "fp32", kv_attention_model(TP.FLOAT)))
     assert [f.graph for f in caught.value.failures] == ["fp32"]
+    assert "not supported by a dedicated kernel" in caught.value.failures[0].message
+
+
+def test_fp32_attention_is_refused_before_parsing_in_one_line(tmp_path, monkeypatch):
+    """Guards against TensorRT's internal Myelin error (a page of text, after minutes of parsing
+    at 8B) reaching a user who builds an fp32 export: fp32 attention graphs are refused first,
+    naming them and the export to make instead; fp32 graphs without attention (the verifiers)
+    and bf16 attention graphs pass the check."""
+    from dflash_trt.engines import build
+
+    monkeypatch.setattr(build, "parse_graph", lambda *a: pytest.fail("parsed"))
+    sources = [source(tmp_path, "fp32", kv_attention_model(TP.FLOAT)), source(tmp_path, "argmax", argmax_model())]
+    with pytest.raises(UnsupportedExportError) as caught:
+        build_engine_set(sources, tmp_path / "out", flavour=None)
+    assert "\n" not in str(caught.value) and str(caught.value).startswith("fp32: float32 attention")
+    assert "--dtype bf16" in str(caught.value) and caught.value.exit_status == 2
+    build.refuse_fp32([sources[1], source(tmp_path, "bf16", kv_attention_model(TP.BFLOAT16))])
 
 
 def dead_tensor_model() -> onnx.ModelProto:
