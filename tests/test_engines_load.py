@@ -385,15 +385,18 @@ def test_check_io_lists_every_mismatch_at_once():
         check_io("verify_2", VERIFY, actual, "the built network")
 
 
-def test_missing_tensorrt_is_a_clear_error_not_an_import_traceback(tmp_path, capsys):
+def test_missing_tensorrt_is_a_clear_error_not_an_import_traceback(tmp_path, capsys, monkeypatch):
     """Guards against `dflash-trt build --backend tensorrt` on a machine
-    without TensorRT dying in an ImportError instead of saying what to install."""
+    without TensorRT dying in an ImportError instead of saying what to install
+    (for an export it could build: the export is checked first)."""
     import importlib.util
 
     from dflash_trt import cli
+    from dflash_trt.engines import command
 
     if importlib.util.find_spec("tensorrt") is not None:
         pytest.skip("tensorrt is installed here")
+    monkeypatch.setattr(command, "export_sources", lambda directory: ([], directory / "manifest.json"))
     assert cli.main(["build", "--onnx", str(tmp_path), "--out", str(tmp_path / "e"), "--backend", "tensorrt"]) == 1
     err = capsys.readouterr().err
     assert "needs the Python module 'tensorrt'" in err and "pip install" in err
