@@ -16,8 +16,9 @@ from collections.abc import Callable
 from dflash_trt.errors import EngineError
 
 
-def trt_call(where: str, call: str, method: Callable, *args, none_fails: bool = False):
-    """``method(*args)``; raise ``EngineError`` on an exception, on ``False``, and (``none_fails``) on ``None``.
+def trt_call(where: str, call: str, method: Callable, *args, none_fails: bool = False, false_fails: bool = True):
+    """``method(*args)``; raise ``EngineError`` on an exception, on ``False`` (unless the call
+    answers a question: ``false_fails=False``), and (``none_fails``) on ``None``.
 
     ``where`` names the object (e.g. "engine 'target_model' (target_verify_2)"),
     ``call`` the API (e.g. "set_optimization_profile_async").
@@ -28,7 +29,7 @@ def trt_call(where: str, call: str, method: Callable, *args, none_fails: bool = 
     except Exception as error:  # the bindings raise whatever pybind11 maps TensorRT's failure to
         msg = f"{where}: TensorRT {call}({shown}) raised {type(error).__name__}: {error}"
         raise EngineError(msg) from error
-    if result is False or (none_fails and result is None):
+    if (false_fails and result is False) or (none_fails and result is None):
         msg = f"{where}: TensorRT {call}({shown}) failed (returned {result}; TensorRT's log says why)"
         raise EngineError(msg)
     return result

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from dflash_trt.engines.calls import trt_call
 from dflash_trt.engines.bindings import INPUT, OUTPUT, Binding, check_io, trt_dtype_name
 from dflash_trt.engines.engine_set import ENGINES_JSON, PROBE_NAME, EngineRecord, EngineSetRecord, read_engine_set, write_engine_set
 from dflash_trt.engines.flavour import Flavour, runtime_flavour
@@ -264,7 +265,7 @@ def _check_validity(flavour: Flavour, runtime, record: EngineSetRecord, name: st
     """Ask the runtime whether this GPU/driver/version can run the plan, before deserializing."""
     if not hasattr(runtime, "get_engine_validity"):
         return  # older TensorRT: deserialization itself reports the problem
-    validity, diagnostics = runtime.get_engine_validity(data)
+    validity, diagnostics = trt_call(f"engine {name!r}", "get_engine_validity", runtime.get_engine_validity, data)
     if validity.name != "INVALID":
         return
     reasons = _diagnostic_names(flavour, int(diagnostics)) or ["no diagnostic: is a CUDA GPU and driver present?"]

@@ -11,8 +11,10 @@ A *program* is what one launch does for ``n`` owners at consecutive rows
 
 Every program reads and writes only memory allocated once (this module's
 row-indexed state, the context pool, the backend's pools), so after a first
-eager run it is captured as ONE CUDA graph per (program, n, first_row) when
-the backend is ``capturable`` and replayed from then on. A launch ends with
+eager run it is captured (thread-local mode) as ONE CUDA graph per (program,
+n, first_row) when the backend is ``capturable`` and replayed from then on;
+a capture that fails turns capture off for the loop, which then runs every
+program eagerly (``device.CaptureFallback``: logged once). A launch ends with
 an async copy of the owners' verdict record (accepted, next token,
 proposals) into a pinned host buffer and an event; ``read`` waits for that
 event only. Nothing else in a launch synchronizes the host, so the executor
@@ -50,6 +52,7 @@ import torch
 from dflash_trt.export import contract as c
 from dflash_trt.export.sampling import seed_parts
 from dflash_trt.runtime.backends.base import Backend
+from dflash_trt.runtime.device import CaptureFallback
 from dflash_trt.runtime.sessions import ContextPool
 
 CYCLE, DECODE = "cycle", "decode"  # program kinds
@@ -196,6 +199,7 @@ class DeviceLoop:
             self.reads = [host_buffer((rows, dims.proposals + 2), torch.int64, self.device) for _ in range(2)]
             self.taps_out = torch.zeros((rows, dims.tap_width), dtype=context.taps.dtype, device=self.device)
         self.captured: dict[Key, torch.cuda.CUDAGraph] = {}
+        self.fallback = CaptureFallback("the device loop")
         self.memory = torch.cuda.graph_pool_handle() if self.graphs else None
         self.timeline = Timeline(self.stream)
 
@@ -243,7 +247,11 @@ class DeviceLoop:
         elif self.graphs:
             with self.backend.plain_runs():
                 self._program(key)  # a real cycle, and the warm-up the capture needs
-                self.captured[key] = self._capture(key)
+                graph = self.fallback.capture(f"{key.kind} program for {key.owners} owners at row {key.first}", lambda: self._capture(key))
+            if graph is None:
+                self.graphs = False  # eager from now on (logged once by the fallback)
+            else:
+                self.captured[key] = graph
         else:
             self._program(key)
         self._download(key, slot)
@@ -270,10 +278,18 @@ class DeviceLoop:
         copy_async(pinned.ptr + key.first * row, source, key.owners * row, self.stream)
 
     def _capture(self, key: Key) -> torch.cuda.CUDAGraph:
+        """One program as a CUDA graph, captured in thread-local mode: CUDA calls of other
+        threads (a server's, a logger's) stay legal meanwhile and cannot invalidate it. The
+        capture is always ended, also when the program fails inside it, and the stream
+        restored; the failure propagates (``launch`` falls back to eager)."""
         graph = torch.cuda.CUDAGraph()
-        # Host sync: torch.cuda.graph synchronizes the device before capturing (first use only).
-        with torch.cuda.graph(graph, pool=self.memory, stream=self.backend.stream.torch):
-            self._program(key)
+        torch.cuda.synchronize(self.device)  # host sync: first use of a program key only
+        with torch.cuda.stream(self.backend.stream.torch):
+            graph.capture_begin(pool=self.memory, capture_error_mode="thread_local")
+            try:
+                self._program(key)
+            finally:
+                graph.capture_end()
         return graph
 
     # ------------------------------------------------------------------ programs

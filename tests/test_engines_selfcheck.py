@@ -135,10 +135,10 @@ def test_every_profile_writes_at_another_start_per_owner_the_last_at_the_caches_
     manifest = exported_pair.manifest
     length, block = manifest.max_context, manifest.block_size
     sources, _ = export_sources(exported_pair.out)
-    for source in (s for s in sources if s.name in (contract.TARGET_MODEL, contract.DRAFT_MODEL)):
-        for profile in contract.profiles_of(source.io):
-            feeds = random_feeds(source.io, 0, (1, 3), profile.dims, block)
-            if source.name == contract.TARGET_MODEL:
+    for graph in (s for s in sources if s.name in (contract.TARGET_MODEL, contract.DRAFT_MODEL)):
+        for profile in contract.profiles_of(graph.io):
+            feeds = random_feeds(graph.io, 0, (1, 3), profile.dims, block)
+            if graph.name == contract.TARGET_MODEL:
                 starts, span = feeds[contract.START].tolist(), feeds[contract.TOKENS].shape[1]
             else:
                 starts, span = feeds[contract.CTX_START].tolist(), feeds[contract.CTX_TAPS].shape[1] + block
