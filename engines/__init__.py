@@ -12,6 +12,7 @@ Modules, in pipeline order:
 - ``verdict``    run the probe on a GPU, the verdict, the refusal and its remedy
 - ``calls``      one checker for TensorRT API calls (typed ``EngineError`` naming the call)
 - ``execute``    one run of one engine over torch buffers (the probe's and selfcheck's)
+- ``plan_reader`` a plan streamed into the runtime, hashed as it streams (one read)
 - ``load``       check files + manifest (anywhere), then deserialize + check bindings + the probe's verdict (GPU)
 - ``command``    ``dflash-trt build``
 - ``selfcheck``  ``dflash-trt selfcheck``: every engine against ONNX Runtime on random inputs (GPU)

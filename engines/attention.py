@@ -24,6 +24,8 @@ names each layer output after the ONNX tensor it produces.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,6 +64,33 @@ class BoundAttention:
     @classmethod
     def from_json(cls, data) -> BoundAttention:
         return cls(str(data["node"]), str(data["causal"]), str(data["lengths"]), bool(data["mask"]))
+
+
+def attention_digest(records: Sequence[BoundAttention]) -> str:
+    """sha256 of the records as engines.json writes them (order kept: graph order)."""
+    text = json.dumps([r.to_json() for r in records], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def attention_tag(records: Sequence[BoundAttention]) -> str:
+    """The network name a plan is built with: its attention's digest, stored in the plan (and so
+    under the plan's hash) and reported back by the deserialized engine's ``name``."""
+    return f"dflash-trt attention sha256:{attention_digest(records)}"
+
+
+def record_problems(records: Sequence[BoundAttention]) -> list[str]:
+    """Every record that is not an attention the build makes, naming its field: lower-right causal
+    with key/value lengths (the target), non-causal with lengths (the draft), or a mask alone."""
+    problems = []
+    for index, r in enumerate(records):
+        where = f"attention[{index}] (node {r.node!r})"
+        if r.causal not in (LOWER_RIGHT, NO_CAUSALITY):
+            problems.append(f"{where}.causal is {r.causal!r}; the build makes {LOWER_RIGHT!r} or {NO_CAUSALITY!r} only")
+        elif r.mask and (r.lengths or r.causal != NO_CAUSALITY):
+            problems.append(f"{where} has a mask with causal {r.causal!r} and lengths {r.lengths!r}; a mask comes with neither")
+        elif not r.mask and not r.lengths:
+            problems.append(f"{where}.lengths is empty and there is no mask: it would attend stale cache slots")
+    return problems
 
 
 def attention_nodes(model: onnx.ModelProto) -> list[AttentionNode]:

@@ -21,6 +21,7 @@ plans: a failed probe fails the build (``engines.verdict``).
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shutil
 import time
@@ -28,7 +29,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from dflash_trt.engines.attention import ATTENTION, AttentionBindError, BoundAttention, attention_nodes, bind_attention
+from dflash_trt.engines.attention import (
+    ATTENTION,
+    AttentionBindError,
+    BoundAttention,
+    attention_digest,
+    attention_nodes,
+    attention_tag,
+    bind_attention,
+)
 from dflash_trt.engines.bindings import (
     INPUT,
     OUTPUT,
@@ -267,6 +276,7 @@ class _SetBuilder:
         failures += [BuildFailure(source.name, "", "IO contract", line) for line in io_mismatches(source.io, bindings)]
         if failures:  # both kinds at once: one rebuild fixes all
             raise _GraphFailed(failures)
+        network.name = attention_tag(graph.attention)  # in the plan: the loader checks engines.json's records against it
         plan = self.builder.build_serialized_network(network, config)
         if plan is None:
             errors = self.log.since(mark, "ERROR", "INTERNAL_ERROR") or ["build_serialized_network returned no plan"]
@@ -309,7 +319,7 @@ class _SetBuilder:
         return EngineRecord(
             name=source.name,
             plan=plan_path.name,
-            plan_sha256=file_sha256(plan_path),
+            plan_sha256=hashlib.sha256(memoryview(plan)).hexdigest(),  # from memory: no second read of the file
             plan_bytes=plan_path.stat().st_size,
             sources=dict(source.file_hashes) or {p.name: self._hash(p) for p in source_files(source.onnx_path, model)},
             bindings=tuple(bindings),
@@ -317,6 +327,7 @@ class _SetBuilder:
             profiles=tuple(p.graph for p in profiles_of(source.io)),
             attention=tuple(attention),
             warnings=tuple(self.log.since(mark, "WARNING")),
+            attention_sha256=attention_digest(attention),
         )
 
     def _hash(self, path: Path) -> str:

@@ -33,8 +33,10 @@ run graph each serves, in profile order), the bindings of the built network
 checked against the contract on machines that cannot deserialize the plan,
 and every attention as built: its ONNX node, causal alignment (``LOWER_RIGHT``
 or ``NONE``), the graph tensor bound as its key/value lengths, and whether it
-takes a mask. A set recorded with tensors nothing reads (older builds allowed
-it) is refused.
+takes a mask, with their sha256 (``attention_sha256``; the plan carries the
+same digest as its network name, so the loader checks the records against
+the deserialized engine). A set recorded with tensors nothing reads (older
+builds allowed it) is refused.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class EngineRecord:
     profiles: tuple[str, ...] = ()  # the run graph each optimization profile serves, in order
     attention: tuple[BoundAttention, ...] = ()  # every attention's causality and lengths tensor, as built
     warnings: tuple[str, ...] = ()  # TensorRT's warnings while parsing/building
+    attention_sha256: str = ""  # attention.attention_digest(attention), also in the plan (its network name)
 
     def to_json(self) -> dict:
         return {
@@ -79,6 +82,7 @@ class EngineRecord:
             "build_seconds": round(self.build_seconds, 3),
             "profiles": list(self.profiles),
             "attention": [a.to_json() for a in self.attention],
+            "attention_sha256": self.attention_sha256,
             "warnings": list(self.warnings),
         }
 
@@ -101,6 +105,7 @@ class EngineRecord:
             profiles=tuple(str(p) for p in data.get("profiles", ())),
             attention=tuple(BoundAttention.from_json(a) for a in data.get("attention", ())),
             warnings=tuple(data.get("warnings", ())),
+            attention_sha256=str(data.get("attention_sha256", "")),
         )
 
 

@@ -19,7 +19,14 @@ import torch
 from onnx import TensorProto as TP
 from onnx import helper
 
-from dflash_trt.engines.attention import AttentionBindError, BoundAttention, attention_nodes, bind_attention
+from dflash_trt.engines.attention import (
+    AttentionBindError,
+    BoundAttention,
+    attention_digest,
+    attention_nodes,
+    attention_tag,
+    bind_attention,
+)
 from dflash_trt.engines.build import (
     GRAPH_INPUT,
     UNREAD_OUTPUT,
@@ -425,3 +432,16 @@ def test_two_profiles_one_of_them_one_row_store_the_weight_once(tmp_path, rtx):
     weight_bytes = 4096 * 8192 * 2
     assert record.engines["matmul"].profiles == ("one_row", "eight_rows")
     assert record.engines["matmul"].plan_bytes <= 1.15 * weight_bytes
+
+
+def test_a_plan_carries_the_digest_of_its_attention_as_it_was_built(tmp_path, rtx):
+    """Guards against engines.json's attention records being the only word on how a plan
+    attends (a hand edit would go unnoticed where the plans run): the build records the
+    records' digest and gives the network a name holding it, which TensorRT stores in the plan
+    (the deserialized engine reports it as its name; the loader compares)."""
+    record = build_engine_set([source(tmp_path, "g", kv_attention_model(TP.FLOAT16, validity="lengths", causal=1))], tmp_path / "out", rtx)
+    engine = record.engines["g"]
+    assert [(a.causal, a.lengths) for a in engine.attention] == [("LOWER_RIGHT", "lengths")]
+    assert engine.attention_sha256 == attention_digest(engine.attention)
+    assert attention_tag(engine.attention).encode() in (tmp_path / "out" / "g.plan").read_bytes()
+    assert read_engine_set(tmp_path / "out").engines["g"].attention_sha256 == engine.attention_sha256

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trt.engines.attention import attention_nodes
+from dflash_trt.engines.attention import attention_digest, attention_nodes
 from dflash_trt.engines.build import parse_graph, unread_tensors
 from dflash_trt.engines.engine_set import read_engine_set
 from dflash_trt.engines.flavour import load_flavour
@@ -90,6 +90,7 @@ def check_built_set(built: BuiltSet, specs) -> None:
         causal = "LOWER_RIGHT" if kind.startswith("target") and built.causal == "lengths" else "NONE"
         masked = built.causal == "mask"
         assert {(a.causal, bool(a.lengths), a.mask) for a in engine.attention} <= {(causal, not masked, masked)}, name
+        assert engine.attention_sha256 == attention_digest(engine.attention), name
     dynamic = {name for name, engine in record.engines.items() if any(b.profiles for b in engine.bindings)}
     assert dynamic == {contract.TARGET_MODEL, contract.DRAFT_MODEL, contract.SAMPLE} & set(specs)
     for name in set(specs) & set(contract.MODEL_KINDS):  # one engine per model: a profile per run graph

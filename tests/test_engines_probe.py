@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_trt.engines.attention import BoundAttention
+from dflash_trt.engines.attention import BoundAttention, attention_digest, attention_tag
 from dflash_trt.engines.bindings import TRT_DTYPES
 from dflash_trt.engines.build import _probe_at_build
 from dflash_trt.engines.engine_set import ENGINES_JSON, EngineRecord, ProbeRecord, read_engine_set, write_engine_set
@@ -220,7 +220,7 @@ def probe_set(directory: Path, spec: ProbeSpec = TINY) -> None:
     bindings = bindings_of(probe_io(spec))
     engine = EngineRecord("probe", plan.name, file_sha256(plan), plan.stat().st_size, {"probe.onnx": "0" * 64}, bindings, 0.1, ("probe",))
     attention = (BoundAttention("layers.0/attn", "LOWER_RIGHT", "add_3", False),)
-    engines = {**record.engines, "prefill": replace(record.engines["prefill"], attention=attention)}
+    engines = {**record.engines, "prefill": replace(record.engines["prefill"], attention=attention, attention_sha256=attention_digest(attention))}
     write_engine_set(directory, replace(record, engines=engines, probe=ProbeRecord(engine, spec.to_json())))
 
 
@@ -300,3 +300,30 @@ def test_the_probe_runs_at_build_where_the_builder_has_a_gpu(tmp_path):
     built = _probe_at_build(record, tmp_path, flavour_with(ProbeEngine(TINY)), lines.append, FAKE_GPU)
     assert [(v.passed, v.at) for v in built.probe.verdicts] == [(True, "build")] and "passed on Fake GPU" in lines[0]
     assert _probe_at_build(record, tmp_path, flavour_with(ProbeEngine(TINY)), lines.append, None) is record  # no GPU
+
+
+class NamedEngine(FakeEngine):
+    """An engine that reports its network's name (ICudaEngine.name), as the build set it."""
+
+    def __init__(self, bindings, name):
+        super().__init__(bindings)
+        self.name = name
+
+
+def test_attention_records_edited_with_their_digest_are_refused_by_the_plan(tmp_path):
+    """Guards against a hand edit of engines.json that rewrites an attention record and its
+    attention_sha256 together: the plan carries the digest of the attention it was built with
+    (its network name), so the deserialized engine refuses records that are not its own; its
+    own records load."""
+    probe_set(tmp_path)
+    record = read_engine_set(tmp_path)
+    built = record.engines["prefill"].attention
+    engines = {"prefill": NamedEngine(bindings_of(CONTRACT["prefill"]), attention_tag(built)), "verify_2": FakeEngine(bindings_of(CONTRACT["verify_2"]))}
+    flavour = FakeFlavour(engines={**engines, "probe": ProbeEngine(TINY)})
+    assert sorted(load_engine_set(tmp_path, CONTRACT, flavour, site=FAKE_GPU).engines) == ["prefill", "verify_2"]
+    edited = (replace(built[0], lengths="add_4"),)  # another tensor as its lengths: a valid record, not this plan's
+    prefill = replace(record.engines["prefill"], attention=edited, attention_sha256=attention_digest(edited))
+    write_engine_set(tmp_path, replace(record, engines={**record.engines, "prefill": prefill}))
+    check_engine_set(tmp_path, CONTRACT)  # consistent with itself
+    with pytest.raises(EngineError, match=r"engine 'prefill': field 'attention' of engines.json is not what the plan was built with"):
+        load_engine_set(tmp_path, CONTRACT, flavour, site=FAKE_GPU)
