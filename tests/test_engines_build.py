@@ -240,6 +240,30 @@ def test_fp32_attention_is_refused_before_parsing_in_one_line(tmp_path, monkeypa
     build.refuse_fp32([sources[1], source(tmp_path, "bf16", kv_attention_model(TP.BFLOAT16))])
 
 
+@pytest.mark.parametrize(("validity", "causal"), [("lengths", 1), ("lengths", 0), ("mask", 0)])
+def test_attention_reads_the_cache_unscaled_and_the_query_carries_the_whole_scale(tmp_path, rtx, validity, causal):
+    """Guards against a pass over the whole K cache before every attention: TensorRT's parser
+    multiplies Q and the cache K by sqrt(scale) each (IAttention has no scale), at any scale.
+    After parse_graph the attention reads the KV-cache update's output itself, Q is multiplied
+    by the product of the parser's two [1, 1, 1, 1] factors, nothing is left unread, and the
+    strict build succeeds (the probe checks the numbers where the plans run)."""
+    trt = rtx.trt
+    src = source(tmp_path, "g", kv_attention_model(TP.BFLOAT16, validity=validity, causal=causal))
+    log = rtx.new_log()
+    graph = parse_graph(rtx, trt.Builder(log), log, src)
+    made = producers(graph.network)
+    (attention,) = attention_inputs(trt, graph.network)
+    assert made[attention.get_input(1).name].type == trt.LayerType.KV_CACHE_UPDATE
+    query = made[attention.get_input(0).name]
+    query.__class__ = trt.IElementWiseLayer
+    assert query.op == trt.ElementWiseOperation.PROD and query.get_input(0).name == "q"
+    factor = made[query.get_input(1).name]
+    factor.__class__ = trt.IElementWiseLayer
+    assert factor.op == trt.ElementWiseOperation.PROD and tuple(factor.get_output(0).shape) == (1, 1, 1, 1)
+    assert unread_tensors(graph.network) == []
+    assert set(build_engine_set([src], tmp_path / "out", rtx).engines) == {"g"}
+
+
 def dead_tensor_model() -> onnx.ModelProto:
     """Relu, plus a graph input no node reads and an Add whose output nothing reads."""
     value = helper.make_tensor_value_info
@@ -318,12 +342,13 @@ def test_attention_binding_needs_an_api_that_can_set_it():
         type = "ATTENTION_OUTPUT"
         name = "attn_AttentionOutput"
         num_outputs = 1
+        num_inputs = 0
 
         def get_output(self, index):
             return SimpleNamespace(name="out")
 
     trt = SimpleNamespace(LayerType=SimpleNamespace(ATTENTION_OUTPUT="ATTENTION_OUTPUT"), IAttentionOutputLayer=Layer)
-    network = SimpleNamespace(num_layers=1, num_inputs=0, get_layer=lambda i: Layer())
+    network = SimpleNamespace(num_layers=1, num_inputs=0, num_outputs=0, get_layer=lambda i: Layer())
     Layer.attention = OldAttention()
     nodes = attention_nodes(kv_attention_model(validity="lengths", causal=1))
     with pytest.raises(AttentionBindError, match=r"TensorRT 10\.16\.0.*need TensorRT >= 11\.0.*--causal mask") as caught:

@@ -180,4 +180,8 @@ def test_every_parsed_attention_is_lower_right_causal_or_non_causal_with_its_len
             cast = next(l for l in layers if l.num_outputs and l.get_output(0).name == lengths.name)
             assert cast.type == trt.LayerType.CAST and cast.get_input(0).name == node.lengths, source.name
             assert LENGTH_INPUTS[kind] <= ancestors(network, lengths), source.name
+        for layer in (l for l in layers if l.type == trt.LayerType.ATTENTION_INPUT):  # the cache read unscaled
+            layer.__class__ = trt.IAttentionInputLayer
+            keys = next(l for l in layers if l.num_outputs and l.get_output(0).name == layer.attention.get_input(1).name)
+            assert keys.type == trt.LayerType.KV_CACHE_UPDATE, source.name
         assert unread_tensors(network) == [], source.name
