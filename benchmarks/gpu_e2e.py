@@ -43,7 +43,8 @@ from dflash_trt.export.contract import Dims
 from dflash_trt.export.pair import DEFAULT_PAIR_DIR, load_pair
 from dflash_trt.runtime.backends.torch_backend import TorchBackend
 from dflash_trt.runtime.executor import Executor
-from dflash_trt.runtime.generate import Request, stream
+from dflash_trt.runtime.generate import stream
+from dflash_trt.runtime.serving.batcher import Request
 
 PROMPT_TOKENS, NEW_TOKENS = 192, 128
 PROMPTS_PER_SESSION = {1: 6, 4: 4, 16: 3}  # prompts = sessions x this (continuous batching past 1)

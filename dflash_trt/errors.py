@@ -108,12 +108,12 @@ class CudaError(DFlashError):
 
 
 class ServingError(DFlashError):
-    """The serving engine (``runtime.engine``) refused a request; see the subclasses."""
+    """the serving loop (``runtime.serving.loop``) refused a request; see the subclasses."""
 
 
 class QueueFullError(ServingError):
-    """The serving engine's request queue is full (backpressure): nothing was queued, retry later."""
+    """the serving loop's request queue is full (backpressure): nothing was queued, retry later."""
 
 
-class EngineClosedError(ServingError):
-    """The serving engine is closed (or stopped after an internal error) and accepts no request."""
+class ServingClosedError(ServingError):
+    """the serving loop is closed (or stopped after an internal error) and accepts no request."""

@@ -159,7 +159,10 @@ def up_to_date(target_dir: str | Path, draft_dir: str | Path, out_dir: str | Pat
 def contract_dims(target: TargetModel, draft: DraftModel, options: ExportOptions) -> Dims:
     """The contract dims of a pair under resolved options."""
     t, d = target.config, draft.config
-    return Dims(
+    return Dims.of(
+        (t.num_layers, t.num_kv_heads, t.head_dim),
+        (d.num_layers, d.num_kv_heads, d.head_dim),
+        DTYPES[options.dtype],
         vocab_size=t.vocab_size,
         tap_width=target.tap_width,
         block_size=d.block_size,
@@ -167,13 +170,6 @@ def contract_dims(target: TargetModel, draft: DraftModel, options: ExportOptions
         max_owners=options.max_owners,
         max_context=options.max_context,
         max_chunk=options.max_chunk,
-        target_layers=t.num_layers,
-        target_kv_heads=t.num_kv_heads,
-        target_head_dim=t.head_dim,
-        draft_layers=d.num_layers,
-        draft_kv_heads=d.num_kv_heads,
-        draft_head_dim=d.head_dim,
-        dtype=DTYPES[options.dtype],
     )
 
 

@@ -123,22 +123,8 @@ class Manifest:
 
     def dims(self) -> Dims:
         """The contract dims these facts imply (ValueError if they are out of range)."""
-        return Dims(
-            vocab_size=self.vocab_size,
-            tap_width=self.tap_width,
-            block_size=self.block_size,
-            proposals=self.proposals,
-            max_owners=self.max_owners,
-            max_context=self.max_context,
-            max_chunk=self.max_chunk,
-            target_layers=self.target.layers,
-            target_kv_heads=self.target.kv_heads,
-            target_head_dim=self.target.head_dim,
-            draft_layers=self.draft.layers,
-            draft_kv_heads=self.draft.kv_heads,
-            draft_head_dim=self.draft.head_dim,
-            dtype=DTYPES[self.dtype],
-        )
+        target, draft = ((g.layers, g.kv_heads, g.head_dim) for g in (self.target, self.draft))
+        return Dims.of(target, draft, DTYPES[self.dtype], **{name: getattr(self, name) for name in contract.SIZE_FIELDS})
 
     def to_json(self) -> dict:
         data = {k: v for k, v in asdict(self).items() if k != "graphs"}

@@ -27,7 +27,8 @@ from pathlib import Path
 from dflash_trt.cli import positive_int
 from dflash_trt.errors import InputError, TokenizerError
 from dflash_trt.runtime.executor import Executor
-from dflash_trt.runtime.generate import Completion, Request, collect, stream
+from dflash_trt.runtime.generate import collect, stream
+from dflash_trt.runtime.serving.batcher import Completion, Request
 from dflash_trt.runtime.stats import TARGET
 
 BACKEND_CHOICES = ("onnxruntime", "torch", "tensorrt")

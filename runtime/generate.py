@@ -9,167 +9,26 @@ request's remaining room and stop tokens, so one call runs up to the
 executor's ``max_cycles`` cycles per session, the device never waiting for
 the host between them.
 
-``Batcher`` is that loop's state, shared with ``runtime.engine.Engine``
-(requests arriving from other threads); ``stream`` drives it over a fixed list.
+``runtime.serving.batcher.Batcher`` is that loop's state, shared with the
+serving loop (requests arriving from other threads); ``stream`` drives it over
+a fixed list.
 
 ``collect(chunks, count)`` folds a stream into one ``Completion`` per
 request; ``generate(executor, prompts, ...)`` is ``stream`` + ``collect``
 (text too, when given a tokenizer).
 
-A request finishes at its first stop token (kept), at ``max_new_tokens``, or
-when the context is full (its next token would sit at ``max_context``).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
 
 from dflash_trt.checks import is_int
 from dflash_trt.errors import InputError, SamplingError
-from dflash_trt.export.sampling import check_sampling
 from dflash_trt.runtime.executor import Executor
-from dflash_trt.runtime.sessions import SEED_LIMIT, Input, check_seed, token_ids
-
-STOP, LENGTH, CONTEXT = "stop", "length", "context"  # finish reasons
-
-
-@dataclass(frozen=True)
-class Request:
-    """One prompt (token ids) with its limits and sampling (seed: of the sampling noise, see export.sampling)."""
-
-    prompt: Sequence[int]
-    max_new_tokens: int = 64
-    stop: tuple[int, ...] = ()
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """New tokens of request ``index`` (the key it joined with); ``finish`` is set on its last chunk."""
-
-    index: Hashable
-    tokens: list[int]
-    finish: str | None = None
-
-
-@dataclass
-class Completion:
-    tokens: list[int] = field(default_factory=list)
-    finish: str | None = None
-    text: str | None = None
-
-
-@dataclass
-class _Running:
-    key: Hashable
-    request: Request
-    session: int
-    produced: int = 0
-    joined: bool = True  # the next input is the prompt (then the pending token)
-
-
-def check_request(index: int, request: Request, max_context: int, vocab_size: int) -> Request:
-    """Refuse a request that can never run (before any session opens); returns it with plain values."""
-    where = f"request[{index}]"
-    if not isinstance(request, Request):
-        raise InputError(f"{where} must be a Request, got {type(request).__name__}")
-    max_new = request.max_new_tokens
-    if not is_int(max_new, numpy=True) or max_new < 1:
-        raise InputError(f"{where}.max_new_tokens must be an int >= 1 (not a bool), got {max_new!r}")
-    prompt = token_ids(f"{where}.prompt", request.prompt, vocab_size)
-    if not 1 <= len(prompt) <= max_context - 1:
-        msg = f"{where}.prompt must hold 1..{max_context - 1} tokens (max_context - 1), got {len(prompt)}"
-        raise InputError(msg)
-    stop = token_ids(f"{where}.stop", request.stop, vocab_size)
-    try:
-        temperature, top_k, top_p = check_sampling(request.temperature, request.top_k, request.top_p, vocab_size)
-        seed = check_seed(request.seed)
-    except SamplingError as error:
-        raise SamplingError(f"{where}: {error}") from error
-    return Request(prompt, int(max_new), tuple(stop), temperature, top_k, top_p, seed)
-
-
-class Batcher:
-    """Continuous batching over one executor: the running requests, one execute() per ``step``.
-
-    ``join`` opens a session for a request (its prompt is the next input),
-    ``step`` runs one batch of every running request (prompts of the joined
-    ones, pending tokens of the others: the fast path) and returns a chunk per
-    request; finished requests leave inside ``step`` (session closed).
-    ``leave`` closes a request's session early (cancelled, or poisoned by a
-    failed step). Not thread-safe: one caller drives it.
-    """
-
-    def __init__(self, executor: Executor, max_running: int | None = None) -> None:
-        self.executor = executor
-        self.capacity = min(max_running or executor.max_sessions, executor.max_sessions)
-        self.running: dict[Hashable, _Running] = {}  # in join order
-
-    @property
-    def room(self) -> int:
-        return self.capacity - len(self.running)
-
-    def join(self, key: Hashable, request: Request) -> None:
-        session = self.executor.open_session()
-        try:
-            self.executor.set_sampling(session, request.temperature, request.top_k, request.top_p, request.seed)
-        except BaseException:
-            self.executor.close_session(session)
-            raise
-        self.running[key] = _Running(key, request, session)
-
-    def leave(self, key: Hashable) -> None:
-        self.executor.close_session(self.running.pop(key).session)
-
-    def close(self) -> None:
-        for key in list(self.running):
-            self.leave(key)
-
-    def step(self, keys: Iterable[Hashable] | None = None) -> list[Chunk]:
-        """One execute() over every running request (or only ``keys``: the others wait, their pending
-        tokens kept); raises what execute raised (sessions left as they are)."""
-        running = list(self.running.values()) if keys is None else [self.running[key] for key in keys]
-        outputs = self.executor.execute([self._next_input(r) for r in running])
-        chunks = []
-        for r, tokens in zip(running, outputs):
-            chunk = self._advance(r, tokens)
-            if chunk.finish is not None:
-                self.leave(r.key)
-            chunks.append(chunk)
-        return chunks
-
-    def _next_input(self, r: _Running) -> Input:
-        """A new session's prompt, or a running session's pending token (the fast path).
-
-        With the request's remaining room and stop tokens, so the executor may run
-        several cycles in one call (and cut its output where the request ends).
-        """
-        room, stop = r.request.max_new_tokens - r.produced, r.request.stop
-        if r.joined:
-            r.joined = False
-            return Input(r.session, list(r.request.prompt), max_new_tokens=room, stop=stop)
-        return Input(r.session, [self.executor.session(r.session).pending], max_new_tokens=room, stop=stop)
-
-    def _advance(self, r: _Running, tokens: list[int]) -> Chunk:
-        """Truncate at the first stop token / max_new_tokens; say whether the request is done."""
-        room = r.request.max_new_tokens - r.produced
-        tokens = tokens[:room]
-        for position, token in enumerate(tokens):
-            if token in r.request.stop:
-                r.produced += position + 1
-                return Chunk(r.key, tokens[: position + 1], STOP)
-        r.produced += len(tokens)
-        if r.produced >= r.request.max_new_tokens:
-            return Chunk(r.key, tokens, LENGTH)
-        # The pending token sits AT the frontier; feeding it needs frontier + 1 <= max_context.
-        if self.executor.session(r.session).frontier + 1 > self.executor.dims.max_context:
-            return Chunk(r.key, tokens, CONTEXT)
-        return Chunk(r.key, tokens)
+from dflash_trt.runtime.serving.batcher import Batcher, Chunk, Completion, Request, check_request
+from dflash_trt.runtime.sessions import SEED_LIMIT
 
 
 def stream(executor: Executor, requests: Iterable[Request], max_sessions: int | None = None) -> Iterator[Chunk]:

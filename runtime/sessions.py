@@ -147,6 +147,22 @@ def check_seed(seed) -> int:
     return int(seed)
 
 
+STOP, LENGTH, CONTEXT = "stop", "length", "context"  # why an input's output ended (Output.finish)
+
+
+@dataclass(frozen=True)
+class Output:
+    """What one input produced: its new tokens and, when it cannot go on, why.
+
+    ``finish``: ``STOP`` (its last token is one of the input's ``stop``),
+    ``LENGTH`` (``max_new_tokens`` reached), ``CONTEXT`` (the session's next
+    token would sit at ``max_context``), or None (it may continue).
+    """
+
+    tokens: list[int]
+    finish: str | None = None
+
+
 @dataclass(frozen=True)
 class Input:
     """One batch input (docs/design.md §5): ``tokens[offset : offset + size]`` at positions from ``position + offset``.

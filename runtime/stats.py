@@ -46,7 +46,7 @@ import numpy as np
 import polars as pl
 
 if TYPE_CHECKING:
-    from dflash_trt.runtime.cycles import Burst
+    from dflash_trt.runtime.cycles import Verdict
     from dflash_trt.runtime.sessions import Session
 
 SCHEMA_VERSION = 1
@@ -234,7 +234,7 @@ class StatsLog:
         self.counters[rows_name] += rows
         self.counters[rows_name.replace("rows", "bytes")] += rows * row_bytes
 
-    def cycle_counters(self, n: int, proposals: int, counts: list[int], bursts: list[Burst], row_bytes: int) -> None:
+    def cycle_counters(self, n: int, proposals: int, counts: list[int], verdicts: list[Verdict], row_bytes: int) -> None:
         k = self.counters
         k["target_verify_calls"] += 1
         k["target_verify_forwards"] += 1
@@ -243,9 +243,9 @@ class StatsLog:
         k["warmed_context_tokens"] += sum(counts)
         k["cycles"] += n
         k["proposed"] += n * proposals
-        k["accepted"] += sum(b.accepted for b in bursts)
-        k["bonuses"] += sum(b.bonus for b in bursts)
-        k["rejected"] += sum(not b.bonus for b in bursts)
+        k["accepted"] += sum(b.accepted for b in verdicts)
+        k["bonuses"] += sum(b.bonus for b in verdicts)
+        k["rejected"] += sum(not b.bonus for b in verdicts)
         self.count("hidden_rows_d2d", n * (proposals + 1), row_bytes)
 
     def _shared(self, owners: int, mode: str, draft_ms: float, verify_ms: float) -> dict:
@@ -257,18 +257,18 @@ class StatsLog:
         return shared | dict(draft_ms=draft_ms, verify_ms=verify_ms, host_ms=host_ms, end_ms=(end - self.origin) * 1000.0)
 
     def cycle_rows(self, rows: list, proposals: int, draft_ms: float, verify_ms: float) -> None:
-        """rows: (session, mode, context_rows, start, burst) per owner of one call."""
+        """rows: (session, mode, context_rows, start, verdict) per owner of one call."""
         modes = {mode for _, mode, *_ in rows}
         shared = self._shared(len(rows), DYNAMIC if DYNAMIC in modes else STATIC, draft_ms, verify_ms)
-        for s, mode, context_rows, start, burst in rows:
+        for s, mode, context_rows, start, verdict in rows:
             self.staged.append(
                 **shared | dict(mode=mode),
                 session=s.id,
                 context_rows=context_rows,
                 proposed=proposals,
-                accepted=burst.accepted,
-                bonus=burst.bonus,
-                emitted=len(burst.tokens),
+                accepted=verdict.accepted,
+                bonus=verdict.bonus,
+                emitted=len(verdict.tokens),
                 position=start,
                 temperature=s.sampling.temperature,
             )

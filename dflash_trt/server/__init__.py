@@ -1,1 +1,1 @@
-"""The OpenAI-compatible HTTP server over ``runtime.engine.Engine`` (``dflash-trt serve``; the ``serve`` extra)."""
+"""The OpenAI-compatible HTTP server over ``runtime.serving.loop.ServingLoop`` (``dflash-trt serve``; the ``serve`` extra)."""

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API over one ``Engine`` (FastAPI; served by uvicorn).
+"""The OpenAI-compatible HTTP API over one ``ServingLoop`` (FastAPI; served by uvicorn).
 
 | route | what |
 | --- | --- |
@@ -9,15 +9,15 @@
 | ``GET /metrics`` | Prometheus text format (``server.prometheus``) |
 
 ``stream: true`` answers with server-sent events (FastAPI's encoder), one
-event per delivery of the engine (a DFlash cycle's accepted tokens arrive
+event per delivery of the serving loop (a DFlash cycle's accepted tokens arrive
 together), then ``[DONE]``. A client that disconnects cancels its request,
-streamed or not: the engine closes its session at the next gap between executes.
+streamed or not: the serving loop closes its session at the next gap between executes.
 
 Errors have OpenAI's shape ``{"error": {message, type, param, code}}``:
 400 for malformed JSON, unknown fields, out-of-range values, a prompt that
 does not fit the context; 404 for another model name or route; 429 when the
-engine's queue is full (nothing queued: retry); 503 once the engine is
-closed; 500 when the engine failed the request (a failed batch). An error
+serving loop's queue is full (nothing queued: retry); 503 once the serving loop is
+closed; 500 when the serving loop failed the request (a failed batch). An error
 after a stream started is sent as a last ``{"error": ...}`` event.
 """
 
@@ -35,10 +35,10 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException
 
-from dflash_trt.errors import DFlashError, EngineClosedError, InputError, QueueFullError, SamplingError, TokenizerError
-from dflash_trt.runtime.engine import Engine, RequestHandle
+from dflash_trt.errors import DFlashError, ServingClosedError, InputError, QueueFullError, SamplingError, TokenizerError
+from dflash_trt.runtime.serving.loop import ServingLoop, RequestHandle
 from dflash_trt.server import schema
-from dflash_trt.server.prometheus import EngineCollector
+from dflash_trt.server.prometheus import ServingCollector
 
 REQUEST_ERRORS = (InputError, SamplingError, TokenizerError)
 
@@ -51,12 +51,12 @@ class ApiError(Exception):
         self.status, self.body = status, schema.error_body(message, kind, param, code)
 
 
-def create_app(engine: Engine, model: str) -> FastAPI:
-    """The API over ``engine`` serving ``model`` (the name clients must send)."""
+def create_app(serving: ServingLoop, model: str) -> FastAPI:
+    """The API over ``serving`` serving ``model`` (the name clients must send)."""
     app = FastAPI(title="dflash-trt", docs_url=None, redoc_url=None)
-    app.state.engine, app.state.model = engine, model
+    app.state.serving, app.state.model = serving, model
     app.state.registry = CollectorRegistry()
-    app.state.registry.register(EngineCollector(engine, model))
+    app.state.registry.register(ServingCollector(serving, model))
     _add_error_handlers(app)
     _add_routes(app)
     return app
@@ -92,13 +92,13 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_routes(app: FastAPI) -> None:
-    engine: Engine = app.state.engine
+    serving: ServingLoop = app.state.serving
     model: str = app.state.model
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = engine.healthy
-        body = {"status": "ok" if ok else "unavailable", "speculate": engine.executor.speculate}
+        ok = serving.healthy
+        body = {"status": "ok" if ok else "unavailable", "speculate": serving.executor.speculate}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -107,14 +107,14 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        served = {"id": model, "object": "model", "created": 0, "owned_by": "dflash-trt", "speculate": engine.executor.speculate,
-                  "max_sessions": engine.executor.max_sessions, "max_context": engine.executor.dims.max_context}
+        served = {"id": model, "object": "model", "created": 0, "owned_by": "dflash-trt", "speculate": serving.executor.speculate,
+                  "max_sessions": serving.executor.max_sessions, "max_context": serving.executor.dims.max_context}
         return {"object": "list", "data": [served]}
 
     @app.post("/v1/completions")
     async def completions(body: schema.CompletionRequest, request: Request):
         _check_model(body.model, model)
-        handle = _submit(engine, body.prompt_value(), body.max_tokens or 16, body.sampling())
+        handle = _submit(serving, body.prompt_value(), body.max_tokens or 16, body.sampling())
         request_id = f"cmpl-{handle.id}"
         if body.stream:
             return _stream(_completion_events(handle, request_id, model, body.include_usage))
@@ -124,8 +124,8 @@ def _add_routes(app: FastAPI) -> None:
     @app.post("/v1/chat/completions")
     async def chat(body: schema.ChatRequest, request: Request):
         _check_model(body.model, model)
-        prompt = _render_chat(engine, body)
-        handle = _submit(engine, prompt, body.limit or engine.executor.dims.max_context, body.sampling())
+        prompt = _render_chat(serving, body)
+        handle = _submit(serving, prompt, body.limit or serving.executor.dims.max_context, body.sampling())
         request_id = f"chatcmpl-{handle.id}"
         if body.stream:
             return _stream(_chat_events(handle, request_id, model, body.include_usage))
@@ -138,22 +138,22 @@ def _check_model(asked: str, served: str) -> None:
         raise ApiError(404, f"The model `{asked}` does not exist (this server serves `{served}`)", "not_found_error", "model", "model_not_found")
 
 
-def _render_chat(engine: Engine, body: schema.ChatRequest) -> str:
-    if engine.tokenizer is None:
+def _render_chat(serving: ServingLoop, body: schema.ChatRequest) -> str:
+    if serving.tokenizer is None:
         raise ApiError(400, "this server has no tokenizer: chat completions need one", param="messages")
     try:
-        return engine.tokenizer.apply_chat([m.as_template_message() for m in body.messages])
+        return serving.tokenizer.apply_chat([m.as_template_message() for m in body.messages])
     except TokenizerError as error:
         raise ApiError(400, f"{error} (start the server with --chat-template FILE)", param="messages") from error
 
 
-def _submit(engine: Engine, prompt, max_tokens: int, sampling: dict) -> RequestHandle:
-    """``Engine.submit`` with its typed refusals as HTTP errors."""
+def _submit(serving: ServingLoop, prompt, max_tokens: int, sampling: dict) -> RequestHandle:
+    """``ServingLoop.submit`` with its typed refusals as HTTP errors."""
     try:
-        return engine.submit(prompt, max_tokens, **sampling)
+        return serving.submit(prompt, max_tokens, **sampling)
     except QueueFullError as error:
         raise ApiError(429, str(error), "rate_limit_error", code="queue_full") from error
-    except EngineClosedError as error:
+    except ServingClosedError as error:
         raise ApiError(503, str(error), "server_error", code="shutting_down") from error
     except REQUEST_ERRORS as error:
         code = "context_length_exceeded" if "prompt must hold" in str(error) else None
@@ -183,7 +183,7 @@ async def _result(handle: RequestHandle, request: Request):
     try:
         return completion.result()
     except DFlashError as error:
-        raise ApiError(500, f"the engine failed this request: {type(error).__name__}: {error}", "server_error") from error
+        raise ApiError(500, f"the serving loop failed this request: {type(error).__name__}: {error}", "server_error") from error
 
 
 async def _completion(handle: RequestHandle):
@@ -237,7 +237,7 @@ async def _completion_events(handle: RequestHandle, request_id: str, model: str,
             async for delta in deltas:
                 yield schema.completion_object(request_id, model, delta.text or "", delta.finish, None, chunk=True)
     except DFlashError as error:
-        yield schema.error_body(f"the engine failed this request: {type(error).__name__}: {error}", "server_error")
+        yield schema.error_body(f"the serving loop failed this request: {type(error).__name__}: {error}", "server_error")
         return
     if include_usage:
         yield schema.usage_chunk(request_id, model, "text_completion", _usage(handle))
@@ -250,7 +250,7 @@ async def _chat_events(handle: RequestHandle, request_id: str, model: str, inclu
             async for delta in deltas:
                 yield schema.chat_chunk(request_id, model, {"content": delta.text or ""}, delta.finish)
     except DFlashError as error:
-        yield schema.error_body(f"the engine failed this request: {type(error).__name__}: {error}", "server_error")
+        yield schema.error_body(f"the serving loop failed this request: {type(error).__name__}: {error}", "server_error")
         return
     if include_usage:
         yield schema.usage_chunk(request_id, model, "chat.completion.chunk", _usage(handle))

@@ -11,8 +11,8 @@ Without ``--artifacts`` the default pair is exported to the cache exactly as
 torch``, which runs the checkpoints (``--target``/``--draft``) directly with
 the export's default geometry (``--dtype``, ``--max-owners``). The tokenizer (text
 prompts, chat template, stop tokens) is the first ``tokenizer.json`` among
-``--tokenizer``, the artifacts dir and ``--target``. One engine serves every
-connection: one executor on one background thread (``runtime.engine``).
+``--tokenizer``, the artifacts dir and ``--target``. One serving loop serves every
+connection: one executor on one background thread (``runtime.serving.loop``).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def _tokenizer(args):
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_trt.runtime.engine import Engine
+    from dflash_trt.runtime.serving.loop import ServingLoop
     from dflash_trt.runtime.executor import Executor
 
     uvicorn, create_app = _imports()
@@ -91,15 +91,15 @@ def run(args: argparse.Namespace) -> int:
     with _open_backend(args) as backend:
         executor = Executor(backend, max_sessions=args.max_sessions, speculate=not args.no_draft, max_cycles=args.max_cycles)
         stop_ids = tokenizer.stop_ids if tokenizer is not None else command._manifest_stops(args.artifacts)
-        engine = Engine(executor, tokenizer, max_queue=args.max_queue, stop_ids=stop_ids)
+        serving = ServingLoop(executor, tokenizer, max_queue=args.max_queue, stop_ids=stop_ids)
         try:
             mode = "DFlash" if executor.speculate else "plain target decoding (--no-draft)"
             print(f"serving {model} ({args.backend}, {executor.max_sessions} sessions, {mode}) on http://{args.host}:{args.port}/v1", flush=True)
-            config = uvicorn.Config(create_app(engine, model), host=args.host, port=args.port, log_level=args.log_level,
+            config = uvicorn.Config(create_app(serving, model), host=args.host, port=args.port, log_level=args.log_level,
                                     timeout_graceful_shutdown=args.shutdown_timeout)
             _run_until_signal(uvicorn.Server(config))
         finally:
-            engine.close(drain=False, timeout=30)
+            serving.close(drain=False, timeout=30)
     return 0
 
 
@@ -142,7 +142,7 @@ def _stop(_signal, _frame) -> None:
 
 def _run_until_signal(server) -> None:
     """Serve until SIGINT / SIGTERM. uvicorn shuts down gracefully, then re-raises the signal it caught:
-    both end here as KeyboardInterrupt, so the engine and the backend close and the exit code is 0."""
+    both end here as KeyboardInterrupt, so the serving loop and the backend close and the exit code is 0."""
     previous = signal.signal(signal.SIGTERM, _stop)
     try:
         server.run()

@@ -1,6 +1,6 @@
-"""``GET /metrics``: the engine's metrics snapshot as Prometheus families (prometheus-client).
+"""``GET /metrics``: the serving loop's metrics snapshot as Prometheus families (prometheus-client).
 
-One ``Engine.metrics()`` call per scrape feeds every family, so a scrape is
+One ``ServingLoop.metrics()`` call per scrape feeds every family, so a scrape is
 consistent. Latency windows are exposed as gauges with a ``quantile`` label
 (seconds): ``dflash_trt_time_to_first_token_seconds{quantile="0.99"}``.
 
@@ -20,18 +20,18 @@ from __future__ import annotations
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from dflash_trt.runtime.engine import Engine
-from dflash_trt.runtime.metrics import OUTCOMES, Percentiles
+from dflash_trt.runtime.serving.loop import ServingLoop
+from dflash_trt.runtime.serving.metrics import OUTCOMES, Percentiles
 
 PREFIX = "dflash_trt"
 
 
-class EngineCollector(Collector):
-    def __init__(self, engine: Engine, model: str) -> None:
-        self.engine, self.model = engine, model
+class ServingCollector(Collector):
+    def __init__(self, serving: ServingLoop, model: str) -> None:
+        self.serving, self.model = serving, model
 
     def collect(self):
-        m = self.engine.metrics()
+        m = self.serving.metrics()
         yield self._gauge("requests_running", "Requests holding a session", m.running)
         yield self._gauge("requests_queued", "Accepted requests waiting for a session", m.queued)
         requests = CounterMetricFamily(f"{PREFIX}_requests", "Requests by outcome", labels=["model", "outcome"])

@@ -20,8 +20,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dflash_trt.runtime.engine import CANCELLED
-from dflash_trt.runtime.generate import CONTEXT, LENGTH, STOP
+from dflash_trt.runtime.serving.loop import CANCELLED
+from dflash_trt.runtime.serving.batcher import CONTEXT, LENGTH, STOP
 
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
 SEED_MAX = (1 << 64) - 1
@@ -56,7 +56,7 @@ class _Sampled(BaseModel):
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
 
     def sampling(self) -> dict:
-        """Keyword arguments of ``Engine.submit`` (OpenAI's defaults for what was left out)."""
+        """Keyword arguments of ``ServingLoop.submit`` (OpenAI's defaults for what was left out)."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         temperature = 1.0 if self.temperature is None else self.temperature
         return dict(temperature=temperature, top_p=self.top_p or 1.0, top_k=self.top_k or 0, seed=self.seed, stop=stops)

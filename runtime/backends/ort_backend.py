@@ -46,7 +46,7 @@ from dflash_trt.runtime.backends.graph_io import (
     prefix_view,
     torch_dtype,
 )
-from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, close_pools, pool_shapes
+from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, pool_shapes
 from dflash_trt.runtime.backends.routes import Route, RouteConstants, routes
 from dflash_trt.runtime.backends.streams import BackendStream, select_device
 
@@ -134,18 +134,11 @@ class OrtBackend(Backend):
             self.stream.torch.synchronize()
             return route.outputs(self._run(session, routed, caches, route.sizes(sizes)), sizes)
 
-    def close(self) -> None:
-        """Drop the sessions, wait for the stream (host sync), free the pools, close the stream."""
+    def _close_own(self) -> None:
+        """Drop the bindings, the InferenceSessions and the route constants."""
         self.sessions.clear()
         self.models.clear()
         self.constants = None
-        if self.stream is not None:
-            self.stream.synchronize()  # host sync: nothing enqueued may touch the pools once freed
-        close_pools(self.pools)
-        self.pools = None
-        if self.stream is not None:
-            self.stream.close()
-            self.stream = None
 
     # ------------------------------------------------------------------ internals
 

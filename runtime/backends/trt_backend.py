@@ -65,7 +65,7 @@ from dflash_trt.runtime.backends.graph_io import (
     prefix_view,
     torch_dtype,
 )
-from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, close_pools, pool_shapes
+from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, pool_shapes
 from dflash_trt.runtime.backends.routes import Route, RouteConstants, routes
 from dflash_trt.runtime.backends.streams import BackendStream, select_device
 from dflash_trt.runtime.device import CaptureFallback
@@ -158,10 +158,8 @@ class TensorRTBackend(Backend):
         """A caller may capture runs into its own graph: every context must allow stream capture."""
         return bool(self.contexts) and all(context._capturable() for context in self.contexts.values())
 
-    def close(self) -> None:
-        """Host sync (the stream), then contexts, engines, pools, stream, in that order."""
-        if self.stream is not None:
-            self.stream.synchronize()  # host sync: nothing enqueued may outlive what it uses
+    def _close_own(self) -> None:
+        """Contexts (saving their runtime caches), engines, shared scratch, route constants, in that order."""
         flavour = self.engine_set.flavour if self.engine_set is not None else None
         for context in self.contexts.values():
             if flavour is not None and self.runtime_cache_dir is not None:
@@ -175,11 +173,6 @@ class TensorRTBackend(Backend):
             self.scratch.close()
             self.scratch = None
         self.constants = None
-        close_pools(self.pools)
-        self.pools = None
-        if self.stream is not None:
-            self.stream.close()
-            self.stream = None
 
 
 def scratch_bytes(engine, profile: int) -> int:

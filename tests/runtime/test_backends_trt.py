@@ -434,24 +434,26 @@ def test_a_whole_cycle_capture_that_fails_runs_every_program_eagerly_logged_once
     from types import SimpleNamespace
 
     from dflash_trt.runtime.device import CaptureFallback
-    from dflash_trt.runtime.loop import CYCLE, DECODE, DeviceLoop, Key
+    from dflash_trt.runtime.device_loop import CYCLE, DECODE, DeviceLoop, Key
 
     loop = DeviceLoop.__new__(DeviceLoop)
     loop.graphs, loop.captured, loop.fallback = True, {}, CaptureFallback("the device loop")
+    loop.row_indexed, loop.next_entry, loop.ring = False, 0, 4
     loop.backend = SimpleNamespace(plain_runs=contextlib.nullcontext)
     loop.timeline = SimpleNamespace(mark=lambda: 0.0)
     programs, attempts = [], []
-    loop._program, loop._download = programs.append, lambda key, slot: None
+    loop._program, loop._download = programs.append, lambda key, owners, entry: None
 
     def capture(key):
         attempts.append(key)
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
 
     loop._capture = capture
-    keys = [Key(CYCLE, False, 2, 0), Key(DECODE, True, 1, 3)]
+    launches = [(CYCLE, False, [0, 1]), (DECODE, True, [3])]
     with caplog.at_level("WARNING", logger="dflash_trt.runtime.device"):
-        for key in keys * 2:
-            loop.launch(key, 0)
+        for kind, sampled, rows in launches * 2:
+            loop.launch(kind, sampled, rows)
+    keys = [Key(CYCLE, False, 2, 0), Key(DECODE, True, 1, 3)]
     assert programs == keys * 2 and attempts == keys[:1] and not loop.captured and loop.graphs is False
     warnings = [r.getMessage() for r in caplog.records if "CUDA-graph capture" in r.getMessage()]
     assert len(warnings) == 1 and "cycle program for 2 owners at row 0" in warnings[0] and "not permitted" in warnings[0]

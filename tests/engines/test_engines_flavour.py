@@ -20,7 +20,7 @@ from dflash_trt.engines.flavour import TIMING_CACHE_FILE, TensorRT, TensorRTRTX,
 from dflash_trt.errors import EngineError
 from test_engines_build import argmax_model, kv_attention_model, source
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 
 
 @pytest.mark.parametrize(("version", "ok"), [("10.14.1.48", False), ("10.15.1.29", True), ("11.0.0.114", True)])

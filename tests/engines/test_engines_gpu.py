@@ -1,7 +1,7 @@
 """The TensorRT path end to end on a GPU: export, build, selfcheck, serve — equal to ONNX Runtime.
 
 The README's TensorRT check is this module (``python -m pytest -q -m gpu -rs
-tests/test_engines_gpu.py``). It needs a CUDA GPU that an installed TensorRT
+tests/engines/test_engines_gpu.py``). It needs a CUDA GPU that an installed TensorRT
 (``tensorrt``, else ``tensorrt_rtx``) runs plans on; elsewhere it is skipped
 saying which is missing. fp16: TensorRT builds it and ONNX Runtime's CPU
 provider runs it, so both serve the same exported graphs.

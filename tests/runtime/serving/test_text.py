@@ -1,4 +1,4 @@
-"""Streamed detokenization and stop strings (runtime.text) with the default pair's byte-level BPE tokenizer."""
+"""Streamed detokenization and stop strings (runtime.serving.text) with the default pair's byte-level BPE tokenizer."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from dflash_trt.export.tokenizer import Tokenizer
 from dflash_trt.export.pair import DEFAULT_PAIR_DIR
-from dflash_trt.runtime.text import TextStream, first_stop, held_suffix
+from dflash_trt.runtime.serving.text import TextStream, first_stop, held_suffix
 
 TEXT = "def grüße(x):\n    return '✓ naïve — 日本' + x  # done\n"
 

@@ -39,7 +39,8 @@ def new_executor(tiny: Tiny, max_sessions: int = 16, backend: str = "onnxruntime
         # The backend moves its modules to the GPU: give it copies, the CPU oracle keeps the originals.
         torch_cuda = TorchBackend(copy.deepcopy(tiny.target), copy.deepcopy(tiny.draft), dims, max_sessions, device="cuda")
         return Executor(recording := RecordingBackend(torch_cuda), dims, max_sessions), recording
-    return Executor(recording := RecordingBackend(tiny.torch_backend(dims, max_sessions)), dims, max_sessions), recording
+    kernels = "fast" if backend == "torch-fast" else "auto"  # fast: the kernels' CPU twin, row-indexed programs
+    return Executor(recording := RecordingBackend(tiny.torch_backend(dims, max_sessions, kernels)), dims, max_sessions), recording
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -74,7 +75,7 @@ def checked(tiny, tracker: Tracker, backend: RecordingBackend):
 
 @pytest.mark.parametrize(
     "backend",
-    ["onnxruntime", "torch", pytest.param("torch-cuda", marks=pytest.mark.gpu),
+    ["onnxruntime", "torch", "torch-fast", pytest.param("torch-cuda", marks=pytest.mark.gpu),
      pytest.param("onnxruntime-cuda", marks=pytest.mark.gpu)],
 )
 def test_lossless_sixteen_sessions_with_clones_rewinds_joins_and_leaves(tiny, oracle, backend):
@@ -226,7 +227,7 @@ def test_stats_count_every_token_and_tau_matches_reference(tiny, tmp_path):
     assert pl.read_parquet(paths[0]).equals(cycles) and pl.read_parquet(paths[1]).equals(executes)
 
 
-@pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch", "torch-fast"])
 def test_budgeted_executes_cut_rewind_and_continue_losslessly(tiny, oracle, backend):
     """Guards against a wrong rewind after a multi-cycle execute discards tokens past a stop token or
     max_new_tokens (a cycle in flight when the stop was read): the next calls must continue from the
@@ -359,3 +360,73 @@ def test_failure_poisons_the_batch_sessions_only(tiny, oracle):
     fresh = t.open()  # reuses a poisoned row: must start clean
     t.execute([(fresh, prompt(10, 4), None, True)] + t.decode_inputs([bystander]))
     t.execute(t.decode_inputs([fresh, bystander]))
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch", "torch-fast"])
+def test_tokens_per_call_do_not_depend_on_batching(tiny, oracle, backend):
+    """Guards against a lane's budget being cut by its neighbours: an execute stopped a group's cycles
+    as soon as one lane was done, so a session given max_new_tokens=20 returned its 20 tokens alone but
+    7 beside a one-step input on the next row. Each lane now launches until its own room, stop or
+    max_cycles end it."""
+    executor, _ = new_executor(tiny, 6, backend)
+    assert executor.loop.row_indexed == (backend == "torch-fast")  # one program per padded count, any rows
+    executor.max_cycles = 8
+    text = prompt(9, 1)
+    alone_session = executor.open_session()
+    alone = executor.execute_outputs([Input(alone_session, text, max_new_tokens=20)])[0]
+    executor.close_session(alone_session)
+    a, one_step, short = executor.open_session(), executor.open_session(), executor.open_session()
+    rows = [executor.session(s).row for s in (a, one_step, short)]
+    assert sorted(rows) == list(range(min(rows), min(rows) + 3))  # neighbours: one group on row-bound backends
+    outputs = executor.execute_outputs(
+        [Input(a, text, max_new_tokens=20), Input(one_step, prompt(5, 2)), Input(short, prompt(6, 3), max_new_tokens=2)]
+    )
+    assert outputs[0] == alone
+    assert alone.tokens == oracle.continuation(text)[: len(alone.tokens)]
+    assert len(alone.tokens) >= 1 + executor.max_cycles  # the prediction, then >= 1 token from each of max_cycles launches
+    assert len(outputs[2].tokens) == 2 and outputs[2].finish == "length"
+
+
+def test_outputs_say_why_they_ended(tiny, oracle):
+    """Guards against callers re-deriving finish reasons (re-truncating and re-scanning stop tokens, asking
+    the session's frontier): the executor reports LENGTH, STOP (the stop token kept) and CONTEXT itself."""
+    executor, _ = new_executor(tiny, 6)
+    L = executor.dims.max_context
+    text = prompt(7, 4)
+    expected = oracle.continuation(text)
+    s1, s2, s4 = (executor.open_session() for _ in range(3))
+    s3 = executor.open_session(speculate=False)  # decodes max_cycles steps per execute up to the end
+    stop = expected[2]
+    outputs = executor.execute_outputs(
+        [
+            Input(s1, text, max_new_tokens=3),
+            Input(s2, text, max_new_tokens=30, stop=[stop]),
+            Input(s3, prompt(L - 3, 5), max_new_tokens=10),
+            Input(s4, text),
+        ]
+    )
+    assert outputs[0].tokens == expected[:3] and outputs[0].finish == "length"
+    cut = expected.index(stop) + 1
+    assert outputs[1].tokens == expected[:cut] and outputs[1].finish == "stop"
+    # Tokens at positions L-3 .. L: the last one can never be fed (its K/V would need slot L).
+    assert len(outputs[2].tokens) == 4 and outputs[2].finish == "context"
+    assert outputs[3].finish is None and outputs[3].tokens == expected[: len(outputs[3].tokens)]
+
+
+def test_joining_prompts_are_prefilled_together_losslessly(tiny, oracle):
+    """Guards against batched prefill (one ragged launch for every joining prompt, padded rows masked)
+    writing padding into a cache, attending past a prompt's end or draining the wrong taps: outputs of
+    prompts of mixed lengths, greedy and sampled, drafting and plain, must equal the reference's, with
+    fewer target launches than prompts."""
+    dims = tiny_dims(tiny.target, tiny.draft, tiny.dims.max_context, max_chunk=40)
+    executor = Executor(tiny.torch_backend(dims, 8, kernels="fast"), dims, 8)
+    t = Tracker(executor, oracle)
+    sessions = [t.open() for _ in range(5)] + [t.open(speculate=False)]
+    t.set_sampling(sessions[1], SAMPLED)
+    lengths = [3, 30, 17, 1, 25, 9]  # drafting prompts longer than B drain through the batched draft_context
+    t.execute([(s, prompt(n, 50 + s), None, True, {"max_new_tokens": 12}) for s, n in zip(sessions, lengths)])
+    counters = executor.execute_stats()
+    assert counters["target_preamble_calls"].sum() == len(sessions)
+    assert counters["target_preamble_forwards"].sum() < len(sessions)
+    for _ in range(3):
+        t.execute([item + ({"max_new_tokens": 5},) for item in t.decode_inputs(sessions)])

@@ -1,7 +1,7 @@
-"""Serving metrics of the engine: request counters, latency windows, one snapshot.
+"""Serving metrics of the serving loop: request counters, latency windows, one snapshot.
 
 Latencies are seconds, measured on the host clock where a client would see
-them (the engine's handle receives the tokens):
+them (the serving loop's handle receives the tokens):
 
 | name | from | to |
 | --- | --- | --- |
@@ -12,7 +12,7 @@ them (the engine's handle receives the tokens):
 A DFlash cycle delivers its accepted tokens together, so ITL is the gap
 between deliveries, as a streaming client observes it (not divided by the
 tokens in the delivery). Percentiles are over a bounded window of the most
-recent samples; counters are totals since the engine started. τ comes from
+recent samples; counters are totals since the serving loop started. τ comes from
 the executor's own per-execute counters (``runtime.stats``): 1 + accepted /
 owner-cycles, the bonus token included.
 """
@@ -44,16 +44,16 @@ class Percentiles:
 
 
 @dataclass(frozen=True)
-class EngineMetrics:
-    """One snapshot of the engine (``Engine.metrics()``)."""
+class ServingMetrics:
+    """One snapshot of the serving loop (``ServingLoop.metrics()``)."""
 
     running: int  # requests holding a session
     queued: int  # accepted, waiting for a session
     submitted: int
     completed: int  # finished by stop / length / context
     cancelled: int
-    failed: int  # errored by an engine failure
-    rejected: int  # refused at submit: queue full or engine closed
+    failed: int  # errored by a serving failure
+    rejected: int  # refused at submit: queue full or serving closed
     prompt_tokens: int
     output_tokens: int
     output_tokens_per_s: float  # over the last RATE_WINDOW_S seconds
@@ -116,7 +116,7 @@ class MetricsRecorder:
             totals["executes"] += executes
             totals["failed_executes"] += failed
 
-    def snapshot(self, running: int, queued: int) -> EngineMetrics:
+    def snapshot(self, running: int, queued: int) -> ServingMetrics:
         now = time.perf_counter()
         with self.lock:
             while self.deliveries and self.deliveries[0][0] < now - RATE_WINDOW_S:
@@ -126,7 +126,7 @@ class MetricsRecorder:
             totals, counts = dict(self.executor_totals), dict(self.counts)
             waits, ttft, itl = list(self.queue_wait), list(self.ttft), list(self.itl)
         cycles = totals["cycles"]
-        return EngineMetrics(
+        return ServingMetrics(
             running=running,
             queued=queued,
             **counts,

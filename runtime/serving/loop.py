@@ -1,6 +1,6 @@
-"""The embedded serving engine: requests from any thread or coroutine, one executor, one loop.
+"""The serving loop: requests from any thread or coroutine, one executor, one loop.
 
-Concurrency model: the ``Engine`` owns ONE ``Executor`` and drives it from
+Concurrency model: the ``ServingLoop`` owns ONE ``Executor`` and drives it from
 ONE background thread, the serving loop; no other thread ever calls the
 executor. Callers only touch a bounded queue and their request handles:
 
@@ -11,7 +11,7 @@ executor. Callers only touch a bounded queue and their request handles:
     iterate / await the handle <--deltas--      execute(one batch of every running request)
                                                 deliver tokens (+ text, stop strings); finished leave
 
-Continuous batching is ``generate.Batcher`` (the same code ``generate()``
+Continuous batching is ``serving.batcher.Batcher`` (the same code ``generate()``
 runs): between two execute() calls finished and cancelled requests leave and
 queued ones join; running requests feed only their pending token, so a call
 mixes new prompts with the speculative fast path.
@@ -46,14 +46,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from dflash_trt.checks import is_int
-from dflash_trt.errors import DFlashError, EngineClosedError, InputError, QueueFullError, TokenizerError
+from dflash_trt.errors import DFlashError, ServingClosedError, InputError, QueueFullError, TokenizerError
 from dflash_trt.runtime.executor import Executor
-from dflash_trt.runtime.generate import STOP, Batcher, Chunk, Completion, Request, check_request
-from dflash_trt.runtime.handle import CANCELLED, Delta, RequestHandle
-from dflash_trt.runtime.metrics import EngineMetrics, MetricsRecorder
-from dflash_trt.runtime.text import TextStream
+from dflash_trt.runtime.serving.batcher import STOP, Batcher, Chunk, Completion, Request, check_request
+from dflash_trt.runtime.serving.handle import CANCELLED, Delta, RequestHandle
+from dflash_trt.runtime.serving.metrics import ServingMetrics, MetricsRecorder
+from dflash_trt.runtime.serving.text import TextStream
 
-__all__ = ["CANCELLED", "Delta", "Engine", "RequestHandle"]
+__all__ = ["CANCELLED", "Delta", "ServingLoop", "RequestHandle"]
 
 DEFAULT_MAX_QUEUE = 256
 
@@ -71,7 +71,7 @@ class _Job:
     suspect: BaseException | None = None  # the error of a failed batch it was in: replayed alone next
 
 
-class Engine:
+class ServingLoop:
     """Serve requests over one executor from a background thread (see the module docstring).
 
     ``tokenizer`` (``export.tokenizer.Tokenizer``) enables text prompts,
@@ -105,7 +105,7 @@ class Engine:
         self._accepting = True
         self._stopping: str | None = None  # "drain" or "cancel"
         self._fatal: BaseException | None = None
-        self._thread = threading.Thread(target=self._serve, name="dflash-trt-engine", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="dflash-trt-serving", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ callers
@@ -125,16 +125,16 @@ class Engine:
 
         ``prompt``: text (needs the tokenizer) or token ids. ``stop``: stop
         strings (need the tokenizer; the text ends before them). ``stop_ids``:
-        stop tokens (default: the engine's). ``seed`` None draws one.
+        stop tokens (default: the serving loop's). ``seed`` None draws one.
         Raises InputError / SamplingError / TokenizerError for bad values,
         QueueFullError when ``max_queue`` requests are waiting,
-        EngineClosedError after ``close()``. Nothing is queued on a refusal.
+        ServingClosedError after ``close()``. Nothing is queued on a refusal.
         """
         request, stops = self._request(prompt, max_new_tokens, stop, temperature, top_k, top_p, seed, stop_ids)
         with self._cond:
             if not self._accepting:
                 self.recorder.count("rejected")
-                raise EngineClosedError(self._closed_message())
+                raise ServingClosedError(self._closed_message())
             if len(self._queue) >= self.max_queue:
                 self.recorder.count("rejected")
                 msg = f"the request queue is full ({len(self._queue)} waiting, max_queue {self.max_queue}); retry later"
@@ -153,11 +153,11 @@ class Engine:
         dims = self.executor.dims
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise TokenizerError("prompt is text but the engine has no tokenizer: pass token ids or Engine(tokenizer=...)")
+                raise TokenizerError("prompt is text but the serving loop has no tokenizer: pass token ids or ServingLoop(tokenizer=...)")
             prompt = self.tokenizer.encode(prompt)
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if stops and self.tokenizer is None:
-            raise TokenizerError("stop strings need a tokenizer: pass stop_ids or Engine(tokenizer=...)")
+            raise TokenizerError("stop strings need a tokenizer: pass stop_ids or ServingLoop(tokenizer=...)")
         if any(not isinstance(s, str) for s in stops):
             msg = f"stop must be a string or a list of strings, got {stop!r:.80}"
             raise InputError(msg)
@@ -178,7 +178,7 @@ class Engine:
         if queued is not None:
             self._finish(queued, [], CANCELLED)
 
-    def metrics(self) -> EngineMetrics:
+    def metrics(self) -> ServingMetrics:
         """One consistent snapshot: requests running/queued, totals, tokens/s, τ, latency percentiles."""
         with self._cond:
             running, queued = len(self._jobs), len(self._queue)
@@ -198,7 +198,7 @@ class Engine:
             self._cond.notify_all()
         self._thread.join(timeout)
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> ServingLoop:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -206,8 +206,8 @@ class Engine:
 
     def _closed_message(self) -> str:
         if self._fatal is not None:
-            return f"the engine stopped after an internal error: {type(self._fatal).__name__}: {self._fatal}"
-        return "the engine is closed: it accepts no new requests"
+            return f"the serving loop stopped after an internal error: {type(self._fatal).__name__}: {self._fatal}"
+        return "the serving loop is closed: it accepts no new requests"
 
     # ------------------------------------------------------------------ the serving loop
 
@@ -373,7 +373,7 @@ def _detokenize(stream: TextStream, tokens: list[int], stopped_by_token: bool) -
 
 
 def _wrap(error: BaseException) -> DFlashError:
-    wrapped = DFlashError(f"the engine failed: {type(error).__name__}: {error}")
+    wrapped = DFlashError(f"the serving loop failed: {type(error).__name__}: {error}")
     wrapped.__cause__ = error
     return wrapped
 

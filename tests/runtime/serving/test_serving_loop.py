@@ -1,4 +1,4 @@
-"""The serving engine (runtime.engine) over the exported tiny pair: threads and coroutines against the
+"""the serving loop (runtime.serving.loop) over the exported tiny pair: threads and coroutines against the
 reference, cancel, backpressure, failure isolation, close — no HTTP."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 import polars as pl
 import pytest
 
-from dflash_trt.errors import EngineClosedError, InputError, PoisonedError, QueueFullError, SamplingError, TokenizerError
+from dflash_trt.errors import ServingClosedError, InputError, PoisonedError, QueueFullError, SamplingError, TokenizerError
 from dflash_trt.export import contract as c
 from dflash_trt.export.sampling import Sampling
-from dflash_trt.runtime.engine import CANCELLED, Engine
+from dflash_trt.runtime.serving.loop import CANCELLED, ServingLoop
 from dflash_trt.runtime.executor import Executor
-from dflash_trt.runtime.generate import CONTEXT, LENGTH, STOP
+from dflash_trt.runtime.serving.batcher import CONTEXT, LENGTH, STOP
 from executor_fixtures import RecordingBackend
 
 
@@ -38,9 +38,9 @@ class GatedBackend(RecordingBackend):
         return super().run(graph, feeds, first_row)
 
 
-def engine_over(tiny, **options) -> tuple[Engine, GatedBackend]:
+def serving_over(tiny, **options) -> tuple[ServingLoop, GatedBackend]:
     backend = GatedBackend(tiny.ort)
-    return Engine(Executor(backend, tiny.dims, 4), **options), backend
+    return ServingLoop(Executor(backend, tiny.dims, 4), **options), backend
 
 
 def reference(oracle, prompt, max_new, stop=(), sampling=Sampling()) -> tuple[list[int], str]:
@@ -63,8 +63,8 @@ REQUESTS = [  # (prompt, max_new_tokens, sampling)
 ]
 
 
-def submit(engine, prompt, max_new, sampling):
-    return engine.submit(prompt, max_new, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed)
+def submit(serving, prompt, max_new, sampling):
+    return serving.submit(prompt, max_new, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed)
 
 
 def test_requests_from_threads_and_coroutines_equal_the_reference(tiny, oracle):
@@ -72,9 +72,9 @@ def test_requests_from_threads_and_coroutines_equal_the_reference(tiny, oracle):
     a consumer mode (blocking iterator, async iterator, future) losing or reordering deltas, and
     against sessions leaking after requests finish."""
     requests = REQUESTS + [(p, 20, Sampling()) for p in tiny.prompts[:2]]  # the draft accepts on these
-    engine, _ = engine_over(tiny, max_running=3)
+    serving, _ = serving_over(tiny, max_running=3)
     with ThreadPoolExecutor(len(requests)) as pool:
-        handles = list(pool.map(lambda r: submit(engine, *r), requests))
+        handles = list(pool.map(lambda r: submit(serving, *r), requests))
     iterated = {}
 
     def consume(i):
@@ -102,26 +102,26 @@ def test_requests_from_threads_and_coroutines_equal_the_reference(tiny, oracle):
             assert iterated[i] == tokens, i
         else:
             assert awaited[i][:2] == (tokens, finish) and awaited[i][2] == completion, i
-    engine.close()
-    metrics = engine.metrics()
-    assert engine.executor.sessions() == [] and not engine.healthy
+    serving.close()
+    metrics = serving.metrics()
+    assert serving.executor.sessions() == [] and not serving.healthy
     assert (metrics.submitted, metrics.completed, metrics.running, metrics.queued) == (len(requests), len(requests), 0, 0)
     assert metrics.output_tokens == sum(len(h.result().tokens) for h in handles)
     assert metrics.ttft_s.count == len(requests) and metrics.queue_wait_s.count == len(requests)
-    speculative = engine.executor.cycle_stats().filter(pl.col("mode") != "target")
+    speculative = serving.executor.cycle_stats().filter(pl.col("mode") != "target")
     assert metrics.cycles == speculative.height and metrics.tau == pytest.approx(speculative["emitted"].mean()) and metrics.tau > 1
-    assert metrics.executes == engine.executor.execute_stats().height and metrics.itl_s.p99 >= metrics.itl_s.p50 > 0
+    assert metrics.executes == serving.executor.execute_stats().height and metrics.itl_s.p99 >= metrics.itl_s.p50 > 0
 
 
 def test_cancel_queued_now_running_at_the_next_gap(tiny, oracle):
     """Guards against a cancelled request keeping its session (cache row) or its place in the queue,
     against cancel racing the loop (a running request must stop between executes, keeping the
-    tokens it already got), and against the engine stalling after cancels."""
-    engine, backend = engine_over(tiny, max_running=1)
+    tokens it already got), and against the serving loop stalling after cancels."""
+    serving, backend = serving_over(tiny, max_running=1)
     backend.gate.clear()
-    running = engine.submit([5, 6, 7], 40)
+    running = serving.submit([5, 6, 7], 40)
     assert backend.entered.wait(30)
-    queued = engine.submit([8, 9], 40)
+    queued = serving.submit([8, 9], 40)
     queued.cancel()
     assert queued.result(5).finish == CANCELLED and queued.result().tokens == []
     running.cancel()
@@ -129,39 +129,39 @@ def test_cancel_queued_now_running_at_the_next_gap(tiny, oracle):
     result = running.result(30)
     expected, _ = reference(oracle, [5, 6, 7], 40)
     assert result.finish == CANCELLED and 1 <= len(result.tokens) < 40 and result.tokens == expected[: len(result.tokens)]
-    assert engine.executor.sessions() == []
-    after = engine.submit([8, 9], 6)
+    assert serving.executor.sessions() == []
+    after = serving.submit([8, 9], 6)
     assert after.result(30).tokens == reference(oracle, [8, 9], 6)[0]
     running.cancel()  # finished: a no-op
-    assert engine.metrics().cancelled == 2
-    engine.close()
+    assert serving.metrics().cancelled == 2
+    serving.close()
 
 
 def test_queue_full_refuses_and_loses_no_accepted_request(tiny, oracle):
     """Guards against an unbounded queue (no backpressure), a refusal that still queues the request,
     and accepted requests lost or changed when the queue was full."""
-    engine, backend = engine_over(tiny, max_queue=2, max_running=1)
+    serving, backend = serving_over(tiny, max_queue=2, max_running=1)
     backend.gate.clear()
-    first = engine.submit([5, 6, 7], 10)
+    first = serving.submit([5, 6, 7], 10)
     assert backend.entered.wait(30)
-    accepted = [first, engine.submit([8, 9], 10), engine.submit([30, 31, 32], 10, temperature=0.8, seed=4)]
+    accepted = [first, serving.submit([8, 9], 10), serving.submit([30, 31, 32], 10, temperature=0.8, seed=4)]
     with pytest.raises(QueueFullError, match="max_queue 2"):
-        engine.submit([1], 10)
-    assert (engine.metrics().queued, engine.metrics().rejected) == (2, 1)
+        serving.submit([1], 10)
+    assert (serving.metrics().queued, serving.metrics().rejected) == (2, 1)
     backend.gate.set()
     for handle, (prompt, sampling) in zip(accepted, [([5, 6, 7], Sampling()), ([8, 9], Sampling()), ([30, 31, 32], Sampling(0.8, 0, 1.0, 4))]):
         assert handle.result(30).tokens == reference(oracle, prompt, 10, sampling=sampling)[0]
-    engine.close()
+    serving.close()
 
 
 def test_a_failed_execute_fails_its_requests_and_the_engine_keeps_serving(tiny, oracle):
     """Guards against one failing backend run killing the serving loop, leaving the poisoned session
     open (a lost cache row), hanging the failed request's readers, or changing later requests."""
-    engine, backend = engine_over(tiny, max_running=1)
+    serving, backend = serving_over(tiny, max_running=1)
     backend.gate.clear()
-    doomed = engine.submit([5, 6, 7], 20)
+    doomed = serving.submit([5, 6, 7], 20)
     assert backend.entered.wait(30)
-    later = [engine.submit([8, 9], 12), engine.submit([40, 41], 12, temperature=1.0, seed=9)]
+    later = [serving.submit([8, 9], 12), serving.submit([40, 41], 12, temperature=1.0, seed=9)]
     backend.fail_on = (c.TARGET_VERIFY, backend.counts.get(c.TARGET_VERIFY, 0) + 1)  # doomed's first verify
     backend.gate.set()
     with pytest.raises(PoisonedError, match="injected failure"):
@@ -170,18 +170,18 @@ def test_a_failed_execute_fails_its_requests_and_the_engine_keeps_serving(tiny, 
         list(doomed)
     assert later[0].result(30).tokens == reference(oracle, [8, 9], 12)[0]
     assert later[1].result(30).tokens == reference(oracle, [40, 41], 12, sampling=Sampling(1.0, 0, 1.0, 9))[0]
-    metrics = engine.metrics()
-    assert engine.healthy and engine.executor.sessions() == []
+    metrics = serving.metrics()
+    assert serving.healthy and serving.executor.sessions() == []
     assert (metrics.failed, metrics.completed, metrics.failed_executes) == (1, 2, 1)
-    engine.close()
+    serving.close()
 
 
 def test_a_cancelled_await_leaves_the_request_and_the_engine_alone(tiny, oracle):
     """Guards against a cancelled coroutine awaiting a handle cancelling the handle's shared future: the
     serving loop then failed completing that request (InvalidStateError) and stopped serving everyone."""
-    engine, backend = engine_over(tiny)
+    serving, backend = serving_over(tiny)
     backend.gate.clear()
-    handle = engine.submit([5, 6, 7], 20)
+    handle = serving.submit([5, 6, 7], 20)
     assert backend.entered.wait(30)
 
     async def waits():
@@ -197,9 +197,9 @@ def test_a_cancelled_await_leaves_the_request_and_the_engine_alone(tiny, oracle)
     asyncio.run(cancel_a_waiter())
     backend.gate.set()
     assert handle.result(30).tokens == reference(oracle, [5, 6, 7], 20)[0]
-    assert engine.submit([8, 9], 12).result(30).tokens == reference(oracle, [8, 9], 12)[0]
-    assert engine.healthy
-    engine.close()
+    assert serving.submit([8, 9], 12).result(30).tokens == reference(oracle, [8, 9], 12)[0]
+    assert serving.healthy
+    serving.close()
 
 
 POISON = 13  # a prompt holding this token fails its target prefill, every time (PoisonBackend)
@@ -219,44 +219,44 @@ def test_a_bad_request_fails_alone_its_batch_neighbours_are_replayed(tiny, oracl
     are replayed alone (a running one from its prompt + the tokens it already received), so only the bad
     one fails and the others' outputs (greedy and sampled) equal the reference."""
     backend = PoisonBackend(tiny.ort)
-    engine = Engine(Executor(backend, tiny.dims, 4, max_cycles=2), max_running=4)
+    serving = ServingLoop(Executor(backend, tiny.dims, 4, max_cycles=2), max_running=4)
     backend.gate.clear()
-    running = engine.submit([5, 6, 7], 45)  # mid-stream when the batch fails: replayed from what it received
+    running = serving.submit([5, 6, 7], 45)  # mid-stream when the batch fails: replayed from what it received
     assert backend.entered.wait(30)
     neighbours = [([8, 9], 20, Sampling()), ([40, 41, 42], 18, Sampling(1.0, 0, 1.0, 9))]
-    first = submit(engine, *neighbours[0])
-    bad = engine.submit([30, POISON, 31], 10)
-    second = submit(engine, *neighbours[1])
+    first = submit(serving, *neighbours[0])
+    bad = serving.submit([30, POISON, 31], 10)
+    second = submit(serving, *neighbours[1])
     backend.gate.set()
     with pytest.raises(PoisonedError, match="poison token"):
         bad.result(30)
     assert running.result(30).tokens == reference(oracle, [5, 6, 7], 45)[0]
     for handle, (prompt, max_new, sampling) in zip((first, second), neighbours):
         assert handle.result(30).tokens == reference(oracle, prompt, max_new, sampling=sampling)[0]
-    metrics = engine.metrics()
+    metrics = serving.metrics()
     assert (metrics.failed, metrics.completed, metrics.failed_executes) == (1, 3, 2)  # the batch, then the bad one alone
-    assert engine.healthy and engine.executor.sessions() == []
-    engine.close()
+    assert serving.healthy and serving.executor.sessions() == []
+    serving.close()
 
 
 def test_close_drains_or_cancels_then_refuses(tiny, oracle):
     """Guards against close() dropping accepted requests (drain), hanging, or accepting new ones."""
-    engine, _ = engine_over(tiny, max_running=2)
-    handles = [engine.submit([5, 6, 7], 15), engine.submit([8, 9], 15), engine.submit([10], 15)]
-    engine.close(drain=True)
+    serving, _ = serving_over(tiny, max_running=2)
+    handles = [serving.submit([5, 6, 7], 15), serving.submit([8, 9], 15), serving.submit([10], 15)]
+    serving.close(drain=True)
     assert [h.result(0).tokens for h in handles] == [reference(oracle, p, 15)[0] for p in ([5, 6, 7], [8, 9], [10])]
-    with pytest.raises(EngineClosedError):
-        engine.submit([1], 3)
+    with pytest.raises(ServingClosedError):
+        serving.submit([1], 3)
 
-    engine, backend = engine_over(tiny, max_running=1)
+    serving, backend = serving_over(tiny, max_running=1)
     backend.gate.clear()
-    handles = [engine.submit([5, 6, 7], 30), engine.submit([8, 9], 30)]
+    handles = [serving.submit([5, 6, 7], 30), serving.submit([8, 9], 30)]
     assert backend.entered.wait(30)
-    closer = threading.Thread(target=engine.close, kwargs={"drain": False})
+    closer = threading.Thread(target=serving.close, kwargs={"drain": False})
     closer.start()
     backend.gate.set()
     closer.join(30)
-    assert [h.result(0).finish for h in handles] == [CANCELLED, CANCELLED] and engine.executor.sessions() == []
+    assert [h.result(0).finish for h in handles] == [CANCELLED, CANCELLED] and serving.executor.sessions() == []
 
 
 class CharTokenizer:
@@ -276,23 +276,23 @@ def test_text_prompts_stop_strings_and_stop_tokens(tiny, oracle):
     streamed, the request running on after its stop string (session kept), or the tokenizer's stop ids
     not being the default stop tokens."""
     tokenizer = CharTokenizer()
-    engine, _ = engine_over(tiny, tokenizer=tokenizer)
+    serving, _ = serving_over(tiny, tokenizer=tokenizer)
     prompt = "def f(x):"
     tokens, _ = reference(oracle, tokenizer.encode(prompt), 30)
     text = tokenizer.decode(tokens)
     stop = text[9:12]
     cut = text.index(stop)
-    handle = engine.submit(prompt, 30, stop=[stop, "never"])
+    handle = serving.submit(prompt, 30, stop=[stop, "never"])
     deltas = list(handle)
     completion = handle.result()
     assert completion.finish == STOP and completion.text == text[:cut] == "".join(d.text for d in deltas)
     assert completion.tokens == tokens[: cut + len(stop)]
     stop_token = tokens[4]
-    by_token = engine.submit(prompt, 30, stop_ids=[stop_token]).result(30)
+    by_token = serving.submit(prompt, 30, stop_ids=[stop_token]).result(30)
     assert by_token.tokens == tokens[: tokens.index(stop_token) + 1] and by_token.finish == STOP
     assert by_token.text == text[: tokens.index(stop_token)]  # the stop token's own text is not streamed
-    engine.close()
-    assert engine.executor.sessions() == []
+    serving.close()
+    assert serving.executor.sessions() == []
 
 
 @pytest.mark.parametrize(
@@ -311,8 +311,8 @@ def test_text_prompts_stop_strings_and_stop_tokens(tiny, oracle):
 def test_bad_submits_are_refused_in_the_callers_thread(tiny, kwargs, error, words):
     """Guards against a bad request reaching the serving loop (where it would fail a batch) instead of a
     typed error at submit naming the field; nothing is queued."""
-    engine, _ = engine_over(tiny)
+    serving, _ = serving_over(tiny)
     with pytest.raises(error, match=words):
-        engine.submit(**kwargs)
-    assert engine.metrics().submitted == 0
-    engine.close()
+        serving.submit(**kwargs)
+    assert serving.metrics().submitted == 0
+    serving.close()

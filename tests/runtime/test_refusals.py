@@ -12,7 +12,8 @@ import torch
 from dflash_trt.errors import DFlashError, EngineError, InputError, SamplingError, SessionError
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor, Input
-from dflash_trt.runtime.generate import Request, generate, stream
+from dflash_trt.runtime.generate import generate, stream
+from dflash_trt.runtime.serving.batcher import Request
 from executor_fixtures import RecordingBackend, Tracker
 
 VOCAB = 97  # the tiny pair's vocabulary

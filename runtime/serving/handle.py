@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from dflash_trt.runtime.generate import Completion
+from dflash_trt.runtime.serving.batcher import Completion
 
 CANCELLED = "cancelled"  # finish reason of a cancelled request (beside generate's stop / length / context)
 
@@ -35,7 +35,7 @@ class Delta:
 
 
 class RequestHandle:
-    """One submitted request (``Engine.submit``): see the module docstring."""
+    """One submitted request (``ServingLoop.submit``): see the module docstring."""
 
     def __init__(self, request_id: int, prompt: list[int], cancel: Callable[[RequestHandle], None]) -> None:
         self.id = request_id

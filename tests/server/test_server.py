@@ -188,7 +188,7 @@ def test_stop_sequences_cut_the_text_streamed_or_not(server, reference, prompts)
 
 
 def test_no_draft_server_equals_speculation_and_the_reference(servers, reference, prompts):
-    """Guards against --no-draft not switching speculation off, or plain decoding through the engine
+    """Guards against --no-draft not switching speculation off, or plain decoding through the serving loop
     changing outputs: the server started with --no-draft (torch backend from the checkpoints) says so in
     /health and /v1/models, runs no speculative cycle, and returns the same greedy completions as the
     speculative server and the target-only reference."""
@@ -291,7 +291,7 @@ BAD = [
 
 
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, reference, prompts):
-    """Guards against malformed or out-of-range requests crashing a handler, reaching the engine, being
+    """Guards against malformed or out-of-range requests crashing a handler, reaching the serving loop, being
     silently clamped, or answered in a shape the openai client cannot read; the server must serve on."""
     for body, status, words in BAD:
         code, error = server.post("/v1/completions", body)
