@@ -32,10 +32,12 @@ def execute(
     cache_dir: Path | None = None,
     name: str = "engine",
     profile: int = 0,
+    specialize: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Host outputs of one run; ``aliases`` maps each cache output to the input whose buffer it writes."""
+    """Host outputs of one run; ``aliases`` maps each cache output to the input whose buffer it
+    writes; ``specialize``: the context's kernels (``Flavour.execution_context``)."""
     where = f"engine {name!r}"
-    context, runtime_cache = flavour.execution_context(engine, cache_dir, name)
+    context, runtime_cache = flavour.execution_context(engine, cache_dir, name, specialize=specialize)
     if context is None:
         msg = f"{where}: TensorRT could not create an execution context (device memory?)"
         raise EngineError(msg)

@@ -1,7 +1,8 @@
 """The probe's verdict on one GPU: run the probe plan there, compare with the reference, say what to do.
 
 ``run_probe`` runs every ``probe_cases`` case through the deserialized
-probe engine on ``Site.device`` and compares each output with
+probe engine on ``Site.device``, in a context with specialized kernels and in
+one as a first enqueue finds them (``KERNELS``), and compares each output with
 ``probe_reference.reference``; the ``Verdict`` (engines.json's
 ``probe.verdicts``) names the GPU, the TensorRT that ran it, and either
 what was checked or every difference with the remedy. A probe that cannot
@@ -16,7 +17,7 @@ sampler or the KV write at fault, or a mask set -> another backend.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -54,16 +55,28 @@ class Site:
         return cls(f"{props.name} (sm_{props.major}{props.minor})", torch.device("cuda", index))
 
 
+# The kernels a context runs: specialized from its first enqueue (what captured run graphs replay),
+# or as a chunked run graph's first enqueue finds them (TensorRT-RTX: a generic fallback kernel while
+# the specialized one compiles). Full TensorRT has one kind; it runs the cases twice alike.
+KERNELS = ((True, "specialized kernels"), (False, "first-run kernels"))
+
+
 def run_probe(flavour: Flavour, engine, spec: ProbeSpec, site: Site, at: str) -> Verdict:
-    """Every case on ``site``; a passing or failing verdict (``EngineError`` if it cannot run)."""
+    """Every case on ``site``, with either kind of kernels; a passing or failing verdict
+    (``EngineError`` if it cannot run)."""
     cases = probe_cases(spec)
     aliases = {present_of(s.name): s.name for s in probe_io(spec).cache_inputs}
     problems: list[Problem] = []
     for case in cases:
-        got = execute(flavour, engine, case.feeds, aliases, site.device, name=PROBE_NAME)
-        problems += check_outputs(case, spec.dtype, got, reference(case.feeds, spec.max_context))
+        want = reference(case.feeds, spec.max_context)
+        for specialize, kernels in KERNELS:
+            got = execute(flavour, engine, case.feeds, aliases, site.device, name=PROBE_NAME, specialize=specialize)
+            problems += check_outputs(replace(case, name=f"{case.name} ({kernels})"), spec.dtype, got, want)
     if not problems:
-        detail = f"{len(cases)} cases ({', '.join(c.name for c in cases)}): KV writes and sampler tokens exact, attention within {spec.dtype} rounding"
+        detail = (
+            f"{len(cases)} cases ({', '.join(c.name for c in cases)}), specialized and first-run kernels: "
+            f"KV writes and sampler tokens exact, attention within {spec.dtype} rounding"
+        )
         return Verdict(site.gpu, flavour.name, flavour.version, True, detail, at)
     remedy = MASK_REMEDY if spec.causal == CAUSAL_LENGTHS and all(p.attention for p in problems) else OTHER_REMEDY
     detail = "; ".join(p.text for p in problems) + f". Remedy: {remedy}"

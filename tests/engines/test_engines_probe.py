@@ -152,8 +152,9 @@ class ProbeEngine:
     """An ICudaEngine with the probe's IO whose contexts compute the reference from the bound host
     buffers, or with ``reading`` a misreading of the target's attention."""
 
-    def __init__(self, spec: ProbeSpec, reading: str = ""):
+    def __init__(self, spec: ProbeSpec, reading: str = "", generic_only: bool = False):
         self.spec, self.reading, self.runs = spec, reading, 0
+        self.generic_only = generic_only  # the misreading only in contexts whose kernels are not specialized
         self.io = probe_io(spec)
         self.specs = {s.name: s for s in self.io.inputs + self.io.outputs}
         self.names = [s.name for s in self.io.inputs + self.io.outputs]
@@ -172,12 +173,13 @@ class ProbeEngine:
         return SimpleNamespace()
 
     def create_execution_context(self, config):
-        return ProbeContext(self)
+        return ProbeContext(self, getattr(config, "specialize", False))
 
 
 class ProbeContext:
-    def __init__(self, engine: ProbeEngine):
+    def __init__(self, engine: ProbeEngine, specialized: bool = False):
         self.engine, self.shapes, self.addresses = engine, {}, {}
+        self.misreads = bool(engine.reading) and not (engine.generic_only and specialized)
 
     def set_input_shape(self, name, shape):
         self.shapes[name] = tuple(shape)
@@ -203,7 +205,7 @@ class ProbeContext:
         self.engine.runs += 1
         feeds = {s.name: self._tensor(s.name).clone() for s in self.engine.io.inputs}
         want = reference(feeds, self.engine.spec.max_context)
-        if self.engine.reading:
+        if self.misreads:
             case = p.ProbeCase("run", feeds, (), ())
             name, wrong = misread(case, want, self.engine.spec, self.engine.reading)
             want[name] = wrong
@@ -235,15 +237,15 @@ def test_a_probe_that_passes_records_its_verdict_and_runs_once_per_gpu(tmp_path)
     probe_set(tmp_path)
     probe = ProbeEngine(TINY)
     loaded = load_engine_set(tmp_path, CONTRACT, flavour_with(probe), site=FAKE_GPU)
-    assert probe.runs == 2  # the verify and prefill cases
+    assert probe.runs == 4  # the verify and prefill cases, with specialized and first-run kernels
     verdict = read_engine_set(tmp_path).probe.verdicts[0]
     assert (verdict.gpu, verdict.flavour, verdict.trt_version, verdict.passed, verdict.at) == ("Fake GPU (sm_89)", "tensorrt_rtx", "1.7.1.116", True, "load")
     assert loaded.record.probe.verdicts == (verdict,)
     load_engine_set(tmp_path, CONTRACT, flavour_with(probe), site=FAKE_GPU)
-    assert probe.runs == 2
+    assert probe.runs == 4
     other = Site("Another GPU (sm_120)", torch.device("cpu"))
     load_engine_set(tmp_path, CONTRACT, flavour_with(probe), site=other)
-    assert probe.runs == 4 and [v.gpu for v in read_engine_set(tmp_path).probe.verdicts] == [FAKE_GPU.gpu, other.gpu]
+    assert probe.runs == 8 and [v.gpu for v in read_engine_set(tmp_path).probe.verdicts] == [FAKE_GPU.gpu, other.gpu]
 
 
 def test_a_probe_that_computes_the_padded_diagonal_refuses_the_set_with_the_remedy(tmp_path):
@@ -327,3 +329,23 @@ def test_attention_records_edited_with_their_digest_are_refused_by_the_plan(tmp_
     check_engine_set(tmp_path, CONTRACT)  # consistent with itself
     with pytest.raises(EngineError, match=r"engine 'prefill': field 'attention' of engines.json is not what the plan was built with"):
         load_engine_set(tmp_path, CONTRACT, flavour, site=FAKE_GPU)
+
+
+class SpecializingFlavour(FakeFlavour):
+    """Hands each context its kernel kind, as TensorRT-RTX's runtime config does."""
+
+    def execution_context(self, engine, cache_dir=None, name="engine", user_memory=False, specialize=False):
+        return engine.create_execution_context(SimpleNamespace(specialize=specialize)), None
+
+
+def test_the_probe_runs_the_first_run_kernels_too(tmp_path):
+    """Guards against proving only the specialized kernels while the chunked run graphs (prefill,
+    draft context) first run TensorRT-RTX's generic fallback kernels: the probe runs each case
+    with both, and a misreading in the generic ones alone refuses the set, naming them."""
+    probe_set(tmp_path)
+    engines = {"prefill": FakeEngine(bindings_of(CONTRACT["prefill"])), "verify_2": FakeEngine(bindings_of(CONTRACT["verify_2"]))}
+    probe = ProbeEngine(TINY, reading="padded diagonal", generic_only=True)
+    with pytest.raises(EngineError) as caught:
+        load_engine_set(tmp_path, CONTRACT, SpecializingFlavour(engines={**engines, "probe": probe}), site=FAKE_GPU)
+    assert "verify (first-run kernels): target attention" in str(caught.value)
+    assert "specialized kernels): target" not in str(caught.value)
