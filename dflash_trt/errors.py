@@ -7,12 +7,13 @@ pipeline: catch ``DFlashError`` to catch them all.
 
 
 class DFlashError(Exception):
-    """Base class of every error this library raises on purpose.
+    """Base class of every error this library raises on purpose."""
 
-    ``exit_status``: what the ``dflash-trt`` command exits with when it ends in this error.
-    """
 
-    exit_status = 1
+class UsageError(DFlashError):
+    """A command line asks for what cannot work: a flag's value out of range, flags that do not go
+    together, or artifacts the chosen backend cannot run. Raised before anything is loaded; the
+    ``dflash-trt`` command prints it on one line and exits with 2."""
 
 
 class CheckpointError(DFlashError):
@@ -86,11 +87,9 @@ class EngineBuildError(EngineError):
         self.failures = tuple(failures)
 
 
-class UnsupportedExportError(EngineError):
+class UnsupportedExportError(EngineError, UsageError):
     """An export a TensorRT build cannot take (fp32 model graphs: ONNX Runtime's configuration),
-    refused before anything is parsed. Like a usage error, the command exits 2."""
-
-    exit_status = 2
+    refused before anything is parsed: a usage error (one line, exit status 2)."""
 
 
 class CudaError(DFlashError):

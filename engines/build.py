@@ -230,7 +230,7 @@ def refuse_fp32(sources: Sequence[GraphSource]) -> None:
     if fp32:
         msg = (
             f"{', '.join(fp32)}: float32 attention is ONNX Runtime's configuration and TensorRT has no kernel for it; "
-            "re-export with `dflash-trt export --dtype bf16` (or fp16) to build engines"
+            "re-export for TensorRT (`dflash-trt export --backend tensorrt`, bf16; or --dtype bf16 / fp16) to build engines"
         )
         raise UnsupportedExportError(msg)
 

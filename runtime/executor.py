@@ -57,7 +57,7 @@ import secrets
 import time
 import weakref
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -145,6 +145,7 @@ class Executor:
         self.loop = DeviceLoop(backend, dims, self.context, rows, cycle_graphs)
         self._prepare_programs()
         self.closed = False
+        self._on_tokens: Callable | None = None
         # Rows go back to the backend even if the executor is dropped without close().
         self._release = weakref.finalize(self, self.table.rows.give_all, self.table.held)
 
@@ -290,10 +291,21 @@ class Executor:
         """Run one batch (see the module docstring). Returns per input its new tokens."""
         return [output.tokens for output in self.execute_outputs(batch)]
 
-    def execute_outputs(self, batch: Sequence[Input | dict]) -> list[Output]:
-        """``execute``, returning per input its new tokens and why they ended (``Output.finish``)."""
+    def execute_outputs(self, batch: Sequence[Input | dict], on_tokens: Callable | None = None) -> list[Output]:
+        """``execute``, returning per input its new tokens and why they ended (``Output.finish``).
+
+        ``on_tokens(index, tokens, finish)``, called on this thread while the call runs, receives input
+        ``index``'s tokens as soon as they are final (after each launch's verdict is read; ``finish``:
+        STOP / LENGTH once they end it, else None — CONTEXT is known only in the outputs), so a server
+        can stream them before the call returns; the outputs still hold every token. The callback
+        must not call into the executor (it is busy).
+        """
         with self._call("execute", count_refusals=False):
-            return self._execute(batch)
+            self._on_tokens = on_tokens
+            try:
+                return self._execute(batch)
+            finally:
+                self._on_tokens = None
 
     def _execute(self, batch: Sequence[Input | dict]) -> list[Output]:
         try:
@@ -329,6 +341,7 @@ class Executor:
                 self._rewind(step.session, step.start)
         predictions = self._target_work(steps)
         lanes = [lane for step in steps if (lane := self._lane(step, predictions)) is not None]
+        self._stream(lanes)  # the predictions after the prompts
         self._decode([lane for lane in lanes if lane.decodes])
         outputs = [Output([]) for _ in steps]
         for lane in lanes:
@@ -559,12 +572,22 @@ class Executor:
         return self.loop.launch(group.kind, group.sampled, group.rows)
 
     def _read(self, group: Group, launch: Launch) -> None:
-        """Host sync (the launch's event): apply its verdict to the sessions, lanes and stats."""
+        """Host sync (the launch's event): apply its verdict to the sessions, lanes and stats; hand
+        the lanes' new tokens to ``on_tokens``."""
         record, device_ms = self.loop.read(launch)
         if group.kind == CYCLE:
             self._read_cycle(group, record, device_ms)
         else:
             self._read_decode(group, record, device_ms)
+        self._stream(group.lanes)
+
+    def _stream(self, lanes: Sequence[Lane]) -> None:
+        if self._on_tokens is None:
+            return
+        for lane in lanes:
+            if len(lane.tokens) > lane.streamed:
+                self._on_tokens(lane.step.index, lane.tokens[lane.streamed :], lane.finish)
+                lane.streamed = len(lane.tokens)
 
     def _read_cycle(self, group: Group, record: np.ndarray, device_ms: float) -> None:
         P = self.dims.proposals
@@ -573,19 +596,31 @@ class Executor:
         counts = [s.frontier - s.draft_position for s in sessions]
         accepted, tokens, proposals = record[:, ACCEPTED_COLUMN], record[:, NEXT_COLUMN], record[:, PROPOSALS_COLUMN:]
         verdicts = make_verdicts(proposals, accepted, tokens, starts, self.dims.vocab_size)
-        self.log.cycle_counters(len(sessions), P, counts, verdicts, self.tap_row_bytes)
-        rows = []
+        rows, live_counts, live_verdicts = [], [], []
         for lane, verdict, count, start in zip(group.lanes, verdicts, counts, starts):
             s = lane.session
             mode = cycle_mode(start, self.dims.block_size, self.dims.max_context, s.drained_rows)
-            rows.append((s, mode, count + s.drained_rows, start, verdict))
+            context_rows = count + s.drained_rows
             s.draft_position, s.frontier, s.drained_rows = start, verdict.frontier, 0
+            if lane.finished:
+                # Launched before the lane's finishing cycle was read (lag): its tokens are discarded and
+                # the session rewound after the loop, so it is no cycle of the stats.
+                continue
+            before = len(lane.tokens)
             lane.add(verdict.tokens)
+            rows.append((s, mode, context_rows, start, verdict, len(lane.tokens) - before))
+            live_counts.append(count)
+            live_verdicts.append(verdict)
+        if not rows:
+            return
+        self.log.cycle_counters(len(rows), P, live_counts, live_verdicts, self.tap_row_bytes)
         # One device unit: the draft is not timed apart inside a cycle's graph (the whole cycle is verify_ms).
-        self.log.cycle_rows(rows, P, 0.0, device_ms)
+        self.log.cycle_rows(rows, P, 0.0, device_ms, owners=len(group.lanes))
 
     def _read_decode(self, group: Group, record: np.ndarray, device_ms: float) -> None:
-        self.log.decode_rows([lane.session for lane in group.lanes], device_ms)
+        live = [lane.session for lane in group.lanes if not lane.finished]  # a finished lane's read-ahead step is discarded
+        if live:
+            self.log.decode_rows(live, device_ms, owners=len(group.lanes))
         for lane, token in zip(group.lanes, record[:, NEXT_COLUMN]):
             s, token = lane.session, int(token)
             if not 0 <= token < self.dims.vocab_size:

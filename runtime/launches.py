@@ -90,6 +90,7 @@ class Lane:
     kind: str = ""  # device_loop.CYCLE or DECODE: which program serves it
     shape: LoopShape | None = None
     tokens: list[int] = field(default_factory=list)  # kept: returned by execute
+    streamed: int = 0  # of ``tokens``, handed to the execute's on_tokens already
     finish: str | None = None  # STOP / LENGTH once finished
     decodes: bool = True  # the loop runs it (False: its prompt's prediction was all it gets this call)
     launched: int = 0  # launches this execute

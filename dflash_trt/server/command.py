@@ -24,7 +24,6 @@ from pathlib import Path
 from dflash_trt import demo
 from dflash_trt.cli import positive_int
 from dflash_trt.errors import ServingError
-from dflash_trt.export.contract import DTYPES
 from dflash_trt.runtime import command
 
 DEFAULT_PAIR_SESSIONS = 16  # cache rows when serving the default pair (its export says 4, for the demo)
@@ -40,17 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-name", help="the model id clients send (default: the artifacts dir name, or the target dir name; dflash-trt-default-pair for the default pair)")
     parser.add_argument("--tokenizer", type=Path, help="dir with tokenizer.json (default: --artifacts, then --target)")
     parser.add_argument("--chat-template", type=Path, help="Jinja chat template file (default: the tokenizer's)")
-    parser.add_argument("--target", type=Path, default=pair / "target", help="target checkpoint (torch backend; default pair)")
-    parser.add_argument("--draft", type=Path, default=pair / "draft", help="draft checkpoint (torch backend; default pair)")
-    parser.add_argument("--cache", type=Path, default=demo._default_cache(), help="export cache for the default pair")
-    parser.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cpu, cuda for tensorrt)")
+    command.add_checkpoint_arguments(parser, target_default=pair / "target")  # --target --draft --cache --device --dtype --max-owners
     parser.add_argument("--max-sessions", type=positive_int, help=f"requests decoding at once (default: the artifacts' max_sessions; {DEFAULT_PAIR_SESSIONS} for the default pair)")
     parser.add_argument("--max-cycles", type=positive_int, default=8, help="cycles per request per execute (default 8; tokens stream after each execute)")
     parser.add_argument("--no-draft", action="store_true", help="plain target decoding (no speculation): the autoregressive baseline")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), help="torch backend without --artifacts: weights and caches (default: bf16 on CUDA, fp32 on CPU)")
-    parser.add_argument("--max-owners", type=positive_int, help="torch backend without --artifacts: sessions per draft/verify launch (default: --max-sessions)")
-    parser.add_argument("--max-queue", type=int, default=256, help="requests waiting for a session before 429 (default 256)")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for ONNX Runtime / torch")
+    parser.add_argument("--max-queue", type=positive_int, default=256, help="requests waiting for a session before 429 (default 256)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads for ONNX Runtime / torch")
     parser.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds open streams get to finish on SIGINT/SIGTERM (default 10)")
     parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
 
@@ -79,16 +73,14 @@ def run(args: argparse.Namespace) -> int:
     from dflash_trt.runtime.serving.loop import ServingLoop
     from dflash_trt.runtime.executor import Executor
 
+    command.check_flags(args)  # flags that cannot work together, an export the device cannot run: refused first
     uvicorn, create_app = _imports()
-    if (args.dtype is not None or args.max_owners is not None) and not (args.backend == "torch" and args.artifacts is None):
-        raise ServingError("--dtype and --max-owners apply to --backend torch without --artifacts (an artifact set fixes both)")
     model = args.model_name or _model_name(args)
     if args.artifacts is None:
         args.max_sessions = args.max_sessions or DEFAULT_PAIR_SESSIONS
-        if args.backend != "torch":
-            args.artifacts = demo.export_dir(args)
+        command.prepare_artifacts(args)
     tokenizer = _tokenizer(args)
-    with _open_backend(args) as backend:
+    with command.open_backend(args) as backend:
         executor = Executor(backend, max_sessions=args.max_sessions, speculate=not args.no_draft, max_cycles=args.max_cycles)
         stop_ids = tokenizer.stop_ids if tokenizer is not None else command._manifest_stops(args.artifacts)
         serving = ServingLoop(executor, tokenizer, max_queue=args.max_queue, stop_ids=stop_ids)
@@ -108,32 +100,6 @@ def _model_name(args) -> str:
         return Path(args.artifacts).resolve().name
     default = Path(args.target).resolve() == (demo._default_pair() / "target").resolve()
     return DEFAULT_PAIR_MODEL if default else Path(args.target).resolve().name
-
-
-def _open_backend(args):
-    """The backend the flags name; torch without ``--artifacts`` runs the checkpoints directly."""
-    if args.backend == "torch" and args.artifacts is None:
-        return _torch_from_checkpoints(args)
-    return command.OPENERS[args.backend](args)
-
-
-def _torch_from_checkpoints(args):
-    """TorchBackend over ``--target``/``--draft`` with the export's default geometry, sized for this server."""
-    import torch
-
-    from dflash_trt.export.exporter import ExportOptions, contract_dims
-    from dflash_trt.export.pair import load_pair
-    from dflash_trt.runtime.backends import TorchBackend
-    from dflash_trt.runtime.backends.graph_io import torch_dtype
-
-    device = args.device or "cpu"
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dtype = args.dtype or ("fp32" if device == "cpu" else "bf16")
-    owners = min(args.max_owners or args.max_sessions, args.max_sessions)
-    options = ExportOptions(max_owners=owners, max_sessions=args.max_sessions, dtype=dtype).resolve(args.target, args.draft)
-    target, draft = load_pair(args.target, args.draft, dtype=torch_dtype(DTYPES[dtype]))
-    return TorchBackend(target, draft, contract_dims(target, draft, options), args.max_sessions, device=device)
 
 
 def _stop(_signal, _frame) -> None:

@@ -51,6 +51,20 @@ from dflash_trt.runtime.backends.routes import Route, RouteConstants, routes
 from dflash_trt.runtime.backends.streams import BackendStream, select_device
 
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
+# ONNX Runtime's CPU provider runs the graphs in these dtypes; bf16 lacks CPU kernels for their ops
+# (Mul, Expand: NOT_IMPLEMENTED at the first run).
+CPU_DTYPES = ("float32", "float16")
+_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def check_dtype(dtype: str, device: str | torch.device) -> None:
+    """Refuse (EngineError) graphs of a dtype the provider of ``device`` cannot run, before any session loads."""
+    if torch.device(device).type == "cpu" and dtype not in CPU_DTYPES:
+        name = _SHORT.get(dtype, dtype)
+        msg = (f"ONNX Runtime's CPU provider cannot run a {name} export (no {name} kernels for its ops); "
+               f"export with --dtype fp32 (dflash-trt export's default for --backend onnxruntime), or run it on a GPU "
+               f"(--device cuda with onnxruntime-gpu)")
+        raise EngineError(msg)
 
 
 class OrtBackend(Backend):
@@ -71,6 +85,7 @@ class OrtBackend(Backend):
     ) -> None:
         import onnxruntime
 
+        check_dtype(dims.dtype, device)
         self.ort, self.device = onnxruntime, torch.device(device)  # index filled in by _allocate
         self.dims, self.max_sessions = dims, check_sessions(max_sessions)
         self.routes = routes(dims)

@@ -11,7 +11,7 @@ when the context is full (its next token would sit at ``max_context``).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from dflash_trt.checks import is_int
@@ -118,18 +118,29 @@ class Batcher:
         for key in list(self.running):
             self.leave(key)
 
-    def step(self, keys: Iterable[Hashable] | None = None) -> list[Chunk]:
+    def step(self, keys: Iterable[Hashable] | None = None, on_chunk: Callable[[Chunk], None] | None = None) -> list[Chunk]:
         """One execute() over every running request (or only ``keys``: the others wait, their pending
-        tokens kept); raises what execute raised (sessions left as they are)."""
+        tokens kept); returns a chunk per request; raises what execute raised (sessions left as they are).
+
+        ``on_chunk`` receives chunks while the execute runs (``Executor.execute_outputs``' on_tokens; a
+        chunk's finish is set when its tokens end the request); the returned chunk of a request then
+        holds only its tokens not streamed yet.
+        """
         running = list(self.running.values()) if keys is None else [self.running[key] for key in keys]
-        outputs = self.executor.execute_outputs([self._next_input(r) for r in running])
+        streamed = [0] * len(running)
+
+        def stream(index: int, tokens: list[int], finish: str | None) -> None:
+            streamed[index] += len(tokens)
+            on_chunk(Chunk(running[index].key, tokens, finish))
+
+        outputs = self.executor.execute_outputs([self._next_input(r) for r in running], stream if on_chunk else None)
         chunks = []
-        for r, output in zip(running, outputs):
+        for r, output, sent in zip(running, outputs, streamed):
             r.produced += len(output.tokens)
             r.pending = output.tokens[-1] if output.tokens else r.pending
             if output.finish is not None:
                 self.leave(r.key)
-            chunks.append(Chunk(r.key, output.tokens, output.finish))
+            chunks.append(Chunk(r.key, output.tokens[sent:], output.finish))
         return chunks
 
     def _next_input(self, r: _Running) -> Input:

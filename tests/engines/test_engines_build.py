@@ -41,7 +41,7 @@ from dflash_trt.engines.engine_set import ENGINES_JSON, read_engine_set
 from dflash_trt.engines.flavour import load_flavour
 from dflash_trt.engines.load import check_engine_set, load_engine_set
 from dflash_trt.engines.sources import GraphSource, graph_io_from_onnx
-from dflash_trt.errors import EngineBuildError, EngineError, UnsupportedExportError
+from dflash_trt.errors import EngineBuildError, EngineError, UnsupportedExportError, UsageError
 from dflash_trt.export.contract import DimRange
 from dflash_trt.export.identity import file_sha256
 
@@ -236,7 +236,7 @@ def test_fp32_attention_is_refused_before_parsing_in_one_line(tmp_path, monkeypa
     with pytest.raises(UnsupportedExportError) as caught:
         build_engine_set(sources, tmp_path / "out", flavour=None)
     assert "\n" not in str(caught.value) and str(caught.value).startswith("fp32: float32 attention")
-    assert "--dtype bf16" in str(caught.value) and caught.value.exit_status == 2
+    assert "--dtype bf16" in str(caught.value) and isinstance(caught.value, UsageError)  # the CLI: one line, exit 2
     build.refuse_fp32([sources[1], source(tmp_path, "bf16", kv_attention_model(TP.BFLOAT16))])
 
 

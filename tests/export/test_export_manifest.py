@@ -110,6 +110,29 @@ def test_manifest_disagreeing_with_its_graphs_is_refused_naming_field_and_values
         assert word in str(error.value), f"{word!r} not in: {error.value}"
 
 
+def test_tokenizer_files_the_manifest_names_are_checked(export_copy):
+    """Guards against an export serving text with a tokenizer other than its target's (a file replaced
+    after export) or naming one that is gone, and against a tokenizer entry escaping the directory."""
+    from dflash_trt.export.identity import file_sha256
+
+    out, edit = export_copy
+    (out / "tokenizer.json").write_text('{"version": "1.0"}')
+    digest = file_sha256(out / "tokenizer.json")
+    edit(lambda d: d.update(tokenizer={"tokenizer.json": digest}))
+    assert load_manifest(out).tokenizer == {"tokenizer.json": digest}
+    (out / "tokenizer.json").write_text('{"version": "2.0"}')
+    with pytest.raises(ManifestError, match=r"tokenizer sha256 of 'tokenizer.json' is [0-9a-f]{64} in the manifest but [0-9a-f]{64} on disk"):
+        load_manifest(out)
+    (out / "tokenizer.json").unlink()
+    with pytest.raises(ManifestError, match=r"tokenizer names file 'tokenizer.json', which is missing"):
+        load_manifest(out, verify="io")
+    edit(lambda d: d.update(tokenizer={"../tokenizer.json": digest}))
+    with pytest.raises(ManifestError, match=r"field 'tokenizer.../tokenizer.json' must be a file name inside"):
+        load_manifest(out, verify="none")
+    edit(lambda d: d.pop("tokenizer"))
+    assert load_manifest(out).tokenizer == {}  # a manifest written before the field: no tokenizer
+
+
 def test_missing_or_changed_graph_file_is_refused(export_copy, exported_pair):
     """Guards against a graph or weights file deleted or replaced after export (stale or partial copies)."""
     out, _ = export_copy
@@ -152,5 +175,5 @@ def test_cli_export_is_a_no_op_when_up_to_date_and_refuses_bad_options(exported_
     assert main([*common, "--max-owners", "3", "--max-context", "64", "--dtype", "fp32", "--shared-weights"]) == 0
     assert "up to date" in capsys.readouterr().out
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == mtimes
-    assert main([*common, "--max-context", "64", "--proposals", "9"]) == 1
-    assert "proposals must be an int [2, 7], got 9" in capsys.readouterr().err
+    assert main([*common, "--max-context", "64", "--proposals", "9"]) == 2  # a usage error, refused before any work
+    assert "UsageError: export option proposals must be an int [2, 7], got 9" in capsys.readouterr().err

@@ -26,7 +26,7 @@ from dflash_trt.export.pair import DEFAULT_PAIR_DIR, load_pair
 from dflash_trt.export.reference import ReferenceDecoder
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.export.tokenizer import Tokenizer
-from dflash_trt.errors import ServingError
+from dflash_trt.errors import UsageError
 from dflash_trt.server import command
 from dflash_trt.server.command import DEFAULT_PAIR_MODEL as MODEL
 
@@ -341,5 +341,5 @@ def test_dtype_and_max_owners_only_where_they_apply(flags):
     ONNX export) fixes the geometry: refused before anything is exported or loaded."""
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
-    with pytest.raises(ServingError, match="--dtype and --max-owners apply to --backend torch without --artifacts"):
+    with pytest.raises(UsageError, match="--dtype and --max-owners apply to --backend torch without --artifacts"):
         command.run(parser.parse_args(flags))
