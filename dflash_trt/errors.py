@@ -87,6 +87,11 @@ class EngineBuildError(EngineError):
         self.failures = tuple(failures)
 
 
+class UnsupportedExportError(EngineError, UsageError):
+    """An export a TensorRT build cannot take (fp32 model graphs: ONNX Runtime's configuration),
+    refused before anything is parsed: a usage error (one line, exit status 2)."""
+
+
 class CudaError(DFlashError):
     """A CUDA runtime/driver call failed, or CUDA (cuda-python, a GPU) is not available.
 

@@ -11,7 +11,9 @@ A *program* is what one launch does for ``n`` owners at consecutive rows
 
 Every program reads and writes only memory allocated once (this module's
 row-indexed state, the context pool, the backend's pools), so it is captured
-as ONE CUDA graph when the backend is ``capturable`` and replayed from then on.
+(thread-local mode) as ONE CUDA graph when the backend is ``capturable`` and
+replayed from then on; a capture that fails turns capture off for the loop,
+which then runs every program eagerly (``device.CaptureFallback``: logged once).
 How a program finds its owners' rows depends on the backend:
 
 - row-indexed backends (``Backend.row_indexed``: the torch fast path) take the
@@ -62,6 +64,7 @@ import torch
 from dflash_trt.export import contract as c
 from dflash_trt.export.sampling import seed_parts
 from dflash_trt.runtime.backends.base import Backend
+from dflash_trt.runtime.device import CaptureFallback
 from dflash_trt.runtime.sessions import ContextPool
 from dflash_trt.runtime.timing import Timeline
 
@@ -99,6 +102,11 @@ class Key:
     sampled: bool
     owners: int
     first: int | None
+
+
+def describe(key: Key) -> str:
+    """A program, for messages: its kind, owner count and (row-bound) first row."""
+    return f"{key.kind} program for {key.owners} owners" + ("" if key.first is None else f" at row {key.first}")
 
 
 class Mirror:
@@ -207,6 +215,7 @@ class DeviceLoop:
             self.slots = {n: torch.full((n,), self.scratch or 0, dtype=torch.int64, device=self.device) for n in owner_buckets(max_owners)}
             self.staged_slots = Mirror((self.ring, max_owners), torch.int64, self.device) if self.row_indexed else None
         self.captured: dict[Key, torch.cuda.CUDAGraph] = {}
+        self.fallback = CaptureFallback("the device loop")
         self.memory = torch.cuda.graph_pool_handle() if self.graphs else None
         self.timeline = Timeline(self.stream)
 
@@ -246,10 +255,10 @@ class DeviceLoop:
             return
         with self._on_stream(), self.backend.plain_runs():
             for key in keys:
-                if key not in self.captured:
+                if key not in self.captured and self.graphs:
                     self.slots[key.owners].fill_(self.scratch)
                     self._program(key)  # the warm-up the capture needs (lazy inits, Triton compiles)
-                    self.captured[key] = self._capture(key)
+                    self._keep(key, self.fallback.capture(describe(key), lambda: self._capture(key)))
 
     # ------------------------------------------------------------------ staging
 
@@ -278,7 +287,7 @@ class DeviceLoop:
         elif self.graphs:
             with self.backend.plain_runs():
                 self._program(key)  # a real cycle, and the warm-up the capture needs
-                self.captured[key] = self._capture(key)
+                self._keep(key, self.fallback.capture(describe(key), lambda: self._capture(key)))
         else:
             self._program(key)
         self._download(key, len(rows), entry)
@@ -320,11 +329,27 @@ class DeviceLoop:
         copy_async(pinned.ptr + entry * host[0].numel() * record.element_size(), record.data_ptr(), owners * row, self.stream)
 
     def _capture(self, key: Key) -> torch.cuda.CUDAGraph:
+        """One program as a CUDA graph, captured in thread-local mode: CUDA calls of other
+        threads (a server's, a logger's) stay legal meanwhile and cannot invalidate it. The
+        capture is always ended, also when the program fails inside it, and the stream
+        restored; the failure propagates (the caller falls back to eager)."""
         graph = torch.cuda.CUDAGraph()
-        # Host sync: torch.cuda.graph synchronizes the device before capturing.
-        with torch.cuda.graph(graph, pool=self.memory, stream=self.backend.stream.torch):
-            self._program(key)
+        torch.cuda.synchronize(self.device)  # host sync: before a capture only
+        with torch.cuda.stream(self.backend.stream.torch):
+            graph.capture_begin(pool=self.memory, capture_error_mode="thread_local")
+            try:
+                self._program(key)
+            finally:
+                graph.capture_end()
         return graph
+
+    def _keep(self, key: Key, graph: torch.cuda.CUDAGraph | None) -> None:
+        """A captured program is replayed from now on; a capture that failed (None) turns capture off
+        for the loop: every program runs eagerly (``CaptureFallback`` logged it once)."""
+        if graph is None:
+            self.graphs = False
+        else:
+            self.captured[key] = graph
 
     # ------------------------------------------------------------------ programs
 

@@ -94,3 +94,16 @@ def test_commands_refuse_flags_that_cannot_work_in_one_line(argv, words, capsys,
     monkeypatch.chdir(tmp_path)
     assert words in usage_error(capsys, argv)
     assert not (tmp_path / "o").exists()  # nothing was written
+
+
+def test_build_of_an_fp32_export_exits_2_with_one_line(exported_pair, tmp_path, capsys):
+    """Guards against `dflash-trt build` on an fp32 export (ONNX Runtime's configuration)
+    ending in TensorRT's internal Myelin error: it exits 2 with one line naming the graphs
+    and the export to make, before TensorRT is looked for, and writes nothing."""
+    out = tmp_path / "engines"
+    assert main(["build", "--onnx", str(exported_pair.out), "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and captured.out == "", captured
+    assert lines[0].startswith("dflash-trt build: UnsupportedExportError: target_model, draft_model: float32 attention")
+    assert "--dtype bf16" in lines[0] and not out.exists()
