@@ -22,6 +22,9 @@ from dflash_trt.runtime.sessions import CONTEXT, LENGTH, STOP, Input, check_seed
 
 
 
+PREFILL_TOKENS_PER_STEP = 8192  # prompt tokens one step takes at most (the first prompt always goes)
+
+
 @dataclass(frozen=True)
 class Request:
     """One prompt (token ids) with its limits and sampling (seed: of the sampling noise, see export.sampling)."""
@@ -91,11 +94,16 @@ class Batcher:
     request; finished requests leave inside ``step`` (session closed).
     ``leave`` closes a request's session early (cancelled, or poisoned by a
     failed step). Not thread-safe: one caller drives it.
+
+    ``prefill_tokens`` caps the prompt tokens one step takes (at least one
+    prompt): joined requests past it wait for the next step, so a burst of
+    joining prompts costs the running requests a bounded prefill per step.
     """
 
-    def __init__(self, executor: Executor, max_running: int | None = None) -> None:
+    def __init__(self, executor: Executor, max_running: int | None = None, prefill_tokens: int = PREFILL_TOKENS_PER_STEP) -> None:
         self.executor = executor
         self.capacity = min(max_running or executor.max_sessions, executor.max_sessions)
+        self.prefill_tokens = prefill_tokens
         self.running: dict[Hashable, _Running] = {}  # in join order
 
     @property
@@ -126,7 +134,7 @@ class Batcher:
         chunk's finish is set when its tokens end the request); the returned chunk of a request then
         holds only its tokens not streamed yet.
         """
-        running = list(self.running.values()) if keys is None else [self.running[key] for key in keys]
+        running = self._admitted() if keys is None else [self.running[key] for key in keys]
         streamed = [0] * len(running)
 
         def stream(index: int, tokens: list[int], finish: str | None) -> None:
@@ -142,6 +150,17 @@ class Batcher:
                 self.leave(r.key)
             chunks.append(Chunk(r.key, output.tokens[sent:], output.finish))
         return chunks
+
+    def _admitted(self) -> list[_Running]:
+        """Every running request, but joined prompts only while their tokens fit ``prefill_tokens``."""
+        admitted, budget = [], self.prefill_tokens
+        for r in self.running.values():
+            if r.joined:
+                if budget < len(r.request.prompt) and budget < self.prefill_tokens:
+                    continue  # the next step takes it
+                budget -= len(r.request.prompt)
+            admitted.append(r)
+        return admitted
 
     def _next_input(self, r: _Running) -> Input:
         """A new session's prompt, or a running session's pending token (the fast path).
