@@ -74,7 +74,7 @@ from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.cycles import (
     block_fits, chunks, cycle_mode, make_verdicts, pack_rows, plan_context, prefill_batches, sampling_rows, trim_context,
 )
-from dflash_trt.runtime.device_loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_COLUMN, PROPOSALS_COLUMN, DeviceLoop, Launch
+from dflash_trt.runtime.device_loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_COLUMN, PROPOSALS_COLUMN, DeviceLoop, Launch, owner_buckets
 from dflash_trt.runtime.launches import Group, Lane, LoopShape, run_launches
 from dflash_trt.runtime.sessions import CONTEXT, ContextPool, Input, Limits, Output, Session, SessionTable, SessionView, Step, check_seed, int_in, validate_batch
 from dflash_trt.runtime.stats import DEFAULT_MAX_ROWS, StatsLog, stats_paths, write_parquet
@@ -159,7 +159,27 @@ class Executor:
         started = time.perf_counter()
         LOG.info("capturing %d decode programs (cycle and decode steps, %s owners)", len(keys), sorted({k.owners for k in keys}))
         self.loop.prepare(keys)
-        LOG.info("captured %d programs in %.1f s", len(keys), time.perf_counter() - started)
+        shapes = self._warm_prefill()
+        LOG.info("captured %d programs, warmed %d batched-prefill shapes in %.1f s", len(keys), shapes, time.perf_counter() - started)
+
+    def _warm_prefill(self) -> int:
+        """Run batched prefill (and its drain) once per (owners, tokens) power of two within the launch
+        budget, on the scratch row only, so their kernels are compiled before serving: padded lengths
+        are multiples of PREFILL_QUANTUM, which specialize like these. Returns the shapes run."""
+        shapes = [
+            (n, tokens)
+            for n in owner_buckets(self.max_sessions)
+            for tokens in (PREFILL_QUANTUM * 2**k for k in range(16))
+            if tokens <= self.dims.max_chunk and n * tokens <= PREFILL_TOKENS
+        ]
+        scratch = self.loop.scratch
+        for n, tokens in shapes:
+            slots = torch.full((n,), scratch, dtype=torch.int64, device=self.device)
+            start, lengths = torch.zeros_like(slots), torch.full_like(slots, tokens)
+            _, taps = self.backend.prefill_many(torch.zeros((n, tokens), dtype=torch.int64, device=self.device), start, lengths, slots)
+            self.backend.draft_context_many(taps, start, lengths, slots)
+        self.backend.synchronize()  # host sync: start-up only
+        return len(shapes)
 
     @contextmanager
     def _call(self, name: str, count_refusals: bool = True) -> Iterator[None]:

@@ -491,3 +491,21 @@ def test_joining_prompts_are_prefilled_together_losslessly(tiny, oracle):
     assert counters["target_preamble_forwards"].sum() < len(sessions)
     for _ in range(3):
         t.execute([item + ({"max_new_tokens": 5},) for item in t.decode_inputs(sessions)])
+
+
+def test_start_up_prefill_warm_up_touches_no_session_row(tiny, oracle):
+    """Guards against the start-up warm-up of batched prefill shapes (run so no kernel compiles while
+    serving) writing anywhere but the scratch row: a session opened before it keeps its caches and its
+    output."""
+    dims = tiny_dims(tiny.target, tiny.draft, tiny.dims.max_context, max_chunk=40)
+    executor = Executor(tiny.torch_backend(dims, 4, kernels="fast"), dims, 4)
+    t = Tracker(executor, oracle)
+    s = t.open()
+    t.execute([(s, prompt(12, 7), None, True, {"max_new_tokens": 4})])
+    backend = executor.backend
+    before = {name: [x[: backend.max_sessions].clone() for x in pool.keys + pool.values] for name, pool in backend.pools.items()}
+    assert executor._warm_prefill() > 1
+    for name, pool in backend.pools.items():
+        for old, new in zip(before[name], pool.keys + pool.values):
+            assert torch.equal(old, new[: backend.max_sessions]), name
+    t.execute([item + ({"max_new_tokens": 6},) for item in t.decode_inputs([s])])  # still the reference's tokens
