@@ -1,8 +1,10 @@
 """Acceptance: τ, the acceptance-length histogram, per-position acceptance.
 
-τ is defined once, in ``runtime/stats.py``: the mean of ``emitted``
+τ is defined once, in ``runtime/stats.py``: the mean of ``accepted + 1``
 (accepted proposals + 1, the correction or bonus token included) over cycle
-rows. Only speculative rows count: ``mode == "target"`` rows are plain
+rows. (``emitted`` is what the caller received: the last cycle of a request
+may be cut at its room or a stop token, and still counts its whole length in τ,
+as the reference decoder's τ does.) Only speculative rows count: ``mode == "target"`` rows are plain
 decode steps with nothing proposed, and would pull τ towards 1. They still
 count in throughput (``throughput.py``).
 
@@ -18,7 +20,8 @@ import polars as pl
 
 from dflash_trt.runtime.stats import TARGET
 
-TAU = pl.col("emitted").mean().alias("tau")  # the definition in runtime/stats.py
+LENGTH = pl.col("accepted").cast(pl.Int64) + 1  # a cycle's acceptance length (runtime/stats.py TAU_LENGTH)
+TAU = LENGTH.mean().alias("tau")  # the definition in runtime/stats.py
 
 
 def speculative(cycles: pl.LazyFrame) -> pl.LazyFrame:
@@ -32,7 +35,7 @@ def tau(cycles: pl.LazyFrame) -> pl.LazyFrame:
     | column | dtype | meaning |
     | --- | --- | --- |
     | rows | UInt32 | speculative owner-cycles |
-    | tau | Float64 | mean emitted per owner-cycle (null when rows == 0) |
+    | tau | Float64 | mean accepted + 1 per owner-cycle (null when rows == 0) |
     """
     return speculative(cycles).select(pl.len().alias("rows"), TAU)
 
@@ -44,7 +47,7 @@ def tau_by(cycles: pl.LazyFrame, key: str) -> pl.LazyFrame:
     | --- | --- | --- |
     | <key> | key's dtype | group |
     | rows | UInt32 | speculative owner-cycles in the group |
-    | tau | Float64 | mean emitted in the group |
+    | tau | Float64 | mean accepted + 1 in the group |
     """
     return speculative(cycles).group_by(key).agg(pl.len().alias("rows"), TAU).sort(key)
 
@@ -53,24 +56,26 @@ def rolling_tau(cycles: pl.LazyFrame, window: int) -> pl.LazyFrame:
     """τ over the last ``window`` draft/verify calls, one row per call (cycle_id order).
 
     A call packs several owners, so the window pools their rows:
-    Σ emitted / Σ owner-rows over the calls in the window (not a mean of
-    per-call means, which would overweight lightly packed calls). The first
+    Σ (accepted + 1) / Σ owner-rows over the calls in the window (not a mean
+    of per-call means, which would overweight lightly packed calls). The first
     window-1 calls use the calls seen so far.
 
     | column | dtype | meaning |
     | --- | --- | --- |
     | cycle_id | Int64 | the window's last call |
+    | calls | UInt32 | speculative calls up to this one (the window is min(window, calls)) |
     | tau | Float64 | pooled τ over the window |
     """
     assert window >= 1, window
     per_call = (
         speculative(cycles)
         .group_by("cycle_id")
-        .agg(pl.col("emitted").sum().alias("emitted"), pl.len().alias("rows"))
+        .agg(LENGTH.sum().alias("length"), pl.len().alias("rows"))
         .sort("cycle_id")
     )
-    pooled = pl.col("emitted").rolling_sum(window, min_samples=1) / pl.col("rows").rolling_sum(window, min_samples=1)
-    return per_call.select("cycle_id", pooled.alias("tau"))
+    pooled = pl.col("length").rolling_sum(window, min_samples=1) / pl.col("rows").rolling_sum(window, min_samples=1)
+    calls = pl.int_range(1, pl.len() + 1, dtype=pl.UInt32).alias("calls")
+    return per_call.select("cycle_id", calls, pooled.alias("tau"))
 
 
 def acceptance_counts(cycles: pl.LazyFrame) -> pl.LazyFrame:

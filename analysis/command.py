@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
-from dflash_trt.analysis.load import scan_run
+from dflash_trt.analysis.load import Run, scan_run
 from dflash_trt.cli import positive_int
 from dflash_trt.analysis.report import headline, markdown, summarize, write_report
 
@@ -28,10 +29,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=positive_int, default=64, help="calls per rolling-τ window (default 64)")
 
 
+def distinct_names(baseline: Run | None, main_run: Run, others: list[Run]) -> tuple[Run | None, Run, list[Run]]:
+    """Runs are named by mode (``dflash``, ``plain``); a repeated name gets its position (``dflash 2``)."""
+    runs = [r for r in (baseline, main_run, *others) if r is not None]
+    seen: dict[str, int] = {}
+    named = []
+    for r in runs:
+        seen[r.name] = seen.get(r.name, 0) + 1
+        named.append(r if seen[r.name] == 1 else replace(r, name=f"{r.name} {seen[r.name]}"))
+    if baseline is None:
+        return None, named[0], named[1:]
+    return named[0], named[1], named[2:]
+
+
 def run(args: argparse.Namespace) -> int:
     main_run = scan_run(args.stats)
-    baseline = None if args.baseline is None else scan_run(args.baseline, name=f"baseline:{args.baseline.stem}")
+    baseline = None if args.baseline is None else scan_run(args.baseline)
     others = [scan_run(path) for path in args.compare]
+    baseline, main_run, others = distinct_names(baseline, main_run, others)
     summary = summarize(main_run, baseline, others, window=args.window)
     out_dir = args.out or args.stats.with_name(args.stats.stem + ".report")
     files = write_report(summary, out_dir)

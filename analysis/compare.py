@@ -1,8 +1,10 @@
 """Runs side by side, and the speedup against a baseline.
 
-Speedup is the ratio of wall tokens per second (``throughput.throughput``)
-of a run to its baseline, usually an autoregressive run of the same target
-(all ``mode == "target"`` rows), though any stats file works. The device
+Speedup is the ratio of wall tokens per second (``throughput.throughput``:
+tokens callers received over the run's span) of a run to its baseline,
+usually a plain-decoding run of the same target (all ``mode == "target"``
+rows), though any stats file works. ``dflash-trt run``, ``bench`` and
+``demo`` print these same figures (``run_summary`` of their in-memory stats). The device
 speedup uses tokens per device second instead, which leaves host overhead
 out.
 """
@@ -27,12 +29,12 @@ def run_summary(run: Run) -> pl.LazyFrame:
     | column | dtype | meaning |
     | --- | --- | --- |
     | name | String | the run's label |
-    | rows, calls, emitted, wall_s, tokens_per_s, device_s, tokens_per_device_s | | from ``throughput`` |
+    | rows, calls, tokens, wall_s, tokens_per_s, device_s, tokens_per_device_s | | from ``throughput`` |
     | cycles | UInt32 | speculative owner-cycles (τ's denominator) |
     | tau | Float64 | τ over speculative rows (null for an autoregressive run) |
     """
     acceptance = tau(run.cycles).rename({"rows": "cycles"})
-    return pl.concat([throughput(run.cycles), acceptance], how="horizontal").select(
+    return pl.concat([throughput(run.cycles, run.executes), acceptance], how="horizontal").select(
         pl.lit(run.name).alias("name"), pl.all()
     )
 

@@ -26,6 +26,7 @@ from dflash_trt.runtime.stats import (
     EXECUTE_SCHEMA,
     KIND_KEY,
     SCHEMA_VERSION,
+    TARGET,
     VERSION_KEY,
     stats_paths,
 )
@@ -39,7 +40,7 @@ class Run:
 
     | field | type | meaning |
     | --- | --- | --- |
-    | name | str | label in tables and plots (the cycles file's stem) |
+    | name | str | label in tables and plots: the run's mode (``mode_name``) unless given |
     | cycles | LazyFrame | ``CYCLE_SCHEMA`` columns, validated |
     | executes | LazyFrame or None | ``EXECUTE_SCHEMA`` columns, when the file exists |
     """
@@ -63,10 +64,19 @@ def scan_run(cycles_path: str | Path, name: str | None = None) -> Run:
     if in_call_order(cycles):
         cycles = cycles.set_sorted("cycle_id")
     return Run(
-        name=name or stats_paths(cycles_path)[0].stem,
+        name=name or mode_name(cycles),
         cycles=cycles,
         executes=None if executes_path is None else scan_stats(executes_path, "executes"),
     )
+
+
+DFLASH, PLAIN = "dflash", "plain"  # run names: speculative cycles, or plain target decoding only
+
+
+def mode_name(cycles: pl.LazyFrame) -> str:
+    """``dflash`` when the run has a speculative cycle, else ``plain`` (one streaming pass over ``mode``)."""
+    drafted = cycles.select((pl.col("mode") != TARGET).any()).collect().item()
+    return DFLASH if drafted else PLAIN
 
 
 def in_call_order(cycles: pl.LazyFrame) -> bool:

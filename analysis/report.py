@@ -92,6 +92,8 @@ def summarize(run: Run, baseline: Run | None = None, others: Sequence[Run] = (),
     # it each query streams its own scan (~4x less peak memory, ~1.4x the time).
     flags = pl.QueryOptFlags(comm_subplan_elim=False)
     frames = dict(zip(queries, pl.collect_all(queries.values(), optimizations=flags), strict=True))
+    # A window longer than the run is the run: say so in the plot (rolling sums start at the first call).
+    window = min(window, int(frames["rolling_tau"]["calls"].max() or 1))
     # Side by side from the collected rows: the main run is not summarized twice.
     rows = [frames.pop("baseline")] if baseline is not None else []
     rows += [frames["overview"], *(frames.pop(f"other {index}") for index in range(len(others)))]
@@ -101,19 +103,20 @@ def summarize(run: Run, baseline: Run | None = None, others: Sequence[Run] = (),
 
 
 def _thin(frame: pl.LazyFrame, max_points: int) -> pl.LazyFrame:
-    """Every n-th row so at most ~max_points remain (a plot cannot show more)."""
+    """Every n-th row, and the last, so at most ~max_points remain (a plot cannot show more)."""
     step = pl.len() // max_points + 1
-    return frame.filter(pl.int_range(pl.len()) % step == 0)
+    index = pl.int_range(pl.len())
+    return frame.filter((index % step == 0) | (index == pl.len() - 1))
 
 
 def headline(summary: Summary) -> dict:
     """The headline figures as a JSON-ready dict (NaN and inf become None).
 
-    Keys: name, rows, calls, cycles, emitted, tau, tokens_per_s,
+    Keys: name, rows, calls, cycles, tokens, tau, tokens_per_s,
     tokens_per_device_s, wall_s, device_s, static_share (of speculative
     rows), context_rows; with a baseline: speedup, device_speedup,
     baseline_tokens_per_s; with an executes table: executes, failed,
-    counters_match.
+    counters_match. Floats are rounded (``ROUNDING``).
     """
     figures = summary.overview.row(0, named=True)
     speculative = summary.modes.filter(pl.col("mode") != TARGET)
@@ -129,12 +132,16 @@ def headline(summary: Summary) -> dict:
         figures["executes"] = summary.counters["executes"][0]
         figures["failed"] = summary.counters["failed"][0]
         figures["counters_match"] = bool(summary.cross_check["match"].fill_null(False).all())
-    return {key: _json_safe(value) for key, value in figures.items()}
+    return {key: _json_safe(key, value) for key, value in figures.items()}
 
 
-def _json_safe(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
+# Decimals per headline figure (the console summaries of run / bench / demo round alike); others: 3.
+ROUNDING = {"tokens_per_s": 2, "tokens_per_device_s": 2, "baseline_tokens_per_s": 2}
+
+
+def _json_safe(key: str, value):
+    if isinstance(value, float):
+        return round(value, ROUNDING.get(key, 3)) if math.isfinite(value) else None
     return value
 
 
@@ -179,6 +186,8 @@ def markdown(summary: Summary, files: dict[str, Path] | None = None) -> str:
     sections += _section("τ by owners per call", summary.tau_by_owners)
     sections += _section("τ across sessions", _session_spread(summary.tau_by_session))
     sections += _section("Latency by phase (each call once)", summary.latency)
+    if _loop_cycles_only(summary):
+        sections.append(DRAFT_MS_NOTE)
     sections += _section("Latency per call by owners (mean ms)", summary.latency_by_owners)
     sections += _section("Draft modes", summary.modes)
     if summary.counters is not None:
@@ -193,13 +202,27 @@ def markdown(summary: Summary, files: dict[str, Path] | None = None) -> str:
     return "\n\n".join(sections) + "\n"
 
 
+DRAFT_MS_NOTE = (
+    "draft_ms is 0: the device loop runs a cycle's draft, verify and verdict as one program and times "
+    "them as one unit (verify_ms), on every backend; the draft alone is timed only outside the loop."
+)
+
+
+def _loop_cycles_only(summary: Summary) -> bool:
+    """Speculative calls ran, and none timed its draft apart."""
+    draft = dict(zip(summary.latency["phase"], summary.latency["total_ms"])).get("draft_ms")
+    speculative = summary.modes.filter(pl.col("mode") != TARGET)["rows"].sum()
+    return bool(speculative) and draft == 0
+
+
 def _section(title: str, table: pl.DataFrame) -> list[str]:
     return [f"## {title}", _markdown_table(table)]
 
 
 def _figures_table(figures: dict) -> str:
     """A name → value table; values as text, so integers stay integers beside floats."""
-    table = pl.DataFrame({"figure": list(figures), "value": [str(value) for value in figures.values()]})
+    values = [str(_json_safe(name, value)) for name, value in figures.items()]
+    table = pl.DataFrame({"figure": list(figures), "value": values})
     return _markdown_table(table)
 
 

@@ -1,7 +1,8 @@
 """Throughput and latency: tokens per second, device time, time per phase.
 
 ``draft_ms``, ``verify_ms`` and ``host_ms`` are measured once per
-draft/verify call and repeated on every owner row of that call, so anything
+draft/verify call (the device loop times a whole cycle, draft included, as
+``verify_ms``: ``draft_ms`` is 0 there on every backend) and repeated on every owner row of that call, so anything
 that sums time first collapses the rows to one per ``cycle_id`` (``calls``);
 summing owner rows would count a 4-owner call four times. Token counts
 (``emitted``) are per owner and are summed over rows as they are.
@@ -47,35 +48,41 @@ def calls(cycles: pl.LazyFrame) -> pl.LazyFrame:
     )
 
 
-def throughput(cycles: pl.LazyFrame) -> pl.LazyFrame:
+def throughput(cycles: pl.LazyFrame, executes: pl.LazyFrame | None = None) -> pl.LazyFrame:
     """Tokens per wall second and per device second, one row.
 
-    Wall rate: tokens emitted after the first cycle end, over the span from
-    the first to the last cycle end. The first call's tokens were produced
-    before that span began (we do not know when it started), so counting
-    them would overstate a short run: 2 calls of 4 tokens 10 ms apart are
-    400 tokens/s, not 800. Device rate: all tokens over the de-duplicated
+    Tokens are what callers received (Σ ``emitted``, every mode). The wall
+    span is the run's: from the start of its first ``execute()`` to the end of
+    its last (the executes table's ``end_ms - wall_ms`` and ``end_ms``), the
+    same span ``dflash-trt run`` / ``bench`` / ``demo`` print. Without an
+    executes table only cycle ends are known: the span runs from the first
+    cycle end to the last, and the first call's tokens (produced before the
+    span began) are left out, so 2 calls of 4 tokens 10 ms apart are 400
+    tokens/s, not 800. Device rate: all tokens over the de-duplicated
     draft + verify time.
 
     | column | dtype | meaning |
     | --- | --- | --- |
     | rows | UInt32 | owner rows, every mode |
     | calls | UInt32 | distinct cycle_id |
-    | emitted | Int64 | tokens produced |
-    | wall_s | Float64 | last end_ms - first end_ms, in seconds |
-    | tokens_per_s | Float64 | emitted after the first end / wall_s (null if wall_s == 0) |
+    | tokens | Int64 | tokens callers received (Σ emitted) |
+    | wall_s | Float64 | the run's span in seconds (see above) |
+    | tokens_per_s | Float64 | tokens in the span / wall_s (null if wall_s == 0) |
     | device_s | Float64 | Σ over calls of draft_ms + verify_ms, in seconds |
-    | tokens_per_device_s | Float64 | emitted / device_s (null if device_s == 0) |
+    | tokens_per_device_s | Float64 | tokens / device_s (null if device_s == 0) |
     """
-    first_end = pl.col("end_ms").min()
-    wall_s = (pl.col("end_ms").max() - first_end) / 1000
-    after_first = pl.col("emitted").cast(pl.Int64).filter(pl.col("end_ms") > first_end).sum()
-    wall = cycles.select(
-        pl.len().alias("rows"),
-        pl.col("emitted").cast(pl.Int64).sum().alias("emitted"),
-        wall_s.alias("wall_s"),
-        ratio(after_first, wall_s).alias("tokens_per_s"),
-    )
+    tokens = pl.col("emitted").cast(pl.Int64).sum()
+    if executes is None:
+        first_end = pl.col("end_ms").min()
+        wall_s = (pl.col("end_ms").max() - first_end) / 1000
+        in_span = pl.col("emitted").cast(pl.Int64).filter(pl.col("end_ms") > first_end).sum()
+        wall = cycles.select(pl.len().alias("rows"), tokens.alias("tokens"), wall_s.alias("wall_s"),
+                             ratio(in_span, wall_s).alias("tokens_per_s"))
+    else:
+        counts = cycles.select(pl.len().alias("rows"), tokens.alias("tokens"))
+        span = executes.select(((pl.col("end_ms").max() - (pl.col("end_ms") - pl.col("wall_ms")).min()) / 1000).alias("wall_s"))
+        wall = pl.concat([counts, span], how="horizontal").with_columns(
+            ratio(pl.col("tokens"), pl.col("wall_s")).alias("tokens_per_s"))
     device = calls(cycles).select(
         pl.len().alias("calls"),
         ((pl.col("draft_ms") + pl.col("verify_ms")).sum() / 1000).alias("device_s"),
@@ -83,11 +90,11 @@ def throughput(cycles: pl.LazyFrame) -> pl.LazyFrame:
     return pl.concat([wall, device], how="horizontal").select(
         "rows",
         "calls",
-        "emitted",
+        "tokens",
         "wall_s",
         "tokens_per_s",
         "device_s",
-        ratio(pl.col("emitted"), pl.col("device_s")).alias("tokens_per_device_s"),
+        ratio(pl.col("tokens"), pl.col("device_s")).alias("tokens_per_device_s"),
     )
 
 

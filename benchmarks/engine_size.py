@@ -21,7 +21,11 @@ the models' plans; the report then covers them alone. Random weights are
 drawn on the GPU when there is one (the CPU takes minutes for 8B values).
 
     python benchmarks/engine_size.py --work /tmp/size [--stages make export build report]
-        [--graphs NAME ...] [--target SM89] [--layers 36] [--record]
+        [--graphs NAME ...] [--target SM89] [--layers 36] [--pair export/default_pair] [--record]
+
+``--pair DIR`` measures an existing pair (DIR/target, DIR/draft; e.g. the
+shipped default pair, a quick look on a small machine) instead of random
+weights of the Qwen3-8B shape.
 
 Prints a table and ends with one JSON line; ``--record`` appends it to
 benchmarks/results.jsonl.
@@ -99,11 +103,16 @@ def random_checkpoint(directory: Path, config: dict, build) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def make(work: Path, layers: int) -> dict:
+def make(work: Path, layers: int, pair: Path | None = None) -> dict:
     from dflash_trt.export.config import load_draft_config, load_target_config
     from dflash_trt.export.draft import DraftModel
     from dflash_trt.export.target import TargetModel
 
+    if pair is not None:  # an existing pair (e.g. the shipped default one): its weights as they are
+        from dflash_trt.export.checkpoint import read_tensors
+
+        sizes = [sum(t.numel() * t.element_size() for t in read_tensors(pair / kind).values()) for kind in ("target", "draft")]
+        return {"pair": str(pair), "target_weight_bytes": sizes[0], "draft_weight_bytes": sizes[1], "make_seconds": 0.0}
     target = target_config(layers)
     started = time.perf_counter()
     target_bytes = random_checkpoint(work / "target", target, lambda d: TargetModel(load_target_config(d)))
@@ -114,21 +123,21 @@ def make(work: Path, layers: int) -> dict:
 OPTIONS = dict(max_owners=4, max_chunk=512, dtype="bf16", shared_weights=True)
 
 
-def export(work: Path, graphs: list[str]) -> dict:
+def export(work: Path, graphs: list[str], pair: Path) -> dict:
     from dflash_trt.export.exporter import ExportOptions, export_pair
 
     seconds: dict[str, float] = {}
     started = time.perf_counter()
     if graphs:
-        export_some(work, graphs, seconds)
+        export_some(work, graphs, seconds, pair)
     else:
-        export_pair(work / "target", work / "draft", work / "graphs", ExportOptions(**OPTIONS), progress=True,
+        export_pair(pair / "target", pair / "draft", work / "graphs", ExportOptions(**OPTIONS), progress=True,
                     on_graph=lambda name, _graph, s: seconds.__setitem__(name, round(s, 1)))
     onnx_bytes = sum(f.stat().st_size for f in (work / "graphs").iterdir() if f.is_file())
     return {"export_seconds": time.perf_counter() - started, "export_graph_seconds": seconds, "onnx_bytes": onnx_bytes}
 
 
-def export_some(work: Path, graphs: list[str], seconds: dict[str, float]) -> None:
+def export_some(work: Path, graphs: list[str], seconds: dict[str, float], pair: Path) -> None:
     """``graphs`` alone, as export_pair writes them (shared weights), without a manifest."""
     from dflash_trt.export import contract
     from dflash_trt.export.exporter import ExportOptions, contract_dims, export_graph, kernels_of
@@ -137,8 +146,8 @@ def export_some(work: Path, graphs: list[str], seconds: dict[str, float]) -> Non
     from dflash_trt.export.pair import load_pair
     from dflash_trt.export.weights import SharedWeights
 
-    options = ExportOptions(**OPTIONS).resolve(work / "target", work / "draft")
-    target, draft = load_pair(work / "target", work / "draft", torch.bfloat16)
+    options = ExportOptions(**OPTIONS).resolve(pair / "target", pair / "draft")
+    target, draft = load_pair(pair / "target", pair / "draft", torch.bfloat16)
     dims = contract_dims(target, draft, options)
     (work / "graphs").mkdir(exist_ok=True)
     with SharedWeights(work / "graphs") as weights, kernels_of([target, draft], OnnxKernels(emit=True)):
@@ -171,7 +180,7 @@ def build(work: Path, target: str, graphs: list[str]) -> dict:
                               progress=lambda line: print(line, flush=True), source_manifest=manifest)
     engines = {
         name: {"plan_bytes": e.plan_bytes, "build_seconds": round(e.build_seconds, 1), "profiles": list(e.profiles)}
-        for name, e in record.engines.items()
+        for name, e in [*record.engines.items(), *([("probe", record.probe.engine)] if record.probe else [])]
     }
     return {"build_seconds": time.perf_counter() - started, "engines": engines, "flavour": f"{record.flavour} {record.trt_version}",
             "targets": list(record.targets)}
@@ -217,6 +226,7 @@ def main() -> int:
     parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
     parser.add_argument("--target", default="SM89", help="compute capability the plans are built for")
     parser.add_argument("--layers", type=int, default=36, help="target layers (36: Qwen3-8B)")
+    parser.add_argument("--pair", type=Path, help="an existing pair (DIR/target, DIR/draft) instead of random weights, e.g. export/default_pair")
     parser.add_argument("--graphs", nargs="+", default=[], help="export and build only these graphs (default: the whole set)")
     parser.add_argument("--record", action="store_true", help="append the JSON line to benchmarks/results.jsonl")
     args = parser.parse_args()
@@ -229,9 +239,9 @@ def main() -> int:
         started = time.perf_counter()
         print(f"== {stage}", flush=True)
         if stage == "make":
-            results |= make(args.work, args.layers)
+            results |= make(args.work, args.layers, args.pair)
         elif stage == "export":
-            results |= export(args.work, args.graphs) | {"graphs": args.graphs}
+            results |= export(args.work, args.graphs, Path(results.get("pair") or args.work)) | {"graphs": args.graphs}
         elif stage == "build":
             results |= build(args.work, args.target, args.graphs)
         else:

@@ -121,7 +121,7 @@ def serve(executor: Executor, requests: list[Request], sessions: int) -> tuple[l
 def figures(executor: Executor, tokens: list[list[int]], seconds: float) -> dict:
     """The run's figures from the executor's stats columns (no Polars)."""
     columns = executor.log.cycles.columns
-    speculative = [e for e, mode in zip(columns["emitted"], columns["mode"]) if mode != "target"]
+    speculative = [a + 1 for a, mode in zip(columns["accepted"], columns["mode"]) if mode != "target"]  # τ: accepted + 1
     per_call = {}
     for cycle, draft_ms, verify_ms in zip(columns["cycle_id"], columns["draft_ms"], columns["verify_ms"]):
         per_call[cycle] = draft_ms + verify_ms

@@ -6,7 +6,7 @@ via TopK, 20 top-p bisection steps, the int64 hash and the Gumbel noise), so
 the rows mix greedy, untruncated, top-k and top-p settings. Timed with CUDA
 events over replays of one CUDA graph (no launch overhead, no host syncs):
 
-- ``fused``: the torch backend's CUDA kernel of the op (``runtime/backends/sampling_kernels.py``:
+- ``fused``: the torch backend's CUDA kernel of the op (``runtime/kernels/sampling.py``:
   ten Triton passes);
 - ``eager``: the PyTorch definition, one kernel per op (~130 kernels);
 - ``compiled``: the same function under ``torch.compile`` (Inductor fuses the
@@ -15,7 +15,7 @@ events over replays of one CUDA graph (no launch overhead, no host syncs):
   noise; top-k + top-p; the TopK of K = 3840 alone), to show where the time goes.
 
 Correctness: the GPU's tokens are compared with the CPU's on the same logits
-(the backends must agree, DESIGN §1). Prints a table and ends with one JSON line.
+(the backends must agree, docs/design.md §6). Prints a table and ends with one JSON line.
 
 ``--profile`` also prints the fused kernel's launches with their device time
 (torch.profiler, outside a graph: where the time goes).
@@ -117,7 +117,7 @@ def main() -> None:
         raise SystemExit("needs a CUDA GPU")
     cpu = inputs(args.rows, args.vocab, "cpu")
     gpu = inputs(args.rows, args.vocab, "cuda")
-    from dflash_trt.runtime.backends.sampling_kernels import choose_cuda
+    from dflash_trt.runtime.kernels.sampling import choose_cuda
 
     variants = (("fused", choose_cuda), ("eager", choose), ("noise", noise_only), ("kept", kept_only), ("topk", topk_only))
     with torch.no_grad():

@@ -3,17 +3,22 @@
 1. Export ``export/default_pair/{target,draft}`` (or ``--target/--draft``) to
    ONNX in a cache dir (fp32, for ONNX Runtime's CPU provider); skipped when
    the cached export already matches the checkpoints, options and code.
-2. Serve a few code prompts (``export/default_pair/prompts.jsonl``) through
-   the runtime with ONNX Runtime: continuous batching, DFlash cycles.
-3. Print each completion, then τ, tokens/s and host time per cycle; write
-   the stats as Parquet and the analysis report (Markdown + plots) beside
-   them.
+2. Serve a few code prompts (``export/default_pair/prompts.jsonl``, held
+   out from training) through the runtime with ONNX Runtime: continuous
+   batching, DFlash cycles; then the same prompts with plain target decoding
+   (the baseline: same backend, no draft).
+3. Print each completion, then τ, DFlash's and plain decoding's tokens/s
+   and the speedup (``runtime.command.summary``: the report's definitions);
+   write both runs' stats as Parquet (``OUT/dflash``, ``OUT/plain``) and
+   the analysis report (Markdown + plots, with the baseline) beside them.
 
 It runs the whole pipeline (export, runtime, analysis), so it sits beside the
 console command rather than in any one stage.
 
-The default run (4 prompts, 64 new tokens) takes well under a minute on two
-CPU cores once the export is cached; the first export adds ~30 s.
+The default run (4 prompts, 64 new tokens, both modes) takes a few seconds
+on two CPU cores once the export is cached; the first export adds ~30 s.
+Its figures come from one pass per mode without a warm-up: a quick look;
+``dflash-trt bench`` measures (a warm-up pass, more prompts).
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_trt.cli import positive_int
+from dflash_trt.cli import check_sampling_flags, positive_int
 from dflash_trt.runtime import command
+from dflash_trt.runtime.command import check_runnable_export
 from dflash_trt.runtime.executor import Executor
 
 DEMO_MAX_OWNERS = 2  # fewer static graphs: a faster first export, and 4 prompts still pack
@@ -34,29 +40,14 @@ DEMO_MAX_SESSIONS = 4
 DEMO_MAX_CHUNK = 256
 
 
-def default_pair_dir() -> Path:
-    """The embedded default pair's folder (``target/``, ``draft/``, ``prompts.jsonl``); imported
-    lazily, so building the command line does not import the export stage."""
-    from dflash_trt.export.pair import DEFAULT_PAIR_DIR
-
-    return DEFAULT_PAIR_DIR
-
-
-def default_cache_dir() -> Path:
-    """The user's dflash-trt cache (``export.identity.default_cache_dir``), imported lazily."""
-    from dflash_trt.export import identity
-
-    return identity.default_cache_dir()
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pair = default_pair_dir()
+    pair = command.default_pair_dir()
     parser.add_argument("--target", type=Path, default=pair / "target", help="target checkpoint (default: the embedded pair)")
     parser.add_argument("--draft", type=Path, default=pair / "draft", help="draft checkpoint (default: the embedded pair)")
     parser.add_argument("--prompts", type=Path, default=pair / "prompts.jsonl", help="JSONL of {prompt | tokens, name?}")
     parser.add_argument("--count", type=positive_int, default=4, help="prompts to serve (default 4)")
     parser.add_argument("--prompt-tokens", type=positive_int, default=192, help="keep the last N tokens of each prompt")
-    parser.add_argument("--cache", type=Path, default=default_cache_dir(), help="export cache (default ~/.cache/dflash-trt or $DFLASH_TRT_CACHE)")
+    parser.add_argument("--cache", type=Path, default=command.default_cache_dir(), help="export cache (default ~/.cache/dflash-trt or $DFLASH_TRT_CACHE)")
     parser.add_argument("--artifacts", type=Path, help="use this export dir instead of exporting")
     parser.add_argument("--out", type=Path, help="stats + report dir (default: CACHE/demo-run)")
     command.add_generation_arguments(parser)
@@ -80,28 +71,36 @@ def export_dir(args) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_sampling_flags(args)
     artifacts = export_dir(args)
-    tokenizer = command.load_tokenizer(args.target, artifacts)
+    check_runnable_export(artifacts, "cpu")
+    tokenizer = command.load_tokenizer(artifacts, args.target)
     out = args.out or args.cache / "demo-run"
     from dflash_trt.runtime.backends import OrtBackend
 
+    stop = tokenizer.stop_ids if tokenizer is not None else ()
+    figures = {}
     with OrtBackend.from_export(artifacts, max_sessions=args.max_sessions, threads=args.threads) as backend:
-        executor = Executor(backend, max_cycles=args.max_cycles)
         prompts = command.read_prompts(args.prompts, tokenizer, args.count)
-        room = min(args.max_new_tokens, executor.dims.max_context - 1)
-        prompts = [command.Prompt(p.name, command.fit_prompt(p.tokens[-args.prompt_tokens :], executor.dims.max_context, room), None) for p in prompts]
-        stop = tokenizer.stop_ids if tokenizer is not None else ()
-        print(f"serving {len(prompts)} prompts with ONNX Runtime (CPU), {args.max_new_tokens} new tokens each ...", flush=True)
-        completions, seconds = command.serve(executor, prompts, args, stop)
-        _print_completions(prompts, completions, tokenizer)
-        figures = command.summary(executor, completions, seconds)
-        cycles, _ = executor.write_stats(out / "stats")
-        command.write_outputs(out, prompts, completions, tokenizer)
-    report = _report(cycles, out / "report")
-    print(f"\nτ (tokens per draft/verify cycle) = {figures['tau']}   {figures['tokens_per_s']} tokens/s   "
-          f"{figures['host_ms_per_cycle']} ms host time per cycle")
-    print(f"stats: {cycles}   report: {report}")
-    print(json.dumps(figures))
+        room = min(args.max_new_tokens, backend.dims.max_context - 1)
+        prompts = [command.Prompt(p.name, command.fit_prompt(p.tokens[-args.prompt_tokens :], backend.dims.max_context, room), None) for p in prompts]
+        print(f"serving {len(prompts)} prompts with ONNX Runtime (CPU), {args.max_new_tokens} new tokens each: "
+              f"DFlash, then plain decoding (the baseline) ...", flush=True)
+        for mode, speculate in (("dflash", True), ("plain", False)):
+            with Executor(backend, max_cycles=args.max_cycles, speculate=speculate) as executor:
+                completions = command.serve(executor, prompts, args, stop)
+                figures[mode] = command.summary(executor, completions)
+                stats, _ = executor.write_stats(out / mode / "stats")
+                command.write_outputs(out / mode, prompts, completions, tokenizer)
+                if speculate:
+                    _print_completions(prompts, completions, tokenizer)
+    report = _report(out / "dflash" / "stats.parquet", out / "plain" / "stats.parquet", out / "report")
+    dflash, plain = figures["dflash"], figures["plain"]
+    speedup = round(dflash["tokens_per_s"] / plain["tokens_per_s"], 2) if dflash["tokens_per_s"] and plain["tokens_per_s"] else None
+    print(f"\nτ (tokens per draft/verify cycle) = {dflash['tau']}   DFlash {dflash['tokens_per_s']} tokens/s   "
+          f"plain decoding {plain['tokens_per_s']} tokens/s   speedup {speedup}x")
+    print(f"stats: {out / 'dflash'} and {out / 'plain'}   report: {report}")
+    print(json.dumps({**dflash, "plain_tokens_per_s": plain["tokens_per_s"], "speedup": speedup}))
     return 0
 
 
@@ -116,12 +115,12 @@ def _print_completions(prompts, completions, tokenizer) -> None:
         print(tokenizer.decode(completion.tokens))
 
 
-def _report(cycles: Path, out: Path) -> Path:
-    """The analysis report of the run: its summary.md, or the report folder."""
+def _report(cycles: Path, baseline: Path, out: Path) -> Path:
+    """The analysis report of the run against its baseline: its summary.md, or the report folder."""
     from dflash_trt.analysis.load import scan_run
     from dflash_trt.analysis.report import summarize, write_report
 
-    files = write_report(summarize(scan_run(cycles)), out)
+    files = write_report(summarize(scan_run(cycles), scan_run(baseline)), out)
     return out / "summary.md" if "summary.md" in {Path(f).name for f in files.values()} else out
 
 

@@ -28,6 +28,12 @@ class DFlashError(Exception):
             self.code = code
 
 
+class UsageError(DFlashError):
+    """A command line asks for what cannot work: a flag's value out of range, flags that do not go
+    together, or artifacts the chosen backend cannot run. Raised before anything is loaded; the
+    ``dflash-trt`` command prints it on one line and exits with 2."""
+
+
 class CheckpointError(DFlashError):
     """A Hugging Face checkpoint (config or tensors) cannot be used."""
 
@@ -97,6 +103,11 @@ class EngineBuildError(EngineError):
     def __init__(self, message: str, failures: tuple = ()):
         super().__init__(message)
         self.failures = tuple(failures)
+
+
+class UnsupportedExportError(EngineError, UsageError):
+    """An export a TensorRT build cannot take (fp32 model graphs: ONNX Runtime's configuration),
+    refused before anything is parsed: a usage error (one line, exit status 2)."""
 
 
 class CudaError(DFlashError):

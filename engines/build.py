@@ -14,19 +14,30 @@ only graphs that sampled sessions alone need (``verify_sample_{n}``) failed:
 the set is then written without them, greedy-only, and engines.json says
 why each is ``skipped`` (the runtime refuses sampled sessions on it). One
 builder and one timing cache (TensorRT; a file in the output directory)
-serve all graphs.
+serve all graphs. The set's semantics probe (``engines.probe``) is exported
+and built the same way, and run where the builder has a GPU that runs the
+plans: a failed probe fails the build (``engines.verdict``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from dflash_trt.engines.attention import ATTENTION, AttentionBindError, BoundAttention, attention_nodes, bind_attention
+from dflash_trt.engines.attention import (
+    ATTENTION,
+    AttentionBindError,
+    BoundAttention,
+    attention_digest,
+    attention_nodes,
+    attention_tag,
+    bind_attention,
+)
 from dflash_trt.engines.bindings import (
     INPUT,
     OUTPUT,
@@ -37,10 +48,12 @@ from dflash_trt.engines.bindings import (
     profile_shapes,
     trt_dtype_name,
 )
-from dflash_trt.engines.engine_set import ENGINES_JSON, EngineRecord, EngineSetRecord, write_engine_set
+from dflash_trt.engines.engine_set import ENGINES_JSON, PROBE_NAME, EngineRecord, EngineSetRecord, ProbeRecord, write_engine_set
 from dflash_trt.engines.flavour import TIMING_CACHE_FILE, Flavour
+from dflash_trt.engines.probe import ProbeSpec, export_probe, probe_io
 from dflash_trt.engines.sources import GraphSource, load_graph, source_files
-from dflash_trt.errors import EngineBuildError
+from dflash_trt.engines.verdict import Site, refusal, run_probe
+from dflash_trt.errors import EngineBuildError, EngineError, UnsupportedExportError
 from dflash_trt.export.contract import GraphSpec, profiles_of, sampled_only
 from dflash_trt.export.identity import file_sha256
 
@@ -48,6 +61,7 @@ Progress = Callable[[str], None]
 GRAPH_INPUT = "graph input"  # BuildFailure.operator of an input nothing reads
 UNREAD_OUTPUT = "layer output read by nothing"  # ... of a dangling layer output
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.@-]+$")  # engine names become file names
+AUTO = object()  # build_engine_set's site: the current CUDA GPU, if any
 
 
 @dataclass(frozen=True)
@@ -99,17 +113,23 @@ def build_engine_set(
     progress: Progress | None = None,
     source_manifest: Path | None = None,
     echo: Progress | None = None,
+    site: Site | None | object = AUTO,
+    probe: ProbeSpec | None = None,
 ) -> EngineSetRecord:
     """Build every source into ``out_dir``; raise ``EngineBuildError`` listing all failures.
 
     ``progress`` gets one line per graph; ``echo`` (optional) every TensorRT
-    warning and error as it is logged.
+    warning and error as it is logged. The semantics probe (``probe``; by
+    default the one of ``source_manifest``'s export, none without) is built
+    too, and run on ``site`` (default: the current CUDA GPU, if any; None:
+    not at build).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # An old engines.json must never describe the plans this run rewrites.
     (out_dir / ENGINES_JSON).unlink(missing_ok=True)
     _check_sources(sources)
+    refuse_fp32(sources)
     say = progress or (lambda _line: None)
     builder = _SetBuilder(flavour, options, out_dir, echo)
     records, failures = {}, []
@@ -124,9 +144,11 @@ def build_engine_set(
         rec = records[source.name]
         profiles = f", {len(rec.profiles)} profiles" if len(rec.profiles) > 1 else ""
         say(f"[{index}/{len(sources)}] {source.name}: built in {rec.build_seconds:.2f} s, plan {rec.plan_bytes / 1e6:.1f} MB{profiles}")
+    probe = probe or _manifest_probe(source_manifest)
+    probe_record = _build_probe(builder, probe, failures, say)
     builder.save_cache()  # what the good graphs timed is kept even when others failed
     if not records or any(not sampled_only(f.graph) for f in failures):
-        raise _build_error(failures, len(sources))
+        raise _build_error(failures, len(sources) + (probe is not None))
     skipped: dict[str, str] = {}
     for failure in failures:
         skipped.setdefault(failure.graph, str(failure))
@@ -138,9 +160,54 @@ def build_engine_set(
         engines=records,
         source_manifest=_copy_manifest(source_manifest, out_dir),
         skipped=skipped,
+        probe=probe_record,
     )
+    record = _probe_at_build(record, out_dir, flavour, say, Site.current() if site is AUTO else site)
     write_engine_set(out_dir, record)
     return record
+
+
+def _manifest_probe(manifest: Path | None) -> ProbeSpec | None:
+    if manifest is None:
+        return None
+    from dflash_trt.export.manifest import load_manifest
+
+    return ProbeSpec.from_manifest(load_manifest(Path(manifest).parent, verify="none"))
+
+
+def _build_probe(builder: _SetBuilder, spec: ProbeSpec | None, failures: list, say: Progress) -> ProbeRecord | None:
+    """The semantics probe (``engines.probe``), exported and built like the set's graphs; None without a spec."""
+    if spec is None:
+        return None
+    start = time.perf_counter()
+    try:
+        engine = builder.build(GraphSource(PROBE_NAME, export_probe(spec, builder.out_dir), probe_io(spec)))
+    except _GraphFailed as failed:
+        failures.extend(failed.failures)
+        say(f"[probe] FAILED after {time.perf_counter() - start:.2f} s")
+        return None
+    say(f"[probe] built in {time.perf_counter() - start:.2f} s (export and build), plan {engine.plan_bytes / 1e6:.1f} MB")
+    return ProbeRecord(engine, spec.to_json())
+
+
+def _probe_at_build(record: EngineSetRecord, out_dir: Path, flavour: Flavour, say: Progress, site: Site | None) -> EngineSetRecord:
+    """Run the probe where the builder has a GPU that runs the plans; a failed probe refuses the
+    set (nothing is written). Elsewhere the first load on a GPU runs it."""
+    if record.probe is None or site is None:
+        return record
+    from dflash_trt.engines.load import deserialize
+
+    log = flavour.new_log()
+    try:
+        engine = deserialize(flavour, flavour.new_runtime(log), log, record, record.probe.engine, out_dir)
+    except EngineError as error:
+        say(f"[probe] not run at build ({error}); the first load on a GPU runs it")
+        return record
+    verdict = run_probe(flavour, engine, ProbeSpec.from_json(record.probe.spec), site, "build")
+    say(f"[probe] {'passed' if verdict.passed else 'FAILED'} on {verdict.gpu}: {verdict.detail}")
+    if not verdict.passed:
+        raise EngineBuildError(refusal(out_dir, verdict))
+    return replace(record, probe=replace(record.probe, verdicts=(verdict,)))
 
 
 def _check_sources(sources: Sequence[GraphSource]) -> None:
@@ -148,11 +215,24 @@ def _check_sources(sources: Sequence[GraphSource]) -> None:
     for source in sources:
         check_ranges(source.io)
     names = [s.name for s in sources]
-    bad = [n for n in names if not _SAFE_NAME.match(n)]
+    bad = [n for n in names if not _SAFE_NAME.match(n) or n == PROBE_NAME]  # the probe's plan is probe.plan
     dupes = sorted({n for n in names if names.count(n) > 1})
     if bad or dupes or not names:
         msg = f"engine names must be unique file-safe names ([A-Za-z0-9_.@-]+), non-empty list; bad {bad}, duplicated {dupes}, count {len(names)}"
         raise EngineBuildError(msg)
+
+
+def refuse_fp32(sources: Sequence[GraphSource]) -> None:
+    """An fp32 graph with attention is ONNX Runtime's configuration: TensorRT has no fused fp32
+    attention kernel and fails deep in its builder (Myelin: "Attention operation was not supported
+    by a dedicated kernel"), for every head dim. Refused here, before parsing, in one line."""
+    fp32 = [s.name for s in sources if compute_dtype(s.io) == "float32" and attention_nodes(load_graph(s.onnx_path))]
+    if fp32:
+        msg = (
+            f"{', '.join(fp32)}: float32 attention is ONNX Runtime's configuration and TensorRT has no kernel for it; "
+            "re-export for TensorRT (`dflash-trt export --backend tensorrt`, bf16; or --dtype bf16 / fp16) to build engines"
+        )
+        raise UnsupportedExportError(msg)
 
 
 def _build_error(failures: Sequence[BuildFailure], total: int) -> EngineBuildError:
@@ -196,6 +276,7 @@ class _SetBuilder:
         failures += [BuildFailure(source.name, "", "IO contract", line) for line in io_mismatches(source.io, bindings)]
         if failures:  # both kinds at once: one rebuild fixes all
             raise _GraphFailed(failures)
+        network.name = attention_tag(graph.attention)  # in the plan: the loader checks engines.json's records against it
         plan = self.builder.build_serialized_network(network, config)
         if plan is None:
             errors = self.log.since(mark, "ERROR", "INTERNAL_ERROR") or ["build_serialized_network returned no plan"]
@@ -238,7 +319,7 @@ class _SetBuilder:
         return EngineRecord(
             name=source.name,
             plan=plan_path.name,
-            plan_sha256=file_sha256(plan_path),
+            plan_sha256=hashlib.sha256(memoryview(plan)).hexdigest(),  # from memory: no second read of the file
             plan_bytes=plan_path.stat().st_size,
             sources=dict(source.file_hashes) or {p.name: self._hash(p) for p in source_files(source.onnx_path, model)},
             bindings=tuple(bindings),
@@ -246,6 +327,7 @@ class _SetBuilder:
             profiles=tuple(p.graph for p in profiles_of(source.io)),
             attention=tuple(attention),
             warnings=tuple(self.log.since(mark, "WARNING")),
+            attention_sha256=attention_digest(attention),
         )
 
     def _hash(self, path: Path) -> str:

@@ -5,7 +5,9 @@
                      [--version-compatible] [--verbose]
 
 Prints one line per graph with its build time; on failure, one error listing
-every failing graph and node (exit status 1 through the top-level CLI).
+every failing graph and node (exit status 1 through the top-level CLI). An
+fp32 export (ONNX Runtime's configuration) is refused first, in one line
+(exit status 2).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_trt.engines.build import BuildOptions, build_engine_set
+from dflash_trt.engines.build import BuildOptions, build_engine_set, refuse_fp32
 from dflash_trt.engines.flavour import BUILDERS, load_flavour
 from dflash_trt.engines.sources import export_sources
 from dflash_trt.errors import EngineError
@@ -55,8 +57,9 @@ def pick_flavour(name: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    flavour = pick_flavour(args.backend)
     sources, manifest = export_sources(args.onnx)
+    refuse_fp32(sources)  # before TensorRT is even looked for: the export itself cannot be built
+    flavour = pick_flavour(args.backend)
     if args.only:
         unknown = sorted(set(args.only) - {s.name for s in sources})
         if unknown:

@@ -20,6 +20,12 @@ Layout of an engine-set directory::
     engines             {graph name: EngineRecord.to_json()}
     skipped             {graph name: why}: graphs only sampled sessions need
                         that failed to build; the set serves greedy sessions
+    probe               the semantics probe (``engines.probe``): its plan, bindings
+                        and attention as an engine record, ``spec`` (what it was
+                        built for) and ``verdicts``: one per GPU it ran on
+                        ({gpu, flavour, trt_version, passed, detail, at}: "build"
+                        or "load"), added by the build (a GPU there) or the first
+                        load on a GPU; null for a set of hand-made graphs
 
 Each engine records its plan's and source graph's sha256, its profiles (the
 run graph each serves, in profile order), the bindings of the built network
@@ -27,15 +33,17 @@ run graph each serves, in profile order), the bindings of the built network
 checked against the contract on machines that cannot deserialize the plan,
 and every attention as built: its ONNX node, causal alignment (``LOWER_RIGHT``
 or ``NONE``), the graph tensor bound as its key/value lengths, and whether it
-takes a mask. A set recorded with tensors nothing reads (older builds allowed
-it) is refused.
+takes a mask, with their sha256 (``attention_sha256``; the plan carries the
+same digest as its network name, so the loader checks the records against
+the deserialized engine). A set recorded with tensors nothing reads (older
+builds allowed it) is refused.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dflash_trt.engines.attention import BoundAttention
@@ -43,8 +51,9 @@ from dflash_trt.engines.bindings import Binding
 from dflash_trt.errors import EngineError
 
 ENGINES_JSON = "engines.json"
+PROBE_NAME = "probe"  # the semantics probe's graph and plan: probe.onnx, probe.plan
 FORMAT = "dflash-trt/engines"
-FORMAT_VERSION = 2  # 2: one plan per model with a profile per run graph
+FORMAT_VERSION = 3  # 2: one plan per model with a profile per run graph; 3: the semantics probe
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,7 @@ class EngineRecord:
     profiles: tuple[str, ...] = ()  # the run graph each optimization profile serves, in order
     attention: tuple[BoundAttention, ...] = ()  # every attention's causality and lengths tensor, as built
     warnings: tuple[str, ...] = ()  # TensorRT's warnings while parsing/building
+    attention_sha256: str = ""  # attention.attention_digest(attention), also in the plan (its network name)
 
     def to_json(self) -> dict:
         return {
@@ -72,6 +82,7 @@ class EngineRecord:
             "build_seconds": round(self.build_seconds, 3),
             "profiles": list(self.profiles),
             "attention": [a.to_json() for a in self.attention],
+            "attention_sha256": self.attention_sha256,
             "warnings": list(self.warnings),
         }
 
@@ -94,7 +105,48 @@ class EngineRecord:
             profiles=tuple(str(p) for p in data.get("profiles", ())),
             attention=tuple(BoundAttention.from_json(a) for a in data.get("attention", ())),
             warnings=tuple(data.get("warnings", ())),
+            attention_sha256=str(data.get("attention_sha256", "")),
         )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the probe found on one GPU, with one TensorRT."""
+
+    gpu: str  # e.g. "NVIDIA GeForce RTX 4090 (sm_89)"
+    flavour: str
+    trt_version: str
+    passed: bool
+    detail: str  # what differed, or what was checked
+    at: str  # "build" | "load"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> Verdict:
+        return cls(str(data["gpu"]), str(data["flavour"]), str(data["trt_version"]), bool(data["passed"]), str(data["detail"]), str(data["at"]))
+
+
+@dataclass(frozen=True)
+class ProbeRecord:
+    """The probe's plan (an engine record), what it was built for, and its verdicts."""
+
+    engine: EngineRecord
+    spec: Mapping[str, object]  # engines.probe.ProbeSpec.to_json()
+    verdicts: tuple[Verdict, ...] = ()
+
+    def verdict_for(self, gpu: str, flavour: str, version: str) -> Verdict | None:
+        """The verdict recorded for this GPU and TensorRT, if any."""
+        return next((v for v in self.verdicts if (v.gpu, v.flavour, v.trt_version) == (gpu, flavour, version)), None)
+
+    def to_json(self) -> dict:
+        return {**self.engine.to_json(), "spec": dict(self.spec), "verdicts": [v.to_json() for v in self.verdicts]}
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> ProbeRecord:
+        engine = EngineRecord.from_json(PROBE_NAME, data)
+        return cls(engine, dict(data["spec"]), tuple(Verdict.from_json(v) for v in data.get("verdicts", ())))
 
 
 @dataclass(frozen=True)
@@ -108,6 +160,7 @@ class EngineSetRecord:
     engines: Mapping[str, EngineRecord]
     source_manifest: Mapping[str, str] | None = None
     skipped: Mapping[str, str] = field(default_factory=dict)  # graph -> why it is not in the set
+    probe: ProbeRecord | None = None
     format_version: int = FORMAT_VERSION
     extra: Mapping[str, object] = field(default_factory=dict)
 
@@ -122,6 +175,7 @@ class EngineSetRecord:
             "source_manifest": None if self.source_manifest is None else dict(self.source_manifest),
             **dict(self.extra),
             "skipped": dict(self.skipped),
+            "probe": None if self.probe is None else self.probe.to_json(),
             "engines": {name: rec.to_json() for name, rec in self.engines.items()},
         }
 
@@ -179,7 +233,8 @@ def _check_header(path: Path, data: object) -> None:
 
 
 def _record_from_json(data: Mapping) -> EngineSetRecord:
-    known = {"format", "format_version", "flavour", "trt_version", "targets", "build_options", "source_manifest", "engines", "skipped"}
+    known = {"format", "format_version", "flavour", "trt_version", "targets", "build_options", "source_manifest", "engines", "skipped", "probe"}
+    probe = data.get("probe")
     return EngineSetRecord(
         flavour=str(data["flavour"]),
         trt_version=str(data["trt_version"]),
@@ -188,5 +243,6 @@ def _record_from_json(data: Mapping) -> EngineSetRecord:
         engines={str(n): EngineRecord.from_json(str(n), e) for n, e in data["engines"].items()},
         source_manifest=data.get("source_manifest"),
         skipped={str(k): str(v) for k, v in data.get("skipped", {}).items()},
+        probe=None if probe is None else ProbeRecord.from_json(probe),
         extra={k: v for k, v in data.items() if k not in known},
     )

@@ -23,7 +23,10 @@ differ:
   version-compatible set when full TensorRT is not installed;
 - stream capture: TensorRT-RTX plans must be built with
   ``REQUIRE_USER_ALLOCATION`` to be captured into CUDA graphs (and a context
-  still says whether it is capturable).
+  still says whether it is capturable); a context that may be captured gets
+  EAGER kernel specialization (its first enqueue compiles the specialized
+  kernels, so no capture freezes a generic fallback) and RTX's own CUDA
+  graphs off.
 
 Every flavour builds fp32 graphs with TF32 off: an fp32 engine must compute
 in fp32, as its graph (and ONNX Runtime's CPU provider) does.
@@ -35,6 +38,7 @@ import importlib
 from pathlib import Path
 from types import ModuleType
 
+from dflash_trt.engines.calls import trt_call
 from dflash_trt.errors import EngineBuildError, EngineError
 
 TIMING_CACHE_FILE = "timing.cache"
@@ -139,16 +143,26 @@ class Flavour:
             runtime.engine_host_code_allowed = True
         return runtime
 
-    def execution_context(self, engine, cache_dir: Path | None = None, name: str = "engine", user_memory: bool = False):
+    def execution_context(
+        self, engine, cache_dir: Path | None = None, name: str = "engine", user_memory: bool = False, specialize: bool = False
+    ):
         """(context, cache handle to save later or None) for engine ``name``.
 
         ``user_memory``: the context gets no scratch memory of its own; the
         caller sets one with ``context.set_device_memory`` (contexts that run
-        one at a time on one stream can share one buffer).
+        one at a time on one stream can share one buffer). ``specialize``:
+        the context's kernels must be the specialized ones from its first
+        enqueue on (it may be captured in a CUDA graph after it; only
+        TensorRT-RTX compiles kernels at run time). A context TensorRT does
+        not make is an ``EngineError`` naming the call.
         """
-        return engine.create_execution_context(self._runtime_config(engine, user_memory)), None
+        config = self._runtime_config(engine, user_memory, specialize)
+        return self._create_context(engine, name, config), None
 
-    def _runtime_config(self, engine, user_memory: bool):
+    def _create_context(self, engine, name: str, config):
+        return trt_call(f"engine {name!r}", "create_execution_context", engine.create_execution_context, config, none_fails=True)
+
+    def _runtime_config(self, engine, user_memory: bool, specialize: bool = False):
         runtime_config = engine.create_runtime_config()
         if user_memory:
             strategy = self.trt.ExecutionContextAllocationStrategy.USER_MANAGED
@@ -237,17 +251,32 @@ class TensorRTRTX(Flavour):
             config.set_compute_capability(self.trt.ComputeCapability.__members__[target], index)
         return wanted
 
-    def execution_context(self, engine, cache_dir: Path | None = None, name: str = "engine", user_memory: bool = False):
+    def execution_context(
+        self, engine, cache_dir: Path | None = None, name: str = "engine", user_memory: bool = False, specialize: bool = False
+    ):
         """A context with its own runtime cache (the kernels JIT-compiled for this engine),
         loaded from ``<name>.runtime.cache`` in ``cache_dir`` when there is one."""
-        runtime_config = self._runtime_config(engine, user_memory)
+        runtime_config = self._runtime_config(engine, user_memory, specialize)
         cache = runtime_config.create_runtime_cache()
         path = None if cache_dir is None else Path(cache_dir) / f"{name}{RUNTIME_CACHE_SUFFIX}"
         if path is not None and path.is_file():
             cache.deserialize(path.read_bytes())
         runtime_config.set_runtime_cache(cache)
         # The cache must outlive the context: return it with the context.
-        return engine.create_execution_context(runtime_config), RuntimeCache(cache, name)
+        return self._create_context(engine, name, runtime_config), RuntimeCache(cache, name)
+
+    def _runtime_config(self, engine, user_memory: bool, specialize: bool = False):
+        """TensorRT-RTX compiles shape-specialized kernels at run time, by default lazily: a
+        generic kernel runs until a background compile finishes, and a CUDA graph captured
+        meanwhile would keep the generic one for good. ``specialize``: EAGER, the first enqueue
+        (the warm-up before any capture) compiles them. TensorRT-RTX's own CUDA graphs stay
+        off: the runtime captures its own, and one capture cannot hold another."""
+        runtime_config = super()._runtime_config(engine, user_memory)
+        if specialize and hasattr(runtime_config, "dynamic_shapes_kernel_specialization_strategy"):
+            runtime_config.dynamic_shapes_kernel_specialization_strategy = self.trt.DynamicShapesKernelSpecializationStrategy.EAGER
+        if hasattr(runtime_config, "cuda_graph_strategy"):
+            runtime_config.cuda_graph_strategy = self.trt.CudaGraphStrategy.DISABLED
+        return runtime_config
 
     def save_runtime_cache(self, handle, cache_dir: Path) -> None:
         if handle is not None:

@@ -8,9 +8,11 @@ Ampere+; TensorRT-RTX: SM80..SM121, not Hopper). It loads the set through the
 checking loader, then per engine and per optimization profile (a model
 engine has one per run graph it computes): random feeds from the contract
 (dynamic dims at the profile's opt value, less room for the integer feeds;
-floats uniform in [0, 1), integers uniform in [LOW, HIGH) so token ids,
-positions, write indices and lengths stay valid for any export; ``picks``
-within the rows fed), runs the engine (execute_async_v3 over CUDA
+floats uniform in [0, 1), integers uniform in [LOW, HIGH) so token ids
+stay valid for any export; ``picks`` within the rows fed; the cache writes
+at a different start per owner, the last one ending at the cache's end,
+``owner_feeds``: a lower-right diagonal anchored anywhere but at each
+owner's own length shows), runs the engine (execute_async_v3 over CUDA
 buffers bound with set_tensor_address; cache outputs alias their inputs, as
 the runtime binds them) and the exact ONNX graph in ONNX Runtime on the same
 feeds (CUDA provider where onnxruntime-gpu is installed: the CPU provider
@@ -30,13 +32,29 @@ from pathlib import Path
 
 import torch
 
-from dflash_trt.engines.bindings import FLOAT_PRECISION, compute_dtype, trt_dtype_name
+from dflash_trt.engines.bindings import FLOAT_PRECISION, compute_dtype
 from dflash_trt.engines.command import AUTO
+from dflash_trt.engines.execute import execute
 from dflash_trt.engines.flavour import FLAVOURS, Flavour, load_flavour
 from dflash_trt.engines.load import load_engine_set
 from dflash_trt.engines.sources import GraphSource, export_sources
 from dflash_trt.errors import EngineError
-from dflash_trt.export.contract import PICKS, STEP_DIM, ONNX_ELEMENT_TYPES, DimRange, GraphSpec, TensorSpec, present_of, profiles_of
+from dflash_trt.export.contract import (
+    CTX_COUNT,
+    CTX_START,
+    CTX_TAPS,
+    ONNX_ELEMENT_TYPES,
+    PICKS,
+    START,
+    STEP_DIM,
+    TOKENS,
+    DimRange,
+    GraphSpec,
+    TensorSpec,
+    present_of,
+    profiles_of,
+)
+from dflash_trt.export.manifest import load_manifest
 from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 
 # (rtol, atol) per compute dtype: engines fuse and reorder, so they round differently. An
@@ -69,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     require_gpu()
     flavour = None if args.backend == AUTO else load_flavour(args.backend)
     sources, _manifest = export_sources(args.onnx)
-    checks = selfcheck(args.engines, sources, flavour, args.seed, tuple(args.int_range), set(args.only))
+    block = load_manifest(args.onnx, verify="none").block_size
+    checks = selfcheck(args.engines, sources, flavour, args.seed, tuple(args.int_range), set(args.only), block)
     for check in checks:
         label = "skip" if check.skipped else "ok  " if check.ok else "FAIL"
         print(f"{label} {check.engine}.{check.output}: {check.detail}")
@@ -89,7 +108,13 @@ def require_gpu() -> None:
 
 
 def selfcheck(
-    engines_dir: Path, sources: list[GraphSource], flavour: Flavour | None, seed: int, int_range: tuple[int, int], only: set[str]
+    engines_dir: Path,
+    sources: list[GraphSource],
+    flavour: Flavour | None,
+    seed: int,
+    int_range: tuple[int, int],
+    only: set[str],
+    block: int = 0,
 ) -> list[OutputCheck]:
     """Load (with every check), run each engine and its graph, compare outputs."""
     contract = {s.name: s.io for s in sources}
@@ -104,13 +129,13 @@ def selfcheck(
                 why = loaded.record.skipped.get(source.name, "not in the engine set")
                 checks.append(OutputCheck(source.name, "*", True, f"skipped at build: {why}", skipped=True))
                 continue
-            checks.extend(check_one(flavour, loaded.engines[source.name], source, seed + index, int_range, engines_dir))
+            checks.extend(check_one(flavour, loaded.engines[source.name], source, seed + index, int_range, engines_dir, block))
     finally:
         loaded.close()
     return checks
 
 
-def check_one(flavour: Flavour, engine, source: GraphSource, seed: int, int_range, cache_dir: Path) -> list[OutputCheck]:
+def check_one(flavour: Flavour, engine, source: GraphSource, seed: int, int_range, cache_dir: Path, block: int = 0) -> list[OutputCheck]:
     """One engine against its graph at every profile; a run that fails is one failed check, not
     the end of the selfcheck. Checks of a model engine are named ``engine[run graph]``."""
     profiles = profiles_of(source.io)
@@ -119,9 +144,9 @@ def check_one(flavour: Flavour, engine, source: GraphSource, seed: int, int_rang
         dims = None if profile is None else profile.dims
         label = source.name if len(profiles) <= 1 else f"{source.name}[{profile.graph}]"
         cache_name = source.name if len(profiles) <= 1 else f"{source.name}.{profile.graph}"
-        feeds = random_feeds(source.io, seed, int_range, dims)
+        feeds = random_feeds(source.io, seed, int_range, dims, block)
         try:
-            engine_out = run_engine(flavour, engine, feeds, Path(cache_dir), cache_aliases(source.io), cache_name, index)
+            engine_out = execute(flavour, engine, feeds, cache_aliases(source.io), torch.device("cuda"), Path(cache_dir), cache_name, index)
             reference = run_reference(source, feeds)
         except EngineError as error:
             checks.append(OutputCheck(label, "*", False, str(error)))
@@ -148,10 +173,11 @@ def concrete_shape(io: GraphSpec, spec: TensorSpec, sizes: Mapping[str, int]) ->
 
 
 def random_feeds(
-    io: GraphSpec, seed: int, int_range: tuple[int, int], dims: Mapping[str, DimRange] | None = None
+    io: GraphSpec, seed: int, int_range: tuple[int, int], dims: Mapping[str, DimRange] | None = None, block: int = 0
 ) -> dict[str, torch.Tensor]:
     """Host tensors for every input of ``io`` at one profile's shapes (``dims``; default the
-    graph's ranges); see the module doc for value ranges."""
+    graph's ranges); see the module doc for value ranges. Cache writes start per owner
+    (``owner_feeds``; ``block``: the draft's block size, kept free after its context rows)."""
     generator = torch.Generator().manual_seed(seed)
     sizes = dynamic_sizes(io, int_range, dims)
     feeds = {}
@@ -165,60 +191,34 @@ def random_feeds(
             feeds[spec.name] = torch.randint(0, sizes[STEP_DIM], shape, generator=generator, dtype=dtype)
         else:
             feeds[spec.name] = torch.randint(*int_range, shape, generator=generator, dtype=dtype)
-    return feeds
+    return feeds | owner_feeds(io, feeds, block)
 
 
-def run_engine(
-    flavour: Flavour,
-    engine,
-    feeds: Mapping[str, torch.Tensor],
-    cache_dir: Path,
-    aliases: Mapping[str, str],
-    name: str = "engine",
-    profile: int = 0,
-) -> dict[str, torch.Tensor]:
-    """One execute_async_v3 on the current CUDA stream at optimization profile ``profile``;
-    outputs copied back to host.
-
-    ``aliases`` (present -> past) bind each cache output to its input's buffer,
-    as the runtime does: the KV-cache update writes in place.
-    """
-    context, runtime_cache = flavour.execution_context(engine, cache_dir, name)
-    if context is None:
-        msg = "TensorRT could not create an execution context (device memory?)"
-        raise EngineError(msg)
-    stream = torch.cuda.current_stream()
-    if profile and not context.set_optimization_profile_async(profile, stream.cuda_stream):
-        raise EngineError(f"TensorRT refused optimization profile {profile}")
-    # Copies: the engine writes cache inputs in place.
-    device = {name: tensor.cuda() for name, tensor in feeds.items()}
-    for name, tensor in device.items():
-        context.set_input_shape(name, tuple(tensor.shape))
-    outputs = {}
-    for i in range(engine.num_io_tensors):
-        name = engine.get_tensor_name(i)
-        if name not in device:
-            outputs[name] = _output_buffer(engine, context, name, device, aliases)
-        buffer = device[name] if name in device else outputs[name]
-        context.set_tensor_address(name, buffer.data_ptr())
-    if not context.execute_async_v3(stream.cuda_stream):
-        msg = "execute_async_v3 returned False (see TensorRT's log above)"
-        raise EngineError(msg)
-    stream.synchronize()  # host sync: the results are read next
-    flavour.save_runtime_cache(runtime_cache, cache_dir)
-    return {name: tensor.cpu() for name, tensor in outputs.items()}
+def owner_starts(owners: int, room: int) -> list[int]:
+    """Every owner at another slot, spread over [0, room], the last AT ``room`` (its rows end
+    where the cache ends); none at 0 unless room is 0. The slot a row's length and causal
+    diagonal are anchored at differs per owner, as the runtime's sessions' do."""
+    return [room * (i + 1) // owners for i in range(owners)]
 
 
-def _output_buffer(engine, context, name: str, device: Mapping[str, torch.Tensor], aliases) -> torch.Tensor:
-    # A KV-cache write (IKVCacheUpdateLayer) updates its cache input in place:
-    # the output must be bound to that same buffer. The engine says which
-    # input where the API exists; the contract's naming says it otherwise.
-    aliased = getattr(engine, "get_aliased_input_tensor", lambda _n: None)(name) or aliases.get(name)
-    if aliased:
-        return device[aliased]
-    shape = tuple(int(d) for d in context.get_tensor_shape(name))
-    dtype = TORCH_DTYPES[trt_dtype_name(engine.get_tensor_dtype(name))]
-    return torch.empty(shape, dtype=dtype, device="cuda")
+def owner_feeds(io: GraphSpec, feeds: Mapping[str, torch.Tensor], block: int = 0) -> dict[str, torch.Tensor]:
+    """The cache-writing inputs at non-trivial starts per owner: a target graph's ``start``
+    (``owner_starts`` over L - S), a draft's ``ctx_start`` (over L - C - B: its context rows
+    and block fit) with ``ctx_count`` C, C-1, ... (at least 1). Graphs without caches: nothing."""
+    length = next((int(s.shape[2]) for s in io.cache_inputs), None)
+    if length is None:
+        return {}
+    if START in feeds and TOKENS in feeds:
+        owners, tokens = feeds[TOKENS].shape
+        return {START: torch.tensor(owner_starts(owners, length - tokens), dtype=torch.int64)}
+    if CTX_START not in feeds:
+        return {}
+    owners, rows, _ = feeds[CTX_TAPS].shape
+    counts = [max(1, rows - i) for i in range(owners)]
+    return {
+        CTX_START: torch.tensor(owner_starts(owners, max(0, length - rows - block)), dtype=torch.int64),
+        CTX_COUNT: torch.tensor(counts, dtype=torch.int64),
+    }
 
 
 def run_reference(source: GraphSource, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

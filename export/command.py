@@ -1,10 +1,15 @@
 """``dflash-trt export``: trace a target + DFlash draft pair to ONNX graphs + manifest.json.
 
-    dflash-trt export --target DIR --draft DIR --out DIR [--max-owners 4]
+    dflash-trt export --target DIR --draft DIR --out DIR [--backend onnxruntime|tensorrt] [--max-owners 4]
         [--max-sessions N] [--max-context L] [--max-chunk T] [--proposals P]
         [--dtype bf16|fp16|fp32] [--causal lengths|mask] [--[no-]shared-weights] [--force]
 
-fp32 is for CPU execution (ONNX Runtime), bf16/fp16 for engines. An output
+The dtype follows the backend the export is for (``--backend``, default
+``onnxruntime``, as ``dflash-trt run``'s): fp32 for ONNX Runtime (its CPU
+provider has no bf16 kernels), bf16 for TensorRT plans (``dflash-trt
+build``; TensorRT-RTX builds no fp32 attention); ``--dtype`` overrides. The
+target's tokenizer files are copied beside the graphs and named in the
+manifest, so ``run`` / ``serve`` need no ``--tokenizer``. An output
 directory already holding a valid export of the same inputs is left alone
 unless ``--force``.
 """
@@ -15,21 +20,29 @@ import argparse
 import time
 from pathlib import Path
 
+from dflash_trt.cli import positive_int
+from dflash_trt.errors import ExportError, UsageError
 from dflash_trt.export.contract import DTYPES
 from dflash_trt.export.exporter import ExportOptions, export_pair, up_to_date
 from dflash_trt.export.onnx_kernels import CAUSAL_MODES
+
+# The dtype an export gets by default for what will run it: ONNX Runtime (CPU provider: fp32 and fp16, no
+# bf16 kernels) or TensorRT plans (bf16 and fp16 build everywhere; TensorRT-RTX has no fp32 attention).
+BACKEND_DTYPES = {"onnxruntime": "fp32", "tensorrt": "bf16"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, type=Path, help="target checkpoint directory (HF layout)")
     parser.add_argument("--draft", required=True, type=Path, help="DFlash draft checkpoint directory (z-lab layout)")
     parser.add_argument("--out", required=True, type=Path, help="output directory for the graphs and manifest.json")
-    parser.add_argument("--max-owners", type=int, default=4, help="static draft/verify graphs for 1..N owners (default 4)")
-    parser.add_argument("--max-sessions", type=int, help="cache rows the runtime allocates (default: max owners)")
-    parser.add_argument("--max-context", type=int, help="cache length in positions (default: min(4096, target max positions))")
-    parser.add_argument("--max-chunk", type=int, help="largest prefill / context chunk (default: min(512, max context))")
-    parser.add_argument("--proposals", type=int, help="draft tokens verified per cycle, 2..block-1 (default: block - 1)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="model dtype (default bf16; fp32 for CPU)")
+    parser.add_argument("--max-owners", type=positive_int, default=4, help="static draft/verify graphs for 1..N owners (default 4)")
+    parser.add_argument("--max-sessions", type=positive_int, help="cache rows the runtime allocates (default: max owners)")
+    parser.add_argument("--max-context", type=positive_int, help="cache length in positions (default: min(4096, target max positions))")
+    parser.add_argument("--max-chunk", type=positive_int, help="largest prefill / context chunk (default: min(512, max context))")
+    parser.add_argument("--proposals", type=positive_int, help="draft tokens verified per cycle, 2..block-1 (default: block - 1)")
+    parser.add_argument("--backend", choices=tuple(BACKEND_DTYPES), default="onnxruntime",
+                        help="what will run the export; picks the default --dtype: onnxruntime fp32 (default), tensorrt bf16")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="model dtype (default: from --backend)")
     parser.add_argument(
         "--causal",
         choices=CAUSAL_MODES,
@@ -51,11 +64,14 @@ def run(args: argparse.Namespace) -> int:
         max_context=args.max_context,
         max_chunk=args.max_chunk,
         proposals=args.proposals,
-        dtype=args.dtype,
+        dtype=args.dtype or BACKEND_DTYPES[args.backend],
         causal=args.causal,
         shared_weights=args.shared_weights,
     )
-    options.resolve(args.target, args.draft)  # refuse bad options before any work
+    try:
+        options.resolve(args.target, args.draft)  # refuse bad options before any work
+    except ExportError as error:  # an option out of range (checkpoint problems keep their own types)
+        raise UsageError(str(error)) from None
     if not args.force and up_to_date(args.target, args.draft, args.out, options) is not None:
         print(f"{args.out}: up to date (same checkpoints, options and exporter); use --force to re-export")
         return 0

@@ -336,8 +336,23 @@ class Dims:
         if not self.max_chunk <= self.max_context:
             raise ValueError(f"Dims.max_chunk must be <= max_context {self.max_context}, got {self.max_chunk}")
 
+    @classmethod
+    def of(cls, target: tuple[int, int, int], draft: tuple[int, int, int], dtype: str, **sizes: int) -> Dims:
+        """The dims of a pair from each model's decoder stack as (layers, kv_heads, head_dim), the
+        model dtype name and the other sizes by field name (``SIZE_FIELDS``); ValueError if one is
+        out of range. The exporter (from the models) and the manifest (from its facts) both build
+        their dims here."""
+        stacks = {f"{model}_{name}": value for model, stack in (("target", target), ("draft", draft))
+                  for name, value in zip(STACK_FIELDS, stack, strict=True)}
+        return cls(**sizes, **stacks, dtype=dtype)
+
     def to_json(self) -> dict:
         return asdict(self)
+
+
+# The fields of Dims: SIZE_FIELDS, then each stack's "<model>_<STACK_FIELDS>", then dtype.
+SIZE_FIELDS = ("vocab_size", "tap_width", "block_size", "proposals", "max_owners", "max_context", "max_chunk")
+STACK_FIELDS = ("layers", "kv_heads", "head_dim")
 
 
 def _caches(prefix: str, layers: int, shape: tuple[Dim, ...], dtype: str) -> tuple[TensorSpec, ...]:

@@ -52,6 +52,7 @@ from dflash_trt.export.onnx_io import declared_io, external_data_files, load_gra
 from dflash_trt.export.onnx_kernels import CAUSAL_LENGTHS, CAUSAL_MODES, OPSET, TRANSLATIONS, OnnxKernels
 from dflash_trt.export.pair import load_pair
 from dflash_trt.export.target import TargetModel
+from dflash_trt.export.tokenizer import copy_tokenizer, tokenizer_files
 from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 from dflash_trt.export.weights import SharedWeights
 
@@ -140,7 +141,8 @@ def _code_digest() -> str:
 
 
 def export_key(target_dir: str | Path, draft_dir: str | Path, resolved: ExportOptions) -> str:
-    settings = {"schema": SCHEMA_VERSION, "opset": OPSET, "options": asdict(resolved), "versions": tool_versions()}
+    tokenizer = [[path.name, identity.file_sha256(path)] for path in tokenizer_files(target_dir)]
+    settings = {"schema": SCHEMA_VERSION, "opset": OPSET, "options": asdict(resolved), "versions": tool_versions(), "tokenizer": tokenizer}
     return identity.export_key(target_dir, draft_dir, settings, _code_digest())
 
 
@@ -159,7 +161,10 @@ def up_to_date(target_dir: str | Path, draft_dir: str | Path, out_dir: str | Pat
 def contract_dims(target: TargetModel, draft: DraftModel, options: ExportOptions) -> Dims:
     """The contract dims of a pair under resolved options."""
     t, d = target.config, draft.config
-    return Dims(
+    return Dims.of(
+        (t.num_layers, t.num_kv_heads, t.head_dim),
+        (d.num_layers, d.num_kv_heads, d.head_dim),
+        DTYPES[options.dtype],
         vocab_size=t.vocab_size,
         tap_width=target.tap_width,
         block_size=d.block_size,
@@ -167,13 +172,6 @@ def contract_dims(target: TargetModel, draft: DraftModel, options: ExportOptions
         max_owners=options.max_owners,
         max_context=options.max_context,
         max_chunk=options.max_chunk,
-        target_layers=t.num_layers,
-        target_kv_heads=t.num_kv_heads,
-        target_head_dim=t.head_dim,
-        draft_layers=d.num_layers,
-        draft_kv_heads=d.num_kv_heads,
-        draft_head_dim=d.head_dim,
-        dtype=DTYPES[options.dtype],
     )
 
 
@@ -266,9 +264,18 @@ def export_graph(
     return GraphFile(path.name, identity.file_sha256(path), data, spec)
 
 
-def _clear(directory: Path, names: list[str]) -> None:
-    """Remove the manifest, then previous files of these graphs and their external data."""
+def _clear(directory: Path, names: list[str], target_dir: Path) -> None:
+    """Remove the manifest, then previous files of these graphs and their external data, and the tokenizer
+    files a previous export copied (its manifest names them; never the target's own, if exporting into it)."""
+    try:
+        previous = load_manifest(directory, verify="none").tokenizer if (directory / MANIFEST_FILE).exists() else {}
+    except ManifestError:
+        previous = {}
+    if directory.resolve() == Path(target_dir).resolve():
+        previous = {}
     (directory / MANIFEST_FILE).unlink(missing_ok=True)  # no manifest until every graph is written
+    for name in previous:
+        (directory / name).unlink(missing_ok=True)
     for name in names:
         path = directory / f"{name}.onnx"
         if path.exists():
@@ -361,7 +368,7 @@ def export_pair(
     target, draft = load_pair(target_dir, draft_dir, TORCH_DTYPES[DTYPES[resolved.dtype]])
     dims = contract_dims(target, draft, resolved)
     specs = contract.export_specs(dims)
-    _clear(out, list(specs))
+    _clear(out, list(specs), Path(target_dir))
     graphs: dict[str, GraphFile] = {}
     kernels = OnnxKernels(resolved.causal, emit=True)
     with contextlib.ExitStack() as stack:
@@ -377,6 +384,7 @@ def export_pair(
     graphs = _rehash_data(graphs, out)
     digests = (identity.checkpoint_digest(target_dir), identity.checkpoint_digest(draft_dir))
     manifest = build_manifest(target, draft, resolved, graphs, export_key(target_dir, draft_dir, resolved), digests)
+    manifest = replace(manifest, tokenizer=copy_tokenizer(target_dir, out))  # the export serves text on its own
     write_manifest(manifest, out)
     return load_manifest(out, verify=VERIFY_HASH)
 

@@ -10,6 +10,7 @@ import argparse
 import json
 import time
 
+from dflash_trt.cli import check_sampling_flags, nonnegative_int, positive_int
 from dflash_trt.export.pair import load_pair
 from dflash_trt.export.reference import ReferenceDecoder
 from dflash_trt.export.sampling import Sampling
@@ -21,15 +22,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="target checkpoint directory (HF layout, with tokenizer.json)")
     parser.add_argument("--draft", help="DFlash draft checkpoint directory; omit for target-only decoding")
     parser.add_argument("--prompt", required=True, help="prompt text")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--proposals", type=int, default=None, help="proposals per cycle, 2..block-1 (default block-1)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="new tokens, >= 1 (default 64)")
+    parser.add_argument("--proposals", type=positive_int, default=None, help="proposals per cycle, 2..block-1 (default block-1)")
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-k", type=nonnegative_int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=nonnegative_int, default=0)
 
 
 def run(args: argparse.Namespace) -> int:
+    check_sampling_flags(args)
     tokenizer = Tokenizer.from_dir(args.target)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     prompt = tokenizer.encode(args.prompt)

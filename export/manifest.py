@@ -28,6 +28,10 @@ graphs              exported graph (``contract.export_names``: target_model,
                     data_files {file: sha256}, kind, owners, inputs,
                     outputs, dims (the contract's IO)
 versions            torch, onnx, onnxruntime, onnxscript, dflash_trt
+tokenizer           the target's tokenizer files copied beside the graphs
+                    (``export.tokenizer.TOKENIZER_FILES``) -> sha256; empty
+                    when the target has no tokenizer.json (optional: an
+                    older manifest without it reads as empty)
 ==================  ==========================================================
 """
 
@@ -120,25 +124,12 @@ class Manifest:
     draft: Geometry
     graphs: Mapping[str, GraphFile]
     versions: Mapping[str, str] = field(default_factory=dict)
+    tokenizer: Mapping[str, str] = field(default_factory=dict)  # file name -> sha256
 
     def dims(self) -> Dims:
         """The contract dims these facts imply (ValueError if they are out of range)."""
-        return Dims(
-            vocab_size=self.vocab_size,
-            tap_width=self.tap_width,
-            block_size=self.block_size,
-            proposals=self.proposals,
-            max_owners=self.max_owners,
-            max_context=self.max_context,
-            max_chunk=self.max_chunk,
-            target_layers=self.target.layers,
-            target_kv_heads=self.target.kv_heads,
-            target_head_dim=self.target.head_dim,
-            draft_layers=self.draft.layers,
-            draft_kv_heads=self.draft.kv_heads,
-            draft_head_dim=self.draft.head_dim,
-            dtype=DTYPES[self.dtype],
-        )
+        target, draft = ((g.layers, g.kv_heads, g.head_dim) for g in (self.target, self.draft))
+        return Dims.of(target, draft, DTYPES[self.dtype], **{name: getattr(self, name) for name in contract.SIZE_FIELDS})
 
     def to_json(self) -> dict:
         data = {k: v for k, v in asdict(self).items() if k != "graphs"}
@@ -281,7 +272,15 @@ def _parse(data: dict, path: Path) -> Manifest:
         draft=_geometry(top.obj("draft")),
         graphs={name: _graph(top.obj("graphs"), name) for name in top.obj("graphs").data},
         versions={key: versions.str(key) for key in versions.data},
+        tokenizer=_tokenizer_files(top, path),
     )
+
+
+def _tokenizer_files(top: _Fields, path: Path) -> dict[str, str]:
+    if "tokenizer" not in top.data:
+        return {}
+    files = top.obj("tokenizer")
+    return {_file_name(name, f"tokenizer.{name}", path): files.str(name) for name in files.data}
 
 
 def _geometry(fields: _Fields) -> Geometry:
@@ -466,6 +465,16 @@ def _compare_io(got: GraphSpec, want: GraphSpec, path: Path, where: str, got_lab
         raise ManifestError(f"{path}: {where} dims are {dict(got.dims)} in {got_label} but {dict(want.dims)} in {want_label}")
 
 
+def _check_tokenizer(m: Manifest, directory: Path, hashes: bool) -> None:
+    """The tokenizer files the manifest names exist and (``hashes``) are the ones exported."""
+    manifest_path = directory / MANIFEST_FILE
+    for file, want in m.tokenizer.items():
+        if not (directory / file).is_file():
+            raise ManifestError(f"{manifest_path}: tokenizer names file '{file}', which is missing from {directory}")
+        if hashes and (got := verified_sha256(directory / file)) != want:
+            raise ManifestError(f"{manifest_path}: tokenizer sha256 of '{file}' is {want} in the manifest but {got} on disk (the file changed after export)")
+
+
 def _check_files(m: Manifest, directory: Path, hashes: bool) -> None:
     """Every graph file exists, declares the recorded IO and (``hashes``) has the recorded sha256."""
     manifest_path = directory / MANIFEST_FILE
@@ -482,6 +491,7 @@ def _check_files(m: Manifest, directory: Path, hashes: bool) -> None:
         on_disk[name] = GraphSpec(name, kind, owners, *declared_io(model))
         data_files[name] = external_data_files(model)
     _check_observed_dims(m, on_disk, manifest_path, "file of graph")
+    _check_tokenizer(m, directory, hashes)
     digests: dict[str, str] = {}  # a shared weights file is hashed once
     for name, graph in m.graphs.items():
         recorded = GraphSpec(name, graph.io.kind, graph.io.owners, graph.io.inputs, graph.io.outputs)

@@ -186,7 +186,7 @@ class OnnxKernels:
 
 
 class OnnxOps:
-    """``sampling.TorchOps``' primitives as ONNX nodes (onnxscript, inside ``torch.onnx.export``).
+    """``sampling.TorchPrimitives``' primitives as ONNX nodes (onnxscript, inside ``torch.onnx.export``).
 
     Python constants in the shared math become constants of the other
     operand's dtype (the exporter binds them by the op's type constraint).

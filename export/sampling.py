@@ -132,7 +132,7 @@ def check_sampling(temperature: float, top_k: int, top_p: float, vocab_size: int
 # --------------------------------------------------------------------------- primitives
 
 
-class TorchOps:
+class TorchPrimitives:
     """The few primitives the sampling math needs beyond Python operators, in eager PyTorch.
 
     ``export.onnx_kernels.OnnxOps`` has the same methods as ONNX nodes: the
@@ -159,7 +159,7 @@ class TorchOps:
     argmax = staticmethod(lambda x: x.argmax(dim=-1))  # [R, V] -> [R], first index on ties
 
 
-TORCH = TorchOps()
+TORCH = TorchPrimitives()
 
 
 # --------------------------------------------------------------------------- the noise

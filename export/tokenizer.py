@@ -27,6 +27,33 @@ DROPPING_PRE_TOKENIZERS = {"Whitespace", "WhitespaceSplit", "BertPreTokenizer", 
 COMPOSED_CODE_POINTS = 4  # a normalizer (NFC, NFKC) composes at most 4 code points into one character
 
 
+# What ``Tokenizer.from_dir`` reads besides config.json, copied into an export so that the export alone serves text.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
+
+
+def tokenizer_files(directory: str | Path) -> list[Path]:
+    """The checkpoint's tokenizer files (none without a tokenizer.json)."""
+    directory = Path(directory)
+    if not (directory / "tokenizer.json").is_file():
+        return []
+    return [directory / name for name in TOKENIZER_FILES if (directory / name).is_file()]
+
+
+def copy_tokenizer(source: str | Path, out: str | Path) -> dict[str, str]:
+    """Copy ``source``'s tokenizer files into ``out``; {file name: sha256} of the copies (empty: no tokenizer)."""
+    import shutil
+
+    from dflash_trt.export.identity import file_sha256
+
+    copied = {}
+    for path in tokenizer_files(source):
+        target = Path(out) / path.name
+        if target.resolve() != path.resolve():
+            shutil.copyfile(path, target)
+        copied[path.name] = file_sha256(target)
+    return copied
+
+
 def _token_text(value) -> str | None:
     """Special tokens appear as plain strings or as AddedToken dicts."""
     if isinstance(value, dict):

@@ -1,67 +1,182 @@
 """``dflash-trt run``: serve a prompt file through the runtime; write outputs (JSONL) and stats (Parquet).
 
+    dflash-trt run --out run/                      # the embedded default pair: exported to the cache, ONNX Runtime (CPU)
     dflash-trt run --artifacts EXPORT_DIR --backend onnxruntime --prompts prompts.jsonl --out run/
-    dflash-trt run ... --no-draft        # the same prompts, plain target decoding (the AR baseline)
+    dflash-trt run --backend torch --device cuda --out run/        # the checkpoints in PyTorch, no export
+    dflash-trt run ... --no-draft        # the same prompts, plain target decoding (the baseline)
 
-Prompt file: one JSON object per line with ``prompt`` (text; needs a
-tokenizer) or ``tokens`` (ids), and optionally ``name`` and
-``max_new_tokens``. The tokenizer is the target checkpoint's
-``tokenizer.json`` (``--tokenizer DIR``; default: the artifacts dir, then
-``--target``); stop tokens are its eos ids, else the manifest's.
+Backends and artifacts: ``onnxruntime`` runs an export dir (``--artifacts``;
+without it, ``--target``/``--draft`` — the embedded pair by default — are
+exported to ``--cache`` in fp32 once, as ``dflash-trt demo`` does);
+``torch`` runs the checkpoints themselves (``--target``/``--draft``, the
+embedded pair by default; ``--dtype``, default bf16 on CUDA and fp32 on CPU;
+``--max-owners``), or with ``--artifacts`` the geometry of that export;
+``tensorrt`` runs an engine dir (``--artifacts``, required). Flags that
+cannot work together, and an export the backend's device cannot run (bf16
+on ONNX Runtime's CPU provider), are refused before anything loads
+(``UsageError``, exit code 2).
+
+Prompt file (default: the embedded pair's 64 held-out code prompts): one
+JSON object per line with ``prompt`` (text; needs a tokenizer) or
+``tokens`` (ids), and optionally ``name`` and ``max_new_tokens``. The
+tokenizer is the first ``tokenizer.json`` among ``--tokenizer``, the
+artifacts dir (an export holds its target's) and ``--target``; stop tokens
+are its eos ids, else the manifest's.
 
 Writes ``OUT/outputs.jsonl`` (per prompt: index, name, prompt_tokens, prompt_ids, tokens,
 text, finish) and ``OUT/stats.parquet`` + ``OUT/stats.executes.parquet``
-(``runtime.stats``), then prints one summary line: prompts, tokens, seconds,
-tokens/s and τ.
+(``runtime.stats``), then prints one summary line (``summary``): the same
+figures ``dflash-trt report OUT/stats.parquet`` computes from those files.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 
-from dflash_trt.cli import positive_int
-from dflash_trt.errors import InputError, TokenizerError
+from dflash_trt.cli import check_sampling_flags, nonnegative_int, positive_int
+from dflash_trt.errors import InputError, TokenizerError, UsageError
+from dflash_trt.export.contract import DTYPES
 from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.generate import collect, stream
 from dflash_trt.runtime.serving.batcher import Completion, Request
-from dflash_trt.runtime.stats import TARGET
 
 BACKEND_CHOICES = ("onnxruntime", "torch", "tensorrt")
 
 
-def add_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
-    """``required``: --artifacts, --prompts and --out must be given (``bench`` checks them itself: ``--serve`` needs none)."""
-    parser.add_argument("--artifacts", type=Path, required=required, help="export dir (manifest.json + ONNX), or engine dir for tensorrt")
+def default_pair_dir() -> Path:
+    """The embedded default pair's folder (``target/``, ``draft/``, ``prompts.jsonl``); imported lazily, so
+    building a command line does not import the export stage."""
+    from dflash_trt.export.pair import DEFAULT_PAIR_DIR
+
+    return DEFAULT_PAIR_DIR
+
+
+def default_cache_dir() -> Path:
+    """The user's dflash-trt cache (``export.identity.default_cache_dir``), imported lazily."""
+    from dflash_trt.export import identity
+
+    return identity.default_cache_dir()
+
+
+def add_arguments(parser: argparse.ArgumentParser, out_required: bool = True) -> None:
+    """``out_required``: --out must be given (``bench --serve`` writes nothing unless asked)."""
+    pair = default_pair_dir()
+    parser.add_argument("--artifacts", type=Path, help="export dir (manifest.json + ONNX), or engine dir for tensorrt; default: "
+                        "--target/--draft exported to --cache (onnxruntime) or run as checkpoints (torch)")
     parser.add_argument("--backend", choices=BACKEND_CHOICES, default="onnxruntime")
-    parser.add_argument("--prompts", type=Path, required=required, help="JSONL: {prompt | tokens, name?, max_new_tokens?} per line")
-    parser.add_argument("--out", type=Path, required=required, help="output dir: outputs.jsonl, stats.parquet, stats.executes.parquet")
+    parser.add_argument("--prompts", type=Path, default=pair / "prompts.jsonl",
+                        help="JSONL: {prompt | tokens, name?, max_new_tokens?} per line (default: the embedded pair's held-out prompts)")
+    parser.add_argument("--out", type=Path, required=out_required, help="output dir: outputs.jsonl, stats.parquet, stats.executes.parquet")
     add_generation_arguments(parser)
+    add_checkpoint_arguments(parser)
     parser.add_argument("--tokenizer", type=Path, help="dir with tokenizer.json (default: --artifacts, then --target)")
-    parser.add_argument("--target", type=Path, help="target checkpoint (torch backend; tokenizer fallback)")
-    parser.add_argument("--draft", type=Path, help="draft checkpoint (torch backend)")
-    parser.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cpu, cuda for tensorrt)")
     parser.add_argument("--limit", type=positive_int, help="serve only the first N prompts")
-    parser.add_argument("--no-draft", action="store_true", help="plain target decoding (no speculation): the autoregressive baseline")
+    parser.add_argument("--no-draft", action="store_true", help="plain target decoding (no speculation): the baseline")
 
 
 def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared with ``dflash-trt demo``."""
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-k", type=nonnegative_int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i")
+    parser.add_argument("--seed", type=nonnegative_int, default=0, help="prompt i samples with seed + i")
     parser.add_argument("--max-sessions", type=positive_int, help="sessions at once (default: the artifacts' max_sessions)")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for ONNX Runtime / torch")
+    parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads for ONNX Runtime / torch")
     parser.add_argument("--max-cycles", type=positive_int, default=8, help="cycles per session per execute call (default 8)")
 
 
+def add_checkpoint_arguments(parser: argparse.ArgumentParser, target_default: Path | None = None) -> None:
+    """Where the models come from without ``--artifacts`` (shared with ``dflash-trt serve``)."""
+    parser.add_argument("--target", type=Path, default=target_default,
+                        help="target checkpoint (default without --artifacts: the embedded pair; tokenizer fallback)")
+    parser.add_argument("--draft", type=Path, default=target_default and target_default.parent / "draft",
+                        help="draft checkpoint (default without --artifacts: the embedded pair)")
+    parser.add_argument("--cache", type=Path, default=default_cache_dir(), help="export cache (default ~/.cache/dflash-trt or $DFLASH_TRT_CACHE)")
+    parser.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cpu, cuda for tensorrt)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), help="torch backend without --artifacts: weights and caches (default: bf16 on CUDA, fp32 on CPU)")
+    parser.add_argument("--max-owners", type=positive_int, help="torch backend without --artifacts: sessions per draft/verify launch (default: --max-sessions)")
+
+
 # ---------------------------------------------------------------------- backends
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse, before anything loads, flags that cannot work together (``UsageError``, exit code 2).
+
+    Fills in the embedded pair as ``--target``/``--draft`` when neither
+    ``--artifacts`` nor they were given.
+    """
+    if getattr(args, "temperature", None) is not None:
+        check_sampling_flags(args)
+    checkpoints = args.backend == "torch" and args.artifacts is None
+    if (args.dtype is not None or args.max_owners is not None) and not checkpoints:
+        raise UsageError("--dtype and --max-owners apply to --backend torch without --artifacts (an artifact set fixes both)")
+    if args.backend == "tensorrt" and args.artifacts is None:
+        raise UsageError("--backend tensorrt needs --artifacts ENGINE_DIR (made by dflash-trt build)")
+    if args.backend == "torch" and args.artifacts is not None and (args.target is None or args.draft is None):
+        raise UsageError("--backend torch with --artifacts needs --target and --draft (checkpoint dirs; the artifacts give the dims)")
+    if args.artifacts is None:
+        pair = default_pair_dir()
+        args.target, args.draft = args.target or pair / "target", args.draft or pair / "draft"
+    elif args.backend == "onnxruntime":
+        check_runnable_export(args.artifacts, args.device or "cpu")
+
+
+def check_runnable_export(directory: Path, device: str) -> None:
+    """An export whose dtype ONNX Runtime cannot run on ``device`` is a usage error, named before loading."""
+    from dflash_trt.errors import EngineError
+    from dflash_trt.export.manifest import load_manifest
+    from dflash_trt.runtime.backends.ort_backend import check_dtype
+
+    manifest = load_manifest(directory, verify="none")
+    try:
+        check_dtype(DTYPES[manifest.dtype], device)
+    except EngineError as error:
+        raise UsageError(f"--artifacts {directory}: {error}") from None
+
+
+def prepare_artifacts(args: argparse.Namespace) -> None:
+    """Without ``--artifacts`` on ONNX Runtime: ``--target``/``--draft`` exported to ``--cache`` (fp32; kept while unchanged)."""
+    if args.artifacts is None and args.backend == "onnxruntime":
+        from dflash_trt import demo
+
+        args.artifacts = demo.export_dir(args)
+
+
+def open_backend(args: argparse.Namespace):
+    """The backend the (checked, prepared) flags name; torch without ``--artifacts`` runs the checkpoints."""
+    if args.artifacts is None:
+        return torch_from_checkpoints(args)
+    return OPENERS[args.backend](args)
+
+
+def torch_from_checkpoints(args: argparse.Namespace):
+    """TorchBackend over ``--target``/``--draft`` with the export's default geometry (``ExportOptions``), sized for
+    ``--max-sessions`` (default 16): no export needed."""
+    import torch
+
+    from dflash_trt.export.exporter import ExportOptions, contract_dims
+    from dflash_trt.export.pair import load_pair
+    from dflash_trt.runtime.backends import TorchBackend
+    from dflash_trt.runtime.backends.graph_io import torch_dtype
+
+    device = args.device or "cpu"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.max_sessions = args.max_sessions or CHECKPOINT_SESSIONS
+    dtype = args.dtype or ("fp32" if device == "cpu" else "bf16")
+    owners = min(args.max_owners or args.max_sessions, args.max_sessions)
+    options = ExportOptions(max_owners=owners, max_sessions=args.max_sessions, dtype=dtype).resolve(args.target, args.draft)
+    target, draft = load_pair(args.target, args.draft, dtype=torch_dtype(DTYPES[dtype]))
+    return TorchBackend(target, draft, contract_dims(target, draft, options), args.max_sessions, device=device)
+
+
+CHECKPOINT_SESSIONS = 16  # cache rows of a torch backend run from checkpoints when --max-sessions is not given
 
 
 def _open_onnxruntime(args):
@@ -71,11 +186,12 @@ def _open_onnxruntime(args):
 
 
 def _open_torch(args):
+    import torch
+
     from dflash_trt.runtime.backends import TorchBackend
 
-    if args.target is None or args.draft is None:
-        msg = "--backend torch needs --target and --draft (checkpoint dirs); --artifacts gives the dims"
-        raise InputError(msg)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     return TorchBackend.from_checkpoints(args.target, args.draft, args.artifacts, max_sessions=args.max_sessions, device=args.device or "cpu")
 
 
@@ -151,52 +267,67 @@ def fit_prompt(tokens: list[int], max_context: int, room: int) -> list[int]:
 # ---------------------------------------------------------------------- serving
 
 
-def serve(executor: Executor, prompts: list[Prompt], args, stop: tuple[int, ...]) -> tuple[list[Completion], float]:
-    """Every prompt through ``generate.stream``; (completions, wall seconds)."""
+def serve(executor: Executor, prompts: list[Prompt], args, stop: tuple[int, ...]) -> list[Completion]:
+    """Every prompt through ``generate.stream`` (its time is in the stats: ``summary``)."""
     requests = [
         Request(p.tokens, p.max_new_tokens or args.max_new_tokens, stop, args.temperature, args.top_k, args.top_p, args.seed + i)
         for i, p in enumerate(prompts)
     ]
-    started = time.perf_counter()
-    completions = collect(stream(executor, requests, args.max_sessions), len(requests))
-    return completions, time.perf_counter() - started
+    return collect(stream(executor, requests, args.max_sessions), len(requests))
 
 
-def summary(executor: Executor, completions: list[Completion], seconds: float) -> dict:
-    """Headline figures of a run.
+def summary(executor: Executor, completions: list[Completion]) -> dict:
+    """Headline figures of a run, from its stats with the report's definitions (``analysis.compare.run_summary``).
 
-    tokens/s over the wall time of serving; τ over speculative cycles (bonus
-    included); ``ms_per_call``: wall ms per device launch of the decode loop
-    (a cycle, or a plain decode step); ``host_overhead_fraction``: (wall −
-    device busy) / wall, device busy = every timed call (prefill and loop);
-    ``gpu_idle_fraction``: the device's idle share between consecutive
-    launches of one execute (CUDA; 0 on CPU, where launches are synchronous).
+    ``mode``: ``dflash`` or ``plain`` (no speculative cycle); ``tokens``:
+    tokens callers received; ``seconds``: the run's span, first execute start
+    to last execute end; ``tokens_per_s``: tokens / seconds; ``tau``: mean
+    accepted + 1 over speculative owner-cycles (None for plain decoding);
+    ``cycles``: those owner-cycles; ``calls``: device calls (prefills, cycles,
+    decode steps); ``device_s``: their device time; ``host_ms_per_call``: mean
+    host time between calls; ``ms_per_launch``: wall ms per launch of the
+    decode loop (a cycle, or a plain decode step); ``host_overhead_fraction``:
+    (wall − device) / wall; ``gpu_idle_fraction``: the device's idle share
+    between consecutive launches of one execute (CUDA; 0 on CPU, where
+    launches are synchronous). ``dflash-trt report`` on the written stats
+    prints the same tokens, seconds, tokens/s, τ, cycles and calls.
     """
-    import polars as pl
+    from dflash_trt.analysis.throughput import latency_breakdown
 
-    cycles = executor.cycle_stats()
-    speculative = cycles.filter(pl.col("mode") != TARGET)
-    tokens = sum(len(c.tokens) for c in completions)
-    tau = speculative["emitted"].mean() if speculative.height else None
-    per_call = cycles.group_by("cycle_id").agg(pl.col("draft_ms", "verify_ms", "host_ms").first())
-    host_ms = per_call["host_ms"].mean() if per_call.height else None
-    busy_s = float((per_call["draft_ms"] + per_call["verify_ms"]).sum()) / 1000 if per_call.height else 0.0
+    overview = run_overview(executor)
+    phases = latency_breakdown(executor.cycle_stats().lazy()).collect()
+    host = dict(zip(phases["phase"], phases["mean_ms"]))["host_ms"]
+    seconds, device_s = overview["wall_s"] or 0.0, overview["device_s"] or 0.0
     timeline = executor.loop.timeline
-    launches = timeline.launches
     loop_ms = timeline.busy_ms + timeline.idle_ms
     return {
+        "mode": overview["name"],
         "prompts": len(completions),
-        "tokens": tokens,
+        "tokens": overview["tokens"],
         "seconds": round(seconds, 3),
-        "tokens_per_s": round(tokens / seconds, 2) if seconds > 0 else None,
-        "tau": round(tau, 3) if tau is not None else None,
-        "cycles": speculative["cycle_id"].n_unique(),
-        "host_ms_per_cycle": round(host_ms, 3) if host_ms is not None else None,
-        "ms_per_call": round(seconds * 1000 / launches, 4) if launches else None,
-        "device_s": round(busy_s, 4),
-        "host_overhead_fraction": round(max(0.0, 1 - busy_s / seconds), 4) if seconds > 0 else None,
-        "gpu_idle_fraction": round(timeline.idle_ms / loop_ms, 4) if loop_ms > 0 else None,
+        "tokens_per_s": rounded(overview["tokens_per_s"], 2),
+        "tau": rounded(overview["tau"], 3),
+        "cycles": overview["cycles"],
+        "calls": overview["calls"],
+        "device_s": round(device_s, 3),
+        "host_ms_per_call": rounded(host, 3),
+        "ms_per_launch": round(seconds * 1000 / timeline.launches, 3) if timeline.launches else None,
+        "host_overhead_fraction": round(max(0.0, 1 - device_s / seconds), 3) if seconds > 0 else None,
+        "gpu_idle_fraction": round(timeline.idle_ms / loop_ms, 3) if loop_ms > 0 else None,
     }
+
+
+def run_overview(executor: Executor) -> dict:
+    """``analysis.compare.run_summary`` of the executor's stats in memory (unrounded), named by mode."""
+    from dflash_trt.analysis.compare import run_summary
+    from dflash_trt.analysis.load import Run, mode_name
+
+    cycles, executes = executor.cycle_stats().lazy(), executor.execute_stats().lazy()
+    return run_summary(Run(mode_name(cycles), cycles, executes)).collect().row(0, named=True)
+
+
+def rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def write_outputs(out: Path, prompts: list[Prompt], completions: list[Completion], tokenizer) -> Path:
@@ -212,15 +343,18 @@ def write_outputs(out: Path, prompts: list[Prompt], completions: list[Completion
 
 
 def run(args: argparse.Namespace) -> int:
+    check_flags(args)
+    prepare_artifacts(args)
     tokenizer = load_tokenizer(args.tokenizer, args.artifacts, args.target)
-    with OPENERS[args.backend](args) as backend, make_executor(backend, args, not args.no_draft) as executor:
-        stop = stop_tokens(args, tokenizer)
-        prompts = load_prompts(args, tokenizer, executor.dims.max_context)
-        completions, seconds = serve(executor, prompts, args, stop)
+    stop = stop_tokens(args, tokenizer)
+    prompts = read_prompts(args.prompts, tokenizer, args.limit)  # a bad file fails before anything loads
+    with open_backend(args) as backend, make_executor(backend, args, not args.no_draft) as executor:
+        prompts = fit_prompts(prompts, args.max_new_tokens, executor.dims.max_context)
+        completions = serve(executor, prompts, args, stop)
         outputs = write_outputs(args.out, prompts, completions, tokenizer)
         cycles, executes = executor.write_stats(args.out / "stats")
         print(f"wrote {outputs}, {cycles}, {executes}")
-        print(json.dumps(summary(executor, completions, seconds)))
+        print(json.dumps(summary(executor, completions)))
     return 0
 
 
@@ -229,13 +363,9 @@ def make_executor(backend, args, speculate: bool) -> Executor:
     return Executor(backend, max_sessions=args.max_sessions, stats_rows=None, speculate=speculate, max_cycles=args.max_cycles)
 
 
-def load_prompts(args, tokenizer, max_context: int) -> list[Prompt]:
-    """The prompt file, each prompt cut to leave room for its new tokens."""
-    room = args.max_new_tokens
-    return [
-        Prompt(p.name, fit_prompt(p.tokens, max_context, p.max_new_tokens or room), p.max_new_tokens)
-        for p in read_prompts(args.prompts, tokenizer, args.limit)
-    ]
+def fit_prompts(prompts: list[Prompt], max_new_tokens: int, max_context: int) -> list[Prompt]:
+    """Each prompt cut to leave room for its new tokens (its own ``max_new_tokens``, else the flag's)."""
+    return [Prompt(p.name, fit_prompt(p.tokens, max_context, p.max_new_tokens or max_new_tokens), p.max_new_tokens) for p in prompts]
 
 
 def stop_tokens(args, tokenizer) -> tuple[int, ...]:
@@ -243,10 +373,12 @@ def stop_tokens(args, tokenizer) -> tuple[int, ...]:
     return tokenizer.stop_ids if tokenizer is not None else manifest_stops(args.artifacts)
 
 
-def manifest_stops(directory: Path) -> tuple[int, ...]:
-    """The stop tokens an export's manifest records; none for a directory without one (an engine dir)."""
+def manifest_stops(directory: Path | None) -> tuple[int, ...]:
+    """The stop tokens an export's manifest records; none without a directory, or for one without a manifest (an engine dir)."""
     from dflash_trt.export.manifest import load_manifest
 
+    if directory is None:
+        return ()
     try:
         return tuple(load_manifest(directory, verify="none").special_tokens.stop)
     except Exception:  # an engine dir without an export manifest: no stop tokens

@@ -29,7 +29,7 @@ from dflash_trt.runtime.stats import DYNAMIC, STATIC, TARGET
 
 
 @dataclass(frozen=True)
-class Group:
+class RowRun:
     """One graph call: owners at consecutive rows ``first_row .. first_row + len(members) - 1``.
 
     ``members`` index the caller's owner list, in row order.
@@ -43,7 +43,7 @@ class Group:
         return len(self.members)
 
 
-def pack_rows(rows: Sequence[int], max_owners: int) -> list[Group]:
+def pack_rows(rows: Sequence[int], max_owners: int) -> list[RowRun]:
     """Group owners (given by cache row, any order) into calls of ≤ max_owners consecutive rows.
 
     A run of consecutive rows longer than ``max_owners`` is split greedily
@@ -53,17 +53,17 @@ def pack_rows(rows: Sequence[int], max_owners: int) -> list[Group]:
     assert max_owners >= 1, max_owners
     assert len(set(rows)) == len(rows), f"rows must be distinct, got {list(rows)}"
     order = sorted(range(len(rows)), key=lambda i: rows[i])
-    groups: list[Group] = []
+    runs: list[RowRun] = []
     members: list[int] = []
     for index in order:
         contiguous = members and rows[index] == rows[members[-1]] + 1
         if members and (not contiguous or len(members) == max_owners):
-            groups.append(Group(rows[members[0]], tuple(members)))
+            runs.append(RowRun(rows[members[0]], tuple(members)))
             members = []
         members.append(index)
     if members:
-        groups.append(Group(rows[members[0]], tuple(members)))
-    return groups
+        runs.append(RowRun(rows[members[0]], tuple(members)))
+    return runs
 
 
 def block_fits(frontier: int, block: int, max_context: int) -> bool:
@@ -143,7 +143,7 @@ def trim_context(frontier: int, draft_position: int, position: int) -> tuple[int
 
 
 @dataclass(frozen=True)
-class Burst:
+class Verdict:
     """What one owner's verdict commits (docs/design.md §1, cycle steps 3–4)."""
 
     tokens: tuple[int, ...]  # emitted: d_1..d_a then y_a (correction or bonus)
@@ -153,25 +153,25 @@ class Burst:
     context_rows: int  # a + 1: taps of verify rows 0..a become the next context
 
 
-def make_bursts(
+def make_verdicts(
     proposals: np.ndarray, accepted: np.ndarray, next_token: np.ndarray, starts: Sequence[int], vocab_size: int
-) -> list[Burst]:
-    """proposals [n, P], accepted [n], next_token [n], starts [n] -> one Burst per owner.
+) -> list[Verdict]:
+    """proposals [n, P], accepted [n], next_token [n], starts [n] -> one Verdict per owner.
 
     emitted = proposals[:a] + [next] (== choices[:a+1], since an accepted
     proposal equals the target's choice). An out-of-range verdict is a
     device-side fault, not a user error: ValueError (the executor poisons).
     """
     n, width = proposals.shape
-    bursts = []
+    verdicts = []
     for i in range(n):
         a, token = int(accepted[i]), int(next_token[i])
         if not 0 <= a <= width or not 0 <= token < vocab_size:
             msg = f"verdict of owner {i} out of range: accepted {a} (valid [0, {width}]), token {token} (valid [0, {vocab_size - 1}])"
             raise ValueError(msg)
         tokens = tuple(int(t) for t in proposals[i, :a]) + (token,)
-        bursts.append(Burst(tokens, a, a == width, int(starts[i]) + a + 1, a + 1))
-    return bursts
+        verdicts.append(Verdict(tokens, a, a == width, int(starts[i]) + a + 1, a + 1))
+    return verdicts
 
 
 def sampling_rows(samplings: Sequence[Sampling], positions: Sequence[int]) -> dict[str, np.ndarray]:
@@ -202,56 +202,26 @@ def pick_row(free: Sequence[int], used: Sequence[int]) -> int:
     return min(free, key=lambda row: (-((row - 1 in taken) + (row + 1 in taken)), row))
 
 
-# ---------------------------------------------------------------------- bursts
-#
-# An execute may run several cycles (or plain decode steps) per owner group,
-# launching cycle k+1 before the host has read cycle k (the device never waits
-# for the host). What the host decides per cycle is below; it only ever sees
-# verdicts it has read, so every decision holds for the worst case of the
-# cycles still in flight.
+def prefill_batches(lengths: Sequence[int], budget: int, quantum: int) -> list[tuple[tuple[int, ...], int]]:
+    """Prompts of ``lengths`` tokens -> batches (indices, padded length T): one launch each, T a multiple
+    of ``quantum``, ``len(indices) * T <= budget`` (a prompt longer than the budget goes alone).
 
+    Prompts are taken shortest first, so a batch pads each prompt to about its neighbours' length.
 
-@dataclass(frozen=True)
-class LoopShape:
-    """How far one launch can move an owner: ``width`` positions at most (P+1 for a cycle,
-    1 for a decode step); it needs ``need`` free slots at its start (B, or 1)."""
-
-    width: int
-    need: int
-    max_context: int
-    max_cycles: int
-
-
-def may_launch(frontier: int, in_flight: int, launched: int, room: int | None, finished: bool, shape: LoopShape) -> bool:
-    """May one more cycle be launched for an owner whose last READ frontier is ``frontier``?
-
-    ``in_flight`` cycles are launched but unread, ``launched`` in all this
-    execute. ``room``: tokens the owner may still return (None: one cycle
-    only). The new cycle starts at most ``in_flight * width`` past the frontier
-    and must fit the cache; each unread cycle yields at least one token.
+    >>> prefill_batches([5, 40, 7, 33], budget=96, quantum=8)
+    [((0, 2), 8), ((3, 1), 40)]
     """
-    if finished or launched >= shape.max_cycles:
-        return False
-    if room is None:
-        return launched == 0
-    fits = frontier + in_flight * shape.width + shape.need <= shape.max_context
-    return fits and room > in_flight
-
-
-def take(tokens: Sequence[int], room: int | None, stop: frozenset[int] | set[int]) -> tuple[tuple[int, ...], bool]:
-    """The prefix of ``tokens`` an owner keeps, and whether it is finished.
-
-    At most ``room`` tokens (None: no limit), through the first stop token
-    (kept). Finished: a stop token was kept or the room is used up.
-
-    >>> take([5, 7, 9], 10, {7})
-    ((5, 7), True)
-    """
-    kept: list[int] = []
-    for token in tokens:
-        if room is not None and len(kept) == room:
-            return tuple(kept), True
-        kept.append(int(token))
-        if token in stop:
-            return tuple(kept), True
-    return tuple(kept), room is not None and len(kept) == room
+    assert budget >= 1 and quantum >= 1, (budget, quantum)
+    batches: list[tuple[tuple[int, ...], int]] = []
+    members: list[int] = []
+    width = 0
+    for index in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        padded = -(-lengths[index] // quantum) * quantum
+        if members and (len(members) + 1) * max(width, padded) > budget:
+            batches.append((tuple(members), width))
+            members, width = [], 0
+        members.append(index)
+        width = max(width, padded)
+    if members:
+        batches.append((tuple(members), width))
+    return batches

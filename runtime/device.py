@@ -22,6 +22,7 @@ returns.
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -375,6 +376,39 @@ class CudaGraph(_Owned):
             cuda_call("cudaGraphExecDestroy", graph_exec)
         if graph is not None:
             cuda_call("cudaGraphDestroy", graph)
+
+
+class CaptureFallback:
+    """Eager fallback for CUDA-graph captures that fail, logged once per owner (a backend, a loop).
+
+    A capture can fail where the eager run worked: a library call that is
+    illegal while capturing (an allocation, a sync, TensorRT enqueue work it
+    cannot record), or another thread's CUDA call under a global-mode
+    capture. ``capture(what, make)`` returns ``make()``'s graph, or None
+    after the failure: the caller runs that work eagerly from then on. Only
+    CUDA / TensorRT failures are caught (``DFlashError``, and ``RuntimeError``
+    which torch raises for CUDA errors); the first one is logged with its
+    reason, later ones are counted in ``failures``.
+    """
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self.failures = 0
+
+    def capture(self, what: str, make):
+        from dflash_trt.errors import DFlashError
+
+        try:
+            return make()
+        except (DFlashError, RuntimeError) as error:
+            self.failures += 1
+            if self.failures == 1:
+                cause = error.__context__ if error.__context__ is not None else error  # the capture's end reports the body's failure second
+                logging.getLogger(__name__).warning(
+                    "%s: CUDA-graph capture of %s failed (%s: %s); it runs eagerly, as does any later capture that fails (not logged again)",
+                    self.owner, what, type(cause).__name__, cause,
+                )
+            return None
 
 
 # Errors EndCapture reports when the capture was already invalidated by a failed call inside it.

@@ -1,7 +1,7 @@
 """The decode loop on the device: per-row state, pinned staging, one program per owner group.
 
 A *program* is what one launch does for ``n`` owners at consecutive rows
-``first .. first+n-1`` (DESIGN §3, Speed):
+``first .. first+n-1`` (docs/design.md §5, "The loop on the device"):
 
 - ``cycle``: ``draft_n`` → ``target_verify_n`` → tap copy into the context
   pool → ``verify_argmax_n`` / ``verify_sample_n`` → device-side update of
@@ -10,13 +10,27 @@ A *program* is what one launch does for ``n`` owners at consecutive rows
   ``sample`` graph) → anchor and frontier.
 
 Every program reads and writes only memory allocated once (this module's
-row-indexed state, the context pool, the backend's pools), so after a first
-eager run it is captured as ONE CUDA graph per (program, n, first_row) when
-the backend is ``capturable`` and replayed from then on. A launch ends with
-an async copy of the owners' verdict record (accepted, next token,
-proposals) into a pinned host buffer and an event; ``read`` waits for that
-event only. Nothing else in a launch synchronizes the host, so the executor
-can launch cycle k+1 before reading cycle k (``runtime.bursts``).
+row-indexed state, the context pool, the backend's pools), so it is captured
+(thread-local mode) as ONE CUDA graph when the backend is ``capturable`` and
+replayed from then on; a capture that fails turns capture off for the loop,
+which then runs every program eagerly (``device.CaptureFallback``: logged once).
+How a program finds its owners' rows depends on the backend:
+
+- row-indexed backends (``Backend.row_indexed``: the torch fast path) take the
+  rows as a device tensor (``slots``, one per owner, uploaded before each
+  launch), so one program per (kind, sampled, padded owner count) serves any
+  set of rows. Owner counts are padded to ``owner_buckets``; padded lanes
+  point at a scratch row past the sessions' rows, whose state is reset at the
+  end of every program: their writes land nowhere anyone reads. Every program
+  is captured at start-up (``prepare``), none in steady state;
+- the others bind ``n`` consecutive rows ``first .. first+n-1``: one program
+  per (kind, sampled, n, first), captured on first use.
+
+A launch ends with an async copy of the owners' verdict record (accepted,
+next token, proposals) into a pinned host ring entry and an event; ``read``
+waits for that event only. Nothing else in a launch synchronizes the host, so
+the executor can launch cycle k+1 before reading cycle k
+(``runtime.launches``).
 
 Row-indexed state (``R`` = pool rows, int64 unless said):
 
@@ -28,10 +42,11 @@ Row-indexed state (``R`` = pool rows, int64 unless said):
 | top_k | [R] | sampling |
 | seed | [R, 3] | sampling (``sampling.seed_parts``); a choice's noise is keyed by its position, read on the device |
 | temperature, top_p | [R] float32 | sampling |
-| record | [R, P+2] | per launch: accepted, next token, proposals d_1..d_P |
+| record | [n, P+2] per owner count n | per launch: accepted, next token, proposals d_1..d_P |
 | taps_out | [R, W] model dtype | a decode step's taps (committed by the host for drafting sessions) |
 
-The host stages anchor/frontier/draft/sampling once per execute (pinned
+``R`` counts the scratch row on row-indexed backends. The host stages
+anchor/frontier/draft/sampling once per execute (pinned
 memory, one async copy per tensor group); within an execute the device
 state runs ahead of what the host has read. On CPU the same code runs
 eagerly and "pinned" buffers are plain tensors.
@@ -39,7 +54,6 @@ eagerly and "pinned" buffers are plain tensors.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -50,7 +64,9 @@ import torch
 from dflash_trt.export import contract as c
 from dflash_trt.export.sampling import seed_parts
 from dflash_trt.runtime.backends.base import Backend
+from dflash_trt.runtime.device import CaptureFallback
 from dflash_trt.runtime.sessions import ContextPool
+from dflash_trt.runtime.timing import Timeline
 
 CYCLE, DECODE = "cycle", "decode"  # program kinds
 ANCHOR, FRONTIER, DRAFT, TOP_K = range(4)  # rows of the int state
@@ -58,14 +74,39 @@ TEMPERATURE, TOP_P = range(2)  # rows of the float state
 ACCEPTED_COLUMN, NEXT_COLUMN, PROPOSALS_COLUMN = 0, 1, 2  # columns of the record
 
 
+def owner_buckets(max_owners: int) -> tuple[int, ...]:
+    """The padded owner counts of row-indexed programs: powers of two below ``max_owners``, and it.
+
+    >>> owner_buckets(6)
+    (1, 2, 4, 6)
+    """
+    buckets, n = [], 1
+    while n < max_owners:
+        buckets.append(n)
+        n *= 2
+    return (*buckets, max_owners)
+
+
+def padded(owners: int, max_owners: int) -> int:
+    """The smallest bucket holding ``owners`` lanes."""
+    assert 1 <= owners <= max_owners, (owners, max_owners)
+    return next(b for b in owner_buckets(max_owners) if b >= owners)
+
+
 @dataclass(frozen=True)
 class Key:
-    """One program: (kind, sampled, n, first_row) -> one CUDA graph."""
+    """One program -> one CUDA graph: (kind, sampled, n, first row); ``first`` is None when the rows
+    are a device input (row-indexed backends; ``n`` is then a padded count)."""
 
     kind: str
     sampled: bool
     owners: int
-    first: int
+    first: int | None
+
+
+def describe(key: Key) -> str:
+    """A program, for messages: its kind, owner count and (row-bound) first row."""
+    return f"{key.kind} program for {key.owners} owners" + ("" if key.first is None else f" at row {key.first}")
 
 
 class Mirror:
@@ -103,99 +144,78 @@ def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 
 @dataclass
 class Launch:
-    """One launched program: where its record lands and when it finished."""
+    """One launched program: its live owners, the ring entry its record lands in, when it finished."""
 
     key: Key
-    slot: int
+    owners: int
+    entry: int
     started: object  # device Event (CUDA) or host seconds (CPU)
     ended: object
 
 
-class Timeline:
-    """Device busy time of launches and the device's idle gaps between consecutive ones.
+class RowRange:
+    """A program's owners as ``n`` consecutive rows: views of the row-indexed state."""
 
-    CUDA: events recorded around every launch on the backend's stream (taken from
-    a pool, returned once read). CPU: host time around the synchronous launch.
-    """
+    def __init__(self, first: int, n: int) -> None:
+        self.first, self.n, self.index = first, n, slice(first, first + n)
 
-    def __init__(self, stream) -> None:
-        self.stream = stream  # device-layer Stream, None on CPU
-        self.free: list = []
-        self.previous_end = None
-        self.busy_ms = 0.0
-        self.idle_ms = 0.0
-        self.launches = 0
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor[self.index]
 
-    def mark(self):
-        if self.stream is None:
-            return time.perf_counter()
-        if not self.free:
-            from dflash_trt.runtime.device import Event
+    def put(self, tensor: torch.Tensor, values: torch.Tensor) -> None:
+        tensor[self.index].copy_(values)
 
-            self.free.append(Event(timing=True))
-        event = self.free.pop()
-        event.record(self.stream)
-        return event
+    def run(self, backend: Backend, graph: str, feeds: dict) -> dict:
+        return backend.run(graph, feeds, self.first)
 
-    def wait(self, launch: Launch) -> None:
-        """Host sync: until the launch has finished on the device."""
-        if self.stream is not None:
-            launch.ended.synchronize()
 
-    def account(self, launch: Launch) -> float:
-        """The launch's device ms (call after ``wait``); adds the gap since the previous launch ended."""
-        if self.stream is None:
-            device_ms = (launch.ended - launch.started) * 1000.0
-            gap_ms = 0.0
-        else:
-            device_ms = launch.started.elapsed_ms(launch.ended)
-            gap_ms = self.previous_end.elapsed_ms(launch.started) if self.previous_end is not None else 0.0
-            if self.previous_end is not None:
-                self.free.append(self.previous_end)
-            self.free.append(launch.started)
-        self.previous_end = launch.ended if self.stream is not None else None
-        self.busy_ms += device_ms
-        self.idle_ms += max(0.0, gap_ms)
-        self.launches += 1
-        return device_ms
+class RowSlots:
+    """A program's owners as a device tensor of rows (``slots`` [n]): gathers and scatters."""
 
-    def reset(self) -> None:
-        """Zero the totals (e.g. after a warm-up)."""
-        self.busy_ms = self.idle_ms = 0.0
-        self.launches = 0
+    def __init__(self, slots: torch.Tensor) -> None:
+        self.slots, self.n = slots, slots.shape[0]
 
-    def end_run(self) -> None:
-        """Between executes the host works: gaps are counted only within one run of launches."""
-        if self.previous_end is not None:
-            self.free.append(self.previous_end)
-        self.previous_end = None
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.index_select(0, self.slots)
 
-    def close(self) -> None:
-        self.end_run()
-        for event in self.free:
-            event.close()
-        self.free.clear()
+    def put(self, tensor: torch.Tensor, values: torch.Tensor) -> None:
+        tensor.index_copy_(0, self.slots, values.to(tensor.dtype))
+
+    def run(self, backend: Backend, graph: str, feeds: dict) -> dict:
+        return backend.run_at(graph, feeds, self.slots)
 
 
 class DeviceLoop:
     """Per-row device state, staging and the programs of one executor (see the module docstring)."""
 
     def __init__(self, backend: Backend, dims: c.Dims, context: ContextPool, rows: int, graphs: bool) -> None:
-        """``rows``: the backend's pool rows (session rows index them); ``graphs``: capture programs where capturable."""
-        self.backend, self.dims, self.context, self.rows = backend, dims, context, rows
+        """``rows``: the sessions' rows (a scratch row follows on row-indexed backends: the context pool
+        and the backend's pools hold it); ``graphs``: capture programs where capturable."""
+        self.backend, self.dims, self.context = backend, dims, context
         self.device = backend.device
+        self.row_indexed = bool(getattr(backend, "row_indexed", False))
+        self.scratch = rows if self.row_indexed else None
+        self.rows = rows + self.row_indexed
         stream = getattr(backend, "stream", None)
         self.stream = stream.device_stream if stream is not None and self.device.type == "cuda" else None
         self.graphs = bool(graphs and backend.capturable and self.stream is not None)
+        width, max_owners = dims.proposals + 2, dims.max_owners
+        # At most two launches per session are unread at once (the one read, the next): ring entries never collide.
+        self.ring = 2 * rows + 2
+        self.next_entry = 0
         with self._on_stream():
-            self.ints = Mirror((4, rows), torch.int64, self.device)
-            self.seeds = Mirror((rows, c.SEED_PARTS), torch.int64, self.device)
-            self.floats = Mirror((2, rows), torch.float32, self.device)
-            self.record = torch.zeros((rows, dims.proposals + 2), dtype=torch.int64, device=self.device)
-            # Two host slots: a group's cycle k+1 lands in one while the host reads cycle k from the other.
-            self.reads = [host_buffer((rows, dims.proposals + 2), torch.int64, self.device) for _ in range(2)]
-            self.taps_out = torch.zeros((rows, dims.tap_width), dtype=context.taps.dtype, device=self.device)
+            self.ints = Mirror((4, self.rows), torch.int64, self.device)
+            self.seeds = Mirror((self.rows, c.SEED_PARTS), torch.int64, self.device)
+            self.floats = Mirror((2, self.rows), torch.float32, self.device)
+            self.floats.device[TOP_P].fill_(1.0)  # the scratch row samples like a greedy session
+            self.records = {n: torch.zeros((n, width), dtype=torch.int64, device=self.device) for n in range(1, max_owners + 1)}
+            self.reads = host_buffer((self.ring, max_owners, width), torch.int64, self.device)
+            self.taps_out = torch.zeros((self.rows, dims.tap_width), dtype=context.taps.dtype, device=self.device)
+            # Row-indexed programs read their rows from here (one tensor per padded count, stable addresses).
+            self.slots = {n: torch.full((n,), self.scratch or 0, dtype=torch.int64, device=self.device) for n in owner_buckets(max_owners)}
+            self.staged_slots = Mirror((self.ring, max_owners), torch.int64, self.device) if self.row_indexed else None
         self.captured: dict[Key, torch.cuda.CUDAGraph] = {}
+        self.fallback = CaptureFallback("the device loop")
         self.memory = torch.cuda.graph_pool_handle() if self.graphs else None
         self.timeline = Timeline(self.stream)
 
@@ -219,6 +239,27 @@ class DeviceLoop:
         finally:
             self.timeline.end_run()
 
+    # ------------------------------------------------------------------ start-up
+
+    def programs(self, sampled: tuple[bool, ...]) -> list[Key]:
+        """Every program a row-indexed loop can launch (none to list otherwise: keys follow the rows)."""
+        if not self.row_indexed:
+            return []
+        kinds = (CYCLE, DECODE)
+        return [Key(k, s, n, None) for k in kinds for s in sampled for n in owner_buckets(self.dims.max_owners)]
+
+    def prepare(self, keys: list[Key]) -> None:
+        """Capture ``keys`` now (start-up), each run on the scratch row only: no capture, and no kernel
+        specialization of these programs, is left for steady state. Host syncs (captures)."""
+        if not self.graphs:
+            return
+        with self._on_stream(), self.backend.plain_runs():
+            for key in keys:
+                if key not in self.captured and self.graphs:
+                    self.slots[key.owners].fill_(self.scratch)
+                    self._program(key)  # the warm-up the capture needs (lazy inits, Triton compiles)
+                    self._keep(key, self.fallback.capture(describe(key), lambda: self._capture(key)))
+
     # ------------------------------------------------------------------ staging
 
     def stage(self, rows: list[tuple[int, int, int, int, object]]) -> None:
@@ -233,9 +274,12 @@ class DeviceLoop:
 
     # ------------------------------------------------------------------ launches
 
-    def launch(self, key: Key, slot: int) -> Launch:
-        """Run one program (replay its graph; the first time: eagerly, then capture it) and queue its
-        record's copy to the host (inside ``running``). No host sync, except around a capture (first use)."""
+    def launch(self, kind: str, sampled: bool, rows: list[int]) -> Launch:
+        """Run one program over the owners at ``rows`` (consecutive on row-bound backends): replay its
+        graph (capturing first if new), then queue its record's copy to the host (inside ``running``).
+        No host sync, except around a capture (first use, row-bound backends only)."""
+        entry, self.next_entry = self.next_entry, (self.next_entry + 1) % self.ring
+        key = self._key(kind, sampled, rows, entry)
         started = self.timeline.mark()
         graph = self.captured.get(key)
         if graph is not None:
@@ -243,100 +287,132 @@ class DeviceLoop:
         elif self.graphs:
             with self.backend.plain_runs():
                 self._program(key)  # a real cycle, and the warm-up the capture needs
-                self.captured[key] = self._capture(key)
+                self._keep(key, self.fallback.capture(describe(key), lambda: self._capture(key)))
         else:
             self._program(key)
-        self._download(key, slot)
-        return Launch(key, slot, started, self.timeline.mark())
+        self._download(key, len(rows), entry)
+        return Launch(key, len(rows), entry, started, self.timeline.mark())
+
+    def _key(self, kind: str, sampled: bool, rows: list[int], entry: int) -> Key:
+        """The program of these rows; on row-indexed backends also enqueues the upload of its slots."""
+        if not self.row_indexed:
+            assert rows == list(range(rows[0], rows[0] + len(rows))), f"rows must be consecutive, got {rows}"
+            return Key(kind, sampled, len(rows), rows[0])
+        n = padded(len(rows), self.dims.max_owners)
+        staged = self.staged_slots.host[entry]
+        staged[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
+        staged[len(rows) : n] = self.scratch
+        if self.staged_slots.pinned is None:
+            self.slots[n].copy_(staged[:n])
+        else:
+            from dflash_trt.runtime.device import copy_async
+
+            copy_async(self.slots[n].data_ptr(), self.staged_slots.pinned.ptr + entry * staged.nbytes, n * 8, self.stream)
+        return Key(kind, sampled, n, None)
 
     def read(self, launch: Launch) -> tuple[np.ndarray, float]:
-        """Host sync (the launch's end event): its record rows [n, P+2] and its device ms."""
+        """Host sync (the launch's end event): its live owners' record rows [n, P+2] and its device ms."""
         self.timeline.wait(launch)
-        first, n = launch.key.first, launch.key.owners
-        record = self.reads[launch.slot][1][first : first + n].numpy().copy()
+        record = self.reads[1][launch.entry, : launch.owners].numpy().copy()
         return record, self.timeline.account(launch)
 
-    def _download(self, key: Key, slot: int) -> None:
-        """The owners' record rows -> host slot ``slot`` (async on CUDA: pinned memory, no host sync)."""
-        pinned, host = self.reads[slot]
+    def _download(self, key: Key, owners: int, entry: int) -> None:
+        """The live owners' record rows -> host ring entry ``entry`` (async on CUDA: pinned memory, no host sync)."""
+        pinned, host = self.reads
+        record = self.records[key.owners]
         if pinned is None:
-            rows = slice(key.first, key.first + key.owners)
-            host[rows] = self.record[rows]
+            host[entry, :owners] = record[:owners]
             return
         from dflash_trt.runtime.device import copy_async
 
-        row = pinned.nbytes // self.rows
-        source = self.record.data_ptr() + key.first * row
-        copy_async(pinned.ptr + key.first * row, source, key.owners * row, self.stream)
+        row = record.shape[1] * record.element_size()
+        copy_async(pinned.ptr + entry * host[0].numel() * record.element_size(), record.data_ptr(), owners * row, self.stream)
 
     def _capture(self, key: Key) -> torch.cuda.CUDAGraph:
+        """One program as a CUDA graph, captured in thread-local mode: CUDA calls of other
+        threads (a server's, a logger's) stay legal meanwhile and cannot invalidate it. The
+        capture is always ended, also when the program fails inside it, and the stream
+        restored; the failure propagates (the caller falls back to eager)."""
         graph = torch.cuda.CUDAGraph()
-        # Host sync: torch.cuda.graph synchronizes the device before capturing (first use only).
-        with torch.cuda.graph(graph, pool=self.memory, stream=self.backend.stream.torch):
-            self._program(key)
+        torch.cuda.synchronize(self.device)  # host sync: before a capture only
+        with torch.cuda.stream(self.backend.stream.torch):
+            graph.capture_begin(pool=self.memory, capture_error_mode="thread_local")
+            try:
+                self._program(key)
+            finally:
+                graph.capture_end()
         return graph
+
+    def _keep(self, key: Key, graph: torch.cuda.CUDAGraph | None) -> None:
+        """A captured program is replayed from now on; a capture that failed (None) turns capture off
+        for the loop: every program runs eagerly (``CaptureFallback`` logged it once)."""
+        if graph is None:
+            self.graphs = False
+        else:
+            self.captured[key] = graph
 
     # ------------------------------------------------------------------ programs
 
     def _program(self, key: Key) -> None:
+        rows = RowRange(key.first, key.owners) if key.first is not None else RowSlots(self.slots[key.owners])
         with torch.no_grad():
-            (self._cycle if key.kind == CYCLE else self._decode)(key)
+            (self._cycle if key.kind == CYCLE else self._decode)(key, rows)
+            if self.row_indexed:
+                self.ints.device[:, self.scratch] = 0  # padded lanes' state: back to an empty row
 
-    def _state(self, key: Key) -> tuple[slice, torch.Tensor, torch.Tensor]:
-        rows = slice(key.first, key.first + key.owners)
-        ints = self.ints.device
-        return rows, ints[ANCHOR, rows], ints[FRONTIER, rows]
-
-    def _cycle(self, key: Key) -> None:
+    def _cycle(self, key: Key, rows: RowRange | RowSlots) -> None:
         """draft_n → target_verify_n → taps → verdict → anchors/positions, all on the device."""
-        n, first, P = key.owners, key.first, self.dims.proposals
-        rows, anchor, start = self._state(key)
-        ctx_start = self.ints.device[DRAFT, rows]
-        context = self.context.view(first, n)  # [n, B, W]
+        n, P = rows.n, self.dims.proposals
+        anchor, start = rows.take(self.ints.device[ANCHOR]), rows.take(self.ints.device[FRONTIER])
+        ctx_start = rows.take(self.ints.device[DRAFT])
+        context = rows.take(self.context.taps)  # [n, B, W]
         feeds = {c.CTX_TAPS: context, c.CTX_START: ctx_start, c.CTX_COUNT: start - ctx_start, c.ANCHOR: anchor}
-        proposals = self.backend.run(c.graph_name(c.DRAFT, n), feeds, first)[c.PROPOSALS]  # [n, P]
+        proposals = rows.run(self.backend, c.graph_name(c.DRAFT, n), feeds)[c.PROPOSALS]  # [n, P]
         candidates = torch.cat([anchor[:, None], proposals], dim=1)  # [n, P+1]
-        verify = self.backend.run(c.graph_name(c.TARGET_VERIFY, n), {c.TOKENS: candidates, c.START: start}, first)
+        verify = rows.run(self.backend, c.graph_name(c.TARGET_VERIFY, n), {c.TOKENS: candidates, c.START: start})
         # Next context = taps of verify rows 0..a; rows past a are padding the static draft overwrites.
         context[:, : P + 1].copy_(verify[c.TAPS])
+        if isinstance(rows, RowSlots):
+            rows.put(self.context.taps, context)
         feeds = {c.LOGITS: verify[c.LOGITS], c.CANDIDATES: candidates}
         kind = c.VERIFY_ARGMAX
         if key.sampled:
             kind = c.VERIFY_SAMPLE
             feeds |= self._sampling(rows, start)
-        verdict = self.backend.run(c.graph_name(kind, n), feeds, first)
+        verdict = rows.run(self.backend, c.graph_name(kind, n), feeds)
         accepted, token = verdict[c.ACCEPTED], verdict[c.NEXT_TOKEN]
-        self.record[rows, PROPOSALS_COLUMN:].copy_(proposals)
-        ctx_start.copy_(start)  # the draft now holds the context before this cycle's anchor
+        self.records[n][:, PROPOSALS_COLUMN:].copy_(proposals)
+        rows.put(self.ints.device[DRAFT], start)  # the draft now holds the context before this cycle's anchor
         self._advance(rows, start, accepted, token)
 
-    def _decode(self, key: Key) -> None:
+    def _decode(self, key: Key, rows: RowRange | RowSlots) -> None:
         """target_decode_n → the target's token → anchors/positions, all on the device."""
-        n, first = key.owners, key.first
-        rows, anchor, start = self._state(key)
-        out = self.backend.run(c.graph_name(c.TARGET_DECODE, n), {c.TOKENS: anchor.view(n, 1), c.START: start}, first)
+        n = rows.n
+        anchor, start = rows.take(self.ints.device[ANCHOR]), rows.take(self.ints.device[FRONTIER])
+        out = rows.run(self.backend, c.graph_name(c.TARGET_DECODE, n), {c.TOKENS: anchor.view(n, 1), c.START: start})
         logits = out[c.LOGITS]  # [n, V]
         if key.sampled:
-            token = self.backend.run(c.SAMPLE, self._sampling(rows, start) | {c.LOGITS: logits}, first)[c.TOKEN]
+            token = rows.run(self.backend, c.SAMPLE, self._sampling(rows, start) | {c.LOGITS: logits})[c.TOKEN]
         else:
             token = logits.argmax(dim=-1)  # the sampler's choice at temperature 0
-        self.taps_out[rows].copy_(out[c.TAPS][:, 0])
+        rows.put(self.taps_out, out[c.TAPS][:, 0])
         self._advance(rows, start, torch.zeros_like(token), token)
 
-    def _advance(self, rows: slice, start: torch.Tensor, accepted: torch.Tensor, token: torch.Tensor) -> None:
-        """Record the verdict; frontier += accepted + 1 (in place: ``start`` is the frontier's view); anchor = token."""
-        self.record[rows, ACCEPTED_COLUMN].copy_(accepted)
-        self.record[rows, NEXT_COLUMN].copy_(token)
-        start.add_(accepted + 1)
-        self.ints.device[ANCHOR, rows].copy_(token)
+    def _advance(self, rows: RowRange | RowSlots, start: torch.Tensor, accepted: torch.Tensor, token: torch.Tensor) -> None:
+        """Record the verdict; frontier = start + accepted + 1; anchor = token."""
+        record = self.records[rows.n]
+        record[:, ACCEPTED_COLUMN].copy_(accepted)
+        record[:, NEXT_COLUMN].copy_(token)
+        rows.put(self.ints.device[FRONTIER], start + accepted + 1)
+        rows.put(self.ints.device[ANCHOR], token)
 
-    def _sampling(self, rows: slice, start: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _sampling(self, rows: RowRange | RowSlots, start: torch.Tensor) -> dict[str, torch.Tensor]:
         """The owners' sampling feeds; their first choice is the token AT start + 1."""
         return {
-            c.TEMPERATURE: self.floats.device[TEMPERATURE, rows],
-            c.TOP_K: self.ints.device[TOP_K, rows],
-            c.TOP_P: self.floats.device[TOP_P, rows],
-            c.SEED: self.seeds.device[rows],
+            c.TEMPERATURE: rows.take(self.floats.device[TEMPERATURE]),
+            c.TOP_K: rows.take(self.ints.device[TOP_K]),
+            c.TOP_P: rows.take(self.floats.device[TOP_P]),
+            c.SEED: rows.take(self.seeds.device),
             c.POSITION: start + 1,
         }
 
@@ -353,8 +429,8 @@ class DeviceLoop:
             self.stream.synchronize()  # host sync: pinned memory must outlive the copies into it
         self.captured.clear()
         self.timeline.close()
-        for mirror in (self.ints, self.seeds, self.floats):
-            mirror.close()
-        for pinned, _ in self.reads:
-            if pinned is not None:
-                pinned.close()
+        for mirror in (self.ints, self.seeds, self.floats, self.staged_slots):
+            if mirror is not None:
+                mirror.close()
+        if self.reads[0] is not None:
+            self.reads[0].close()

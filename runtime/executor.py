@@ -23,7 +23,7 @@ One execute():
    one token to decode; taps are committed to the context pool on device,
    draining all but B rows through ``draft_context`` (sessions that do not
    speculate keep no taps).
-4. The loop (``runtime.device_loop`` on the device, ``runtime.bursts`` on the
+4. The loop (``runtime.device_loop`` on the device, ``runtime.launches`` on the
    host): every session whose last input produced output decodes, owners
    packed by consecutive rows, ≤ max_owners per launch. A drafting session
    whose block fits runs cycles: ``draft_n`` → ``target_verify_n`` →
@@ -52,10 +52,12 @@ context pool, prefill taps are drained or copied the same way
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -69,55 +71,21 @@ from dflash_trt.export import contract as c
 from dflash_trt.export.sampling import Sampling, check_sampling
 from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 from dflash_trt.runtime.backends.base import Backend
-from dflash_trt.runtime.bursts import Group, Lane, run_bursts
-from dflash_trt.runtime.cycles import LoopShape, block_fits, chunks, cycle_mode, make_bursts, pack_rows, plan_context, sampling_rows, trim_context
-from dflash_trt.runtime.device_loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_COLUMN, PROPOSALS_COLUMN, DeviceLoop, Launch
-from dflash_trt.runtime.sessions import ContextPool, Input, Limits, Session, SessionTable, SessionView, Step, check_seed, int_in, validate_batch
+from dflash_trt.runtime.cycles import (
+    block_fits, chunks, cycle_mode, make_verdicts, pack_rows, plan_context, prefill_batches, sampling_rows, trim_context,
+)
+from dflash_trt.runtime.device_loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_COLUMN, PROPOSALS_COLUMN, DeviceLoop, Launch, owner_buckets
+from dflash_trt.runtime.launches import Group, Lane, LoopShape, run_launches
+from dflash_trt.runtime.sessions import CONTEXT, ContextPool, Input, Limits, Output, Session, SessionTable, SessionView, Step, check_seed, int_in, validate_batch
 from dflash_trt.runtime.stats import DEFAULT_MAX_ROWS, ExecuteRows, StatsLog, stats_paths, write_parquet
+from dflash_trt.runtime.timing import make_clock
 
-__all__ = ["Executor", "Input"]
+__all__ = ["Executor", "Input", "Output"]
 
+LOG = logging.getLogger(__name__)
 
-class HostClock:
-    """Device time as host time around backend calls: right where ``run`` returns finished work (CPU)."""
-
-    def mark(self) -> float:
-        return time.perf_counter()
-
-    def elapsed_ms(self, start: float, end: float) -> float:
-        return (end - start) * 1000.0
-
-    def release(self, *marks) -> None:
-        pass
-
-
-class EventClock:
-    """Device time from CUDA events on the backend's stream (read after the cycle's host sync)."""
-
-    def __init__(self, stream) -> None:
-        from dflash_trt.runtime import device
-
-        self.stream, self.device = stream, device
-
-    def mark(self):
-        event = self.device.Event(timing=True)
-        event.record(self.stream)
-        return event
-
-    def elapsed_ms(self, start, end) -> float:
-        end.synchronize()  # host sync: the cycle already waited on its verdict, so this is free
-        return start.elapsed_ms(end)
-
-    def release(self, *marks) -> None:
-        for event in marks:
-            event.close()
-
-
-def make_clock(backend: Backend):
-    """Events on the backend's device-layer stream when it has one (CUDA), host time otherwise."""
-    if backend.device.type == "cuda" and backend.stream is not None:
-        return EventClock(backend.stream.device_stream)
-    return HostClock()
+# Batched prefill (row-indexed backends): tokens per launch, padded lengths a multiple of PREFILL_QUANTUM.
+PREFILL_TOKENS, PREFILL_QUANTUM = 4096, 32
 
 
 class Executor:
@@ -167,7 +135,8 @@ class Executor:
         self.table = SessionTable(max_sessions, self.ownership.rows)
         # Rows are the backend's: a session's pending taps live at its row of a pool as tall as the backend's.
         self.limits = Limits(dims.vocab_size, dims.max_context, dims.block_size)
-        self.context = ContextPool(rows, dims.block_size, dims.tap_width, TORCH_DTYPES[dims.dtype], self.device)
+        # A row-indexed backend's pools end with a scratch row (device_loop: padded lanes): the context pool too.
+        self.context = ContextPool(rows + bool(getattr(backend, "row_indexed", False)), dims.block_size, dims.tap_width, TORCH_DTYPES[dims.dtype], self.device)
         self.clock = make_clock(backend)
         if stats_rows is not None and (not isinstance(stats_rows, int) or isinstance(stats_rows, bool) or stats_rows < 1):
             raise InputError(f"stats_rows must be an int >= 1 or None (unbounded), got {stats_rows!r}")
@@ -178,9 +147,43 @@ class Executor:
             raise InputError(f"max_cycles must be an int >= 1, got {max_cycles!r}")
         self.speculate, self.max_cycles, self.lag = bool(speculate), max_cycles, bool(lag)
         self.loop = DeviceLoop(backend, dims, self.context, rows, cycle_graphs)
+        self._prepare_programs()
         self.closed = False
+        self._on_tokens: Callable | None = None
         # Rows go back to the backend even if the executor is dropped without close().
         self._release = weakref.finalize(self, self.table.rows.give_all, self.table.held)
+
+    def _prepare_programs(self) -> None:
+        """Capture every program a row-indexed loop can launch, now (start-up), so none is captured or
+        compiled while serving; logged, since it takes seconds on a large model."""
+        sampled = (False, True) if c.graph_name(c.VERIFY_SAMPLE, 1) in self.backend.graph_names else (False,)
+        keys = self.loop.programs(sampled)
+        if not keys or not self.loop.graphs:
+            return
+        started = time.perf_counter()
+        LOG.info("capturing %d decode programs (cycle and decode steps, %s owners)", len(keys), sorted({k.owners for k in keys}))
+        self.loop.prepare(keys)
+        shapes = self._warm_prefill()
+        LOG.info("captured %d programs, warmed %d batched-prefill shapes in %.1f s", len(keys), shapes, time.perf_counter() - started)
+
+    def _warm_prefill(self) -> int:
+        """Run batched prefill (and its drain) once per (owners, tokens) power of two within the launch
+        budget, on the scratch row only, so their kernels are compiled before serving: padded lengths
+        are multiples of PREFILL_QUANTUM, which specialize like these. Returns the shapes run."""
+        shapes = [
+            (n, tokens)
+            for n in owner_buckets(self.max_sessions)
+            for tokens in (PREFILL_QUANTUM * 2**k for k in range(16))
+            if tokens <= self.dims.max_chunk and n * tokens <= PREFILL_TOKENS
+        ]
+        scratch = self.loop.scratch
+        for n, tokens in shapes:
+            slots = torch.full((n,), scratch, dtype=torch.int64, device=self.device)
+            start, lengths = torch.zeros_like(slots), torch.full_like(slots, tokens)
+            _, taps = self.backend.prefill_many(torch.zeros((n, tokens), dtype=torch.int64, device=self.device), start, lengths, slots)
+            self.backend.draft_context_many(taps, start, lengths, slots)
+        self.backend.synchronize()  # host sync: start-up only
+        return len(shapes)
 
     @contextmanager
     def _call(self, name: str, count_refusals: bool = True) -> Iterator[None]:
@@ -310,10 +313,25 @@ class Executor:
 
     def execute(self, batch: Sequence[Input | dict]) -> list[list[int]]:
         """Run one batch (see the module docstring). Returns per input its new tokens."""
-        with self._call("execute", count_refusals=False):
-            return self._execute(batch)
+        return [output.tokens for output in self.execute_outputs(batch)]
 
-    def _execute(self, batch: Sequence[Input | dict]) -> list[list[int]]:
+    def execute_outputs(self, batch: Sequence[Input | dict], on_tokens: Callable | None = None) -> list[Output]:
+        """``execute``, returning per input its new tokens and why they ended (``Output.finish``).
+
+        ``on_tokens(index, tokens, finish)``, called on this thread while the call runs, receives input
+        ``index``'s tokens as soon as they are final (after each launch's verdict is read; ``finish``:
+        STOP / LENGTH once they end it, else None — CONTEXT is known only in the outputs), so a server
+        can stream them before the call returns; the outputs still hold every token. The callback
+        must not call into the executor (it is busy).
+        """
+        with self._call("execute", count_refusals=False):
+            self._on_tokens = on_tokens
+            try:
+                return self._execute(batch)
+            finally:
+                self._on_tokens = None
+
+    def _execute(self, batch: Sequence[Input | dict]) -> list[Output]:
         try:
             steps = validate_batch(self.table, batch, self.limits)
         except DFlashError:
@@ -341,41 +359,47 @@ class Executor:
             step.session.poisoned = True
             step.session.pending = None
 
-    def _run(self, steps: list[Step]) -> list[list[int]]:
+    def _run(self, steps: list[Step]) -> list[Output]:
         for step in steps:
             if step.rewind:
                 self._rewind(step.session, step.start)
-        outputs: list[list[int]] = [[] for _ in steps]
-        lanes = [lane for step in steps if (lane := self._lane(step, outputs)) is not None]
-        self._decode(lanes)
+        predictions = self._target_work(steps)
+        lanes = [lane for step in steps if (lane := self._lane(step, predictions)) is not None]
+        self._stream(lanes)  # the predictions after the prompts
+        self._decode([lane for lane in lanes if lane.decodes])
+        outputs = [Output([]) for _ in steps]
         for lane in lanes:
-            outputs[lane.step.index] = lane.tokens
             if lane.session.frontier > lane.keep_until:  # tokens past a stop / the room were discarded
                 self._rewind(lane.session, lane.keep_until)
+            outputs[lane.step.index] = Output(lane.tokens, lane.finish or self._context_full(lane.session))
         for step in steps:
             if step.last:
                 # The last emitted token sits AT the new frontier, not yet fed.
-                step.session.pending = outputs[step.index][-1] if outputs[step.index] else None
+                step.session.pending = outputs[step.index].tokens[-1] if outputs[step.index].tokens else None
         return outputs
 
-    def _lane(self, step: Step, outputs: list[list[int]]) -> Lane | None:
-        """The step's target work (prefill, unless it is a fast/decode step) and its lane in the loop, if any."""
+    def _context_full(self, s: Session) -> str | None:
+        """CONTEXT when the session's next token would sit at max_context (its pending token cannot be fed)."""
+        return CONTEXT if s.frontier + 1 > self.dims.max_context else None
+
+    def _lane(self, step: Step, predictions: dict[int, int | None]) -> Lane | None:
+        """The step's lane, if it produces tokens (``Lane.decodes``: whether the loop runs it further);
+        ``predictions``: the target's token after each prompt/replay step (``_target_work``)."""
         s = step.session
         if step.fast or step.decode:
             self.log.counters["pending_decode_owners"] += step.fast
             s.pending = None
             return Lane(step, s, step.tokens[0], step.start + 1)
-        prediction = self._target_step(step)
+        prediction = predictions[step.index]
         if prediction is None:
             return None
         lane = Lane(step, s, prediction, s.frontier)
         lane.add([prediction])
-        outputs[step.index] = lane.tokens
         drafts = s.speculate and block_fits(s.frontier, self.dims.block_size, self.dims.max_context)
         decodes = step.room is not None and s.frontier + 1 <= self.dims.max_context
         if not step.last or lane.finished or not (drafts or decodes):
             self.log.counters["target_decode_steps"] += step.last
-            return None
+            lane.decodes = False
         return lane
 
     def _rewind(self, s: Session, position: int) -> None:
@@ -388,6 +412,90 @@ class Executor:
         s.frontier, s.pending = position, None
 
     # ------------------------------------------------------------------ target
+
+    def _target_work(self, steps: list[Step]) -> dict[int, int | None]:
+        """Run every prompt/replay step's tokens through the target: the prediction after each (None
+        without produce_output), by step index.
+
+        On a row-indexed backend the prompts of fresh contexts (one step of their session in this
+        batch, one chunk long, no pending taps) are prefilled together, a few launches per batch
+        (``cycles.prefill_batches``); every other step runs alone, in batch order (``_target_step``).
+        """
+        targets = [step for step in steps if not (step.fast or step.decode)]
+        sessions = Counter(step.session.id for step in targets)
+        together = [step for step in targets if self._batchable(step, sessions)]
+        predictions: dict[int, int | None] = {}
+        lengths = [len(step.tokens) for step in together]
+        for members, width in prefill_batches(lengths, PREFILL_TOKENS, PREFILL_QUANTUM):
+            predictions |= self._prefill_batch([together[m] for m in members], width)
+        batched = {step.index for step in together}
+        for step in targets:
+            if step.index not in batched:
+                predictions[step.index] = self._target_step(step)
+        return predictions
+
+    def _batchable(self, step: Step, sessions: Counter) -> bool:
+        s = step.session
+        return (
+            self.loop.row_indexed
+            and sessions[s.id] == 1
+            and len(step.tokens) <= self.dims.max_chunk
+            and (not s.speculate or s.pending_rows == 0)
+        )
+
+    def _prefill_batch(self, steps: list[Step], width: int) -> dict[int, int | None]:
+        """One ragged prefill launch for ``steps`` (padded to ``width`` tokens), their taps committed
+        (drained together), their predictions chosen in one ``sample`` call (one host sync)."""
+        sessions = [step.session for step in steps]
+        t0 = self.clock.mark()
+        tokens = torch.zeros((len(steps), width), dtype=torch.int64)
+        for i, step in enumerate(steps):
+            tokens[i, : len(step.tokens)] = torch.tensor(step.tokens, dtype=torch.int64)
+        lengths = [len(step.tokens) for step in steps]
+        device = lambda values: torch.as_tensor(values, dtype=torch.int64).to(self.device)  # noqa: E731
+        slots, start, length = device([s.row for s in sessions]), device([s.frontier for s in sessions]), device(lengths)
+        logits, taps = self.backend.prefill_many(tokens.to(self.device), start, length, slots)
+        self.log.counters["target_preamble_forwards"] += 1
+        self.log.counters["target_preamble_calls"] += len(steps)
+        self._commit_many(sessions, taps, lengths, slots)
+        wanted = [i for i, step in enumerate(steps) if step.produce_output]
+        chosen = self._choose_many([sessions[i] for i in wanted], logits[wanted], [steps[i].end for i in wanted]) if wanted else []
+        t1 = self.clock.mark()
+        ms = self.clock.elapsed_ms(t0, t1) / len(steps)  # one launch: its device time shared evenly
+        for i, token in zip(wanted, chosen):
+            self.log.target_row(sessions[i], steps[i].end - 1, ms)
+        self.clock.release(t0, t1)
+        predictions: dict[int, int | None] = {step.index: None for step in steps}
+        predictions |= {steps[i].index: token for i, token in zip(wanted, chosen)}
+        for s in sessions:
+            s.pending = None
+        return predictions
+
+    def _commit_many(self, sessions: list[Session], taps: torch.Tensor, lengths: list[int], slots: torch.Tensor) -> None:
+        """Fresh contexts' taps [n, T, W]: all but the last B rows of each drafting session drained in one
+        ``draft_context_many`` launch, the rest kept pending (``cycles.plan_context`` with nothing pending)."""
+        B = self.dims.block_size
+        drains = [max(0, length - B) if s.speculate else 0 for s, length in zip(sessions, lengths)]
+        if any(drains):
+            starts = torch.as_tensor([s.draft_position for s in sessions], dtype=torch.int64).to(self.device)
+            counts = torch.as_tensor(drains, dtype=torch.int64).to(self.device)
+            self.backend.draft_context_many(taps[:, : max(drains)], starts, counts, slots)
+            self.log.counters["draft_forwards"] += 1
+            self.log.counters["warmed_context_tokens"] += sum(drains)
+        for i, (s, length, drained) in enumerate(zip(sessions, lengths, drains)):
+            if s.speculate:
+                self.context.store(s.row, taps[i, drained:length])  # device copy
+                self.log.count("hidden_rows_d2d", length - drained, self.tap_row_bytes)
+                s.draft_position += drained
+                s.drained_rows += drained
+                s.frontier += length
+            else:
+                s.frontier = s.draft_position = s.frontier + length  # no drafting: taps are not kept
+
+    def _choose_many(self, sessions: list[Session], logits: torch.Tensor, positions: list[int]) -> list[int]:
+        """Each session's token AT its position from logits [n, V]: one ``sample`` call, one host sync."""
+        feeds = self._sampling_feeds([s.sampling for s in sessions], positions) | {c.LOGITS: logits.contiguous()}
+        return [int(t) for t in self.backend.run(c.SAMPLE, feeds, 0)[c.TOKEN].tolist()]  # host sync: the token ids
 
     def _target_step(self, step: Step) -> int | None:
         """Run the input's tokens through target_prefill (chunked); the prediction at ``end`` if asked."""
@@ -454,40 +562,56 @@ class Executor:
         """Every lane's cycles (drafting sessions with a block's room) or plain decode steps, on the device."""
         if not lanes:
             return
-        groups = self._groups(lanes)
+        for lane in lanes:
+            self._assign(lane)
         stage = [(l.session.row, l.anchor, l.session.frontier, l.session.draft_position, l.session.sampling) for l in lanes]
         with self.loop.running():
             self.loop.stage(stage)
-            run_bursts(groups, self._launch, self._read, self.lag)
+            run_launches(lanes, self._pack, self._launch, self._read, self.lag)
 
-    def _groups(self, lanes: list[Lane]) -> list[Group]:
+    def _assign(self, lane: Lane) -> None:
+        """The lane's program kind and launch shape: cycles for a drafting session with a block's room, else decode steps."""
         P, B, L = self.dims.proposals, self.dims.block_size, self.dims.max_context
-        shapes = {CYCLE: LoopShape(P + 1, B, L, self.max_cycles), DECODE: LoopShape(1, 1, L, self.max_cycles)}
-        by_kind: dict[str, list[Lane]] = {CYCLE: [], DECODE: []}
-        for lane in lanes:
-            s = lane.session
-            drafts = s.speculate and block_fits(s.frontier, B, L)
-            if s.speculate and not drafts:
-                lane.max_launches = 1  # the host commits a drafting session's decode taps after each step
-            by_kind[CYCLE if drafts else DECODE].append(lane)
+        s = lane.session
+        drafts = s.speculate and block_fits(s.frontier, B, L)
+        lane.kind = CYCLE if drafts else DECODE
+        # A drafting session decoding plainly: the host commits its decode taps after each step, one step per execute.
+        cycles = 1 if s.speculate and not drafts else self.max_cycles
+        lane.shape = LoopShape(P + 1, B, L, cycles) if drafts else LoopShape(1, 1, L, cycles)
+
+    def _pack(self, lanes: list[Lane]) -> list[Group]:
+        """One launch's groups: per kind, ≤ max_owners lanes each, at consecutive rows unless the loop is row-indexed."""
         groups = []
-        for kind, members in by_kind.items():
-            for packed in pack_rows([lane.session.row for lane in members], self.dims.max_owners):
-                group_lanes = [members[m] for m in packed.members]
-                sampled = any(lane.session.sampling.temperature > 0 for lane in group_lanes)
-                groups.append(Group(kind, sampled, packed.first_row, group_lanes, shapes[kind]))
+        for kind in (CYCLE, DECODE):
+            members = sorted((lane for lane in lanes if lane.kind == kind), key=lambda lane: lane.session.row)
+            if self.loop.row_indexed:
+                runs = [members[i : i + self.dims.max_owners] for i in range(0, len(members), self.dims.max_owners)]
+            else:
+                runs = [[members[m] for m in run.members] for run in pack_rows([lane.session.row for lane in members], self.dims.max_owners)]
+            for run in runs:
+                groups.append(Group(kind, any(lane.session.sampling.temperature > 0 for lane in run), run))
         return groups
 
-    def _launch(self, group: Group, slot: int) -> Launch:
-        return self.loop.launch(group.key, slot)
+    def _launch(self, group: Group) -> Launch:
+        return self.loop.launch(group.kind, group.sampled, group.rows)
 
     def _read(self, group: Group, launch: Launch) -> None:
-        """Host sync (the launch's event): apply its verdict to the sessions, lanes and stats."""
+        """Host sync (the launch's event): apply its verdict to the sessions, lanes and stats; hand
+        the lanes' new tokens to ``on_tokens``."""
         record, device_ms = self.loop.read(launch)
         if group.kind == CYCLE:
             self._read_cycle(group, record, device_ms)
         else:
             self._read_decode(group, record, device_ms)
+        self._stream(group.lanes)
+
+    def _stream(self, lanes: Sequence[Lane]) -> None:
+        if self._on_tokens is None:
+            return
+        for lane in lanes:
+            if len(lane.tokens) > lane.streamed:
+                self._on_tokens(lane.step.index, lane.tokens[lane.streamed :], lane.finish)
+                lane.streamed = len(lane.tokens)
 
     def _read_cycle(self, group: Group, record: np.ndarray, device_ms: float) -> None:
         P = self.dims.proposals
@@ -495,20 +619,32 @@ class Executor:
         starts = [s.frontier for s in sessions]
         counts = [s.frontier - s.draft_position for s in sessions]
         accepted, tokens, proposals = record[:, ACCEPTED_COLUMN], record[:, NEXT_COLUMN], record[:, PROPOSALS_COLUMN:]
-        bursts = make_bursts(proposals, accepted, tokens, starts, self.dims.vocab_size)
-        self.log.cycle_counters(len(sessions), P, counts, bursts, self.tap_row_bytes)
-        rows = []
-        for lane, burst, count, start in zip(group.lanes, bursts, counts, starts):
+        verdicts = make_verdicts(proposals, accepted, tokens, starts, self.dims.vocab_size)
+        rows, live_counts, live_verdicts = [], [], []
+        for lane, verdict, count, start in zip(group.lanes, verdicts, counts, starts):
             s = lane.session
             mode = cycle_mode(start, self.dims.block_size, self.dims.max_context, s.drained_rows)
-            rows.append((s, mode, count + s.drained_rows, start, burst))
-            s.draft_position, s.frontier, s.drained_rows = start, burst.frontier, 0
-            lane.add(burst.tokens)
+            context_rows = count + s.drained_rows
+            s.draft_position, s.frontier, s.drained_rows = start, verdict.frontier, 0
+            if lane.finished:
+                # Launched before the lane's finishing cycle was read (lag): its tokens are discarded and
+                # the session rewound after the loop, so it is no cycle of the stats.
+                continue
+            before = len(lane.tokens)
+            lane.add(verdict.tokens)
+            rows.append((s, mode, context_rows, start, verdict, len(lane.tokens) - before))
+            live_counts.append(count)
+            live_verdicts.append(verdict)
+        if not rows:
+            return
+        self.log.cycle_counters(len(rows), P, live_counts, live_verdicts, self.tap_row_bytes)
         # One device unit: the draft is not timed apart inside a cycle's graph (the whole cycle is verify_ms).
-        self.log.cycle_rows(rows, P, 0.0, device_ms)
+        self.log.cycle_rows(rows, P, 0.0, device_ms, owners=len(group.lanes))
 
     def _read_decode(self, group: Group, record: np.ndarray, device_ms: float) -> None:
-        self.log.decode_rows([lane.session for lane in group.lanes], device_ms)
+        live = [lane.session for lane in group.lanes if not lane.finished]  # a finished lane's read-ahead step is discarded
+        if live:
+            self.log.decode_rows(live, device_ms, owners=len(group.lanes))
         for lane, token in zip(group.lanes, record[:, NEXT_COLUMN]):
             s, token = lane.session, int(token)
             if not 0 <= token < self.dims.vocab_size:

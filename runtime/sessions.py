@@ -147,6 +147,22 @@ def check_seed(seed) -> int:
     return int(seed)
 
 
+STOP, LENGTH, CONTEXT = "stop", "length", "context"  # why an input's output ended (Output.finish)
+
+
+@dataclass(frozen=True)
+class Output:
+    """What one input produced: its new tokens and, when it cannot go on, why.
+
+    ``finish``: ``STOP`` (its last token is one of the input's ``stop``),
+    ``LENGTH`` (``max_new_tokens`` reached), ``CONTEXT`` (the session's next
+    token would sit at ``max_context``), or None (it may continue).
+    """
+
+    tokens: list[int]
+    finish: str | None = None
+
+
 @dataclass(frozen=True)
 class Input:
     """One batch input (docs/design.md §5): ``tokens[offset : offset + size]`` at positions from ``position + offset``.
@@ -282,6 +298,8 @@ def token_ids(where: str, tokens, vocab_size: int) -> list[int]:
     else:
         msg = f"{where} must be a list, tuple or 1-D integer array of token ids, got {type(tokens).__name__}"
         raise InputError(msg)
+    if set(map(type, values)) <= {int} and (not values or (min(values) >= 0 and max(values) < vocab_size)):
+        return values  # plain ints in range: the common case, checked at C speed (bools are not of type int)
     for j, token in enumerate(values):
         if not is_int(token, numpy=True) or not 0 <= int(token) < vocab_size:
             msg = f"{where}[{j}] must be a token id (an int) in [0, {vocab_size - 1}], got {token!r}"

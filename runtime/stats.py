@@ -3,8 +3,11 @@
 This module is the single definition both the runtime (which accumulates
 rows) and ``dflash_trt.analysis`` (which aggregates them) import. Units are in
 the column names. τ (acceptance length) is defined once, here: the mean of
-``emitted`` over cycle rows, i.e. accepted proposals + 1 (the correction or
-bonus token counts).
+``accepted + 1`` over speculative cycle rows (the correction or bonus token
+counts; ``TAU_LENGTH``). Tokens are defined once too: ``emitted`` counts the
+tokens a row gave its caller, so Σ ``emitted`` is what callers received. A
+cycle launched ahead (the host one cycle behind) whose tokens were all
+discarded because its session had already finished is not a row at all.
 
 Cycle table (``CYCLE_SCHEMA``), one row per owner per draft→verify cycle, or
 per session per plain target-decode step:
@@ -14,16 +17,16 @@ per session per plain target-decode step:
 | batch_id | Int64 | index of the ``execute()`` call that ran this cycle |
 | cycle_id | Int64 | index of the draft/verify call (shared by its owners) |
 | session | Int64 | session id |
-| owners | Int32 | owners packed into this draft/verify call (1..max_owners) |
+| owners | Int32 | owners packed into this draft/verify call (1..max_owners), rows of discarded owners included |
 | mode | Utf8 | ``static`` (draft@n), ``dynamic`` (dynamic draft) or ``target`` (plain decode, no draft) |
 | context_rows | Int32 | new context rows the draft consumed for this owner |
 | proposed | Int32 | proposals verified (P; 0 in ``target`` mode) |
 | accepted | Int32 | accepted proposals a (0..proposed) |
 | bonus | Boolean | every proposal accepted (a == P) and the bonus token emitted |
-| emitted | Int32 | tokens this cycle produced: accepted + 1 |
+| emitted | Int32 | tokens of this row returned to the caller: accepted + 1, less any cut at the room or after a stop token |
 | position | Int64 | position of the anchor (first verified token) |
 | temperature | Float32 | the session's sampling temperature (0 = greedy) |
-| draft_ms | Float64 | device time of the draft alone (shared by its owners); 0 for the device loop's cycles, timed as one unit |
+| draft_ms | Float64 | device time of the draft alone (shared by its owners); 0 for the device loop's cycles (every backend): draft, verify and verdict run as one program and are timed as one unit, in verify_ms |
 | verify_ms | Float64 | device time of target verify + verdict (shared); a loop launch's whole device time (cycle or decode step) |
 | host_ms | Float64 | host time since the previous row outside this call's device time (shared) |
 | end_ms | Float64 | wall-clock time the cycle ended, ms since the executor started |
@@ -47,11 +50,12 @@ import numpy as np
 import polars as pl
 
 if TYPE_CHECKING:
-    from dflash_trt.runtime.cycles import Burst
+    from dflash_trt.runtime.cycles import Verdict
     from dflash_trt.runtime.sessions import Session
 
 SCHEMA_VERSION = 1
 STATIC, DYNAMIC, TARGET = "static", "dynamic", "target"  # the values of the cycle table's ``mode``
+TAU_LENGTH = "accepted + 1"  # τ = mean of this over speculative rows (``analysis.acceptance.TAU``)
 
 CYCLE_SCHEMA: dict[str, pl.DataType] = {
     "batch_id": pl.Int64(),
@@ -140,6 +144,18 @@ class ColumnStore:
         assert not missing and not extra, f"stats row: missing {missing}, extra {extra}"
         for name, value in row.items():
             self.columns[name].append(value)
+
+    def append_rows(self, count: int, shared: Mapping[str, object], **columns: Sequence) -> None:
+        """``count`` rows at once: ``shared`` values repeated, ``columns`` one value per row (one
+        extend per column instead of one append per value)."""
+        missing = self.schema.keys() - shared.keys() - columns.keys()
+        extra = (shared.keys() | columns.keys()) - self.schema.keys()
+        assert not missing and not extra and not shared.keys() & columns.keys(), f"stats rows: missing {missing}, extra {extra}"
+        assert all(len(values) == count for values in columns.values()), f"stats rows: columns of another length than {count}"
+        for name, value in shared.items():
+            self.columns[name].extend([value] * count)
+        for name, values in columns.items():
+            self.columns[name].extend(values)
 
     def extend(self, other: ColumnStore) -> None:
         for name, values in self.columns.items():
@@ -245,7 +261,7 @@ class StatsLog:
         self.counters[rows_name] += rows
         self.counters[rows_name.replace("rows", "bytes")] += rows * row_bytes
 
-    def cycle_counters(self, n: int, proposals: int, counts: list[int], bursts: list[Burst], row_bytes: int) -> None:
+    def cycle_counters(self, n: int, proposals: int, counts: list[int], verdicts: list[Verdict], row_bytes: int) -> None:
         k = self.counters
         k["target_verify_calls"] += 1
         k["target_verify_forwards"] += 1
@@ -254,9 +270,9 @@ class StatsLog:
         k["warmed_context_tokens"] += sum(counts)
         k["cycles"] += n
         k["proposed"] += n * proposals
-        k["accepted"] += sum(b.accepted for b in bursts)
-        k["bonuses"] += sum(b.bonus for b in bursts)
-        k["rejected"] += sum(not b.bonus for b in bursts)
+        k["accepted"] += sum(b.accepted for b in verdicts)
+        k["bonuses"] += sum(b.bonus for b in verdicts)
+        k["rejected"] += sum(not b.bonus for b in verdicts)
         self.count("hidden_rows_d2d", n * (proposals + 1), row_bytes)
 
     def _shared(self, owners: int, mode: str, draft_ms: float, verify_ms: float) -> dict:
@@ -267,47 +283,46 @@ class StatsLog:
         self.cycle_id += 1
         return shared | dict(draft_ms=draft_ms, verify_ms=verify_ms, host_ms=host_ms, end_ms=(end - self.origin) * 1000.0)
 
-    def cycle_rows(self, rows: list, proposals: int, draft_ms: float, verify_ms: float) -> None:
-        """rows: (session, mode, context_rows, start, burst) per owner of one call."""
-        modes = {mode for _, mode, *_ in rows}
-        shared = self._shared(len(rows), DYNAMIC if DYNAMIC in modes else STATIC, draft_ms, verify_ms)
-        for s, mode, context_rows, start, burst in rows:
-            self.staged.append(
-                **shared | dict(mode=mode),
-                session=s.id,
-                context_rows=context_rows,
-                proposed=proposals,
-                accepted=burst.accepted,
-                bonus=burst.bonus,
-                emitted=len(burst.tokens),
-                position=start,
-                temperature=s.sampling.temperature,
-            )
+    def cycle_rows(self, rows: list, proposals: int, draft_ms: float, verify_ms: float, owners: int | None = None) -> None:
+        """rows: (session, mode, context_rows, start, verdict, delivered) per owner of one call whose tokens
+        reached the caller (``delivered`` of them); ``owners``: the call's owners (default: the rows)."""
+        modes = [mode for _, mode, *_ in rows]
+        shared = self._shared(owners or len(rows), DYNAMIC if DYNAMIC in modes else STATIC, draft_ms, verify_ms)
+        del shared["mode"]  # per row
+        self.staged.append_rows(
+            len(rows),
+            shared | dict(proposed=proposals),
+            mode=modes,
+            session=[s.id for s, *_ in rows],
+            context_rows=[context_rows for _, _, context_rows, *_ in rows],
+            accepted=[verdict.accepted for *_, verdict, _ in rows],
+            bonus=[verdict.bonus for *_, verdict, _ in rows],
+            emitted=[delivered for *_, delivered in rows],
+            position=[start for _, _, _, start, *_ in rows],
+            temperature=[s.sampling.temperature for s, *_ in rows],
+        )
 
     def target_row(self, s: Session, position: int, target_ms: float) -> None:
         """A token the target produced outside verify (after a prompt/replay or in plain decode)."""
         self._target_tokens([(s, position)], target_ms)
 
-    def decode_rows(self, sessions: list[Session], device_ms: float) -> None:
-        """One plain decode step (``target_decode_n``) of ``sessions``: a token each, at its frontier + 1."""
-        self.counters["target_decode_steps"] += len(sessions)
-        self._target_tokens([(s, s.frontier) for s in sessions], device_ms)
+    def decode_rows(self, sessions: list[Session], device_ms: float, owners: int | None = None) -> None:
+        """One plain decode step (``target_decode_n``) of ``sessions``: a token each, at its frontier + 1.
 
-    def _target_tokens(self, tokens: list[tuple[Session, int]], target_ms: float) -> None:
+        ``owners``: the launch's owners (default: the sessions), finished ones whose token is discarded included."""
+        self.counters["target_decode_steps"] += len(sessions)
+        self._target_tokens([(s, s.frontier) for s in sessions], device_ms, owners)
+
+    def _target_tokens(self, tokens: list[tuple[Session, int]], target_ms: float, owners: int | None = None) -> None:
         """One row per (session, position): a token of the target alone, from one launch of ``target_ms``."""
-        shared = self._shared(len(tokens), TARGET, 0.0, target_ms)
-        for s, position in tokens:
-            self.staged.append(
-                **shared,
-                session=s.id,
-                context_rows=0,
-                proposed=0,
-                accepted=0,
-                bonus=False,
-                emitted=1,
-                position=position,
-                temperature=s.sampling.temperature,
-            )
+        shared = self._shared(owners or len(tokens), TARGET, 0.0, target_ms)
+        self.staged.append_rows(
+            len(tokens),
+            shared | dict(context_rows=0, proposed=0, accepted=0, bonus=False, emitted=1),
+            session=[s.id for s, _ in tokens],
+            position=[position for _, position in tokens],
+            temperature=[s.sampling.temperature for s, _ in tokens],
+        )
 
     def commit(self, inputs: int, target_tokens: int, pending_decode: bool) -> None:
         """The batch succeeded: its cycle rows and one execute row land."""

@@ -34,7 +34,7 @@ def pytest_addoption(parser):
 
 
 PREBUILD_MIN_TESTS = 100  # a full run: worth building its artifacts on the second core
-LATE_MODULES = ("test_demo.py", "test_engines_export.py", "test_server.py")  # need what the prebuilder makes
+LATE_MODULES = ("test_demo.py", "test_defaults.py", "test_engines_export.py", "test_server.py")  # need what the prebuilder makes
 
 
 def pytest_configure(config):

@@ -50,10 +50,11 @@ class Tiny:
         # read what an earlier one left in the pools (stale slots are masked by length).
         self.ort = OrtBackend.from_export(self.export_dir, max_sessions=rows, verify="none", threads=1)
 
-    def torch_backend(self, dims: Dims, rows: int):
+    def torch_backend(self, dims: Dims, rows: int, kernels: str = "auto"):
+        """The reference modules ("auto" on the CPU), or the fast path's twin ("fast": row-indexed programs)."""
         from dflash_trt.runtime.backends.torch_backend import TorchBackend
 
-        return TorchBackend(self.target, self.draft, dims, rows)
+        return TorchBackend(self.target, self.draft, dims, rows, kernels=kernels)
 
     def close(self) -> None:
         self.ort.close()
@@ -104,6 +105,7 @@ class RecordingBackend(Backend):
     def __init__(self, inner: Backend) -> None:
         self.inner, self.device, self.dims = inner, inner.device, inner.dims
         self.max_sessions, self.pools, self.stream = inner.max_sessions, inner.pools, inner.stream
+        self.row_indexed = inner.row_indexed
         self.drafts: list[tuple[int, int, int, list[int]]] = []  # (row, start, anchor, real proposals)
         self.truth: dict[int, list[int]] = {}
         self.fail_on: tuple[str, int] | None = None
@@ -115,22 +117,38 @@ class RecordingBackend(Backend):
         return self.inner.graph_names
 
     def run(self, graph, feeds, first_row):
+        return self._recorded(graph, feeds, lambda: self.inner.run(graph, feeds, first_row), None, first_row)
+
+    def run_at(self, graph, feeds, slots):
+        return self._recorded(graph, feeds, lambda: self.inner.run_at(graph, feeds, slots), slots.tolist(), None)
+
+    def prefill_many(self, *args):
+        return self.inner.prefill_many(*args)
+
+    def draft_context_many(self, *args):
+        self.inner.draft_context_many(*args)
+
+    def _recorded(self, graph, feeds, run, rows, first_row):
+        """Count, maybe fail, run; record a draft call's proposals per owner row (padded lanes at the scratch row: not)."""
         kind, n = c.parse_graph_name(graph)
         self.counts[kind] = self.counts.get(kind, 0) + 1
         failing = self.fail_on is not None and self.fail_on == (kind, self.counts[kind])
         if failing and not self.fail_after:
             raise RuntimeError(f"injected failure in {graph}")
-        out = self.inner.run(graph, feeds, first_row)
+        out = run()
         if failing:  # the graph ran: its cache rows were written
             raise RuntimeError(f"injected failure after {graph}")
         if kind != c.DRAFT:
             return out
+        rows = rows if rows is not None else [first_row + i for i in range(n)]
         starts = (feeds[c.CTX_START] + feeds[c.CTX_COUNT]).tolist()
         proposals = out[c.PROPOSALS].clone()
-        for i, (start, anchor) in enumerate(zip(starts, feeds[c.ANCHOR].tolist())):
-            self.drafts.append((first_row + i, start, anchor, proposals[i].tolist()))
-            if first_row + i in self.truth:
-                proposals[i] = torch.tensor(self._oracle(self.truth[first_row + i], start, proposals.shape[1]))
+        for i, (row, start, anchor) in enumerate(zip(rows, starts, feeds[c.ANCHOR].tolist())):
+            if row == self.max_sessions:
+                continue  # the scratch row of a padded lane
+            self.drafts.append((row, start, anchor, proposals[i].tolist()))
+            if row in self.truth:
+                proposals[i] = torch.tensor(self._oracle(self.truth[row], start, proposals.shape[1]))
         return {**out, c.PROPOSALS: proposals}
 
     @staticmethod

@@ -98,10 +98,40 @@ def check_attention(device: str, dtype: torch.dtype, small: bool) -> None:
             assert_near(got, want, dtype, f"attention n{n} T{T} D{D} L{L} causal {causal} window {window} splits {splits}")
 
 
+def check_rows(device: str, dtype: torch.dtype) -> None:
+    """Row-indexed calls (whole pools + ``rows``): the same K/V writes and attention as the owners' row views."""
+    from dflash_trt.runtime.kernels.triton_ops import TritonOps
+
+    generator = torch.Generator().manual_seed(3)
+    n, heads, kv_heads, D, T, L, R = 3, 4, 2, 16, 5, 48, 6
+    rows = torch.tensor([4, 0, 2], device=device)  # any rows, any order
+    qkv = torch.randn(n * T, (heads + 2 * kv_heads) * D, generator=generator).to(device=device, dtype=dtype)
+    start = torch.tensor([3, 17, 30], device=device)
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))).to(device)
+    pools = [torch.randn(R, kv_heads, L, D, generator=generator).to(device=device, dtype=dtype) for _ in range(2)]
+    twin_pools, views = [t.clone() for t in pools], [t[rows].clone() for t in pools]
+    args = (start, T, heads, kv_heads, D, None, None, 1e-6, inv_freq)
+    q = TritonOps().qk_rope_write(qkv, *args, *pools, rows)
+    q_view = TritonOps().qk_rope_write(qkv, *args, *views)
+    TorchOps().qk_rope_write(qkv, *args, *twin_pools, rows)
+    assert torch.equal(q.cpu(), q_view.cpu()), "rows: another Q than the row views'"
+    for pool, twin, view in zip(pools, twin_pools, views):
+        assert torch.equal(pool[rows].cpu(), view.cpu()), "rows: other K/V writes than the row views'"
+        assert_near(pool, twin, dtype, "rows: the twin's K/V writes")
+        others = [r for r in range(R) if r not in rows.tolist()]
+        assert torch.equal(pool[others].cpu(), twin[others].cpu()), "rows: a write to a row no owner has"
+    positions, kv_len = start[:, None] + torch.arange(T, device=device), start + T
+    for splits in (1, 3):
+        got = TritonOps(splits).attention(q.transpose(1, 2), *pools, rows, positions, kv_len, True, 0)
+        want = TritonOps(splits).attention(q.transpose(1, 2), *views, None, positions, kv_len, True, 0)
+        assert torch.equal(got.cpu(), want.cpu()), f"rows: another attention than the row views' (splits {splits})"
+
+
 def check_all(device: str, dtype: torch.dtype, small: bool) -> None:
     check_linear(device, dtype, small)
     check_rope_write(device, dtype)
     check_attention(device, dtype, small)
+    check_rows(device, dtype)
 
 
 def shipped_pair_agreement(prompts: int = 16, tokens: int = 256, device: str = "cuda") -> dict:

@@ -89,8 +89,9 @@ def default_pair_cache(cache) -> Path:
     import argparse
 
     from dflash_trt import demo
+    from dflash_trt.runtime import command
 
-    pair = demo.default_pair_dir()
+    pair = command.default_pair_dir()
 
     def build(root: Path) -> None:
         demo.export_dir(argparse.Namespace(artifacts=None, target=pair / "target", draft=pair / "draft", cache=root))
@@ -163,7 +164,7 @@ def engines(cache, label: str) -> Path:
     ``build_engine_set``."""
     if label.endswith("mask"):
         sources = mask_sources(cache)
-        build, inputs = functools.partial(_mask_build, sources), [str(s.onnx_path) for s in sources]
+        build, inputs = functools.partial(_mask_build, sources, mask_probe(cache)), [str(s.onnx_path) for s in sources]
     else:
         source = export_of(cache, label)
         build, inputs = functools.partial(_cli_build, source), [str(source)]
@@ -180,14 +181,24 @@ def _cli_build(source: Path, root: Path) -> None:
     (root / ERROR).write_text("" if code == 0 else stderr.getvalue())
 
 
-def _mask_build(sources: list, root: Path) -> None:
+def mask_probe(cache):
+    """The semantics probe of the default pair exported with --causal mask."""
+    from dataclasses import replace
+
+    from dflash_trt.engines.probe import ProbeSpec
+    from dflash_trt.export.manifest import load_manifest
+
+    return replace(ProbeSpec.from_manifest(load_manifest(default_export(cache, "lengths"))), causal="mask")
+
+
+def _mask_build(sources: list, probe, root: Path) -> None:
     from dflash_trt.engines.build import build_engine_set
     from dflash_trt.engines.flavour import load_flavour
     from dflash_trt.errors import EngineBuildError
 
     error = ""
     try:
-        build_engine_set(sources, root / "engines", load_flavour("tensorrt_rtx"))
+        build_engine_set(sources, root / "engines", load_flavour("tensorrt_rtx"), probe=probe)
     except EngineBuildError as failure:
         error = str(failure)
     (root / PRINTED).write_text("")

@@ -33,16 +33,14 @@ import socket
 import sys
 from pathlib import Path
 
-from dflash_trt import demo
-from dflash_trt.cli import positive_int
+from dflash_trt.cli import nonnegative_int, positive_int
 from dflash_trt.errors import ServingError
-from dflash_trt.export.contract import DTYPES
 from dflash_trt.runtime import command
 
 DEFAULT_PAIR_SESSIONS = 16  # cache rows when serving the default pair (its export says 4, for the demo)
 DEFAULT_PAIR_MODEL = "dflash-trt-default-pair"
 STATS_ROWS = 16384  # the executor's stats log in a server: ~5 MB at most (nobody drains it)
-STATS_AGE_S = 600.0
+STATS_AGE_S = 60.0  # a server reads each row once, right after its execute: keep a minute (flat memory within a minute of start)
 MiB = 1 << 20
 
 log = logging.getLogger("dflash_trt.server")
@@ -66,7 +64,7 @@ def positive_float(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pair = demo.default_pair_dir()
+    pair = command.default_pair_dir()
     parser.add_argument("--artifacts", type=Path, help="export dir (manifest.json + ONNX) or engine dir; default: the embedded pair, exported to --cache")
     parser.add_argument("--backend", choices=command.BACKEND_CHOICES, default="onnxruntime")
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
@@ -77,16 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", type=Path, help="dir with tokenizer.json (default: --artifacts, then --target)")
     parser.add_argument("--chat-template", help="Jinja chat template: a file, or the template itself (default: the tokenizer's "
                                                 "chat_template.jinja or tokenizer_config.json; the default pair ships one)")
-    parser.add_argument("--target", type=Path, default=pair / "target", help="target checkpoint (torch backend; default pair)")
-    parser.add_argument("--draft", type=Path, default=pair / "draft", help="draft checkpoint (torch backend; default pair)")
-    parser.add_argument("--cache", type=Path, default=demo.default_cache_dir(), help="export cache for the default pair")
-    parser.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cpu, cuda for tensorrt)")
+    command.add_checkpoint_arguments(parser, target_default=pair / "target")  # --target --draft --cache --device --dtype --max-owners
     parser.add_argument("--max-sessions", type=positive_int, help=f"requests decoding at once (default: the artifacts' max_sessions; {DEFAULT_PAIR_SESSIONS} for the default pair)")
     parser.add_argument("--max-cycles", type=positive_int, default=8, help="cycles per request per execute (default 8; tokens stream after each execute)")
     parser.add_argument("--no-draft", action="store_true", help="plain target decoding (no speculation): the autoregressive baseline")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), help="torch backend without --artifacts: weights and caches (default: bf16 on CUDA, fp32 on CPU)")
-    parser.add_argument("--max-owners", type=positive_int, help="torch backend without --artifacts: sessions per draft/verify launch (default: --max-sessions)")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for ONNX Runtime / torch")
+    parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads for ONNX Runtime / torch")
     add_limit_arguments(parser)
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     parser.add_argument("--log-interval", type=float, default=10.0, help="seconds between throughput log lines (default 10; 0: none)")
@@ -97,7 +90,7 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     from dflash_trt.server.limits import Limits
 
     d = Limits()
-    parser.add_argument("--max-queue", type=int, default=256, help="requests waiting for a session before 429 (default 256; 0: only when a session is free)")
+    parser.add_argument("--max-queue", type=nonnegative_int, default=256, help="requests waiting for a session before 429 (default 256; 0: only when a session is free)")
     parser.add_argument("--max-body-bytes", type=positive_int, help="request body size; larger gets 413 (default: 64 bytes per token of context, at least 1 MiB)")
     parser.add_argument("--read-timeout", type=positive_float, default=d.read_timeout_s,
                         help=f"seconds a client gets to send a whole request (head and body), from connecting or from its previous response; then the connection is closed (default {d.read_timeout_s:g})")
@@ -142,9 +135,8 @@ def chat_template(value: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    command.check_flags(args)  # flags that cannot work together, an export the device cannot run: refused first
     create_app, Limits, ServeConfig, GracefulServer, default_body_bytes = _imports()
-    if (args.dtype is not None or args.max_owners is not None) and not (args.backend == "torch" and args.artifacts is None):
-        raise ServingError("--dtype and --max-owners apply to --backend torch without --artifacts (an artifact set fixes both)")
     logging_config = _logging_config(args.log_level)
     logging.config.dictConfig(logging_config)
     listener = bind(args.host, args.port)  # before anything loads: a busy or bad port fails at once
@@ -195,10 +187,9 @@ def _load(args):
     names = args.served_model_name or [_model_name(args)]
     if args.artifacts is None:
         args.max_sessions = args.max_sessions or DEFAULT_PAIR_SESSIONS
-        if args.backend != "torch":
-            args.artifacts = demo.export_dir(args)
+        command.prepare_artifacts(args)
     tokenizer = _tokenizer(args)
-    backend = _open_backend(args)
+    backend = command.open_backend(args)
     try:
         executor = Executor(backend, max_sessions=args.max_sessions, speculate=not args.no_draft, max_cycles=args.max_cycles,
                             stats_rows=args.stats_rows, stats_age_s=args.stats_age)
@@ -257,7 +248,7 @@ def _interrupt(_signal, _frame) -> None:
 
 def _model_name(args) -> str:
     """The target checkpoint's name (the default pair's own name), unless only artifacts name the model."""
-    default = Path(args.target).resolve() == (demo.default_pair_dir() / "target").resolve()
+    default = Path(args.target).resolve() == (command.default_pair_dir() / "target").resolve()
     if args.artifacts is None or _exported_here(args):
         return DEFAULT_PAIR_MODEL if default else Path(args.target).resolve().name
     return Path(args.artifacts).resolve().name
@@ -266,29 +257,3 @@ def _model_name(args) -> str:
 def _exported_here(args) -> bool:
     """The artifacts are an export this command made in --cache (a hash-named folder): the target names the model."""
     return Path(args.artifacts).resolve().parent == (Path(args.cache) / "export").resolve()
-
-
-def _open_backend(args):
-    """The backend the flags name; torch without ``--artifacts`` runs the checkpoints directly."""
-    if args.backend == "torch" and args.artifacts is None:
-        return _torch_from_checkpoints(args)
-    return command.OPENERS[args.backend](args)
-
-
-def _torch_from_checkpoints(args):
-    """TorchBackend over ``--target``/``--draft`` with the export's default geometry, sized for this server."""
-    import torch
-
-    from dflash_trt.export.exporter import ExportOptions, contract_dims
-    from dflash_trt.export.pair import load_pair
-    from dflash_trt.runtime.backends import TorchBackend
-    from dflash_trt.runtime.backends.graph_io import torch_dtype
-
-    device = args.device or "cpu"
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dtype = args.dtype or ("fp32" if device == "cpu" else "bf16")
-    owners = min(args.max_owners or args.max_sessions, args.max_sessions)
-    options = ExportOptions(max_owners=owners, max_sessions=args.max_sessions, dtype=dtype).resolve(args.target, args.draft)
-    target, draft = load_pair(args.target, args.draft, dtype=torch_dtype(DTYPES[dtype]))
-    return TorchBackend(target, draft, contract_dims(target, draft, options), args.max_sessions, device=device)

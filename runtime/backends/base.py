@@ -42,9 +42,10 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from dflash_trt.errors import EngineError
 from dflash_trt.export import contract
 from dflash_trt.export.contract import Dims
-from dflash_trt.runtime.backends.pools import pool_named
+from dflash_trt.runtime.backends.pools import close_pools, pool_named
 from dflash_trt.runtime.ownership import Ownership, ownership_of
 
 class Backend(ABC):
@@ -54,10 +55,11 @@ class Backend(ABC):
     device: torch.device
     dims: Dims  # the contract dims of the graphs it runs (the executor's default)
     max_sessions: int  # rows of each pool
-    pools: dict  # "target" / "draft" -> pools.CachePool (per-layer K/V views; tests and debugging read them)
+    pools: dict | None = None  # "target" / "draft" -> pools.CachePool (per-layer K/V views; tests and debugging read them)
     stream: object | None = None  # streams.BackendStream on CUDA
     capturable: bool = False  # run() may be recorded into a caller's CUDA graph (inside plain_runs())
     plain: bool = False  # inside plain_runs(): no CUDA graph of the backend's own
+    row_indexed: bool = False  # run_at() takes the owners' rows as a device tensor (pools hold a scratch row past max_sessions)
 
     @classmethod
     def open(cls, *args, **kwargs) -> Backend:
@@ -79,6 +81,23 @@ class Backend(ABC):
         with the contract / pool are refused with ``EngineError`` before
         anything is enqueued (graphs without caches ignore ``first_row``).
         """
+
+    def run_at(self, graph: str, feeds: Mapping[str, torch.Tensor], slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``run`` with the owners' cache rows given as a device tensor ``slots`` [n] (any rows, in any
+        order; the scratch row ``max_sessions`` included), so one captured program serves every set of
+        rows. Only backends with ``row_indexed``; the others bind row ranges (``run``)."""
+        raise EngineError(f"the {self.name} backend binds row ranges (run); it has no row-indexed runs")
+
+    def prefill_many(self, tokens: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor):
+        """Batched prefill of fresh contexts, one launch (``row_indexed`` backends): tokens [n, T] (owner
+        i's first lengths[i] real) at positions start[i].. of cache rows ``slots`` -> (fp32 logits [n, V]
+        of each owner's last real row, taps [n, T, W]). The others prefill one session a call."""
+        raise EngineError(f"the {self.name} backend prefills one session a call (target_prefill)")
+
+    def draft_context_many(self, taps: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor) -> None:
+        """Batched ``draft_context`` (``row_indexed`` backends): owner i's first lengths[i] rows of taps
+        [n, C, W], at positions start[i].., into draft cache rows ``slots``."""
+        raise EngineError(f"the {self.name} backend drains one session a call (draft_context)")
 
     @property
     def graph_names(self) -> tuple[str, ...]:
@@ -117,7 +136,24 @@ class Backend(ABC):
             self.stream.synchronize()
 
     def close(self) -> None:
-        """Release every resource the backend owns (idempotent)."""
+        """Release every resource the backend owns (idempotent; also what a failed construction calls).
+
+        Host sync first (the stream): nothing enqueued may outlive what it uses. Then the
+        backend's own resources (``_close_own``), the pools, the stream, in that order.
+        """
+        if self.stream is not None:
+            self.stream.synchronize()  # host sync
+        self._close_own()
+        close_pools(self.pools)
+        self.pools = None
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+
+    def _close_own(self) -> None:
+        """Release what this backend owns besides the pools and the stream (graphs, sessions,
+        contexts...): called by ``close`` after the host sync, before the pools are freed; must
+        tolerate a partly built or already closed backend."""
 
     def __enter__(self):
         return self

@@ -46,11 +46,25 @@ from dflash_trt.runtime.backends.graph_io import (
     prefix_view,
     torch_dtype,
 )
-from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, close_pools, pool_shapes
+from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, pool_shapes
 from dflash_trt.runtime.backends.routes import Route, RouteConstants, routes
 from dflash_trt.runtime.backends.streams import BackendStream, select_device
 
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
+# ONNX Runtime's CPU provider runs the graphs in these dtypes; bf16 lacks CPU kernels for their ops
+# (Mul, Expand: NOT_IMPLEMENTED at the first run).
+CPU_DTYPES = ("float32", "float16")
+_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def check_dtype(dtype: str, device: str | torch.device) -> None:
+    """Refuse (EngineError) graphs of a dtype the provider of ``device`` cannot run, before any session loads."""
+    if torch.device(device).type == "cpu" and dtype not in CPU_DTYPES:
+        name = _SHORT.get(dtype, dtype)
+        msg = (f"ONNX Runtime's CPU provider cannot run a {name} export (no {name} kernels for its ops); "
+               f"export with --dtype fp32 (dflash-trt export's default for --backend onnxruntime), or run it on a GPU "
+               f"(--device cuda with onnxruntime-gpu)")
+        raise EngineError(msg)
 
 
 class OrtBackend(Backend):
@@ -71,6 +85,7 @@ class OrtBackend(Backend):
     ) -> None:
         import onnxruntime
 
+        check_dtype(dims.dtype, device)
         self.ort, self.device = onnxruntime, torch.device(device)  # index filled in by _allocate
         self.dims, self.max_sessions = dims, check_sessions(max_sessions)
         self.routes = routes(dims)
@@ -134,18 +149,11 @@ class OrtBackend(Backend):
             self.stream.torch.synchronize()
             return route.outputs(self._run(session, routed, caches, route.sizes(sizes)), sizes)
 
-    def close(self) -> None:
-        """Drop the sessions, wait for the stream (host sync), free the pools, close the stream."""
+    def _close_own(self) -> None:
+        """Drop the bindings, the InferenceSessions and the route constants."""
         self.sessions.clear()
         self.models.clear()
         self.constants = None
-        if self.stream is not None:
-            self.stream.synchronize()  # host sync: nothing enqueued may touch the pools once freed
-        close_pools(self.pools)
-        self.pools = None
-        if self.stream is not None:
-            self.stream.close()
-            self.stream = None
 
     # ------------------------------------------------------------------ internals
 

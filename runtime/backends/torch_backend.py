@@ -18,14 +18,22 @@ path with it.
 CPU: eager, synchronous. CUDA: everything is enqueued on the backend's
 device-layer stream (``BackendStream``), and the token choice of ``sample`` /
 ``verify_sample_n`` (``torch.ops.dflash_trt.choose``) runs as fused Triton
-passes (``sampling_kernels``) instead of ~130 eager kernels. The static graphs (``target_verify_n``,
+passes (``runtime.kernels.sampling``, registered when the backend sets up
+CUDA) instead of ~130 eager kernels. The static graphs (``target_verify_n``,
 ``draft_n``, ``verify_*_n``) are captured once and replayed
 (``StaticGraphs``); the dynamic ones (``target_prefill``, ``draft_context``)
 run eagerly (their token count varies).
 
-CUDA-graph choice: one capture per (graph, first_row). The wrappers address
-the owners' rows through the bound views (``rows == arange(n)``, no rows
-input), so the first row is an ADDRESS baked into the capture. Static inputs
+Row-indexed runs (``row_indexed``: the fast path): ``run_at(graph, feeds,
+slots)`` takes the owners' rows as a device tensor; the kernels read and
+write the whole pools at those rows, so the device loop captures one program
+per padded owner count that serves any rows. The pools hold one scratch row
+past the sessions' (``max_sessions``): padded lanes of such a program write
+there.
+
+CUDA-graph choice of ``run``: one capture per (graph, first_row). The wrappers
+address the owners' rows through the bound views (``rows == arange(n)``, no
+rows input), so the first row is an ADDRESS baked into the capture. Static inputs
 and outputs are allocated once per graph name and shared by all its
 captures; captured intermediates share one private memory pool. Captures are
 made lazily, on a (graph, first_row)'s first use: at most
@@ -41,6 +49,7 @@ record draft → verify → verdict → bookkeeping as one CUDA graph of its own
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -53,10 +62,11 @@ from dflash_trt.export.graph_modules import graph_module
 from dflash_trt.export.pair import load_pair
 from dflash_trt.export.target import TargetModel
 from dflash_trt.runtime.backends.base import Backend
-from dflash_trt.runtime.backends.graph_io import check_run, owner_rows, plain_inputs, plain_outputs, pool_of, torch_dtype
-from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, close_pools, pool_shapes
+from dflash_trt.runtime.backends.graph_io import check_feeds, check_run, owner_rows, plain_inputs, plain_outputs, pool_of, torch_dtype
+from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, pool_shapes
 from dflash_trt.runtime.backends.streams import BackendStream, select_device
 from dflash_trt.runtime.kernels import default_ops, fast_path, supported
+from dflash_trt.runtime.kernels.modules import DRAFT_CONTEXT_MANY, PREFILL_MANY
 
 KERNELS = ("auto", "fast", "eager")
 
@@ -88,7 +98,8 @@ class TorchBackend(Backend):
         self.draft = draft.to(device=self.device, dtype=dtype).eval()
         self.specs = c.graph_specs(dims)
         self.modules = {name: graph_module(spec, self.target, self.draft, dims) for name, spec in self.specs.items()}
-        if self.kernels == "fast":
+        self.row_indexed = self.kernels == "fast"
+        if self.row_indexed:
             ops = default_ops(self.device) if isinstance(kernels, str) else kernels
             self.modules |= fast_path(self.specs, self.target, self.draft, dims, ops)
         self.stream = self.pools = self.graphs = None
@@ -101,12 +112,14 @@ class TorchBackend(Backend):
     def _allocate(self, dtype: torch.dtype, cuda_graphs: bool) -> None:
         device_stream = None
         if self.device.type == "cuda":
-            from dflash_trt.runtime.backends import sampling_kernels  # noqa: F401  (importing registers choose's CUDA kernel)
+            from dflash_trt.runtime.kernels.sampling import register_cuda_choose  # imports triton: CUDA only
 
+            register_cuda_choose()
             self.stream = BackendStream()
             device_stream = self.stream.device_stream
             self.capturable = True
-        self.pools = allocate_pools(pool_shapes(self.dims, self.max_sessions, dtype), self.device, device_stream)
+        rows = self.max_sessions + self.row_indexed  # + the scratch row of row-indexed programs
+        self.pools = allocate_pools(pool_shapes(self.dims, rows, dtype), self.device, device_stream)
         if self.stream is not None and cuda_graphs:
             self.graphs = StaticGraphs(self.stream.torch, self._eager)
 
@@ -146,18 +159,51 @@ class TorchBackend(Backend):
             self.stream.hand_over(outputs.values())
             return outputs
 
-    def close(self) -> None:
-        """Drop captures, wait for the stream (host sync), free the pools, close the stream."""
+    def run_at(self, graph: str, feeds: Mapping[str, torch.Tensor], slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``run`` with the owners' cache rows as a device tensor ``slots`` [n] (int64; ``row_indexed``
+        backends only; the scratch row ``max_sessions`` is a valid slot). Runs eagerly on the backend's
+        stream (the device loop captures it); the rows are not checked on the host (no sync)."""
+        spec = self._spec(graph)
+        pool = pool_of(spec)
+        if pool is None:
+            return self.run(graph, feeds, 0)  # no cache: nothing to address
+        if not self.row_indexed:
+            raise EngineError(f"run_at: the {self.kernels!r} kernels of this torch backend bind row ranges; use run()")
+        check_feeds(spec, feeds, self.device)
+        if slots.dtype != torch.int64 or tuple(slots.shape) != (spec.owners,) or slots.device != self.device:
+            msg = f"run_at({graph}): slots must be int64 [{spec.owners}] on {self.device}, got {slots.dtype} {list(slots.shape)} on {slots.device}"
+            raise EngineError(msg)
+        caches = self.pools[pool].interleaved(0, self.max_sessions + 1)  # whole pools, the scratch row included
+        with self.stream.scope() if self.stream is not None else nullcontext(), torch.no_grad():
+            results = self.modules[spec.name](*(feeds[s.name] for s in plain_inputs(spec)), *caches, rows=slots)
+        names = [s.name for s in plain_outputs(spec)]
+        return dict(zip(names, results[: len(names)]))
+
+    def prefill_many(self, tokens: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor):
+        """Batched prefill (row-indexed backends): tokens [n, T] (owner i's first lengths[i] real, the
+        rest padding) at positions start[i].. of rows ``slots`` -> (fp32 logits [n, V] of each owner's
+        last real row, taps [n, T, W]); K/V written for the real rows only. Eager, no host sync."""
+        return self._ragged(PREFILL_MANY, "target", (tokens, start, lengths), slots)[:2]
+
+    def draft_context_many(self, taps: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor) -> None:
+        """Batched ``draft_context``: taps [n, C, W] of positions start[i].., owner i's first lengths[i]
+        rows written into the draft cache rows ``slots``. Eager, no host sync."""
+        self._ragged(DRAFT_CONTEXT_MANY, "draft", (taps, start, lengths), slots)
+
+    def _ragged(self, name: str, pool: str, inputs: tuple, slots: torch.Tensor) -> tuple:
+        if not self.row_indexed:
+            raise EngineError(f"{name}: the {self.kernels!r} kernels of this torch backend have no ragged batches")
+        if self.pools is None:
+            raise EngineError(f"backend {self.name!r} is closed")
+        caches = self.pools[pool].interleaved(0, self.max_sessions + 1)
+        with self.stream.scope() if self.stream is not None else nullcontext(), torch.no_grad():
+            return self.modules[name](*inputs, *caches, rows=slots)
+
+    def _close_own(self) -> None:
+        """Drop the CUDA-graph captures."""
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
-        if self.stream is not None:
-            self.stream.synchronize()  # host sync: no enqueued work may touch the pools once freed
-        close_pools(self.pools)
-        self.pools = None
-        if self.stream is not None:
-            self.stream.close()
-            self.stream = None
 
     # ------------------------------------------------------------------ internals
 

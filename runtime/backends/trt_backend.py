@@ -24,12 +24,19 @@ backend's stream. Nothing synchronizes the host.
 Optional CUDA graphs (``cuda_graphs=True``) for the run graphs of one shape: like the
 torch backend, one capture per (graph, first_row) over per-graph static input
 buffers (feeds are copied in on the stream), made after one real warm-up
-enqueue, as TensorRT requires. A context that says it cannot be captured
-(``is_stream_capturable``: TensorRT-RTX, e.g. data-dependent shapes) runs
-eagerly instead. Inside ``plain_runs()`` a run is a plain
-``execute_async_v3`` (``capturable`` when every context may be captured):
-the executor records it into its own per-cycle graph, after a real enqueue
-of the same cycle.
+enqueue, as TensorRT requires, in thread-local capture mode. A context that
+says it cannot be captured (``is_stream_capturable``: TensorRT-RTX, e.g.
+data-dependent shapes) runs eagerly instead, and so does one whose capture
+fails (``device.CaptureFallback``: the first failure is logged, once per
+backend). Inside ``plain_runs()`` a run is a plain ``execute_async_v3``
+(``capturable`` when every context may be captured): the executor records
+it into its own per-cycle graph, after a real enqueue of the same cycle.
+TensorRT-RTX contexts of every run graph but the chunked ones (prefill,
+draft context) specialize their kernels eagerly, so the warm-up compiles
+what a capture then records (``Flavour.execution_context``). Every
+TensorRT call goes through ``engines.calls.trt_call``: a refusal (False,
+None) or a raise (full TensorRT's ``set_optimization_profile_async``) is an
+``EngineError`` naming the engine, the run graph and the call.
 
 This backend runs wherever TensorRT runs a plan for the GPU at hand
 (TensorRT-RTX, for one, does not run on Hopper; docs/design.md §7). Without
@@ -44,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_trt.engines.calls import trt_call
 from dflash_trt.errors import CudaError, EngineError
 from dflash_trt.export import contract as c
 from dflash_trt.export.contract import Dims
@@ -57,9 +65,13 @@ from dflash_trt.runtime.backends.graph_io import (
     prefix_view,
     torch_dtype,
 )
-from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, close_pools, pool_shapes
+from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, pool_shapes
 from dflash_trt.runtime.backends.routes import Route, RouteConstants, routes
 from dflash_trt.runtime.backends.streams import BackendStream, select_device
+from dflash_trt.runtime.device import CaptureFallback
+
+# Run graphs fed many lengths (prompt chunks, context chunks): never captured, kernels specialized lazily.
+CHUNKED_KINDS = (c.TARGET_PREFILL, c.DRAFT_CONTEXT)
 
 
 class TensorRTBackend(Backend):
@@ -104,15 +116,23 @@ class TensorRTBackend(Backend):
         flavour, engines = self.engine_set.flavour, self.engine_set.engines
         served = {name: route for name, route in self.routes.items() if route.graph.name in engines}  # greedy-only: no verify_sample_*
         self.scratch = SharedScratch(cuda, {name: scratch_bytes(engines[r.graph.name], r.index) for name, r in served.items()}, self.stream)
+        self.fallback = CaptureFallback("the tensorrt backend")
         for name, route in served.items():
-            context, cache = flavour.execution_context(engines[route.graph.name], self.runtime_cache_dir, name, user_memory=True)
-            if context is None:
-                raise EngineError(f"engine {route.graph.name!r}: TensorRT could not create an execution context for {name!r}")
-            self.scratch.attach(name, context)
-            if route.graph.profiles and not context.set_optimization_profile_async(route.index, self.stream.ptr):
-                raise EngineError(f"engine {route.graph.name!r}: TensorRT refused profile {route.index} ({name!r})")
-            graphs = cuda_graphs and not route.run.dims  # a run graph of one shape
-            self.contexts[name] = EngineContext(cuda, route, context, cache, self.stream, graphs)
+            self.contexts[name] = self._open_context(cuda, flavour, engines[route.graph.name], route, cuda_graphs)
+
+    def _open_context(self, cuda, flavour, engine, route: Route, cuda_graphs: bool) -> EngineContext:
+        """One run graph's context: shared scratch, its profile, CUDA graphs where it has one shape."""
+        name = route.run.name
+        # Kernels specialized at the first enqueue for every run graph a CUDA graph may record
+        # (TensorRT-RTX; all but the chunked ones, which see many lengths and run eagerly).
+        specialize = route.run.kind not in CHUNKED_KINDS
+        context, cache = flavour.execution_context(engine, self.runtime_cache_dir, name, user_memory=True, specialize=specialize)
+        self.scratch.attach(name, context)
+        if route.graph.profiles:
+            where = f"engine {route.graph.name!r} ({name})"
+            trt_call(where, "set_optimization_profile_async", context.set_optimization_profile_async, route.index, self.stream.ptr)
+        graphs = cuda_graphs and not route.run.dims  # a run graph of one shape
+        return EngineContext(cuda, route, context, cache, self.stream, graphs, self.fallback)
 
     # ------------------------------------------------------------------ Backend
 
@@ -138,10 +158,8 @@ class TensorRTBackend(Backend):
         """A caller may capture runs into its own graph: every context must allow stream capture."""
         return bool(self.contexts) and all(context._capturable() for context in self.contexts.values())
 
-    def close(self) -> None:
-        """Host sync (the stream), then contexts, engines, pools, stream, in that order."""
-        if self.stream is not None:
-            self.stream.synchronize()  # host sync: nothing enqueued may outlive what it uses
+    def _close_own(self) -> None:
+        """Contexts (saving their runtime caches), engines, shared scratch, route constants, in that order."""
         flavour = self.engine_set.flavour if self.engine_set is not None else None
         for context in self.contexts.values():
             if flavour is not None and self.runtime_cache_dir is not None:
@@ -155,11 +173,6 @@ class TensorRTBackend(Backend):
             self.scratch.close()
             self.scratch = None
         self.constants = None
-        close_pools(self.pools)
-        self.pools = None
-        if self.stream is not None:
-            self.stream.close()
-            self.stream = None
 
 
 def scratch_bytes(engine, profile: int) -> int:
@@ -179,9 +192,8 @@ class SharedScratch:
     def attach(self, name: str, context) -> None:
         if not self.buffer.ptr:
             raise EngineError("the shared scratch buffer is closed")
-        result = context.set_device_memory(self.buffer.ptr, self.nbytes)
-        if result is False:  # TensorRT returns None (older) or a bool
-            raise EngineError(f"engine {name!r}: TensorRT refused {self.nbytes} bytes of shared scratch memory")
+        # TensorRT returns None (older) or a bool: only False (or a raise) is a refusal.
+        trt_call(f"run graph {name!r} (shared scratch)", "set_device_memory", context.set_device_memory, self.buffer.ptr, self.nbytes)
 
     def close(self) -> None:
         self.buffer.close()
@@ -191,8 +203,10 @@ class EngineContext:
     """One run graph's execution context (its engine at its profile), its output buffers and
     (optionally) its CUDA graphs. Names and shapes are the exported graph's."""
 
-    def __init__(self, cuda, route: Route, context, cache, stream, cuda_graphs: bool) -> None:
+    def __init__(self, cuda, route: Route, context, cache, stream, cuda_graphs: bool, fallback=None) -> None:
         self.cuda, self.route, self.context, self.cache, self.stream = cuda, route, context, cache, stream
+        self.fallback = fallback or CaptureFallback(f"engine {route.graph.name!r}")
+        self.where = f"engine {route.graph.name!r} ({route.run.name})"
         self.spec = spec = route.graph
         self.bound_row: int | None = None  # first_row the cache addresses are set for
         self.buffers, self.outputs = self._allocate(plain_outputs(spec))
@@ -212,8 +226,7 @@ class EngineContext:
         return buffers, {name: b.as_tensor().view(-1) for name, b in buffers.items()}
 
     def _address(self, name: str, ptr: int) -> None:
-        if not self.context.set_tensor_address(name, ptr):
-            raise EngineError(f"engine {self.spec.name!r}: TensorRT refused the address of binding {name!r}")
+        trt_call(self.where, "set_tensor_address", self.context.set_tensor_address, name, ptr)
 
     def bind_caches(self, first_row: int, views: list[torch.Tensor]) -> None:
         """past_* and present_* of every layer -> the same pool rows (only when first_row changed)."""
@@ -245,24 +258,25 @@ class EngineContext:
             self._address(s.name, tensor.data_ptr())
 
     def _shape(self, name: str, shape: tuple[int, ...]) -> None:
-        if not self.context.set_input_shape(name, shape):
-            raise EngineError(f"engine {self.spec.name!r} ({self.route.run.name}): TensorRT refused input shape {list(shape)} for {name!r}")
+        trt_call(self.where, "set_input_shape", self.context.set_input_shape, name, shape)
 
     def _capturable(self) -> bool:
         """Whether this context may be captured on the stream; asked once (TensorRT-RTX answers,
         full TensorRT has no such query). When it may not, the graph runs eagerly."""
         if self.capturable is None:
             ask = getattr(self.context, "is_stream_capturable", None)
-            self.capturable = True if ask is None else bool(ask(self.stream.ptr))
+            self.capturable = True if ask is None else bool(trt_call(self.where, "is_stream_capturable", ask, self.stream.ptr, false_fails=False))
             if not self.capturable:
-                for name in list(self.input_buffers):
-                    self.input_buffers.pop(name).close()
-                self.static_inputs = {}
+                self._drop_static_inputs()
         return self.capturable
 
+    def _drop_static_inputs(self) -> None:
+        for name in list(self.input_buffers):
+            self.input_buffers.pop(name).close()
+        self.static_inputs = {}
+
     def _execute(self) -> None:
-        if not self.context.execute_async_v3(self.stream.ptr):
-            raise EngineError(f"engine {self.spec.name!r}: execute_async_v3 failed (see TensorRT's log)")
+        trt_call(self.where, "execute_async_v3", self.context.execute_async_v3, self.stream.ptr)
 
     def _replay(self, feeds: Mapping[str, torch.Tensor], first_row: int) -> None:
         """Static graph: copy feeds into the static inputs, launch the (graph, first_row) capture."""
@@ -274,12 +288,25 @@ class EngineContext:
                 if any(isinstance(d, str) for d in s.shape):
                     self._shape(s.name, tuple(feeds[s.name].shape))
                 self._address(s.name, self.input_buffers[s.name].ptr)
-            self._execute()  # warm-up: TensorRT applies deferred updates on the first enqueue
-            graph = self.cuda.CudaGraph()
-            with graph.capture(self.stream.device_stream):
-                self._execute()
+            self._execute()  # warm-up: TensorRT applies deferred updates (and specializes kernels) on the first enqueue
+            graph = self.fallback.capture(f"{self.where} at row {first_row}", self._capture)
+            if graph is None:  # eager from now on; the warm-up computed this run's outputs
+                self.capturable = False
+                self._drop_static_inputs()
+                return
             self.graphs[first_row] = graph
         graph.launch(self.stream.device_stream)
+
+    def _capture(self):
+        """One enqueue as a CUDA graph (thread-local capture mode); a failure closes it and propagates."""
+        graph = self.cuda.CudaGraph()
+        try:
+            with graph.capture(self.stream.device_stream, mode="thread_local"):
+                self._execute()
+        except BaseException:
+            graph.close()
+            raise
+        return graph
 
     def close(self) -> None:
         for graph in self.graphs.values():

@@ -1,4 +1,4 @@
-"""The fast path of the torch backend: fused weights and fused kernels for the contract graphs.
+"""The torch backend's fused kernels: the fast path of the contract graphs and the token choice.
 
 - ``plan``: launch plans (tilings, attention splits) as pure functions of static shapes;
 - ``triton_ops``: the Triton kernels (CUDA): skinny GEMM with RMSNorm prologue and
@@ -6,7 +6,9 @@
   the valid cache slots;
 - ``torch_ops``: their pure-torch twin (any device; what the CPU tests run);
 - ``fused``: q|k|v and gate|up weights fused at load, the target/draft forwards over them;
-- ``modules``: the contract graphs built from those forwards.
+- ``modules``: the contract graphs built from those forwards;
+- ``sampling``: the token choice (``torch.ops.dflash_trt.choose``) as fused Triton passes
+  (CUDA), registered as the op's CUDA kernel by ``register_cuda_choose()``.
 
 ``fast_path(target, draft, dims, ops)`` returns the graph modules; the torch
 backend uses them on CUDA by default (``TorchBackend(..., kernels="fast")``).

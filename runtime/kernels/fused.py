@@ -136,15 +136,18 @@ class FastLayers:
         self.inv_freq = inv_freq.float()
         self.ops = ops
 
-    def layer(self, index: int, x, start, tokens, positions, kv_len, k_cache, v_cache, tap=None) -> torch.Tensor:
-        """x [n*T, H] (updated in place) at positions [n, T]; writes K/V at slots start..; returns x."""
+    def layer(self, index: int, x, start, tokens, positions, kv_len, k_cache, v_cache, tap=None, rows=None, lengths=None) -> torch.Tensor:
+        """x [n*T, H] (updated in place) at positions [n, T]; writes K/V at slots start..; returns x.
+
+        ``rows`` None: the caches are the owners' rows; else [n] rows of whole pools (a device input).
+        ``lengths`` [n]: owner i writes K/V of its first lengths[i] rows only (a padded ragged batch)."""
         L, ops = self.layers[index], self.ops
         n = x.shape[0] // tokens
         qkv = ops.linear(x, L.qkv, bias=L.qkv_bias, norm=L.input_norm, eps=L.eps)
         q = ops.qk_rope_write(
-            qkv, start, tokens, L.heads, L.kv_heads, L.head_dim, L.q_norm, L.k_norm, L.eps, self.inv_freq, k_cache, v_cache
+            qkv, start, tokens, L.heads, L.kv_heads, L.head_dim, L.q_norm, L.k_norm, L.eps, self.inv_freq, k_cache, v_cache, rows, lengths
         )  # [n, T, Hq, D]
-        attended = ops.attention(q.transpose(1, 2), k_cache, v_cache, None, positions, kv_len, L.causal, L.window)
+        attended = ops.attention(q.transpose(1, 2), k_cache, v_cache, rows, positions, kv_len, L.causal, L.window)
         attended = attended.transpose(1, 2).reshape(n * tokens, L.heads * L.head_dim)
         x = ops.linear(attended, L.o, bias=L.o_bias, residual=x, out=x)
         h = ops.linear(x, L.gate_up, bias=L.gate_up_bias, norm=L.post_norm, eps=L.eps, gated=True)
@@ -170,17 +173,21 @@ class FastTarget:
         # TargetModel.tap_of (HF hidden_states[i + 1]) where the model defines it: inner taps are residuals.
         self.tap_of = getattr(target, "tap_of", None)
 
-    def features(self, tokens: torch.Tensor, start: torch.Tensor, keys, values) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens [n, T] -> residual stream after the last layer [n*T, H] (not normed), taps [n, T, m*H]."""
+    def features(self, tokens: torch.Tensor, start: torch.Tensor, keys, values, rows=None, lengths=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [n, T] -> residual stream after the last layer [n*T, H] (not normed), taps [n, T, m*H].
+
+        ``rows``, ``lengths``: as ``FastLayers.layer`` (whole pools; a padded ragged batch)."""
         n, T = tokens.shape
         positions, kv_len = _positions(start, T)
+        if lengths is not None:  # padded rows never widen what the real rows (or anyone) read
+            kv_len = start + lengths
         x = F.embedding(tokens.reshape(n * T), self.embedding)  # [n*T, H], a fresh tensor updated in place
         taps = x.new_empty(n * T, len(self.taps) * self.hidden)
         last = len(self.stack.layers) - 1
         for index in range(len(self.stack.layers)):
             slot = self.taps.get(index)
             tap = None if slot is None or index == last else self._tap(taps, slot)
-            x = self.stack.layer(index, x, start, T, positions, kv_len, keys[index], values[index], tap)
+            x = self.stack.layer(index, x, start, T, positions, kv_len, keys[index], values[index], tap, rows, lengths)
         if last in self.taps:  # the last layer's tap as the reference model defines it (final-normed, with tap_of)
             self._tap(taps, self.taps[last]).copy_(self.tap_of(last, x) if self.tap_of is not None else x)
         return x, taps.view(n, T, -1)
@@ -204,17 +211,19 @@ class FastDraft:
         self.hidden_norm, self.norm = draft.hidden_norm.weight.detach(), draft.norm.weight.detach()
         self.eps = draft.norm.eps
 
-    def write_context(self, taps: torch.Tensor, start: torch.Tensor, keys, values) -> None:
-        """taps [n, C, W] at positions start.. -> context K/V of every layer (``DraftModel.write_context``)."""
+    def write_context(self, taps: torch.Tensor, start: torch.Tensor, keys, values, rows=None, lengths=None) -> None:
+        """taps [n, C, W] at positions start.. -> context K/V of every layer (``DraftModel.write_context``);
+        ``lengths`` [n]: owner i's first lengths[i] rows only."""
         n, C, W = taps.shape
         context = self.ops.linear(taps.reshape(n * C, W), self.fc)  # [n*C, H]; hidden_norm: in the K|V prologue
         for index, L in enumerate(self.stack.layers):
             kv = self.ops.linear(context, L.kv, bias=L.kv_bias, norm=self.hidden_norm, eps=self.eps)
             self.ops.qk_rope_write(
-                kv, start, C, 0, L.kv_heads, L.head_dim, None, L.k_norm, L.eps, self.stack.inv_freq, keys[index], values[index]
+                kv, start, C, 0, L.kv_heads, L.head_dim, None, L.k_norm, L.eps, self.stack.inv_freq, keys[index], values[index], rows,
+                lengths,
             )
 
-    def propose(self, anchor: torch.Tensor, start: torch.Tensor, proposals: int, keys, values) -> torch.Tensor:
+    def propose(self, anchor: torch.Tensor, start: torch.Tensor, proposals: int, keys, values, rows=None) -> torch.Tensor:
         """Block [anchor, MASK x (B-1)] at start.. -> argmax of the target head over slots 1..P [n, P]."""
         n, B, config = anchor.shape[0], self.config.block_size, self.config
         masks = torch.full((n, B - 1), config.mask_token_id, dtype=anchor.dtype, device=anchor.device)
@@ -223,7 +232,7 @@ class FastDraft:
             x = x * config.embedding_scale
         positions, kv_len = _positions(start, B)
         for index in range(len(self.stack.layers)):
-            x = self.stack.layer(index, x, start, B, positions, kv_len, keys[index], values[index])
+            x = self.stack.layer(index, x, start, B, positions, kv_len, keys[index], values[index], rows=rows)
         rows = x.view(n, B, -1)[:, 1 : proposals + 1].reshape(n * proposals, -1)
         logits = self.ops.linear(rows, self.target.lm_head, norm=self.norm, eps=self.eps)  # model dtype
         return logits.view(n, proposals, -1).argmax(dim=-1)

@@ -2,7 +2,9 @@
 
 Each is a callable over ``FastTarget`` / ``FastDraft`` (fused weights, fast
 ops) taking the contract's inputs positionally, caches last (the owners'
-rows, written in place and returned). The verdict graphs have no weights and
+rows, written in place and returned). With the keyword ``rows`` [n] (a device
+tensor) the caches are whole pools and owner i uses row rows[i]: one call (and
+one CUDA graph) serves any set of rows. The verdict graphs have no weights and
 keep their reference modules.
 
 ``draft_{n}`` writes the B context rows at ``ctx_start`` and then the block at
@@ -31,8 +33,8 @@ class FastTargetPrefill:
     def __init__(self, target: FastTarget) -> None:
         self.target = target
 
-    def __call__(self, tokens: torch.Tensor, start: torch.Tensor, *caches: torch.Tensor):
-        x, taps = self.target.features(tokens, start, *_caches(caches))
+    def __call__(self, tokens: torch.Tensor, start: torch.Tensor, *caches: torch.Tensor, rows=None):
+        x, taps = self.target.features(tokens, start, *_caches(caches), rows)
         return (self.target.head(x[-1:]), taps, *caches)
 
 
@@ -42,8 +44,8 @@ class FastTargetVerify:
     def __init__(self, target: FastTarget) -> None:
         self.target = target
 
-    def __call__(self, tokens: torch.Tensor, start: torch.Tensor, *caches: torch.Tensor):
-        x, taps = self.target.features(tokens, start, *_caches(caches))
+    def __call__(self, tokens: torch.Tensor, start: torch.Tensor, *caches: torch.Tensor, rows=None):
+        x, taps = self.target.features(tokens, start, *_caches(caches), rows)
         return (self.target.head(x).view(*tokens.shape, -1), taps, *caches)
 
 
@@ -53,8 +55,8 @@ class FastTargetDecode:
     def __init__(self, target: FastTarget) -> None:
         self.target = target
 
-    def __call__(self, tokens: torch.Tensor, start: torch.Tensor, *caches: torch.Tensor):
-        x, taps = self.target.features(tokens, start, *_caches(caches))
+    def __call__(self, tokens: torch.Tensor, start: torch.Tensor, *caches: torch.Tensor, rows=None):
+        x, taps = self.target.features(tokens, start, *_caches(caches), rows)
         return (self.target.head(x), taps, *caches)
 
 
@@ -64,8 +66,8 @@ class FastDraftContext:
     def __init__(self, draft: FastDraft) -> None:
         self.draft = draft
 
-    def __call__(self, taps: torch.Tensor, start: torch.Tensor, *caches: torch.Tensor):
-        self.draft.write_context(taps, start, *_caches(caches))
+    def __call__(self, taps: torch.Tensor, start: torch.Tensor, *caches: torch.Tensor, rows=None):
+        self.draft.write_context(taps, start, *_caches(caches), rows)
         return caches
 
 
@@ -75,15 +77,44 @@ class FastDraftBlock:
     def __init__(self, draft: FastDraft, proposals: int) -> None:
         self.draft, self.proposals = draft, proposals
 
-    def __call__(self, ctx_taps, ctx_start, ctx_count, anchor, *caches: torch.Tensor):
+    def __call__(self, ctx_taps, ctx_start, ctx_count, anchor, *caches: torch.Tensor, rows=None):
         keys, values = _caches(caches)
-        self.draft.write_context(ctx_taps, ctx_start, keys, values)
-        proposals = self.draft.propose(anchor, ctx_start + ctx_count, self.proposals, keys, values)
+        self.draft.write_context(ctx_taps, ctx_start, keys, values, rows)
+        proposals = self.draft.propose(anchor, ctx_start + ctx_count, self.proposals, keys, values, rows)
         return (proposals, *caches)
 
 
+PREFILL_MANY, DRAFT_CONTEXT_MANY = "target_prefill_many", "draft_context_many"  # ragged batches (not contract graphs)
+
+
+class FastTargetPrefillMany:
+    """tokens [n, T] (owner i's first lengths[i] real), start [n], lengths [n], caches, rows ->
+    logits [n, V] fp32 of each owner's last real row, taps [n, T, W] (rows past lengths[i]: padding)."""
+
+    def __init__(self, target: FastTarget) -> None:
+        self.target = target
+
+    def __call__(self, tokens, start, lengths, *caches: torch.Tensor, rows=None):
+        n, T = tokens.shape
+        x, taps = self.target.features(tokens, start, *_caches(caches), rows, lengths)
+        last = x.view(n, T, -1)[torch.arange(n, device=x.device), lengths - 1]  # [n, H]
+        return (self.target.head(last), taps, *caches)
+
+
+class FastDraftContextMany:
+    """taps [n, C, W] at positions start.. (owner i's first lengths[i] rows), caches, rows -> the draft caches."""
+
+    def __init__(self, draft: FastDraft) -> None:
+        self.draft = draft
+
+    def __call__(self, taps, start, lengths, *caches: torch.Tensor, rows=None):
+        self.draft.write_context(taps, start, *_caches(caches), rows, lengths)
+        return caches
+
+
 def fast_graph_modules(specs: dict[str, GraphSpec], target: FastTarget, draft: FastDraft, dims: Dims) -> dict:
-    """The fast module of every graph with weights, by name (verdict graphs are not included)."""
+    """The fast module of every graph with weights, by name (verdict graphs are not included), and the
+    ragged-batch modules of batched prefill (``PREFILL_MANY``, ``DRAFT_CONTEXT_MANY``)."""
     builders = {
         c.TARGET_PREFILL: lambda: FastTargetPrefill(target),
         c.TARGET_VERIFY: lambda: FastTargetVerify(target),
@@ -91,4 +122,5 @@ def fast_graph_modules(specs: dict[str, GraphSpec], target: FastTarget, draft: F
         c.DRAFT_CONTEXT: lambda: FastDraftContext(draft),
         c.DRAFT: lambda: FastDraftBlock(draft, dims.proposals),
     }
-    return {name: builders[spec.kind]() for name, spec in specs.items() if spec.kind in builders}
+    modules = {name: builders[spec.kind]() for name, spec in specs.items() if spec.kind in builders}
+    return modules | {PREFILL_MANY: FastTargetPrefillMany(target), DRAFT_CONTEXT_MANY: FastDraftContextMany(draft)}

@@ -83,10 +83,14 @@ class TorchOps(EagerKernels):
         inv_freq: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        rows: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """qkv [n*T, (heads + 2 kv_heads) * D] of rows at positions start[i] + t (slot = position).
 
-        Writes K (k-norm, RoPE) and V at those slots of the caches [n, kv_heads, L, D]; returns Q
+        Writes K (k-norm, RoPE) and V at those slots of the caches [n, kv_heads, L, D] (or, with
+        ``rows`` [n], of rows rows[i] of whole pools [R, kv_heads, L, D]); with ``lengths`` [n] only
+        the first lengths[i] rows of owner i are written (a ragged batch padded to T). Returns Q
         [n, T, heads, D] (q-norm, RoPE), or None when ``heads`` is 0 (a K|V-only input).
         """
         n, D = qkv.shape[0] // tokens, head_dim
@@ -104,9 +108,13 @@ class TorchOps(EagerKernels):
         def columns(first: int, count: int) -> torch.Tensor:
             return qkv[:, first * D : (first + count) * D].reshape(n, tokens, count, D)
 
-        owners = torch.arange(n, device=start.device)[:, None]
-        k_cache[owners, :, positions] = rotary(columns(heads, kv_heads), k_norm).to(k_cache.dtype)
-        v_cache[owners, :, positions] = columns(heads + kv_heads, kv_heads).to(v_cache.dtype)
+        owners = (rows if rows is not None else torch.arange(n, device=start.device))[:, None].expand(n, tokens)
+        keys, values = rotary(columns(heads, kv_heads), k_norm), columns(heads + kv_heads, kv_heads)  # [n, T, h, D]
+        if lengths is not None:  # only the real rows of a padded batch
+            real = torch.arange(tokens, device=start.device) < lengths[:, None]
+            owners, positions, keys, values = owners[real], positions[real], keys[real], values[real]
+        k_cache[owners, :, positions] = keys.to(k_cache.dtype)
+        v_cache[owners, :, positions] = values.to(v_cache.dtype)
         if not heads:
             return None
         return rotary(columns(0, heads), q_norm).to(qkv.dtype)

@@ -136,14 +136,21 @@ def _rms_rope(x1, x2, w_ptr, half, cos, sin, eps, D: tl.constexpr, NORM: tl.cons
 
 @triton.jit
 def _qk_rope_write_kernel(
-    qkv_ptr, stride_m, start_ptr, freq_ptr, qn_ptr, kn_ptr, q_ptr, k_ptr, v_ptr,
+    qkv_ptr, stride_m, start_ptr, freq_ptr, qn_ptr, kn_ptr, q_ptr, k_ptr, v_ptr, rows_ptr, len_ptr,
     stride_cn, stride_ch, stride_cl, T, HQ, HKV, eps,
-    D: tl.constexpr, NORM: tl.constexpr,
+    D: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr, LENGTHS: tl.constexpr,
 ):
-    """Program (row m, head h): h < HQ -> Q head h; else K/V head h - HQ into its cache slot."""
+    """Program (row m, head h): h < HQ -> Q head h; else K/V head h - HQ into its cache slot.
+
+    ROWS: owner i's cache row is ``rows[i]`` (a device input); else row i of the caches.
+    LENGTHS: owner i writes only its first ``lengths[i]`` rows (the rest pad a ragged batch)."""
     m = tl.program_id(0)
     h = tl.program_id(1)
     i = m // T
+    if ROWS:
+        cache_row = tl.load(rows_ptr + i)
+    else:
+        cache_row = i
     position = tl.load(start_ptr + i) + m % T
     half = tl.arange(0, D // 2)
     angles = position.to(tl.float32) * tl.load(freq_ptr + half)
@@ -162,20 +169,25 @@ def _qk_rope_write_kernel(
         x1 = tl.load(key + half).to(tl.float32)
         x2 = tl.load(key + D // 2 + half).to(tl.float32)
         y1, y2 = _rms_rope(x1, x2, kn_ptr, half, cos, sin, eps, D, NORM)
-        slot = i * stride_cn + j * stride_ch + position * stride_cl
-        tl.store(k_ptr + slot + half, y1.to(k_ptr.dtype.element_ty))
-        tl.store(k_ptr + slot + D // 2 + half, y2.to(k_ptr.dtype.element_ty))
+        if LENGTHS:
+            limit = tl.load(len_ptr + i)
+        else:
+            limit = T
+        write = (m % T) < limit
+        slot = cache_row * stride_cn + j * stride_ch + position * stride_cl
+        tl.store(k_ptr + slot + half, y1.to(k_ptr.dtype.element_ty), mask=(half >= 0) & write)
+        tl.store(k_ptr + slot + D // 2 + half, y2.to(k_ptr.dtype.element_ty), mask=(half >= 0) & write)
         full = tl.arange(0, D)
         value = tl.load(row + (HQ + HKV + j) * D + full)
-        tl.store(v_ptr + slot + full, value.to(v_ptr.dtype.element_ty))
+        tl.store(v_ptr + slot + full, value.to(v_ptr.dtype.element_ty), mask=(full >= 0) & write)
 
 
 @triton.jit
 def _attention_kernel(
     q_ptr, sq_n, sq_h, sq_t, k_ptr, v_ptr, sk_n, sk_h, sk_l, pos_ptr, spos_n, len_ptr,
-    o_ptr, so_n, so_h, so_t, part_ptr, lse_ptr, T, G, HKV, window, scale,
+    o_ptr, so_n, so_h, so_t, part_ptr, lse_ptr, rows_ptr, T, G, HKV, window, scale,
     D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr,
 ):
     """Program (split s, owner x kv head, query block): online softmax over its slice of valid slots."""
     s = tl.program_id(0)
@@ -204,7 +216,10 @@ def _attention_kernel(
     top = tl.full([BLOCK_Q], MASKED, dtype=tl.float32)
     total = tl.zeros([BLOCK_Q], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
-    kv_row = i * sk_n + kvh * sk_h
+    if ROWS:  # owner i's cache row is a device input
+        kv_row = tl.load(rows_ptr + i) * sk_n + kvh * sk_h
+    else:
+        kv_row = i * sk_n + kvh * sk_h
     for j0 in range(first, last, BLOCK_N):
         slots = j0 + tl.arange(0, BLOCK_N)
         inside = slots < last
@@ -350,8 +365,12 @@ class TritonOps(EagerKernels):
         _silu_mul_kernel[(M, triton.cdiv(N, 1024))](h, h.stride(0), y, y.stride(0), N, BN=1024, num_warps=4)
         return y
 
-    def qk_rope_write(self, qkv, start, tokens, heads, kv_heads, head_dim, q_norm, k_norm, eps, inv_freq, k_cache, v_cache):
-        """See ``TorchOps.qk_rope_write``. Caches: [n, kv_heads, L, D] views with unit inner stride."""
+    def qk_rope_write(
+        self, qkv, start, tokens, heads, kv_heads, head_dim, q_norm, k_norm, eps, inv_freq, k_cache, v_cache, rows=None, lengths=None
+    ):
+        """See ``TorchOps.qk_rope_write``. Caches: [n, kv_heads, L, D] views with unit inner stride, or
+        whole pools [R, kv_heads, L, D] with ``rows`` [n] (owner i writes row rows[i]); ``lengths`` [n]:
+        owner i writes its first lengths[i] rows only."""
         M = qkv.shape[0]
         n = M // tokens
         q = torch.empty((n, tokens, heads, head_dim), dtype=qkv.dtype, device=qkv.device) if heads else qkv
@@ -359,19 +378,19 @@ class TritonOps(EagerKernels):
         q_weight = q_norm if q_norm is not None else (k_norm if norm else inv_freq)  # unread when there is no Q
         _qk_rope_write_kernel[(M, heads + kv_heads)](
             qkv, qkv.stride(0), start, inv_freq, q_weight, k_norm if norm else inv_freq,
-            q, k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            tokens, heads, kv_heads, eps, D=head_dim, NORM=norm, num_warps=1 if head_dim <= 64 else 2,
+            q, k_cache, v_cache, rows if rows is not None else start, lengths if lengths is not None else start,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tokens, heads, kv_heads, eps, D=head_dim, NORM=norm,
+            ROWS=rows is not None, LENGTHS=lengths is not None, num_warps=1 if head_dim <= 64 else 2,
         )
         return q if heads else None
 
     def attention(self, q, k_cache, v_cache, rows, q_positions, kv_len, causal, window):
         """``EagerKernels.attention`` over the valid slots only: q [n, Hq, T, D] -> [n, Hq, T, D].
 
-        ``rows`` must be None (the caches are the owners' rows); GQA shares each K/V tile among its
-        query heads. Cost follows ``kv_len`` (device memory), not ``max_context``.
+        ``rows`` None: the caches are the owners' rows; else [n] cache rows of whole pools (read in
+        place, no gather). GQA shares each K/V tile among its query heads. Cost follows ``kv_len``
+        (device memory), not ``max_context``.
         """
-        if rows is not None:
-            return super().attention(q, k_cache, v_cache, rows, q_positions, kv_len, causal, window)
         n, heads, T, D = q.shape
         kv_heads, L = k_cache.shape[1], k_cache.shape[2]
         group = heads // kv_heads
@@ -385,8 +404,9 @@ class TritonOps(EagerKernels):
         _attention_kernel[grid](
             q, q.stride(0), q.stride(1), q.stride(2), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), q_positions, q_positions.stride(0), kv_len, out, out.stride(0), out.stride(2),
-            out.stride(1), part, lse, T, group, kv_heads, window, D**-0.5, D=D, BLOCK_Q=plan.block_q,
-            BLOCK_N=plan.block_n, CAUSAL=causal, WINDOW=window > 0, SPLIT=split, num_warps=4, num_stages=2,
+            out.stride(1), part, lse, rows if rows is not None else kv_len, T, group, kv_heads, window, D**-0.5, D=D,
+            BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, CAUSAL=causal, WINDOW=window > 0, SPLIT=split, ROWS=rows is not None,
+            num_warps=4, num_stages=2,
         )
         if split:
             _combine_kernel[(n * kv_heads, plan.query_blocks, plan.block_q // 16)](

@@ -11,16 +11,18 @@ when the context is full (its next token would sit at ``max_context``).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from dflash_trt.checks import is_int
 from dflash_trt.errors import InputError, SamplingError
 from dflash_trt.export.sampling import check_sampling
 from dflash_trt.runtime.executor import Executor
-from dflash_trt.runtime.sessions import Input, check_seed, token_ids
+from dflash_trt.runtime.sessions import CONTEXT, LENGTH, STOP, Input, check_seed, token_ids  # noqa: F401  (finish reasons, re-exported)
 
-STOP, LENGTH, CONTEXT = "stop", "length", "context"  # finish reasons
+
+
+PREFILL_TOKENS_PER_STEP = 8192  # prompt tokens one step takes at most (the first prompt always goes)
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class _Running:
     session: int
     produced: int = 0
     joined: bool = True  # the next input is the prompt (then the pending token)
+    pending: int | None = None  # the last token returned: the session's pending token, fed next
 
 
 def check_request(index: int, request: Request, max_context: int, vocab_size: int) -> Request:
@@ -100,11 +103,16 @@ class Batcher:
     request; finished requests leave inside ``step`` (session closed).
     ``leave`` closes a request's session early (cancelled, or poisoned by a
     failed step). Not thread-safe: one caller drives it.
+
+    ``prefill_tokens`` caps the prompt tokens one step takes (at least one
+    prompt): joined requests past it wait for the next step, so a burst of
+    joining prompts costs the running requests a bounded prefill per step.
     """
 
-    def __init__(self, executor: Executor, max_running: int | None = None) -> None:
+    def __init__(self, executor: Executor, max_running: int | None = None, prefill_tokens: int = PREFILL_TOKENS_PER_STEP) -> None:
         self.executor = executor
         self.capacity = min(max_running or executor.max_sessions, executor.max_sessions)
+        self.prefill_tokens = prefill_tokens
         self.running: dict[Hashable, _Running] = {}  # in join order
 
     @property
@@ -127,43 +135,50 @@ class Batcher:
         for key in list(self.running):
             self.leave(key)
 
-    def step(self, keys: Iterable[Hashable] | None = None) -> list[Chunk]:
+    def step(self, keys: Iterable[Hashable] | None = None, on_chunk: Callable[[Chunk], None] | None = None) -> list[Chunk]:
         """One execute() over every running request (or only ``keys``: the others wait, their pending
-        tokens kept); raises what execute raised (sessions left as they are)."""
-        running = list(self.running.values()) if keys is None else [self.running[key] for key in keys]
-        outputs = self.executor.execute([self._next_input(r) for r in running])
+        tokens kept); returns a chunk per request; raises what execute raised (sessions left as they are).
+
+        ``on_chunk`` receives chunks while the execute runs (``Executor.execute_outputs``' on_tokens; a
+        chunk's finish is set when its tokens end the request); the returned chunk of a request then
+        holds only its tokens not streamed yet.
+        """
+        running = self._admitted() if keys is None else [self.running[key] for key in keys]
+        streamed = [0] * len(running)
+
+        def stream(index: int, tokens: list[int], finish: str | None) -> None:
+            streamed[index] += len(tokens)
+            on_chunk(Chunk(running[index].key, tokens, finish))
+
+        outputs = self.executor.execute_outputs([self._next_input(r) for r in running], stream if on_chunk else None)
         chunks = []
-        for r, tokens in zip(running, outputs):
-            chunk = self._advance(r, tokens)
-            if chunk.finish is not None:
+        for r, output, sent in zip(running, outputs, streamed):
+            r.produced += len(output.tokens)
+            r.pending = output.tokens[-1] if output.tokens else r.pending
+            if output.finish is not None:
                 self.leave(r.key)
-            chunks.append(chunk)
+            chunks.append(Chunk(r.key, output.tokens[sent:], output.finish))
         return chunks
+
+    def _admitted(self) -> list[_Running]:
+        """Every running request, but joined prompts only while their tokens fit ``prefill_tokens``."""
+        admitted, budget = [], self.prefill_tokens
+        for r in self.running.values():
+            if r.joined:
+                if budget < len(r.request.prompt) and budget < self.prefill_tokens:
+                    continue  # the next step takes it
+                budget -= len(r.request.prompt)
+            admitted.append(r)
+        return admitted
 
     def _next_input(self, r: _Running) -> Input:
         """A new session's prompt, or a running session's pending token (the fast path).
 
         With the request's remaining room and stop tokens, so the executor may run
-        several cycles in one call (and cut its output where the request ends).
+        several cycles in one call and cut its output where the request ends.
         """
         room, stop = r.request.max_new_tokens - r.produced, r.request.stop
         if r.joined:
             r.joined = False
             return Input(r.session, list(r.request.prompt), max_new_tokens=room, stop=stop)
-        return Input(r.session, [self.executor.session(r.session).pending], max_new_tokens=room, stop=stop)
-
-    def _advance(self, r: _Running, tokens: list[int]) -> Chunk:
-        """Truncate at the first stop token / max_new_tokens; say whether the request is done."""
-        room = r.request.max_new_tokens - r.produced
-        tokens = tokens[:room]
-        for position, token in enumerate(tokens):
-            if token in r.request.stop:
-                r.produced += position + 1
-                return Chunk(r.key, tokens[: position + 1], STOP)
-        r.produced += len(tokens)
-        if r.produced >= r.request.max_new_tokens:
-            return Chunk(r.key, tokens, LENGTH)
-        # The pending token sits AT the frontier; feeding it needs frontier + 1 <= max_context.
-        if self.executor.session(r.session).frontier + 1 > self.executor.dims.max_context:
-            return Chunk(r.key, tokens, CONTEXT)
-        return Chunk(r.key, tokens)
+        return Input(r.session, [r.pending], max_new_tokens=room, stop=stop)

@@ -49,7 +49,7 @@ from dataclasses import dataclass, replace
 from dflash_trt.checks import is_int
 from dflash_trt.errors import DFlashError, ServingClosedError, InputError, QueueFullError, TokenizerError
 from dflash_trt.runtime.executor import Executor
-from dflash_trt.runtime.serving.batcher import STOP, Batcher, Chunk, Completion, Request, check_request
+from dflash_trt.runtime.serving.batcher import LENGTH, STOP, Batcher, Chunk, Completion, Request, check_request
 from dflash_trt.runtime.serving.handle import CANCELLED, Delta, RequestHandle
 from dflash_trt.runtime.serving.metrics import ServingMetrics, MetricsRecorder
 from dflash_trt.runtime.serving.text import TextStream
@@ -265,8 +265,14 @@ class ServingLoop:
         self.recorder.joined(time.perf_counter() - job.submitted)
 
     def _step(self) -> None:
+        ended: set = set()  # requests that ended while the execute streamed: their sessions close after it
+
+        def stream(chunk: Chunk) -> None:
+            if chunk.index not in ended and self._deliver(self._jobs[chunk.index], chunk, streaming=True):
+                ended.add(chunk.index)
+
         try:
-            chunks = self.batcher.step()
+            chunks = self.batcher.step(on_chunk=stream)
         except Exception as error:
             failed = [self._jobs[key] for key in list(self.batcher.running)]
             for job in failed:
@@ -282,7 +288,11 @@ class ServingLoop:
             return
         self._record_executes()
         for chunk in chunks:
-            self._deliver(self._jobs[chunk.index], chunk)
+            if chunk.index in ended:
+                if chunk.index in self.batcher.running:
+                    self.batcher.leave(chunk.index)
+            elif chunk.tokens or chunk.finish is not None:
+                self._deliver(self._jobs[chunk.index], chunk)
 
     def _replay(self, job: _Job) -> None:
         """Run one request of a failed batch alone, from its prompt + the tokens it already received.
@@ -291,6 +301,9 @@ class ServingLoop:
         failed; if it fails alone, it fails (with the new error, chained like any execute failure).
         """
         key, request, received = job.handle.id, job.request, job.handle.tokens
+        if len(received) >= request.max_new_tokens:  # every token had streamed before the batch failed
+            self._finish(job, [], LENGTH)
+            return
         replay = replace(request, prompt=[*request.prompt, *received], max_new_tokens=request.max_new_tokens - len(received))
         if len(replay.prompt) > self.executor.dims.max_context - 1:  # no room to replay it as a prompt
             self._fail([job], job.suspect)
@@ -309,12 +322,15 @@ class ServingLoop:
         for chunk in chunks:
             self._deliver(job, chunk)
 
-    def _deliver(self, job: _Job, chunk: Chunk) -> None:
-        """Tokens of one execute() to the handle: text deltas, stop strings, finish."""
+    def _deliver(self, job: _Job, chunk: Chunk, streaming: bool = False) -> bool:
+        """Tokens to the handle (after each launch while an execute runs: ``streaming``; or after it):
+        text deltas, stop strings, finish. True when the request ended while streaming (the executor
+        is busy: the caller closes its session after the execute)."""
         tokens, finish, text = chunk.tokens, chunk.finish, None
+        stopped = False
         if job.text is not None:
             tokens, text, stopped = _detokenize(job.text, tokens, chunk.finish == STOP)
-            if stopped and finish is None:
+            if stopped and finish is None and not streaming:
                 self.batcher.leave(job.handle.id)
             finish = STOP if stopped else finish
             if finish is not None and not stopped:
@@ -327,6 +343,7 @@ class ServingLoop:
             job.handle._push(Delta(tokens, text, None))
         else:
             self._finish(job, tokens, finish, text)
+        return streaming and finish is not None
 
     def _finish(self, job: _Job, tokens: list[int], finish: str, text: str | None = None) -> None:
         with self._cond:

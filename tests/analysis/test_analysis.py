@@ -17,9 +17,9 @@ from dflash_trt.runtime.stats import COUNTERS, CYCLE_SCHEMA, EXECUTE_SCHEMA
 
 def cycles(
     cycle_id, mode, proposed, accepted, *, session=None, owners=None, draft_ms=None, verify_ms=None,
-    host_ms=None, end_ms=None, context_rows=None,
+    host_ms=None, end_ms=None, context_rows=None, emitted=None,
 ) -> pl.LazyFrame:
-    """A cycles table from literal columns; emitted and bonus follow the schema's definitions."""
+    """A cycles table from literal columns; emitted (unless given: a cut cycle) and bonus follow the schema's definitions."""
     n = len(cycle_id)
     columns = {
         "batch_id": [0] * n,
@@ -31,7 +31,7 @@ def cycles(
         "proposed": proposed,
         "accepted": accepted,
         "bonus": [m != "target" and a == p for m, p, a in zip(mode, proposed, accepted, strict=True)],
-        "emitted": [a + 1 for a in accepted],
+        "emitted": emitted or [a + 1 for a in accepted],
         "position": [0] * n,
         "temperature": [0.0] * n,
         "draft_ms": draft_ms or [0.0] * n,
@@ -163,11 +163,35 @@ def test_tokens_per_second_wall_and_device():
         end_ms=[100.0, 100.0, 150.0, 200.0],
     )
     figures = one(throughput.throughput(frame))
-    assert figures["rows"] == 4 and figures["calls"] == 3 and figures["emitted"] == 10
+    assert figures["rows"] == 4 and figures["calls"] == 3 and figures["tokens"] == 10
     assert figures["wall_s"] == pytest.approx(0.1)
     assert figures["tokens_per_s"] == pytest.approx(50.0)  # (4 + 1) tokens after t=100 ms, over 0.1 s
     assert figures["device_s"] == pytest.approx(0.07)  # 30 + 30 + 10 ms, call 0 once
     assert figures["tokens_per_device_s"] == pytest.approx(10 / 0.07)
+
+
+def test_tokens_are_what_callers_received_and_tau_the_whole_cycles():
+    """Guards against τ shrinking when a request's last cycle is cut at its room or a stop token (the
+    reference decoder's τ counts that cycle's whole a + 1) and against tokens counting the cut-off
+    part, which no caller received."""
+    frame = cycles(cycle_id=[0, 1, 2], mode=["target", "static", "static"], proposed=[0, 7, 7], accepted=[0, 3, 5],
+                   emitted=[1, 4, 2], end_ms=[10.0, 20.0, 30.0])
+    assert one(acceptance.tau(frame)) == {"rows": 2, "tau": pytest.approx((4 + 6) / 2)}
+    assert one(throughput.throughput(frame))["tokens"] == 7
+
+
+def test_wall_span_with_an_executes_table_is_the_run():
+    """Guards against a rate that differs from the one ``dflash-trt run`` / ``bench`` print for the same
+    run: with the executes table, the span is first execute start to last execute end and every token
+    counts (without it, the first cycle end starts the span); device time then stays within it."""
+    frame = cycles(cycle_id=[0, 1, 2], mode=["target", "static", "static"], proposed=[0, 3, 3], accepted=[0, 3, 1],
+                   verify_ms=[5.0, 20.0, 20.0], end_ms=[12.0, 40.0, 70.0])
+    calls = executes(wall_ms=[35.0, 32.0], end_ms=[42.0, 74.0])  # starts at 7 ms, ends at 74 ms
+    figures = one(throughput.throughput(frame, calls))
+    assert figures["tokens"] == 7 and figures["wall_s"] == pytest.approx(0.067)
+    assert figures["tokens_per_s"] == pytest.approx(7 / 0.067)
+    assert figures["device_s"] == pytest.approx(0.045) and figures["device_s"] <= figures["wall_s"]
+    assert one(throughput.throughput(frame))["tokens_per_s"] == pytest.approx(6 / 0.058)
 
 
 def test_single_call_rate_is_null_not_infinite():

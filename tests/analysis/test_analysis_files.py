@@ -29,7 +29,7 @@ def cycles_frame() -> pl.DataFrame:
     """Two speculative calls (the first with 2 owners) and one plain-decode step.
 
     emitted 3 + 1 (call 0, t=100 ms), 4 (call 1, t=150), 1 (call 2, t=200):
-    τ = (3 + 1 + 4) / 3 = 8/3; 4 + 1 tokens after t=100 over 0.1 s = 50 tokens/s.
+    τ = (3 + 1 + 4) / 3 = 8/3; without the executes table: 4 + 1 tokens after t=100 over 0.1 s = 50 tokens/s.
     """
     return pl.DataFrame(
         {
@@ -56,7 +56,8 @@ def cycles_frame() -> pl.DataFrame:
 
 def executes_frame() -> pl.DataFrame:
     columns = {name: [0, 0] for name in EXECUTE_SCHEMA}
-    columns |= {"ok": [True, True], "pending_decode": [False, True], "wall_ms": [110.0, 95.0]}
+    # two executes: 0..110 ms and 110..200 ms -> the run's span is 0.2 s
+    columns |= {"ok": [True, True], "pending_decode": [False, True], "wall_ms": [110.0, 90.0], "end_ms": [110.0, 200.0]}
     columns |= {"cycles": [2, 1], "proposed": [6, 3], "accepted": [2, 3], "bonuses": [0, 1]}
     return pl.DataFrame(columns, schema=EXECUTE_SCHEMA)
 
@@ -83,8 +84,8 @@ def test_scan_run_finds_the_executes_table_beside(tmp_path):
     assert scan_run(cycles).executes is None
     write_parquet(executes_frame(), executes, "executes")
     run = scan_run(cycles)
-    assert run.name == "run"
-    assert run.executes.collect()["wall_ms"].to_list() == [110.0, 95.0]
+    assert run.name == "dflash"  # named by mode: it has speculative cycles
+    assert run.executes.collect()["wall_ms"].to_list() == [110.0, 90.0]
 
 
 def test_random_parquet_names_missing_columns(tmp_path):
@@ -152,14 +153,17 @@ def test_report_command_renders_everything(tmp_path, capsys):
     for name in (*PLOTS, "comparison.png"):
         data = (out / name).read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 1000, name
-    assert (out / "summary.md").read_text().startswith("# dflash-trt report: run")
+    summary = (out / "summary.md").read_text()
+    assert summary.startswith("# dflash-trt report: dflash")
+    assert "| plain " in summary and "| dflash 2 " in summary  # runs named by mode, repeats numbered
+    assert "draft_ms is 0" not in summary  # these calls timed their draft apart (the note is for loop cycles)
     last = capsys.readouterr().out.strip().splitlines()[-1]
     figures = json.loads(last)
-    assert figures["tau"] == pytest.approx(8 / 3)
-    assert figures["tokens_per_s"] == pytest.approx(50.0)
-    assert figures["speedup"] == pytest.approx(50.0 / 40.0)
-    assert (figures["cycles"], figures["calls"], figures["emitted"]) == (3, 3, 9)
-    assert figures["static_share"] == pytest.approx(1 / 3)
+    assert figures["tau"] == round(8 / 3, 3)  # floats rounded
+    assert figures["tokens_per_s"] == 45.0  # 9 tokens over the executes' span, 0.2 s
+    assert figures["speedup"] == round(45.0 / 40.0, 3)
+    assert (figures["cycles"], figures["calls"], figures["tokens"]) == (3, 3, 9)
+    assert figures["static_share"] == round(1 / 3, 3)
     assert figures["counters_match"] is True
     assert json.loads((out / "headline.json").read_text()) == figures
 
@@ -206,3 +210,23 @@ def test_row_order_does_not_change_the_summary(tmp_path):
         assert_frame_equal(getattr(a, table).drop("name", strict=False), getattr(b, table).drop("name", strict=False),
                            rel_tol=1e-9, abs_tol=1e-9)
     assert a.overview["calls"][0] == 150
+
+
+def test_rolling_tau_window_is_capped_to_the_calls(tmp_path, monkeypatch):
+    """Guards against a rolling-τ plot titled "over the last 64 calls" for a run of 2 speculative calls
+    (its line then spans less than its own window), and against thinning dropping the last call."""
+    path = tmp_path / "run.parquet"
+    write_parquet(cycles_frame(), path, "cycles")
+    summary = summarize(scan_run(path), window=64)
+    assert summary.window == 2 and summary.rolling_tau["calls"].to_list() == [1, 2]
+    from dflash_trt.analysis import report
+
+    monkeypatch.setattr(report, "MAX_PLOT_POINTS", 10)
+    long = tmp_path / "long.parquet"
+    frame = random_cycles(calls=150, seed=1)
+    write_parquet(frame, long, "cycles")
+    thinned = summarize(scan_run(long), window=8)
+    calls = thinned.rolling_tau["calls"].to_list()
+    speculative_calls = frame.filter(pl.col("mode") != "target")["cycle_id"].n_unique()
+    assert thinned.window == 8 and len(calls) <= 12 and calls[-1] == speculative_calls  # the last call is kept
+

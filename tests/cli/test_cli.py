@@ -45,8 +45,67 @@ def test_no_command_prints_help():
     assert main([]) == 2
 
 
-def test_bench_names_what_it_needs_without_serve(capsys):
-    """Guards against bench's local mode losing its required flags when --serve made them optional:
-    without --serve, a bench missing --artifacts/--prompts/--out is refused naming them."""
-    assert main(["bench", "--prompts", "p.jsonl"]) == 1
-    assert "needs --artifacts, --out (or --serve URL" in capsys.readouterr().err
+def usage_error(capsys, argv: list[str]) -> str:
+    """Run the command; it must exit 2 with exactly one stderr line naming UsageError (nothing on stdout)."""
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and f"dflash-trt {argv[0]}: UsageError: " in lines[0], captured.err
+    assert captured.out == ""
+    return lines[0]
+
+
+@pytest.mark.parametrize(("value", "words"), [("-5", "got -5"), ("0", "got 0"), ("x", "got 'x'")])
+def test_generate_refuses_a_bad_token_count_in_one_line(value, words, capsys):
+    """Guards against `generate --max-new-tokens -5` crashing with a traceback and `0` still producing a
+    token: a count below 1 is a usage error (exit 2), named with the range and the value seen."""
+    line = usage_error(capsys, ["generate", "--target", "nowhere", "--prompt", "x", "--max-new-tokens", value])
+    assert "--max-new-tokens: must be an int >= 1" in line and words in line
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--top-k", "-1"], "--top-k: must be an int >= 0, got -1"),
+    (["--temperature", "-1"], "temperature must be 0 (greedy) or in [1e-06"),
+    (["--top-p", "0"], "top_p must be a real number in"),
+    (["--seed", "-3"], "--seed: must be an int >= 0, got -3"),
+])
+def test_generate_refuses_bad_sampling_flags_before_loading(flags, words, capsys):
+    """Guards against sampling flags the verifiers cannot represent failing late (after loading the
+    checkpoints) or as a traceback: refused first (the --target here does not even exist)."""
+    assert words in usage_error(capsys, ["generate", "--target", "nowhere", "--prompt", "x", *flags])
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["run", "--out", "o", "--max-new-tokens", "0"], "--max-new-tokens: must be an int >= 1, got 0"),
+    (["run", "--out", "o", "--backend", "tensorrt"], "--backend tensorrt needs --artifacts ENGINE_DIR"),
+    (["bench", "--out", "o", "--artifacts", "a", "--backend", "torch"], "--backend torch with --artifacts needs --target and --draft"),
+    (["run", "--out", "o", "--dtype", "fp16"], "--dtype and --max-owners apply to --backend torch without --artifacts"),
+    (["bench", "--out", "o", "--no-draft"], "--no-draft does not apply to bench"),
+    (["serve", "--max-owners", "2"], "--dtype and --max-owners apply to --backend torch without --artifacts"),
+    (["serve", "--max-queue", "-1"], "--max-queue: must be an int >= 0, got -1"),
+    (["serve", "--port", "70000"], "--port: must be a TCP port in [0, 65535], got 70000"),
+    (["bench", "--prompts", "p.jsonl"], "dflash-trt bench needs --out DIR (or --serve URL to measure a running server)"),
+    (["demo", "--count", "0"], "--count: must be an int >= 1, got 0"),
+    (["run", "--out", "o", "--bogus"], "unrecognized arguments: --bogus"),
+    (["export", "--target", "t", "--draft", "d", "--out", "o", "--max-owners", "-1"], "--max-owners: must be an int >= 1, got -1"),
+])
+def test_commands_refuse_flags_that_cannot_work_in_one_line(argv, words, capsys, tmp_path, monkeypatch):
+    """Guards against flag combinations that cannot work failing after minutes of loading or as a
+    traceback (a torch backend without checkpoints for its artifacts, TensorRT without plans, --dtype
+    where an artifact set fixes it): each is refused first, on one line, exit 2."""
+    monkeypatch.chdir(tmp_path)
+    assert words in usage_error(capsys, argv)
+    assert not (tmp_path / "o").exists()  # nothing was written
+
+
+def test_build_of_an_fp32_export_exits_2_with_one_line(exported_pair, tmp_path, capsys):
+    """Guards against `dflash-trt build` on an fp32 export (ONNX Runtime's configuration)
+    ending in TensorRT's internal Myelin error: it exits 2 with one line naming the graphs
+    and the export to make, before TensorRT is looked for, and writes nothing."""
+    out = tmp_path / "engines"
+    assert main(["build", "--onnx", str(exported_pair.out), "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and captured.out == "", captured
+    assert lines[0].startswith("dflash-trt build: UnsupportedExportError: target_model, draft_model: float32 attention")
+    assert "--dtype bf16" in lines[0] and not out.exists()

@@ -47,6 +47,13 @@ def test_run_command_writes_reference_outputs_and_stats(exported_pair, prompt_fi
     assert cycles.schema == pl.Schema(CYCLE_SCHEMA) and executes.schema == pl.Schema(EXECUTE_SCHEMA)
     figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert figures["prompts"] == 4 and figures["tokens"] == sum(len(r["tokens"]) for r in rows) and figures["tau"] > 1
+    assert figures["mode"] == "dflash" and figures["device_s"] <= figures["seconds"]
+    # The same run through `dflash-trt report`: the same tokens, span, rate, τ, cycles and calls.
+    assert main(["report", str(out / "stats.parquet")]) == 0
+    headline = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("tokens", "tokens_per_s", "tau", "cycles", "calls"):
+        assert headline[key] == figures[key], key
+    assert headline["wall_s"] == figures["seconds"] and headline["name"] == "dflash"
 
 
 def test_bench_runs_both_modes_on_the_same_prompts_and_report_compares_them(exported_pair, prompt_file, tmp_path, capsys):
@@ -59,14 +66,20 @@ def test_bench_runs_both_modes_on_the_same_prompts_and_report_compares_them(expo
     assert main(args) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["identical_outputs"] == result["prompts"] == 4  # fp32 greedy: the same tokens
-    assert result["ar"]["tau"] is None and result["dflash"]["tau"] > 1
-    assert result["speedup"] == pytest.approx(result["dflash"]["tokens_per_s"] / result["ar"]["tokens_per_s"], rel=1e-2)
-    ar, dflash = (pl.read_parquet(out / mode / "stats.parquet") for mode in ("ar", "dflash"))
-    assert set(ar["mode"]) == {"target"} and set(dflash["mode"]) > {"target"}
-    assert result["ar"]["tokens"] == result["dflash"]["tokens"] and ar["emitted"].sum() >= result["ar"]["tokens"]
-    assert main(["report", str(out / "dflash" / "stats.parquet"), "--baseline", str(out / "ar" / "stats.parquet")]) == 0
-    headline = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert headline["speedup"] is not None and headline["baseline_tokens_per_s"] > 0
+    plain, dflash = result["plain"], result["dflash"]
+    assert (plain["mode"], dflash["mode"]) == ("plain", "dflash") and plain["tau"] is None and dflash["tau"] > 1
+    assert result["speedup"] == pytest.approx(dflash["tokens_per_s"] / plain["tokens_per_s"], rel=1e-2)
+    plain_rows, dflash_rows = (pl.read_parquet(out / mode / "stats.parquet") for mode in ("plain", "dflash"))
+    assert set(plain_rows["mode"]) == {"target"} and set(dflash_rows["mode"]) > {"target"}
+    assert plain["tokens"] == dflash["tokens"] == plain_rows["emitted"].sum() == dflash_rows["emitted"].sum()
+    assert main(["report", str(out / "dflash" / "stats.parquet"), "--baseline", str(out / "plain" / "stats.parquet")]) == 0
+    printed = capsys.readouterr().out
+    headline = json.loads(printed.strip().splitlines()[-1])
+    # One set of numbers: the report's figures of the same files are bench's.
+    assert (headline["name"], headline["speedup"], headline["baseline_tokens_per_s"]) == ("dflash", result["speedup"], plain["tokens_per_s"])
+    for key in ("tokens", "tokens_per_s", "tau", "cycles", "calls"):
+        assert headline[key] == dflash[key], key
+    assert "| plain " in printed and "draft_ms is 0" in printed  # runs named by mode; the loop's timing explained
 
 
 def test_run_command_refuses_text_without_tokenizer(exported_pair, tmp_path, capsys):
@@ -102,10 +115,12 @@ def test_demo_exports_to_the_cache_then_serves(exported_pair, prompt_file, tmp_p
     assert (target, draft) == (exported_pair.target_dir, exported_pair.draft_dir) and out.parent == cache / "export"
     assert options.dtype == "fp32" and options.max_owners == demo.DEMO_MAX_OWNERS
     printed = capsys.readouterr().out
-    assert "τ (tokens per draft/verify cycle) =" in printed and "tokens/s" in printed
-    assert (cache / "demo-run" / "stats.parquet").is_file() and (cache / "demo-run" / "stats.executes.parquet").is_file()
-    assert (cache / "demo-run" / "report" / "summary.md").is_file()
-    assert json.loads(printed.strip().splitlines()[-1])["prompts"] == 3
+    assert "τ (tokens per draft/verify cycle) =" in printed and "plain decoding" in printed and "speedup" in printed
+    for mode in ("dflash", "plain"):
+        assert (cache / "demo-run" / mode / "stats.parquet").is_file() and (cache / "demo-run" / mode / "stats.executes.parquet").is_file()
+    assert "Runs side by side" in (cache / "demo-run" / "report" / "summary.md").read_text()
+    figures = json.loads(printed.strip().splitlines()[-1])
+    assert figures["prompts"] == 3 and figures["speedup"] == round(figures["tokens_per_s"] / figures["plain_tokens_per_s"], 2)
 
 
 def test_real_demo_on_the_shipped_pair_is_lossless_and_accepts(default_pair_cache, tmp_path, capsys):
@@ -120,8 +135,10 @@ def test_real_demo_on_the_shipped_pair_is_lossless_and_accepts(default_pair_cach
     args = ["demo", "--cache", str(default_pair_cache), "--out", str(tmp_path / "run"), "--count", "2", "--max-new-tokens", "24", "--threads", "1"]
     assert main(args) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["prompts"] == 2 and summary["tau"] > 1.5
-    outputs = [json.loads(line) for line in (tmp_path / "run" / "outputs.jsonl").read_text().splitlines()]
+    assert summary["prompts"] == 2 and summary["tau"] > 1.5 and summary["plain_tokens_per_s"] > 0
+    outputs = [json.loads(line) for line in (tmp_path / "run" / "dflash" / "outputs.jsonl").read_text().splitlines()]
+    plain = [json.loads(line) for line in (tmp_path / "run" / "plain" / "outputs.jsonl").read_text().splitlines()]
+    assert [o["tokens"] for o in plain] == [o["tokens"] for o in outputs]  # the baseline decodes the same tokens
     tokenizer = Tokenizer.from_dir(DEFAULT_PAIR_DIR / "target")
     decoder = ReferenceDecoder(load_pair(DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft")[0])
     for output in outputs:

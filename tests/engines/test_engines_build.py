@@ -19,13 +19,29 @@ import torch
 from onnx import TensorProto as TP
 from onnx import helper
 
-from dflash_trt.engines.attention import AttentionBindError, BoundAttention, attention_nodes, bind_attention
-from dflash_trt.engines.build import GRAPH_INPUT, UNREAD_OUTPUT, BuildOptions, build_engine_set, parse_graph, unread_tensors
+from dflash_trt.engines.attention import (
+    AttentionBindError,
+    BoundAttention,
+    attention_digest,
+    attention_nodes,
+    attention_tag,
+    bind_attention,
+)
+from dflash_trt.engines.build import (
+    GRAPH_INPUT,
+    UNREAD_OUTPUT,
+    BuildOptions,
+    _GraphFailed,
+    _SetBuilder,
+    build_engine_set,
+    parse_graph,
+    unread_tensors,
+)
 from dflash_trt.engines.engine_set import ENGINES_JSON, read_engine_set
 from dflash_trt.engines.flavour import load_flavour
 from dflash_trt.engines.load import check_engine_set, load_engine_set
 from dflash_trt.engines.sources import GraphSource, graph_io_from_onnx
-from dflash_trt.errors import EngineBuildError, EngineError
+from dflash_trt.errors import EngineBuildError, EngineError, UnsupportedExportError, UsageError
 from dflash_trt.export.contract import DimRange
 from dflash_trt.export.identity import file_sha256
 
@@ -199,10 +215,53 @@ def test_a_sampled_verifier_that_fails_leaves_a_greedy_only_set(tmp_path, rtx):
 
 def test_builder_failure_carries_tensorrts_message(tmp_path, rtx):
     """Guards against a failed build_serialized_network (an fp32 attention has
-    no fused kernel in TensorRT-RTX) surfacing as None or a bare 'failed'."""
-    with pytest.raises(EngineBuildError, match="not supported by a dedicated kernel") as caught:
-        build_engine_set([source(tmp_path, "fp32", kv_attention_model(TP.FLOAT))], tmp_path / "out", rtx)
+    no fused kernel in TensorRT-RTX; build_engine_set refuses those before
+    parsing, so the graph goes to the per-graph builder directly) surfacing as
+    None or a bare 'failed'."""
+    with pytest.raises(_GraphFailed) as caught:
+        _SetBuilder(rtx, BuildOptions(), tmp_path).build(source(tmp_path, "fp32", kv_attention_model(TP.FLOAT)))
     assert [f.graph for f in caught.value.failures] == ["fp32"]
+    assert "not supported by a dedicated kernel" in caught.value.failures[0].message
+
+
+def test_fp32_attention_is_refused_before_parsing_in_one_line(tmp_path, monkeypatch):
+    """Guards against TensorRT's internal Myelin error (a page of text, after minutes of parsing
+    at 8B) reaching a user who builds an fp32 export: fp32 attention graphs are refused first,
+    naming them and the export to make instead; fp32 graphs without attention (the verifiers)
+    and bf16 attention graphs pass the check."""
+    from dflash_trt.engines import build
+
+    monkeypatch.setattr(build, "parse_graph", lambda *a: pytest.fail("parsed"))
+    sources = [source(tmp_path, "fp32", kv_attention_model(TP.FLOAT)), source(tmp_path, "argmax", argmax_model())]
+    with pytest.raises(UnsupportedExportError) as caught:
+        build_engine_set(sources, tmp_path / "out", flavour=None)
+    assert "\n" not in str(caught.value) and str(caught.value).startswith("fp32: float32 attention")
+    assert "--dtype bf16" in str(caught.value) and isinstance(caught.value, UsageError)  # the CLI: one line, exit 2
+    build.refuse_fp32([sources[1], source(tmp_path, "bf16", kv_attention_model(TP.BFLOAT16))])
+
+
+@pytest.mark.parametrize(("validity", "causal"), [("lengths", 1), ("lengths", 0), ("mask", 0)])
+def test_attention_reads_the_cache_unscaled_and_the_query_carries_the_whole_scale(tmp_path, rtx, validity, causal):
+    """Guards against a pass over the whole K cache before every attention: TensorRT's parser
+    multiplies Q and the cache K by sqrt(scale) each (IAttention has no scale), at any scale.
+    After parse_graph the attention reads the KV-cache update's output itself, Q is multiplied
+    by the product of the parser's two [1, 1, 1, 1] factors, nothing is left unread, and the
+    strict build succeeds (the probe checks the numbers where the plans run)."""
+    trt = rtx.trt
+    src = source(tmp_path, "g", kv_attention_model(TP.BFLOAT16, validity=validity, causal=causal))
+    log = rtx.new_log()
+    graph = parse_graph(rtx, trt.Builder(log), log, src)
+    made = producers(graph.network)
+    (attention,) = attention_inputs(trt, graph.network)
+    assert made[attention.get_input(1).name].type == trt.LayerType.KV_CACHE_UPDATE
+    query = made[attention.get_input(0).name]
+    query.__class__ = trt.IElementWiseLayer
+    assert query.op == trt.ElementWiseOperation.PROD and query.get_input(0).name == "q"
+    factor = made[query.get_input(1).name]
+    factor.__class__ = trt.IElementWiseLayer
+    assert factor.op == trt.ElementWiseOperation.PROD and tuple(factor.get_output(0).shape) == (1, 1, 1, 1)
+    assert unread_tensors(graph.network) == []
+    assert set(build_engine_set([src], tmp_path / "out", rtx).engines) == {"g"}
 
 
 def dead_tensor_model() -> onnx.ModelProto:
@@ -283,12 +342,13 @@ def test_attention_binding_needs_an_api_that_can_set_it():
         type = "ATTENTION_OUTPUT"
         name = "attn_AttentionOutput"
         num_outputs = 1
+        num_inputs = 0
 
         def get_output(self, index):
             return SimpleNamespace(name="out")
 
     trt = SimpleNamespace(LayerType=SimpleNamespace(ATTENTION_OUTPUT="ATTENTION_OUTPUT"), IAttentionOutputLayer=Layer)
-    network = SimpleNamespace(num_layers=1, num_inputs=0, get_layer=lambda i: Layer())
+    network = SimpleNamespace(num_layers=1, num_inputs=0, num_outputs=0, get_layer=lambda i: Layer())
     Layer.attention = OldAttention()
     nodes = attention_nodes(kv_attention_model(validity="lengths", causal=1))
     with pytest.raises(AttentionBindError, match=r"TensorRT 10\.16\.0.*need TensorRT >= 11\.0.*--causal mask") as caught:
@@ -397,3 +457,16 @@ def test_two_profiles_one_of_them_one_row_store_the_weight_once(tmp_path, rtx):
     weight_bytes = 4096 * 8192 * 2
     assert record.engines["matmul"].profiles == ("one_row", "eight_rows")
     assert record.engines["matmul"].plan_bytes <= 1.15 * weight_bytes
+
+
+def test_a_plan_carries_the_digest_of_its_attention_as_it_was_built(tmp_path, rtx):
+    """Guards against engines.json's attention records being the only word on how a plan
+    attends (a hand edit would go unnoticed where the plans run): the build records the
+    records' digest and gives the network a name holding it, which TensorRT stores in the plan
+    (the deserialized engine reports it as its name; the loader compares)."""
+    record = build_engine_set([source(tmp_path, "g", kv_attention_model(TP.FLOAT16, validity="lengths", causal=1))], tmp_path / "out", rtx)
+    engine = record.engines["g"]
+    assert [(a.causal, a.lengths) for a in engine.attention] == [("LOWER_RIGHT", "lengths")]
+    assert engine.attention_sha256 == attention_digest(engine.attention)
+    assert attention_tag(engine.attention).encode() in (tmp_path / "out" / "g.plan").read_bytes()
+    assert read_engine_set(tmp_path / "out").engines["g"].attention_sha256 == engine.attention_sha256

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trt.engines.attention import attention_nodes
+from dflash_trt.engines.attention import attention_digest, attention_nodes
 from dflash_trt.engines.build import parse_graph, unread_tensors
 from dflash_trt.engines.engine_set import read_engine_set
 from dflash_trt.engines.flavour import load_flavour
@@ -90,15 +90,35 @@ def check_built_set(built: BuiltSet, specs) -> None:
         causal = "LOWER_RIGHT" if kind.startswith("target") and built.causal == "lengths" else "NONE"
         masked = built.causal == "mask"
         assert {(a.causal, bool(a.lengths), a.mask) for a in engine.attention} <= {(causal, not masked, masked)}, name
+        assert engine.attention_sha256 == attention_digest(engine.attention), name
     dynamic = {name for name, engine in record.engines.items() if any(b.profiles for b in engine.bindings)}
     assert dynamic == {contract.TARGET_MODEL, contract.DRAFT_MODEL, contract.SAMPLE} & set(specs)
     for name in set(specs) & set(contract.MODEL_KINDS):  # one engine per model: a profile per run graph
         engine, served = record.engines[name], [p.graph for p in contract.profiles_of(specs[name])]
         assert list(engine.profiles) == served and len(served) > 1, name
         assert all(len(b.profiles) == len(served) for b in engine.bindings if b.profiles), name
+    check_probe(built, record)
     if built.printed:  # built through the CLI from an export directory
-        assert sum(" built in " in line for line in built.printed.splitlines()) == len(specs)
+        lines = built.printed.splitlines()
+        assert sum(" built in " in line for line in lines) == len(specs) + 1  # the graphs and the probe
+        assert any(line.startswith("[probe] built in") for line in lines)
         assert read_engine_set(built.out).source_manifest["file"] == "manifest.json"
+
+
+def check_probe(built: BuiltSet, record) -> None:
+    """The set carries its semantics probe, built with the set's own attention constructions
+    (target lower-right with lengths and draft non-causal with lengths, or masks), unproven
+    (no GPU here: the first load on one runs it)."""
+    from dflash_trt.engines.probe import ProbeSpec
+
+    probe = record.probe
+    assert probe is not None and probe.verdicts == ()
+    spec = ProbeSpec.from_json(probe.spec)
+    assert (spec.causal, spec.dtype) == (built.causal, contract.DTYPES[built.dtype])
+    masked = built.causal == "mask"
+    kinds = [(a.causal, bool(a.lengths), a.mask) for a in probe.engine.attention]
+    assert kinds == ([("NONE", False, True)] * 2 if masked else [("LOWER_RIGHT", True, False), ("NONE", True, False)])
+    assert (built.out / probe.engine.plan).is_file() and probe.engine.warnings is not None
 
 
 def ancestors(network, tensor) -> set[str]:
@@ -160,4 +180,8 @@ def test_every_parsed_attention_is_lower_right_causal_or_non_causal_with_its_len
             cast = next(l for l in layers if l.num_outputs and l.get_output(0).name == lengths.name)
             assert cast.type == trt.LayerType.CAST and cast.get_input(0).name == node.lengths, source.name
             assert LENGTH_INPUTS[kind] <= ancestors(network, lengths), source.name
+        for layer in (l for l in layers if l.type == trt.LayerType.ATTENTION_INPUT):  # the cache read unscaled
+            layer.__class__ = trt.IAttentionInputLayer
+            keys = next(l for l in layers if l.num_outputs and l.get_output(0).name == layer.attention.get_input(1).name)
+            assert keys.type == trt.LayerType.KV_CACHE_UPDATE, source.name
         assert unread_tensors(network) == [], source.name

@@ -154,6 +154,45 @@ def test_each_rtx_context_keeps_its_own_runtime_cache_file(tmp_path):
     assert (tmp_path / "target_verify_1.runtime.cache").read_bytes() == b"+compiled"
 
 
+class StrategyRuntimeConfig(FakeRuntimeConfig):
+    """TensorRT-RTX 1.7's runtime config, with its kernel specialization and CUDA-graph strategies."""
+
+    def __init__(self):
+        super().__init__()
+        self.dynamic_shapes_kernel_specialization_strategy = "LAZY"  # TensorRT-RTX's default
+        self.cuda_graph_strategy = "WHOLE_GRAPH_CAPTURE"
+
+
+class StrategyEngine(FakeEngine):
+    def create_runtime_config(self):
+        return StrategyRuntimeConfig()
+
+
+def test_rtx_contexts_that_may_be_captured_specialize_their_kernels_eagerly(tmp_path):
+    """Guards against TensorRT-RTX's lazy kernel specialization freezing its generic fallback
+    kernels into a CUDA graph for good (captured after one warm-up enqueue while the specialized
+    kernels still compile in the background), and against RTX capturing a graph of its own
+    inside the runtime's capture: a context that may be captured gets EAGER specialization,
+    every context has RTX's CUDA graphs off, a chunked one (never captured) stays LAZY. A
+    context TensorRT does not make is an EngineError naming the call."""
+    trt = SimpleNamespace(
+        __version__="1.7.1",
+        ExecutionContextAllocationStrategy=SimpleNamespace(USER_MANAGED="user"),
+        DynamicShapesKernelSpecializationStrategy=SimpleNamespace(EAGER="EAGER"),
+        CudaGraphStrategy=SimpleNamespace(DISABLED="DISABLED"),
+    )
+    flavour = TensorRTRTX(trt)
+    captured, _ = flavour.execution_context(StrategyEngine(), tmp_path, "draft_1", user_memory=True, specialize=True)
+    chunked, _ = flavour.execution_context(StrategyEngine(), tmp_path, "target_prefill", user_memory=True)
+    assert (captured.runtime_config.dynamic_shapes_kernel_specialization_strategy, captured.runtime_config.cuda_graph_strategy) == ("EAGER", "DISABLED")
+    assert (chunked.runtime_config.dynamic_shapes_kernel_specialization_strategy, chunked.runtime_config.cuda_graph_strategy) == ("LAZY", "DISABLED")
+    flavour.execution_context(FakeEngine(), tmp_path, "old", specialize=True)  # a runtime config without strategies: nothing set
+    failing = StrategyEngine()
+    failing.create_execution_context = lambda config: None
+    with pytest.raises(EngineError, match=r"engine 'draft_2': TensorRT create_execution_context\(.*\) failed \(returned None"):
+        flavour.execution_context(failing, tmp_path, "draft_2", specialize=True)
+
+
 def vc_record(flavour="tensorrt", version="10.15.1.29", compatible=True):
     from dflash_trt.engines.engine_set import EngineSetRecord
 

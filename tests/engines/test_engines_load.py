@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from dflash_trt.engines.attention import BoundAttention, attention_digest
 from dflash_trt.engines.bindings import TRT_DTYPES, Binding, check_io, input_profiles, io_mismatches
 from dflash_trt.engines.engine_set import (
     ENGINES_JSON,
@@ -185,7 +186,7 @@ def test_set_missing_an_engine_of_the_contract_is_refused(tmp_path):
 @pytest.mark.parametrize(
     ("edit", "expected"),
     [
-        (lambda d: d.update(format_version=99), r"'format_version' must be 2, got 99"),
+        (lambda d: d.update(format_version=99), r"'format_version' must be 3, got 99"),
         (lambda d: d.update(format="something/else"), r"'format' must be 'dflash-trt/engines'"),
         (lambda d: d["engines"]["prefill"].pop("plan_sha256"), r"malformed field \(KeyError: 'plan_sha256'\)"),
     ],
@@ -385,17 +386,138 @@ def test_check_io_lists_every_mismatch_at_once():
         check_io("verify_2", VERIFY, actual, "the built network")
 
 
-def test_missing_tensorrt_is_a_clear_error_not_an_import_traceback(tmp_path, capsys):
+def test_missing_tensorrt_is_a_clear_error_not_an_import_traceback(tmp_path, capsys, monkeypatch):
     """Guards against `dflash-trt build --backend tensorrt` on a machine
-    without TensorRT dying in an ImportError instead of saying what to install."""
+    without TensorRT dying in an ImportError instead of saying what to install
+    (for an export it could build: the export is checked first)."""
     import importlib.util
 
     from dflash_trt import cli
+    from dflash_trt.engines import command
 
     if importlib.util.find_spec("tensorrt") is not None:
         pytest.skip("tensorrt is installed here")
+    monkeypatch.setattr(command, "export_sources", lambda directory: ([], directory / "manifest.json"))
     assert cli.main(["build", "--onnx", str(tmp_path), "--out", str(tmp_path / "e"), "--backend", "tensorrt"]) == 1
     err = capsys.readouterr().err
     assert "needs the Python module 'tensorrt'" in err and "pip install" in err
     with pytest.raises(EngineError, match="unknown TensorRT backend 'trt'"):
         load_flavour("trt")
+
+
+TARGET_ATTENTION = (
+    BoundAttention("layers.0/attn", "LOWER_RIGHT", "add_3", False),
+    BoundAttention("layers.1/attn", "LOWER_RIGHT", "add_3", False),
+)
+
+
+def attention_set(directory: Path) -> EngineSetRecord:
+    """write_set's set, its model engine with the target's attention records as a build writes them."""
+    record = write_set(directory)
+    prefill = replace(record.engines["prefill"], attention=TARGET_ATTENTION, attention_sha256=attention_digest(TARGET_ATTENTION))
+    record = replace(record, engines={**record.engines, "prefill": prefill})
+    write_engine_set(directory, record)
+    return record
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (lambda a: a[1].update(causal="UPPER_LEFT"), r"attention\[1\] \(node 'layers.1/attn'\)\.causal is 'UPPER_LEFT'; the build makes 'LOWER_RIGHT' or 'NONE' only"),
+        (lambda a: a[0].update(lengths=""), r"attention\[0\] \(node 'layers.0/attn'\)\.lengths is empty and there is no mask"),
+        (lambda a: a[0].update(causal="NONE"), r"engine 'prefill': field 'attention' hashes to [0-9a-f]{64}, field 'attention_sha256' says '[0-9a-f]{64}': .*edited after the build"),
+    ],
+)
+def test_a_hand_edited_attention_record_is_refused_naming_the_field(tmp_path, edit, expected):
+    """Guards against loading a set whose engines.json says something else about attention than
+    its plans compute (a record hand-edited to upper-left or without lengths, or one attention
+    turned non-causal): records the build never makes are refused naming the record's field,
+    any other edit by the records' digest."""
+    attention_set(tmp_path)
+    rewrite(tmp_path, lambda d: edit(d["engines"]["prefill"]["attention"]))
+    with pytest.raises(EngineError, match=expected):
+        check_engine_set(tmp_path, CONTRACT)
+
+
+class StreamReaderBase:
+    """TensorRT's IStreamReaderV2 as the loader sees it (TensorRT's own needs a CUDA driver)."""
+
+    def __init__(self):
+        pass
+
+
+class Seek(enum.Enum):
+    SET = 0
+    CUR = 1
+    END = 2
+
+
+class StreamingFlavour(FakeFlavour):
+    """A runtime that deserializes from a stream reader as TensorRT does: the header, a seek
+    back to the start, then the whole plan in chunks of ``chunk`` bytes."""
+
+    def __init__(self, engines, chunk=5):
+        super().__init__(engines=engines)
+        self.trt.IStreamReaderV2, self.trt.SeekPosition = StreamReaderBase, Seek
+        self.chunk, self.readers = chunk, []
+
+    def new_runtime(self, log, version_compatible=False):
+        flavour, header = self, 4
+
+        class Runtime:
+            engine_header_size = header
+
+            def get_engine_validity(self, data):
+                assert len(data) == header  # the header only: the plan is streamed, not read whole
+                return SimpleNamespace(name="VALID"), 0
+
+            def deserialize_cuda_engine(self, reader):
+                flavour.readers.append(reader)
+                reader.read(header, 0)
+                assert reader.seek(0, Seek.SET)
+                data = b""
+                while chunk := reader.read(flavour.chunk, 0):
+                    data += chunk
+                return flavour.engines.get(data.decode().removeprefix("plan of "))
+
+        return Runtime()
+
+
+def test_each_plan_is_hashed_once_while_it_streams_into_the_runtime(tmp_path, monkeypatch):
+    """Guards against loading reading every plan twice (a hashing pass, then the runtime's read:
+    ~30 s for 21 GB) and holding it whole in host memory: the loader hashes the bytes it streams
+    to the runtime (a re-read header included once), no separate hashing pass runs, every byte
+    leaves the disk once, and a plan changed after the build is still refused."""
+    from dflash_trt.engines import load
+
+    write_set(tmp_path)
+    monkeypatch.setattr(load, "file_sha256", lambda path: pytest.fail(f"a separate hashing pass over {path}"))
+    engines = {"prefill": FakeEngine(bindings_of(PREFILL)), "verify_2": FakeEngine(bindings_of(VERIFY))}
+    flavour = StreamingFlavour(engines)
+    assert sorted(load_engine_set(tmp_path, CONTRACT, flavour).engines) == ["prefill", "verify_2"]
+    sizes = [(tmp_path / name).stat().st_size for name in ("prefill.plan", "verify_2.plan")]
+    assert [r.catch_up_bytes for r in flavour.readers] == [0, 0]  # the digest came from what the runtime read
+    assert [r.bytes_read for r in flavour.readers] == [size + 4 for size in sizes]  # the plan once, plus the runtime's own header re-read
+    (tmp_path / "verify_2.plan").write_bytes(b"plan of verify_X")  # same size, other bytes
+    with pytest.raises(EngineError, match=r"engine 'verify_2': plan 'verify_2.plan' sha256 [0-9a-f]{64} differs from engines.json's"):
+        load_engine_set(tmp_path, CONTRACT, StreamingFlavour(engines))
+
+
+def test_a_runtime_that_seeks_around_still_gets_the_digest_of_the_whole_plan(tmp_path):
+    """Guards against a digest of what the runtime happened to read (a skip or a jump back
+    would hash a different byte string, or leave part of a swapped plan unchecked): whatever
+    the order of reads, the digest is the file's, and only skipped bytes are read again."""
+    import hashlib
+
+    from dflash_trt.engines.plan_reader import plan_reader_class
+
+    path = tmp_path / "p.plan"
+    data = bytes(range(256)) * 40
+    path.write_bytes(data)
+    reader = plan_reader_class(SimpleNamespace(IStreamReaderV2=StreamReaderBase))(path)
+    assert reader.read(100) == data[:100] and reader.seek(50, Seek.SET) and reader.read(100) == data[50:150]
+    assert reader.seek(1000, Seek.CUR) and reader.read(60) == data[1150:1210]  # a skip: hashed later
+    assert reader.seek(-10, Seek.END) and reader.read(100) == data[-10:] and not reader.seek(1, Seek.END)
+    assert reader.sha256() == hashlib.sha256(data).hexdigest()
+    assert reader.catch_up_bytes == len(data) - 150
+    reader.close()

@@ -22,6 +22,7 @@ from dflash_trt.engines.selfcheck import (
 )
 from dflash_trt.engines.sources import export_sources
 from dflash_trt.errors import EngineError
+from dflash_trt.export import contract
 from dflash_trt.export.contract import DimRange, GraphSpec, TensorSpec
 from test_engines_build import TOKENS, kv_attention_model, source
 
@@ -120,7 +121,27 @@ def test_random_feeds_are_valid_inputs_of_every_exported_graph(exported_pair):
         specs = {s.name: s for s in source.io.inputs + source.io.outputs}
         assert all(specs[present].shape == specs[past].shape for present, past in aliases.items())
         assert set(aliases) == {s.name for s in source.io.outputs if s.name.startswith("present_")}
-        out = run_reference(source, random_feeds(source.io, seed=0, int_range=(1, 3)))
+        out = run_reference(source, random_feeds(source.io, seed=0, int_range=(1, 3), block=exported_pair.manifest.block_size))
         assert set(out) == {s.name for s in source.io.outputs}
         floats = [t for t in out.values() if t.dtype.is_floating_point]
         assert all(torch.isfinite(t).all() for t in floats), source.name
+
+
+def test_every_profile_writes_at_another_start_per_owner_the_last_at_the_caches_end(exported_pair):
+    """Guards against a selfcheck blind to TensorRT's lower-right diagonal anchored at the padded
+    cache length: with every owner at the same small start the per-row and the padded readings
+    can agree. Every profile of both model graphs feeds each owner another start, none at 0,
+    the last one's rows (the draft's context rows and block) ending exactly at the cache's end."""
+    manifest = exported_pair.manifest
+    length, block = manifest.max_context, manifest.block_size
+    sources, _ = export_sources(exported_pair.out)
+    for graph in (s for s in sources if s.name in (contract.TARGET_MODEL, contract.DRAFT_MODEL)):
+        for profile in contract.profiles_of(graph.io):
+            feeds = random_feeds(graph.io, 0, (1, 3), profile.dims, block)
+            if graph.name == contract.TARGET_MODEL:
+                starts, span = feeds[contract.START].tolist(), feeds[contract.TOKENS].shape[1]
+            else:
+                starts, span = feeds[contract.CTX_START].tolist(), feeds[contract.CTX_TAPS].shape[1] + block
+                assert feeds[contract.CTX_COUNT].tolist()[0] == feeds[contract.CTX_TAPS].shape[1], profile.graph
+            assert len(set(starts)) == len(starts) and min(starts) > 0, (profile.graph, starts)
+            assert starts[-1] + span == length, (profile.graph, starts, span)

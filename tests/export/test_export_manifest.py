@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import fields
 
 import onnx
 import pytest
@@ -13,9 +14,10 @@ from dflash_trt.cli import main
 from dflash_trt.errors import ManifestError
 from dflash_trt.export import contract
 from dflash_trt.export.contract import Dims
-from dflash_trt.export.exporter import ExportOptions, up_to_date
+from dflash_trt.export.exporter import ExportOptions, contract_dims, up_to_date
 from dflash_trt.export.identity import file_sha256
 from dflash_trt.export.manifest import load_manifest
+from dflash_trt.export.pair import load_pair
 
 OPTIONS = ExportOptions(max_owners=3, max_context=64, dtype="fp32", shared_weights=True)
 
@@ -44,6 +46,21 @@ def test_manifest_records_the_facts_the_runtime_needs(exported_pair):
         assert graph.io == contract.graph_spec(m.dims(), name)
 
 
+def test_exporter_and_manifest_build_the_same_dims(exported_pair):
+    """Bug: the exporter's dims (from the models and options) and the manifest's (from its facts)
+    drift apart (a field taken from the wrong model, a size one of them does not set): for the
+    same pair and options both are equal, and every Dims field is a size, a stack field or the dtype."""
+    target, draft = load_pair(exported_pair.target_dir, exported_pair.draft_dir)
+    options = OPTIONS.resolve(exported_pair.target_dir, exported_pair.draft_dir)
+    assert contract_dims(target, draft, options) == exported_pair.manifest.dims()
+    stacks = [f"{model}_{name}" for model in ("target", "draft") for name in contract.STACK_FIELDS]
+    assert [f.name for f in fields(Dims)] == [*contract.SIZE_FIELDS, *stacks, "dtype"]
+    sizes = {name: getattr(exported_pair.manifest, name) for name in contract.SIZE_FIELDS}
+    assert Dims.of((5, 2, 16), (2, 2, 16), "float32", **sizes) == exported_pair.manifest.dims()
+    with pytest.raises(ValueError, match="shorter"):
+        Dims.of((5, 2), (2, 2, 16), "float32", **sizes)  # a stack without its head_dim
+
+
 def _set(key, value):
     def change(data):
         data[key] = value
@@ -54,12 +71,7 @@ def _set(key, value):
 def _relabel_proposals(data):
     """Edit proposals AND every recorded IO consistently: only the graph files can tell."""
     data["proposals"] = 5
-    fields = {k: data[k] for k in ("vocab_size", "tap_width", "block_size", "proposals", "max_owners", "max_context", "max_chunk")}
-    dims = Dims(
-        **fields,
-        target_layers=5, target_kv_heads=2, target_head_dim=16, draft_layers=2, draft_kv_heads=2, draft_head_dim=16,
-        dtype="float32",
-    )
+    dims = Dims.of((5, 2, 16), (2, 2, 16), "float32", **{k: data[k] for k in contract.SIZE_FIELDS})
     for name, graph in data["graphs"].items():
         graph.update(contract.graph_spec(dims, name).io_json())
 
@@ -96,6 +108,29 @@ def test_manifest_disagreeing_with_its_graphs_is_refused_naming_field_and_values
         load_manifest(out)
     for word in words:
         assert word in str(error.value), f"{word!r} not in: {error.value}"
+
+
+def test_tokenizer_files_the_manifest_names_are_checked(export_copy):
+    """Guards against an export serving text with a tokenizer other than its target's (a file replaced
+    after export) or naming one that is gone, and against a tokenizer entry escaping the directory."""
+    from dflash_trt.export.identity import file_sha256
+
+    out, edit = export_copy
+    (out / "tokenizer.json").write_text('{"version": "1.0"}')
+    digest = file_sha256(out / "tokenizer.json")
+    edit(lambda d: d.update(tokenizer={"tokenizer.json": digest}))
+    assert load_manifest(out).tokenizer == {"tokenizer.json": digest}
+    (out / "tokenizer.json").write_text('{"version": "2.0"}')
+    with pytest.raises(ManifestError, match=r"tokenizer sha256 of 'tokenizer.json' is [0-9a-f]{64} in the manifest but [0-9a-f]{64} on disk"):
+        load_manifest(out)
+    (out / "tokenizer.json").unlink()
+    with pytest.raises(ManifestError, match=r"tokenizer names file 'tokenizer.json', which is missing"):
+        load_manifest(out, verify="io")
+    edit(lambda d: d.update(tokenizer={"../tokenizer.json": digest}))
+    with pytest.raises(ManifestError, match=r"field 'tokenizer.../tokenizer.json' must be a file name inside"):
+        load_manifest(out, verify="none")
+    edit(lambda d: d.pop("tokenizer"))
+    assert load_manifest(out).tokenizer == {}  # a manifest written before the field: no tokenizer
 
 
 def test_missing_or_changed_graph_file_is_refused(export_copy, exported_pair):
@@ -140,5 +175,5 @@ def test_cli_export_is_a_no_op_when_up_to_date_and_refuses_bad_options(exported_
     assert main([*common, "--max-owners", "3", "--max-context", "64", "--dtype", "fp32", "--shared-weights"]) == 0
     assert "up to date" in capsys.readouterr().out
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == mtimes
-    assert main([*common, "--max-context", "64", "--proposals", "9"]) == 1
-    assert "proposals must be an int [2, 7], got 9" in capsys.readouterr().err
+    assert main([*common, "--max-context", "64", "--proposals", "9"]) == 2  # a usage error, refused before any work
+    assert "UsageError: export option proposals must be an int [2, 7], got 9" in capsys.readouterr().err

@@ -100,8 +100,10 @@ def run_script(backend, dims: c.Dims) -> list[dict[str, torch.Tensor]]:
 
 
 def pool_state(backend) -> dict[str, list[torch.Tensor]]:
+    """The sessions' rows of every pool (a row-indexed backend's scratch row past them is not state)."""
     backend.synchronize()
-    return {name: [t.cpu().clone() for t in pool.keys + pool.values] for name, pool in backend.pools.items()}
+    rows = backend.max_sessions
+    return {name: [t[:rows].cpu().clone() for t in pool.keys + pool.values] for name, pool in backend.pools.items()}
 
 
 def fill_pools(backend, seed: int) -> None:
@@ -109,7 +111,8 @@ def fill_pools(backend, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     for pool in backend.pools.values():
         for tensor in pool.keys + pool.values:
-            tensor.copy_(torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype))
+            sessions = tensor[: backend.max_sessions]  # the same values whether or not a scratch row follows
+            sessions.copy_(torch.randn(sessions.shape, generator=generator, dtype=tensor.dtype))
     if backend.device.type == "cuda":
         torch.cuda.synchronize()
 
@@ -305,6 +308,49 @@ def test_pools_are_allocated_once_at_fixed_addresses(backend, pair):
     name, feeds, first = script(pair[3])[0]
     backend.run(name, to(feeds, backend.device), first)
     assert addresses == [t.data_ptr() for pool in backend.pools.values() for t in pool.keys + pool.values]
+
+
+class _Log:
+    """A stream and a pool that write what is done to them into one shared list."""
+
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name = log, name
+
+    def synchronize(self) -> None:
+        self.log.append(f"{self.name} synchronize")
+
+    def close(self) -> None:
+        self.log.append(f"{self.name} close")
+
+
+class _Owning(OrtBackend):
+    """An ONNX Runtime backend whose stream and pools are logged, and whose own resources log their close."""
+
+    def _close_own(self) -> None:
+        self.log.append("own")
+        super()._close_own()
+
+
+def test_close_syncs_then_frees_own_resources_pools_and_stream_once(pair):
+    """Bug: the shared close frees the pools (or the stream) before the host sync, while enqueued work
+    may still write them; skips a backend's own resources; or frees something twice on a second
+    close (a double free of device memory)."""
+    backend = _Owning.from_export(pair[2], max_sessions=ROWS, lazy=True)
+    name, feeds, first = script(pair[3])[0]
+    backend.run(name, feeds, first)
+    assert backend.sessions and backend.models
+    for pool in backend.pools.values():
+        pool.close()  # the real memory, freed here; the backend then closes the logged stand-ins
+    backend.log = log = []
+    backend.stream = _Log(log, "stream")
+    backend.pools = {name: _Log(log, name) for name in ("target", "draft")}
+    backend.close()
+    assert log == ["stream synchronize", "own", "target close", "draft close", "stream close"]
+    assert backend.pools is None and backend.stream is None and not backend.sessions and not backend.models
+    backend.close()
+    assert log[5:] == ["own"]  # a second close frees nothing again
+    with pytest.raises(EngineError, match="closed"):
+        backend.run(name, feeds, first)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")

@@ -45,19 +45,24 @@ class FakeBuffer:
 
 class FakeGraph:
     captures = 0
+    fail = None  # an exception the next captures raise (a capture TensorRT or CUDA refuses)
 
     def __init__(self):
         self.launches = 0
+        self.closed = False
 
-    def capture(self, stream):
+    def capture(self, stream, mode="global"):
+        assert mode == "thread_local"  # other threads' CUDA calls must not invalidate it
         FakeGraph.captures += 1
+        if FakeGraph.fail is not None:
+            raise FakeGraph.fail
         return contextlib.nullcontext(self)
 
     def launch(self, stream):
         self.launches += 1
 
     def close(self):
-        pass
+        self.closed = True
 
 
 class FakeCuda:
@@ -215,12 +220,41 @@ def test_refusals_raise_engine_error(pools):
     """Bug: TensorRT's False returns (bad address, failed enqueue) are ignored and stale outputs returned."""
     engine, fake = _context("verify_argmax_1")
     fake.fail = True
-    with pytest.raises(EngineError, match="execute_async_v3 failed"):
+    with pytest.raises(EngineError, match=r"engine 'verify_argmax_1' \(verify_argmax_1\): TensorRT execute_async_v3\(1234\) failed \(returned False"):
         engine.run(_feeds(engine.spec, engine.route.max_sizes), {}, 0)
     fake.fail = False
     fake.set_tensor_address = lambda name, ptr: name != c.CANDIDATES
-    with pytest.raises(EngineError, match="refused the address of binding 'candidates'"):
+    with pytest.raises(EngineError, match=r"TensorRT set_tensor_address\('candidates', .*\) failed"):
         engine.run(_feeds(engine.spec, engine.route.max_sizes), {}, 0)
+
+
+def test_a_tensorrt_call_that_raises_is_an_engine_error_naming_the_call(pools):
+    """Guards against TensorRT's raising bindings (full TensorRT's set_optimization_profile_async
+    and set_input_shape raise RuntimeError where TensorRT-RTX returns False) escaping as an
+    untyped RuntimeError without the engine or the call: every failure is an EngineError
+    naming the engine, the run graph, the call and TensorRT's words."""
+    from dflash_trt.engines.calls import trt_call
+
+    engine, fake = _context("target_prefill")
+
+    def refuse(name, shape):
+        raise RuntimeError("IExecutionContext::setInputShape: Error Code 3: API Usage Error")
+
+    fake.set_input_shape = refuse
+    sizes = {c.OWNERS_DIM: 1, c.STEP_DIM: 3, c.PICKS_DIM: 1}
+    feeds = _feeds(engine.spec, sizes)
+    with pytest.raises(EngineError, match=r"engine 'target_model' \(target_prefill\): TensorRT set_input_shape\('tokens', \(1, 3\)\) raised RuntimeError: .*Error Code 3") as caught:
+        engine.run(feeds, sizes, 0)
+    assert isinstance(caught.value.__cause__, RuntimeError)
+
+    def profile(index, stream):
+        raise RuntimeError("setOptimizationProfileAsync: profile index out of range")
+
+    with pytest.raises(EngineError, match=r"engine 'target_model' \(target_verify_2\): TensorRT set_optimization_profile_async\(7, 1234\) raised RuntimeError: .*out of range"):
+        trt_call("engine 'target_model' (target_verify_2)", "set_optimization_profile_async", profile, 7, 1234)
+    with pytest.raises(EngineError, match=r"create_execution_context\(\) failed \(returned None"):
+        trt_call("engine 'draft_model'", "create_execution_context", lambda: None, none_fails=True)
+    assert trt_call("x", "set_device_memory", lambda: None) is None  # older TensorRT returns None: not a failure
 
 
 def test_cuda_graph_mode_captures_once_per_first_row(pools):
@@ -273,7 +307,7 @@ def test_contexts_share_one_scratch_buffer_as_large_as_the_largest_need():
     assert scratch.buffer.tensor.numel() == 65536
     refusing = FakeContext(c.graph_spec(DIMS, "draft_2"))
     refusing.set_device_memory = lambda ptr, size: False
-    with pytest.raises(EngineError, match=r"engine 'draft_2': TensorRT refused 65536 bytes of shared scratch"):
+    with pytest.raises(EngineError, match=r"run graph 'draft_2' \(shared scratch\): TensorRT set_device_memory\(.*, 65536\) failed"):
         scratch.attach("draft_2", refusing)
 
 
@@ -298,3 +332,128 @@ def test_plain_runs_enqueue_for_a_callers_capture_and_capturable_needs_every_con
     assert backend.capturable
     verify_fake.capturable, verify.capturable = False, None  # asked again: TensorRT-RTX refuses
     assert not backend.capturable
+
+
+def test_a_capture_that_fails_falls_back_to_eager_logged_once(pools, caplog):
+    """Guards against a CUDA-graph capture failure (TensorRT enqueue work that cannot be
+    recorded, an invalidated capture) ending the run graph or the whole backend, or flooding
+    the log: the run that captured still returns the warm-up's outputs, every later run of
+    that context enqueues eagerly without trying again, and two contexts of one backend that
+    both fail log one warning."""
+    from dflash_trt.errors import CudaError
+    from dflash_trt.runtime.device import CaptureFallback
+
+    fallback = CaptureFallback("the tensorrt backend")
+    contexts = []
+    for name in ("draft_2", "verify_argmax_2"):
+        route = route_of(DIMS, name)
+        fake = FakeContext(route.graph)
+        contexts.append((EngineContext(FakeCuda, route, fake, None, FakeStream(), True, fallback), fake))
+    FakeGraph.captures, FakeGraph.fail = 0, CudaError("capture invalidated", call="cudaStreamEndCapture", code="cudaErrorStreamCaptureInvalidated")
+    try:
+        with caplog.at_level("WARNING", logger="dflash_trt.runtime.device"):
+            for engine, fake in contexts:
+                feeds = _feeds(engine.spec, engine.route.max_sizes)
+                for first in (0, 1, 0):
+                    if engine.spec.cache_inputs:
+                        engine.bind_caches(first, pools["draft"].interleaved(first, 2))
+                    out = engine.run(feeds, engine.route.max_sizes, first)
+                    assert all(torch.all(t == 1) for t in out.values())
+                assert fake.executions == 3 and not engine.graphs and engine.capturable is False and not engine.input_buffers
+    finally:
+        FakeGraph.fail = None
+    assert FakeGraph.captures == 2 and fallback.failures == 2  # one attempt per context, never again
+    warnings = [r for r in caplog.records if "CUDA-graph capture" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "engine 'draft_model' (draft_2) at row 0" in warnings[0].getMessage() and "capture invalidated" in warnings[0].getMessage()
+
+
+class ProfiledContext(FakeContext):
+    """A context of a model engine: it takes an optimization profile (full TensorRT raises on a bad one)."""
+
+    def __init__(self, spec, refuse=False):
+        super().__init__(spec)
+        self.refuse, self.profile = refuse, None
+
+    def set_optimization_profile_async(self, index, stream):
+        if self.refuse:
+            raise RuntimeError("IExecutionContext::setOptimizationProfileAsync: Error Code 3")
+        self.profile = index
+        return True
+
+
+class RecordingFlavour:
+    """Flavour.execution_context over fake contexts, recording what each run graph asked for."""
+
+    def __init__(self, refuse=()):
+        self.asked, self.refuse = {}, refuse
+
+    def execution_context(self, engine, cache_dir, name, user_memory=False, specialize=False):
+        self.asked[name] = (user_memory, specialize)
+        return ProfiledContext(route_of(DIMS, name).graph, refuse=name in self.refuse), None
+
+
+def _opening_backend():
+    from dflash_trt.runtime.backends.trt_backend import SharedScratch
+    from dflash_trt.runtime.device import CaptureFallback
+
+    backend = TensorRTBackend.__new__(TensorRTBackend)
+    backend.stream, backend.runtime_cache_dir = FakeStream(), None
+    backend.scratch = SharedScratch(FakeCuda, {name: 64 for name in routes(DIMS)}, FakeStream())
+    backend.fallback = CaptureFallback("test")
+    return backend
+
+
+def test_every_context_but_the_chunked_ones_specializes_and_each_gets_its_profile():
+    """Guards against a captured run graph (verify, draft, decode, verdicts, the sampler a decode
+    program captures) keeping TensorRT-RTX's lazily specialized fallback kernels, against a
+    kernel compiled synchronously per prompt length for the chunked ones (prefill, context),
+    and against a model context left at profile 0: each context gets user memory, its route's
+    profile, and eager specialization unless its run graph is chunked."""
+    backend, flavour = _opening_backend(), RecordingFlavour()
+    for name, route in routes(DIMS).items():
+        context = backend._open_context(FakeCuda, flavour, None, route, cuda_graphs=False)
+        assert context.context.profile == (route.index if route.graph.profiles else None), name
+    chunked = {name for name, (_, specialize) in flavour.asked.items() if not specialize}
+    assert chunked == {"target_prefill", "draft_context"} and all(user for user, _ in flavour.asked.values())
+
+
+def test_a_profile_full_tensorrt_refuses_is_an_engine_error_naming_the_call():
+    """Guards against full TensorRT's set_optimization_profile_async raising a bare RuntimeError
+    out of the backend's constructor (TensorRT-RTX returns False instead)."""
+    backend, flavour = _opening_backend(), RecordingFlavour(refuse={"target_verify_2"})
+    with pytest.raises(EngineError, match=r"engine 'target_model' \(target_verify_2\): TensorRT set_optimization_profile_async\(\d+, 1234\) raised RuntimeError: .*Error Code 3"):
+        backend._open_context(FakeCuda, flavour, None, routes(DIMS)["target_verify_2"], cuda_graphs=False)
+
+
+def test_a_whole_cycle_capture_that_fails_runs_every_program_eagerly_logged_once(caplog):
+    """Guards against a failed whole-cycle capture (a TensorRT enqueue that cannot be recorded,
+    another thread's CUDA call) killing the executor's launch, or retrying and logging on every
+    new program key: the launch that tried still ran its program eagerly, capture is then off
+    for the loop, later programs run eagerly, one warning names the program and the reason."""
+    from types import SimpleNamespace
+
+    from dflash_trt.runtime.device import CaptureFallback
+    from dflash_trt.runtime.device_loop import CYCLE, DECODE, DeviceLoop, Key
+
+    loop = DeviceLoop.__new__(DeviceLoop)
+    loop.graphs, loop.captured, loop.fallback = True, {}, CaptureFallback("the device loop")
+    loop.row_indexed, loop.next_entry, loop.ring = False, 0, 4
+    loop.backend = SimpleNamespace(plain_runs=contextlib.nullcontext)
+    loop.timeline = SimpleNamespace(mark=lambda: 0.0)
+    programs, attempts = [], []
+    loop._program, loop._download = programs.append, lambda key, owners, entry: None
+
+    def capture(key):
+        attempts.append(key)
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    loop._capture = capture
+    launches = [(CYCLE, False, [0, 1]), (DECODE, True, [3])]
+    with caplog.at_level("WARNING", logger="dflash_trt.runtime.device"):
+        for kind, sampled, rows in launches * 2:
+            loop.launch(kind, sampled, rows)
+    keys = [Key(CYCLE, False, 2, 0), Key(DECODE, True, 1, 3)]
+    assert programs == keys * 2 and attempts == keys[:1] and not loop.captured and loop.graphs is False
+    warnings = [r.getMessage() for r in caplog.records if "CUDA-graph capture" in r.getMessage()]
+    assert len(warnings) == 1 and "cycle program for 2 owners at row 0" in warnings[0] and "not permitted" in warnings[0]

@@ -11,19 +11,17 @@ from dflash_trt.runtime.cycles import (
     DYNAMIC,
     STATIC,
     TARGET,
-    Group,
-    LoopShape,
+    RowRun,
     block_fits,
     chunks,
     cycle_mode,
-    make_bursts,
-    may_launch,
+    make_verdicts,
     pack_rows,
     pick_row,
     plan_context,
+    prefill_batches,
     static_context,
     sampling_rows,
-    take,
     trim_context,
 )
 
@@ -32,14 +30,14 @@ def test_pack_rows_splits_at_gaps_and_max_owners():
     """Guards against packing non-adjacent rows into one call (a graph binds first..first+n-1 and would write a stranger's row)."""
     rows = [5, 0, 1, 2, 7, 3, 4, 9]
     groups = pack_rows(rows, 4)
-    assert groups == [Group(0, (1, 2, 3, 5)), Group(4, (6, 0)), Group(7, (4,)), Group(9, (7,))]
+    assert groups == [RowRun(0, (1, 2, 3, 5)), RowRun(4, (6, 0)), RowRun(7, (4,)), RowRun(9, (7,))]
     for group in groups:
         assert [rows[m] for m in group.members] == list(range(group.first_row, group.first_row + group.owners))
 
 
 def test_pack_rows_single_owner_calls_and_empty():
     """Guards against max_owners=1 merging rows, and against an empty ready set producing a call."""
-    assert pack_rows([3, 2], 1) == [Group(2, (1,)), Group(3, (0,))]
+    assert pack_rows([3, 2], 1) == [RowRun(2, (1,)), RowRun(3, (0,))]
     assert pack_rows([], 4) == []
 
 
@@ -91,22 +89,22 @@ def test_trim_context():
     assert trim_context(15, 10, 0) == (0, 0)
 
 
-def test_make_bursts():
+def test_make_verdicts():
     """Guards against off-by-one in emitted tokens (choices[:a+1]) and the new frontier (start + a + 1)."""
     proposals = np.array([[11, 12, 13], [21, 22, 23], [31, 32, 33]])
-    bursts = make_bursts(proposals, np.array([0, 2, 3]), np.array([40, 50, 60]), [100, 7, 0], vocab_size=97)
-    assert [b.tokens for b in bursts] == [(40,), (21, 22, 50), (31, 32, 33, 60)]
-    assert [b.accepted for b in bursts] == [0, 2, 3]
-    assert [b.bonus for b in bursts] == [False, False, True]
-    assert [b.frontier for b in bursts] == [101, 10, 4]
-    assert [b.context_rows for b in bursts] == [1, 3, 4]
+    verdicts = make_verdicts(proposals, np.array([0, 2, 3]), np.array([40, 50, 60]), [100, 7, 0], vocab_size=97)
+    assert [b.tokens for b in verdicts] == [(40,), (21, 22, 50), (31, 32, 33, 60)]
+    assert [b.accepted for b in verdicts] == [0, 2, 3]
+    assert [b.bonus for b in verdicts] == [False, False, True]
+    assert [b.frontier for b in verdicts] == [101, 10, 4]
+    assert [b.context_rows for b in verdicts] == [1, 3, 4]
 
 
 @pytest.mark.parametrize("accepted, token", [(4, 1), (-1, 1), (1, 97), (1, -2)])
-def test_make_bursts_refuses_bad_verdicts(accepted, token):
+def test_make_verdicts_refuses_bad_verdicts(accepted, token):
     """Guards against committing a corrupted device verdict (must fail and poison, not emit garbage)."""
     with pytest.raises(ValueError, match="verdict of owner 0"):
-        make_bursts(np.array([[1, 2, 3]]), np.array([accepted]), np.array([token]), [0], vocab_size=97)
+        make_verdicts(np.array([[1, 2, 3]]), np.array([accepted]), np.array([token]), [0], vocab_size=97)
 
 
 def test_sampling_rows_split_the_seed_and_keep_the_positions():
@@ -132,28 +130,14 @@ def test_pick_row_keeps_runs_consecutive():
     assert pick_row([20, 30], [0]) == 20
 
 
-SHAPE = LoopShape(width=4, need=8, max_context=40, max_cycles=3)  # cycles of P+1 = 4, blocks of 8
-
-
-def test_may_launch_bounds_the_cycle_in_flight_by_its_worst_case():
-    """Guards against launching a cycle that could write past the cache (judged from the last READ
-    frontier while one cycle is still in flight), one that no room is left for, or more than max_cycles."""
-    assert may_launch(32, 0, 0, 10, False, SHAPE)  # 32 + 8 <= 40
-    assert not may_launch(33, 0, 0, 10, False, SHAPE)
-    assert may_launch(28, 1, 1, 10, False, SHAPE)  # the unread cycle may end at 32
-    assert not may_launch(29, 1, 1, 10, False, SHAPE)
-    assert not may_launch(0, 1, 1, 1, False, SHAPE)  # the unread cycle yields >= 1 token: no room left
-    assert may_launch(0, 1, 1, 2, False, SHAPE)
-    assert not may_launch(0, 0, 3, 10, False, SHAPE)  # max_cycles
-    assert not may_launch(0, 0, 0, 10, True, SHAPE)  # finished (stop token seen)
-    assert may_launch(0, 0, 0, None, False, SHAPE) and not may_launch(0, 0, 1, None, False, SHAPE)  # one step
-
-
-def test_take_cuts_at_room_and_first_stop():
-    """Guards against returning tokens past max_new_tokens or past a stop token (or dropping the stop)."""
-    assert take([5, 7, 9], 10, {7}) == ((5, 7), True)
-    assert take([5, 7, 9], 2, set()) == ((5, 7), True)
-    assert take([5, 7, 9], 3, set()) == ((5, 7, 9), True)
-    assert take([5, 7, 9], 4, {1}) == ((5, 7, 9), False)
-    assert take([5, 7], None, set()) == ((5, 7), False)
-    assert take([7, 7], 5, {7}) == ((7,), True)
+def test_prefill_batches_respect_the_token_budget_and_pad_to_neighbours():
+    """Guards against a batched prefill launch larger than its token budget (padding included), a
+    prompt left out or taken twice, and padding short prompts to a long one's length."""
+    lengths = [5, 40, 7, 33, 100, 1, 64]
+    batches = prefill_batches(lengths, budget=96, quantum=8)
+    assert sorted(i for members, _ in batches for i in members) == list(range(len(lengths)))
+    for members, width in batches:
+        assert width % 8 == 0 and width >= max(lengths[i] for i in members)
+        assert len(members) * width <= 96 or len(members) == 1  # a prompt past the budget goes alone
+    assert batches[0] == ((5, 0, 2), 8)  # the short ones together
+    assert prefill_batches([], 96, 8) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 
 import numpy as np
 import polars as pl
@@ -39,7 +40,8 @@ def new_executor(tiny: Tiny, max_sessions: int = 16, backend: str = "onnxruntime
         # The backend moves its modules to the GPU: give it copies, the CPU oracle keeps the originals.
         torch_cuda = TorchBackend(copy.deepcopy(tiny.target), copy.deepcopy(tiny.draft), dims, max_sessions, device="cuda")
         return Executor(recording := RecordingBackend(torch_cuda), dims, max_sessions), recording
-    return Executor(recording := RecordingBackend(tiny.torch_backend(dims, max_sessions)), dims, max_sessions), recording
+    kernels = "fast" if backend == "torch-fast" else "auto"  # fast: the kernels' CPU twin, row-indexed programs
+    return Executor(recording := RecordingBackend(tiny.torch_backend(dims, max_sessions, kernels)), dims, max_sessions), recording
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -74,7 +76,7 @@ def checked(tiny, tracker: Tracker, backend: RecordingBackend):
 
 @pytest.mark.parametrize(
     "backend",
-    ["onnxruntime", "torch", pytest.param("torch-cuda", marks=pytest.mark.gpu),
+    ["onnxruntime", "torch", "torch-fast", pytest.param("torch-cuda", marks=pytest.mark.gpu),
      pytest.param("onnxruntime-cuda", marks=pytest.mark.gpu)],
 )
 def test_lossless_sixteen_sessions_with_clones_rewinds_joins_and_leaves(tiny, oracle, backend):
@@ -215,7 +217,7 @@ def test_stats_count_every_token_and_tau_matches_reference(tiny, tmp_path):
     assert cycles["emitted"].sum() == len(returned)
     spec = cycles.filter(pl.col("mode") != "target")
     assert spec["accepted"].to_list() == reference.accepted
-    assert spec["emitted"].mean() == pytest.approx(reference.tau)
+    assert (spec["accepted"] + 1).mean() == pytest.approx(reference.tau)
     assert cycles.filter(pl.col("mode") == "target").height == 1 + reference.target_steps
     for counter, column in (("cycles", None), ("proposed", "proposed"), ("accepted", "accepted"), ("bonuses", "bonus")):
         assert executes[counter].sum() == (spec.height if column is None else spec[column].cast(pl.Int64).sum())
@@ -226,7 +228,66 @@ def test_stats_count_every_token_and_tau_matches_reference(tiny, tmp_path):
     assert pl.read_parquet(paths[0]).equals(cycles) and pl.read_parquet(paths[1]).equals(executes)
 
 
-@pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
+def default_pair_case():
+    """The shipped default pair on the torch backend (CPU, fp32, no export): τ ≈ 3-6, so a session's
+    last cycle often fills its budget while the next one is in flight. Prompts: held-out code."""
+    import json
+
+    from dflash_trt.export.exporter import ExportOptions, contract_dims
+    from dflash_trt.export.pair import DEFAULT_PAIR_DIR, load_pair
+    from dflash_trt.export.tokenizer import Tokenizer
+    from dflash_trt.runtime.backends.torch_backend import TorchBackend
+
+    dirs = DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft"
+    target, draft = load_pair(*dirs, dtype=torch.float32)
+    dims = contract_dims(target, draft, ExportOptions(max_owners=1, max_context=256, dtype="fp32").resolve(*dirs))
+    tokenizer = Tokenizer.from_dir(dirs[0])
+    lines = (DEFAULT_PAIR_DIR / "prompts.jsonl").read_text().splitlines()[5:8]
+    prompts = [tokenizer.encode(json.loads(line)["prompt"])[-100:] for line in lines]
+    return target, draft, lambda: TorchBackend(target, draft, dims, 1), prompts, 64
+
+
+def lagged_run(backend, prompt_ids: list[int], budget: int, lag: bool):
+    """One session to ``budget`` tokens through budgeted executes (≤ 8 cycles each): (tokens, cycles, executes, launches)."""
+    with Executor(backend, max_sessions=1, max_cycles=8, lag=lag) as executor:
+        s = executor.open_session()
+        returned = executor.execute([Input(s, prompt_ids, max_new_tokens=budget)])[0]
+        while len(returned) < budget:
+            returned += executor.execute([Input(s, [executor.session(s).pending], max_new_tokens=budget - len(returned))])[0]
+        return returned, executor.cycle_stats(), executor.execute_stats(), executor.loop.timeline.launches
+
+
+@pytest.mark.parametrize("case", ["default-pair-torch", "tiny-onnxruntime"])
+def test_lag_on_and_off_log_the_same_rows_and_tau_as_the_reference(tiny, case):
+    """Guards against a cycle launched ahead (the host one cycle behind, ``lag``) landing in the stats
+    after its tokens were discarded: its session had filled its budget with the cycle before, so the
+    caller never saw them (the default pair, 64 new tokens: 13 rows, 73 emitted for 64 returned). With
+    lag on and off the cycle rows (timing aside) must be the same, Σ emitted the tokens returned, and the
+    speculative rows' acceptances and τ the reference decoder's; lag on must really have launched more."""
+    if case == "default-pair-torch":
+        target, draft, backend, prompts, budget = default_pair_case()
+    else:  # seed 5, 10 tokens: a discarded read-ahead cycle on the tiny pair
+        target, draft, backend, prompts, budget = tiny.target, tiny.draft, lambda: tiny.ort, [prompt(11, 5)], 10
+    extra_launches = 0
+    for p in prompts:
+        reference = ReferenceDecoder(target, draft, max_context=256 if case.startswith("default") else tiny.dims.max_context)
+        expected = reference.generate_dflash(p, budget)
+        rows, launches = {}, {}
+        for lag in (True, False):
+            returned, cycles, executes, launches[lag] = lagged_run(backend(), p, budget, lag)
+            spec = cycles.filter(pl.col("mode") != "target")
+            assert returned == expected.tokens
+            assert cycles["emitted"].sum() == len(returned) == budget
+            assert spec["accepted"].to_list() == expected.accepted
+            assert (spec["accepted"] + 1).mean() == pytest.approx(expected.tau)
+            assert executes["cycles"].sum() == spec.height and executes["accepted"].sum() == spec["accepted"].sum()
+            rows[lag] = cycles.drop("draft_ms", "verify_ms", "host_ms", "end_ms")
+        assert rows[True].equals(rows[False])
+        extra_launches += launches[True] - launches[False]
+    assert extra_launches > 0  # the read-ahead cycle really ran, and was left out
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch", "torch-fast"])
 def test_budgeted_executes_cut_rewind_and_continue_losslessly(tiny, oracle, backend):
     """Guards against a wrong rewind after a multi-cycle execute discards tokens past a stop token or
     max_new_tokens (a cycle in flight when the stop was read): the next calls must continue from the
@@ -359,3 +420,92 @@ def test_failure_poisons_the_batch_sessions_only(tiny, oracle):
     fresh = t.open()  # reuses a poisoned row: must start clean
     t.execute([(fresh, prompt(10, 4), None, True)] + t.decode_inputs([bystander]))
     t.execute(t.decode_inputs([fresh, bystander]))
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch", "torch-fast"])
+def test_tokens_per_call_do_not_depend_on_batching(tiny, oracle, backend):
+    """Guards against a lane's budget being cut by its neighbours: an execute stopped a group's cycles
+    as soon as one lane was done, so a session given max_new_tokens=20 returned its 20 tokens alone but
+    7 beside a one-step input on the next row. Each lane now launches until its own room, stop or
+    max_cycles end it."""
+    executor, _ = new_executor(tiny, 6, backend)
+    assert executor.loop.row_indexed == (backend == "torch-fast")  # one program per padded count, any rows
+    executor.max_cycles = 8
+    text = prompt(9, 1)
+    gc.collect()  # executors of earlier tests give their rows of the shared backend back: the next rows are neighbours
+    a, one_step, short = executor.open_session(), executor.open_session(), executor.open_session()
+    alone_session = executor.open_session()
+    alone = executor.execute_outputs([Input(alone_session, text, max_new_tokens=20)])[0]
+    executor.close_session(alone_session)
+    rows = [executor.session(s).row for s in (a, one_step, short)]
+    assert sorted(rows) == list(range(min(rows), min(rows) + 3))  # neighbours: one group on row-bound backends
+    outputs = executor.execute_outputs(
+        [Input(a, text, max_new_tokens=20), Input(one_step, prompt(5, 2)), Input(short, prompt(6, 3), max_new_tokens=2)]
+    )
+    assert outputs[0] == alone
+    assert alone.tokens == oracle.continuation(text)[: len(alone.tokens)]
+    assert len(alone.tokens) >= 1 + executor.max_cycles  # the prediction, then >= 1 token from each of max_cycles launches
+    assert len(outputs[2].tokens) == 2 and outputs[2].finish == "length"
+
+
+def test_outputs_say_why_they_ended(tiny, oracle):
+    """Guards against callers re-deriving finish reasons (re-truncating and re-scanning stop tokens, asking
+    the session's frontier): the executor reports LENGTH, STOP (the stop token kept) and CONTEXT itself."""
+    executor, _ = new_executor(tiny, 6)
+    L = executor.dims.max_context
+    text = prompt(7, 4)
+    expected = oracle.continuation(text)
+    s1, s2, s4 = (executor.open_session() for _ in range(3))
+    s3 = executor.open_session(speculate=False)  # decodes max_cycles steps per execute up to the end
+    stop = expected[2]
+    outputs = executor.execute_outputs(
+        [
+            Input(s1, text, max_new_tokens=3),
+            Input(s2, text, max_new_tokens=30, stop=[stop]),
+            Input(s3, prompt(L - 3, 5), max_new_tokens=10),
+            Input(s4, text),
+        ]
+    )
+    assert outputs[0].tokens == expected[:3] and outputs[0].finish == "length"
+    cut = expected.index(stop) + 1
+    assert outputs[1].tokens == expected[:cut] and outputs[1].finish == "stop"
+    # Tokens at positions L-3 .. L: the last one can never be fed (its K/V would need slot L).
+    assert len(outputs[2].tokens) == 4 and outputs[2].finish == "context"
+    assert outputs[3].finish is None and outputs[3].tokens == expected[: len(outputs[3].tokens)]
+
+
+def test_joining_prompts_are_prefilled_together_losslessly(tiny, oracle):
+    """Guards against batched prefill (one ragged launch for every joining prompt, padded rows masked)
+    writing padding into a cache, attending past a prompt's end or draining the wrong taps: outputs of
+    prompts of mixed lengths, greedy and sampled, drafting and plain, must equal the reference's, with
+    fewer target launches than prompts."""
+    dims = tiny_dims(tiny.target, tiny.draft, tiny.dims.max_context, max_chunk=40)
+    executor = Executor(tiny.torch_backend(dims, 8, kernels="fast"), dims, 8)
+    t = Tracker(executor, oracle)
+    sessions = [t.open() for _ in range(5)] + [t.open(speculate=False)]
+    t.set_sampling(sessions[1], SAMPLED)
+    lengths = [3, 30, 17, 1, 25, 9]  # drafting prompts longer than B drain through the batched draft_context
+    t.execute([(s, prompt(n, 50 + s), None, True, {"max_new_tokens": 12}) for s, n in zip(sessions, lengths)])
+    counters = executor.execute_stats()
+    assert counters["target_preamble_calls"].sum() == len(sessions)
+    assert counters["target_preamble_forwards"].sum() < len(sessions)
+    for _ in range(3):
+        t.execute([item + ({"max_new_tokens": 5},) for item in t.decode_inputs(sessions)])
+
+
+def test_start_up_prefill_warm_up_touches_no_session_row(tiny, oracle):
+    """Guards against the start-up warm-up of batched prefill shapes (run so no kernel compiles while
+    serving) writing anywhere but the scratch row: a session opened before it keeps its caches and its
+    output."""
+    dims = tiny_dims(tiny.target, tiny.draft, tiny.dims.max_context, max_chunk=40)
+    executor = Executor(tiny.torch_backend(dims, 4, kernels="fast"), dims, 4)
+    t = Tracker(executor, oracle)
+    s = t.open()
+    t.execute([(s, prompt(12, 7), None, True, {"max_new_tokens": 4})])
+    backend = executor.backend
+    before = {name: [x[: backend.max_sessions].clone() for x in pool.keys + pool.values] for name, pool in backend.pools.items()}
+    assert executor._warm_prefill() > 1
+    for name, pool in backend.pools.items():
+        for old, new in zip(before[name], pool.keys + pool.values):
+            assert torch.equal(old, new[: backend.max_sessions]), name
+    t.execute([item + ({"max_new_tokens": 6},) for item in t.decode_inputs([s])])  # still the reference's tokens

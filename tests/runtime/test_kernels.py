@@ -185,6 +185,35 @@ def test_fast_graphs_equal_eager_graphs_on_cpu(fast_pair):
         assert_same_pools(pool_state(eager), pool_state(fast), atol=1e-4)
 
 
+def test_row_indexed_runs_equal_row_range_runs(fast_pair):
+    """Bug: a program over cache rows given as a device tensor (any rows, any order, padded with the
+    scratch row) reads or writes other rows than the same owners run one by one at their row views:
+    a stranger's cache changed, or an owner attending over another's keys."""
+    target_dir, draft_dir, out, dims = fast_pair
+    P, B = dims.proposals, dims.block_size
+    with TorchBackend.from_checkpoints(target_dir, draft_dir, out, max_sessions=ROWS, kernels="fast") as indexed, \
+            TorchBackend.from_checkpoints(target_dir, draft_dir, out, max_sessions=ROWS, kernels="fast") as ranged:
+        for backend in (indexed, ranged):
+            fill_pools(backend, seed=9)
+        g = torch.Generator().manual_seed(2)
+        n, rows, scratch = dims.max_owners, [3, 1], ROWS  # n - 2 padded lanes at the scratch row
+        tokens = torch.randint(0, dims.vocab_size, (n, P + 1), generator=g)
+        start = torch.tensor([5, 9, 0, 0, 0][:n])
+        slots = torch.tensor(rows + [scratch] * (n - 2))
+        got = indexed.run_at(c.graph_name(c.TARGET_VERIFY, n), {c.TOKENS: tokens, c.START: start}, slots)
+        taps = torch.randn(n, B, dims.tap_width, generator=g)
+        feeds = {c.CTX_TAPS: taps, c.CTX_START: start, c.CTX_COUNT: torch.tensor([2, 3, 1, 1, 1][:n]), c.ANCHOR: tokens[:, 0].contiguous()}
+        drafted = indexed.run_at(c.graph_name(c.DRAFT, n), feeds, slots)
+        for i, row in enumerate(rows):
+            one = ranged.run(c.graph_name(c.TARGET_VERIFY, 1), {c.TOKENS: tokens[i : i + 1], c.START: start[i : i + 1]}, row)
+            torch.testing.assert_close(got[c.LOGITS][i], one[c.LOGITS][0], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(got[c.TAPS][i], one[c.TAPS][0], atol=1e-4, rtol=1e-4)
+            single = {name: value[i : i + 1] for name, value in feeds.items()}
+            proposals = ranged.run(c.graph_name(c.DRAFT, 1), single, row)[c.PROPOSALS]
+            assert torch.equal(drafted[c.PROPOSALS][i], proposals[0])
+        assert_same_pools(pool_state(indexed), pool_state(ranged), atol=1e-4)  # row 0, 2, 5.. untouched in both
+
+
 def test_fast_target_taps_the_last_layer_like_the_reference(tmp_path):
     """Bug: the fast target's tap of the last layer differs from the reference's (with TargetModel.tap_of,
     HF's hidden_states[-1]: the final-normed state; taps fused into the GEMM epilogue are residuals)."""

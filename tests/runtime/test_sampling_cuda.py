@@ -1,4 +1,4 @@
-"""The CUDA kernel of the token choice (``runtime/backends/sampling_kernels.py``) against the definition.
+"""The CUDA kernel of the token choice (``runtime/kernels/sampling.py``) against the definition.
 
 The torch backend on CUDA runs ``torch.ops.dflash_trt.choose`` as fused
 Triton passes; they must choose what the eager definition (``sampling.choose``)
@@ -30,8 +30,9 @@ TRITON = importlib.util.find_spec("triton") is not None
 
 @pytest.fixture(scope="module")
 def kernels():
-    from dflash_trt.runtime.backends import sampling_kernels as kernels
+    from dflash_trt.runtime.kernels import sampling as kernels
 
+    kernels.register_cuda_choose()  # torch.ops.dflash_trt.choose on CUDA runs choose_cuda from here on
     return kernels
 
 
@@ -70,13 +71,8 @@ def edge_rows(vocab: int, rng: np.random.Generator) -> np.ndarray:
     return np.stack(rows).astype(np.float32)
 
 
-@gpu
-@pytest.mark.parametrize("vocab", [5, 1000, 4096, 4097, 151936])
-def test_cuda_kernel_edge_rows_and_chunk_edges(kernels, vocab):
-    """Guards against a kernel that is right on gaussian rows only: ties (first index wins, ties at
-    the k-th value all kept), -inf logits, -0.0 versus +0.0, top_k = 1, top_p near 0 and near 1,
-    near-greedy temperatures, and vocabularies smaller than, equal to and one past a chunk; every
-    row under every setting equals the definition on the CPU."""
+def edge_inputs(vocab: int) -> list[torch.Tensor]:
+    """``edge_rows`` under every one of EDGE_SETTINGS: the op's six CPU inputs."""
     rng = np.random.default_rng(vocab)
     base = edge_rows(vocab, rng)
     settings = [(t, min(k, vocab), p) for t, k, p in EDGE_SETTINGS]
@@ -87,7 +83,17 @@ def test_cuda_kernel_edge_rows_and_chunk_edges(kernels, vocab):
     top_p = torch.tensor([p for _, _, p in settings] * len(base), dtype=torch.float32)
     seed = torch.tensor([seed_parts(int(s)) for s in rng.integers(0, 2**62, rows)], dtype=torch.int64)
     position = torch.from_numpy(rng.integers(0, sampling.PRIME, rows))
-    cpu = [logits, temperature, top_k, top_p, seed, position]
+    return [logits, temperature, top_k, top_p, seed, position]
+
+
+@gpu
+@pytest.mark.parametrize("vocab", [5, 1000, 4096, 4097, 151936])
+def test_cuda_kernel_edge_rows_and_chunk_edges(kernels, vocab):
+    """Guards against a kernel that is right on gaussian rows only: ties (first index wins, ties at
+    the k-th value all kept), -inf logits, -0.0 versus +0.0, top_k = 1, top_p near 0 and near 1,
+    near-greedy temperatures, and vocabularies smaller than, equal to and one past a chunk; every
+    row under every setting equals the definition on the CPU."""
+    cpu = edge_inputs(vocab)
     with torch.no_grad():
         fused = torch.ops.dflash_trt.choose(*[t.cuda() for t in cpu]).cpu()
         reference = sampling.choose(*cpu)
@@ -113,9 +119,40 @@ def test_cuda_kernel_replays_in_a_cuda_graph(kernels):
             assert torch.equal(out, sampling.choose(*inputs))
 
 
+INTERPRETED_CHOICE = """
+import sys, torch
+from dflash_trt.runtime.kernels.sampling import choose_cuda
+
+inputs = torch.load(sys.argv[1])
+torch.save(choose_cuda(*inputs), sys.argv[2])
+"""
+
+
+@pytest.mark.skipif(not TRITON, reason="needs triton (it ships with the CUDA builds of torch)")
+def test_fused_passes_in_the_interpreter_choose_what_the_definition_chooses(tmp_path):
+    """Bug: an edit of the kernels' Triton code (a shared helper, a moved stage) changes the function
+    where no GPU is at hand to notice: all ten passes, run by Triton's interpreter on the CPU
+    (tl.exp/tl.log for libdevice's), choose the definition's token for the tied and the masked edge
+    rows under every setting, over a vocabulary one token past a chunk (two programs per row)."""
+    from dflash_trt.runtime.kernels.sampling import BLOCK
+
+    settings = len(EDGE_SETTINGS)
+    # Rows of edge_inputs: edge_rows' rows 1 (integer levels: ties) and 2 (half masked), each under
+    # every setting (the interpreter runs each program in turn: ~10 ms a program).
+    inputs = [t[settings : 3 * settings] for t in edge_inputs(BLOCK + 1)]
+    given, chosen = tmp_path / "inputs.pt", tmp_path / "chosen.pt"
+    torch.save(inputs, given)
+    env = dict(os.environ, TRITON_INTERPRET="1")  # read when the kernels' module is imported
+    command = [sys.executable, "-c", INTERPRETED_CHOICE, str(given), str(chosen)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    fused, reference = torch.load(chosen), sampling.choose(*inputs)
+    assert torch.equal(fused, reference), (fused != reference).nonzero()[:10, 0].tolist()
+
+
 MULMOD_CHECK = """
 import torch, triton, triton.language as tl
-from dflash_trt.runtime.backends.sampling_kernels import _mulmod
+from dflash_trt.runtime.kernels.sampling import _mulmod
 
 @triton.jit
 def mulmod_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):

@@ -28,7 +28,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dflash_trt.cli import main as cli_main
-from dflash_trt.errors import ServingError
+from dflash_trt.errors import ServingError, UsageError
 from dflash_trt.export import contract as c
 from dflash_trt.export.pair import DEFAULT_PAIR_DIR, load_pair
 from dflash_trt.export.reference import ReferenceDecoder
@@ -387,7 +387,7 @@ def test_dtype_and_max_owners_only_where_they_apply(flags):
     ONNX export) fixes the geometry: refused before anything is exported or loaded."""
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
-    with pytest.raises(ServingError, match="--dtype and --max-owners apply to --backend torch without --artifacts"):
+    with pytest.raises(UsageError, match="--dtype and --max-owners apply to --backend torch without --artifacts"):
         command.run(parser.parse_args(flags))
 
 
@@ -565,7 +565,7 @@ def test_port_checked_before_anything_loads(monkeypatch):
     ServingError before anything loads."""
     from dflash_trt.cli import build_parser
 
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="--port: must be a TCP port in"):
         build_parser("serve").parse_args(["serve", "--port", "70000"])
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)

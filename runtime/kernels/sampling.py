@@ -30,6 +30,9 @@ the masses differs, which can change a top-p decision only when a mass equals
 top_p x total to within float rounding. Deterministic: float sums run in a
 fixed order, atomics only add or max integers. tests/runtime/test_sampling_cuda.py
 holds it against the eager module.
+
+Importing this module registers nothing: ``register_cuda_choose()`` (called by
+the torch backend when it sets up CUDA) makes ``choose_cuda`` the op's CUDA kernel.
 """
 
 from __future__ import annotations
@@ -149,6 +152,13 @@ def _lane(seed_ptr, row, position, c0, c1, c2, c3, c4):
 
 
 @triton.jit
+def _row_keys(seed_ptr, position_ptr, row, A0, A1, A2, A3, A4, B0, B1, B2, B3, B4):
+    """The row's two hash keys for the token at its position (what every token's noise mixes in)."""
+    position = tl.load(position_ptr + row)
+    return _lane(seed_ptr, row, position, A0, A1, A2, A3, A4), _lane(seed_ptr, row, position, B0, B1, B2, B3, B4)
+
+
+@triton.jit
 def _noise_scores(z, offsets, key_a, key_b):
     """z + g(seed, position, token) for the tile's tokens (the integer hash, then Gumbel)."""
     tokens = offsets.to(tl.uint32)
@@ -209,9 +219,7 @@ def _argmax_logits(logits_ptr, row, chunk, vocab, BLOCK: tl.constexpr, SUB: tl.c
 def _argmax_noise(logits_ptr, seed_ptr, position_ptr, row, chunk, vocab, scale, keep_below,
                   A0, A1, A2, A3, A4, B0, B1, B2, B3, B4, BLOCK: tl.constexpr, SUB: tl.constexpr):
     """Gumbel-max over the chunk's kept tokens: z >= keep (a scalar; -inf keeps all)."""
-    position = tl.load(position_ptr + row)
-    key_a = _lane(seed_ptr, row, position, A0, A1, A2, A3, A4)
-    key_b = _lane(seed_ptr, row, position, B0, B1, B2, B3, B4)
+    key_a, key_b = _row_keys(seed_ptr, position_ptr, row, A0, A1, A2, A3, A4, B0, B1, B2, B3, B4)
     best = tl.full((SUB,), float("-inf"), tl.float32)
     index = tl.zeros((SUB,), tl.int32)
     for start in range(0, BLOCK, SUB):
@@ -236,9 +244,7 @@ def _argmax_kept(logits_ptr, seed_ptr, position_ptr, kept_ptr, row, chunk, chunk
         tl.store(listing + count + tl.cumsum(keep, axis=0) - 1, offsets, mask=keep == 1)
         count += tl.sum(keep, axis=0)
     tl.debug_barrier()  # the list's writes (by any thread) before its reads (by any thread)
-    position = tl.load(position_ptr + row)
-    key_a = _lane(seed_ptr, row, position, A0, A1, A2, A3, A4)
-    key_b = _lane(seed_ptr, row, position, B0, B1, B2, B3, B4)
+    key_a, key_b = _row_keys(seed_ptr, position_ptr, row, A0, A1, A2, A3, A4, B0, B1, B2, B3, B4)
     best = tl.full((SUB,), float("-inf"), tl.float32)
     index = tl.zeros((SUB,), tl.int32)
     for start in range(0, BLOCK, SUB):
@@ -484,4 +490,8 @@ assert TOKEN_MULTIPLIER == 1103515245 and PRIME == 2147483579 and 2.0**-31 == 4.
 assert PRIME == 2**31 - 69  # _mulmod's reduction
 
 
-sampling.choose_op.register_kernel("cuda")(choose_cuda)  # the torch backend's token choice on CUDA
+@functools.cache
+def register_cuda_choose() -> None:
+    """Make ``choose_cuda`` the CUDA kernel of ``torch.ops.dflash_trt.choose`` (the torch backend's
+    token choice on CUDA). Idempotent: the first call registers, later calls do nothing."""
+    sampling.choose_op.register_kernel("cuda")(choose_cuda)

@@ -1,0 +1,164 @@
+"""Launch planning: several cycles per execute, the host one cycle behind the device.
+
+An execute hands the device loop *lanes* (one per session that decodes in
+this call). Each launch runs one program for a *group* of lanes (``pack``
+makes them: owners at consecutive rows for backends that bind row ranges,
+any rows for row-indexed ones). ``run_launches`` launches every group, then
+for each launch in order: launches the NEXT cycle of that group's lanes that
+may go on (when ``lag``), then reads this one's verdict, so the device is
+already busy with cycle k+1 while the host turns cycle k into tokens.
+
+Launching is decided per lane, from what has been read (``may_launch``:
+room, stops, the cache's end in the worst case of the cycle still in
+flight): a lane that finishes leaves its group and the others go on, re-packed
+into smaller groups, so how many tokens an input gets from one execute never
+depends on which other inputs share it. A lane that finishes while its next
+cycle is in flight has that cycle's tokens discarded, and the executor
+rewinds the session to its last kept token (``Lane.keep_until``). Without
+``lag`` every cycle is read before the lane's next one starts; the outputs
+are the same.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from dflash_trt.runtime.sessions import LENGTH, STOP, Session, Step
+
+
+@dataclass(frozen=True)
+class LoopShape:
+    """How far one launch can move an owner: ``width`` positions at most (P+1 for a cycle,
+    1 for a decode step); it needs ``need`` free slots at its start (B, or 1)."""
+
+    width: int
+    need: int
+    max_context: int
+    max_cycles: int
+
+
+def may_launch(frontier: int, in_flight: int, launched: int, room: int | None, finished: bool, shape: LoopShape) -> bool:
+    """May one more cycle be launched for an owner whose last READ frontier is ``frontier``?
+
+    ``in_flight`` cycles are launched but unread, ``launched`` in all this
+    execute. ``room``: tokens the owner may still return (None: one cycle
+    only). The new cycle starts at most ``in_flight * width`` past the frontier
+    and must fit the cache; each unread cycle yields at least one token.
+    """
+    if finished or launched >= shape.max_cycles:
+        return False
+    if room is None:
+        return launched == 0
+    fits = frontier + in_flight * shape.width + shape.need <= shape.max_context
+    return fits and room > in_flight
+
+
+def take(tokens: Sequence[int], room: int | None, stop: frozenset[int] | set[int]) -> tuple[tuple[int, ...], str | None]:
+    """The prefix of ``tokens`` an owner keeps, and why it finished (None: it has not).
+
+    At most ``room`` tokens (None: no limit), through the first stop token
+    (kept): finished with ``STOP`` when a stop token was kept, ``LENGTH`` when
+    the room is used up.
+
+    >>> take([5, 7, 9], 10, {7})
+    ((5, 7), 'stop')
+    """
+    kept: list[int] = []
+    for token in tokens:
+        if room is not None and len(kept) == room:
+            return tuple(kept), LENGTH
+        kept.append(int(token))
+        if token in stop:
+            return tuple(kept), STOP
+    return tuple(kept), LENGTH if room is not None and len(kept) == room else None
+
+
+@dataclass
+class Lane:
+    """One session's decoding in this execute.
+
+    ``anchor`` is the token AT the session's frontier (fed first);
+    ``first_position`` the position of the first token this lane returns.
+    """
+
+    step: Step
+    session: Session
+    anchor: int
+    first_position: int
+    kind: str = ""  # device_loop.CYCLE or DECODE: which program serves it
+    shape: LoopShape | None = None
+    tokens: list[int] = field(default_factory=list)  # kept: returned by execute
+    streamed: int = 0  # of ``tokens``, handed to the execute's on_tokens already
+    finish: str | None = None  # STOP / LENGTH once finished
+    decodes: bool = True  # the loop runs it (False: its prompt's prediction was all it gets this call)
+    launched: int = 0  # launches this execute
+    in_flight: int = 0  # launched, not read yet
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+    @property
+    def room(self) -> int | None:
+        """Tokens this lane may still return (None: one step, as the seed's executor)."""
+        return None if self.step.room is None else self.step.room - len(self.tokens)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """A read cycle's tokens: keep what room and stop tokens allow (nothing once finished)."""
+        if self.finished:
+            return
+        kept, self.finish = take(tokens, self.room, self.step.stop)
+        self.tokens += kept
+
+    @property
+    def keep_until(self) -> int:
+        """Position of the last kept token: the session's frontier once extra tokens are discarded."""
+        return self.first_position + len(self.tokens) - 1
+
+    def may_launch(self) -> bool:
+        """One more launch fits and is wanted, judged from what has been read."""
+        return may_launch(self.session.frontier, self.in_flight, self.launched, self.room, self.finished, self.shape)
+
+
+@dataclass
+class Group:
+    """Lanes of one kind sharing one program per launch (``sampled``: any lane samples)."""
+
+    kind: str
+    sampled: bool
+    lanes: list[Lane]
+
+    @property
+    def rows(self) -> list[int]:
+        return [lane.session.row for lane in self.lanes]
+
+
+def run_launches(lanes: Sequence[Lane], pack: Callable, launch: Callable, read: Callable, lag: bool) -> None:
+    """Launch and read every lane's cycles until none may launch (see the module docstring).
+
+    ``pack(lanes)`` -> the groups one launch each serves (lanes of one kind);
+    ``launch(group)`` enqueues one program and returns its handle;
+    ``read(group, handle)`` waits for it and applies its verdict to the lanes.
+    Reads happen in launch order.
+    """
+    queue: deque = deque()
+
+    def start(candidates: Sequence[Lane]) -> None:
+        for group in pack([lane for lane in candidates if lane.may_launch()]):
+            queue.append((group, launch(group)))
+            for lane in group.lanes:
+                lane.launched += 1
+                lane.in_flight += 1
+
+    start(lanes)
+    while queue:
+        group, handle = queue.popleft()
+        if lag:
+            start(group.lanes)
+        read(group, handle)
+        for lane in group.lanes:
+            lane.in_flight -= 1
+        if not lag:
+            start(group.lanes)

@@ -1,0 +1,113 @@
+"""Launch planning on literal values and fakes (runtime/launches.py): what may launch, what a lane keeps, the scheduler."""
+
+from __future__ import annotations
+
+from dflash_trt.runtime.launches import LoopShape, may_launch, take
+from dflash_trt.runtime.sessions import LENGTH, STOP
+
+SHAPE = LoopShape(width=4, need=8, max_context=40, max_cycles=3)  # cycles of P+1 = 4, blocks of 8
+
+
+def test_may_launch_bounds_the_cycle_in_flight_by_its_worst_case():
+    """Guards against launching a cycle that could write past the cache (judged from the last READ
+    frontier while one cycle is still in flight), one that no room is left for, or more than max_cycles."""
+    assert may_launch(32, 0, 0, 10, False, SHAPE)  # 32 + 8 <= 40
+    assert not may_launch(33, 0, 0, 10, False, SHAPE)
+    assert may_launch(28, 1, 1, 10, False, SHAPE)  # the unread cycle may end at 32
+    assert not may_launch(29, 1, 1, 10, False, SHAPE)
+    assert not may_launch(0, 1, 1, 1, False, SHAPE)  # the unread cycle yields >= 1 token: no room left
+    assert may_launch(0, 1, 1, 2, False, SHAPE)
+    assert not may_launch(0, 0, 3, 10, False, SHAPE)  # max_cycles
+    assert not may_launch(0, 0, 0, 10, True, SHAPE)  # finished (stop token seen)
+    assert may_launch(0, 0, 0, None, False, SHAPE) and not may_launch(0, 0, 1, None, False, SHAPE)  # one step
+
+
+def test_take_cuts_at_room_and_first_stop():
+    """Guards against returning tokens past max_new_tokens or past a stop token (or dropping the stop)."""
+    assert take([5, 7, 9], 10, {7}) == ((5, 7), STOP)
+    assert take([5, 7, 9], 2, set()) == ((5, 7), LENGTH)
+    assert take([5, 7, 9], 3, set()) == ((5, 7, 9), LENGTH)
+    assert take([5, 7, 9], 4, {1}) == ((5, 7, 9), None)
+    assert take([5, 7], None, set()) == ((5, 7), None)
+    assert take([7, 7], 5, {7}) == ((7,), STOP)
+    assert take([7], 1, {7}) == ((7,), STOP)  # a stop token that also fills the room: stop
+
+
+# ------------------------------------------------------------------ the scheduler, with fakes
+
+from types import SimpleNamespace  # noqa: E402
+
+import pytest  # noqa: E402
+
+from dflash_trt.runtime.launches import Group, Lane, run_launches  # noqa: E402
+
+
+def fake_lane(row: int, room: int | None, frontier: int = 0, stop: frozenset = frozenset()) -> Lane:
+    session = SimpleNamespace(row=row, frontier=frontier)
+    step = SimpleNamespace(room=room, stop=stop)
+    return Lane(step, session, anchor=0, first_position=frontier, kind="cycle", shape=SHAPE)
+
+
+class FakeDevice:
+    """Launches record which lanes ran; a read emits ``per_launch`` tokens per lane (token = its row * 100 + k)."""
+
+    def __init__(self, per_launch: int = 2) -> None:
+        self.per_launch, self.log, self.in_flight_peak = per_launch, [], 0
+
+    def pack(self, lanes):  # consecutive rows, as a row-bound backend packs them
+        groups, run = [], []
+        for lane in sorted(lanes, key=lambda lane: lane.session.row):
+            if run and lane.session.row != run[-1].session.row + 1:
+                groups.append(Group("cycle", False, run))
+                run = []
+            run.append(lane)
+        return groups + ([Group("cycle", False, run)] if run else [])
+
+    def launch(self, group):
+        self.log.append(("launch", tuple(group.rows)))
+        self.in_flight_peak = max(self.in_flight_peak, max(lane.in_flight for lane in group.lanes) + 1)
+        return len(self.log)
+
+    def read(self, group, handle):
+        self.log.append(("read", tuple(group.rows)))
+        for lane in group.lanes:
+            tokens = [lane.session.row * 100 + lane.session.frontier + k for k in range(self.per_launch)]
+            lane.session.frontier += self.per_launch
+            lane.add(tokens)
+
+
+@pytest.mark.parametrize("lag", [True, False])
+def test_a_finished_lane_leaves_its_group_and_the_others_go_on(lag):
+    """Guards against a burst that ends when one lane finishes: a one-step lane (room None) and a lane
+    with a small room shared a group with a lane of room 10; the group stopped after their last launch,
+    so the long lane's tokens depended on its neighbours."""
+    device = FakeDevice()
+    long, one_step, short = fake_lane(0, 10), fake_lane(1, None), fake_lane(2, 3)
+    run_launches([long, one_step, short], device.pack, device.launch, device.read, lag)
+    assert len(long.tokens) == 6 and long.launched == SHAPE.max_cycles  # 3 launches x 2 tokens: max_cycles ends it
+    assert one_step.launched == 1 and one_step.tokens == [100, 101] and not one_step.finished
+    assert short.tokens == [200, 201, 202] and short.finish == "length"
+    assert all(lane.in_flight == 0 for lane in (long, one_step, short))
+    launches = [rows for event, rows in device.log if event == "launch"]
+    assert launches[0] == (0, 1, 2) and (0,) in launches  # the long lane went on alone
+    reads = [rows for event, rows in device.log if event == "read"]
+    assert reads == launches  # reads in launch order
+
+
+def test_lag_keeps_one_launch_in_flight_per_lane():
+    """Guards against the host reading each cycle before launching the next (the device idles between
+    cycles) and against more than one unread launch per lane (a ring entry or record reused too early)."""
+    device = FakeDevice(per_launch=1)
+    lane = fake_lane(0, 10)
+    run_launches([lane], device.pack, device.launch, device.read, lag=True)
+    assert [event for event, _ in device.log[:3]] == ["launch", "launch", "read"]
+    assert device.in_flight_peak == 2 and lane.launched == SHAPE.max_cycles
+
+
+def test_a_lane_stops_before_the_cache_end_even_with_a_launch_in_flight():
+    """Guards against launching a cycle that could write past max_context while the previous one is unread."""
+    device = FakeDevice(per_launch=4)  # each cycle moves the frontier by width = 4
+    lane = fake_lane(0, 100, frontier=26)
+    run_launches([lane], device.pack, device.launch, device.read, lag=True)
+    # 26 + 8 <= 40; with the first in flight 26 + 4 + 8 <= 40; after it is read 30 + 4 + 8 > 40
+    assert lane.launched == 2 and lane.session.frontier == 34
