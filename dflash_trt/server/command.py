@@ -41,7 +41,7 @@ DEFAULT_PAIR_SESSIONS = 16  # cache rows when serving the default pair (its expo
 DEFAULT_PAIR_MODEL = "dflash-trt-default-pair"
 STATS_ROWS = 16384  # the executor's stats log in a server: ~5 MB at most (nobody drains it)
 STATS_AGE_S = 60.0  # a server reads each row once, right after its execute: keep a minute (flat memory within a minute of start)
-MiB = 1 << 20
+EXIT_JOIN_S = 0.5  # after the last response: how long the exit waits for the serving loop's execute to end
 
 log = logging.getLogger("dflash_trt.server")
 
@@ -150,29 +150,37 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         listener.close()
         raise
-    with backend:
-        try:
-            body_bytes = args.max_body_bytes or default_body_bytes(serving.executor.dims.max_context)
-            limits = Limits(body_bytes, args.read_timeout, args.keep_alive_timeout, args.max_connections, args.max_header_bytes)
-            app = create_app(serving, names, limits, args.log_interval)
-            executor = serving.executor
-            mode = "DFlash" if executor.speculate else "plain target decoding (--no-draft)"
-            host, port = listener.getsockname()[:2]
-            log.info("serving %s (%s, %d sessions, %s) on http://%s:%d/v1", names[0], args.backend, executor.max_sessions, mode,
-                     f"[{host}]" if ":" in host else host, port)
-            config = ServeConfig(app, limits, log_config=logging_config, log_level=args.log_level)
-            GracefulServer(config, serving, app.state.shutdown, args.shutdown_timeout).run(sockets=[listener])
-        finally:
-            serving.close(drain=False, timeout=30)
-            listener.close()
+    try:
+        body_bytes = args.max_body_bytes or default_body_bytes(serving.executor.dims.max_context)
+        limits = Limits(body_bytes, args.read_timeout, args.keep_alive_timeout, args.max_connections, args.max_header_bytes)
+        app = create_app(serving, names, limits, args.log_interval)
+        executor = serving.executor
+        mode = "DFlash" if executor.speculate else "plain target decoding (--no-draft)"
+        host, port = listener.getsockname()[:2]
+        log.info("serving %s (%s, %d sessions, %s) on http://%s:%d/v1", names[0], args.backend, executor.max_sessions, mode,
+                 f"[{host}]" if ":" in host else host, port)
+        config = ServeConfig(app, limits, log_config=logging_config, log_level=args.log_level)
+        GracefulServer(config, serving, app.state.shutdown, args.shutdown_timeout).run(sockets=[listener])
+    except BaseException:
+        serving.close(drain=False, timeout=30)
+        backend.close()
+        raise
+    finally:
+        listener.close()
+    # Every response is sent. The loop stops at the next gap between executes; closing the backend under a
+    # running execute is unsafe, and waiting for it could pass the deadline + 1 s: the exit frees it then.
+    if serving.close(drain=False, timeout=EXIT_JOIN_S):
+        backend.close()
+    else:
+        log.info("exiting during an execute (its requests were already answered); the backend is freed with the process")
     log.info("stopped")
     _exit_now()
 
 
 def _exit_now() -> None:
     """Exit 0 without the interpreter's teardown of torch / onnxruntime module state (0.3–0.7 s on a CPU
-    box), which would push the exit past --shutdown-timeout + 1 s: every resource is closed above
-    (the serving thread joined, the backend and the listener closed), and logs are flushed here."""
+    box), which would push the exit past --shutdown-timeout + 1 s: every connection is closed and every
+    response sent above, the backend closed unless an execute still runs, and logs are flushed here."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -192,14 +192,17 @@ class ServingLoop:
         """The serving loop is alive (it stops only after close() or an internal error)."""
         return self._thread.is_alive() and self._fatal is None
 
-    def close(self, drain: bool = True, timeout: float | None = None) -> None:
-        """Refuse new requests; finish (``drain``) or cancel the accepted ones; stop the loop."""
+    def close(self, drain: bool = True, timeout: float | None = None) -> bool:
+        """Refuse new requests; finish (``drain``) or cancel the accepted ones; stop the loop. Waits up to
+        ``timeout`` seconds (None: until it stopped); True once the loop's thread has ended (a cancel
+        takes effect at the next gap between executes, so the executor is free only then)."""
         with self._cond:
             self._accepting = False
             if self._stopping != "cancel":
                 self._stopping = "drain" if drain else "cancel"
             self._cond.notify_all()
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def __enter__(self) -> ServingLoop:
         return self
