@@ -24,7 +24,9 @@ for bit, in bf16 too, so DFlash's output is the target's own plain decoding, tok
 ==================  ===================================================================================
 
 Identical results need identical compiled arithmetic, so every row of a kind goes through ONE kernel
-with the same tile constants; nothing here picks a kernel, a tile or a split from a row or key count.
+with the same tile constants; nothing here picks a kernel, a tile or a split from a row or key count,
+and the integer arguments that follow the row or query count are not specialized on (one compiled
+kernel per layer shape serves every batch: nothing new compiles while serving).
 Under Triton's CPU interpreter (``TRITON_INTERPRET=1``, the CPU tests) the dots are written out as fp32
 products summed over K in order (``_dot``): the interpreter multiplies bf16 as raw integers, and numpy's
 BLAS rounds a row differently by its place in the tile; everything else is the GPU's code.
@@ -109,7 +111,7 @@ def _tile_epilogue(acc, acc_u, squares, rows, rn, n_ok, M, N, K, eps, w_ptr, b_p
         tl.store(t_ptr + rows[:, None] * stride_tm + rn[None, :], y.to(t_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_xm", "M"])  # row counts: one compiled kernel whatever M is
 def _linear_kernel(
     x_ptr, stride_xm, w_ptr, stride_wn, b_ptr, g_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm, M, N, K, eps,
     NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
@@ -182,7 +184,7 @@ def _query_tile(pos_ptr, spos_n, len_ptr, i, qb, T, G, HKV, kvh, window,
     return t, h, row_ok, pos, lo // BLOCK_N * BLOCK_N, hi
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sq_n", "spos_n", "unit0", "QB", "T"])  # query counts: one kernel for all
 def _attention_kernel(
     q_ptr, sq_n, sq_h, sq_t, k_ptr, v_ptr, sk_n, sk_h, sk_l, pos_ptr, spos_n, len_ptr, part_ptr, lse_ptr, rows_ptr,
     unit0, QB, T, G, HKV, window, scale,
@@ -234,7 +236,7 @@ def _attention_kernel(
     tl.store(lse_ptr + local, tl.where(seen, top + tl.log(total), float("-inf")), mask=(local >= 0) & live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["spos_n", "unit0", "QB", "S", "T"])
 def _combine_kernel(
     part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, pos_ptr, spos_n, len_ptr, unit0, QB, S, T, G, HKV, window,
     D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
