@@ -129,14 +129,16 @@ def check_attention_rows(device: str, dtype: torch.dtype, small: bool) -> None:
     cases = [(4, 2, 16, 16, True, 0), (4, 2, 16, 16, False, 0), (5, 1, 64, 16, True, 0), (4, 2, 16, 7, True, 100)]
     if not small:
         cases += [(32, 8, 128, 16, True, 0), (32, 8, 128, 16, False, 0)]
-    L, extra = 600, 300
+    elif dtype == torch.float32:
+        cases = cases[:2]  # the interpreter's time: fp32 checks the target's and the draft's layer kind
+    L, extra = 520, 300  # 3 splits of 256 slots, then 4
     for heads, kv_heads, D, T, causal, window in cases:
         what = f"attention Hq{heads}/{kv_heads} D{D} T{T} causal {causal} window {window} {dtype}"
         q, k, v = _attention_inputs(generator, device, dtype, 3, heads, kv_heads, T, D, L)
-        start = torch.tensor([5, 250, L - T - 20], device=device)  # one split, straddling a split edge, three
+        start = torch.tensor([5, 250, L - T - 4], device=device)  # one split; straddling a split edge; three
         positions, kv_len = start[:, None] + torch.arange(T, device=device), start + T
         full = ops.attention(q, k, v, None, positions, kv_len, causal, window)  # [3, Hq, T, D]
-        for t in (0, T // 2, T - 1):  # one query per owner: a decode step (causal: the slots up to its own)
+        for t in (0, T - 1):  # one query per owner: a decode step (causal: the slots up to its own)
             one_len = start + t + 1 if causal else kv_len
             one = ops.attention(q[:, :, t : t + 1].contiguous(), k, v, None, positions[:, t : t + 1], one_len, causal, window)
             assert_same_bits(one[:, :, 0], full[:, :, t], f"{what}: 1 vs {T} queries (query {t})")

@@ -1,0 +1,262 @@
+"""The exact kernels (runtime/kernels/exact_ops.py): rows that don't depend on the batch, so DFlash equals plain decoding.
+
+CPU: the tiling rules (plan.py, pure functions) and, where Triton is importable, the Triton kernels
+themselves through Triton's interpreter in one subprocess (``TRITON_INTERPRET=1``): a row's linear
+output and a query's attention are the same BITS with M = 1 / 5 / 16 / 64 rows at any place, 1 or 16
+queries per owner, 1 or 3 owners, two cache capacities, views or pools, fp32 and bf16; and they agree
+with the reference modules within bf16 rounding. GPU (``-m gpu``): the same on CUDA at the Qwen3-8B
+weight shapes, and the executor: bf16 DFlash output == plain decoding token for token (greedy and
+sampled with the same seeds) on the tiny pair and on the shipped default pair at 1, 4 and 16 sessions.
+
+    python -m pytest -q -m gpu tests/runtime/test_exact_kernels.py     # on the GPU machine
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dflash_trt.errors import EngineError
+from dflash_trt.runtime.backends.torch_backend import choose_kernels
+from dflash_trt.runtime.kernels.plan import (
+    EXACT_SPLIT_SLOTS,
+    exact_attention_block_n,
+    exact_linear_plan,
+    exact_row_tiles,
+    exact_split_range,
+    exact_units_per_launch,
+)
+
+gpu = pytest.mark.gpu
+TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not TRITON, reason="needs triton (it ships with the CUDA builds of torch)")
+
+
+# ------------------------------------------------------------------ the rules (pure)
+
+
+def test_exact_split_windows_sit_at_absolute_slots():
+    """Bug: a query's key splits or inner steps start at slots that follow the launch (the tile's range, the
+    query count, the capacity): its softmax is then summed in another order when decoded alone than inside a
+    verify block, and bf16 DFlash drifts from plain decoding. Every split must start at a multiple of the
+    split size (or at the range's first step), every step at a multiple of BLOCK_N, and the splits of any
+    narrower range [lo', hi') must be the same windows cut to it."""
+    block = exact_attention_block_n(128)
+    for lo, hi in itertools.product((0, 3, 64, 250, 700), (0, 5, 256, 257, 600, 1000)):
+        splits = -(-max(hi, 1) // EXACT_SPLIT_SLOTS)
+        ranges = [exact_split_range(lo, hi, s, EXACT_SPLIT_SLOTS, block) for s in range(splits + 2)]  # + past the end
+        seen = [slot for a, b in ranges for slot in range(a, b)]
+        first = lo // block * block
+        assert seen == list(range(first, max(hi, first))), (lo, hi)
+        for s, (a, b) in enumerate(ranges):
+            assert a % block == 0 and (a == s * EXACT_SPLIT_SLOTS or a == first or a == b), (lo, hi, s, a)
+            for lo2, hi2 in ((lo + 70, hi), (lo, hi - 70), (lo + 5, hi - 5)):  # one row of the tile: a narrower range
+                a2, b2 = exact_split_range(lo2, hi2, s, EXACT_SPLIT_SLOTS, block)
+                assert a2 >= a and b2 <= max(b, a2) and (a2 - a) % block == 0, (lo, hi, lo2, hi2, s)
+
+
+def test_exact_tiles_follow_the_weight_never_the_rows():
+    """Bug: the linear's tiling (K step, feature block) is chosen from the row count, so the decode step
+    (M = owners) and the verify (M = 16 x owners) reduce a row in different orders. Only the number of
+    16-row tiles sharing a weight load may follow M (1, 2 or 4)."""
+    for N, K, gated in ((6144, 4096, False), (4096, 4096, False), (12288, 4096, True), (4096, 12288, False), (151936, 4096, False)):
+        plan = exact_linear_plan(N, K, gated, 2)
+        assert plan == exact_linear_plan(N, K, gated, 2) and plan.block_k >= 16 and plan.block_n >= 16
+    assert [exact_row_tiles(m) for m in (1, 5, 16, 17, 32, 33, 64, 1000)] == [1, 1, 1, 2, 2, 4, 4, 4]
+
+
+def test_exact_attention_partials_fit_their_budget():
+    """Bug: a long-context prefill allocates the split partials of every (owner, head, query tile) at once
+    (splits x rows x head_dim fp32: gigabytes at 40k slots): launches must be cut to the budget, at least one unit."""
+    assert exact_units_per_launch(10, 16, 128) == 10
+    units = exact_units_per_launch(16384, 160, 128, budget=256 * 1024**2)
+    assert 1 <= units < 16384 and units * 160 * 16 * 129 * 4 <= 256 * 1024**2
+    assert exact_units_per_launch(5, 10**6, 128, budget=1) == 1
+
+
+def _stub_pair(head_dim: int = 16):
+    """What ``choose_kernels`` reads of a pair: the head dims."""
+    model = SimpleNamespace(config=SimpleNamespace(head_dim=head_dim))
+    return model, model
+
+
+def test_exact_kernels_option_is_checked(monkeypatch):
+    """Bug: kernels="exact" silently falls back to the fast or eager path (the guarantee quietly lost), runs a
+    pair its kernels cannot (head_dim not a power of two), or launches Triton on CPU tensors without the
+    interpreter (a crash inside Triton instead of a typed error)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(EngineError, match="needs a CUDA device"):
+        choose_kernels("exact", torch.device("cpu"), *_stub_pair())
+    with pytest.raises(EngineError, match="head_dim must be a power of two"):
+        choose_kernels("exact", torch.device("cpu"), *_stub_pair(head_dim=12))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert choose_kernels("exact", torch.device("cpu"), *_stub_pair()) == "exact"
+    assert choose_kernels("auto", torch.device("cpu"), *_stub_pair()) == "eager"  # exact is never chosen for you (yet)
+    assert choose_kernels("fast", torch.device("cpu"), *_stub_pair()) == "fast"
+
+
+@needs_triton
+def test_an_exact_ops_object_reports_exact():
+    """Bug: TorchBackend(kernels=ExactOps(...)) reports "fast" (logs and benchmarks mislabel the run)."""
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+
+    assert choose_kernels(ExactOps(split_slots=128), torch.device("cuda"), *_stub_pair()) == "exact"
+
+
+# ------------------------------------------------------------------ the kernels, interpreted (CPU)
+
+CHECKS = ("linear_rows", "attention_rows", "rope_rows", "linear_reference", "attention_reference")
+INTERPRETED = """
+import json, sys, traceback
+sys.path.insert(0, {tests!r})
+import torch
+torch.set_num_threads(1)
+import exact_checks
+results = {{}}
+for dtype in (torch.float32, torch.bfloat16):
+    for name in {checks!r}:
+        check = getattr(exact_checks, "check_" + name)
+        args = ("cpu", dtype, True) if name.endswith("_rows") and name != "rope_rows" else ("cpu", dtype)
+        try:
+            check(*args)
+            results[f"{{name}} {{dtype}}"] = "ok"
+        except Exception:
+            results[f"{{name}} {{dtype}}"] = traceback.format_exc()[-3000:]
+print("RESULTS " + json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, str]:
+    """Every kernel check of exact_checks, fp32 and bf16, under Triton's interpreter (one process, ~25 s)."""
+    if not TRITON:
+        pytest.skip("needs triton (it ships with the CUDA builds of torch)")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    code = INTERPRETED.format(tests=str(Path(__file__).parents[1]), checks=CHECKS)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    line = next((l for l in result.stdout.splitlines() if l.startswith("RESULTS ")), None)
+    assert line is not None, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(line[len("RESULTS "):])
+
+
+def _passed(results: dict[str, str], name: str) -> None:
+    failed = {key: value for key, value in results.items() if key.startswith(name + " ") and value != "ok"}
+    assert not failed, "\n\n".join(f"{key}:\n{value}" for key, value in failed.items())
+    assert sum(key.startswith(name + " ") for key in results) == 2, results.keys()  # fp32 and bf16 both ran
+
+
+def test_exact_linear_rows_do_not_depend_on_the_batch(interpreted):
+    """Bug: a row's linear output (every epilogue: RMSNorm, bias, SiLU·mul, residual in place, tap, fp32 LM-head
+    logits) changes with the row count (1 / 5 / 16 / 64 of 70) or its place among the rows: a DFlash verify row
+    and the same token decoded alone then differ in bf16 and near-ties flip."""
+    _passed(interpreted, "linear_rows")
+
+
+def test_exact_attention_does_not_depend_on_queries_owners_or_capacity(interpreted):
+    """Bug: a query's attention changes with the queries per owner (1 vs 16), the owners in the launch (1 vs 3),
+    the cache capacity (520 vs 820 slots) or pools addressed by rows: causal, windowed and non-causal layers."""
+    _passed(interpreted, "attention_rows")
+
+
+def test_exact_rope_write_rows_do_not_depend_on_the_batch(interpreted):
+    """Bug: q/k-norm + RoPE + the K/V write of a row differ when it is written alone or among 16 per owner
+    (the cache a later decode step reads would hold other bits than a verify wrote)."""
+    _passed(interpreted, "rope_rows")
+
+
+def test_exact_ops_agree_with_the_reference(interpreted):
+    """Bug: the exact kernels compute something else than the reference layers (RMSNorm -> Linear, SwiGLU,
+    residual; softmax attention with causal / window / non-causal masks) beyond bf16 rounding."""
+    _passed(interpreted, "linear_reference")
+    _passed(interpreted, "attention_reference")
+
+
+# ------------------------------------------------------------------ GPU
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("check", ["linear_rows", "attention_rows", "rope_rows"])
+def test_exact_kernels_are_batch_invariant_on_cuda(check, dtype):
+    """Bug: compiled for the GPU, a row's result depends on the batch after all (tensor-core tiles that round
+    a row by its place in the tile, a kernel specialized on the row count, a split chosen from the key count):
+    Qwen3-8B weight shapes, M = 1 .. 300 rows, 1 / 16 queries, 1 / 3 owners, two capacities, bit for bit."""
+    import exact_checks
+
+    if check == "rope_rows":
+        exact_checks.check_rope_rows("cuda", dtype)
+    else:
+        getattr(exact_checks, f"check_{check}")("cuda", dtype, small=False)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_exact_kernels_agree_with_the_reference_on_cuda(dtype):
+    """Bug: the compiled exact kernels compute something else than the reference layers on the GPU."""
+    import exact_checks
+
+    exact_checks.check_linear_reference("cuda", dtype)
+    exact_checks.check_attention_reference("cuda", dtype)
+
+
+def _bf16_backend(target_dir, draft_dir, owners: int, sessions: int, max_context: int, max_chunk: int):
+    from dflash_trt.export.exporter import ExportOptions, contract_dims
+    from dflash_trt.export.pair import load_pair
+    from dflash_trt.runtime.backends.torch_backend import TorchBackend
+
+    target, draft = load_pair(target_dir, draft_dir, dtype=torch.bfloat16)
+    options = ExportOptions(max_owners=owners, max_context=max_context, max_chunk=max_chunk, proposals=draft.config.block_size - 1, dtype="bf16")
+    return TorchBackend(target, draft, contract_dims(target, draft, options), sessions, device="cuda", kernels="exact")
+
+
+def _assert_identical(outputs: dict, what: str) -> None:
+    import exact_checks
+
+    for i, (plain, dflash) in enumerate(zip(outputs["plain"], outputs["dflash"])):
+        assert plain == dflash, f"{what}, prompt {i}: DFlash left plain decoding at {exact_checks.first_difference(plain, dflash)}"
+
+
+@gpu
+@pytest.mark.parametrize("sessions", [1, 4])
+def test_dflash_equals_plain_decoding_in_bf16_on_the_tiny_pair(exported_pair, sessions):
+    """Bug: with kernels="exact", bf16 DFlash (16-row verify launches, owners packed together) emits another
+    token than plain decoding of the same prompt (1-row decode steps) — the target's own greedy output."""
+    import exact_checks
+
+    with _bf16_backend(exported_pair.target_dir, exported_pair.draft_dir, max(sessions, 2), sessions, 64, 16) as backend:
+        outputs = exact_checks.serve_both(backend, exported_pair.prompts, sessions, 20, 0.0)
+    _assert_identical(outputs, f"tiny pair, {sessions} sessions")
+
+
+@gpu
+def test_dflash_equals_plain_decoding_in_bf16_on_the_default_pair():
+    """Bug: on the shipped pair in bf16 (kernels="exact"), DFlash's output differs from plain decoding's for some
+    prompt, greedy or sampled with the same seeds, at 1, 4 or 16 concurrent sessions; or a request's output
+    changes with how many others share its launches (1 vs 4 vs 16 sessions)."""
+    import exact_checks
+
+    from dflash_trt.export.pair import DEFAULT_PAIR_DIR
+    from dflash_trt.export.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(DEFAULT_PAIR_DIR / "target")
+    rows = [json.loads(line) for line in (DEFAULT_PAIR_DIR / "prompts.jsonl").read_text().splitlines() if line.strip()]
+    prompts = [tokenizer.encode(row["prompt"])[-160:] for row in rows[:16]]
+    stop = tuple(tokenizer.stop_ids)
+    seen: dict[float, list] = {}
+    for sessions in (1, 4, 16):
+        with _bf16_backend(DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft", sessions, sessions, 1024, 256) as backend:
+            for temperature in (0.0, 0.8):
+                outputs = exact_checks.serve_both(backend, prompts, sessions, 96, temperature, stop=stop, seed=7)
+                _assert_identical(outputs, f"default pair, {sessions} sessions, temperature {temperature}")
+                first = seen.setdefault(temperature, outputs["plain"])
+                for i, (alone, shared) in enumerate(zip(first, outputs["plain"])):
+                    assert alone == shared, f"prompt {i}, T={temperature}: 1 vs {sessions} sessions differ at {exact_checks.first_difference(alone, shared)}"
