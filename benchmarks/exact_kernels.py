@@ -114,7 +114,7 @@ def sweep(target, reps: int) -> tuple[list[dict], dict]:
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
     from dflash_trt.runtime.kernels.plan import ExactLinearPlan as P
 
-    plans = [P(16, 256, 4, 4), P(32, 256, 4, 4), P(32, 128, 4, 4), P(64, 128, 4, 4), P(16, 512, 4, 3), P(32, 128, 8, 4), P(128, 64, 4, 4)]
+    plans = [P(16, 64, 128, 4), P(32, 64, 128, 4), P(16, 32, 256, 4), P(32, 128, 128, 4), P(64, 64, 128, 4), P(16, 64, 64, 4), P(32, 64, 256, 8)]
     weights, stream, rows, best = _weights(target), torch.cuda.Stream(), [], {}
     for name, (N, K, gated, *_) in gg.GEMMS.items():
         timed = []

@@ -12,8 +12,9 @@ for bit, in bf16 too, so DFlash's output is the target's own plain decoding, tok
                     split-K, fp32 accumulate. RMSNorm, bias, SiLU·mul, residual and tap are epilogues of
                     that kernel, the same for every M (the norm: rsqrt(mean(x²) + eps) per row in fp32,
                     the sum of squares taken tile by tile in the K loop, applied after the product).
-                    Up to four tiles share each weight load (``plan.exact_row_tiles``): each tile's dot has
-                    the same shape and operands whatever M is, so that choice changes speed only.
+                    How the work is spread may follow M (``plan.exact_linear_launch``: up to four tiles
+                    share each weight load, wider feature blocks for many rows): each tile's dot walks
+                    the same K steps whatever M is, so that choice changes speed only.
 ``attention``       keys split at a fixed size (``EXACT_SPLIT_SLOTS``): split s covers slots
                     [256 s, 256 s + 256) of the valid range, walked in BLOCK_N steps at absolute slots;
                     the grid covers a full cache and splits past the valid slots do nothing; the
@@ -46,8 +47,8 @@ from dflash_trt.runtime.kernels.plan import (
     EXACT_SPLIT_SLOTS,
     EXACT_TILE_M,
     exact_attention_block_n,
+    exact_linear_launch,
     exact_linear_plan,
-    exact_row_tiles,
     exact_split_count,
     exact_units_per_launch,
 )
@@ -292,21 +293,23 @@ class ExactOps(TritonOps):
         """``TritonOps.linear``'s contract (y [M, N] = epilogue(prologue(x) @ weight.T)), one kernel for every M."""
         M, K = x.shape
         N = weight.shape[0] // 2 if gated else weight.shape[0]
-        if x.stride(1) != 1:
-            x = x.contiguous()
+        if x.stride(1) != 1 or x.stride(0) != K or x.data_ptr() % 16:
+            # One layout of the x tile for every call of a weight: Triton vectorizes its load (and so orders
+            # the norm's sum of squares) by the pointer's and the row stride's alignment.
+            x = x.clone(memory_format=torch.contiguous_format)
         if out is None:
             out = torch.empty((M, N), dtype=out_dtype or weight.dtype, device=x.device)
         plan = self.exact_plans.get((N, K, gated)) or exact_linear_plan(N, K, gated, weight.element_size())
-        tiles = exact_row_tiles(M)
+        tiles, block_n, stages = exact_linear_launch(plan, M, gated, weight.element_size())
         residual_t = residual if residual is not None else out
         tap_t = tap if tap is not None else out
-        grid = (triton.cdiv(M, tiles * EXACT_TILE_M), triton.cdiv(N, plan.block_n))
+        grid = (triton.cdiv(M, tiles * EXACT_TILE_M), triton.cdiv(N, block_n))
         _linear_kernel[grid](
             x, x.stride(0), weight, weight.stride(0), bias if bias is not None else weight, norm if norm is not None else weight,
             residual_t, residual_t.stride(0), out, out.stride(0), tap_t, tap_t.stride(0), M, N, K, eps,
             NORM=norm is not None, GATED=gated, BIAS=bias is not None, RESIDUAL=residual is not None, TAP=tap is not None,
-            TILES=tiles, TM=EXACT_TILE_M, BN=plan.block_n, BK=plan.block_k, INTERP=INTERPRETED,
-            num_warps=plan.warps, num_stages=plan.stages,
+            TILES=tiles, TM=EXACT_TILE_M, BN=block_n, BK=plan.block_k, INTERP=INTERPRETED,
+            num_warps=plan.warps, num_stages=stages,
         )
         return out
 

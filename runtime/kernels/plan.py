@@ -112,37 +112,50 @@ EXACT_SPLIT_SLOTS = 256  # key slots of one exact attention split: split s holds
 EXACT_PARTIAL_BYTES = 256 * 1024**2  # fp32 split partials of one exact attention launch, at most
 
 
+EXACT_STAGE_BYTES = 160 * 1024  # shared memory the pipelined K steps of one exact linear program may hold
+
+
 @dataclass(frozen=True)
 class ExactLinearPlan:
     """Tiling of the exact linear ``y[M, N] = x[M, K] @ W[N, K]^T``.
 
-    A program owns ``block_n`` features and up to four 16-row tiles of x (``row_tiles``, chosen from M:
-    it only says how many tiles share one load of the weight tile; each tile's dot has the same shape
-    whatever M is). K is walked in ``block_k`` steps from 0: the fixed reduction order of every row.
+    K is walked in ``block_k`` steps from 0, one 16-row MMA tile of x per dot: that is a row's reduction
+    order, fixed per weight. The rest only says how the work is spread, never how a row is summed:
+    ``block_n`` features per program for a few rows (M <= 8: many programs stream the weight),
+    ``block_n_rows`` for more (fewer re-reads of x), up to four 16-row tiles per program sharing each
+    weight load (``exact_row_tiles``). Each output element is one MMA column's sum over the same K steps
+    whatever the feature block, and the norm's row sums of squares reduce the same [16, block_k] x tile
+    (tests/runtime/test_exact_kernels.py compiles the variants for sm90 and compares their layouts).
     """
 
     block_n: int
+    block_n_rows: int
     block_k: int
     warps: int
-    stages: int
 
 
 def exact_linear_plan(out_features: int, in_features: int, gated: bool, element_bytes: int) -> ExactLinearPlan:
-    """The tiling of one weight (never of the row count).
+    """The tiling of one weight (its K step never depends on the row count).
 
-    fp32 (FMA dots) wants small tiles; bf16 wants enough programs to keep ~all 132 SMs streaming at one row:
-    q|k|v (6144 rows) 192 programs of 32 features, o / down (4096) 256 of 16, gate|up (2 x 12288) 384 of 32
-    (two weight tiles each), the LM head wide tiles.
+    bf16, one row: enough programs to keep ~all 132 SMs of an H200 streaming: q|k|v (6144 rows) 192 of 32
+    features, o / down (4096) 256 of 16, gate|up (2 x 12288) 384 of 32 (two weight tiles each), the LM
+    head 2374 of 64. fp32 (FMA dots): small tiles.
     """
     if element_bytes >= 4:
-        return ExactLinearPlan(32, 32, 4, 2)
+        return ExactLinearPlan(16, 32, 32, 4)
     if out_features >= 65536:
-        return ExactLinearPlan(64, 128, 4, 4)
-    if gated:
-        return ExactLinearPlan(32, 128, 4, 4)
-    if out_features <= in_features:
-        return ExactLinearPlan(16, 256, 4, 4)
-    return ExactLinearPlan(32, 256, 4, 4)
+        return ExactLinearPlan(64, 128, 128, 4)
+    if gated or out_features > in_features:
+        return ExactLinearPlan(32, 64, 128, 4)
+    return ExactLinearPlan(16, 64, 128, 4)
+
+
+def exact_linear_launch(plan: ExactLinearPlan, rows: int, gated: bool, element_bytes: int) -> tuple[int, int, int]:
+    """(16-row tiles per program, features per program, pipeline stages) for ``rows`` rows: spread only."""
+    tiles = exact_row_tiles(rows)
+    block_n = plan.block_n if rows <= EXACT_TILE_M // 2 else plan.block_n_rows
+    stage = ((2 if gated else 1) * block_n + tiles * EXACT_TILE_M) * plan.block_k * element_bytes
+    return tiles, block_n, max(2, min(4, EXACT_STAGE_BYTES // stage))
 
 
 def exact_row_tiles(rows: int) -> int:

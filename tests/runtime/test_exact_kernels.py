@@ -29,7 +29,9 @@ from dflash_trt.errors import EngineError
 from dflash_trt.runtime.backends.torch_backend import choose_kernels
 from dflash_trt.runtime.kernels.plan import (
     EXACT_SPLIT_SLOTS,
+    EXACT_STAGE_BYTES,
     exact_attention_block_n,
+    exact_linear_launch,
     exact_linear_plan,
     exact_row_tiles,
     exact_split_range,
@@ -64,13 +66,27 @@ def test_exact_split_windows_sit_at_absolute_slots():
                 assert a2 >= a and b2 <= max(b, a2) and (a2 - a) % block == 0, (lo, hi, lo2, hi2, s)
 
 
-def test_exact_tiles_follow_the_weight_never_the_rows():
-    """Bug: the linear's tiling (K step, feature block) is chosen from the row count, so the decode step
-    (M = owners) and the verify (M = 16 x owners) reduce a row in different orders. Only the number of
-    16-row tiles sharing a weight load may follow M (1, 2 or 4)."""
-    for N, K, gated in ((6144, 4096, False), (4096, 4096, False), (12288, 4096, True), (4096, 12288, False), (151936, 4096, False)):
-        plan = exact_linear_plan(N, K, gated, 2)
-        assert plan == exact_linear_plan(N, K, gated, 2) and plan.block_k >= 16 and plan.block_n >= 16
+WEIGHTS_8B = {  # name: (N, K, gated, norm prologue) of the Qwen3-8B step
+    "qkv": (6144, 4096, False, True), "o": (4096, 4096, False, False), "gate_up": (12288, 4096, True, True),
+    "down": (4096, 12288, False, False), "lm_head": (151936, 4096, False, True),
+}
+ROW_COUNTS = (1, 4, 5, 16, 17, 33, 64, 300)  # decode (1..n owners), verify (16 x n), prefill chunks
+
+
+def test_exact_launches_follow_the_rows_only_in_how_work_is_spread():
+    """Bug: the linear's K step is chosen from the row count (the decode step, M = owners, and the verify,
+    M = 16 x owners, would reduce a row in different orders); or the spread (tiles per program, feature
+    block, pipeline stages) leaves its bounds: 1, 2 or 4 tiles, the plan's two feature blocks, 2..4 stages
+    that fit the shared-memory budget."""
+    for dtype_bytes in (2, 4):
+        for N, K, gated, _ in WEIGHTS_8B.values():
+            plan = exact_linear_plan(N, K, gated, dtype_bytes)
+            assert plan.block_k >= 16 and min(plan.block_n, plan.block_n_rows) >= 16
+            for M in ROW_COUNTS:
+                tiles, block_n, stages = exact_linear_launch(plan, M, gated, dtype_bytes)
+                assert tiles == exact_row_tiles(M) and block_n == (plan.block_n if M <= 8 else plan.block_n_rows)
+                stage = ((2 if gated else 1) * block_n + 16 * tiles) * plan.block_k * dtype_bytes
+                assert 2 <= stages <= 4 and (stages == 2 or stages * stage <= EXACT_STAGE_BYTES)
     assert [exact_row_tiles(m) for m in (1, 5, 16, 17, 32, 33, 64, 1000)] == [1, 1, 1, 2, 2, 4, 4, 4]
 
 
@@ -110,6 +126,64 @@ def test_an_exact_ops_object_reports_exact():
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
 
     assert choose_kernels(ExactOps(split_slots=128), torch.device("cuda"), *_stub_pair()) == "exact"
+
+
+# ------------------------------------------------------------------ the kernels, compiled for sm90 (CPU)
+
+LINEAR_ARGS = ("x_ptr", "stride_xm", "w_ptr", "stride_wn", "b_ptr", "g_ptr", "r_ptr", "stride_rm", "o_ptr", "stride_om",
+               "t_ptr", "stride_tm", "M", "N", "K", "eps")
+
+
+def _ttgir(kernel, args: dict[str, str], constexprs: dict, warps: int, stages: int) -> str:
+    """Triton's GPU IR of ``kernel`` compiled for an H100/H200 (sm90) here, no GPU: every pointer and
+    stride 16-aligned (what ``ExactOps`` passes), the count arguments unspecialized (as the kernels say)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    aligned = {i for i, (name, kind) in enumerate(args.items()) if kind.startswith("*") or name.startswith(("stride_", "s"))}
+    source = ASTSource(fn=kernel, signature=args | {k: "constexpr" for k in constexprs}, constexprs=constexprs,
+                       attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}).asm["ttgir"]
+
+
+def _arithmetic(ir: str) -> tuple[tuple, frozenset]:
+    """What orders a row's floating-point sums: the layouts every reduction runs in (in program order) and
+    the MMA instructions (version, instruction shape) of every dot."""
+    import re
+
+    aliases = dict(re.findall(r"^(#\w+) = (.*)$", ir, re.M))
+    reductions = tuple(aliases.get(layout, layout) for layout in re.findall(r"\}\) : \(tensor<[^,]+, (#[\w]+)>\) -> ", ir))
+    dots = [re.search(r"-> tensor<[0-9x]+xf32, (#\w+)>", line).group(1) for line in ir.splitlines() if " tt.dot " in line]
+    mma = frozenset(re.sub(r"warpsPerCTA = \[[0-9, ]+\], ", "", aliases.get(d, d)) for d in dots)  # warps: who computes, not how
+    return reductions, mma
+
+
+@needs_triton
+def test_exact_linear_compiles_to_one_arithmetic_for_every_row_count():
+    """Bug: a row count changes the compiled arithmetic of the exact linear: the feature block, the tiles per
+    program or the pipeline stages it picks make Triton reduce the norm's sum of squares in another layout
+    (another order) or pick another MMA instruction (wgmma from 64-row tiles), and the decode step and the
+    verify give a row other bits. Compiled for sm90 here, bf16, the Qwen3-8B weights with a norm prologue."""
+    from dflash_trt.runtime.kernels.exact_ops import _linear_kernel
+
+    args = {name: "*bf16" if name.endswith("_ptr") else "fp32" if name == "eps" else "i32" for name in LINEAR_ARGS}
+    for name in ("qkv", "gate_up", "down"):
+        N, K, gated, norm = WEIGHTS_8B[name]
+        plan = exact_linear_plan(N, K, gated, 2)
+        compiled = {}
+        for tiles, block_n, stages in sorted({exact_linear_launch(plan, M, gated, 2) for M in ROW_COUNTS}):
+            constexprs = dict(NORM=norm, GATED=gated, BIAS=False, RESIDUAL=not norm, TAP=False, TILES=tiles, TM=16, BN=block_n,
+                              BK=plan.block_k, INTERP=False)
+            try:
+                ir = _ttgir(_linear_kernel, args, constexprs, plan.warps, stages)
+            except Exception as error:  # noqa: BLE001 - a Triton without the NVIDIA backend's compiler
+                pytest.skip(f"cannot compile for sm90 here: {error!r}"[:200])
+            compiled[(tiles, block_n, stages)] = _arithmetic(ir)
+        reductions = {r for r, _ in compiled.values()}
+        assert all(len(set(r)) <= 1 for r in reductions) and len({r[0] for r in reductions if r}) <= 1, (name, compiled)
+        assert len({m for _, m in compiled.values()}) == 1, (name, compiled)
+        assert all("versionMajor = 2" in m and "instrShape = [16, 8]" in m for _, ms in compiled.values() for m in ms), compiled
 
 
 # ------------------------------------------------------------------ the kernels, interpreted (CPU)
