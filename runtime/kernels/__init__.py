@@ -41,14 +41,14 @@ def default_ops(device):
     return TorchOps()
 
 
-def exact_ops(device):
+def exact_default_ops(device):
     """``ExactOps`` (Triton: CUDA, or CPU tensors under Triton's interpreter)."""
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
 
     return ExactOps()
 
 
-OPS = {"fast": default_ops, "exact": exact_ops}  # kernels name -> ops factory (device -> ops)
+OPS = {"fast": default_ops, "exact": exact_default_ops}  # kernels name -> ops factory (device -> ops)
 
 
-__all__ = ["OPS", "default_ops", "exact_ops", "fast_path", "supported"]
+__all__ = ["OPS", "default_ops", "exact_default_ops", "fast_path", "supported"]
