@@ -201,20 +201,18 @@ def check_all(device: str, small: bool) -> None:
         check_attention_reference(device, dtype)
 
 
-def serve_both(backend, prompts, sessions: int, new_tokens: int, temperature: float, stop=(), seed: int = 0) -> dict:
-    """Tokens of ``prompts`` served ``sessions`` at a time (continuous batching) through one backend, by
-    plain decoding (``speculate=False``) and by DFlash: {"plain": [...], "dflash": [...]}, one list per prompt.
-
-    Sampled runs: request i samples with seed + i in both modes (the noise is a function of seed and position)."""
+def serve_both(backend, requests, sessions: int) -> dict:
+    """Tokens of ``requests`` (``serving.batcher.Request``) served ``sessions`` at a time (continuous
+    batching) through one backend, by plain decoding (``speculate=False``) and by DFlash:
+    {"plain": [...], "dflash": [...]}, one token list per request. A sampled request draws the same noise
+    in both modes (a function of its seed and the position)."""
     from dflash_trt.runtime.executor import Executor
-    from dflash_trt.runtime.generate import generate
+    from dflash_trt.runtime.generate import collect, stream
 
     outputs = {}
     for mode, speculate in (("plain", False), ("dflash", True)):
         with Executor(backend, max_sessions=sessions, speculate=speculate) as executor:
-            completions = generate(executor, prompts, max_new_tokens=new_tokens, stop=stop, temperature=temperature,
-                                   seed=seed, max_sessions=sessions)
-        outputs[mode] = [c.tokens for c in completions]
+            outputs[mode] = [c.tokens for c in collect(stream(executor, requests, sessions), len(requests))]
     return outputs
 
 

@@ -282,21 +282,23 @@ def test_exact_kernels_agree_with_the_reference_on_cuda(dtype):
     exact_checks.check_attention_reference("cuda", dtype)
 
 
-def _bf16_backend(target_dir, draft_dir, owners: int, sessions: int, max_context: int, max_chunk: int):
+def _bf16_backend(target_dir, draft_dir, sessions: int, max_context: int, max_chunk: int):
+    """The pair in bf16 on CUDA with kernels="exact", ``sessions`` cache rows, up to ``sessions`` owners per launch."""
     from dflash_trt.export.exporter import ExportOptions, contract_dims
     from dflash_trt.export.pair import load_pair
     from dflash_trt.runtime.backends.torch_backend import TorchBackend
 
     target, draft = load_pair(target_dir, draft_dir, dtype=torch.bfloat16)
-    options = ExportOptions(max_owners=owners, max_context=max_context, max_chunk=max_chunk, proposals=draft.config.block_size - 1, dtype="bf16")
+    options = ExportOptions(max_owners=sessions, max_context=max_context, max_chunk=max_chunk, proposals=draft.config.block_size - 1, dtype="bf16")
     return TorchBackend(target, draft, contract_dims(target, draft, options), sessions, device="cuda", kernels="exact")
 
 
-def _assert_identical(outputs: dict, what: str) -> None:
+def _assert_identical(outputs: dict, requests, what: str) -> None:
     import exact_checks
 
     for i, (plain, dflash) in enumerate(zip(outputs["plain"], outputs["dflash"])):
-        assert plain == dflash, f"{what}, prompt {i}: DFlash left plain decoding at {exact_checks.first_difference(plain, dflash)}"
+        label = f"{what}, request {i} (T={requests[i].temperature})"
+        assert plain == dflash, f"{label}: DFlash left plain decoding at {exact_checks.first_difference(plain, dflash)}"
 
 
 @gpu
@@ -306,31 +308,36 @@ def test_dflash_equals_plain_decoding_in_bf16_on_the_tiny_pair(exported_pair, se
     token than plain decoding of the same prompt (1-row decode steps) — the target's own greedy output."""
     import exact_checks
 
-    with _bf16_backend(exported_pair.target_dir, exported_pair.draft_dir, max(sessions, 2), sessions, 64, 16) as backend:
-        outputs = exact_checks.serve_both(backend, exported_pair.prompts, sessions, 20, 0.0)
-    _assert_identical(outputs, f"tiny pair, {sessions} sessions")
+    from dflash_trt.runtime.serving.batcher import Request
+
+    requests = [Request(prompt, 20) for prompt in exported_pair.prompts]
+    with _bf16_backend(exported_pair.target_dir, exported_pair.draft_dir, sessions, 64, 16) as backend:
+        outputs = exact_checks.serve_both(backend, requests, sessions)
+    _assert_identical(outputs, requests, f"tiny pair, {sessions} sessions")
 
 
 @gpu
 def test_dflash_equals_plain_decoding_in_bf16_on_the_default_pair():
     """Bug: on the shipped pair in bf16 (kernels="exact"), DFlash's output differs from plain decoding's for some
-    prompt, greedy or sampled with the same seeds, at 1, 4 or 16 concurrent sessions; or a request's output
-    changes with how many others share its launches (1 vs 4 vs 16 sessions)."""
+    request, greedy or sampled (same seeds), at 1, 4 or 16 concurrent sessions; or a request's output changes
+    with how many others share its launches (1 vs 4 vs 16 sessions, greedy and sampled requests mixed)."""
     import exact_checks
 
     from dflash_trt.export.pair import DEFAULT_PAIR_DIR
     from dflash_trt.export.tokenizer import Tokenizer
+    from dflash_trt.runtime.serving.batcher import Request
 
     tokenizer = Tokenizer.from_dir(DEFAULT_PAIR_DIR / "target")
     rows = [json.loads(line) for line in (DEFAULT_PAIR_DIR / "prompts.jsonl").read_text().splitlines() if line.strip()]
     prompts = [tokenizer.encode(row["prompt"])[-160:] for row in rows[:16]]
     stop = tuple(tokenizer.stop_ids)
-    seen: dict[float, list] = {}
+    requests = [Request(p, 96, stop, 0.0, 0, 1.0, 7 + i) for i, p in enumerate(prompts)]
+    requests += [Request(p, 96, stop, 0.8, 0, 0.95, 100 + i) for i, p in enumerate(prompts)]  # top-p sampling
+    alone = None
     for sessions in (1, 4, 16):
-        with _bf16_backend(DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft", sessions, sessions, 1024, 256) as backend:
-            for temperature in (0.0, 0.8):
-                outputs = exact_checks.serve_both(backend, prompts, sessions, 96, temperature, stop=stop, seed=7)
-                _assert_identical(outputs, f"default pair, {sessions} sessions, temperature {temperature}")
-                first = seen.setdefault(temperature, outputs["plain"])
-                for i, (alone, shared) in enumerate(zip(first, outputs["plain"])):
-                    assert alone == shared, f"prompt {i}, T={temperature}: 1 vs {sessions} sessions differ at {exact_checks.first_difference(alone, shared)}"
+        with _bf16_backend(DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft", sessions, 1024, 256) as backend:
+            outputs = exact_checks.serve_both(backend, requests, sessions)
+        _assert_identical(outputs, requests, f"default pair, {sessions} sessions")
+        alone = alone or outputs["plain"]
+        for i, (one, shared) in enumerate(zip(alone, outputs["plain"])):
+            assert one == shared, f"request {i}: 1 vs {sessions} sessions differ at {exact_checks.first_difference(one, shared)}"
