@@ -204,6 +204,7 @@ def main() -> int:
             exact = ExactOps(linear_plans=swept[1])
     backends["exact"] = measure(report, "exact", exact, target, draft, dims, args.reps)
     report.section("gemm_us", lambda: gemm_times(backends, args.reps))
+    report.section("attention_us", lambda: gg.attention_times(backends, [CONTEXT], args.reps))
     for backend in backends.values():
         backend.close()
     report.data["summary"] = summary(report.data)

@@ -24,10 +24,13 @@ for bit, in bf16 too, so DFlash's output is the target's own plain decoding, tok
 ``qk_rope_write``   ``TritonOps``' kernel: one program per (row, head), already row-local.
 ==================  ===================================================================================
 
-Identical results need identical compiled arithmetic, so every row of a kind goes through ONE kernel
-with the same tile constants; nothing here picks a kernel, a tile or a split from a row or key count,
-and the integer arguments that follow the row or query count are not specialized on (one compiled
-kernel per layer shape serves every batch: nothing new compiles while serving).
+Identical results need identical compiled arithmetic: every row of a kind goes through one kernel whose
+summing tiles (the K step and the 16-row MMA tile of the linear, the split window and BLOCK_N of
+attention) are never chosen from a row, query, owner or slot count; the integer arguments that follow
+those counts are not specialized on; x is passed 16-byte aligned with row stride K (Triton vectorizes a
+load, and so orders the reductions over it, by the pointer's alignment). Per layer shape a few variants
+compile (tiles per program, feature block: how work is spread), the same arithmetic in each
+(tests/runtime/test_exact_kernels.py compares their sm90 IR).
 Under Triton's CPU interpreter (``TRITON_INTERPRET=1``, the CPU tests) the dots are written out as fp32
 products summed over K in order (``_dot``): the interpreter multiplies bf16 as raw integers, and numpy's
 BLAS rounds a row differently by its place in the tile; everything else is the GPU's code.
@@ -112,7 +115,7 @@ def _tile_epilogue(acc, acc_u, squares, rows, rn, n_ok, M, N, K, eps, w_ptr, b_p
         tl.store(t_ptr + rows[:, None] * stride_tm + rn[None, :], y.to(t_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["stride_xm", "M"])  # row counts: one compiled kernel whatever M is
+@triton.jit(do_not_specialize=["M"])  # the row count: one compiled kernel whatever M is
 def _linear_kernel(
     x_ptr, stride_xm, w_ptr, stride_wn, b_ptr, g_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm, M, N, K, eps,
     NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,

@@ -134,16 +134,15 @@ LINEAR_ARGS = ("x_ptr", "stride_xm", "w_ptr", "stride_wn", "b_ptr", "g_ptr", "r_
                "t_ptr", "stride_tm", "M", "N", "K", "eps")
 
 
-def _ttgir(kernel, args: dict[str, str], constexprs: dict, warps: int, stages: int) -> str:
-    """Triton's GPU IR of ``kernel`` compiled for an H100/H200 (sm90) here, no GPU: every pointer and
-    stride 16-aligned (what ``ExactOps`` passes), the count arguments unspecialized (as the kernels say)."""
+def _ttgir(kernel, args: dict[str, str], aligned: set[str], constexprs: dict, warps: int, stages: int) -> str:
+    """Triton's GPU IR of ``kernel`` compiled for an H100/H200 (sm90) here, no GPU, with the ``aligned``
+    arguments known 16-divisible (as Triton specializes them at a launch) and the others not."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    aligned = {i for i, (name, kind) in enumerate(args.items()) if kind.startswith("*") or name.startswith(("stride_", "s"))}
     source = ASTSource(fn=kernel, signature=args | {k: "constexpr" for k in constexprs}, constexprs=constexprs,
-                       attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+                       attrs={(i,): [["tt.divisibility", 16]] for i, name in enumerate(args) if name in aligned})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}).asm["ttgir"]
 
 
@@ -168,6 +167,7 @@ def test_exact_linear_compiles_to_one_arithmetic_for_every_row_count():
     from dflash_trt.runtime.kernels.exact_ops import _linear_kernel
 
     args = {name: "*bf16" if name.endswith("_ptr") else "fp32" if name == "eps" else "i32" for name in LINEAR_ARGS}
+    aligned = {name for name in LINEAR_ARGS if name not in ("M", "eps")}  # pointers, strides (K, N...), N, K of the 8B weights
     for name in ("qkv", "gate_up", "down"):
         N, K, gated, norm = WEIGHTS_8B[name]
         plan = exact_linear_plan(N, K, gated, 2)
@@ -176,7 +176,7 @@ def test_exact_linear_compiles_to_one_arithmetic_for_every_row_count():
             constexprs = dict(NORM=norm, GATED=gated, BIAS=False, RESIDUAL=not norm, TAP=False, TILES=tiles, TM=16, BN=block_n,
                               BK=plan.block_k, INTERP=False)
             try:
-                ir = _ttgir(_linear_kernel, args, constexprs, plan.warps, stages)
+                ir = _ttgir(_linear_kernel, args, aligned, constexprs, plan.warps, stages)
             except Exception as error:  # noqa: BLE001 - a Triton without the NVIDIA backend's compiler
                 pytest.skip(f"cannot compile for sm90 here: {error!r}"[:200])
             compiled[(tiles, block_n, stages)] = _arithmetic(ir)
