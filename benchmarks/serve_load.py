@@ -201,18 +201,12 @@ def figures(records: list[dict], before: dict, after: dict, seconds: float) -> d
         "tpot_p99_ms": _ms(merged["tpot"], 99),
         "executes": int(after["dflash_trt_executes_total"] - before["dflash_trt_executes_total"]),
         "cycles": int(cycles),
-        "server_itl_p99_ms": _server_ms(after, "dflash_trt_inter_token_latency_seconds[0.99]"),
         "tau": round(after["dflash_trt_acceptance_length"], 3) if cycles else None,  # since the server started (warm-up included)
     }
 
 
 def _ms(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)) * 1000.0, 2) if values else None
-
-
-def _server_ms(metrics: dict, name: str) -> float | None:
-    value = metrics.get(name)
-    return None if value is None or value != value else round(value * 1000.0, 2)
 
 
 def main() -> int:
@@ -249,7 +243,7 @@ def main() -> int:
         finally:
             process.send_signal(signal.SIGINT)
             process.wait(60)
-        print(next((line for line in log.read_text().splitlines() if line.startswith("serving")), "no serving line in the log"), flush=True)
+        print(next((line for line in log.read_text().splitlines() if " serving " in line), "no serving line in the log"), flush=True)
     summary = {"name": "serve_load", "date": time.strftime("%Y-%m-%d"), "machine": machine(),
                "command": " ".join(["python", "benchmarks/serve_load.py", *sys.argv[1:]]), "seconds": args.seconds, "warmup_seconds": args.warmup_seconds,
                "max_tokens": args.max_tokens, "max_sessions": args.max_sessions, "backend": args.backend, "device": args.device, "runs": results}

@@ -40,26 +40,14 @@ DEMO_MAX_SESSIONS = 4
 DEMO_MAX_CHUNK = 256
 
 
-def _default_pair() -> Path:
-    from dflash_trt.export.pair import DEFAULT_PAIR_DIR
-
-    return DEFAULT_PAIR_DIR
-
-
-def _default_cache() -> Path:
-    from dflash_trt.export.identity import default_cache_dir
-
-    return default_cache_dir()
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pair = _default_pair()
+    pair = command.default_pair_dir()
     parser.add_argument("--target", type=Path, default=pair / "target", help="target checkpoint (default: the embedded pair)")
     parser.add_argument("--draft", type=Path, default=pair / "draft", help="draft checkpoint (default: the embedded pair)")
     parser.add_argument("--prompts", type=Path, default=pair / "prompts.jsonl", help="JSONL of {prompt | tokens, name?}")
     parser.add_argument("--count", type=positive_int, default=4, help="prompts to serve (default 4)")
     parser.add_argument("--prompt-tokens", type=positive_int, default=192, help="keep the last N tokens of each prompt")
-    parser.add_argument("--cache", type=Path, default=_default_cache(), help="export cache (default ~/.cache/dflash-trt or $DFLASH_TRT_CACHE)")
+    parser.add_argument("--cache", type=Path, default=command.default_cache_dir(), help="export cache (default ~/.cache/dflash-trt or $DFLASH_TRT_CACHE)")
     parser.add_argument("--artifacts", type=Path, help="use this export dir instead of exporting")
     parser.add_argument("--out", type=Path, help="stats + report dir (default: CACHE/demo-run)")
     command.add_generation_arguments(parser)

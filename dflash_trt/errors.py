@@ -7,7 +7,25 @@ pipeline: catch ``DFlashError`` to catch them all.
 
 
 class DFlashError(Exception):
-    """Base class of every error this library raises on purpose."""
+    """Base class of every error this library raises on purpose.
+
+    ``param`` names the request field at fault (the library's name, e.g.
+    ``prompt``, ``max_new_tokens``, ``temperature``) and ``code`` is a
+    machine-readable reason (``context_length_exceeded``, ``invalid_value``,
+    ...; for ``CudaError``, the CUDA error's name); both are None unless the
+    raiser knows. A server maps them to its API's error fields without
+    reading the message.
+    """
+
+    param: str | None = None
+    code: str | None = None
+
+    def __init__(self, *args, param: str | None = None, code: str | None = None):
+        super().__init__(*args)
+        if param is not None:
+            self.param = param
+        if code is not None:
+            self.code = code
 
 
 class UsageError(DFlashError):
@@ -101,7 +119,7 @@ class CudaError(DFlashError):
     """
 
     def __init__(self, message: str, call: str = "", code: str | None = None):
-        super().__init__(message)
+        super().__init__(message, code=code)
         self.call = call
         self.code = code
 

@@ -114,18 +114,18 @@ def check_sampling(temperature: float, top_k: int, top_p: float, vocab_size: int
     like Python numbers; bools are refused everywhere.
     """
     if not _real(temperature) or not math.isfinite(temperature):
-        raise SamplingError(f"temperature must be a finite real number (not a bool), got {temperature!r}")
+        raise SamplingError(f"temperature must be a finite real number (not a bool), got {temperature!r}", param="temperature")
     if temperature != 0 and not MIN_TEMPERATURE <= temperature <= FLOAT32_MAX:
         msg = f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {FLOAT32_MAX}] (float32), got {temperature!r}"
-        raise SamplingError(msg)
+        raise SamplingError(msg, param="temperature")
     if not is_int(top_k, numpy=True) or top_k < 0:
-        raise SamplingError(f"top_k must be an int >= 0 (0 = off; not a bool), got {top_k!r}")
+        raise SamplingError(f"top_k must be an int >= 0 (0 = off; not a bool), got {top_k!r}", param="top_k")
     limit = TOP_K_LIMIT if vocab_size is None else top_k_limit(vocab_size)
     if top_k > limit:
         why = f"min({TOP_K_LIMIT}, vocabulary {vocab_size})" if vocab_size is not None else "TensorRT's TopK limit"
-        raise SamplingError(f"top_k must be in [0, {limit}] (0 = off; at most {why}), got {top_k}")
+        raise SamplingError(f"top_k must be in [0, {limit}] (0 = off; at most {why}), got {top_k}", param="top_k")
     if not _real(top_p) or not math.isfinite(top_p) or not FLOAT32_TINY <= top_p <= 1:
-        raise SamplingError(f"top_p must be a real number in [{FLOAT32_TINY}, 1] (float32 normal, > 0), got {top_p!r}")
+        raise SamplingError(f"top_p must be a real number in [{FLOAT32_TINY}, 1] (float32 normal, > 0), got {top_p!r}", param="top_p")
     return float(temperature), int(top_k), float(top_p)
 
 

@@ -1,20 +1,30 @@
 """Tokenizer, chat template and stop tokens from a checkpoint's own files.
 
 ``tokenizer.json`` is read with the ``tokenizers`` library;
-``tokenizer_config.json`` gives the chat template and the named special
-tokens; stop tokens are the union of ``generation_config.json`` and
-``config.json`` ``eos_token_id`` and the tokenizer's ``eos_token``.
+``tokenizer_config.json`` gives the named special tokens and the chat
+template, which a ``chat_template.jinja`` beside it replaces (as Hugging Face
+transformers loads it); stop tokens are the union of ``generation_config.json``
+and ``config.json`` ``eos_token_id`` and the tokenizer's ``eos_token``.
+
+Text must be valid Unicode: a lone surrogate (``"a\\ud800"``, which JSON
+can carry) is refused with ``TokenizerError``.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer as _Tokenizer
 
 from dflash_trt.errors import TokenizerError
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers' file name; it wins over tokenizer_config.json's
+# Pre-tokenizers that drop characters (whitespace): a text's length then bounds nothing.
+DROPPING_PRE_TOKENIZERS = {"Whitespace", "WhitespaceSplit", "BertPreTokenizer", "CharDelimiterSplit"}
+COMPOSED_CODE_POINTS = 4  # a normalizer (NFC, NFKC) composes at most 4 code points into one character
 
 
 # What ``Tokenizer.from_dir`` reads besides config.json, copied into an export so that the export alone serves text.
@@ -85,9 +95,11 @@ class Tokenizer:
             if eos_id is None:
                 raise TokenizerError(f"{config_path}: eos_token {eos!r} is not in the vocabulary")
             stops.append(eos_id)
+        template_path = directory / CHAT_TEMPLATE_FILE
+        template = template_path.read_text(encoding="utf-8") if template_path.is_file() else config.get("chat_template")
         return cls(
             backend=backend,
-            chat_template=config.get("chat_template"),
+            chat_template=template,
             stop_ids=tuple(dict.fromkeys(stops)),
             bos_token=_token_text(config.get("bos_token")),
             eos_token=eos,
@@ -98,7 +110,42 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text``. Runs in ``encode_batch``, which releases the GIL while it tokenizes
+        (``encode`` holds it: 2 s for 3 MB of code, every other thread stalled)."""
+        if not isinstance(text, str):
+            msg = f"text to tokenize must be a str, got {type(text).__name__}"
+            raise TokenizerError(msg, param="prompt")
+        try:
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        except TypeError as error:  # the Rust side takes valid Unicode only
+            at = next((i for i, ch in enumerate(text) if 0xD800 <= ord(ch) <= 0xDFFF), None)
+            if at is None:
+                raise
+            msg = f"text holds a lone surrogate U+{ord(text[at]):04X} at character {at}: not valid Unicode"
+            raise TokenizerError(msg, param="prompt", code="invalid_value") from error
+
+    @cached_property
+    def chars_per_token(self) -> int | None:
+        """The most characters one token of a text can stand for; None when this tokenizer may drop
+        characters (a whitespace pre-tokenizer), so that a text's length bounds nothing.
+
+        Every token decodes to at most the longest vocabulary entry's characters (a byte-level piece
+        alone decodes to one U+FFFD); a normalizer (NFC, NFKC) may first compose up to
+        ``COMPOSED_CODE_POINTS`` code points into one character.
+        """
+        spec = json.loads(self.backend.to_str())
+        pre = _parts(spec.get("pre_tokenizer"))
+        if any(p.get("type") in DROPPING_PRE_TOKENIZERS or p.get("behavior") == "Removed" for p in pre):
+            return None
+        ids = [[i] for i in range(self.vocab_size)]
+        longest = max(map(len, self.backend.decode_batch(ids, skip_special_tokens=False)), default=1)
+        return longest * (COMPOSED_CODE_POINTS if spec.get("normalizer") else 1)
+
+    def max_chars(self, tokens: int) -> int | None:
+        """An upper bound on the characters of a text of at most ``tokens`` tokens (None: no bound):
+        a longer text holds more tokens, so a server refuses it without tokenizing it."""
+        per_token = self.chars_per_token
+        return None if per_token is None else tokens * per_token
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -122,3 +169,11 @@ class Tokenizer:
             eos_token=self.eos_token or "",
             **variables,
         )
+
+
+def _parts(spec: dict | None) -> list[dict]:
+    """A tokenizer.json component and, for a ``Sequence``, its members (recursively)."""
+    if not spec:
+        return []
+    inner = spec.get("pretokenizers") or spec.get("normalizers") or []
+    return [spec, *(part for member in inner for part in _parts(member))]

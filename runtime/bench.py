@@ -14,6 +14,11 @@ with fresh stats. Writes per mode ``OUT/<mode>/outputs.jsonl`` and
 JSON line with both modes' figures (``command.summary``: the definitions of
 ``dflash-trt report``) and the speedup. Render the comparison with
 ``dflash-trt report OUT/dflash/stats.parquet --baseline OUT/plain/stats.parquet``.
+
+    dflash-trt bench --serve http://127.0.0.1:8000 [--concurrency 8] [--num-prompts 64] [--max-new-tokens 128]
+
+measures a running server as a client instead (TTFT, TPOT, ITL, E2E,
+throughput; ``dflash_trt.server.bench``): nothing is loaded here.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import argparse
 import json
 from pathlib import Path
 
+from dflash_trt.cli import positive_int
 from dflash_trt.runtime import command
 from dflash_trt.runtime.executor import Executor
 
@@ -30,12 +36,26 @@ COLUMNS = ("tokens_per_s", "tau", "tokens", "seconds", "cycles", "calls", "ms_pe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    command.add_arguments(parser)
+    command.add_arguments(parser, out_required=False)
     parser.set_defaults(no_draft=False)
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", help="time the first pass (captures included)")
+    client = parser.add_argument_group("client mode (--serve URL): measure a running server")
+    client.add_argument("--serve", metavar="URL", help="an OpenAI-compatible server (e.g. http://127.0.0.1:8000): load it and time its streams")
+    client.add_argument("--concurrency", type=positive_int, default=8, help="requests in flight at once (default 8)")
+    client.add_argument("--num-prompts", type=positive_int, default=64, help="requests to send (default 64; the prompts file cycled)")
+    client.add_argument("--model", help="model name to send (default: the server's first)")
+    client.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request before it counts as failed (default 600)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.serve is not None:
+        from dflash_trt.server.bench import run as run_client
+
+        return run_client(args)
+    if args.out is None:
+        from dflash_trt.errors import UsageError
+
+        raise UsageError("dflash-trt bench needs --out DIR (or --serve URL to measure a running server)")
     if args.no_draft:
         from dflash_trt.errors import UsageError
 

@@ -47,26 +47,30 @@ from dflash_trt.runtime.serving.batcher import Completion, Request
 BACKEND_CHOICES = ("onnxruntime", "torch", "tensorrt")
 
 
-def _default_pair() -> Path:
+def default_pair_dir() -> Path:
+    """The embedded default pair's folder (``target/``, ``draft/``, ``prompts.jsonl``); imported lazily, so
+    building a command line does not import the export stage."""
     from dflash_trt.export.pair import DEFAULT_PAIR_DIR
 
     return DEFAULT_PAIR_DIR
 
 
-def _default_cache() -> Path:
-    from dflash_trt.export.identity import default_cache_dir
+def default_cache_dir() -> Path:
+    """The user's dflash-trt cache (``export.identity.default_cache_dir``), imported lazily."""
+    from dflash_trt.export import identity
 
-    return default_cache_dir()
+    return identity.default_cache_dir()
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pair = _default_pair()
+def add_arguments(parser: argparse.ArgumentParser, out_required: bool = True) -> None:
+    """``out_required``: --out must be given (``bench --serve`` writes nothing unless asked)."""
+    pair = default_pair_dir()
     parser.add_argument("--artifacts", type=Path, help="export dir (manifest.json + ONNX), or engine dir for tensorrt; default: "
                         "--target/--draft exported to --cache (onnxruntime) or run as checkpoints (torch)")
     parser.add_argument("--backend", choices=BACKEND_CHOICES, default="onnxruntime")
     parser.add_argument("--prompts", type=Path, default=pair / "prompts.jsonl",
                         help="JSONL: {prompt | tokens, name?, max_new_tokens?} per line (default: the embedded pair's held-out prompts)")
-    parser.add_argument("--out", type=Path, required=True, help="output dir: outputs.jsonl, stats.parquet, stats.executes.parquet")
+    parser.add_argument("--out", type=Path, required=out_required, help="output dir: outputs.jsonl, stats.parquet, stats.executes.parquet")
     add_generation_arguments(parser)
     add_checkpoint_arguments(parser)
     parser.add_argument("--tokenizer", type=Path, help="dir with tokenizer.json (default: --artifacts, then --target)")
@@ -92,7 +96,7 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser, target_default: Pa
                         help="target checkpoint (default without --artifacts: the embedded pair; tokenizer fallback)")
     parser.add_argument("--draft", type=Path, default=target_default and target_default.parent / "draft",
                         help="draft checkpoint (default without --artifacts: the embedded pair)")
-    parser.add_argument("--cache", type=Path, default=_default_cache(), help="export cache (default ~/.cache/dflash-trt or $DFLASH_TRT_CACHE)")
+    parser.add_argument("--cache", type=Path, default=default_cache_dir(), help="export cache (default ~/.cache/dflash-trt or $DFLASH_TRT_CACHE)")
     parser.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cpu, cuda for tensorrt)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="torch backend without --artifacts: weights and caches (default: bf16 on CUDA, fp32 on CPU)")
     parser.add_argument("--max-owners", type=positive_int, help="torch backend without --artifacts: sessions per draft/verify launch (default: --max-sessions)")
@@ -117,7 +121,7 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.backend == "torch" and args.artifacts is not None and (args.target is None or args.draft is None):
         raise UsageError("--backend torch with --artifacts needs --target and --draft (checkpoint dirs; the artifacts give the dims)")
     if args.artifacts is None:
-        pair = _default_pair()
+        pair = default_pair_dir()
         args.target, args.draft = args.target or pair / "target", args.draft or pair / "draft"
     elif args.backend == "onnxruntime":
         check_runnable_export(args.artifacts, args.device or "cpu")
@@ -366,10 +370,11 @@ def fit_prompts(prompts: list[Prompt], max_new_tokens: int, max_context: int) ->
 
 def stop_tokens(args, tokenizer) -> tuple[int, ...]:
     """The tokenizer's stop ids, else the manifest's."""
-    return tokenizer.stop_ids if tokenizer is not None else _manifest_stops(args.artifacts)
+    return tokenizer.stop_ids if tokenizer is not None else manifest_stops(args.artifacts)
 
 
-def _manifest_stops(directory: Path | None) -> tuple[int, ...]:
+def manifest_stops(directory: Path | None) -> tuple[int, ...]:
+    """The stop tokens an export's manifest records; none without a directory, or for one without a manifest (an engine dir)."""
     from dflash_trt.export.manifest import load_manifest
 
     if directory is None:

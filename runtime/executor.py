@@ -77,7 +77,7 @@ from dflash_trt.runtime.cycles import (
 from dflash_trt.runtime.device_loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_COLUMN, PROPOSALS_COLUMN, DeviceLoop, Launch, owner_buckets
 from dflash_trt.runtime.launches import Group, Lane, LoopShape, run_launches
 from dflash_trt.runtime.sessions import CONTEXT, ContextPool, Input, Limits, Output, Session, SessionTable, SessionView, Step, check_seed, int_in, validate_batch
-from dflash_trt.runtime.stats import DEFAULT_MAX_ROWS, StatsLog, stats_paths, write_parquet
+from dflash_trt.runtime.stats import DEFAULT_MAX_ROWS, ExecuteRows, StatsLog, stats_paths, write_parquet
 from dflash_trt.runtime.timing import make_clock
 
 __all__ = ["Executor", "Input", "Output"]
@@ -108,9 +108,11 @@ class Executor:
         max_cycles: int = 8,
         lag: bool = True,
         cycle_graphs: bool = True,
+        stats_age_s: float | None = None,
     ) -> None:
         """``dims`` and ``max_sessions`` default to the backend's (its contract dims and pool rows);
-        ``stats_rows`` bounds each stats table in memory (None: unbounded; see ``drain_stats``).
+        ``stats_rows`` bounds each stats table in memory (None: unbounded; see ``drain_stats``),
+        ``stats_age_s`` the age of the rows kept (None: no age bound).
 
         ``speculate``: sessions draft by default (False: plain target decoding,
         the autoregressive baseline through the same runtime; per session:
@@ -138,7 +140,9 @@ class Executor:
         self.clock = make_clock(backend)
         if stats_rows is not None and (not isinstance(stats_rows, int) or isinstance(stats_rows, bool) or stats_rows < 1):
             raise InputError(f"stats_rows must be an int >= 1 or None (unbounded), got {stats_rows!r}")
-        self.log = StatsLog(stats_rows)
+        if stats_age_s is not None and (isinstance(stats_age_s, bool) or not isinstance(stats_age_s, (int, float)) or not stats_age_s > 0):
+            raise InputError(f"stats_age_s must be a number of seconds > 0 or None (no age bound), got {stats_age_s!r}")
+        self.log = StatsLog(stats_rows, stats_age_s)
         if not is_int(max_cycles) or max_cycles < 1:
             raise InputError(f"max_cycles must be an int >= 1, got {max_cycles!r}")
         self.speculate, self.max_cycles, self.lag = bool(speculate), max_cycles, bool(lag)
@@ -660,7 +664,7 @@ class Executor:
 
     def clear_stats(self) -> None:
         """Start the stats tables afresh (e.g. after a warm-up whose captures should not be timed)."""
-        self.log = StatsLog(self.log.max_rows)
+        self.log = StatsLog(self.log.max_rows, self.log.max_age_s)
 
     def cycle_stats(self) -> pl.DataFrame:
         """One row per owner per cycle (``runtime.stats.CYCLE_SCHEMA``), of the rows still in memory."""
@@ -683,6 +687,11 @@ class Executor:
             write_parquet(cycles, paths[0], "cycles")
             write_parquet(executes, paths[1], "executes")
         return cycles, executes
+
+    def execute_rows(self, since: int | None, columns: Sequence[str]) -> ExecuteRows:
+        """``columns`` of the execute rows from batch ``since`` on, and the cursor for the next read
+        (``StatsLog.execute_rows``); safe from any thread."""
+        return self.log.execute_rows(since, columns)
 
     @property
     def stats_dropped(self) -> dict[str, int]:

@@ -143,7 +143,7 @@ class SessionTable:
 def check_seed(seed) -> int:
     if not is_int(seed, numpy=True) or not 0 <= int(seed) < SEED_LIMIT:
         msg = f"seed must be an int in [0, 2**64 - 1], got {seed!r}"
-        raise SamplingError(msg)
+        raise SamplingError(msg, param="seed")
     return int(seed)
 
 

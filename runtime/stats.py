@@ -40,8 +40,9 @@ from __future__ import annotations
 import threading
 import time
 from array import array
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -200,6 +201,14 @@ def stats_paths(stem: str | Path) -> tuple[Path, Path]:
     return stem.with_name(stem.name + ".parquet"), stem.with_name(stem.name + ".executes.parquet")
 
 
+@dataclass(frozen=True)
+class ExecuteRows:
+    """``StatsLog.execute_rows``: columns of the execute rows read, and the next batch id (the cursor)."""
+
+    columns: dict[str, list]
+    next_batch: int
+
+
 DEFAULT_MAX_ROWS = 1 << 19  # per table: ~50 MB of cycle rows, ~110 MB of execute rows at most
 
 
@@ -215,15 +224,17 @@ class StatsLog:
 
     Bounded: when either table holds more than ``max_rows`` rows (None: no
     bound), the oldest batches are dropped from both tables together (down to
-    3/4 of the bound) and counted in ``dropped``; ``drain`` hands every row
-    over and empties the log. The lock makes reads safe from any thread.
+    3/4 of the bound) and counted in ``dropped``; so are batches that ended
+    more than ``max_age_s`` seconds ago (None: no age bound), at each
+    execute's end, whether or not anyone reads the log. ``drain`` hands every
+    row over and empties the log. The lock makes reads safe from any thread.
     """
 
-    def __init__(self, max_rows: int | None = DEFAULT_MAX_ROWS) -> None:
+    def __init__(self, max_rows: int | None = DEFAULT_MAX_ROWS, max_age_s: float | None = None) -> None:
         self.cycles = ColumnStore(CYCLE_SCHEMA)
         self.executes = ColumnStore(EXECUTE_SCHEMA)
         self.staged = ColumnStore(CYCLE_SCHEMA)  # the running batch's cycle rows
-        self.max_rows = max_rows
+        self.max_rows, self.max_age_s = max_rows, max_age_s
         self.origin = time.perf_counter()
         self.batch_id = 0
         self.cycle_id = 0
@@ -344,6 +355,8 @@ class StatsLog:
         self.batch_id += 1
         if self.max_rows is not None and max(len(self.cycles), len(self.executes)) > self.max_rows:
             self._trim(self.max_rows * 3 // 4)
+        if self.max_age_s is not None:
+            self._expire((end - self.origin) * 1000.0 - self.max_age_s * 1000.0)
 
     def _trim(self, keep: int) -> None:
         """Drop the oldest batches (both tables, whole batches) until each table holds <= ``keep`` rows."""
@@ -351,10 +364,33 @@ class StatsLog:
         for table in (self.cycles, self.executes):
             if len(table) > keep:
                 cutoff = max(cutoff, table.columns["batch_id"][len(table) - keep - 1])
+        self._drop_through(cutoff)
+
+    def _expire(self, before_ms: float) -> None:
+        """Drop the batches whose execute ended before ``before_ms`` (execute rows end in order)."""
+        ended = bisect_left(self.executes.columns["end_ms"], before_ms)
+        if ended:
+            self._drop_through(self.executes.columns["batch_id"][ended - 1])
+
+    def _drop_through(self, cutoff: int) -> None:
+        """Drop every row of the batches with batch_id <= ``cutoff`` from both tables, counted in ``dropped``."""
         for name, table in (("cycles", self.cycles), ("executes", self.executes)):
             count = bisect_right(table.columns["batch_id"], cutoff)  # batch ids never decrease
             table.drop_first(count)
             self.dropped[name] += count
+
+    def execute_rows(self, since: int | None, columns: Sequence[str]) -> ExecuteRows:
+        """Copies of ``columns`` of the execute rows with ``batch_id >= since`` (None: no rows), and the
+        batch id the next execute will get: a reader keeps it as its cursor for the next call.
+
+        Rows found by batch id, so a bound dropping old rows, or a drain, never makes a row count
+        twice; rows dropped or drained before a reader reads them are not returned.
+        """
+        with self.lock:
+            if since is None:
+                return ExecuteRows({name: [] for name in columns}, self.batch_id)
+            start = bisect_left(self.executes.columns["batch_id"], since)
+            return ExecuteRows({name: list(self.executes.columns[name][start:]) for name in columns}, self.batch_id)
 
     def frames(self) -> tuple[pl.DataFrame, pl.DataFrame]:
         """(cycles, executes) as DataFrames (copies)."""

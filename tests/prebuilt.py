@@ -89,8 +89,9 @@ def default_pair_cache(cache) -> Path:
     import argparse
 
     from dflash_trt import demo
+    from dflash_trt.runtime import command
 
-    pair = demo._default_pair()
+    pair = command.default_pair_dir()
 
     def build(root: Path) -> None:
         demo.export_dir(argparse.Namespace(artifacts=None, target=pair / "target", draft=pair / "draft", cache=root))

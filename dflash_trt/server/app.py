@@ -4,20 +4,33 @@
 | --- | --- |
 | ``POST /v1/completions`` | one prompt (text or token ids) |
 | ``POST /v1/chat/completions`` | messages through the chat template |
-| ``GET /v1/models`` | the one served model (with ``speculate``, ``max_sessions``, ``max_context``) |
-| ``GET /health`` | 200 while the serving loop runs, 503 otherwise; ``speculate``: DFlash on, or plain decoding |
+| ``GET /v1/models`` | the served model names (with ``speculate``, ``max_sessions``, ``max_model_len``) |
+| ``GET /health`` | 200 while the serving loop runs, 503 otherwise (and while shutting down); ``speculate``: DFlash on, or plain decoding |
 | ``GET /metrics`` | Prometheus text format (``server.prometheus``) |
 
-``stream: true`` answers with server-sent events (FastAPI's encoder), one
-event per delivery of the serving loop (a DFlash cycle's accepted tokens arrive
-together), then ``[DONE]``. A client that disconnects cancels its request,
-streamed or not: the serving loop closes its session at the next gap between executes.
+A request's work before it is admitted is bounded and off the event loop:
+the body is at most ``--max-body-bytes`` (``server.limits``), then one worker
+thread parses and validates it (pydantic, strict), renders the chat template,
+refuses a text longer than the context could hold by its characters alone
+(``Tokenizer.max_chars``), tokenizes (the GIL released), checks that prompt +
+max_tokens fit the context (vLLM's rule: 400 otherwise) and submits it. The
+event loop only moves bytes, so one huge or slow request never stalls /health
+or another stream.
 
-Errors have OpenAI's shape ``{"error": {message, type, param, code}}``:
-400 for malformed JSON, unknown fields, out-of-range values, a prompt that
-does not fit the context; 404 for another model name or route; 429 when the
-serving loop's queue is full (nothing queued: retry); 503 once the serving loop is
-closed; 500 when the serving loop failed the request (a failed batch). An error
+``stream: true`` answers with server-sent events, one event per delivery of
+the serving loop (a DFlash cycle's accepted tokens arrive together), then
+``[DONE]``. A client that disconnects cancels its request, streamed or not:
+the serving loop closes its session at the next gap between executes.
+
+Errors have OpenAI's shape ``{"error": {message, type, param, code}}``, with
+``param`` and ``code`` taken from the typed errors (``DFlashError.param`` /
+``.code``), never from message text: 400 for malformed JSON, wrong types,
+unknown fields, out-of-range values, a prompt or max_tokens that does not fit
+the context; 404 for another model name or route; 413 for a body over the
+limit; 429 when the serving loop's queue is full (nothing queued: retry); 503
+while shutting down (``server.shutdown``) or once the serving loop is closed;
+500 when the serving loop failed the request (a failed batch) or a bug — its
+body says only that, with the request id; the log has the cause. An error
 after a stream started is sent as a last ``{"error": ...}`` event.
 """
 
@@ -25,22 +38,37 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
 
+import anyio
+import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
-from dflash_trt.errors import DFlashError, ServingClosedError, InputError, QueueFullError, SamplingError, TokenizerError
-from dflash_trt.runtime.serving.loop import ServingLoop, RequestHandle
+from dflash_trt.errors import DFlashError, InputError, QueueFullError, SamplingError, ServingClosedError, TokenizerError
+from dflash_trt.runtime.serving.loop import CANCELLED, RequestHandle, ServingLoop
 from dflash_trt.server import schema
+from dflash_trt.server.limits import BodyLimit, BodyTooLarge, Limits
 from dflash_trt.server.prometheus import ServingCollector
+from dflash_trt.server.shutdown import InFlight, Shutdown
+
+log = logging.getLogger("dflash_trt.server")
 
 REQUEST_ERRORS = (InputError, SamplingError, TokenizerError)
+API_PARAMS = {"max_new_tokens": "max_tokens"}  # the library's field names that the API spells otherwise
+PREPARE_THREADS = 8  # worker threads parsing, tokenizing and submitting requests at once
+DEFAULT_LOG_INTERVAL_S = 10.0
 
 
 class ApiError(Exception):
@@ -51,12 +79,41 @@ class ApiError(Exception):
         self.status, self.body = status, schema.error_body(message, kind, param, code)
 
 
-def create_app(serving: ServingLoop, model: str) -> FastAPI:
-    """The API over ``serving`` serving ``model`` (the name clients must send)."""
-    app = FastAPI(title="dflash-trt", docs_url=None, redoc_url=None)
-    app.state.serving, app.state.model = serving, model
+@dataclass(frozen=True)
+class Route:
+    """One generation route: its request type, id prefix and how its prompt is made."""
+
+    model: type[schema.Sampled]
+    prefix: str
+    prompt_param: str  # the request field a prompt error names
+    default_max_tokens: int | None  # when the request sets none (None: all the context left), capped by the context
+
+
+COMPLETIONS = Route(schema.CompletionRequest, "cmpl", "prompt", 16)  # OpenAI's default for completions
+CHAT = Route(schema.ChatRequest, "chatcmpl", "messages", None)
+
+
+def create_app(serving: ServingLoop, names: str | list[str], limits: Limits | None = None, log_interval_s: float = DEFAULT_LOG_INTERVAL_S) -> FastAPI:
+    """The API over ``serving``; ``names``: the model names clients may send (the first is the one reported);
+    ``limits``: the HTTP layer's bounds (default ``Limits()``); a throughput log line every ``log_interval_s``."""
+    names = [names] if isinstance(names, str) else list(names)
+    limits = limits or Limits()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        logger = asyncio.create_task(_log_throughput(serving, log_interval_s)) if log_interval_s > 0 else None
+        yield
+        if logger is not None:
+            logger.cancel()
+
+    app = FastAPI(title="dflash-trt", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.serving, app.state.names = serving, names
+    app.state.shutdown = Shutdown()
+    app.state.limiter = anyio.CapacityLimiter(PREPARE_THREADS)
     app.state.registry = CollectorRegistry()
-    app.state.registry.register(ServingCollector(serving, model))
+    app.state.registry.register(ServingCollector(serving, names[0]))
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+    app.add_middleware(InFlight, shutdown=app.state.shutdown)  # outermost: a request is open until its response is sent
     _add_error_handlers(app)
     _add_routes(app)
     return app
@@ -68,38 +125,54 @@ def _add_error_handlers(app: FastAPI) -> None:
         headers = {"Retry-After": "1"} if error.status == 429 else None
         return JSONResponse(error.body, status_code=error.status, headers=headers)
 
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(_request: Request, error: BodyTooLarge) -> JSONResponse:  # close: the rest of the body is never read
+        return JSONResponse(schema.error_body(str(error), code="request_too_large"), status_code=413, headers={"Connection": "close"})
+
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0] if error.errors() else {"loc": (), "msg": str(error)}
-        where = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = ".".join(where) or None
-        message = first.get("msg", "invalid request")
-        if first.get("type") == "extra_forbidden":
-            message = f"Unrecognized request argument supplied: {param}"
-        elif first.get("type") == "json_invalid":
-            message = f"We could not parse the JSON body of your request: {first.get('ctx', {}).get('error', message)}"
-            param = None
-        elif where[:1] == ["prompt"]:  # a union: pydantic names each alternative; say what is accepted
-            param, message = "prompt", "prompt must be one string or one list of token ids (one prompt per request)"
-        elif param:
-            message = f"{param}: {message} (got {first.get('input')!r:.80})"
-        return JSONResponse(schema.error_body(message, param=param), status_code=400)
+        api = validation_error(error.errors())
+        return JSONResponse(api.body, status_code=api.status)
 
     @app.exception_handler(HTTPException)
     async def http_error(_request: Request, error: HTTPException) -> JSONResponse:
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
         return JSONResponse(schema.error_body(str(error.detail), kind), status_code=error.status_code)
 
+    @app.exception_handler(Exception)
+    async def bug(request: Request, error: Exception) -> JSONResponse:
+        log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=error)
+        return JSONResponse(schema.error_body("the server failed this request (a bug; see the server log)", "server_error"), status_code=500)
+
+
+def validation_error(errors: list[dict]) -> ApiError:
+    """A pydantic validation failure as OpenAI words it: the first error, naming the field."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    where = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(where) or None
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {param}"
+    elif first.get("type") == "json_invalid":
+        message = f"We could not parse the JSON body of your request: {first.get('ctx', {}).get('error', message)}"
+        param = None
+    elif where[:1] and where[0] in schema.UNION_FIELDS:  # pydantic names each alternative; say what is accepted
+        param, message = where[0], schema.UNION_FIELDS[where[0]]
+    elif param:
+        message = f"{param}: {message} (got {first.get('input')!r:.80})"
+    return ApiError(400, message, param=param)
+
 
 def _add_routes(app: FastAPI) -> None:
     serving: ServingLoop = app.state.serving
-    model: str = app.state.model
+    names: list[str] = app.state.names
+    shutdown: Shutdown = app.state.shutdown
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = serving.healthy
-        body = {"status": "ok" if ok else "unavailable", "speculate": serving.executor.speculate}
-        return JSONResponse(body, status_code=200 if ok else 503)
+        ok = serving.healthy and not shutdown.draining
+        status = "ok" if ok else "draining" if shutdown.draining else "unavailable"
+        return JSONResponse({"status": status, "speculate": serving.executor.speculate}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -107,83 +180,144 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        served = {"id": model, "object": "model", "created": 0, "owned_by": "dflash-trt", "speculate": serving.executor.speculate,
-                  "max_sessions": serving.executor.max_sessions, "max_context": serving.executor.dims.max_context}
-        return {"object": "list", "data": [served]}
+        executor = serving.executor
+        cards = [{"id": name, "object": "model", "created": 0, "owned_by": "dflash-trt", "root": names[0], "speculate": executor.speculate,
+                  "max_sessions": executor.max_sessions, "max_model_len": executor.dims.max_context, "max_context": executor.dims.max_context}
+                 for name in names]
+        return {"object": "list", "data": cards}
 
     @app.post("/v1/completions")
-    async def completions(body: schema.CompletionRequest, request: Request):
-        _check_model(body.model, model)
-        handle = _submit(serving, body.prompt_value(), body.max_tokens or 16, body.sampling())
-        request_id = f"cmpl-{handle.id}"
-        if body.stream:
-            return _stream(_completion_events(handle, request_id, model, body.include_usage))
-        result = await _result(handle, request)
-        return schema.completion_object(request_id, model, result.text, result.finish, _usage(handle))
+    async def completions(request: Request):
+        return await _generate(request, COMPLETIONS)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: schema.ChatRequest, request: Request):
-        _check_model(body.model, model)
-        prompt = _render_chat(serving, body)
-        handle = _submit(serving, prompt, body.limit or serving.executor.dims.max_context, body.sampling())
-        request_id = f"chatcmpl-{handle.id}"
-        if body.stream:
-            return _stream(_chat_events(handle, request_id, model, body.include_usage))
-        result = await _result(handle, request)
-        return schema.chat_object(request_id, model, result.text, result.finish, _usage(handle))
+    async def chat(request: Request):
+        return await _generate(request, CHAT)
 
 
-def _check_model(asked: str, served: str) -> None:
-    if asked != served:
-        raise ApiError(404, f"The model `{asked}` does not exist (this server serves `{served}`)", "not_found_error", "model", "model_not_found")
+async def _generate(request: Request, route: Route):
+    """A generation request: read the body, prepare and submit it in a worker thread, answer."""
+    state = request.app.state
+    if state.shutdown.draining:
+        raise ApiError(503, "the server is shutting down: it accepts no new requests", "server_error", code="shutting_down")
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        return Response(status_code=499)  # nobody is listening
+    request_id = f"{route.prefix}-{uuid.uuid4().hex}"
+    submitted: list[RequestHandle] = []
+    try:
+        body, handle = await anyio.to_thread.run_sync(partial(_prepare, state.serving, state.names, route, raw, submitted), limiter=state.limiter)
+    except BaseException:
+        for handle in submitted:  # the thread submitted, then this task was cancelled: nobody will read it
+            handle.cancel()
+        raise
+    model = body.model
+    headers = {"X-Request-Id": request_id}
+    if body.stream:
+        events = _completion_events if route is COMPLETIONS else _chat_events
+        return _stream(events(handle, request_id, model, body.include_usage, state.shutdown), headers)
+    result = await _result(handle, request, request_id, state.shutdown)
+    usage = _usage(handle)
+    if route is COMPLETIONS:
+        return JSONResponse(schema.completion_object(request_id, model, result.text, result.finish, usage), headers=headers)
+    return JSONResponse(schema.chat_object(request_id, model, result.text, result.finish, usage), headers=headers)
+
+
+# ---------------------------------------------------------------------- off the event loop
+
+
+def _prepare(serving: ServingLoop, names: list[str], route: Route, raw: bytes, submitted: list) -> tuple[schema.Sampled, RequestHandle]:
+    """Worker thread: parse, validate, render, tokenize, fit and submit one request (typed errors → ApiError)."""
+    try:
+        body = route.model.model_validate_json(raw)
+    except pydantic.ValidationError as error:
+        raise validation_error(error.errors(include_url=False)) from None
+    if body.model not in names:
+        served = ", ".join(f"`{name}`" for name in names)
+        raise ApiError(404, f"The model `{body.model}` does not exist (this server serves {served})", "not_found_error", "model", "model_not_found")
+    try:
+        text = body.prompt_value() if route is COMPLETIONS else _render_chat(serving, body)
+        prompt = _tokenize(serving, text)
+        max_tokens = _fit(serving, len(prompt), body.max_new_tokens, route)
+        handle = serving.submit(prompt, max_tokens, **body.sampling())
+    except QueueFullError as error:
+        raise ApiError(429, str(error), "rate_limit_error", code="queue_full") from None
+    except ServingClosedError as error:
+        raise ApiError(503, str(error), "server_error", code="shutting_down") from None
+    except REQUEST_ERRORS as error:
+        param = API_PARAMS.get(error.param, error.param)
+        param = route.prompt_param if param == "prompt" else param
+        raise ApiError(400, str(error), param=param, code=error.code) from None
+    submitted.append(handle)
+    return body, handle
 
 
 def _render_chat(serving: ServingLoop, body: schema.ChatRequest) -> str:
     if serving.tokenizer is None:
-        raise ApiError(400, "this server has no tokenizer: chat completions need one", param="messages")
+        raise TokenizerError("this server has no tokenizer: chat completions need one", param="messages")
     try:
         return serving.tokenizer.apply_chat([m.as_template_message() for m in body.messages])
     except TokenizerError as error:
-        raise ApiError(400, f"{error} (start the server with --chat-template FILE)", param="messages") from error
+        raise TokenizerError(f"{error} (start the server with --chat-template FILE)", param="messages") from error
 
 
-def _submit(serving: ServingLoop, prompt, max_tokens: int, sampling: dict) -> RequestHandle:
-    """``ServingLoop.submit`` with its typed refusals as HTTP errors."""
-    try:
-        return serving.submit(prompt, max_tokens, **sampling)
-    except QueueFullError as error:
-        raise ApiError(429, str(error), "rate_limit_error", code="queue_full") from error
-    except ServingClosedError as error:
-        raise ApiError(503, str(error), "server_error", code="shutting_down") from error
-    except REQUEST_ERRORS as error:
-        code = "context_length_exceeded" if "prompt must hold" in str(error) else None
-        raise ApiError(400, str(error), param=_param_of(str(error)), code=code) from error
+def _tokenize(serving: ServingLoop, prompt: str | list[int]) -> list[int]:
+    """Token ids of a text prompt, refused by its length alone when it cannot fit (no tokenizing)."""
+    if not isinstance(prompt, str):
+        return prompt
+    if serving.tokenizer is None:
+        raise TokenizerError("prompt is text but this server has no tokenizer: send token ids", param="prompt")
+    room = serving.executor.dims.max_context - 1
+    most = serving.tokenizer.max_chars(room)
+    if most is not None and len(prompt) > most:
+        msg = (f"This model's maximum context length is {room + 1} tokens; the prompt has {len(prompt)} characters, more than "
+               f"{room} tokens can hold ({serving.tokenizer.chars_per_token} characters per token at most). Please reduce the prompt.")
+        raise InputError(msg, param="prompt", code="context_length_exceeded")
+    return serving.tokenizer.encode(prompt)
 
 
-def _param_of(message: str) -> str | None:
-    for name in ("temperature", "top_k", "top_p", "seed", "stop", "prompt", "max_new_tokens"):
-        if name in message:
-            return "max_tokens" if name == "max_new_tokens" else name
-    return None
+def _fit(serving: ServingLoop, prompt_tokens: int, max_tokens: int | None, route: Route) -> int:
+    """max_tokens for this prompt: as asked (400 when prompt + max_tokens exceed the context, as vLLM
+    does), or the route's default capped by the room left when the request set none."""
+    limit = serving.executor.dims.max_context  # prompt + generated tokens (the batcher's CONTEXT finish)
+    prompt_param = route.prompt_param
+    if prompt_tokens >= limit:
+        msg = f"This model's maximum context length is {limit} tokens. However, your prompt has {prompt_tokens} tokens. Please reduce the length of the {prompt_param}."
+        raise InputError(msg, param="prompt", code="context_length_exceeded")
+    if max_tokens is None:
+        return min(route.default_max_tokens or limit, limit - prompt_tokens)
+    if prompt_tokens + max_tokens > limit:
+        msg = (f"This model's maximum context length is {limit} tokens. However, you requested {prompt_tokens + max_tokens} tokens "
+               f"({prompt_tokens} in the {prompt_param}, {max_tokens} for the completion). Please reduce the length of the {prompt_param} or max_tokens.")
+        raise InputError(msg, param="max_new_tokens", code="context_length_exceeded")
+    return max_tokens
 
 
-async def _result(handle: RequestHandle, request: Request):
-    """The whole completion; the request is cancelled if its client disconnects first (or the handler is)."""
+# ---------------------------------------------------------------------- answers
+
+
+async def _result(handle: RequestHandle, request: Request, request_id: str, shutdown: Shutdown):
+    """The whole completion; cancelled if its client disconnects first; 503 if the shutdown aborts it."""
     completion = asyncio.ensure_future(_completion(handle))
     disconnect = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait((completion, disconnect), return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((completion, disconnect, shutdown.aborted), return_when=asyncio.FIRST_COMPLETED)
     finally:
         disconnect.cancel()
         if not completion.done():
             completion.cancel()
             handle.cancel()  # its session is closed at the next gap between executes
-    if completion.cancelled():
-        raise ApiError(499, "the client closed the connection before the completion was ready", code="client_closed_request")
     try:
-        return completion.result()
+        result = completion.result() if completion.done() and not completion.cancelled() else None
     except DFlashError as error:
-        raise ApiError(500, f"the serving loop failed this request: {type(error).__name__}: {error}", "server_error") from error
+        log.error("request %s failed in the serving loop", request_id, exc_info=error)
+        raise ApiError(500, f"the server failed this request (request id {request_id}); see the server log", "server_error") from None
+    if result is not None and result.finish != CANCELLED:
+        return result
+    if shutdown.aborted.done():  # the deadline passed (or the serving loop cancelled it for the shutdown)
+        raise ApiError(503, "the server is shutting down: this request was aborted at the shutdown deadline", "server_error", code="shutting_down")
+    raise ApiError(499, "the client closed the connection before the completion was ready", code="client_closed_request")
 
 
 async def _completion(handle: RequestHandle):
@@ -211,46 +345,89 @@ class _Stream(EventSourceResponse):
             await self.body_iterator.aclose()
 
 
-def _stream(events: AsyncIterator[dict]) -> _Stream:
+def _stream(events: AsyncIterator[dict], headers: dict) -> _Stream:
     async def encoded() -> AsyncIterator[bytes]:
         async with aclosing(events):
             async for event in events:
                 yield format_sse_event(data_str=json.dumps(event))
         yield format_sse_event(data_str="[DONE]")
 
-    return _Stream(encoded())
+    return _Stream(encoded(), headers=headers)
 
 
-async def _deltas(handle: RequestHandle):
-    """The handle's deltas; the request is cancelled if the consumer stops early (disconnect)."""
+async def _deltas(handle: RequestHandle, shutdown: Shutdown):
+    """The handle's deltas until it finishes, or until the shutdown aborts it (then one last delta with
+    finish ``cancelled``); the request is cancelled if the consumer stops early (disconnect)."""
+    finished = False
     try:
-        async with aclosing(handle.__aiter__()) as deltas:
+        async with aclosing(handle.deltas(until=shutdown.aborted)) as deltas:
             async for delta in deltas:
+                finished = delta.finish is not None
                 yield delta
+        if not finished:  # the deltas stopped at the deadline
+            yield _ABORTED
     finally:
         handle.cancel()  # a no-op once finished
 
 
-async def _completion_events(handle: RequestHandle, request_id: str, model: str, include_usage: bool) -> AsyncIterator[dict]:
+@dataclass(frozen=True)
+class _Aborted:
+    text: str = ""
+    finish: str = CANCELLED
+
+
+_ABORTED = _Aborted()
+
+
+async def _events(handle: RequestHandle, request_id: str, shutdown: Shutdown, chunk: Callable, usage: Callable | None) -> AsyncIterator[dict]:
+    """One chunk per delta, then the usage chunk when asked; a failure ends the stream with an error event."""
     try:
-        async with aclosing(_deltas(handle)) as deltas:
+        async with aclosing(_deltas(handle, shutdown)) as deltas:
             async for delta in deltas:
-                yield schema.completion_object(request_id, model, delta.text or "", delta.finish, None, chunk=True)
+                yield chunk(delta)
     except DFlashError as error:
-        yield schema.error_body(f"the serving loop failed this request: {type(error).__name__}: {error}", "server_error")
+        log.error("request %s failed in the serving loop", request_id, exc_info=error)
+        yield schema.error_body(f"the server failed this request (request id {request_id}); see the server log", "server_error")
         return
-    if include_usage:
-        yield schema.usage_chunk(request_id, model, "text_completion", _usage(handle))
+    if usage is not None:
+        yield usage(_usage(handle))
 
 
-async def _chat_events(handle: RequestHandle, request_id: str, model: str, include_usage: bool) -> AsyncIterator[dict]:
+def _completion_events(handle, request_id: str, model: str, include_usage: bool, shutdown: Shutdown) -> AsyncIterator[dict]:
+    return _events(
+        handle, request_id, shutdown,
+        lambda delta: schema.completion_object(request_id, model, delta.text or "", delta.finish, None, chunk=True),
+        partial(schema.usage_chunk, request_id, model, "text_completion") if include_usage else None,
+    )
+
+
+async def _chat_events(handle, request_id: str, model: str, include_usage: bool, shutdown: Shutdown) -> AsyncIterator[dict]:
     yield schema.chat_chunk(request_id, model, {"role": "assistant", "content": ""}, None)
-    try:
-        async with aclosing(_deltas(handle)) as deltas:
-            async for delta in deltas:
-                yield schema.chat_chunk(request_id, model, {"content": delta.text or ""}, delta.finish)
-    except DFlashError as error:
-        yield schema.error_body(f"the serving loop failed this request: {type(error).__name__}: {error}", "server_error")
-        return
-    if include_usage:
-        yield schema.usage_chunk(request_id, model, "chat.completion.chunk", _usage(handle))
+    events = _events(
+        handle, request_id, shutdown,
+        lambda delta: schema.chat_chunk(request_id, model, {"content": delta.text or ""}, delta.finish),
+        partial(schema.usage_chunk, request_id, model, "chat.completion.chunk") if include_usage else None,
+    )
+    async with aclosing(events):
+        async for event in events:
+            yield event
+
+
+# ---------------------------------------------------------------------- logs
+
+
+async def _log_throughput(serving: ServingLoop, interval_s: float) -> None:
+    """Every ``interval_s``, while there is work or was some since the last line: throughput and load."""
+    before, then = serving.metrics(), time.perf_counter()
+    while True:
+        await asyncio.sleep(interval_s)
+        now_metrics, now = serving.metrics(), time.perf_counter()
+        seconds = now - then
+        prompt = (now_metrics.prompt_tokens - before.prompt_tokens) / seconds
+        output = (now_metrics.output_tokens - before.output_tokens) / seconds
+        if prompt or output or now_metrics.running or now_metrics.queued:
+            tau = f"{now_metrics.tau:.2f}" if now_metrics.tau is not None else "n/a"
+            log.info("throughput: prompt %.1f tokens/s, generation %.1f tokens/s; running %d, queued %d requests; τ %s; "
+                     "%d completed, %d cancelled, %d failed, %d rejected in all", prompt, output, now_metrics.running, now_metrics.queued,
+                     tau, now_metrics.completed, now_metrics.cancelled, now_metrics.failed, now_metrics.rejected)
+        before, then = now_metrics, now

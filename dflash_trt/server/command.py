@@ -13,51 +13,106 @@ the export's default geometry (``--dtype``, ``--max-owners``). The tokenizer (te
 prompts, chat template, stop tokens) is the first ``tokenizer.json`` among
 ``--tokenizer``, the artifacts dir and ``--target``. One serving loop serves every
 connection: one executor on one background thread (``runtime.serving.loop``).
+
+Start-up checks the port first (the socket is bound before anything loads,
+and handed to uvicorn), then loads. Logs go to stderr at INFO by default:
+the start-up, uvicorn's access lines, and every ``--log-interval`` seconds a
+throughput line (prompt and generation tokens/s, running and queued
+requests, τ). SIGINT / SIGTERM drain (``server.shutdown``) and exit 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import logging
+import logging.config
+import os
 import signal
+import socket
+import sys
 from pathlib import Path
 
-from dflash_trt import demo
-from dflash_trt.cli import positive_int
+from dflash_trt.cli import nonnegative_int, positive_int
 from dflash_trt.errors import ServingError
 from dflash_trt.runtime import command
 
 DEFAULT_PAIR_SESSIONS = 16  # cache rows when serving the default pair (its export says 4, for the demo)
 DEFAULT_PAIR_MODEL = "dflash-trt-default-pair"
+STATS_ROWS = 16384  # the executor's stats log in a server: ~5 MB at most (nobody drains it)
+STATS_AGE_S = 60.0  # a server reads each row once, right after its execute: keep a minute (flat memory within a minute of start)
+EXIT_JOIN_S = 0.5  # after the last response: how long the exit waits for the serving loop's execute to end
+
+log = logging.getLogger("dflash_trt.server")
+
+
+def port_number(text: str) -> int:
+    """argparse type of --port: 0..65535 (0: any free port)."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        msg = f"must be a TCP port in [0, 65535], got {value}"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        msg = f"must be > 0, got {text}"
+        raise argparse.ArgumentTypeError(msg)
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pair = demo._default_pair()
+    pair = command.default_pair_dir()
     parser.add_argument("--artifacts", type=Path, help="export dir (manifest.json + ONNX) or engine dir; default: the embedded pair, exported to --cache")
     parser.add_argument("--backend", choices=command.BACKEND_CHOICES, default="onnxruntime")
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--model-name", help="the model id clients send (default: the artifacts dir name, or the target dir name; dflash-trt-default-pair for the default pair)")
+    parser.add_argument("--port", type=port_number, default=8000, help="TCP port (default 8000; 0: any free port); checked before anything loads")
+    parser.add_argument("--served-model-name", "--model-name", dest="served_model_name", nargs="+", metavar="NAME",
+                        help="the model names clients may send; the first is reported (default: the target checkpoint's name, "
+                             f"{DEFAULT_PAIR_MODEL} for the default pair, else the artifacts dir's)")
     parser.add_argument("--tokenizer", type=Path, help="dir with tokenizer.json (default: --artifacts, then --target)")
-    parser.add_argument("--chat-template", type=Path, help="Jinja chat template file (default: the tokenizer's)")
+    parser.add_argument("--chat-template", help="Jinja chat template: a file, or the template itself (default: the tokenizer's "
+                                                "chat_template.jinja or tokenizer_config.json; the default pair ships one)")
     command.add_checkpoint_arguments(parser, target_default=pair / "target")  # --target --draft --cache --device --dtype --max-owners
     parser.add_argument("--max-sessions", type=positive_int, help=f"requests decoding at once (default: the artifacts' max_sessions; {DEFAULT_PAIR_SESSIONS} for the default pair)")
     parser.add_argument("--max-cycles", type=positive_int, default=8, help="cycles per request per execute (default 8; tokens stream after each execute)")
     parser.add_argument("--no-draft", action="store_true", help="plain target decoding (no speculation): the autoregressive baseline")
-    parser.add_argument("--max-queue", type=positive_int, default=256, help="requests waiting for a session before 429 (default 256)")
     parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads for ONNX Runtime / torch")
-    parser.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds open streams get to finish on SIGINT/SIGTERM (default 10)")
-    parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    add_limit_arguments(parser)
+    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    parser.add_argument("--log-interval", type=float, default=10.0, help="seconds between throughput log lines (default 10; 0: none)")
+
+
+def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every bound on what clients can make the server hold (``server.limits``)."""
+    from dflash_trt.server.limits import Limits
+
+    d = Limits()
+    parser.add_argument("--max-queue", type=nonnegative_int, default=256, help="requests waiting for a session before 429 (default 256; 0: only when a session is free)")
+    parser.add_argument("--max-body-bytes", type=positive_int, help="request body size; larger gets 413 (default: 64 bytes per token of context, at least 1 MiB)")
+    parser.add_argument("--read-timeout", type=positive_float, default=d.read_timeout_s,
+                        help=f"seconds a client gets to send a whole request (head and body), from connecting or from its previous response; then the connection is closed (default {d.read_timeout_s:g})")
+    parser.add_argument("--keep-alive-timeout", type=positive_float, default=d.keep_alive_s, help=f"seconds an idle keep-alive connection stays open (default {d.keep_alive_s:g})")
+    parser.add_argument("--max-connections", type=positive_int, default=d.max_connections, help=f"connections (or requests) at once; beyond, requests get 503 (default {d.max_connections})")
+    parser.add_argument("--max-header-bytes", type=positive_int, default=d.max_header_bytes, help=f"request head size; larger gets 400 (default {d.max_header_bytes})")
+    parser.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds open requests get to finish on SIGINT/SIGTERM before they are aborted (default 10)")
+    parser.add_argument("--stats-rows", type=positive_int, default=STATS_ROWS, help=f"executor stats rows kept in memory per table (default {STATS_ROWS})")
+    parser.add_argument("--stats-age", type=positive_float, default=STATS_AGE_S, help=f"seconds executor stats rows are kept (default {STATS_AGE_S:g})")
 
 
 def _imports():
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401
 
         from dflash_trt.server.app import create_app
+        from dflash_trt.server.limits import Limits, ServeConfig, default_body_bytes
+        from dflash_trt.server.shutdown import GracefulServer
     except ModuleNotFoundError as error:
         msg = f"dflash-trt serve needs the serve extra ({error.name} is missing): pip install 'dflash-trt[serve]'"
         raise ServingError(msg) from error
-    return uvicorn, create_app
+    return create_app, Limits, ServeConfig, GracefulServer, default_body_bytes
 
 
 def _tokenizer(args):
@@ -65,54 +120,148 @@ def _tokenizer(args):
     if args.chat_template is not None:
         if tokenizer is None:
             raise ServingError("--chat-template needs a tokenizer: pass --tokenizer DIR")
-        tokenizer.chat_template = Path(args.chat_template).read_text()
+        tokenizer.chat_template = chat_template(args.chat_template)
     return tokenizer
 
 
-def run(args: argparse.Namespace) -> int:
-    from dflash_trt.runtime.serving.loop import ServingLoop
-    from dflash_trt.runtime.executor import Executor
+def chat_template(value: str) -> str:
+    """--chat-template: a file's text, or the value itself when it is a template (as vLLM accepts)."""
+    path = Path(value)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise ServingError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
 
+
+def run(args: argparse.Namespace) -> int:
     command.check_flags(args)  # flags that cannot work together, an export the device cannot run: refused first
-    uvicorn, create_app = _imports()
-    model = args.model_name or _model_name(args)
+    create_app, Limits, ServeConfig, GracefulServer, default_body_bytes = _imports()
+    logging_config = _logging_config(args.log_level)
+    logging.config.dictConfig(logging_config)
+    listener = bind(args.host, args.port)  # before anything loads: a busy or bad port fails at once
+    try:
+        with _interrupts_as_keyboard():
+            serving, backend, names = _load(args)
+    except KeyboardInterrupt:
+        listener.close()
+        log.info("interrupted while loading; nothing served")
+        return 0
+    except BaseException:
+        listener.close()
+        raise
+    try:
+        body_bytes = args.max_body_bytes or default_body_bytes(serving.executor.dims.max_context)
+        limits = Limits(body_bytes, args.read_timeout, args.keep_alive_timeout, args.max_connections, args.max_header_bytes)
+        app = create_app(serving, names, limits, args.log_interval)
+        executor = serving.executor
+        mode = "DFlash" if executor.speculate else "plain target decoding (--no-draft)"
+        host, port = listener.getsockname()[:2]
+        log.info("serving %s (%s, %d sessions, %s) on http://%s:%d/v1", names[0], args.backend, executor.max_sessions, mode,
+                 f"[{host}]" if ":" in host else host, port)
+        config = ServeConfig(app, limits, log_config=logging_config, log_level=args.log_level)
+        GracefulServer(config, serving, app.state.shutdown, args.shutdown_timeout).run(sockets=[listener])
+    except BaseException:
+        serving.close(drain=False, timeout=30)
+        backend.close()
+        raise
+    finally:
+        listener.close()
+    # Every response is sent. The loop stops at the next gap between executes; closing the backend under a
+    # running execute is unsafe, and waiting for it could pass the deadline + 1 s: the exit frees it then.
+    if serving.close(drain=False, timeout=EXIT_JOIN_S):
+        backend.close()
+    else:
+        log.info("exiting during an execute (its requests were already answered); the backend is freed with the process")
+    log.info("stopped")
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """Exit 0 without the interpreter's teardown of torch / onnxruntime module state (0.3–0.7 s on a CPU
+    box), which would push the exit past --shutdown-timeout + 1 s: every connection is closed and every
+    response sent above, the backend closed unless an execute still runs, and logs are flushed here."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _load(args):
+    """(serving loop, backend, served names): the tokenizer, the backend and its executor."""
+    from dflash_trt.runtime.executor import Executor
+    from dflash_trt.runtime.serving.loop import ServingLoop
+
+    names = args.served_model_name or [_model_name(args)]
     if args.artifacts is None:
         args.max_sessions = args.max_sessions or DEFAULT_PAIR_SESSIONS
         command.prepare_artifacts(args)
     tokenizer = _tokenizer(args)
-    with command.open_backend(args) as backend:
-        executor = Executor(backend, max_sessions=args.max_sessions, speculate=not args.no_draft, max_cycles=args.max_cycles)
-        stop_ids = tokenizer.stop_ids if tokenizer is not None else command._manifest_stops(args.artifacts)
-        serving = ServingLoop(executor, tokenizer, max_queue=args.max_queue, stop_ids=stop_ids)
-        try:
-            mode = "DFlash" if executor.speculate else "plain target decoding (--no-draft)"
-            print(f"serving {model} ({args.backend}, {executor.max_sessions} sessions, {mode}) on http://{args.host}:{args.port}/v1", flush=True)
-            config = uvicorn.Config(create_app(serving, model), host=args.host, port=args.port, log_level=args.log_level,
-                                    timeout_graceful_shutdown=args.shutdown_timeout)
-            _run_until_signal(uvicorn.Server(config))
-        finally:
-            serving.close(drain=False, timeout=30)
-    return 0
+    backend = command.open_backend(args)
+    try:
+        executor = Executor(backend, max_sessions=args.max_sessions, speculate=not args.no_draft, max_cycles=args.max_cycles,
+                            stats_rows=args.stats_rows, stats_age_s=args.stats_age)
+        stop_ids = tokenizer.stop_ids if tokenizer is not None else command.manifest_stops(args.artifacts)
+        if tokenizer is not None:
+            tokenizer.chars_per_token  # noqa: B018  (computed once now, not on the first request)
+        return ServingLoop(executor, tokenizer, max_queue=args.max_queue, stop_ids=stop_ids), backend, names
+    except BaseException:
+        backend.close()
+        raise
 
 
-def _model_name(args) -> str:
-    if args.artifacts is not None:
-        return Path(args.artifacts).resolve().name
-    default = Path(args.target).resolve() == (demo._default_pair() / "target").resolve()
-    return DEFAULT_PAIR_MODEL if default else Path(args.target).resolve().name
+def bind(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket on (host, port), as uvicorn binds it; ServingError naming both if it cannot."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto IPPROTO_TCP, as create_server makes it: asyncio sets TCP_NODELAY only on such sockets (with
+    # proto 0, a keep-alive request waited ~40 ms for the client's delayed ACK, Nagle holding the body).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        hint = " (another server is listening there: pick another --port)" if error.errno == 98 else ""
+        raise ServingError(f"cannot listen on {host}:{port}: {error.strerror or error}{hint}") from error
+    sock.set_inheritable(True)
+    return sock
 
 
-def _stop(_signal, _frame) -> None:
+def _logging_config(level: str) -> dict:
+    """uvicorn's logging config, with this package's logger beside uvicorn's (same handler, timestamps)."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["formatters"]["dflash_trt"] = {"()": "uvicorn.logging.DefaultFormatter", "fmt": "%(levelprefix)s %(asctime)s %(message)s", "use_colors": None}
+    config["handlers"]["dflash_trt"] = {"formatter": "dflash_trt", "class": "logging.StreamHandler", "stream": "ext://sys.stderr"}
+    config["loggers"]["dflash_trt"] = {"handlers": ["dflash_trt"], "level": level.upper(), "propagate": False}
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        config["loggers"][name]["level"] = level.upper()
+    return config
+
+
+class _interrupts_as_keyboard:
+    """SIGTERM raises KeyboardInterrupt (as SIGINT does) while the server loads, so either ends it cleanly."""
+
+    def __enter__(self):
+        self.previous = signal.signal(signal.SIGTERM, _interrupt)
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGTERM, self.previous)
+
+
+def _interrupt(_signal, _frame) -> None:
     raise KeyboardInterrupt
 
 
-def _run_until_signal(server) -> None:
-    """Serve until SIGINT / SIGTERM. uvicorn shuts down gracefully, then re-raises the signal it caught:
-    both end here as KeyboardInterrupt, so the serving loop and the backend close and the exit code is 0."""
-    previous = signal.signal(signal.SIGTERM, _stop)
-    try:
-        server.run()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+def _model_name(args) -> str:
+    """The target checkpoint's name (the default pair's own name), unless only artifacts name the model."""
+    default = Path(args.target).resolve() == (command.default_pair_dir() / "target").resolve()
+    if args.artifacts is None or _exported_here(args):
+        return DEFAULT_PAIR_MODEL if default else Path(args.target).resolve().name
+    return Path(args.artifacts).resolve().name
+
+
+def _exported_here(args) -> bool:
+    """The artifacts are an export this command made in --cache (a hash-named folder): the target names the model."""
+    return Path(args.artifacts).resolve().parent == (Path(args.cache) / "export").resolve()

@@ -1,8 +1,9 @@
 """``GET /metrics``: the serving loop's metrics snapshot as Prometheus families (prometheus-client).
 
 One ``ServingLoop.metrics()`` call per scrape feeds every family, so a scrape is
-consistent. Latency windows are exposed as gauges with a ``quantile`` label
-(seconds): ``dflash_trt_time_to_first_token_seconds{quantile="0.99"}``.
+consistent. Latencies are histograms (seconds, cumulative since start, the
+buckets of ``runtime.serving.metrics.LATENCY_BUCKETS_S``), as vLLM exposes
+them: ``histogram_quantile(0.99, rate(dflash_trt_time_to_first_token_seconds_bucket[1m]))``.
 
 | family | kind | labels |
 | --- | --- | --- |
@@ -12,18 +13,28 @@ consistent. Latency windows are exposed as gauges with a ``quantile`` label
 | dflash_trt_output_tokens_per_second | gauge (trailing window) | model |
 | dflash_trt_cycles_total, dflash_trt_executes_total, dflash_trt_failed_executes_total | counter | model |
 | dflash_trt_acceptance_length | gauge (τ, bonus included) | model |
-| dflash_trt_queue_wait_seconds, _time_to_first_token_seconds, _inter_token_latency_seconds | gauge | model, quantile |
+| dflash_trt_queue_wait_seconds, _time_to_first_token_seconds, _inter_token_latency_seconds, _e2e_request_latency_seconds | histogram | model, le |
 """
 
 from __future__ import annotations
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 from prometheus_client.registry import Collector
 
 from dflash_trt.runtime.serving.loop import ServingLoop
-from dflash_trt.runtime.serving.metrics import OUTCOMES, Percentiles
+from dflash_trt.runtime.serving.metrics import OUTCOMES, Histogram
 
 PREFIX = "dflash_trt"
+HISTOGRAMS = (  # (family, help, ServingMetrics.histograms key)
+    ("queue_wait_seconds", "Submit to joining a batch", "queue_wait_s"),
+    ("time_to_first_token_seconds", "Submit to the first delivered tokens", "ttft_s"),
+    ("inter_token_latency_seconds", "Gap between two deliveries of a request", "itl_s"),
+    ("e2e_request_latency_seconds", "Submit to the end of a request (finished or cancelled)", "e2e_s"),
+)
 
 
 class ServingCollector(Collector):
@@ -45,9 +56,8 @@ class ServingCollector(Collector):
         yield self._counter("executes", "Executor batches run", m.executes)
         yield self._counter("failed_executes", "Executor batches that failed (their requests failed)", m.failed_executes)
         yield self._gauge("acceptance_length", "Mean tokens per cycle (tau), bonus included; NaN before the first cycle", m.tau if m.tau is not None else float("nan"))
-        yield self._quantiles("queue_wait_seconds", "Submit to joining a batch", m.queue_wait_s)
-        yield self._quantiles("time_to_first_token_seconds", "Submit to the first delivered tokens", m.ttft_s)
-        yield self._quantiles("inter_token_latency_seconds", "Gap between two deliveries of a request", m.itl_s)
+        for name, doc, key in HISTOGRAMS:
+            yield self._histogram(name, doc, m.histograms[key])
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["model"])
@@ -59,8 +69,7 @@ class ServingCollector(Collector):
         family.add_metric([self.model], value)
         return family
 
-    def _quantiles(self, name: str, doc: str, window: Percentiles) -> GaugeMetricFamily:
-        family = GaugeMetricFamily(f"{PREFIX}_{name}", f"{doc} (seconds, recent window)", labels=["model", "quantile"])
-        for quantile, value in (("0.5", window.p50), ("0.9", window.p90), ("0.99", window.p99)):
-            family.add_metric([self.model, quantile], value if value is not None else float("nan"))
+    def _histogram(self, name: str, doc: str, histogram: Histogram) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(f"{PREFIX}_{name}", f"{doc} (seconds)", labels=["model"])
+        family.add_metric([self.model], histogram.cumulative(), sum_value=histogram.sum)
         return family

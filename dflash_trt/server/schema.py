@@ -3,6 +3,9 @@
 Requests refuse unknown fields (OpenAI answers "Unrecognized request
 argument" too) and out-of-range values, so a client learns at once that a
 parameter is not honoured instead of getting silently different output.
+Types are strict, as OpenAI's are: ``max_tokens: "4"`` or ``true``,
+``temperature: true``, ``stream: "yes"`` are refused (an int is accepted
+where a number is).
 Accepted beside the sampling fields: ``n`` (1 only), ``stream_options``
 (``include_usage``), ``user`` (ignored), and the neutral values of
 parameters some clients always send (``presence_penalty`` /
@@ -20,8 +23,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dflash_trt.runtime.serving.loop import CANCELLED
 from dflash_trt.runtime.serving.batcher import CONTEXT, LENGTH, STOP
+from dflash_trt.runtime.serving.loop import CANCELLED
 
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
 SEED_MAX = (1 << 64) - 1
@@ -31,15 +34,23 @@ FINISH = {STOP: "stop", LENGTH: "length", CONTEXT: "length", CANCELLED: "abort"}
 Zero = Annotated[float, Field(ge=0, le=0, description="only 0 (not supported)")]
 
 
+STRICT = ConfigDict(extra="forbid", strict=True)
+# Union fields: pydantic reports a failure per alternative; these say what is accepted instead.
+UNION_FIELDS = {
+    "prompt": "prompt must be one string or one list of token ids (one prompt per request)",
+    "stop": f"stop must be a string or a list of at most {MAX_STOPS} strings",
+}
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
 
 
-class _Sampled(BaseModel):
+class Sampled(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None  # OpenAI's default: 1
@@ -50,6 +61,7 @@ class _Sampled(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     seed: Annotated[int, Field(ge=0, le=SEED_MAX)] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None  # OpenAI's default for completions: 16
     user: str | None = None
     presence_penalty: Zero | None = None
     frequency_penalty: Zero | None = None
@@ -65,12 +77,16 @@ class _Sampled(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def max_new_tokens(self) -> int | None:
+        """The tokens asked for (None: not set; the route's default applies)."""
+        return self.max_tokens
 
-class CompletionRequest(_Sampled):
+
+class CompletionRequest(Sampled):
     """POST /v1/completions: one prompt (text, or token ids; a list of one is accepted)."""
 
     prompt: str | list[int] | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[list[list[int]], Field(min_length=1, max_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None  # OpenAI's default: 16
     echo: Literal[False] | None = None
     logprobs: None = None
     best_of: Literal[1] | None = None
@@ -84,13 +100,13 @@ class CompletionRequest(_Sampled):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
@@ -100,17 +116,16 @@ class Message(BaseModel):
         return {"role": self.role, "content": content}
 
 
-class ChatRequest(_Sampled):
+class ChatRequest(Sampled):
     """POST /v1/chat/completions: messages rendered with the tokenizer's chat template."""
 
     messages: Annotated[list[Message], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: Literal[False] | None = None
     top_logprobs: None = None
 
     @property
-    def limit(self) -> int | None:
+    def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
 

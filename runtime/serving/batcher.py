@@ -71,18 +71,27 @@ def check_request(index: int, request: Request, max_context: int, vocab_size: in
         raise InputError(f"{where} must be a Request, got {type(request).__name__}")
     max_new = request.max_new_tokens
     if not is_int(max_new, numpy=True) or max_new < 1:
-        raise InputError(f"{where}.max_new_tokens must be an int >= 1 (not a bool), got {max_new!r}")
-    prompt = token_ids(f"{where}.prompt", request.prompt, vocab_size)
+        raise InputError(f"{where}.max_new_tokens must be an int >= 1 (not a bool), got {max_new!r}", param="max_new_tokens")
+    prompt = _blamed("prompt", token_ids, f"{where}.prompt", request.prompt, vocab_size)
     if not 1 <= len(prompt) <= max_context - 1:
         msg = f"{where}.prompt must hold 1..{max_context - 1} tokens (max_context - 1), got {len(prompt)}"
-        raise InputError(msg)
-    stop = token_ids(f"{where}.stop", request.stop, vocab_size)
+        raise InputError(msg, param="prompt", code="context_length_exceeded" if prompt else "invalid_value")
+    stop = _blamed("stop", token_ids, f"{where}.stop", request.stop, vocab_size)
     try:
         temperature, top_k, top_p = check_sampling(request.temperature, request.top_k, request.top_p, vocab_size)
         seed = check_seed(request.seed)
     except SamplingError as error:
-        raise SamplingError(f"{where}: {error}") from error
+        raise SamplingError(f"{where}: {error}", param=error.param) from error
     return Request(prompt, int(max_new), tuple(stop), temperature, top_k, top_p, seed)
+
+
+def _blamed(param: str, check, *args):
+    """``check(*args)``, its InputError naming ``param`` as the field at fault."""
+    try:
+        return check(*args)
+    except InputError as error:
+        error.param = param
+        raise
 
 
 class Batcher:

@@ -5,6 +5,7 @@ consumers read, each with its own cursor:
 
     for delta in handle: ...            # blocks between deliveries
     async for delta in handle: ...      # awaits (asyncio), wakes through call_soon_threadsafe
+    async for delta in handle.deltas(until=future): ...   # ... or stops once ``future`` is done
     completion = handle.result()        # or: await handle, or handle.future
 
 A failed request raises its error from all three (after the deltas that
@@ -93,7 +94,12 @@ class RequestHandle:
                     raise error
                 return
 
-    async def __aiter__(self) -> AsyncIterator[Delta]:
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self.deltas()
+
+    async def deltas(self, until: asyncio.Future | None = None) -> AsyncIterator[Delta]:
+        """The deltas as they arrive (``async for delta in handle``); with ``until``, the iteration also
+        stops, without the rest, once that future is done (a server's shutdown deadline)."""
         cursor = 0
         while True:
             waiter = None
@@ -107,7 +113,9 @@ class RequestHandle:
             for delta in ready:
                 yield delta
             if waiter is not None:
-                await waiter
+                await (waiter if until is None else asyncio.wait((waiter, until), return_when=asyncio.FIRST_COMPLETED))
+                if until is not None and until.done():
+                    return
             elif done and not ready:
                 if error is not None:
                     raise error

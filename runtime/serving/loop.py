@@ -17,7 +17,9 @@ queued ones join; running requests feed only their pending token, so a call
 mixes new prompts with the speculative fast path.
 
 - Backpressure: at most ``max_queue`` requests wait for a session; ``submit``
-  raises ``QueueFullError`` beyond that (nothing is queued).
+  raises ``QueueFullError`` beyond that (nothing is queued). A request that
+  a free session will take at the next gap does not wait: with
+  ``max_queue=0`` a request is accepted exactly when a session is free.
 - Cancel: a queued request leaves at once; a running one at the next gap
   between execute() calls (its session is closed there).
 - Failure isolation: an execute() that fails poisons the sessions of that
@@ -37,7 +39,6 @@ the same seed).
 
 from __future__ import annotations
 
-import bisect
 import secrets
 import threading
 import time
@@ -135,9 +136,11 @@ class ServingLoop:
             if not self._accepting:
                 self.recorder.count("rejected")
                 raise ServingClosedError(self._closed_message())
-            if len(self._queue) >= self.max_queue:
+            free = max(0, self.batcher.capacity - len(self._jobs))  # sessions the next gap hands out
+            if len(self._queue) - free >= self.max_queue:
                 self.recorder.count("rejected")
-                msg = f"the request queue is full ({len(self._queue)} waiting, max_queue {self.max_queue}); retry later"
+                waiting = len(self._queue) - free
+                msg = f"the request queue is full ({waiting} waiting for a session, max_queue {self.max_queue}); retry later"
                 raise QueueFullError(msg)
             handle = RequestHandle(self._next_id, list(request.prompt), self._cancel)
             self._next_id += 1
@@ -153,14 +156,14 @@ class ServingLoop:
         dims = self.executor.dims
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise TokenizerError("prompt is text but the serving loop has no tokenizer: pass token ids or ServingLoop(tokenizer=...)")
+                raise TokenizerError("prompt is text but the serving loop has no tokenizer: pass token ids or ServingLoop(tokenizer=...)", param="prompt")
             prompt = self.tokenizer.encode(prompt)
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if stops and self.tokenizer is None:
-            raise TokenizerError("stop strings need a tokenizer: pass stop_ids or ServingLoop(tokenizer=...)")
+            raise TokenizerError("stop strings need a tokenizer: pass stop_ids or ServingLoop(tokenizer=...)", param="stop")
         if any(not isinstance(s, str) for s in stops):
             msg = f"stop must be a string or a list of strings, got {stop!r:.80}"
-            raise InputError(msg)
+            raise InputError(msg, param="stop")
         stop_ids = self.stop_ids if stop_ids is None else stop_ids
         seed = secrets.randbits(63) if seed is None else seed
         request = Request(prompt, max_new_tokens, stop_ids, temperature, top_k, top_p, seed)
@@ -189,14 +192,17 @@ class ServingLoop:
         """The serving loop is alive (it stops only after close() or an internal error)."""
         return self._thread.is_alive() and self._fatal is None
 
-    def close(self, drain: bool = True, timeout: float | None = None) -> None:
-        """Refuse new requests; finish (``drain``) or cancel the accepted ones; stop the loop."""
+    def close(self, drain: bool = True, timeout: float | None = None) -> bool:
+        """Refuse new requests; finish (``drain``) or cancel the accepted ones; stop the loop. Waits up to
+        ``timeout`` seconds (None: until it stopped); True once the loop's thread has ended (a cancel
+        takes effect at the next gap between executes, so the executor is free only then)."""
         with self._cond:
             self._accepting = False
             if self._stopping != "cancel":
                 self._stopping = "drain" if drain else "cancel"
             self._cond.notify_all()
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def __enter__(self) -> ServingLoop:
         return self
@@ -349,7 +355,7 @@ class ServingLoop:
             text = "" if finish == CANCELLED else job.text.flush()
         job.handle._push(Delta(tokens, text, finish))
         job.handle._complete(Completion(job.handle.tokens, finish, job.handle.text if job.text is not None else None))
-        self.recorder.count("cancelled" if finish == CANCELLED else "completed")
+        self.recorder.finished("cancelled" if finish == CANCELLED else "completed", time.perf_counter() - job.submitted)
 
     def _fail(self, jobs: list[_Job], error: BaseException) -> None:
         with self._cond:
@@ -403,25 +409,20 @@ def _typed(error: BaseException) -> DFlashError:
 class ExecuteCursor:
     """The executor's per-execute counters (``runtime.stats`` execute table) not yet read.
 
-    Rows are found by ``batch_id`` (increasing), so the log's bound dropping
-    old rows, or a drain emptying it, never makes a row count twice; rows
-    drained by someone else before this read are not counted.
+    Reads through ``Executor.execute_rows`` by batch id, so the log's bounds
+    dropping old rows, or a drain emptying it, never makes a row count twice;
+    rows dropped or drained by someone else before this read are not counted.
     """
+
+    COLUMNS = ("cycles", "accepted", "ok")
 
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
-        self.next_batch = executor.log.batch_id
+        self.next_batch = executor.execute_rows(None, ()).next_batch
 
     def read(self) -> tuple[int, int, int, int]:
         """(owner-cycles, accepted proposals, executes, failed executes) since the last read."""
-        log = self.executor.log
-        with log.lock:
-            columns = log.executes.columns
-            start = bisect.bisect_left(columns["batch_id"], self.next_batch)
-            rows = slice(start, len(columns["batch_id"]))
-            cycles, accepted = sum(columns["cycles"][rows]), sum(columns["accepted"][rows])
-            failed = sum(not ok for ok in columns["ok"][rows])
-            executes = len(columns["batch_id"]) - start
-            if executes:
-                self.next_batch = columns["batch_id"][-1] + 1
-        return cycles, accepted, executes, failed
+        rows = self.executor.execute_rows(self.next_batch, self.COLUMNS)
+        self.next_batch = rows.next_batch
+        columns = rows.columns
+        return sum(columns["cycles"]), sum(columns["accepted"]), len(columns["ok"]), sum(not ok for ok in columns["ok"])

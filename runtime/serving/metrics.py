@@ -1,4 +1,4 @@
-"""Serving metrics of the serving loop: request counters, latency windows, one snapshot.
+"""Serving metrics of the serving loop: request counters, latency histograms and windows, one snapshot.
 
 Latencies are seconds, measured on the host clock where a client would see
 them (the serving loop's handle receives the tokens):
@@ -8,28 +8,42 @@ them (the serving loop's handle receives the tokens):
 | queue wait | ``submit`` | the request joins a batch (its session opens) |
 | time to first token (TTFT) | ``submit`` | its first tokens reach the handle |
 | inter-token latency (ITL) | one delivery of tokens | the next delivery of the same request |
+| request latency (e2e) | ``submit`` | the request finishes (stop, length, context or cancel) |
 
 A DFlash cycle delivers its accepted tokens together, so ITL is the gap
 between deliveries, as a streaming client observes it (not divided by the
-tokens in the delivery). Percentiles are over a bounded window of the most
-recent samples; counters are totals since the serving loop started. τ comes from
-the executor's own per-execute counters (``runtime.stats``): 1 + accepted /
-owner-cycles, the bonus token included.
+tokens in the delivery). Each latency feeds a cumulative histogram over fixed
+buckets (``LATENCY_BUCKETS_S``, what Prometheus scrapes) and a window of
+recent samples for percentiles (at most ``WINDOW_SAMPLES``, none older than
+``WINDOW_S``). Counters are totals since the serving loop started. τ comes
+from the executor's own per-execute counters (``runtime.stats``): 1 +
+accepted / owner-cycles, the bonus token included.
+
+Memory is bounded whether or not anyone reads the metrics: every window is
+trimmed by count and by age as samples arrive, histograms are fixed arrays,
+and deliveries for tokens/s are summed into ``RATE_BUCKET_S`` buckets.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from bisect import bisect_left
 from collections import deque
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
-WINDOW_SAMPLES = 4096  # latency samples kept per kind
+WINDOW_SAMPLES = 4096  # latency samples kept per kind for percentiles ...
+WINDOW_S = 300.0  # ... and none older than this
 RATE_WINDOW_S = 10.0  # tokens/s is measured over this trailing window
+RATE_BUCKET_S = 0.1  # deliveries within one bucket are summed (at most RATE_WINDOW_S / RATE_BUCKET_S + 1 kept)
 QUANTILES = (0.5, 0.9, 0.99)
 OUTCOMES = ("completed", "cancelled", "failed", "rejected")
+LATENCIES = ("queue_wait_s", "ttft_s", "itl_s", "e2e_s")
+# Upper bounds (le) of the latency histograms' buckets: 0.5 ms (a GPU's delivery gap) to 43 min.
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 
 
 @dataclass(frozen=True)
@@ -41,6 +55,49 @@ class Percentiles:
     p90: float | None
     p99: float | None
     mean: float | None
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """A latency histogram over fixed buckets: ``counts[i]`` samples in (``bounds[i-1]``, ``bounds[i]``],
+    the last count above every bound; their ``sum`` (seconds) and ``count``."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum: float
+    count: int
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(le, samples <= le) per bucket, ``+Inf`` last: Prometheus' buckets."""
+        totals = np.cumsum(self.counts).tolist()
+        return [*zip((repr(b) for b in self.bounds), totals[:-1]), ("+Inf", totals[-1])]
+
+
+class _Latency:
+    """One latency kind: a fixed histogram and a window bounded by count and age."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(LATENCY_BUCKETS_S) + 1)
+        self.sum = 0.0
+        self.window: deque[tuple[float, float]] = deque(maxlen=WINDOW_SAMPLES)  # (time, seconds)
+
+    def observe(self, now: float, seconds: float) -> None:
+        self.counts[bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
+        self.sum += seconds
+        self.window.append((now, seconds))
+        _expire(self.window, now - WINDOW_S)
+
+    def histogram(self) -> Histogram:
+        return Histogram(LATENCY_BUCKETS_S, tuple(self.counts), self.sum, sum(self.counts))
+
+    def recent(self, now: float) -> list[float]:
+        _expire(self.window, now - WINDOW_S)
+        return [seconds for _, seconds in self.window]
+
+
+def _expire(window: deque, before: float) -> None:
+    while window and window[0][0] < before:
+        window.popleft()
 
 
 @dataclass(frozen=True)
@@ -62,9 +119,11 @@ class ServingMetrics:
     executes: int
     failed_executes: int
     uptime_s: float
-    queue_wait_s: Percentiles
+    queue_wait_s: Percentiles  # over the recent window
     ttft_s: Percentiles
     itl_s: Percentiles
+    e2e_s: Percentiles
+    histograms: dict[str, Histogram]  # LATENCIES -> since the serving loop started
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -86,10 +145,8 @@ class MetricsRecorder:
         self.started = time.perf_counter()
         self.counts = dict.fromkeys(("submitted", *OUTCOMES, "prompt_tokens", "output_tokens"), 0)
         self.executor_totals = dict.fromkeys(("cycles", "accepted", "executes", "failed_executes"), 0)
-        self.queue_wait: deque[float] = deque(maxlen=WINDOW_SAMPLES)
-        self.ttft: deque[float] = deque(maxlen=WINDOW_SAMPLES)
-        self.itl: deque[float] = deque(maxlen=WINDOW_SAMPLES)
-        self.deliveries: deque[tuple[float, int]] = deque()  # (time, tokens) within RATE_WINDOW_S
+        self.latencies = {name: _Latency() for name in LATENCIES}
+        self.deliveries: deque[list] = deque()  # [bucket start, tokens] within RATE_WINDOW_S
 
     def count(self, name: str, value: int = 1) -> None:
         with self.lock:
@@ -97,16 +154,26 @@ class MetricsRecorder:
 
     def joined(self, waited_s: float) -> None:
         with self.lock:
-            self.queue_wait.append(waited_s)
+            self.latencies["queue_wait_s"].observe(time.perf_counter(), waited_s)
 
     def delivered(self, now: float, tokens: int, ttft_s: float | None, gap_s: float | None) -> None:
         with self.lock:
             self.counts["output_tokens"] += tokens
-            self.deliveries.append((now, tokens))
+            if self.deliveries and now - self.deliveries[-1][0] < RATE_BUCKET_S:
+                self.deliveries[-1][1] += tokens
+            else:
+                self.deliveries.append([now, tokens])
+            _expire(self.deliveries, now - RATE_WINDOW_S)
             if ttft_s is not None:
-                self.ttft.append(ttft_s)
+                self.latencies["ttft_s"].observe(now, ttft_s)
             if gap_s is not None:
-                self.itl.append(gap_s)
+                self.latencies["itl_s"].observe(now, gap_s)
+
+    def finished(self, outcome: str, latency_s: float) -> None:
+        """A request ended (``completed`` or ``cancelled``) ``latency_s`` after its submit."""
+        with self.lock:
+            self.counts[outcome] += 1
+            self.latencies["e2e_s"].observe(time.perf_counter(), latency_s)
 
     def executed(self, cycles: int, accepted: int, executes: int, failed: int) -> None:
         with self.lock:
@@ -119,12 +186,12 @@ class MetricsRecorder:
     def snapshot(self, running: int, queued: int) -> ServingMetrics:
         now = time.perf_counter()
         with self.lock:
-            while self.deliveries and self.deliveries[0][0] < now - RATE_WINDOW_S:
-                self.deliveries.popleft()
+            _expire(self.deliveries, now - RATE_WINDOW_S)
             window = min(RATE_WINDOW_S, now - self.started)
             rate = sum(n for _, n in self.deliveries) / window if window > 0 else 0.0
             totals, counts = dict(self.executor_totals), dict(self.counts)
-            waits, ttft, itl = list(self.queue_wait), list(self.ttft), list(self.itl)
+            recent = {name: latency.recent(now) for name, latency in self.latencies.items()}
+            histograms = {name: latency.histogram() for name, latency in self.latencies.items()}
         cycles = totals["cycles"]
         return ServingMetrics(
             running=running,
@@ -136,7 +203,6 @@ class MetricsRecorder:
             executes=totals["executes"],
             failed_executes=totals["failed_executes"],
             uptime_s=now - self.started,
-            queue_wait_s=percentiles(waits),
-            ttft_s=percentiles(ttft),
-            itl_s=percentiles(itl),
+            **{name: percentiles(samples) for name, samples in recent.items()},
+            histograms=histograms,
         )

@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import polars as pl
 import pytest
 
-from dflash_trt.errors import ServingClosedError, InputError, PoisonedError, QueueFullError, SamplingError, TokenizerError
+from dflash_trt.errors import InputError, PoisonedError, QueueFullError, SamplingError, ServingClosedError, TokenizerError
 from dflash_trt.export import contract as c
+from dflash_trt.export.pair import DEFAULT_PAIR_DIR
 from dflash_trt.export.sampling import Sampling
-from dflash_trt.runtime.serving.loop import CANCELLED, ServingLoop
+from dflash_trt.export.tokenizer import Tokenizer
 from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.serving.batcher import CONTEXT, LENGTH, STOP
+from dflash_trt.runtime.serving.loop import CANCELLED, ServingLoop
+from dflash_trt.runtime.serving.metrics import LATENCY_BUCKETS_S, RATE_BUCKET_S, RATE_WINDOW_S, WINDOW_S, WINDOW_SAMPLES, MetricsRecorder
 from executor_fixtures import RecordingBackend
 
 
@@ -296,26 +300,109 @@ def test_text_prompts_stop_strings_and_stop_tokens(tiny, oracle):
 
 
 @pytest.mark.parametrize(
-    "kwargs, error, words",
+    "kwargs, error, words, param, code",
     [
-        (dict(prompt="text"), TokenizerError, "no tokenizer"),
-        (dict(prompt=[1], stop="x"), TokenizerError, "stop strings need a tokenizer"),
-        (dict(prompt=[1], temperature=-1.0), SamplingError, "temperature"),
-        (dict(prompt=[1], top_p=0.0), SamplingError, "top_p"),
-        (dict(prompt=[1], seed=-3), SamplingError, "seed"),
-        (dict(prompt=[1] * 64), InputError, "got 64"),
-        (dict(prompt=[1, 97]), InputError, "got 97"),
-        (dict(prompt=[1], max_new_tokens=0), InputError, "max_new_tokens"),
+        (dict(prompt="text"), TokenizerError, "no tokenizer", "prompt", None),
+        (dict(prompt=[1], stop="x"), TokenizerError, "stop strings need a tokenizer", "stop", None),
+        (dict(prompt=[1], temperature=-1.0), SamplingError, "temperature", "temperature", None),
+        (dict(prompt=[1], top_k=-1), SamplingError, "top_k", "top_k", None),
+        (dict(prompt=[1], top_p=0.0), SamplingError, "top_p", "top_p", None),
+        (dict(prompt=[1], seed=-3), SamplingError, "seed", "seed", None),
+        (dict(prompt=[1] * 64), InputError, "got 64", "prompt", "context_length_exceeded"),
+        (dict(prompt=[]), InputError, "got 0", "prompt", "invalid_value"),
+        (dict(prompt=[1, 97]), InputError, "got 97", "prompt", None),
+        (dict(prompt=[1], max_new_tokens=0), InputError, "max_new_tokens", "max_new_tokens", None),
+        (dict(prompt=[1], stop_ids=[97]), InputError, "got 97", "stop", None),
     ],
 )
-def test_bad_submits_are_refused_in_the_callers_thread(tiny, kwargs, error, words):
+def test_bad_submits_are_refused_in_the_callers_thread(tiny, kwargs, error, words, param, code):
     """Guards against a bad request reaching the serving loop (where it would fail a batch) instead of a
-    typed error at submit naming the field; nothing is queued."""
+    typed error at submit naming the field, and against a server having to guess the field and the
+    reason from the message (an empty prompt was reported as too long): the error carries ``param``
+    and ``code``. Nothing is queued."""
     serving, _ = serving_over(tiny)
-    with pytest.raises(error, match=words):
+    with pytest.raises(error, match=words) as refused:
         serving.submit(**kwargs)
+    assert (refused.value.param, refused.value.code) == (param, code)
     assert serving.metrics().submitted == 0
     serving.close()
+
+
+def test_a_lone_surrogate_is_a_tokenizer_error_naming_the_prompt(tiny):
+    """Guards against text that is not valid Unicode (a lone surrogate, which JSON can carry) escaping
+    the tokenizer as a TypeError (a server's 500) instead of a typed error naming the prompt."""
+    tokenizer = Tokenizer.from_dir(DEFAULT_PAIR_DIR / "target")
+    serving, _ = serving_over(tiny, tokenizer=tokenizer)
+    for text in ("a\ud800", "\udfff b"):
+        with pytest.raises(TokenizerError, match="lone surrogate") as refused:
+            serving.submit(text, 4)
+        assert (refused.value.param, refused.value.code) == ("prompt", "invalid_value")
+    assert serving.metrics().submitted == 0
+    assert tokenizer.encode("def f():") == tokenizer.backend.encode("def f():", add_special_tokens=False).ids
+    serving.close()
+
+
+def test_max_queue_zero_accepts_exactly_while_a_session_is_free(tiny, oracle):
+    """Guards against max_queue counting requests a free session takes at once as waiting: with
+    max_queue=0 every request was refused, even with every session free."""
+    serving, backend = serving_over(tiny, max_queue=0, max_running=2)
+    backend.gate.clear()
+    first = serving.submit([5, 6, 7], 6)
+    assert backend.entered.wait(30)
+    second = serving.submit([8, 9], 6)  # one session still free: taken at the next gap
+    with pytest.raises(QueueFullError, match="max_queue 0"):
+        serving.submit([1], 6)
+    backend.gate.set()
+    assert first.result(30).tokens == reference(oracle, [5, 6, 7], 6)[0]
+    assert second.result(30).tokens == reference(oracle, [8, 9], 6)[0]
+    assert serving.submit([1, 2], 4).result(30).tokens == reference(oracle, [1, 2], 4)[0]  # free again
+    assert serving.metrics().rejected == 1
+    serving.close()
+
+
+def test_execute_counters_are_read_once_through_the_stats_api_and_old_rows_expire(tiny):
+    """Guards against the serving loop's execute counters reading the stats log's private columns (a
+    wall the stats API now owns), counting a row twice after a drain, or the log growing without bound
+    by age when nobody drains it (a server's executor: rows older than stats_age_s are dropped)."""
+    executor = Executor(RecordingBackend(tiny.ort), tiny.dims, 4, stats_age_s=0.2)
+    serving = ServingLoop(executor)
+    serving.submit([5, 6, 7], 12).result(30)
+    first = executor.execute_stats()
+    assert serving.metrics().executes == first.height and serving.metrics().cycles == int(first["cycles"].sum())
+    executor.drain_stats()
+    time.sleep(0.3)
+    serving.submit([8, 9], 12).result(30)
+    executes, cycles = executor.execute_stats(), executor.cycle_stats()
+    assert executes.height >= 1 and executes["batch_id"].min() >= first.height  # drained rows never come back
+    metrics = serving.metrics()
+    assert metrics.executes == first.height + executes.height
+    assert metrics.cycles == int(first["cycles"].sum()) + int(executes["cycles"].sum())
+    rows = executor.execute_rows(0, ("batch_id",))
+    assert rows.columns["batch_id"] == executes["batch_id"].to_list() and rows.next_batch == metrics.executes
+    time.sleep(0.3)
+    serving.submit([10], 1).result(30)  # one execute: the older batches expire at its end
+    assert executor.execute_stats().height == 1 and set(executor.cycle_stats()["batch_id"].to_list()) <= {metrics.executes}
+    assert executor.stats_dropped["executes"] == executes.height and executor.stats_dropped["cycles"] == cycles.height
+    serving.close()
+
+
+def test_metrics_memory_is_bounded_by_count_and_age_without_reads():
+    """Guards against the metrics recorder growing without bound when nobody reads it (deliveries were
+    trimmed only by snapshot()), and against histograms that disagree with the samples they count."""
+    recorder = MetricsRecorder()
+    start = time.perf_counter()
+    gaps = [0.0003 * (1 + i % 7) ** 3 for i in range(3 * WINDOW_SAMPLES)]
+    for i, gap in enumerate(gaps):
+        now = start + i * 0.05  # 10 minutes of deliveries, 20 a second
+        recorder.delivered(now, 3, None, gap)
+        assert len(recorder.deliveries) <= RATE_WINDOW_S / RATE_BUCKET_S + 1
+    window = recorder.latencies["itl_s"].window
+    assert len(window) == WINDOW_SAMPLES and window[0][0] >= start + len(gaps) * 0.05 - WINDOW_S - 0.05
+    histogram = recorder.latencies["itl_s"].histogram()
+    cumulative = dict(histogram.cumulative())
+    for bound in LATENCY_BUCKETS_S:
+        assert cumulative[repr(bound)] == sum(gap <= bound for gap in gaps)
+    assert cumulative["+Inf"] == histogram.count == len(gaps) and histogram.sum == pytest.approx(sum(gaps))
 
 
 def test_tokens_stream_after_each_launch_not_each_execute(tiny, oracle):
