@@ -7,15 +7,6 @@
 # Extra arguments go to `dflash-trt demo` (e.g. --count 8 --max-new-tokens 128).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python - <<'PY' || true
-import sys
-if sys.prefix == sys.base_prefix:
-    print("note: no virtual environment is active; installing into", sys.prefix, file=sys.stderr)
-PY
-if ! python -c "import torch" 2>/dev/null; then
-    echo "no torch in this Python: installing torch==2.13.0 (on Linux PyPI's build carries CUDA, several GB;" \
-         "for the ~190 MB CPU build install it first: pip install torch --index-url https://download.pytorch.org/whl/cpu)" >&2
-    python -m pip install torch==2.13.0
-fi
+source scripts/ensure_torch.sh
 python -m pip install -e .
 dflash-trt demo "$@"

@@ -79,7 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                 "chat_template.jinja or tokenizer_config.json; the default pair ships one)")
     command.add_checkpoint_arguments(parser, target_default=pair / "target")  # --target --draft --cache --device --dtype --max-owners
     parser.add_argument("--max-sessions", type=positive_int, help=f"requests decoding at once (default: the artifacts' max_sessions; {DEFAULT_PAIR_SESSIONS} for the default pair)")
-    parser.add_argument("--max-cycles", type=positive_int, default=8, help="cycles per request per execute (default 8; tokens stream after each execute)")
+    parser.add_argument("--max-cycles", type=positive_int, default=8, help="cycles per request per execute (default 8)")
+    parser.add_argument("--stream-interval-ms", type=nonnegative_int, default=20,
+                        help="a stream's tokens are sent as cycles are read, at most this often per request (default 20; 0: after every cycle)")
     parser.add_argument("--no-draft", action="store_true", help="plain target decoding (no speculation): the autoregressive baseline")
     parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads for ONNX Runtime / torch")
     add_limit_arguments(parser)
@@ -207,7 +209,8 @@ def _load(args):
         stop_ids = tokenizer.stop_ids if tokenizer is not None else command.manifest_stops(args.artifacts)
         if tokenizer is not None:
             tokenizer.chars_per_token  # noqa: B018  (computed once now, not on the first request)
-        return ServingLoop(executor, tokenizer, max_queue=args.max_queue, stop_ids=stop_ids), backend, names
+        serving = ServingLoop(executor, tokenizer, max_queue=args.max_queue, stop_ids=stop_ids, stream_interval=args.stream_interval_ms / 1000)
+        return serving, backend, names
     except BaseException:
         backend.close()
         raise

@@ -10,10 +10,15 @@ Kernels (``kernels=``): "fast" runs the graphs with weights through
 residual / SiLU-gate fused into the GEMMs, RoPE + KV write in one kernel,
 attention over the valid slots only, cost flat in max_context): Triton
 kernels on CUDA, their pure-torch twin on the CPU (same math; a check, not a
-speed path). "eager" runs ``export.graph_modules``' reference modules. "auto" (the
-default) is "fast" on CUDA where the pair is supported, else "eager". An ops
-object (``runtime.kernels.triton_ops.TritonOps(linear_plans=...)``) runs the fast
-path with it.
+speed path). "exact" runs the same fused graphs with ``runtime.kernels.exact_ops``:
+kernels whose rows don't depend on the batch (the row count, the query count, the
+owners, the cache capacity), so a DFlash verify row and the same position decoded
+alone are the same bits and DFlash's output equals plain decoding in bf16 too
+(CUDA; on the CPU only under Triton's interpreter). "eager" runs
+``export.graph_modules``' reference modules. "auto" (the default) is "fast" on CUDA
+where the pair is supported, else "eager". An ops object
+(``runtime.kernels.triton_ops.TritonOps(linear_plans=...)``, ``ExactOps(...)``) runs
+the fused graphs with it.
 
 CPU: eager, synchronous. CUDA: everything is enqueued on the backend's
 device-layer stream (``BackendStream``), and the token choice of ``sample`` /
@@ -48,6 +53,7 @@ record draft → verify → verdict → bookkeeping as one CUDA graph of its own
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from contextlib import nullcontext
 from pathlib import Path
@@ -65,10 +71,11 @@ from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.backends.graph_io import check_feeds, check_run, owner_rows, plain_inputs, plain_outputs, pool_of, torch_dtype
 from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, pool_shapes
 from dflash_trt.runtime.backends.streams import BackendStream, select_device
-from dflash_trt.runtime.kernels import default_ops, fast_path, supported
+from dflash_trt.runtime.kernels import OPS, fast_path, supported
 from dflash_trt.runtime.kernels.modules import DRAFT_CONTEXT_MANY, PREFILL_MANY
 
-KERNELS = ("auto", "fast", "eager")
+KERNELS = ("auto", "fast", "exact", "eager")
+FUSED = ("fast", "exact")  # kernels that run the fused graphs of runtime.kernels (row-indexed programs)
 
 
 class TorchBackend(Backend):
@@ -98,9 +105,9 @@ class TorchBackend(Backend):
         self.draft = draft.to(device=self.device, dtype=dtype).eval()
         self.specs = c.graph_specs(dims)
         self.modules = {name: graph_module(spec, self.target, self.draft, dims) for name, spec in self.specs.items()}
-        self.row_indexed = self.kernels == "fast"
+        self.row_indexed = self.kernels in FUSED
         if self.row_indexed:
-            ops = default_ops(self.device) if isinstance(kernels, str) else kernels
+            ops = OPS[self.kernels](self.device) if isinstance(kernels, str) else kernels
             self.modules |= fast_path(self.specs, self.target, self.draft, dims, ops)
         self.stream = self.pools = self.graphs = None
         try:
@@ -303,18 +310,20 @@ def check_models(target: TargetModel, draft: DraftModel, dims: Dims) -> None:
 
 
 def choose_kernels(kernels, device: torch.device, target: TargetModel, draft: DraftModel) -> str:
-    """"fast" or "eager" for ``kernels`` in KERNELS ("auto": fast on CUDA when the pair is supported).
+    """"fast", "exact" or "eager" for ``kernels`` in KERNELS ("auto": fast on CUDA when the pair is supported).
 
     Anything else with a ``linear`` method is an ops object (e.g. ``TritonOps`` with measured GEMV
-    plans) for the fast path.
+    plans) for the fused graphs; its ``kind`` attribute names it ("fast" when it has none).
     """
     if not isinstance(kernels, str) and callable(getattr(kernels, "linear", None)):
-        kernels = "fast"
+        kernels = getattr(kernels, "kind", "fast")
     elif kernels not in KERNELS:
         raise EngineError(f"kernels must be one of {list(KERNELS)} or an ops object, got {kernels!r}")
     reason = supported(target, draft)
     if kernels == "auto":
         return "fast" if device.type == "cuda" and reason is None else "eager"
-    if kernels == "fast" and reason is not None:
-        raise EngineError(f"kernels='fast' cannot run this pair: {reason}")
+    if kernels in FUSED and reason is not None:
+        raise EngineError(f"kernels={kernels!r} cannot run this pair: {reason}")
+    if kernels == "exact" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise EngineError(f"kernels='exact' runs Triton kernels: it needs a CUDA device (or Triton's interpreter, TRITON_INTERPRET=1), got device {device}")
     return kernels

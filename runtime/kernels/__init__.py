@@ -4,6 +4,9 @@
 - ``triton_ops``: the Triton kernels (CUDA): skinny GEMM with RMSNorm prologue and
   residual / SiLU-gate epilogues, q/k-norm + RoPE + KV write, split-K attention over
   the valid cache slots;
+- ``exact_ops``: the same interface with kernels whose rows don't depend on the batch (one
+  ``tl.dot`` linear for every row count, attention split at fixed slot windows): DFlash equals
+  plain decoding bit for bit in bf16 (``TorchBackend(..., kernels="exact")``);
 - ``torch_ops``: their pure-torch twin (any device; what the CPU tests run);
 - ``fused``: q|k|v and gate|up weights fused at load, the target/draft forwards over them;
 - ``modules``: the contract graphs built from those forwards;
@@ -38,4 +41,14 @@ def default_ops(device):
     return TorchOps()
 
 
-__all__ = ["default_ops", "fast_path", "supported"]
+def exact_default_ops(device):
+    """``ExactOps`` (Triton: CUDA, or CPU tensors under Triton's interpreter)."""
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+
+    return ExactOps()
+
+
+OPS = {"fast": default_ops, "exact": exact_default_ops}  # kernels name -> ops factory (device -> ops)
+
+
+__all__ = ["OPS", "default_ops", "exact_default_ops", "fast_path", "supported"]

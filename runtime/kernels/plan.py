@@ -99,3 +99,93 @@ def linear_plan(out_features: int, in_features: int, gated: bool, element_bytes:
     if out_features <= in_features:
         return LinearPlan(4, 1024, 4, True)
     return LinearPlan(16, 512, 4, False)
+
+
+# ---------------------------------------------------------------------- exact kernels
+#
+# Tilings of ``exact_ops``: functions of the WEIGHT or HEAD shape only, never of the row count, the
+# query count, the owner count or the cache capacity, so each row is reduced in one fixed order.
+
+EXACT_TILE_M = 16  # rows of one MMA tile of the exact linear (a single row is padded to it)
+EXACT_BLOCK_Q = 16  # query rows (token x grouped head) of one exact attention tile
+EXACT_SPLIT_SLOTS = 256  # key slots of one exact attention split: split s holds slots [256 s, 256 (s + 1))
+EXACT_PARTIAL_BYTES = 256 * 1024**2  # fp32 split partials of one exact attention launch, at most
+
+
+EXACT_STAGE_BYTES = 160 * 1024  # shared memory the pipelined K steps of one exact linear program may hold
+
+
+@dataclass(frozen=True)
+class ExactLinearPlan:
+    """Tiling of the exact linear ``y[M, N] = x[M, K] @ W[N, K]^T``.
+
+    K is walked in ``block_k`` steps from 0, one 16-row MMA tile of x per dot: that is a row's reduction
+    order, fixed per weight. The rest only says how the work is spread, never how a row is summed:
+    ``block_n`` features per program for a few rows (M <= 8: many programs stream the weight),
+    ``block_n_rows`` for more (fewer re-reads of x), up to four 16-row tiles per program sharing each
+    weight load (``exact_row_tiles``). Each output element is one MMA column's sum over the same K steps
+    whatever the feature block, and the norm's row sums of squares reduce the same [16, block_k] x tile
+    (tests/runtime/test_exact_kernels.py compiles the variants for sm90 and compares their layouts).
+    """
+
+    block_n: int
+    block_n_rows: int
+    block_k: int
+    warps: int
+
+
+def exact_linear_plan(out_features: int, in_features: int, gated: bool, element_bytes: int) -> ExactLinearPlan:
+    """The tiling of one weight (its K step never depends on the row count).
+
+    bf16, one row: enough programs to keep ~all 132 SMs of an H200 streaming: q|k|v (6144 rows) 192 of 32
+    features, o / down (4096) 256 of 16, gate|up (2 x 12288) 384 of 32 (two weight tiles each), the LM
+    head 2374 of 64. fp32 (FMA dots): small tiles.
+    """
+    if element_bytes >= 4:
+        return ExactLinearPlan(16, 32, 32, 4)
+    if out_features >= 65536:
+        return ExactLinearPlan(64, 128, 128, 4)
+    if gated or out_features > in_features:
+        return ExactLinearPlan(32, 64, 128, 4)
+    return ExactLinearPlan(16, 64, 128, 4)
+
+
+def exact_linear_launch(plan: ExactLinearPlan, rows: int, gated: bool, element_bytes: int) -> tuple[int, int, int]:
+    """(16-row tiles per program, features per program, pipeline stages) for ``rows`` rows: spread only."""
+    tiles = exact_row_tiles(rows)
+    block_n = plan.block_n if rows <= EXACT_TILE_M // 2 else plan.block_n_rows
+    stage = ((2 if gated else 1) * block_n + tiles * EXACT_TILE_M) * plan.block_k * element_bytes
+    return tiles, block_n, max(2, min(4, EXACT_STAGE_BYTES // stage))
+
+
+def exact_row_tiles(rows: int) -> int:
+    """16-row tiles per program (1, 2 or 4): how many tiles share each weight load; never the arithmetic."""
+    return 1 if rows <= EXACT_TILE_M else 2 if rows <= 2 * EXACT_TILE_M else 4
+
+
+def exact_attention_block_n(head_dim: int) -> int:
+    """Key slots per inner step of the exact attention (a divisor of ``EXACT_SPLIT_SLOTS``)."""
+    return 64 if head_dim <= 128 else 32
+
+
+def exact_split_count(max_context: int, split_slots: int = EXACT_SPLIT_SLOTS) -> int:
+    """Splits of the exact attention grid: enough for a full cache; the ones past the valid slots exit."""
+    return cdiv(max_context, split_slots)
+
+
+def exact_units_per_launch(units: int, splits: int, head_dim: int, budget: int = EXACT_PARTIAL_BYTES) -> int:
+    """(owner x kv head x query block) units of one exact attention launch whose fp32 partials
+    ([units, splits, EXACT_BLOCK_Q, head_dim] + their log-sum-exps) fit ``budget`` bytes (at least one)."""
+    per_unit = splits * EXACT_BLOCK_Q * (head_dim + 1) * 4
+    return max(1, min(units, budget // per_unit))
+
+
+def exact_split_range(lo: int, hi: int, split: int, split_slots: int, block_n: int) -> tuple[int, int]:
+    """Slots [a, b) that split ``split`` visits for the valid range [lo, hi): its fixed window
+    [split * split_slots, (split + 1) * split_slots) cut to [lo rounded down to block_n, hi).
+
+    The same integer formula runs inside the exact attention kernel on device lengths; a row's splits and
+    the inner steps inside them start at the same absolute slots whatever else shares the launch.
+    """
+    first = max(split * split_slots, lo // block_n * block_n)
+    return first, max(first, min((split + 1) * split_slots, hi))

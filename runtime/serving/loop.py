@@ -57,6 +57,7 @@ from dflash_trt.runtime.serving.text import TextStream
 __all__ = ["CANCELLED", "Delta", "ServingLoop", "RequestHandle"]
 
 DEFAULT_MAX_QUEUE = 256
+DEFAULT_STREAM_INTERVAL = 0.02  # s between a request's deliveries inside one execute
 
 
 @dataclass
@@ -89,13 +90,18 @@ class ServingLoop:
         max_queue: int = DEFAULT_MAX_QUEUE,
         max_running: int | None = None,
         stop_ids: Sequence[int] | None = None,
+        stream_interval: float = DEFAULT_STREAM_INTERVAL,
     ) -> None:
+        """``stream_interval``: seconds between two deliveries of one request while an execute runs
+        (its tokens are handed out as launches are read, at most this often; its first token and its
+        end at once): the gap a client sees is bounded without a delivery per launch per request."""
         if not is_int(max_queue) or max_queue < 0:
             msg = f"max_queue must be an int >= 0, got {max_queue!r}"
             raise InputError(msg)
         self.executor, self.tokenizer, self.max_queue = executor, tokenizer, max_queue
         self.stop_ids = tuple(stop_ids if stop_ids is not None else tokenizer.stop_ids if tokenizer is not None else ())
         self.batcher = Batcher(executor, max_running)  # the loop thread's alone
+        self.stream_interval = float(stream_interval)
         self.recorder = MetricsRecorder()
         self._executes = ExecuteCursor(executor)
         self._cond = threading.Condition()  # guards everything below
@@ -269,9 +275,17 @@ class ServingLoop:
 
     def _step(self) -> None:
         ended: set = set()  # requests that ended while the execute streamed: their sessions close after it
+        held: dict = {}  # tokens read but not handed out yet (at most stream_interval old)
 
         def stream(chunk: Chunk) -> None:
-            if chunk.index not in ended and self._deliver(self._jobs[chunk.index], chunk, streaming=True):
+            if chunk.index in ended:
+                return
+            job, tokens = self._jobs[chunk.index], held.setdefault(chunk.index, [])
+            tokens += chunk.tokens
+            last = job.last_delivery
+            if chunk.finish is None and last is not None and time.perf_counter() - last < self.stream_interval:
+                return
+            if self._deliver(job, Chunk(chunk.index, held.pop(chunk.index), chunk.finish), streaming=True):
                 ended.add(chunk.index)
 
         try:
@@ -291,11 +305,12 @@ class ServingLoop:
             return
         self._record_executes()
         for chunk in chunks:
+            tokens = held.pop(chunk.index, []) + chunk.tokens
             if chunk.index in ended:
                 if chunk.index in self.batcher.running:
                     self.batcher.leave(chunk.index)
-            elif chunk.tokens or chunk.finish is not None:
-                self._deliver(self._jobs[chunk.index], chunk)
+            elif tokens or chunk.finish is not None:
+                self._deliver(self._jobs[chunk.index], Chunk(chunk.index, tokens, chunk.finish))
 
     def _replay(self, job: _Job) -> None:
         """Run one request of a failed batch alone, from its prompt + the tokens it already received.

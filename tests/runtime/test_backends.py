@@ -378,10 +378,10 @@ def _torch_cuda(pair, cuda_graphs: bool, kernels: str = "auto") -> TorchBackend:
 
 
 @gpu
-@pytest.mark.parametrize("cuda_graphs,kernels", [(False, "fast"), (True, "fast"), (True, "eager")])
+@pytest.mark.parametrize("cuda_graphs,kernels", [(False, "fast"), (True, "fast"), (True, "eager"), (True, "exact")])
 def test_torch_cuda_matches_cpu(pair, cpu_reference, cuda_graphs, kernels):
-    """Bug: the CUDA path (device-layer pools, backend stream, CUDA-graph replay, the fast kernels) computes
-    or writes something else than the CPU reference: fp32 proposals (tokens) must be equal."""
+    """Bug: the CUDA path (device-layer pools, backend stream, CUDA-graph replay, the fast or exact kernels)
+    computes or writes something else than the CPU reference: fp32 proposals (tokens) must be equal."""
     with _torch_cuda(pair, cuda_graphs, kernels) as backend:
         assert backend.kernels == kernels
         assert all(pool.owners for pool in backend.pools.values())  # device-layer memory

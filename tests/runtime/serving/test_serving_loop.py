@@ -408,12 +408,17 @@ def test_metrics_memory_is_bounded_by_count_and_age_without_reads():
 def test_tokens_stream_after_each_launch_not_each_execute(tiny, oracle):
     """Guards against the stream gap growing with max_cycles: tokens reached the handle only when the
     whole execute (up to max_cycles launches) returned, so at high load a client waited for every
-    cycle of every lane of the batch. Now each launch's final tokens are delivered as it is read."""
-    serving = ServingLoop(Executor(GatedBackend(tiny.ort), tiny.dims, 4, max_cycles=8))
-    with serving:
-        handle = serving.submit([5, 6, 7], 30)
-        deltas = list(handle)
-        executes = serving.metrics().executes
-    tokens = [t for d in deltas for t in d.tokens]
-    assert (tokens, deltas[-1].finish) == reference(oracle, [5, 6, 7], 30)
-    assert len([d for d in deltas if d.tokens]) > executes  # several deliveries inside one execute
+    cycle of every lane of the batch. Each launch's final tokens can be delivered as it is read
+    (stream_interval 0); a longer interval coalesces them (one delivery per execute here), the
+    tokens the same either way."""
+    deliveries = {}
+    for interval in (0.0, 60.0):
+        serving = ServingLoop(Executor(GatedBackend(tiny.ort), tiny.dims, 4, max_cycles=8), stream_interval=interval)
+        with serving:
+            deltas = [d for d in serving.submit([5, 6, 7], 30) if d.tokens]
+            executes = serving.metrics().executes
+        tokens = [t for d in deltas for t in d.tokens]
+        assert (tokens, deltas[-1].finish) == reference(oracle, [5, 6, 7], 30)
+        deliveries[interval] = len(deltas)
+    assert deliveries[0.0] > executes  # several deliveries inside one execute
+    assert deliveries[60.0] <= executes + 1  # the first token at once, then one per execute

@@ -1,0 +1,224 @@
+"""The price of exactness: the torch backend's "exact" kernels against its "fast" ones at the Qwen3-8B shape.
+
+    python benchmarks/exact_kernels.py              # ~2 min on an H200
+    python benchmarks/exact_kernels.py --sweep      # + a tile sweep of the exact linear (then used for the timings)
+
+Builds gpu_graphs.py's random bf16 pair on the device (target 36 layers, hidden 4096, 32/8 heads x 128,
+FFN 12288, vocab 151936; draft 5 layers, block 16), then, for kernels = "fast" and "exact" (one
+``TorchBackend`` each over the same weights, max_context 4096, context 2048):
+
+- the AR step (``target_prefill`` at T = 1, one CUDA graph), ``target_verify_n``, ``draft_n`` and the
+  cycle (draft -> verify -> verify_argmax -> verdict on the host) for n = 1 and 4 (gpu_graphs' rows);
+- each GEMM of the step alone over the 36 layers' own weights (CUDA graph) at M = 1, 16 and 64;
+- attention per layer at T = 1 / 16, n = 1 / 4;
+- exactness at this shape: the verify rows of owner 0 (n = 1 and n = 4) against the AR step run at the
+  same positions on the same cache: how many of the 16 rows have the same logits bits, the same argmax.
+
+Prints a table and ends with one JSON line; rows are appended to ``--results`` (default
+benchmarks/results.jsonl) and the whole report is written to ``$OUT/exact_kernels.json`` when ``OUT`` is set.
+A failing section is recorded and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_graphs as gg  # noqa: E402  (the pair, feeds, AR step, cycle and timing helpers)
+
+CONTEXT, MAX_CONTEXT, OWNER_COUNTS, ROWS = 2048, 4096, (1, 4), (1, 16, 64)
+
+
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--results", type=Path, default=gg.ROOT / "benchmarks" / "results.jsonl")
+    parser.add_argument("--sweep", action="store_true", help="time a few exact tilings per weight; the best run the timings")
+    return parser.parse_args()
+
+
+# ---------------------------------------------------------------------- sections
+
+
+def gemm_times(backends: dict, reps: int) -> list[dict]:
+    """µs per call of each GEMM (with its fused epilogue) over the 36 layers' own weights, per kernels and M."""
+    import torch
+
+    results = []
+    stream = torch.cuda.Stream()
+    for label, backend in backends.items():
+        target = backend.modules["target_verify_1"].target
+        weights = _weights(target)
+        for name, (N, K, gated, *_) in gg.GEMMS.items():
+            for M in ROWS:
+                x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+                norm = torch.ones(K, dtype=torch.bfloat16, device="cuda") + 0.1
+                residual = torch.randn(M, N, device="cuda").to(torch.bfloat16)
+                calls = lambda: [gg._gemm_call(target.ops, name, x, w, norm, residual) for w in weights[name]]  # noqa: E731
+                us = gg._graph_time(stream, calls, reps) / len(weights[name]) * 1e3
+                moved = weights[name][0].numel() * 2
+                results.append({"kernels": label, "gemm": name, "rows": M, "us": round(us, 2), "tbps": round(moved / us / 1e6, 3)})
+                print(f"  {label:5s} {name:8s} M={M:3d}: {us:8.1f} us ({moved / us / 1e6:.2f} TB/s of weights)", flush=True)
+    return results
+
+
+def _weights(target) -> dict:
+    layers = target.stack.layers
+    return {"qkv": [L.qkv for L in layers], "o": [L.o for L in layers], "gate_up": [L.gate_up for L in layers],
+            "down": [L.down for L in layers], "lm_head": [target.lm_head] * 4}
+
+
+def exactness(backend, dims) -> dict:
+    """Owner 0's 16 verify rows (in a launch of n owners) against the AR step at the same 16 positions.
+
+    The verify writes K/V at slots 2048..2063 of row 0; each AR step rewrites its own slot first, so both
+    read the same cache when the kernels are exact. Counts rows with bit-identical logits and equal argmax.
+    """
+    import torch
+
+    from dflash_trt.export import contract as c
+
+    result = {}
+    ar = gg.ArStep(backend, gg.Feeds(dims, 1, CONTEXT))
+    for n in OWNER_COUNTS:
+        gg.fill_pools(backend)
+        feeds = gg.Feeds(dims, n, CONTEXT, seed=50)
+        tokens = feeds.verify[c.TOKENS]
+        with torch.cuda.stream(backend.stream.torch):
+            verify = backend.run(c.graph_name(c.TARGET_VERIFY, n), feeds.verify, 0)[c.LOGITS][0].clone()  # [16, V]
+            same = argmax = 0
+            for t in range(tokens.shape[1]):
+                ar.tokens.fill_(int(tokens[0, t]))
+                ar.at(CONTEXT + t)
+                ar()
+                logits = ar.outputs[0][0]  # [V]
+                same += bool(torch.equal(logits.view(torch.int32), verify[t].view(torch.int32)))
+                argmax += int(logits.argmax()) == int(verify[t].argmax())
+            backend.synchronize()
+        result[f"n{n}"] = {"rows": tokens.shape[1], "identical_logits": same, "same_argmax": argmax}
+        print(f"  verify_{n} owner 0 vs AR step: {same}/{tokens.shape[1]} rows bit-identical, {argmax} same argmax", flush=True)
+    return result
+
+
+def sweep(target, reps: int) -> tuple[list[dict], dict]:
+    """A few exact tilings per weight at M = 1 and 16 (sum of both times); returns rows and the best per weight."""
+    import torch
+
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+    from dflash_trt.runtime.kernels.plan import ExactLinearPlan as P
+
+    plans = [P(16, 64, 128, 4), P(32, 64, 128, 4), P(16, 32, 256, 4), P(32, 128, 128, 4), P(64, 64, 128, 4), P(16, 64, 64, 4), P(32, 64, 256, 8)]
+    weights, stream, rows, best = _weights(target), torch.cuda.Stream(), [], {}
+    for name, (N, K, gated, *_) in gg.GEMMS.items():
+        timed = []
+        for plan in plans:
+            ops = ExactOps(linear_plans={(N, K, gated): plan})
+            total = 0.0
+            for M in (1, 16):
+                x, norm = torch.randn(M, K, device="cuda").to(torch.bfloat16), torch.ones(K, dtype=torch.bfloat16, device="cuda")
+                residual = torch.randn(M, N, device="cuda").to(torch.bfloat16)
+                us = gg._graph_time(stream, lambda: [gg._gemm_call(ops, name, x, w, norm, residual) for w in weights[name]], reps) / len(weights[name]) * 1e3
+                rows.append({"gemm": name, "plan": list(plan.__dict__.values()), "rows": M, "us": round(us, 2)})
+                total += us
+            timed.append((total, plan))
+        total, plan = min(timed, key=lambda item: item[0])
+        best[(N, K, gated)] = plan
+        print(f"  {name:8s} best {plan} ({total:.1f} us for M = 1 + 16)", flush=True)
+    return rows, best
+
+
+# ---------------------------------------------------------------------- main
+
+
+def table(data: dict) -> str:
+    by = {(r["kernels"], r["owners"]): r for r in data.get("graph_rows") or []}
+    lines = ["| kernels | owners | AR step ms | verify ms | draft ms | cycle ms (wall) | cycle / AR |", "|" + " --- |" * 7]
+    for (label, n), r in sorted(by.items()):
+        lines.append(f"| {label} | {n} | {r['ar_step_ms']} | {r['verify_ms']} | {r['draft_ms']} | {r['cycle_ms']} | {r['cycle_cost_ratio']} |")
+    gemms = {(r["gemm"], r["rows"], r["kernels"]): r["us"] for r in data.get("gemm_us") or []}
+    if gemms:
+        lines += ["", "| GEMM | M | fast µs | exact µs |", "| --- | --- | --- | --- |"]
+        for name in gg.GEMMS:
+            for M in ROWS:
+                lines.append(f"| {name} | {M} | {gemms.get((name, M, 'fast'))} | {gemms.get((name, M, 'exact'))} |")
+    return "\n".join(lines)
+
+
+def summary(data: dict) -> dict:
+    by = {(r["kernels"], r["owners"]): r for r in data.get("graph_rows") or []}
+    out = {}
+    for label in ("fast", "exact"):
+        if (label, 1) in by:
+            out[f"{label}_ar_step_ms"] = by[(label, 1)]["ar_step_ms"]
+            out[f"{label}_ar_roofline_fraction"] = by[(label, 1)]["ar_roofline_fraction"]
+        for n in OWNER_COUNTS:
+            if (label, n) in by:
+                out[f"{label}_cycle_cost_ratio_n{n}"] = by[(label, n)]["cycle_cost_ratio"]
+    for label in ("fast", "exact"):
+        if data.get(f"{label}_exactness"):
+            out[f"{label}_identical_rows"] = {k: v["identical_logits"] for k, v in data[f"{label}_exactness"].items()}
+    return out
+
+
+def measure(report, label: str, kernels, target, draft, dims, reps: int):
+    """One backend: its graph rows, its exactness rows; returns it (open) for the GEMM section."""
+    from dflash_trt.runtime.backends import TorchBackend
+
+    backend = TorchBackend(target, draft, dims, max(OWNER_COUNTS), device="cuda", kernels=kernels)
+    gg.fill_pools(backend)
+    ar = report.section(f"{label}_ar_capture", lambda: gg.ArStep(backend, gg.Feeds(dims, 1, CONTEXT)), keep=False)
+    rows = report.section(f"{label}_rows", lambda: gg.graph_rows(backend, dims, [CONTEXT], OWNER_COUNTS, reps, label, ar))
+    report.data.setdefault("graph_rows", []).extend(rows or [])
+    report.section(f"{label}_exactness", lambda: exactness(backend, dims))
+    return backend
+
+
+def main() -> int:
+    args = arguments()
+    import torch
+
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    report = gg.Report(out_dir / "exact_kernels.json" if out_dir else None)
+    machine = f"{torch.cuda.get_device_name()} (torch {torch.__version__}, triton {__import__('triton').__version__})"
+    command = "python benchmarks/exact_kernels.py " + " ".join(sys.argv[1:])
+    report.data |= {"machine": machine, "command": command}
+    began = time.perf_counter()
+    target, draft = gg.build_pair(torch.device("cuda"))
+    dims = gg.make_dims(target, draft, MAX_CONTEXT)
+    report.data["build_s"] = round(time.perf_counter() - began, 1)
+    backends = {"fast": measure(report, "fast", "fast", target, draft, dims, args.reps)}
+    exact = ExactOps()
+    if args.sweep:
+        swept = report.section("sweep", lambda: sweep(backends["fast"].modules["target_verify_1"].target, args.reps), keep=False)
+        if swept is not None:
+            report.data["sweep"], report.data["sweep_best"] = swept[0], {str(k): list(v.__dict__.values()) for k, v in swept[1].items()}
+            exact = ExactOps(linear_plans=swept[1])
+    backends["exact"] = measure(report, "exact", exact, target, draft, dims, args.reps)
+    report.section("gemm_us", lambda: gemm_times(backends, args.reps))
+    report.section("attention_us", lambda: gg.attention_times(backends, [CONTEXT], args.reps))
+    for backend in backends.values():
+        backend.close()
+    report.data["summary"] = summary(report.data)
+    report.data["seconds"] = round(time.perf_counter() - began, 1)
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    with args.results.open("a") as f:
+        for r in report.data.get("graph_rows") or []:
+            f.write(json.dumps({"name": "exact_kernels", "date": date, "machine": machine, "command": command, **r}) + "\n")
+    if report.path is not None:
+        report.path.write_text(json.dumps(report.data, indent=1, default=str))
+    print("\n" + table(report.data))
+    print(json.dumps({"summary": report.data["summary"], "seconds": report.data["seconds"], "failures": sorted(report.data["failures"])}))
+    return 1 if report.data["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

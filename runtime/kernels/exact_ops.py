@@ -1,0 +1,347 @@
+"""Exact kernels: every row's result is the same bits whatever else shares the launch (CUDA, Triton).
+
+``ExactOps`` has ``TritonOps``' interface (``linear`` / ``rms_norm`` / ``silu_mul`` / ``qk_rope_write`` /
+``attention``, with ``rows`` and ``lengths``) and one rule: the arithmetic that produces a row never
+depends on how many rows, queries, owners or cache slots the launch has. Then a verify row of DFlash
+(16 rows per owner, n owners) and the same position decoded alone (one row) give the same logits, bit
+for bit, in bf16 too, so DFlash's output is the target's own plain decoding, token for token.
+
+==================  ===================================================================================
+``linear``          one ``tl.dot`` kernel for every M: rows in 16-row MMA tiles (one row is padded to a
+                    tile), K walked from 0 in steps fixed per weight (``plan.exact_linear_plan``), no
+                    split-K, fp32 accumulate. RMSNorm, bias, SiLU·mul, residual and tap are epilogues of
+                    that kernel, the same for every M (the norm: rsqrt(mean(x²) + eps) per row in fp32,
+                    the sum of squares taken tile by tile in the K loop, applied after the product).
+                    How the work is spread may follow M (``plan.exact_linear_launch``: up to four tiles
+                    share each weight load, wider feature blocks for many rows): each tile's dot walks
+                    the same K steps whatever M is, so that choice changes speed only.
+``attention``       keys split at a fixed size (``EXACT_SPLIT_SLOTS``): split s covers slots
+                    [256 s, 256 s + 256) of the valid range, walked in BLOCK_N steps at absolute slots;
+                    the grid covers a full cache and splits past the valid slots do nothing; the
+                    ``_combine`` pass always runs and folds the splits in increasing order. A query's
+                    splits, steps and combine do not depend on the other queries of its tile (their
+                    extra steps are exact no-ops for it), the query count, the owners or the capacity.
+``qk_rope_write``   ``TritonOps``' kernel: one program per (row, head), already row-local.
+==================  ===================================================================================
+
+Identical results need identical compiled arithmetic: every row of a kind goes through one kernel whose
+summing tiles (the K step and the 16-row MMA tile of the linear, the split window and BLOCK_N of
+attention) are never chosen from a row, query, owner or slot count; the integer arguments that follow
+those counts are not specialized on; x is passed 16-byte aligned with row stride K (Triton vectorizes a
+load, and so orders the reductions over it, by the pointer's alignment). Per layer shape a few variants
+compile (tiles per program, feature block: how work is spread), the same arithmetic in each
+(tests/runtime/test_exact_kernels.py compares their sm90 IR).
+Under Triton's CPU interpreter (``TRITON_INTERPRET=1``, the CPU tests) the dots are written out as fp32
+products summed over K in order (``_dot``): the interpreter multiplies bf16 as raw integers, and numpy's
+BLAS rounds a row differently by its place in the tile; everything else is the GPU's code.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from dflash_trt.runtime.kernels.plan import (
+    EXACT_BLOCK_Q,
+    EXACT_PARTIAL_BYTES,
+    EXACT_SPLIT_SLOTS,
+    EXACT_TILE_M,
+    exact_attention_block_n,
+    exact_linear_launch,
+    exact_linear_plan,
+    exact_split_count,
+    exact_units_per_launch,
+)
+from dflash_trt.runtime.kernels.triton_ops import MASKED, TritonOps
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton.jit at import, as here
+
+
+# --------------------------------------------------------------------------- linear
+
+
+@triton.jit
+def _dot(a, b, acc, INTERP: tl.constexpr):
+    """acc + a @ b (fp32). INTERP (Triton's CPU interpreter): operands widened to fp32 (it multiplies bf16 as
+    raw integers) and each element summed over K in order, as a GPU's MMA does: numpy's BLAS rounds a row
+    differently by its place in the tile, which the GPU does not."""
+    if INTERP:
+        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    else:
+        return tl.dot(a, b, acc, input_precision="ieee")
+
+
+@triton.jit
+def _tile_product(x_ptr, stride_xm, g, rows, k_off, k_ok, M, wt, wut, acc, acc_u, squares, WTYPE: tl.constexpr,
+                  NORM: tl.constexpr, GATED: tl.constexpr, INTERP: tl.constexpr):
+    """One 16-row tile, one K step: acc [TM, BN] += prologue(x) [TM, BK] @ wt [BK, BN] (and the up half)."""
+    mask = (rows < M)[:, None] & k_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + k_off[None, :], mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        squares += tl.sum(x * x, axis=1)
+        x = x * g[None, :]
+    a = x.to(WTYPE)  # rounded to the weight dtype, like the reference's normed input
+    acc = _dot(a, wt, acc, INTERP)
+    if GATED:
+        acc_u = _dot(a, wut, acc_u, INTERP)
+    return acc, acc_u, squares
+
+
+@triton.jit
+def _tile_epilogue(acc, acc_u, squares, rows, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
+                   t_ptr, stride_tm, NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr,
+                   RESIDUAL: tl.constexpr, TAP: tl.constexpr):
+    """y = residual + act(scale * acc + bias), rounded to the weight dtype, stored (and tapped)."""
+    if NORM:
+        scale = tl.rsqrt(squares / K + eps)  # [TM]: RMSNorm(x) @ W.T == scale * ((x * g) @ W.T)
+        acc = acc * scale[:, None]
+        if GATED:
+            acc_u = acc_u * scale[:, None]
+    if BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_u += tl.load(b_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_u
+    mask = (rows < M)[:, None] & n_ok[None, :]
+    if RESIDUAL:
+        acc += tl.load(r_ptr + rows[:, None] * stride_rm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = acc.to(w_ptr.dtype.element_ty)  # rounded like the reference Linear's output
+    tl.store(o_ptr + rows[:, None] * stride_om + rn[None, :], y.to(o_ptr.dtype.element_ty), mask=mask)
+    if TAP:
+        tl.store(t_ptr + rows[:, None] * stride_tm + rn[None, :], y.to(t_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])  # the row count: one compiled kernel whatever M is
+def _linear_kernel(
+    x_ptr, stride_xm, w_ptr, stride_wn, b_ptr, g_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm, M, N, K, eps,
+    NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
+    TILES: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERP: tl.constexpr,
+):
+    """Program (TILES x TM rows, BN features); the row blocks of one feature block are neighbours (L2)."""
+    rows = tl.program_id(0) * (TILES * TM) + tl.arange(0, TM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    n_ok = rn < N
+    acc0 = tl.zeros([TM, BN], dtype=tl.float32)
+    acc1, acc2, acc3 = acc0, acc0, acc0
+    up0, up1, up2, up3 = acc0, acc0, acc0, acc0  # the up halves (GATED)
+    sq0 = tl.zeros([TM], dtype=tl.float32)  # row sums of squares (NORM)
+    sq1, sq2, sq3 = sq0, sq0, sq0
+    for k0 in range(0, K, BK):
+        k_off = k0 + rk
+        k_ok = k_off < K
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        wt = tl.trans(tl.load(w_ptr + rn[:, None] * stride_wn + k_off[None, :], mask=w_mask, other=0.0))  # [BK, BN]
+        if GATED:
+            wut = tl.trans(tl.load(w_ptr + (N + rn)[:, None] * stride_wn + k_off[None, :], mask=w_mask, other=0.0))
+        else:
+            wut = wt  # unread
+        if NORM:
+            g = tl.load(g_ptr + k_off, mask=k_ok, other=0.0).to(tl.float32)
+        else:
+            g = k_off  # unread
+        acc0, up0, sq0 = _tile_product(x_ptr, stride_xm, g, rows, k_off, k_ok, M, wt, wut, acc0, up0, sq0,
+                                       w_ptr.dtype.element_ty, NORM, GATED, INTERP)
+        if TILES > 1:
+            acc1, up1, sq1 = _tile_product(x_ptr, stride_xm, g, rows + TM, k_off, k_ok, M, wt, wut, acc1, up1, sq1,
+                                           w_ptr.dtype.element_ty, NORM, GATED, INTERP)
+        if TILES > 2:
+            acc2, up2, sq2 = _tile_product(x_ptr, stride_xm, g, rows + 2 * TM, k_off, k_ok, M, wt, wut, acc2, up2, sq2,
+                                           w_ptr.dtype.element_ty, NORM, GATED, INTERP)
+            acc3, up3, sq3 = _tile_product(x_ptr, stride_xm, g, rows + 3 * TM, k_off, k_ok, M, wt, wut, acc3, up3, sq3,
+                                           w_ptr.dtype.element_ty, NORM, GATED, INTERP)
+    _tile_epilogue(acc0, up0, sq0, rows, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
+                   t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
+    if TILES > 1:
+        _tile_epilogue(acc1, up1, sq1, rows + TM, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
+                       stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
+    if TILES > 2:
+        _tile_epilogue(acc2, up2, sq2, rows + 2 * TM, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
+                       stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
+        _tile_epilogue(acc3, up3, sq3, rows + 3 * TM, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
+                       stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+@triton.jit
+def _query_tile(pos_ptr, spos_n, len_ptr, i, qb, T, G, HKV, kvh, window,
+                BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Rows r = t * G + g of query tile qb (owner i, kv head kvh): token t, head h, position, and the
+    tile's slot range [lo, hi) (lo rounded down to BLOCK_N): the union of its rows' visible slots."""
+    r = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    t = r // G
+    h = kvh * G + r % G
+    row_ok = t < T
+    pos = tl.load(pos_ptr + i * spos_n + t, mask=row_ok, other=0)
+    hi = tl.load(len_ptr + i)
+    if CAUSAL:
+        hi = tl.minimum(hi, tl.max(tl.where(row_ok, pos, 0), axis=0) + 1)
+    lo = hi * 0
+    if WINDOW:
+        lo = tl.maximum(tl.min(tl.where(row_ok, pos, hi), axis=0) - window + 1, 0)
+    return t, h, row_ok, pos, lo // BLOCK_N * BLOCK_N, hi
+
+
+@triton.jit(do_not_specialize=["sq_n", "spos_n", "unit0", "QB", "T"])  # query counts: one kernel for all
+def _attention_kernel(
+    q_ptr, sq_n, sq_h, sq_t, k_ptr, v_ptr, sk_n, sk_h, sk_l, pos_ptr, spos_n, len_ptr, part_ptr, lse_ptr, rows_ptr,
+    unit0, QB, T, G, HKV, window, scale,
+    D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr,
+):
+    """Program (unit = owner x kv head x query tile, split s): online softmax over the split's slots."""
+    u = tl.program_id(0)
+    s = tl.program_id(1)
+    nh = (unit0 + u) // QB
+    qb = (unit0 + u) % QB
+    i = nh // HKV
+    kvh = nh % HKV
+    t, h, row_ok, pos, lo, hi = _query_tile(pos_ptr, spos_n, len_ptr, i, qb, T, G, HKV, kvh, window, BLOCK_Q, BLOCK_N, CAUSAL, WINDOW)
+    first = tl.maximum(s * SPLIT, lo)
+    last = tl.minimum((s + 1) * SPLIT, hi)
+    live = first < last  # else nothing to do: the combine never reads this split
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + i * sq_n + h[:, None] * sq_h + t[:, None] * sq_t + d[None, :], mask=(row_ok & live)[:, None], other=0.0)
+    if ROWS:  # owner i's cache row is a device input
+        kv_row = tl.load(rows_ptr + i) * sk_n + kvh * sk_h
+    else:
+        kv_row = i * sk_n + kvh * sk_h
+    top = tl.full([BLOCK_Q], MASKED, dtype=tl.float32)
+    total = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
+    for j0 in range(first, last, BLOCK_N):  # absolute multiples of BLOCK_N
+        slots = j0 + tl.arange(0, BLOCK_N)
+        inside = slots < last
+        k = tl.load(k_ptr + kv_row + slots[:, None] * sk_l + d[None, :], mask=inside[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_row + slots[:, None] * sk_l + d[None, :], mask=inside[:, None], other=0.0)
+        scores = _dot(q, tl.trans(k), tl.zeros([BLOCK_Q, BLOCK_N], dtype=tl.float32), INTERP) * scale
+        visible = inside[None, :] & row_ok[:, None]
+        if CAUSAL:
+            visible = visible & (slots[None, :] <= pos[:, None])
+        if WINDOW:
+            visible = visible & (pos[:, None] - slots[None, :] < window)
+        scores = tl.where(visible, scores, MASKED)
+        new_top = tl.maximum(top, tl.max(scores, axis=1))
+        alpha = tl.exp(top - new_top)  # 1 exactly for a row this step shows nothing
+        p = tl.where(visible, tl.exp(scores - new_top[:, None]), 0.0)
+        total = total * alpha + tl.sum(p, axis=1)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], INTERP)
+        top = new_top
+    seen = total > 0
+    out = acc / tl.where(seen, total, 1.0)[:, None]
+    local = (u * tl.num_programs(1) + s) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    tl.store(part_ptr + local[:, None] * D + d[None, :], out, mask=(local >= 0)[:, None] & live)
+    tl.store(lse_ptr + local, tl.where(seen, top + tl.log(total), float("-inf")), mask=(local >= 0) & live)
+
+
+@triton.jit(do_not_specialize=["spos_n", "unit0", "QB", "S", "T"])
+def _combine_kernel(
+    part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, pos_ptr, spos_n, len_ptr, unit0, QB, S, T, G, HKV, window,
+    D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+):
+    """Program (unit): the unit's live splits folded in increasing order, weights exp(lse - max lse)."""
+    u = tl.program_id(0)
+    nh = (unit0 + u) // QB
+    qb = (unit0 + u) % QB
+    i = nh // HKV
+    t, h, row_ok, pos, lo, hi = _query_tile(pos_ptr, spos_n, len_ptr, i, qb, T, G, HKV, nh % HKV, window, BLOCK_Q, BLOCK_N, CAUSAL, WINDOW)
+    s_lo = lo // SPLIT
+    s_hi = tl.where(lo < hi, tl.cdiv(hi, SPLIT), s_lo)  # the splits the attention pass wrote
+    base = u * S
+    q = tl.arange(0, BLOCK_Q)
+    best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    for s in range(s_lo, s_hi):
+        best = tl.maximum(best, tl.load(lse_ptr + (base + s) * BLOCK_Q + q))
+    best = tl.where(best == float("-inf"), 0.0, best)  # a row no split showed a slot (padding)
+    d = tl.arange(0, D)
+    acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
+    weight_sum = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    for s in range(s_lo, s_hi):  # a split that shows a row nothing adds exact zeros to it
+        local = (base + s) * BLOCK_Q + q
+        weight = tl.exp(tl.load(lse_ptr + local) - best)
+        acc += weight[:, None] * tl.load(part_ptr + local[:, None] * D + d[None, :])
+        weight_sum += weight
+    out = acc / tl.where(weight_sum > 0, weight_sum, 1.0)[:, None]
+    dest = o_ptr + i * so_n + h[:, None] * so_h + t[:, None] * so_t + d[None, :]
+    tl.store(dest, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+# --------------------------------------------------------------------------- ops
+
+
+class ExactOps(TritonOps):
+    """Batch-invariant kernels on CUDA tensors (or CPU tensors under Triton's interpreter).
+
+    ``split_slots``: key slots per attention split (a multiple of the inner step; the result depends on it,
+    so one backend keeps one value); ``linear_plans`` maps (N, K, gated) to an ``ExactLinearPlan``
+    replacing ``plan.exact_linear_plan``'s (benchmark sweeps); ``partial_bytes``: the fp32 split partials
+    one attention launch may hold (more units run as more launches, same arithmetic).
+    """
+
+    kind = "exact"  # what TorchBackend(kernels=ExactOps(...)) reports as its kernels
+
+    def __init__(self, split_slots: int = EXACT_SPLIT_SLOTS, linear_plans: dict | None = None, partial_bytes: int = EXACT_PARTIAL_BYTES) -> None:
+        super().__init__()
+        self.split_slots, self.partial_bytes = split_slots, partial_bytes
+        self.exact_plans = dict(linear_plans or {})
+
+    def linear(self, x, weight, bias=None, norm=None, eps=0.0, gated=False, residual=None, out=None, out_dtype=None, tap=None):
+        """``TritonOps.linear``'s contract (y [M, N] = epilogue(prologue(x) @ weight.T)), one kernel for every M."""
+        M, K = x.shape
+        N = weight.shape[0] // 2 if gated else weight.shape[0]
+        if x.stride(1) != 1 or x.stride(0) != K or x.data_ptr() % 16:
+            # One layout of the x tile for every call of a weight: Triton vectorizes its load (and so orders
+            # the norm's sum of squares) by the pointer's and the row stride's alignment.
+            x = x.clone(memory_format=torch.contiguous_format)
+        if out is None:
+            out = torch.empty((M, N), dtype=out_dtype or weight.dtype, device=x.device)
+        plan = self.exact_plans.get((N, K, gated)) or exact_linear_plan(N, K, gated, weight.element_size())
+        tiles, block_n, stages = exact_linear_launch(plan, M, gated, weight.element_size())
+        residual_t = residual if residual is not None else out
+        tap_t = tap if tap is not None else out
+        grid = (triton.cdiv(M, tiles * EXACT_TILE_M), triton.cdiv(N, block_n))
+        _linear_kernel[grid](
+            x, x.stride(0), weight, weight.stride(0), bias if bias is not None else weight, norm if norm is not None else weight,
+            residual_t, residual_t.stride(0), out, out.stride(0), tap_t, tap_t.stride(0), M, N, K, eps,
+            NORM=norm is not None, GATED=gated, BIAS=bias is not None, RESIDUAL=residual is not None, TAP=tap is not None,
+            TILES=tiles, TM=EXACT_TILE_M, BN=block_n, BK=plan.block_k, INTERP=INTERPRETED,
+            num_warps=plan.warps, num_stages=stages,
+        )
+        return out
+
+    def attention(self, q, k_cache, v_cache, rows, q_positions, kv_len, causal, window):
+        """``TritonOps.attention``'s contract (q [n, Hq, T, D] -> [n, Hq, T, D]) with fixed-size key splits."""
+        n, heads, T, D = q.shape
+        kv_heads, L = k_cache.shape[1], k_cache.shape[2]
+        group = heads // kv_heads
+        block_n = exact_attention_block_n(D)
+        if self.split_slots % block_n:
+            raise ValueError(f"split_slots must be a multiple of {block_n} (head_dim {D}), got {self.split_slots}")
+        splits = exact_split_count(L, self.split_slots)
+        tiles = triton.cdiv(T * group, EXACT_BLOCK_Q)  # query tiles per (owner, kv head)
+        units = n * kv_heads * tiles
+        per_launch = exact_units_per_launch(units, splits, D, self.partial_bytes)
+        out = torch.empty((n, T, heads, D), dtype=q.dtype, device=q.device)
+        part = torch.empty((per_launch * splits * EXACT_BLOCK_Q, D), dtype=torch.float32, device=q.device)
+        lse = torch.empty((per_launch * splits * EXACT_BLOCK_Q,), dtype=torch.float32, device=q.device)
+        shape = dict(D=D, BLOCK_Q=EXACT_BLOCK_Q, BLOCK_N=block_n, SPLIT=self.split_slots, CAUSAL=causal, WINDOW=window > 0)
+        for unit0 in range(0, units, per_launch):
+            count = min(per_launch, units - unit0)
+            _attention_kernel[(count, splits)](
+                q, q.stride(0), q.stride(1), q.stride(2), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
+                k_cache.stride(2), q_positions, q_positions.stride(0), kv_len, part, lse,
+                rows if rows is not None else kv_len, unit0, tiles, T, group, kv_heads, window, D**-0.5,
+                ROWS=rows is not None, INTERP=INTERPRETED, num_warps=4, num_stages=2, **shape,
+            )
+            _combine_kernel[(count,)](
+                part, lse, out, out.stride(0), out.stride(2), out.stride(1), q_positions, q_positions.stride(0), kv_len,
+                unit0, tiles, splits, T, group, kv_heads, window, num_warps=4, **shape,
+            )
+        return out.transpose(1, 2)

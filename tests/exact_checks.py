@@ -1,0 +1,222 @@
+"""Checks of the exact kernels (``runtime/kernels/exact_ops.py``) on any device.
+
+Imported by tests/runtime/test_exact_kernels.py: on CUDA (gpu tests) and, through Triton's
+interpreter (``TRITON_INTERPRET=1``, set before import), on CPU tensors. Two kinds of check:
+
+- invariance: a row's (a query's) result is the same BITS whatever else shares the launch: the row
+  count and the row's place among them, the queries per owner, the owners, the cache capacity;
+- agreement: the exact kernels compute what the reference modules compute, within bf16 rounding.
+
+``dflash_equals_plain`` runs the executor: DFlash's tokens against plain decoding's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernel_checks import assert_near
+
+from dflash_trt.export.layers import EAGER
+from dflash_trt.runtime.kernels.torch_ops import TorchOps
+
+BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Bit-identical (-0.0 and +0.0 differ, NaN must match NaN's bits)."""
+    got, want = got.detach().cpu().contiguous(), want.detach().cpu().contiguous()
+    assert got.shape == want.shape and got.dtype == want.dtype, f"{what}: {got.shape} {got.dtype} vs {want.shape} {want.dtype}"
+    same = got.view(BITS[got.dtype]) == want.view(BITS[want.dtype])
+    if not bool(same.all()):
+        where = (~same).nonzero()[:4].tolist()
+        worst = (got.double() - want.double()).abs().max().item()
+        raise AssertionError(f"{what}: {int((~same).sum())} of {same.numel()} values differ (first at {where}, max |diff| {worst:.3e})")
+
+
+def _rand(generator, device, dtype, *shape, scale=1.0):
+    return (torch.randn(*shape, generator=generator) * scale).to(device=device, dtype=dtype)
+
+
+def _linear_cases(generator, device, dtype, N, K, M):
+    """(name, weight, options, residual) of every epilogue the fused forwards use."""
+    w, wg = _rand(generator, device, dtype, N, K, scale=K**-0.5), _rand(generator, device, dtype, 2 * N, K, scale=K**-0.5)
+    g, b, bg = _rand(generator, device, dtype, K) + 1, _rand(generator, device, dtype, N), _rand(generator, device, dtype, 2 * N)
+    residual = _rand(generator, device, dtype, M, N)
+    return [
+        ("plain", w, {}, None),
+        ("norm", w, {"norm": g, "eps": 1e-6}, None),
+        ("bias", w, {"bias": b}, None),
+        ("norm fp32 out (the LM head)", w, {"norm": g, "eps": 1e-6, "out_dtype": torch.float32}, None),
+        ("gated norm bias (gate|up)", wg, {"gated": True, "norm": g, "eps": 1e-6, "bias": bg}, None),
+        ("residual in place + tap (o, down)", w, {}, residual),
+    ]
+
+
+def _run_linear(ops, x, weight, options, residual):
+    """y of ``ops.linear``; with a residual: in place into a copy of it, with the tap in a wider buffer."""
+    if residual is None:
+        return ops.linear(x, weight, **options), None
+    out = residual.clone()
+    taps = torch.full((x.shape[0], 2 * out.shape[1]), float("nan"), dtype=out.dtype, device=out.device)
+    y = ops.linear(x, weight, residual=out, out=out, tap=taps[:, out.shape[1] :], **options)
+    assert y.data_ptr() == out.data_ptr(), "the residual linear did not write in place"
+    assert torch.isnan(taps[:, : out.shape[1]]).all(), "the tap store wrote outside its columns"
+    return y, taps[:, out.shape[1] :]
+
+
+def check_linear_rows(device: str, dtype: torch.dtype, small: bool) -> None:
+    """Each row of ``linear`` is the same bits for M = 1, 5, 16, 64 (and 300 on a GPU), at any place among them."""
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+
+    ops, generator = ExactOps(), torch.Generator().manual_seed(10)
+    shapes = ((48, 64), (40, 96)) if small else ((96, 320), (1000, 896), (6144, 4096), (4096, 12288))
+    total = 70 if small else 300
+    subsets = [1, 5, 16, 64] + ([] if small else [100, 200])
+    for N, K in shapes:
+        x = _rand(generator, device, dtype, total, K)
+        for name, weight, options, residual in _linear_cases(generator, device, dtype, N, K, total):
+            full, full_tap = _run_linear(ops, x, weight, options, residual)
+            for M in subsets:
+                rows = torch.randperm(total, generator=generator)[:M].to(device)  # any rows, any order
+                part, part_tap = _run_linear(ops, x[rows], weight, options, None if residual is None else residual[rows])
+                assert_same_bits(part, full[rows], f"linear {name} {N}x{K} {dtype}: M={M} vs M={total}")
+                if full_tap is not None:
+                    assert_same_bits(part_tap, full_tap[rows], f"linear tap {N}x{K}: M={M}")
+
+
+def check_linear_reference(device: str, dtype: torch.dtype) -> None:
+    """``linear`` against the pure-torch twin (same formula) and the reference layers (RMSNorm, Linear, SwiGLU)."""
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+
+    ops, twin, generator = ExactOps(), TorchOps(), torch.Generator().manual_seed(11)
+    for M, (N, K) in ((1, (48, 64)), (5, (40, 96)), (37, (48, 64))):
+        x = _rand(generator, device, dtype, M, K)
+        for name, weight, options, residual in _linear_cases(generator, device, dtype, N, K, M):
+            got, _ = _run_linear(ops, x, weight, options, residual)
+            want, _ = _run_linear(twin, x, weight, options, residual)
+            assert_near(got, want, dtype, f"linear {name} vs the twin, M={M}")
+            assert_near(got, _reference_linear(x, weight, options, residual), dtype, f"linear {name} vs the reference, M={M}")
+
+
+def _reference_linear(x, weight, options, residual):
+    """The reference layers' arithmetic: RMSNorm in fp32 rounded to the dtype, F.linear, SiLU-gate, residual add."""
+    h = x
+    if "norm" in options:
+        xf = x.float()
+        h = options["norm"] * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + options["eps"])).to(x.dtype)
+    y = F.linear(h.float(), weight.float(), None if "bias" not in options else options["bias"].float())
+    if options.get("gated"):
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    if residual is not None:
+        y = y + residual.float()
+    return y
+
+
+def _attention_inputs(generator, device, dtype, n, heads, kv_heads, T, D, L):
+    q = _rand(generator, device, dtype, n, T, heads, D).transpose(1, 2)
+    k, v = (_rand(generator, device, dtype, n, kv_heads, L, D) for _ in range(2))
+    return q, k, v
+
+
+def check_attention_rows(device: str, dtype: torch.dtype, small: bool) -> None:
+    """A query's attention is the same bits with 1 or 16 queries per owner, 1 or 3 owners, two capacities,
+    the owners' row views or whole pools (any rows), for causal (target), windowed and non-causal (draft) layers."""
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+
+    ops, generator = ExactOps(), torch.Generator().manual_seed(12)
+    cases = [(4, 2, 16, 16, True, 0), (4, 2, 16, 16, False, 0), (5, 1, 64, 16, True, 0), (4, 2, 16, 7, True, 100)]
+    if not small:
+        cases += [(32, 8, 128, 16, True, 0), (32, 8, 128, 16, False, 0)]
+    elif dtype == torch.float32:
+        cases = cases[:2]  # the interpreter's time: fp32 checks the target's and the draft's layer kind
+    L, extra = 520, 300  # 3 splits of 256 slots, then 4
+    for heads, kv_heads, D, T, causal, window in cases:
+        what = f"attention Hq{heads}/{kv_heads} D{D} T{T} causal {causal} window {window} {dtype}"
+        q, k, v = _attention_inputs(generator, device, dtype, 3, heads, kv_heads, T, D, L)
+        start = torch.tensor([5, 250, L - T - 4], device=device)  # one split; straddling a split edge; three
+        positions, kv_len = start[:, None] + torch.arange(T, device=device), start + T
+        full = ops.attention(q, k, v, None, positions, kv_len, causal, window)  # [3, Hq, T, D]
+        for t in (0, T - 1):  # one query per owner: a decode step (causal: the slots up to its own)
+            one_len = start + t + 1 if causal else kv_len
+            one = ops.attention(q[:, :, t : t + 1].contiguous(), k, v, None, positions[:, t : t + 1], one_len, causal, window)
+            assert_same_bits(one[:, :, 0], full[:, :, t], f"{what}: 1 vs {T} queries (query {t})")
+        alone = ops.attention(q[1:2], k[1:2], v[1:2], None, positions[1:2], kv_len[1:2], causal, window)
+        assert_same_bits(alone[0], full[1], f"{what}: 1 vs 3 owners")
+        bigger = [torch.cat([c, _rand(generator, device, dtype, 3, kv_heads, extra, D)], dim=2) for c in (k, v)]
+        assert_same_bits(ops.attention(q, *bigger, None, positions, kv_len, causal, window), full, f"{what}: capacity {L} vs {L + extra}")
+        rows = torch.tensor([4, 0, 2], device=device)
+        pools = [_rand(generator, device, dtype, 5, kv_heads, L, D) for _ in range(2)]
+        for pool, view in zip(pools, (k, v)):
+            pool[rows] = view
+        assert_same_bits(ops.attention(q, *pools, rows, positions, kv_len, causal, window), full, f"{what}: pools at rows vs row views")
+
+
+def check_attention_reference(device: str, dtype: torch.dtype) -> None:
+    """``attention`` against the reference (``EagerKernels.attention``, fp32) within bf16 rounding."""
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+
+    generator = torch.Generator().manual_seed(13)
+    for n, heads, kv_heads, T, D, L, causal, window in ((2, 4, 2, 1, 16, 600, True, 0), (2, 4, 2, 5, 16, 600, True, 0),
+                                                         (3, 5, 1, 16, 64, 520, False, 0), (1, 4, 2, 20, 16, 600, True, 7)):
+        q, k, v = _attention_inputs(generator, device, dtype, n, heads, kv_heads, T, D, L)
+        start = torch.tensor([5, L // 2, L - T - 1][:n], device=device)
+        positions, kv_len = start[:, None] + torch.arange(T, device=device), start + T
+        want = EAGER.attention(q.float(), k.float(), v.float(), None, positions, kv_len, causal, window)
+        got = ExactOps().attention(q, k, v, None, positions, kv_len, causal, window)
+        assert_near(got, want, dtype, f"attention n{n} T{T} D{D} causal {causal} window {window}")
+
+
+def check_rope_rows(device: str, dtype: torch.dtype) -> None:
+    """q/k-norm + RoPE + KV write: a row's Q and K/V are the same bits written alone or among 16 per owner."""
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+
+    generator = torch.Generator().manual_seed(14)
+    n, heads, kv_heads, D, T, L = 2, 4, 2, 16, 16, 64
+    qkv = _rand(generator, device, dtype, n * T, (heads + 2 * kv_heads) * D)
+    start = torch.tensor([3, 30], device=device)
+    q_norm, k_norm = _rand(generator, device, dtype, D) + 1, _rand(generator, device, dtype, D) + 1
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))).to(device)
+    caches = [torch.zeros(n, kv_heads, L, D, device=device, dtype=dtype) for _ in range(2)]
+    q = ExactOps().qk_rope_write(qkv, start, T, heads, kv_heads, D, q_norm, k_norm, 1e-6, inv_freq, *caches)
+    for t in (0, 9):
+        singles = [torch.zeros_like(c) for c in caches]
+        rows = qkv.view(n, T, -1)[:, t].contiguous()
+        one = ExactOps().qk_rope_write(rows, start + t, 1, heads, kv_heads, D, q_norm, k_norm, 1e-6, inv_freq, *singles)
+        assert_same_bits(one[:, 0], q[:, t], f"rope q: 1 vs {T} rows (row {t})")
+        for single, cache in zip(singles, caches):
+            for i in range(n):
+                slot = int(start[i]) + t
+                assert_same_bits(single[i, :, slot], cache[i, :, slot], f"rope k/v: 1 vs {T} rows (row {t})")
+
+
+def check_all(device: str, small: bool) -> None:
+    """Every kernel check, fp32 and bf16."""
+    for dtype in (torch.float32, torch.bfloat16):
+        check_linear_rows(device, dtype, small)
+        check_attention_rows(device, dtype, small)
+        check_rope_rows(device, dtype)
+        check_linear_reference(device, dtype)
+        check_attention_reference(device, dtype)
+
+
+def serve_both(backend, requests, sessions: int) -> dict:
+    """Tokens of ``requests`` (``serving.batcher.Request``) served ``sessions`` at a time (continuous
+    batching) through one backend, by plain decoding (``speculate=False``) and by DFlash:
+    {"plain": [...], "dflash": [...]}, one token list per request. A sampled request draws the same noise
+    in both modes (a function of its seed and the position)."""
+    from dflash_trt.runtime.executor import Executor
+    from dflash_trt.runtime.generate import collect, stream
+
+    outputs = {}
+    for mode, speculate in (("plain", False), ("dflash", True)):
+        with Executor(backend, max_sessions=sessions, speculate=speculate) as executor:
+            outputs[mode] = [c.tokens for c in collect(stream(executor, requests, sessions), len(requests))]
+    return outputs
+
+
+def first_difference(a: list[int], b: list[int]) -> str:
+    """Where two token lists part (for failure messages)."""
+    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"token {at}: {a[at:at + 4]} vs {b[at:at + 4]} (lengths {len(a)}, {len(b)})"

@@ -1,0 +1,343 @@
+"""The exact kernels (runtime/kernels/exact_ops.py): rows that don't depend on the batch, so DFlash equals plain decoding.
+
+CPU: the tiling rules (plan.py, pure functions) and, where Triton is importable, the Triton kernels
+themselves through Triton's interpreter in one subprocess (``TRITON_INTERPRET=1``): a row's linear
+output and a query's attention are the same BITS with M = 1 / 5 / 16 / 64 rows at any place, 1 or 16
+queries per owner, 1 or 3 owners, two cache capacities, views or pools, fp32 and bf16; and they agree
+with the reference modules within bf16 rounding. GPU (``-m gpu``): the same on CUDA at the Qwen3-8B
+weight shapes, and the executor: bf16 DFlash output == plain decoding token for token (greedy and
+sampled with the same seeds) on the tiny pair and on the shipped default pair at 1, 4 and 16 sessions.
+
+    python -m pytest -q -m gpu tests/runtime/test_exact_kernels.py     # on the GPU machine
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dflash_trt.errors import EngineError
+from dflash_trt.runtime.backends.torch_backend import choose_kernels
+from dflash_trt.runtime.kernels.plan import (
+    EXACT_SPLIT_SLOTS,
+    EXACT_STAGE_BYTES,
+    exact_attention_block_n,
+    exact_linear_launch,
+    exact_linear_plan,
+    exact_row_tiles,
+    exact_split_range,
+    exact_units_per_launch,
+)
+
+gpu = pytest.mark.gpu
+TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not TRITON, reason="needs triton (it ships with the CUDA builds of torch)")
+
+
+# ------------------------------------------------------------------ the rules (pure)
+
+
+def test_exact_split_windows_sit_at_absolute_slots():
+    """Bug: a query's key splits or inner steps start at slots that follow the launch (the tile's range, the
+    query count, the capacity): its softmax is then summed in another order when decoded alone than inside a
+    verify block, and bf16 DFlash drifts from plain decoding. Every split must start at a multiple of the
+    split size (or at the range's first step), every step at a multiple of BLOCK_N, and the splits of any
+    narrower range [lo', hi') must be the same windows cut to it."""
+    block = exact_attention_block_n(128)
+    for lo, hi in itertools.product((0, 3, 64, 250, 700), (0, 5, 256, 257, 600, 1000)):
+        splits = -(-max(hi, 1) // EXACT_SPLIT_SLOTS)
+        ranges = [exact_split_range(lo, hi, s, EXACT_SPLIT_SLOTS, block) for s in range(splits + 2)]  # + past the end
+        seen = [slot for a, b in ranges for slot in range(a, b)]
+        first = lo // block * block
+        assert seen == list(range(first, max(hi, first))), (lo, hi)
+        for s, (a, b) in enumerate(ranges):
+            assert a % block == 0 and (a == s * EXACT_SPLIT_SLOTS or a == first or a == b), (lo, hi, s, a)
+            for lo2, hi2 in ((lo + 70, hi), (lo, hi - 70), (lo + 5, hi - 5)):  # one row of the tile: a narrower range
+                a2, b2 = exact_split_range(lo2, hi2, s, EXACT_SPLIT_SLOTS, block)
+                assert a2 >= a and b2 <= max(b, a2) and (a2 - a) % block == 0, (lo, hi, lo2, hi2, s)
+
+
+WEIGHTS_8B = {  # name: (N, K, gated, norm prologue) of the Qwen3-8B step
+    "qkv": (6144, 4096, False, True), "o": (4096, 4096, False, False), "gate_up": (12288, 4096, True, True),
+    "down": (4096, 12288, False, False), "lm_head": (151936, 4096, False, True),
+}
+ROW_COUNTS = (1, 4, 5, 16, 17, 33, 64, 300)  # decode (1..n owners), verify (16 x n), prefill chunks
+
+
+def test_exact_launches_follow_the_rows_only_in_how_work_is_spread():
+    """Bug: the linear's K step is chosen from the row count (the decode step, M = owners, and the verify,
+    M = 16 x owners, would reduce a row in different orders); or the spread (tiles per program, feature
+    block, pipeline stages) leaves its bounds: 1, 2 or 4 tiles, the plan's two feature blocks, 2..4 stages
+    that fit the shared-memory budget."""
+    for dtype_bytes in (2, 4):
+        for N, K, gated, _ in WEIGHTS_8B.values():
+            plan = exact_linear_plan(N, K, gated, dtype_bytes)
+            assert plan.block_k >= 16 and min(plan.block_n, plan.block_n_rows) >= 16
+            for M in ROW_COUNTS:
+                tiles, block_n, stages = exact_linear_launch(plan, M, gated, dtype_bytes)
+                assert tiles == exact_row_tiles(M) and block_n == (plan.block_n if M <= 8 else plan.block_n_rows)
+                stage = ((2 if gated else 1) * block_n + 16 * tiles) * plan.block_k * dtype_bytes
+                assert 2 <= stages <= 4 and (stages == 2 or stages * stage <= EXACT_STAGE_BYTES)
+    assert [exact_row_tiles(m) for m in (1, 5, 16, 17, 32, 33, 64, 1000)] == [1, 1, 1, 2, 2, 4, 4, 4]
+
+
+def test_exact_attention_partials_fit_their_budget():
+    """Bug: a long-context prefill allocates the split partials of every (owner, head, query tile) at once
+    (splits x rows x head_dim fp32: gigabytes at 40k slots): launches must be cut to the budget, at least one unit."""
+    assert exact_units_per_launch(10, 16, 128) == 10
+    units = exact_units_per_launch(16384, 160, 128, budget=256 * 1024**2)
+    assert 1 <= units < 16384 and units * 160 * 16 * 129 * 4 <= 256 * 1024**2
+    assert exact_units_per_launch(5, 10**6, 128, budget=1) == 1
+
+
+def _stub_pair(head_dim: int = 16):
+    """What ``choose_kernels`` reads of a pair: the head dims."""
+    model = SimpleNamespace(config=SimpleNamespace(head_dim=head_dim))
+    return model, model
+
+
+def test_exact_kernels_option_is_checked(monkeypatch):
+    """Bug: kernels="exact" silently falls back to the fast or eager path (the guarantee quietly lost), runs a
+    pair its kernels cannot (head_dim not a power of two), or launches Triton on CPU tensors without the
+    interpreter (a crash inside Triton instead of a typed error)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(EngineError, match="needs a CUDA device"):
+        choose_kernels("exact", torch.device("cpu"), *_stub_pair())
+    with pytest.raises(EngineError, match="head_dim must be a power of two"):
+        choose_kernels("exact", torch.device("cpu"), *_stub_pair(head_dim=12))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert choose_kernels("exact", torch.device("cpu"), *_stub_pair()) == "exact"
+    assert choose_kernels("auto", torch.device("cpu"), *_stub_pair()) == "eager"  # exact is never chosen for you (yet)
+    assert choose_kernels("fast", torch.device("cpu"), *_stub_pair()) == "fast"
+
+
+@needs_triton
+def test_an_exact_ops_object_reports_exact():
+    """Bug: TorchBackend(kernels=ExactOps(...)) reports "fast" (logs and benchmarks mislabel the run)."""
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+
+    assert choose_kernels(ExactOps(split_slots=128), torch.device("cuda"), *_stub_pair()) == "exact"
+
+
+# ------------------------------------------------------------------ the kernels, compiled for sm90 (CPU)
+
+LINEAR_ARGS = ("x_ptr", "stride_xm", "w_ptr", "stride_wn", "b_ptr", "g_ptr", "r_ptr", "stride_rm", "o_ptr", "stride_om",
+               "t_ptr", "stride_tm", "M", "N", "K", "eps")
+
+
+def _ttgir(kernel, args: dict[str, str], aligned: set[str], constexprs: dict, warps: int, stages: int) -> str:
+    """Triton's GPU IR of ``kernel`` compiled for an H100/H200 (sm90) here, no GPU, with the ``aligned``
+    arguments known 16-divisible (as Triton specializes them at a launch) and the others not."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = ASTSource(fn=kernel, signature=args | {k: "constexpr" for k in constexprs}, constexprs=constexprs,
+                       attrs={(i,): [["tt.divisibility", 16]] for i, name in enumerate(args) if name in aligned})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}).asm["ttgir"]
+
+
+def _arithmetic(ir: str) -> tuple[tuple, frozenset]:
+    """What orders a row's floating-point sums: the layouts every reduction runs in (in program order) and
+    the MMA instructions (version, instruction shape) of every dot."""
+    import re
+
+    aliases = dict(re.findall(r"^(#\w+) = (.*)$", ir, re.M))
+    reductions = tuple(aliases.get(layout, layout) for layout in re.findall(r"\}\) : \(tensor<[^,]+, (#[\w]+)>\) -> ", ir))
+    dots = [re.search(r"-> tensor<[0-9x]+xf32, (#\w+)>", line).group(1) for line in ir.splitlines() if " tt.dot " in line]
+    mma = frozenset(re.sub(r"warpsPerCTA = \[[0-9, ]+\], ", "", aliases.get(d, d)) for d in dots)  # warps: who computes, not how
+    return reductions, mma
+
+
+@needs_triton
+def test_exact_linear_compiles_to_one_arithmetic_for_every_row_count():
+    """Bug: a row count changes the compiled arithmetic of the exact linear: the feature block, the tiles per
+    program or the pipeline stages it picks make Triton reduce the norm's sum of squares in another layout
+    (another order) or pick another MMA instruction (wgmma from 64-row tiles), and the decode step and the
+    verify give a row other bits. Compiled for sm90 here, bf16, the Qwen3-8B weights with a norm prologue."""
+    from dflash_trt.runtime.kernels.exact_ops import _linear_kernel
+
+    args = {name: "*bf16" if name.endswith("_ptr") else "fp32" if name == "eps" else "i32" for name in LINEAR_ARGS}
+    aligned = {name for name in LINEAR_ARGS if name not in ("M", "eps")}  # pointers, strides (K, N...), N, K of the 8B weights
+    for name in ("qkv", "gate_up", "down"):
+        N, K, gated, norm = WEIGHTS_8B[name]
+        plan = exact_linear_plan(N, K, gated, 2)
+        compiled = {}
+        for tiles, block_n, stages in sorted({exact_linear_launch(plan, M, gated, 2) for M in ROW_COUNTS}):
+            constexprs = dict(NORM=norm, GATED=gated, BIAS=False, RESIDUAL=not norm, TAP=False, TILES=tiles, TM=16, BN=block_n,
+                              BK=plan.block_k, INTERP=False)
+            try:
+                ir = _ttgir(_linear_kernel, args, aligned, constexprs, plan.warps, stages)
+            except Exception as error:  # noqa: BLE001 - a Triton without the NVIDIA backend's compiler
+                pytest.skip(f"cannot compile for sm90 here: {error!r}"[:200])
+            compiled[(tiles, block_n, stages)] = _arithmetic(ir)
+        reductions = {r for r, _ in compiled.values()}
+        assert all(len(set(r)) <= 1 for r in reductions) and len({r[0] for r in reductions if r}) <= 1, (name, compiled)
+        assert len({m for _, m in compiled.values()}) == 1, (name, compiled)
+        assert all("versionMajor = 2" in m and "instrShape = [16, 8]" in m for _, ms in compiled.values() for m in ms), compiled
+
+
+# ------------------------------------------------------------------ the kernels, interpreted (CPU)
+
+CHECKS = ("linear_rows", "attention_rows", "rope_rows", "linear_reference", "attention_reference")
+INTERPRETED = """
+import json, sys, traceback
+sys.path.insert(0, {tests!r})
+import torch
+torch.set_num_threads(1)
+import exact_checks
+results = {{}}
+for dtype in (torch.float32, torch.bfloat16):
+    for name in {checks!r}:
+        check = getattr(exact_checks, "check_" + name)
+        args = ("cpu", dtype, True) if name.endswith("_rows") and name != "rope_rows" else ("cpu", dtype)
+        try:
+            check(*args)
+            results[f"{{name}} {{dtype}}"] = "ok"
+        except Exception:
+            results[f"{{name}} {{dtype}}"] = traceback.format_exc()[-3000:]
+print("RESULTS " + json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, str]:
+    """Every kernel check of exact_checks, fp32 and bf16, under Triton's interpreter (one process, ~25 s)."""
+    if not TRITON:
+        pytest.skip("needs triton (it ships with the CUDA builds of torch)")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    code = INTERPRETED.format(tests=str(Path(__file__).parents[1]), checks=CHECKS)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    line = next((l for l in result.stdout.splitlines() if l.startswith("RESULTS ")), None)
+    assert line is not None, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(line[len("RESULTS "):])
+
+
+def _passed(results: dict[str, str], name: str) -> None:
+    failed = {key: value for key, value in results.items() if key.startswith(name + " ") and value != "ok"}
+    assert not failed, "\n\n".join(f"{key}:\n{value}" for key, value in failed.items())
+    assert sum(key.startswith(name + " ") for key in results) == 2, results.keys()  # fp32 and bf16 both ran
+
+
+def test_exact_linear_rows_do_not_depend_on_the_batch(interpreted):
+    """Bug: a row's linear output (every epilogue: RMSNorm, bias, SiLU·mul, residual in place, tap, fp32 LM-head
+    logits) changes with the row count (1 / 5 / 16 / 64 of 70) or its place among the rows: a DFlash verify row
+    and the same token decoded alone then differ in bf16 and near-ties flip."""
+    _passed(interpreted, "linear_rows")
+
+
+def test_exact_attention_does_not_depend_on_queries_owners_or_capacity(interpreted):
+    """Bug: a query's attention changes with the queries per owner (1 vs 16), the owners in the launch (1 vs 3),
+    the cache capacity (520 vs 820 slots) or pools addressed by rows: causal, windowed and non-causal layers."""
+    _passed(interpreted, "attention_rows")
+
+
+def test_exact_rope_write_rows_do_not_depend_on_the_batch(interpreted):
+    """Bug: q/k-norm + RoPE + the K/V write of a row differ when it is written alone or among 16 per owner
+    (the cache a later decode step reads would hold other bits than a verify wrote)."""
+    _passed(interpreted, "rope_rows")
+
+
+def test_exact_ops_agree_with_the_reference(interpreted):
+    """Bug: the exact kernels compute something else than the reference layers (RMSNorm -> Linear, SwiGLU,
+    residual; softmax attention with causal / window / non-causal masks) beyond bf16 rounding."""
+    _passed(interpreted, "linear_reference")
+    _passed(interpreted, "attention_reference")
+
+
+# ------------------------------------------------------------------ GPU
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("check", ["linear_rows", "attention_rows", "rope_rows"])
+def test_exact_kernels_are_batch_invariant_on_cuda(check, dtype):
+    """Bug: compiled for the GPU, a row's result depends on the batch after all (tensor-core tiles that round
+    a row by its place in the tile, a kernel specialized on the row count, a split chosen from the key count):
+    Qwen3-8B weight shapes, M = 1 .. 300 rows, 1 / 16 queries, 1 / 3 owners, two capacities, bit for bit."""
+    import exact_checks
+
+    if check == "rope_rows":
+        exact_checks.check_rope_rows("cuda", dtype)
+    else:
+        getattr(exact_checks, f"check_{check}")("cuda", dtype, small=False)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_exact_kernels_agree_with_the_reference_on_cuda(dtype):
+    """Bug: the compiled exact kernels compute something else than the reference layers on the GPU."""
+    import exact_checks
+
+    exact_checks.check_linear_reference("cuda", dtype)
+    exact_checks.check_attention_reference("cuda", dtype)
+
+
+def _bf16_backend(target_dir, draft_dir, sessions: int, max_context: int, max_chunk: int):
+    """The pair in bf16 on CUDA with kernels="exact", ``sessions`` cache rows, up to ``sessions`` owners per launch."""
+    from dflash_trt.export.exporter import ExportOptions, contract_dims
+    from dflash_trt.export.pair import load_pair
+    from dflash_trt.runtime.backends.torch_backend import TorchBackend
+
+    target, draft = load_pair(target_dir, draft_dir, dtype=torch.bfloat16)
+    options = ExportOptions(max_owners=sessions, max_context=max_context, max_chunk=max_chunk, proposals=draft.config.block_size - 1, dtype="bf16")
+    return TorchBackend(target, draft, contract_dims(target, draft, options), sessions, device="cuda", kernels="exact")
+
+
+def _assert_identical(outputs: dict, requests, what: str) -> None:
+    import exact_checks
+
+    for i, (plain, dflash) in enumerate(zip(outputs["plain"], outputs["dflash"])):
+        label = f"{what}, request {i} (T={requests[i].temperature})"
+        assert plain == dflash, f"{label}: DFlash left plain decoding at {exact_checks.first_difference(plain, dflash)}"
+
+
+@gpu
+@pytest.mark.parametrize("sessions", [1, 4])
+def test_dflash_equals_plain_decoding_in_bf16_on_the_tiny_pair(exported_pair, sessions):
+    """Bug: with kernels="exact", bf16 DFlash (16-row verify launches, owners packed together) emits another
+    token than plain decoding of the same prompt (1-row decode steps) — the target's own greedy output."""
+    import exact_checks
+
+    from dflash_trt.runtime.serving.batcher import Request
+
+    requests = [Request(prompt, 20) for prompt in exported_pair.prompts]
+    with _bf16_backend(exported_pair.target_dir, exported_pair.draft_dir, sessions, 64, 16) as backend:
+        outputs = exact_checks.serve_both(backend, requests, sessions)
+    _assert_identical(outputs, requests, f"tiny pair, {sessions} sessions")
+
+
+@gpu
+def test_dflash_equals_plain_decoding_in_bf16_on_the_default_pair():
+    """Bug: on the shipped pair in bf16 (kernels="exact"), DFlash's output differs from plain decoding's for some
+    request, greedy or sampled (same seeds), at 1, 4 or 16 concurrent sessions; or a request's output changes
+    with how many others share its launches (1 vs 4 vs 16 sessions, greedy and sampled requests mixed)."""
+    import exact_checks
+
+    from dflash_trt.export.pair import DEFAULT_PAIR_DIR
+    from dflash_trt.export.tokenizer import Tokenizer
+    from dflash_trt.runtime.serving.batcher import Request
+
+    tokenizer = Tokenizer.from_dir(DEFAULT_PAIR_DIR / "target")
+    rows = [json.loads(line) for line in (DEFAULT_PAIR_DIR / "prompts.jsonl").read_text().splitlines() if line.strip()]
+    prompts = [tokenizer.encode(row["prompt"])[-160:] for row in rows[:16]]
+    stop = tuple(tokenizer.stop_ids)
+    requests = [Request(p, 96, stop, 0.0, 0, 1.0, 7 + i) for i, p in enumerate(prompts)]
+    requests += [Request(p, 96, stop, 0.8, 0, 0.95, 100 + i) for i, p in enumerate(prompts)]  # top-p sampling
+    alone = None
+    for sessions in (1, 4, 16):
+        with _bf16_backend(DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft", sessions, 1024, 256) as backend:
+            outputs = exact_checks.serve_both(backend, requests, sessions)
+        _assert_identical(outputs, requests, f"default pair, {sessions} sessions")
+        alone = alone or outputs["plain"]
+        for i, (one, shared) in enumerate(zip(alone, outputs["plain"])):
+            assert one == shared, f"request {i}: 1 vs {sessions} sessions differ at {exact_checks.first_difference(one, shared)}"
