@@ -136,7 +136,7 @@ class Executor:
         # Rows are the backend's: a session's pending taps live at its row of a pool as tall as the backend's.
         self.limits = Limits(dims.vocab_size, dims.max_context, dims.block_size)
         # A row-indexed backend's pools end with a scratch row (device_loop: padded lanes): the context pool too.
-        self.context = ContextPool(rows + bool(getattr(backend, "row_indexed", False)), dims.block_size, dims.tap_width, TORCH_DTYPES[dims.dtype], self.device)
+        self.context = ContextPool(rows + backend.row_indexed, dims.block_size, dims.tap_width, TORCH_DTYPES[dims.dtype], self.device)
         self.clock = make_clock(backend)
         if stats_rows is not None and (not isinstance(stats_rows, int) or isinstance(stats_rows, bool) or stats_rows < 1):
             raise InputError(f"stats_rows must be an int >= 1 or None (unbounded), got {stats_rows!r}")
@@ -452,8 +452,7 @@ class Executor:
         for i, step in enumerate(steps):
             tokens[i, : len(step.tokens)] = torch.tensor(step.tokens, dtype=torch.int64)
         lengths = [len(step.tokens) for step in steps]
-        device = lambda values: torch.as_tensor(values, dtype=torch.int64).to(self.device)  # noqa: E731
-        slots, start, length = device([s.row for s in sessions]), device([s.frontier for s in sessions]), device(lengths)
+        slots, start, length = (self._ints([s.row for s in sessions]), self._ints([s.frontier for s in sessions]), self._ints(lengths))
         logits, taps = self.backend.prefill_many(tokens.to(self.device), start, length, slots)
         self.log.counters["target_preamble_forwards"] += 1
         self.log.counters["target_preamble_calls"] += len(steps)
@@ -477,8 +476,7 @@ class Executor:
         B = self.dims.block_size
         drains = [max(0, length - B) if s.speculate else 0 for s, length in zip(sessions, lengths)]
         if any(drains):
-            starts = torch.as_tensor([s.draft_position for s in sessions], dtype=torch.int64).to(self.device)
-            counts = torch.as_tensor(drains, dtype=torch.int64).to(self.device)
+            starts, counts = self._ints([s.draft_position for s in sessions]), self._ints(drains)
             self.backend.draft_context_many(taps[:, : max(drains)], starts, counts, slots)
             self.log.counters["draft_forwards"] += 1
             self.log.counters["warmed_context_tokens"] += sum(drains)
@@ -491,6 +489,10 @@ class Executor:
                 s.frontier += length
             else:
                 s.frontier = s.draft_position = s.frontier + length  # no drafting: taps are not kept
+
+    def _ints(self, values: list[int]) -> torch.Tensor:
+        """A small int64 tensor on the device (an H2D copy)."""
+        return torch.as_tensor(values, dtype=torch.int64).to(self.device)
 
     def _choose_many(self, sessions: list[Session], logits: torch.Tensor, positions: list[int]) -> list[int]:
         """Each session's token AT its position from logits [n, V]: one ``sample`` call, one host sync."""
