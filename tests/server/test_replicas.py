@@ -31,6 +31,7 @@ from dflash_trt.server.command import DEFAULT_PAIR_MODEL as MODEL  # noqa: E402
 FLAGS = ("--threads", "1", "--max-sessions", "2", "--shutdown-timeout", "2", "--log-interval", "0")
 READY_S = 150.0
 STOP_S = 40.0
+LONG = 600  # tokens: ~2 s of decoding for two requests on one CPU replica (the default pair's context is 1024)
 
 
 def free_port() -> int:
@@ -157,3 +158,66 @@ def test_errors_are_the_single_servers(cluster):
     with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="another-model", prompt="def f(x):", max_tokens=2)
     assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
+
+
+def replica_pids(root: int) -> set[int]:
+    """The Ray Serve replica processes under ``root`` (the serve subprocess), by their process titles."""
+    parents, titles = {}, {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                titles[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except (OSError, IndexError, ValueError):
+                continue
+
+    def under_root(pid: int) -> bool:
+        for _ in range(32):
+            if pid == root:
+                return True
+            pid = parents.get(pid, 0)
+            if pid <= 1:
+                return False
+        return False
+
+    return {pid for pid, title in titles.items() if title.startswith("ray::ServeReplica") and under_root(pid)}
+
+
+def test_a_killed_replica_fails_its_requests_cleanly_and_comes_back(cluster, single, prompts):
+    """Guards against one replica's death hanging or corrupting requests: a replica killed (SIGKILL)
+    under load ends its in-flight requests with a server error within the client's timeout (Ray Serve's
+    proxy answers 500; not yet OpenAI's error shape, nor a replay), the other
+    replica's requests answer exactly as one serving loop does, and Ray starts a new replica that
+    serves (bounded waits)."""
+    before = replica_pids(cluster.process.pid)
+    assert len(before) == 2, before
+    client = cluster.client()
+    jobs = [(prompt, {"temperature": 0.0}) for prompt in prompts[:4]]
+
+    def ask(job):
+        prompt, sampling = job
+        try:
+            done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=LONG, **sampling)
+        except (openai.APIStatusError, openai.APIConnectionError) as error:
+            return error
+        return done.choices[0].text, done.choices[0].finish_reason
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(ask, job) for job in jobs]
+        time.sleep(0.5)  # the four requests are decoding on both replicas (LONG tokens take seconds)
+        victim = min(before)
+        os.kill(victim, signal.SIGKILL)
+        answers = [future.result(timeout=150) for future in futures]
+    failed = [a for a in answers if isinstance(a, Exception)]
+    assert failed, "no request was in flight on the killed replica"
+    assert all(getattr(e, "status_code", 500) >= 500 for e in failed), failed
+    served = [(a, job) for a, job in zip(answers, jobs, strict=True) if not isinstance(a, Exception)]
+    assert served, "the other replica's requests failed too"
+    assert all(a == expected(single, prompt, LONG, **sampling) for a, (prompt, sampling) in served)
+
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and len(replica_pids(cluster.process.pid) - {victim}) < 2:
+        time.sleep(1.0)
+    assert len(replica_pids(cluster.process.pid) - {victim}) == 2, "Ray did not start a new replica within 90 s"
+    answers = [client.completions.create(model=MODEL, prompt=prompts[4], max_tokens=8, temperature=0) for _ in range(4)]
+    assert all((a.choices[0].text, a.choices[0].finish_reason) == expected(single, prompts[4], 8, temperature=0.0) for a in answers)
