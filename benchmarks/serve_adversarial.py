@@ -359,6 +359,13 @@ def memory(args) -> dict:
 SCENARIOS = {"attack": attack, "shutdown": shutdown, "memory": memory}
 
 
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def machine() -> str:
     return f"{platform.machine()} {os.cpu_count()} CPUs, {platform.processor() or platform.platform()}"
 
@@ -384,12 +391,12 @@ def main() -> int:
         for key, value in shown.items():
             print(f"| {key} | {json.dumps(value)} |")
         sys.stdout.flush()
-    summary = {"name": "serve_adversarial", "date": time.strftime("%Y-%m-%d"), "machine": machine(),
+    summary = {"name": "serve_adversarial", "date": time.strftime("%Y-%m-%d"), "commit": commit(), "machine": machine(),
                "command": " ".join(["python", "benchmarks/serve_adversarial.py", *sys.argv[1:]]), **results}
     if args.record:
         with (ROOT / "benchmarks" / "results.jsonl").open("a") as file:
             for name, figures in results.items():
-                row = {"name": f"serve_adversarial_{name}", "date": summary["date"], "machine": summary["machine"], "command": summary["command"], **figures}
+                row = {"name": f"serve_adversarial_{name}", **{k: summary[k] for k in ("date", "commit", "machine", "command")}, **figures}
                 file.write(json.dumps(row) + "\n")
     print(json.dumps(summary))
     return 0
