@@ -1,4 +1,5 @@
-"""Replicas on Ray Serve behind the same OpenAI API (the ``ray`` extra): ``dflash-trt serve --replicas N``.
+"""Replicas on Ray Serve behind the same OpenAI API (the ``ray`` extra): ``dflash-trt serve --replicas N``
+(a local Ray cluster), or ``builder`` in a Serve config file / ``serve run`` (any Ray cluster).
 
 Each replica is one Ray Serve deployment replica holding one ``ServingLoop``
 (its executor and backend on its device: ``num_gpus`` 1 on CUDA, so Ray places
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import signal
 import time
 
@@ -63,6 +65,7 @@ def _replica_class():
             from dflash_trt.server import command
 
             self.args = args
+            command.cap_malloc_arenas()
             self.serving, self.backend, self.names = command._load(args)
 
         def __serve_build_asgi_app__(self):
@@ -98,18 +101,39 @@ def actor_options(args: argparse.Namespace) -> dict:
     return {"num_cpus": args.threads or 1}
 
 
-def application(args: argparse.Namespace):
-    """The Ray Serve application: ``args.replicas`` replicas of ``Replica(args)`` (artifacts already prepared)."""
-    if str(args.device or "").startswith("cuda"):
-        args.device = "cuda"  # each replica sees only its own GPU
-    replica_args = argparse.Namespace(**vars(args))
+def deployment(args: argparse.Namespace):
+    """The replicas' deployment for these (prepared) flags: ``args.replicas`` replicas, their resources and bounds."""
     capacity = (args.max_sessions or UNKNOWN_SESSIONS) + args.max_queue  # what one replica holds before it answers 429
-    deployment = _replica_class().options(
+    return _replica_class().options(
         name="replica", num_replicas=args.replicas, ray_actor_options=actor_options(args),
         max_ongoing_requests=capacity, graceful_shutdown_timeout_s=max(args.shutdown_timeout, 0.0),
         health_check_period_s=HEALTH_PERIOD_S, health_check_timeout_s=HEALTH_TIMEOUT_S,
     )
-    return deployment.bind(replica_args)
+
+
+def application(args: argparse.Namespace):
+    """The Ray Serve application: ``args.replicas`` replicas of ``Replica(args)`` (artifacts already prepared)."""
+    replica_args = argparse.Namespace(**vars(args))
+    if str(args.device or "").startswith("cuda"):
+        replica_args.device = "cuda"  # each replica sees only its own GPU
+    return deployment(args).bind(replica_args)
+
+
+def builder(config: dict):
+    """A Ray Serve application builder, for a Serve config file's ``import_path`` or ``serve run``:
+
+        serve run dflash_trt.server.replicas:builder flags="--replicas 4 --backend tensorrt --artifacts ENGINE_DIR"
+
+    ``config["flags"]``: ``dflash-trt serve``'s flags as one string (the host and port are the Serve
+    config's ``http_options``; the cluster is the one Ray connects to). The artifacts are prepared here
+    and must be at the same path on every node."""
+    from dflash_trt.cli import build_parser
+    from dflash_trt.runtime import command as runtime_command
+
+    args = build_parser("serve").parse_args(["serve", *shlex.split(str(config.get("flags", "")))])
+    runtime_command.check_flags(args)
+    prepare(args)
+    return application(args)
 
 
 def prepare(args: argparse.Namespace) -> None:

@@ -24,8 +24,9 @@ openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from dflash_trt.cli import build_parser  # noqa: E402
+from dflash_trt.errors import UsageError  # noqa: E402
 from dflash_trt.export.pair import DEFAULT_PAIR_DIR  # noqa: E402
-from dflash_trt.server import command, schema  # noqa: E402
+from dflash_trt.server import command, replicas, schema  # noqa: E402
 from dflash_trt.server.command import DEFAULT_PAIR_MODEL as MODEL  # noqa: E402
 
 FLAGS = ("--threads", "1", "--max-sessions", "2", "--shutdown-timeout", "2", "--log-interval", "0")
@@ -158,6 +159,24 @@ def test_errors_are_the_single_servers(cluster):
     with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="another-model", prompt="def f(x):", max_tokens=2)
     assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
+
+
+def test_replica_resources_follow_the_device():
+    """Guards against replicas sharing a GPU (or a CPU server's replicas reserving one), Ray's proxy
+    sending one replica more requests than its sessions and queue hold (or so few that its sessions
+    idle), and the Serve config builder not reading ``dflash-trt serve``'s flags."""
+    parse = build_parser("serve").parse_args
+    gpu = parse(["serve", "--replicas", "3", "--backend", "torch", "--device", "cuda:1", "--max-sessions", "4", "--max-queue", "8"])
+    deployment = replicas.deployment(gpu)
+    assert (deployment.num_replicas, deployment.max_ongoing_requests) == (3, 12)
+    assert deployment.ray_actor_options["num_gpus"] == 1
+    cpu = parse(["serve", "--replicas", "2", "--threads", "2"])
+    assert replicas.actor_options(cpu) == {"num_cpus": 2}
+    with pytest.raises(UsageError, match="--max-sessions"):
+        replicas.builder({"flags": "--replicas 2 --backend torch --max-sessions 0"})
+    from ray import serve
+
+    assert isinstance(replicas.builder({"flags": "--replicas 2 --backend torch --threads 2"}), serve.Application)
 
 
 def replica_pids(root: int) -> set[int]:
