@@ -70,10 +70,14 @@ class Cluster:
         with urllib.request.urlopen(self.base + path, timeout=30) as response:
             return response.status, response.read().decode()
 
-    def completed(self) -> int:
-        """The completed-request count of the replica this /metrics request reached."""
+    def requests(self, outcome: str) -> int:
+        """The request count by ``outcome`` of the replica this /metrics request reached."""
         families = text_string_to_metric_families(self.get("/metrics")[1])
-        return next(int(s.value) for f in families for s in f.samples if s.name == "dflash_trt_requests_total" and s.labels["outcome"] == "completed")
+        return next(int(s.value) for f in families for s in f.samples if s.name == "dflash_trt_requests_total" and s.labels["outcome"] == outcome)
+
+    def per_replica(self, outcome: str) -> set[int]:
+        """The distinct counts seen over 24 /metrics requests (each reaches a replica drawn by the router)."""
+        return {self.requests(outcome) for _ in range(24)}
 
     def stop(self) -> int | None:
         """SIGTERM (the drain), then the whole session killed if it outlives STOP_S."""
@@ -145,7 +149,7 @@ def test_two_replicas_answer_as_one_server(cluster, single, prompts):
 
     # Both replicas' counts appear among /metrics answers (each reaches one replica; an odd total: the two
     # counts differ), and they add up.
-    seen = {cluster.completed() for _ in range(24)}
+    seen = cluster.per_replica("completed")
     assert len(seen) == 2 and sum(seen) == len(jobs) + 1 and min(seen) > 0, seen
 
 
@@ -159,6 +163,23 @@ def test_errors_are_the_single_servers(cluster):
     with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="another-model", prompt="def f(x):", max_tokens=2)
     assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
+
+
+def test_a_client_that_goes_away_cancels_its_request_on_its_replica(cluster, prompts):
+    """Guards against Ray Serve's proxy not passing a disconnect on to the replica: a stream closed after
+    its first event and a request whose client timed out must be cancelled in their replica's serving
+    loop (their sessions freed), not decoded to the end (three requests: an odd total over two replicas)."""
+    client = cluster.client()
+    for prompt in prompts[:2]:
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=LONG, temperature=0, stream=True)
+        next(iter(stream))
+        stream.close()
+    with pytest.raises(openai.APITimeoutError):
+        client.with_options(timeout=0.5).completions.create(model=MODEL, prompt=prompts[2], max_tokens=LONG, temperature=0)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and sum(seen := cluster.per_replica("cancelled")) != 3:
+        time.sleep(0.5)
+    assert len(seen) == 2 and sum(seen) == 3, seen
 
 
 def test_replica_resources_follow_the_device():
