@@ -21,13 +21,13 @@ import pytest
 pytest.importorskip("ray.serve", reason="needs the ray extra (pip install 'dflash-trt[serve,ray]')")
 openai = pytest.importorskip("openai")
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families
 
-from dflash_trt.cli import build_parser  # noqa: E402
-from dflash_trt.errors import UsageError  # noqa: E402
-from dflash_trt.export.pair import DEFAULT_PAIR_DIR  # noqa: E402
-from dflash_trt.server import command, replicas, schema  # noqa: E402
-from dflash_trt.server.command import DEFAULT_PAIR_MODEL as MODEL  # noqa: E402
+from dflash_trt.cli import build_parser
+from dflash_trt.errors import UsageError
+from dflash_trt.export.pair import DEFAULT_PAIR_DIR
+from dflash_trt.server import command, replicas, schema
+from dflash_trt.server.command import DEFAULT_PAIR_MODEL as MODEL
 
 FLAGS = ("--threads", "1", "--max-sessions", "2", "--shutdown-timeout", "2", "--log-interval", "0")
 READY_S = 150.0
