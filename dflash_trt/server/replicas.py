@@ -31,6 +31,7 @@ import logging
 import os
 import shlex
 import signal
+import threading
 import time
 
 from dflash_trt.errors import ServingError
@@ -40,6 +41,7 @@ log = logging.getLogger("dflash_trt.server")
 APP_NAME = "dflash-trt"
 HEALTH_PERIOD_S = 5.0  # how often Ray asks a replica check_health
 HEALTH_TIMEOUT_S = 30.0
+STOP_SLACK_S = 15.0  # beyond --shutdown-timeout: how long Ray Serve's stop may take before the cluster is stopped anyway
 UNKNOWN_SESSIONS = 256  # the replicas' sessions when the artifacts set them (not read here): a bound for the proxy only  # a replica's check_health answer within this, or it is restarted
 
 
@@ -159,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     # A local cluster: at least one logical CPU per replica's threads, however many cores there are.
     ray.init(num_cpus=max(os.cpu_count() or 1, per_replica * args.replicas + 1), include_dashboard=False,
              logging_level=args.log_level.upper())
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    previous = signal.signal(signal.SIGTERM, _interrupt), signal.signal(signal.SIGINT, _interrupt)
     try:
         serve.start(http_options={"host": args.host, "port": args.port, "keep_alive_timeout_s": int(args.keep_alive_timeout)})
         serve.run(application(args), name=APP_NAME, route_prefix="/", blocking=False)
@@ -170,11 +172,23 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         log.info("stopping: the replicas finish their open requests (at most %g s)", args.shutdown_timeout)
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        serve.shutdown()
-        ray.shutdown()
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
+        _stop(ray, serve, args.shutdown_timeout + STOP_SLACK_S)
     log.info("stopped")
     return 0
+
+
+def _stop(ray, serve, timeout_s: float) -> None:
+    """Ray Serve drains and stops the replicas, bounded: when the signal reached Ray's own processes too
+    (a terminal's Ctrl+C, a supervisor signalling the process group) its shutdown can wait forever on
+    dead actors; the local cluster is stopped after ``timeout_s`` either way."""
+    stopper = threading.Thread(target=serve.shutdown, name="dflash-trt-serve-shutdown", daemon=True)
+    stopper.start()
+    stopper.join(timeout_s)
+    if stopper.is_alive():
+        log.warning("Ray Serve did not stop within %g s; stopping the local Ray cluster", timeout_s)
+    ray.shutdown()
 
 
 def _interrupt(_signal, _frame) -> None:

@@ -75,9 +75,15 @@ class Cluster:
         families = text_string_to_metric_families(self.get("/metrics")[1])
         return next(int(s.value) for f in families for s in f.samples if s.name == "dflash_trt_requests_total" and s.labels["outcome"] == outcome)
 
-    def per_replica(self, outcome: str) -> set[int]:
-        """The distinct counts seen over 24 /metrics requests (each reaches a replica drawn by the router)."""
-        return {self.requests(outcome) for _ in range(24)}
+    def per_replica(self, outcome: str, total: int, timeout: float = 30.0) -> set[int]:
+        """The two replicas' counts (distinct: ``total`` is odd), read until they add up to ``total`` or
+        ``timeout`` passes: 24 /metrics requests, each reaching a replica the router draws."""
+        deadline = time.monotonic() + timeout
+        while True:
+            seen = {self.requests(outcome) for _ in range(24)}
+            if (len(seen) == 2 and sum(seen) == total) or time.monotonic() > deadline:
+                return seen
+            time.sleep(0.5)
 
     def stop(self) -> int | None:
         """SIGTERM (the drain), then the whole session killed if it outlives STOP_S."""
@@ -149,7 +155,7 @@ def test_two_replicas_answer_as_one_server(cluster, single, prompts):
 
     # Both replicas' counts appear among /metrics answers (each reaches one replica; an odd total: the two
     # counts differ), and they add up.
-    seen = cluster.per_replica("completed")
+    seen = cluster.per_replica("completed", len(jobs) + 1)
     assert len(seen) == 2 and sum(seen) == len(jobs) + 1 and min(seen) > 0, seen
 
 
@@ -176,9 +182,7 @@ def test_a_client_that_goes_away_cancels_its_request_on_its_replica(cluster, pro
         stream.close()
     with pytest.raises(openai.APITimeoutError):
         client.with_options(timeout=0.5).completions.create(model=MODEL, prompt=prompts[2], max_tokens=LONG, temperature=0)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and sum(seen := cluster.per_replica("cancelled")) != 3:
-        time.sleep(0.5)
+    seen = cluster.per_replica("cancelled", 3)  # cancelled at the next gap between executes
     assert len(seen) == 2 and sum(seen) == 3, seen
 
 
