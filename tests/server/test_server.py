@@ -494,7 +494,7 @@ def test_bench_serve_measures_a_running_server(server, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     result = json.loads(lines[-1])
     after = server.metrics()
-    assert "| TTFT |" in "\n".join(lines) and (result["completed"], result["failed"]) == (5, 0)
+    assert "| TTFT |" in "\n".join(lines) and (result["completed"], result["failed"]) == (5, 0), result.get("errors")
     assert result["output_tokens"] == after[("dflash_trt_output_tokens_total", "")] - before[("dflash_trt_output_tokens_total", "")]
     assert result["requests"] == after[("dflash_trt_requests_total", "completed")] - before[("dflash_trt_requests_total", "completed")]
     assert all(result[f"{name}_p50_ms"] > 0 for name in ("ttft", "tpot", "itl", "e2e"))
