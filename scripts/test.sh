@@ -5,5 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/ensure_torch.sh
-python -m pip install --quiet -e ".[test,rtx,serve]"
+python -m pip install --quiet -e ".[test,rtx,serve,ray]"
 python -m pytest -q "$@"

@@ -5,6 +5,7 @@
     dflash-trt serve --artifacts ENGINE_DIR --backend tensorrt --tokenizer TARGET_DIR
     dflash-trt serve --backend torch --device cuda       # the checkpoints in PyTorch (bf16 on CUDA), no export
     dflash-trt serve ... --no-draft                      # plain target decoding: the autoregressive baseline
+    dflash-trt serve ... --replicas 2                    # two serving loops on Ray Serve (server.replicas)
 
 Without ``--artifacts`` the default pair is exported to the cache exactly as
 ``dflash-trt demo`` does (reused when unchanged), except for ``--backend
@@ -84,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a stream's tokens are sent as cycles are read, at most this often per request (default 20; 0: after every cycle)")
     parser.add_argument("--no-draft", action="store_true", help="plain target decoding (no speculation): the autoregressive baseline")
     parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads for ONNX Runtime / torch")
+    parser.add_argument("--replicas", type=positive_int, default=1,
+                        help="serving loops behind the one API; N >= 2: a local Ray cluster with N Ray Serve replicas, one GPU each on "
+                             "CUDA (the ray extra; server.replicas); default 1: this process alone")
     add_limit_arguments(parser)
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     parser.add_argument("--log-interval", type=float, default=10.0, help="seconds between throughput log lines (default 10; 0: none)")
@@ -143,6 +147,10 @@ def run(args: argparse.Namespace) -> int:
     create_app, Limits, ServeConfig, GracefulServer, default_body_bytes = _imports()
     logging_config = _logging_config(args.log_level)
     logging.config.dictConfig(logging_config)
+    if args.replicas > 1:
+        from dflash_trt.server import replicas
+
+        return replicas.run(args)
     listener = bind(args.host, args.port)  # before anything loads: a busy or bad port fails at once
     cap_malloc_arenas()
     try:
