@@ -41,6 +41,7 @@ import torch
 
 from dflash_trt.export.contract import Dims
 from dflash_trt.export.pair import DEFAULT_PAIR_DIR, load_pair
+from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.backends.torch_backend import TorchBackend
 from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.generate import stream
@@ -162,7 +163,7 @@ def case(name: str, models, dtype, sessions: int, options, write):
     temperatures, new_tokens, max_cycles = options.temperatures, options.new_tokens, options.max_cycles
     try:
         for temperature in temperatures:
-            requests = [Request(p, new_tokens, stop, temperature, 0, 1.0, i) for i, p in enumerate(prompts[:count])]
+            requests = [Request(p, new_tokens, stop, Sampling(temperature, 0, 1.0, i)) for i, p in enumerate(prompts[:count])]
             ar, ar_tokens = run_mode(backend, requests, sessions, False, max_cycles)
             dflash, dflash_tokens = run_mode(backend, requests, sessions, True, max_cycles)
             write(row(name, sessions, temperature, ar, dflash, sum(a == b for a, b in zip(ar_tokens, dflash_tokens)), count, max_cycles))

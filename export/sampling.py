@@ -63,12 +63,27 @@ TOP_P_STEPS = 20  # bisection steps of the top-p threshold (bracket width: span 
 
 @dataclass(frozen=True)
 class Sampling:
-    """One session's sampling parameters; the default is greedy decoding."""
+    """One session's sampling parameters; the default is greedy decoding.
+
+    The one value that carries them from a request (the HTTP schema, ``generate``) to the session
+    (``Executor.set_sampling``); ``Sampling.checked`` is their one check.
+    """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+
+    @classmethod
+    def checked(cls, temperature=0.0, top_k=0, top_p=1.0, seed=0, vocab_size: int | None = None) -> Sampling:
+        """The parameters as a Sampling of plain Python values, or a ``SamplingError`` naming the field, the
+        valid range and the value (``check_sampling``, ``check_seed``)."""
+        temperature, top_k, top_p = check_sampling(temperature, top_k, top_p, vocab_size)
+        return cls(temperature, top_k, top_p, check_seed(seed))
+
+    def check(self, vocab_size: int | None = None) -> Sampling:
+        """This value, checked (``Sampling.checked`` of its fields): a plain copy."""
+        return Sampling.checked(self.temperature, self.top_k, self.top_p, self.seed, vocab_size)
 
     def tensors(self, rows: int, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(temperature [rows] f32, top_k [rows] i64, top_p [rows] f32, seed [rows, 3] i64): ``choose``'s row inputs."""
@@ -105,6 +120,17 @@ def top_k_limit(vocab_size: int) -> int:
 def _real(value) -> bool:
     """A plain or numpy real number; bools (Python or numpy) are not numbers here."""
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+SEED_LIMIT = 1 << 64  # seeds are 64-bit
+
+
+def check_seed(seed) -> int:
+    """A seed of the sampling noise: an int in [0, 2**64 - 1] (numpy ints too, not a bool)."""
+    if not is_int(seed, numpy=True) or not 0 <= int(seed) < SEED_LIMIT:
+        msg = f"seed must be an int in [0, 2**64 - 1], got {seed!r}"
+        raise SamplingError(msg, param="seed")
+    return int(seed)
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float, vocab_size: int | None = None) -> tuple[float, int, float]:

@@ -42,6 +42,7 @@ from dflash_trt.errors import InputError, TokenizerError, UsageError
 from dflash_trt.export.contract import DTYPES
 from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.generate import collect, stream
+from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.serving.batcher import Completion, Request
 
 BACKEND_CHOICES = ("onnxruntime", "torch", "tensorrt")
@@ -270,7 +271,7 @@ def fit_prompt(tokens: list[int], max_context: int, room: int) -> list[int]:
 def serve(executor: Executor, prompts: list[Prompt], args, stop: tuple[int, ...]) -> list[Completion]:
     """Every prompt through ``generate.stream`` (its time is in the stats: ``summary``)."""
     requests = [
-        Request(p.tokens, p.max_new_tokens or args.max_new_tokens, stop, args.temperature, args.top_k, args.top_p, args.seed + i)
+        Request(p.tokens, p.max_new_tokens or args.max_new_tokens, stop, Sampling(args.temperature, args.top_k, args.top_p, args.seed + i))
         for i, p in enumerate(prompts)
     ]
     return collect(stream(executor, requests, args.max_sessions), len(requests))

@@ -62,8 +62,8 @@ import numpy as np
 import torch
 
 from dflash_trt.export import contract as c
-from dflash_trt.export.sampling import seed_parts
 from dflash_trt.runtime.backends.base import Backend
+from dflash_trt.runtime.cycles import sampling_rows
 from dflash_trt.runtime.device import CaptureFallback
 from dflash_trt.runtime.sessions import ContextPool
 from dflash_trt.runtime.timing import Timeline
@@ -265,10 +265,12 @@ class DeviceLoop:
     def stage(self, rows: list[tuple[int, int, int, int, object]]) -> None:
         """(row, anchor, frontier, draft, sampling) per owner of this execute -> device (async; inside ``running``)."""
         index = [row for row, *_ in rows]
-        samplings = [sampling for *_, sampling in rows]
-        self.ints.host[:, index] = torch.tensor([[a, f, d, s.top_k] for _, a, f, d, s in rows], dtype=torch.int64).T
-        self.seeds.host[index] = torch.tensor([seed_parts(s.seed) for s in samplings], dtype=torch.int64)
-        self.floats.host[:, index] = torch.tensor([[s.temperature, s.top_p] for s in samplings], dtype=torch.float32).T
+        sampling = sampling_rows([s for *_, s in rows], [0] * len(rows))  # the sample graph's feeds, one builder
+        self.ints.host[:TOP_K, index] = torch.tensor([[a, f, d] for _, a, f, d, _ in rows], dtype=torch.int64).T
+        self.ints.host[TOP_K, index] = torch.from_numpy(sampling[c.TOP_K])
+        self.seeds.host[index] = torch.from_numpy(sampling[c.SEED])
+        self.floats.host[TEMPERATURE, index] = torch.from_numpy(sampling[c.TEMPERATURE])
+        self.floats.host[TOP_P, index] = torch.from_numpy(sampling[c.TOP_P])
         for mirror in (self.ints, self.seeds, self.floats):
             mirror.upload(self.stream)
 

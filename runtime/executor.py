@@ -68,7 +68,7 @@ import torch
 from dflash_trt.checks import is_int
 from dflash_trt.errors import BusyError, DFlashError, EngineError, InputError, PoisonedError, SamplingError, SessionError
 from dflash_trt.export import contract as c
-from dflash_trt.export.sampling import Sampling, check_sampling
+from dflash_trt.export.sampling import Sampling
 from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.cycles import (
@@ -76,7 +76,7 @@ from dflash_trt.runtime.cycles import (
 )
 from dflash_trt.runtime.device_loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_COLUMN, PROPOSALS_COLUMN, DeviceLoop, Launch, owner_buckets
 from dflash_trt.runtime.launches import Group, Lane, LoopShape, run_launches
-from dflash_trt.runtime.sessions import CONTEXT, ContextPool, Input, Limits, Output, Session, SessionTable, SessionView, Step, check_seed, int_in, validate_batch
+from dflash_trt.runtime.sessions import CONTEXT, ContextPool, Input, Limits, Output, Session, SessionTable, SessionView, Step, int_in, validate_batch
 from dflash_trt.runtime.stats import DEFAULT_MAX_ROWS, ExecuteRows, StatsLog, stats_paths, write_parquet
 from dflash_trt.runtime.timing import make_clock
 
@@ -251,15 +251,18 @@ class Executor:
         with self._call("sessions"):
             return sorted(self.table.sessions)
 
-    def set_sampling(self, session: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> None:
-        """Temperature / top-k / top-p and the seed of the sampling noise (random when None)."""
+    def set_sampling(self, session: int, temperature: float | Sampling = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> None:
+        """Temperature / top-k / top-p and the seed of the sampling noise (random when None), or one
+        ``Sampling`` value in place of the four; checked by ``Sampling.checked`` against the vocabulary."""
         with self._call("set_sampling"):
             s = self.table.get(session, "set_sampling.session")
-            temperature, top_k, top_p = check_sampling(temperature, top_k, top_p, self.dims.vocab_size)
-            if temperature > 0:
-                self._require_sampled_graphs(temperature)
-            seed = secrets.randbits(64) if seed is None else check_seed(seed)
-            s.sampling = Sampling(temperature, top_k, top_p, seed)
+            if isinstance(temperature, Sampling):
+                temperature, top_k, top_p, seed = temperature.temperature, temperature.top_k, temperature.top_p, temperature.seed
+            seed = secrets.randbits(64) if seed is None else seed
+            sampling = Sampling.checked(temperature, top_k, top_p, seed, self.dims.vocab_size)
+            if sampling.temperature > 0:
+                self._require_sampled_graphs(sampling.temperature)
+            s.sampling = sampling
 
     def _require_sampled_graphs(self, temperature: float) -> None:
         """A greedy-only engine set (no verify_sample_n) cannot serve sampled sessions: refuse up front."""

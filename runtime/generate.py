@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from dflash_trt.checks import is_int
 from dflash_trt.errors import InputError, SamplingError
+from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.serving.batcher import Batcher, Chunk, Completion, Request, check_request
 from dflash_trt.runtime.sessions import SEED_LIMIT
@@ -84,7 +85,7 @@ def generate(
     if not is_int(seed, numpy=True) or not 0 <= int(seed) <= SEED_LIMIT - max(len(prompts), 1):
         raise SamplingError(f"seed must be an int in [0, 2**64 - len(prompts)] (request i uses seed + i), got {seed!r}")
     requests = [
-        Request(_encode(i, prompt, tokenizer), max_new_tokens, stop, temperature, top_k, top_p, int(seed) + i)
+        Request(_encode(i, prompt, tokenizer), max_new_tokens, stop, Sampling(temperature, top_k, top_p, int(seed) + i))
         for i, prompt in enumerate(prompts)
     ]
     completions = collect(stream(executor, requests, max_sessions), len(requests))

@@ -28,12 +28,11 @@ import numpy as np
 import torch
 
 from dflash_trt.checks import is_int
-from dflash_trt.errors import InputError, PoisonedError, SamplingError, SessionError
-from dflash_trt.export.sampling import GREEDY, Sampling
+from dflash_trt.errors import InputError, PoisonedError, SessionError
+from dflash_trt.export.sampling import GREEDY, SEED_LIMIT, Sampling, check_seed  # noqa: F401  (re-exported)
 from dflash_trt.runtime.cycles import block_fits
 from dflash_trt.runtime.ownership import RowAllocator
 
-SEED_LIMIT = 1 << 64
 
 
 @dataclass
@@ -138,13 +137,6 @@ class SessionTable:
         if len(self.sessions) >= self.max_sessions:
             msg = f"{what}: {len(self.sessions)} sessions open, max_sessions is {self.max_sessions}"
             raise SessionError(msg)
-
-
-def check_seed(seed) -> int:
-    if not is_int(seed, numpy=True) or not 0 <= int(seed) < SEED_LIMIT:
-        msg = f"seed must be an int in [0, 2**64 - 1], got {seed!r}"
-        raise SamplingError(msg, param="seed")
-    return int(seed)
 
 
 STOP, LENGTH, CONTEXT = "stop", "length", "context"  # why an input's output ended (Output.finish)

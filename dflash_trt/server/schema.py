@@ -18,11 +18,13 @@ Finish reasons: ``stop`` (stop token or stop string), ``length``
 
 from __future__ import annotations
 
+import secrets
 import time
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.serving.batcher import CONTEXT, LENGTH, STOP
 from dflash_trt.runtime.serving.loop import CANCELLED
 
@@ -68,10 +70,12 @@ class Sampled(BaseModel):
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
 
     def sampling(self) -> dict:
-        """Keyword arguments of ``ServingLoop.submit`` (OpenAI's defaults for what was left out)."""
+        """Keyword arguments of ``ServingLoop.submit``: one ``Sampling`` value and the stop strings (OpenAI's
+        defaults for what was left out; no seed: a random one)."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         temperature = 1.0 if self.temperature is None else self.temperature
-        return dict(temperature=temperature, top_p=self.top_p or 1.0, top_k=self.top_k or 0, seed=self.seed, stop=stops)
+        seed = secrets.randbits(63) if self.seed is None else self.seed
+        return dict(sampling=Sampling(temperature, self.top_k or 0, self.top_p or 1.0, seed), stop=stops)
 
     @property
     def include_usage(self) -> bool:

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 from dflash_trt.checks import is_int
 from dflash_trt.errors import InputError, SamplingError
-from dflash_trt.export.sampling import check_sampling
+from dflash_trt.export.sampling import GREEDY, Sampling
 from dflash_trt.runtime.executor import Executor
-from dflash_trt.runtime.sessions import CONTEXT, LENGTH, STOP, Input, check_seed, token_ids  # noqa: F401  (finish reasons, re-exported)
+from dflash_trt.runtime.sessions import CONTEXT, LENGTH, STOP, Input, token_ids  # noqa: F401  (finish reasons, re-exported)
 
 
 
@@ -27,15 +27,12 @@ PREFILL_TOKENS_PER_STEP = 8192  # prompt tokens one step takes at most (the firs
 
 @dataclass(frozen=True)
 class Request:
-    """One prompt (token ids) with its limits and sampling (seed: of the sampling noise, see export.sampling)."""
+    """One prompt (token ids) with its limits and its sampling (``export.sampling.Sampling``: greedy by default)."""
 
     prompt: Sequence[int]
     max_new_tokens: int = 64
     stop: tuple[int, ...] = ()
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
+    sampling: Sampling = GREEDY
 
 
 @dataclass(frozen=True)
@@ -77,12 +74,13 @@ def check_request(index: int, request: Request, max_context: int, vocab_size: in
         msg = f"{where}.prompt must hold 1..{max_context - 1} tokens (max_context - 1), got {len(prompt)}"
         raise InputError(msg, param="prompt", code="context_length_exceeded" if prompt else "invalid_value")
     stop = _blamed("stop", token_ids, f"{where}.stop", request.stop, vocab_size)
+    if not isinstance(request.sampling, Sampling):
+        raise SamplingError(f"{where}.sampling must be a Sampling, got {type(request.sampling).__name__}", param="sampling")
     try:
-        temperature, top_k, top_p = check_sampling(request.temperature, request.top_k, request.top_p, vocab_size)
-        seed = check_seed(request.seed)
+        sampling = request.sampling.check(vocab_size)
     except SamplingError as error:
         raise SamplingError(f"{where}: {error}", param=error.param) from error
-    return Request(prompt, int(max_new), tuple(stop), temperature, top_k, top_p, seed)
+    return Request(prompt, int(max_new), tuple(stop), sampling)
 
 
 def _blamed(param: str, check, *args):
@@ -122,7 +120,7 @@ class Batcher:
     def join(self, key: Hashable, request: Request) -> None:
         session = self.executor.open_session()
         try:
-            self.executor.set_sampling(session, request.temperature, request.top_k, request.top_p, request.seed)
+            self.executor.set_sampling(session, request.sampling)
         except BaseException:
             self.executor.close_session(session)
             raise

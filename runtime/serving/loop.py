@@ -48,6 +48,7 @@ from dataclasses import dataclass, replace
 
 from dflash_trt.checks import is_int
 from dflash_trt.errors import DFlashError, ServingClosedError, InputError, QueueFullError, TokenizerError
+from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.serving.batcher import LENGTH, STOP, Batcher, Chunk, Completion, Request, check_request
 from dflash_trt.runtime.serving.handle import CANCELLED, Delta, RequestHandle
@@ -127,17 +128,22 @@ class ServingLoop:
         top_p: float = 1.0,
         seed: int | None = None,
         stop_ids: Sequence[int] | None = None,
+        sampling: Sampling | None = None,
     ) -> RequestHandle:
         """Queue one request; returns its handle at once (tokens stream into it).
 
         ``prompt``: text (needs the tokenizer) or token ids. ``stop``: stop
         strings (need the tokenizer; the text ends before them). ``stop_ids``:
         stop tokens (default: the serving loop's). ``seed`` None draws one.
+        ``sampling``: one ``Sampling`` value in place of temperature, top_k,
+        top_p and seed (the HTTP schema's).
         Raises InputError / SamplingError / TokenizerError for bad values,
         QueueFullError when ``max_queue`` requests are waiting,
         ServingClosedError after ``close()``. Nothing is queued on a refusal.
         """
-        request, stops = self._request(prompt, max_new_tokens, stop, temperature, top_k, top_p, seed, stop_ids)
+        if sampling is None:
+            sampling = Sampling(temperature, top_k, top_p, secrets.randbits(63) if seed is None else seed)
+        request, stops = self._request(prompt, max_new_tokens, stop, sampling, stop_ids)
         with self._cond:
             if not self._accepting:
                 self.recorder.count("rejected")
@@ -157,7 +163,7 @@ class ServingLoop:
         self.recorder.count("prompt_tokens", len(request.prompt))
         return handle
 
-    def _request(self, prompt, max_new_tokens, stop, temperature, top_k, top_p, seed, stop_ids) -> tuple[Request, tuple[str, ...]]:
+    def _request(self, prompt, max_new_tokens, stop, sampling: Sampling, stop_ids) -> tuple[Request, tuple[str, ...]]:
         """Validate everything in the caller's thread: the loop only ever sees runnable requests."""
         dims = self.executor.dims
         if isinstance(prompt, str):
@@ -171,8 +177,7 @@ class ServingLoop:
             msg = f"stop must be a string or a list of strings, got {stop!r:.80}"
             raise InputError(msg, param="stop")
         stop_ids = self.stop_ids if stop_ids is None else stop_ids
-        seed = secrets.randbits(63) if seed is None else seed
-        request = Request(prompt, max_new_tokens, stop_ids, temperature, top_k, top_p, seed)
+        request = Request(prompt, max_new_tokens, stop_ids, sampling)
         return check_request(0, request, dims.max_context, dims.vocab_size), stops  # plain values, every field checked
 
     def _cancel(self, handle: RequestHandle) -> None:

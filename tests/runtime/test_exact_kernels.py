@@ -297,7 +297,7 @@ def _assert_identical(outputs: dict, requests, what: str) -> None:
     import exact_checks
 
     for i, (plain, dflash) in enumerate(zip(outputs["plain"], outputs["dflash"])):
-        label = f"{what}, request {i} (T={requests[i].temperature})"
+        label = f"{what}, request {i} (T={requests[i].sampling.temperature})"
         assert plain == dflash, f"{label}: DFlash left plain decoding at {exact_checks.first_difference(plain, dflash)}"
 
 
@@ -325,14 +325,15 @@ def test_dflash_equals_plain_decoding_in_bf16_on_the_default_pair():
 
     from dflash_trt.export.pair import DEFAULT_PAIR_DIR
     from dflash_trt.export.tokenizer import Tokenizer
+    from dflash_trt.export.sampling import Sampling
     from dflash_trt.runtime.serving.batcher import Request
 
     tokenizer = Tokenizer.from_dir(DEFAULT_PAIR_DIR / "target")
     rows = [json.loads(line) for line in (DEFAULT_PAIR_DIR / "prompts.jsonl").read_text().splitlines() if line.strip()]
     prompts = [tokenizer.encode(row["prompt"])[-160:] for row in rows[:16]]
     stop = tuple(tokenizer.stop_ids)
-    requests = [Request(p, 96, stop, 0.0, 0, 1.0, 7 + i) for i, p in enumerate(prompts)]
-    requests += [Request(p, 96, stop, 0.8, 0, 0.95, 100 + i) for i, p in enumerate(prompts)]  # top-p sampling
+    requests = [Request(p, 96, stop, Sampling(0.0, 0, 1.0, 7 + i)) for i, p in enumerate(prompts)]
+    requests += [Request(p, 96, stop, Sampling(0.8, 0, 0.95, 100 + i)) for i, p in enumerate(prompts)]  # top-p sampling
     alone = None
     for sessions in (1, 4, 16):
         with _bf16_backend(DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft", sessions, 1024, 256) as backend:

@@ -17,7 +17,7 @@ TINY_ROWS = 4  # cache rows of the module's Tiny (conftest)
 
 def expected(oracle: Oracle, request: Request) -> tuple[list[int], str]:
     """The reference's tokens and finish reason for a request."""
-    sampling = Sampling(request.temperature, request.top_k, request.top_p, request.seed)
+    sampling = request.sampling
     tokens = oracle.continuation(list(request.prompt), sampling)[: request.max_new_tokens]
     for i, token in enumerate(tokens):
         if token in request.stop:
@@ -37,9 +37,9 @@ def test_stream_with_joins_and_leaves_matches_reference(tiny, oracle):
         Request(prompts[0], 30, stop=(stop_of_first,)),
         Request(prompts[1], 12),
         Request(prompts[2], 60),  # runs into the context end
-        Request(prompts[3], 25, temperature=0.9, top_k=10, seed=11),
+        Request(prompts[3], 25, sampling=Sampling(0.9, 10, 1.0, 11)),
         Request(prompts[4], 5),
-        Request(prompts[5], 40, temperature=1.2, top_p=0.8, seed=3),
+        Request(prompts[5], 40, sampling=Sampling(1.2, 0, 0.8, 3)),
         Request(prompts[6], 1),
     ]
     got: dict[int, list[int]] = {i: [] for i in range(len(requests))}
@@ -107,7 +107,7 @@ def test_generate_text_prompts_seeds_and_defaults(tiny, oracle):
     texts = ["def f(x):", "return", "import os\n"]
     done = generate(executor, texts, tokenizer=tokenizer, max_new_tokens=9, temperature=0.8, seed=40)
     for i, (text, completion) in enumerate(zip(texts, done)):
-        request = Request(tokenizer.encode(text), 9, (0,), 0.8, 0, 1.0, 40 + i)
+        request = Request(tokenizer.encode(text), 9, (0,), Sampling(0.8, 0, 1.0, 40 + i))
         assert (completion.tokens, completion.finish) == expected(oracle, request)
         assert completion.text == tokenizer.decode(completion.tokens)
     with pytest.raises(InputError, match="no tokenizer"):
@@ -123,8 +123,8 @@ def burst_requests(oracle: Oracle, prompts: list[list[int]]) -> list[Request]:
         Request(prompts[1], 40, stop=(conts[1][9],)),
         Request(prompts[2], 60),  # context end
         Request([5, 6, 7], 13),
-        Request(list(range(10, 30)), 30, temperature=0.9, top_k=10, seed=11),
-        Request([9] * 12, 25, stop=(3, 4), temperature=1.2, top_p=0.8, seed=3),
+        Request(list(range(10, 30)), 30, sampling=Sampling(0.9, 10, 1.0, 11)),
+        Request([9] * 12, 25, stop=(3, 4), sampling=Sampling(1.2, 0, 0.8, 3)),
     ]
 
 
@@ -142,7 +142,7 @@ def oracle_backend(tiny, oracle: Oracle, requests: list[Request]):
 
     backend = RecordingBackend(tiny.ort)
     for row, r in enumerate(requests):
-        sampling = Sampling(r.temperature, r.top_k, r.top_p, r.seed)
+        sampling = r.sampling
         backend.truth[row] = list(r.prompt) + oracle.continuation(list(r.prompt), sampling)
     return backend
 

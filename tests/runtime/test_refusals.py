@@ -241,3 +241,26 @@ def test_constructor_arguments_are_checked(tiny):
         with pytest.raises(InputError, match=word):
             Executor(tiny.ort, **kwargs)
     assert issubclass(InputError, DFlashError) and Request([1]).max_new_tokens == 64
+
+
+def test_one_sampling_value_is_checked_by_one_routine(tiny):
+    """Guards against sampling settings travelling as loose scalars checked by two different routines
+    (the request layer's and the executor's): a Request carries one Sampling, and check_request and
+    set_sampling refuse a bad field with the same Sampling.checked message, naming the field."""
+    from dflash_trt.runtime.serving.batcher import check_request
+
+    dims = tiny.dims
+    bad = Sampling(temperature=0.5, top_k=-3)
+    with pytest.raises(SamplingError) as at_request:
+        check_request(0, Request([1, 2], 4, (), bad), dims.max_context, dims.vocab_size)
+    executor = Executor(tiny.ort, dims, 2)
+    session = executor.open_session()
+    with pytest.raises(SamplingError) as at_session:
+        executor.set_sampling(session, bad)
+    assert at_request.value.param == at_session.value.param == "top_k"
+    assert str(at_session.value) in str(at_request.value)
+    with pytest.raises(SamplingError, match=r"request\[0\]\.sampling must be a Sampling, got tuple"):
+        check_request(0, Request([1, 2], 4, (), (0.5, 0, 1.0, 3)), dims.max_context, dims.vocab_size)
+    executor.set_sampling(session, Sampling(0.7, 5, 0.9, 3))
+    assert executor.session(session).sampling == Sampling(0.7, 5, 0.9, 3)
+    executor.close()
