@@ -69,17 +69,15 @@ class SessionView:
 class ContextPool:
     """Pending context taps, on device: ``[rows, block, tap_width]``, one row per session row.
 
-    Allocated once (stable address); a static draft over owners at rows
-    ``first .. first+n-1`` reads the view ``[first:first+n]`` directly. Rows
-    past a session's pending count are zero (the static draft's padding).
+    Allocated once (stable address); a static draft reads its owners' rows
+    (``device_loop``: the view of consecutive rows, or a gather at the rows a
+    row-indexed program is given). Rows past a session's pending count are
+    zero (the static draft's padding).
     """
 
     def __init__(self, rows: int, block: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
         self.block, self.width = block, width
         self.taps = torch.zeros((rows, block, width), dtype=dtype, device=device)
-
-    def view(self, first: int, n: int) -> torch.Tensor:
-        return self.taps[first : first + n]  # [n, B, mH]
 
     def rows(self, row: int, count: int) -> torch.Tensor:
         return self.taps[row, :count]  # [count, mH]
