@@ -163,7 +163,9 @@ class RowRange:
         return tensor[self.index]
 
     def put(self, tensor: torch.Tensor, values: torch.Tensor) -> None:
-        tensor[self.index].copy_(values)
+        view = tensor[self.index]
+        if view.data_ptr() != values.data_ptr():  # values taken as this view were written in place
+            view.copy_(values)
 
     def run(self, backend: Backend, graph: str, feeds: dict) -> dict:
         return backend.run(graph, feeds, self.first)
@@ -374,8 +376,7 @@ class DeviceLoop:
         verify = rows.run(self.backend, c.graph_name(c.TARGET_VERIFY, n), {c.TOKENS: candidates, c.START: start})
         # Next context = taps of verify rows 0..a; rows past a are padding the static draft overwrites.
         context[:, : P + 1].copy_(verify[c.TAPS])
-        if isinstance(rows, RowSlots):
-            rows.put(self.context.taps, context)
+        rows.put(self.context.taps, context)
         feeds = {c.LOGITS: verify[c.LOGITS], c.CANDIDATES: candidates}
         kind = c.VERIFY_ARGMAX
         if key.sampled:
