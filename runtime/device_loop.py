@@ -7,7 +7,10 @@ A *program* is what one launch does for ``n`` owners at consecutive rows
   pool → ``verify_argmax_n`` / ``verify_sample_n`` → device-side update of
   the owners' anchor, draft position and frontier;
 - ``decode``: ``target_decode_n`` → the target's token (the argmax, or the
-  ``sample`` graph) → anchor and frontier.
+  ``sample`` graph) → the tap into the context pool at the owner's pending
+  count (``frontier - draft``, while below B) → anchor and frontier. A
+  drafting session can so decode plainly between cycles (``runtime.policy``)
+  without losing its draft's context: its next cycle consumes those rows.
 
 Every program reads and writes only memory allocated once (this module's
 row-indexed state, the context pool, the backend's pools), so it is captured
@@ -43,7 +46,7 @@ Row-indexed state (``R`` = pool rows, int64 unless said):
 | seed | [R, 3] | sampling (``sampling.seed_parts``); a choice's noise is keyed by its position, read on the device |
 | temperature, top_p | [R] float32 | sampling |
 | record | [n, P+2] per owner count n | per launch: accepted, next token, proposals d_1..d_P |
-| taps_out | [R, W] model dtype | a decode step's taps (committed by the host for drafting sessions) |
+| taps_out | [R, W] model dtype | a decode step's taps (committed by the host for drafting sessions whose pending rows are full) |
 
 ``R`` counts the scratch row on row-indexed backends. The host stages
 anchor/frontier/draft/sampling once per execute (pinned
@@ -170,6 +173,10 @@ class RowRange:
     def run(self, backend: Backend, graph: str, feeds: dict) -> dict:
         return backend.run(graph, feeds, self.first)
 
+    def ids(self, device: torch.device) -> torch.Tensor:
+        """The rows as a device tensor [n] (a kernel, so it is captured with the program)."""
+        return torch.arange(self.first, self.first + self.n, device=device)
+
 
 class RowSlots:
     """A program's owners as a device tensor of rows (``slots`` [n]): gathers and scatters."""
@@ -185,6 +192,9 @@ class RowSlots:
 
     def run(self, backend: Backend, graph: str, feeds: dict) -> dict:
         return backend.run_at(graph, feeds, self.slots)
+
+    def ids(self, device: torch.device) -> torch.Tensor:
+        return self.slots
 
 
 class DeviceLoop:
@@ -399,7 +409,21 @@ class DeviceLoop:
         else:
             token = logits.argmax(dim=-1)  # the sampler's choice at temperature 0
         rows.put(self.taps_out, out[c.TAPS][:, 0])
+        self._keep_tap(rows, start, out[c.TAPS][:, 0])
         self._advance(rows, start, torch.zeros_like(token), token)
+
+    def _keep_tap(self, rows: RowRange | RowSlots, start: torch.Tensor, tap: torch.Tensor) -> None:
+        """A decode step's tap [n, W] becomes pending context: row ``start - draft`` (the owner's pending
+        count) of its context-pool row, on the device, so a drafting session decodes plainly up to B - pending
+        steps with no host work and its next cycle's draft consumes them. An owner whose pending rows are
+        full (B) keeps them unchanged (the host commits its tap from ``taps_out``: ``Executor._read_decode``);
+        sessions that do not draft (draft == frontier) write row 0, which nothing reads."""
+        B, width = self.dims.block_size, self.context.taps.shape[-1]
+        pending = start - rows.take(self.ints.device[DRAFT])  # [n]
+        index = rows.ids(self.device) * B + pending.clamp(0, B - 1)  # [n] rows of the flattened pool
+        flat = self.context.taps.view(-1, width)  # [R * B, W]
+        kept = torch.where((pending < B)[:, None], tap.to(flat.dtype), flat.index_select(0, index))
+        flat.index_copy_(0, index, kept)
 
     def _advance(self, rows: RowRange | RowSlots, start: torch.Tensor, accepted: torch.Tensor, token: torch.Tensor) -> None:
         """Record the verdict; frontier = start + accepted + 1; anchor = token."""

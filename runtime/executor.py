@@ -74,8 +74,9 @@ from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.cycles import (
     block_fits, chunks, cycle_mode, make_verdicts, pack_rows, plan_context, prefill_batches, sampling_rows, trim_context,
 )
-from dflash_trt.runtime.device_loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_COLUMN, PROPOSALS_COLUMN, DeviceLoop, Launch, owner_buckets
+from dflash_trt.runtime.device_loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_COLUMN, PROPOSALS_COLUMN, DeviceLoop, Launch, owner_buckets, padded
 from dflash_trt.runtime.launches import Group, Lane, LoopShape, run_launches
+from dflash_trt.runtime.policy import DRAIN, POLICIES, Choice, make_policy
 from dflash_trt.runtime.sessions import CONTEXT, ContextPool, Input, Limits, Output, Session, SessionTable, SessionView, Step, int_in, validate_batch
 from dflash_trt.runtime.stats import DEFAULT_MAX_ROWS, ExecuteRows, StatsLog, stats_paths, write_parquet
 from dflash_trt.runtime.timing import make_clock
@@ -109,6 +110,7 @@ class Executor:
         lag: bool = True,
         cycle_graphs: bool = True,
         stats_age_s: float | None = None,
+        policy: str | object = "adaptive",
     ) -> None:
         """``dims`` and ``max_sessions`` default to the backend's (its contract dims and pool rows);
         ``stats_rows`` bounds each stats table in memory (None: unbounded; see ``drain_stats``),
@@ -121,7 +123,12 @@ class Executor:
         ``max_new_tokens``. ``lag``: launch a group's next cycle before reading
         the current one (the outputs are the same either way).
         ``cycle_graphs``: capture each cycle as one CUDA graph where the
-        backend allows it (``Backend.capturable``).
+        backend allows it (``Backend.capturable``). ``policy`` (``runtime.policy``):
+        ``adaptive`` picks a cycle or a plain decode step per round for drafting
+        sessions from measured costs and acceptance; ``always`` cycles whenever
+        a block fits (or any object with ``runtime.policy.AdaptivePolicy``'s
+        ``choose`` / ``observe_cost`` / ``observe_accepted``). Greedy output is
+        the same under any policy.
         """
         dims = dims if dims is not None else backend.dims
         self.ownership = backend.ownership()
@@ -146,6 +153,9 @@ class Executor:
         if not is_int(max_cycles) or max_cycles < 1:
             raise InputError(f"max_cycles must be an int >= 1, got {max_cycles!r}")
         self.speculate, self.max_cycles, self.lag = bool(speculate), max_cycles, bool(lag)
+        if isinstance(policy, str) and policy not in POLICIES:
+            raise InputError(f"policy must be one of {POLICIES} (or a policy object), got {policy!r}")
+        self.policy = make_policy(policy, dims.proposals) if isinstance(policy, str) else policy
         self.loop = DeviceLoop(backend, dims, self.context, rows, cycle_graphs)
         self._prepare_programs()
         self.closed = False
@@ -572,17 +582,56 @@ class Executor:
         stage = [(l.session.row, l.anchor, l.session.frontier, l.session.draft_position, l.session.sampling) for l in lanes]
         with self.loop.running():
             self.loop.stage(stage)
-            run_launches(lanes, self._pack, self._launch, self._read, self.lag)
+            run_launches(lanes, self._pack, self._launch, self._read, self.lag, self._plan_round)
 
     def _assign(self, lane: Lane) -> None:
-        """The lane's program kind and launch shape: cycles for a drafting session with a block's room, else decode steps."""
-        P, B, L = self.dims.proposals, self.dims.block_size, self.dims.max_context
+        """The lane's kind for this execute: a drafting session with a block's room is ``policed`` (the
+        policy picks a cycle or a decode step per round: ``_plan_round``); others run decode steps."""
+        B, L = self.dims.block_size, self.dims.max_context
         s = lane.session
-        drafts = s.speculate and block_fits(s.frontier, B, L)
-        lane.kind = CYCLE if drafts else DECODE
-        # A drafting session decoding plainly: the host commits its decode taps after each step, one step per execute.
-        cycles = 1 if s.speculate and not drafts else self.max_cycles
-        lane.shape = LoopShape(P + 1, B, L, cycles) if drafts else LoopShape(1, 1, L, cycles)
+        lane.policed = s.speculate and block_fits(s.frontier, B, L)
+        # A drafting session without a block's room: the host commits its decode taps, one step per execute.
+        lane.host_taps = s.speculate and not lane.policed
+        self._set_kind(lane, CYCLE if lane.policed else DECODE, None)
+
+    def _set_kind(self, lane: Lane, kind: str, choice: Choice | None) -> None:
+        P, B, L = self.dims.proposals, self.dims.block_size, self.dims.max_context
+        lane.kind, lane.choice = kind, choice
+        cycles = 1 if lane.host_taps else self.max_cycles
+        lane.shape = LoopShape(P + 1, B, L, cycles) if kind == CYCLE else LoopShape(1, 1, L, cycles)
+
+    def _plan_round(self, lanes: list[Lane]) -> list[Lane]:
+        """One round: the policy's choice for the policed lanes at their (padded) count, then per lane
+        what its state allows (``runtime.launches.run_launches``'s ``choose``).
+
+        A lane whose pending context rows are full (B) must cycle (the cycle drains them): then every
+        policed lane of the round cycles (``DRAIN``), so the lanes stay in one group instead of
+        splitting into a cycle and a decode launch, and drain together. A lane with a cycle in
+        flight cannot decode yet (its pending count is unknown until that cycle is read): it is
+        deferred, and offered again after the read."""
+        policed = [lane for lane in lanes if lane.policed]
+        if not policed:
+            return lanes
+        B = self.dims.block_size
+        choice = self.policy.choose(padded(min(len(policed), self.dims.max_owners), self.dims.max_owners))
+        if choice.kind == DECODE and any(self._pending(lane) >= B for lane in policed if CYCLE not in self._kinds(lane)):
+            choice = Choice(CYCLE, DRAIN, choice.ratio)
+        ready = [lane for lane in lanes if not lane.policed]
+        for lane in policed:
+            if choice.kind == DECODE and CYCLE in self._kinds(lane):
+                lane.deferred = True
+                continue
+            self._set_kind(lane, choice.kind, choice)
+            ready.append(lane)
+        return ready
+
+    @staticmethod
+    def _kinds(lane: Lane) -> list[str]:
+        return [f.kind for f in lane.flight]
+
+    def _pending(self, lane: Lane) -> int:
+        """The lane's pending context rows once its unread launches (decode steps only) are read."""
+        return lane.session.frontier - lane.session.draft_position + self._kinds(lane).count(DECODE)
 
     def _pack(self, lanes: list[Lane]) -> list[Group]:
         """One launch's groups: per kind, ≤ max_owners lanes each, at consecutive rows unless the loop is row-indexed."""
@@ -597,18 +646,26 @@ class Executor:
                 groups.append(Group(kind, any(lane.session.sampling.temperature > 0 for lane in run), run))
         return groups
 
-    def _launch(self, group: Group) -> Launch:
-        return self.loop.launch(group.kind, group.sampled, group.rows)
+    def _launch(self, group: Group) -> tuple[Launch, float]:
+        """The group's program, launched; with the host seconds the launch call took (part of its cost)."""
+        started = time.perf_counter()
+        return self.loop.launch(group.kind, group.sampled, group.rows), time.perf_counter() - started
 
-    def _read(self, group: Group, launch: Launch) -> None:
+    def _read(self, group: Group, launched: tuple[Launch, float]) -> None:
         """Host sync (the launch's event): apply its verdict to the sessions, lanes and stats; hand
-        the lanes' new tokens to ``on_tokens``."""
+        the lanes' new tokens to ``on_tokens``. The launch's wall cost (launch call, wait, this
+        work) goes to the policy (``runtime.policy``: why wall time)."""
+        launch, launch_s = launched
+        started = time.perf_counter()
         record, device_ms = self.loop.read(launch)
         if group.kind == CYCLE:
             self._read_cycle(group, record, device_ms)
         else:
             self._read_decode(group, record, device_ms)
         self._stream(group.lanes)
+        if any(lane.policed for lane in group.lanes):
+            owners = padded(min(len(group.lanes), self.dims.max_owners), self.dims.max_owners)
+            self.policy.observe_cost(group.kind, owners, launch_s + time.perf_counter() - started)
 
     def _stream(self, lanes: Sequence[Lane]) -> None:
         if self._on_tokens is None:
@@ -625,7 +682,8 @@ class Executor:
         counts = [s.frontier - s.draft_position for s in sessions]
         accepted, tokens, proposals = record[:, ACCEPTED_COLUMN], record[:, NEXT_COLUMN], record[:, PROPOSALS_COLUMN:]
         verdicts = make_verdicts(proposals, accepted, tokens, starts, self.dims.vocab_size)
-        rows, live_counts, live_verdicts = [], [], []
+        self.policy.observe_accepted(accepted)
+        rows, live_counts, live_verdicts, choices = [], [], [], []
         for lane, verdict, count, start in zip(group.lanes, verdicts, counts, starts):
             s = lane.session
             mode = cycle_mode(start, self.dims.block_size, self.dims.max_context, s.drained_rows)
@@ -638,24 +696,29 @@ class Executor:
             before = len(lane.tokens)
             lane.add(verdict.tokens)
             rows.append((s, mode, context_rows, start, verdict, len(lane.tokens) - before))
+            choices.append(lane.flight[0].choice)
             live_counts.append(count)
             live_verdicts.append(verdict)
         if not rows:
             return
         self.log.cycle_counters(len(rows), P, live_counts, live_verdicts, self.tap_row_bytes)
         # One device unit: the draft is not timed apart inside a cycle's graph (the whole cycle is verify_ms).
-        self.log.cycle_rows(rows, P, 0.0, device_ms, owners=len(group.lanes))
+        self.log.cycle_rows(rows, P, 0.0, device_ms, owners=len(group.lanes), choices=choices)
 
     def _read_decode(self, group: Group, record: np.ndarray, device_ms: float) -> None:
-        live = [lane.session for lane in group.lanes if not lane.finished]  # a finished lane's read-ahead step is discarded
+        live = [lane for lane in group.lanes if not lane.finished]  # a finished lane's read-ahead step is discarded
         if live:
-            self.log.decode_rows(live, device_ms, owners=len(group.lanes))
+            self.log.decode_rows([lane.session for lane in live], device_ms, len(group.lanes), [lane.flight[0].choice for lane in live])
         for lane, token in zip(group.lanes, record[:, NEXT_COLUMN]):
             s, token = lane.session, int(token)
             if not 0 <= token < self.dims.vocab_size:
                 raise ValueError(f"decoded token of session {s.id} out of range: {token} (valid [0, {self.dims.vocab_size - 1}])")
-            if s.speculate:
+            if lane.host_taps:
                 self._commit_taps(s, self.loop.taps_out[s.row : s.row + 1])  # frontier += 1, drains if needed
+            elif s.speculate:
+                # The program wrote the tap at row frontier - draft of the context pool: one more pending row.
+                assert s.frontier - s.draft_position < self.dims.block_size, (s.id, s.frontier, s.draft_position)
+                s.frontier += 1
             else:
                 s.frontier += 1
                 s.draft_position = s.frontier  # no drafting: no pending context

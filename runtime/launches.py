@@ -39,19 +39,24 @@ class LoopShape:
     max_cycles: int
 
 
-def may_launch(frontier: int, in_flight: int, launched: int, room: int | None, finished: bool, shape: LoopShape) -> bool:
+def may_launch(
+    frontier: int, in_flight: int, launched: int, room: int | None, finished: bool, shape: LoopShape, reach: int | None = None
+) -> bool:
     """May one more cycle be launched for an owner whose last READ frontier is ``frontier``?
 
     ``in_flight`` cycles are launched but unread, ``launched`` in all this
     execute. ``room``: tokens the owner may still return (None: one cycle
-    only). The new cycle starts at most ``in_flight * width`` past the frontier
-    and must fit the cache; each unread cycle yields at least one token.
+    only). The new cycle starts at most ``reach`` past the frontier (default
+    ``in_flight * width``; the sum of the unread launches' widths when their
+    kinds differ) and must fit the cache; each unread cycle yields at least
+    one token.
     """
     if finished or launched >= shape.max_cycles:
         return False
     if room is None:
         return launched == 0
-    fits = frontier + in_flight * shape.width + shape.need <= shape.max_context
+    reach = in_flight * shape.width if reach is None else reach
+    fits = frontier + reach + shape.need <= shape.max_context
     return fits and room > in_flight
 
 
@@ -75,6 +80,16 @@ def take(tokens: Sequence[int], room: int | None, stop: frozenset[int] | set[int
     return tuple(kept), LENGTH if room is not None and len(kept) == room else None
 
 
+@dataclass(frozen=True)
+class Flight:
+    """One launched, unread program of a lane: its kind, how far it may move the lane (``LoopShape.width``),
+    and why it was chosen (a ``runtime.policy.Choice``; None without a policy)."""
+
+    kind: str
+    width: int
+    choice: object = None
+
+
 @dataclass
 class Lane:
     """One session's decoding in this execute.
@@ -87,14 +102,22 @@ class Lane:
     session: Session
     anchor: int
     first_position: int
-    kind: str = ""  # device_loop.CYCLE or DECODE: which program serves it
+    kind: str = ""  # device_loop.CYCLE or DECODE: which program serves its next launch
     shape: LoopShape | None = None
+    choice: object = None  # why its next launch is of that kind (``runtime.policy.Choice``; None: fixed)
+    policed: bool = False  # a drafting lane whose kind the executor's policy picks per round
+    host_taps: bool = False  # the host commits its decode taps (a drafting session without a block's room)
+    deferred: bool = False  # ``choose`` held its launch until its unread launch is read
     tokens: list[int] = field(default_factory=list)  # kept: returned by execute
     streamed: int = 0  # of ``tokens``, handed to the execute's on_tokens already
     finish: str | None = None  # STOP / LENGTH once finished
     decodes: bool = True  # the loop runs it (False: its prompt's prediction was all it gets this call)
     launched: int = 0  # launches this execute
-    in_flight: int = 0  # launched, not read yet
+    flight: deque = field(default_factory=deque)  # [Flight] launched, not read yet, oldest first
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.flight)
 
     @property
     def finished(self) -> bool:
@@ -119,7 +142,8 @@ class Lane:
 
     def may_launch(self) -> bool:
         """One more launch fits and is wanted, judged from what has been read."""
-        return may_launch(self.session.frontier, self.in_flight, self.launched, self.room, self.finished, self.shape)
+        reach = sum(f.width for f in self.flight)
+        return may_launch(self.session.frontier, self.in_flight, self.launched, self.room, self.finished, self.shape, reach)
 
 
 @dataclass
@@ -135,22 +159,31 @@ class Group:
         return [lane.session.row for lane in self.lanes]
 
 
-def run_launches(lanes: Sequence[Lane], pack: Callable, launch: Callable, read: Callable, lag: bool) -> None:
+def run_launches(
+    lanes: Sequence[Lane], pack: Callable, launch: Callable, read: Callable, lag: bool, choose: Callable | None = None
+) -> None:
     """Launch and read every lane's cycles until none may launch (see the module docstring).
 
+    ``choose(lanes)`` -> the lanes of one round that launch now, each one's
+    ``kind``, ``shape`` and ``choice`` set for its next launch (a lane it
+    leaves out with ``deferred`` set is offered again once its unread launch
+    is read; default: every lane keeps its kind);
     ``pack(lanes)`` -> the groups one launch each serves (lanes of one kind);
     ``launch(group)`` enqueues one program and returns its handle;
-    ``read(group, handle)`` waits for it and applies its verdict to the lanes.
+    ``read(group, handle)`` waits for it and applies its verdict to the lanes
+    (the launch read is ``lane.flight[0]`` while it runs).
     Reads happen in launch order.
     """
     queue: deque = deque()
 
     def start(candidates: Sequence[Lane]) -> None:
-        for group in pack([lane for lane in candidates if lane.may_launch()]):
+        live = [lane for lane in candidates if not lane.finished]
+        chosen = live if choose is None or not live else choose(live)
+        for group in pack([lane for lane in chosen if lane.may_launch()]):
             queue.append((group, launch(group)))
             for lane in group.lanes:
                 lane.launched += 1
-                lane.in_flight += 1
+                lane.flight.append(Flight(lane.kind, lane.shape.width, lane.choice))
 
     start(lanes)
     while queue:
@@ -159,6 +192,11 @@ def run_launches(lanes: Sequence[Lane], pack: Callable, launch: Callable, read: 
             start(group.lanes)
         read(group, handle)
         for lane in group.lanes:
-            lane.in_flight -= 1
+            lane.flight.popleft()
         if not lag:
             start(group.lanes)
+        else:
+            waiting = [lane for lane in group.lanes if lane.deferred and not lane.flight]
+            for lane in waiting:
+                lane.deferred = False
+            start(waiting)

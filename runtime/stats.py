@@ -30,6 +30,8 @@ per session per plain target-decode step:
 | verify_ms | Float64 | device time of target verify + verdict (shared); a loop launch's whole device time (cycle or decode step) |
 | host_ms | Float64 | host time since the previous row outside this call's device time (shared) |
 | end_ms | Float64 | wall-clock time the cycle ended, ms since the executor started |
+| policy | Utf8 | why this row's launch was a cycle or a decode step (``runtime.policy``): ``estimate`` (the measured ratio said so), ``explore`` (a cost still unknown), ``probe`` (re-measuring the losing kind), ``drain`` (pending context full: a cycle must run), ``fixed`` (no choice: not drafting, no block's room, a prompt's prediction, or the ``always`` policy) |
+| policy_ratio | Float64 | the policy's estimate at the choice: E[tokens per cycle] · decode cost / cycle cost (> 1: cycling pays); NaN when not estimated |
 
 Execute table (``EXECUTE_SCHEMA``), one row per ``execute()``: the
 counters of docs/design.md §8 as per-call deltas, plus timing.
@@ -49,11 +51,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import polars as pl
 
+from dflash_trt.runtime.policy import FIXED
+
 if TYPE_CHECKING:
     from dflash_trt.runtime.cycles import Verdict
     from dflash_trt.runtime.sessions import Session
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the cycle table's policy and policy_ratio; the policy_* counters
 STATIC, DYNAMIC, TARGET = "static", "dynamic", "target"  # the values of the cycle table's ``mode``
 TAU_LENGTH = "accepted + 1"  # τ = mean of this over speculative rows (``analysis.acceptance.TAU``)
 
@@ -74,6 +78,8 @@ CYCLE_SCHEMA: dict[str, pl.DataType] = {
     "verify_ms": pl.Float64(),
     "host_ms": pl.Float64(),
     "end_ms": pl.Float64(),
+    "policy": pl.Utf8(),
+    "policy_ratio": pl.Float64(),
 }
 
 # The executor's counters (docs/design.md §8), as per-execute deltas.
@@ -98,6 +104,8 @@ COUNTERS = (
     "hidden_bytes_d2h",
     "hidden_rows_d2d",
     "hidden_bytes_d2d",
+    "policy_cycles",  # launches of drafting lanes the policy ran as cycles (per owner)
+    "policy_decodes",  # ... and as plain decode steps
 )
 
 EXECUTE_SCHEMA: dict[str, pl.DataType] = {
@@ -283,10 +291,14 @@ class StatsLog:
         self.cycle_id += 1
         return shared | dict(draft_ms=draft_ms, verify_ms=verify_ms, host_ms=host_ms, end_ms=(end - self.origin) * 1000.0)
 
-    def cycle_rows(self, rows: list, proposals: int, draft_ms: float, verify_ms: float, owners: int | None = None) -> None:
+    def cycle_rows(
+        self, rows: list, proposals: int, draft_ms: float, verify_ms: float, owners: int | None = None, choices: Sequence | None = None
+    ) -> None:
         """rows: (session, mode, context_rows, start, verdict, delivered) per owner of one call whose tokens
-        reached the caller (``delivered`` of them); ``owners``: the call's owners (default: the rows)."""
+        reached the caller (``delivered`` of them); ``owners``: the call's owners (default: the rows);
+        ``choices``: per row the policy's ``Choice`` (None: fixed)."""
         modes = [mode for _, mode, *_ in rows]
+        policy, ratio = self._choices(choices, len(rows), "policy_cycles")
         shared = self._shared(owners or len(rows), DYNAMIC if DYNAMIC in modes else STATIC, draft_ms, verify_ms)
         del shared["mode"]  # per row
         self.staged.append_rows(
@@ -300,28 +312,44 @@ class StatsLog:
             emitted=[delivered for *_, delivered in rows],
             position=[start for _, _, _, start, *_ in rows],
             temperature=[s.sampling.temperature for s, *_ in rows],
+            policy=policy,
+            policy_ratio=ratio,
         )
+
+    def _choices(self, choices: Sequence | None, count: int, counter: str) -> tuple[list[str], list[float]]:
+        """The policy columns of ``count`` rows (``FIXED`` and NaN where no choice was made); the rows
+        the policy chose for are counted in ``counter``."""
+        choices = choices if choices is not None else [None] * count
+        self.counters[counter] += sum(choice is not None for choice in choices)
+        policy = [FIXED if choice is None else choice.why for choice in choices]
+        return policy, [float("nan") if choice is None else float(choice.ratio) for choice in choices]
 
     def target_row(self, s: Session, position: int, target_ms: float) -> None:
         """A token the target produced outside verify (after a prompt/replay or in plain decode)."""
         self._target_tokens([(s, position)], target_ms)
 
-    def decode_rows(self, sessions: list[Session], device_ms: float, owners: int | None = None) -> None:
+    def decode_rows(self, sessions: list[Session], device_ms: float, owners: int | None = None, choices: Sequence | None = None) -> None:
         """One plain decode step (``target_decode_n``) of ``sessions``: a token each, at its frontier + 1.
 
-        ``owners``: the launch's owners (default: the sessions), finished ones whose token is discarded included."""
+        ``owners``: the launch's owners (default: the sessions), finished ones whose token is discarded included;
+        ``choices``: per session the policy's ``Choice`` (None: fixed)."""
         self.counters["target_decode_steps"] += len(sessions)
-        self._target_tokens([(s, s.frontier) for s in sessions], device_ms, owners)
+        self._target_tokens([(s, s.frontier) for s in sessions], device_ms, owners, self._choices(choices, len(sessions), "policy_decodes"))
 
-    def _target_tokens(self, tokens: list[tuple[Session, int]], target_ms: float, owners: int | None = None) -> None:
+    def _target_tokens(
+        self, tokens: list[tuple[Session, int]], target_ms: float, owners: int | None = None, policy: tuple[list, list] | None = None
+    ) -> None:
         """One row per (session, position): a token of the target alone, from one launch of ``target_ms``."""
         shared = self._shared(owners or len(tokens), TARGET, 0.0, target_ms)
+        why, ratio = policy if policy is not None else ([FIXED] * len(tokens), [float("nan")] * len(tokens))
         self.staged.append_rows(
             len(tokens),
             shared | dict(context_rows=0, proposed=0, accepted=0, bonus=False, emitted=1),
             session=[s.id for s, _ in tokens],
             position=[position for _, position in tokens],
             temperature=[s.sampling.temperature for s, _ in tokens],
+            policy=why,
+            policy_ratio=ratio,
         )
 
     def commit(self, inputs: int, target_tokens: int, pending_decode: bool) -> None:
