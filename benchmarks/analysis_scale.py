@@ -71,6 +71,7 @@ def synthetic_cycles(rows: int, seed: int) -> pl.DataFrame:
         "bonus": speculating & (accepted == proposed), "emitted": accepted + 1,
         "position": rng.integers(16, 8192, rows), "temperature": np.where(session % 2 == 0, 0.0, 0.7),
         "draft_ms": draft_ms[call], "verify_ms": verify_ms[call], "host_ms": host_ms[call], "end_ms": end_ms[call],
+        "policy": np.where(speculating, "estimate", "fixed"), "policy_ratio": np.where(speculating, 1.3, np.nan),
     }
     return pl.DataFrame(columns).cast(CYCLE_SCHEMA).select(list(CYCLE_SCHEMA))
 

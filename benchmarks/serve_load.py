@@ -13,16 +13,20 @@ the window ends are cancelled (disconnect): they do not count as requests,
 but their tokens (the server's own output-token counter over the window) and
 latencies do.
 
-Per mode (DFlash on; off = the server's ``--no-draft``, plain target decoding
+Per mode (DFlash on, under ``--policy``, default adaptive; always = DFlash with
+``--policy always``; off = the server's ``--no-draft``, plain target decoding
 through the same engine) and per client count (each on the same server) it
 prints: requests/s and output tokens/s over the window, TTFT, inter-token
 latency (ITL: the gap between two stream events of a request; a DFlash
 cycle's accepted tokens, and an execute's cycles, arrive together) p50/p99,
 time per output token (TPOT: per finished request, (last event − first
-event) / (tokens − 1)) p50/p99, τ from the server's /metrics.
+event) / (tokens − 1)) p50/p99, τ and the speculation policy's choices
+(drafting lanes' launches run as cycles / decode steps in the window) from
+the server's /metrics.
 
     python benchmarks/serve_load.py [--clients 8 [1 ...]] [--seconds 30] [--max-tokens 64] [--modes on off]
         [--artifacts DIR] [--backend onnxruntime|torch|tensorrt] [--device cuda] [--serve-args "--max-cycles 4"]
+        [--policy adaptive|always] [--modes on always off]
         [--threads N] [--client-procs P] [--warmup-seconds S] [--server-logs DIR] [--record]
 
 ``--record`` appends one row per mode and client count to
@@ -50,7 +54,8 @@ from pathlib import Path
 
 import numpy as np
 
-MODES = {"on": [], "off": ["--no-draft"]}  # "off": plain target decoding through the same engine
+# "on": DFlash under --policy; "always": DFlash cycling whenever a block fits; "off": plain target decoding through the same engine
+MODES = {"on": [], "always": ["--policy", "always"], "off": ["--no-draft"]}
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -64,6 +69,8 @@ def start_server(args, extra: list[str]) -> tuple[subprocess.Popen, str, Path]:
     port = free_port()
     command = [sys.executable, "-m", "dflash_trt.cli", "serve", "--port", str(port), "--max-sessions", str(args.max_sessions),
                "--backend", args.backend, *extra, *shlex.split(args.serve_args)]
+    if "--no-draft" not in extra and "--policy" not in extra:
+        command += ["--policy", args.policy]
     if args.artifacts:
         command += ["--artifacts", str(args.artifacts)]
     if args.device:
@@ -93,7 +100,7 @@ def server_metrics(base: str) -> dict[str, float]:
 
     with urllib.request.urlopen(base + "/metrics", timeout=30) as response:
         text = response.read().decode()
-    return {s.name + (f"[{s.labels['outcome']}]" if "outcome" in s.labels else "") + (f"[{s.labels['quantile']}]" if "quantile" in s.labels else ""): s.value
+    return {s.name + "".join(f"[{s.labels[label]}]" for label in ("outcome", "quantile", "choice") if label in s.labels): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
@@ -202,6 +209,8 @@ def figures(records: list[dict], before: dict, after: dict, seconds: float) -> d
         "executes": int(after["dflash_trt_executes_total"] - before["dflash_trt_executes_total"]),
         "cycles": int(cycles),
         "tau": round(after["dflash_trt_acceptance_length"], 3) if cycles else None,  # since the server started (warm-up included)
+        **{f"policy_{kind}s": int(after.get(f"dflash_trt_policy_choices_total[{kind}]", 0) - before.get(f"dflash_trt_policy_choices_total[{kind}]", 0))
+           for kind in ("cycle", "decode")},
     }
 
 
@@ -217,6 +226,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-sessions", type=int, default=16)
     parser.add_argument("--modes", nargs="+", choices=tuple(MODES), default=["on", "off"])
+    parser.add_argument("--policy", choices=("adaptive", "always"), default="adaptive", help="the server's --policy in mode on (default adaptive)")
     parser.add_argument("--artifacts", type=Path, help="serve this export/engine dir (default: the embedded pair)")
     parser.add_argument("--backend", default="onnxruntime")
     parser.add_argument("--device", help="the server's --device (cpu, cuda)")
@@ -230,8 +240,8 @@ def main() -> int:
     rows = [json.loads(line) for line in (ROOT / "export" / "default_pair" / "prompts.jsonl").read_text().splitlines() if line.strip()]
     prompts = [row["prompt"][-args.prompt_chars :] for row in rows]
     results = {}
-    print("| mode | clients | requests/s | output tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 / p99 ms | τ |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    print("| mode | clients | requests/s | output tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 / p99 ms | τ | policy cycles / decodes |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     for mode in args.modes:
         process, base, log = start_server(args, MODES[mode])
         try:
@@ -239,14 +249,16 @@ def main() -> int:
                 figures = load(base, args, prompts, clients)
                 results[f"{mode}_{clients}"] = {"mode": mode, "clients": clients, **figures}
                 print(f"| {mode} | {clients} | {figures['requests_per_s']} | {figures['output_tokens_per_s']} | {figures['ttft_p50_ms']} / {figures['ttft_p99_ms']} "
-                      f"| {figures['itl_p50_ms']} / {figures['itl_p99_ms']} | {figures['tpot_p50_ms']} / {figures['tpot_p99_ms']} | {figures['tau']} |", flush=True)
+                      f"| {figures['itl_p50_ms']} / {figures['itl_p99_ms']} | {figures['tpot_p50_ms']} / {figures['tpot_p99_ms']} | {figures['tau']} "
+                      f"| {figures['policy_cycles']} / {figures['policy_decodes']} |", flush=True)
         finally:
             process.send_signal(signal.SIGINT)
             process.wait(60)
         print(next((line for line in log.read_text().splitlines() if " serving " in line), "no serving line in the log"), flush=True)
     summary = {"name": "serve_load", "date": time.strftime("%Y-%m-%d"), "machine": machine(),
                "command": " ".join(["python", "benchmarks/serve_load.py", *sys.argv[1:]]), "seconds": args.seconds, "warmup_seconds": args.warmup_seconds,
-               "max_tokens": args.max_tokens, "max_sessions": args.max_sessions, "backend": args.backend, "device": args.device, "runs": results}
+               "max_tokens": args.max_tokens, "max_sessions": args.max_sessions, "backend": args.backend, "device": args.device,
+               "policy": args.policy, "runs": results}
     if args.record:
         with (ROOT / "benchmarks" / "results.jsonl").open("a") as file:
             for figures in results.values():

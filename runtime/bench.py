@@ -6,7 +6,8 @@
 
 The ``run`` flags (backends, artifacts, prompts). One backend, two executors
 over it: ``speculate=False`` (plain decoding, the baseline: prefill, then
-``target_decode_n`` steps) and DFlash, with the same prompts, sampling,
+``target_decode_n`` steps) and DFlash (under ``--policy``: adaptive by
+default, ``always`` to cycle whenever a block fits), with the same prompts, sampling,
 stop tokens and stats schema. Each first serves the prompts once untimed
 (``--warmup``, the default: CUDA graphs are captured there), then again
 with fresh stats. Writes per mode ``OUT/<mode>/outputs.jsonl`` and
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
             with command.make_executor(backend, args, speculate) as executor:
                 figures[mode], outputs[mode] = measure(executor, fitted, args, tokenizer, stop, args.out / mode)
                 rates[mode] = command.run_overview(executor)["tokens_per_s"]
-    result = comparison(figures, outputs, rates)
+    result = comparison(figures, outputs, rates) | {"policy": args.policy}
     print(table(figures))
     print(f"speedup (DFlash tokens/s over plain decoding's): {result['speedup']}x; wrote {args.out / 'plain'} and "
           f"{args.out / 'dflash'}; compare: dflash-trt report {args.out / 'dflash' / 'stats.parquet'} "

@@ -77,6 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser, out_required: bool = True) ->
     parser.add_argument("--tokenizer", type=Path, help="dir with tokenizer.json (default: --artifacts, then --target)")
     parser.add_argument("--limit", type=positive_int, help="serve only the first N prompts")
     parser.add_argument("--no-draft", action="store_true", help="plain target decoding (no speculation): the baseline")
+    add_policy_argument(parser)
 
 
 def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,6 +90,15 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-sessions", type=positive_int, help="sessions at once (default: the artifacts' max_sessions)")
     parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads for ONNX Runtime / torch")
     parser.add_argument("--max-cycles", type=positive_int, default=8, help="cycles per session per execute call (default 8)")
+
+
+def add_policy_argument(parser: argparse.ArgumentParser) -> None:
+    """``--policy`` (shared with ``dflash-trt serve``): how drafting sessions choose cycles (``runtime.policy``)."""
+    from dflash_trt.runtime.policy import POLICIES
+
+    parser.add_argument("--policy", choices=POLICIES, default="adaptive",
+                        help="speculation policy: adaptive (per round a cycle or a plain decode step, from measured costs and acceptance; "
+                             "default) or always (cycle whenever a block fits); --no-draft stays plain decoding")
 
 
 def add_checkpoint_arguments(parser: argparse.ArgumentParser, target_default: Path | None = None) -> None:
@@ -361,7 +371,8 @@ def run(args: argparse.Namespace) -> int:
 
 def make_executor(backend, args, speculate: bool) -> Executor:
     """A finite job's executor: every stats row kept."""
-    return Executor(backend, max_sessions=args.max_sessions, stats_rows=None, speculate=speculate, max_cycles=args.max_cycles)
+    return Executor(backend, max_sessions=args.max_sessions, stats_rows=None, speculate=speculate, max_cycles=args.max_cycles,
+                    policy=getattr(args, "policy", "adaptive"))
 
 
 def fit_prompts(prompts: list[Prompt], max_new_tokens: int, max_context: int) -> list[Prompt]:

@@ -110,7 +110,7 @@ class Executor:
         lag: bool = True,
         cycle_graphs: bool = True,
         stats_age_s: float | None = None,
-        policy: str | object = "adaptive",
+        policy: str | object = "always",
     ) -> None:
         """``dims`` and ``max_sessions`` default to the backend's (its contract dims and pool rows);
         ``stats_rows`` bounds each stats table in memory (None: unbounded; see ``drain_stats``),

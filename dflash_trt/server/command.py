@@ -84,6 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-interval-ms", type=nonnegative_int, default=20,
                         help="a stream's tokens are sent as cycles are read, at most this often per request (default 20; 0: after every cycle)")
     parser.add_argument("--no-draft", action="store_true", help="plain target decoding (no speculation): the autoregressive baseline")
+    command.add_policy_argument(parser)
     parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads for ONNX Runtime / torch")
     parser.add_argument("--replicas", type=positive_int, default=1,
                         help="serving loops behind the one API; N >= 2: a local Ray cluster with N Ray Serve replicas, one GPU each on "
@@ -213,7 +214,7 @@ def _load(args):
     backend = command.open_backend(args)
     try:
         executor = Executor(backend, max_sessions=args.max_sessions, speculate=not args.no_draft, max_cycles=args.max_cycles,
-                            stats_rows=args.stats_rows, stats_age_s=args.stats_age)
+                            stats_rows=args.stats_rows, stats_age_s=args.stats_age, policy=args.policy)
         stop_ids = tokenizer.stop_ids if tokenizer is not None else command.manifest_stops(args.artifacts)
         if tokenizer is not None:
             tokenizer.chars_per_token  # noqa: B018  (computed once now, not on the first request)

@@ -434,15 +434,16 @@ class ExecuteCursor:
     rows dropped or drained by someone else before this read are not counted.
     """
 
-    COLUMNS = ("cycles", "accepted", "ok")
+    COLUMNS = ("cycles", "accepted", "ok", "policy_cycles", "policy_decodes")
 
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
         self.next_batch = executor.execute_rows(None, ()).next_batch
 
-    def read(self) -> tuple[int, int, int, int]:
-        """(owner-cycles, accepted proposals, executes, failed executes) since the last read."""
+    def read(self) -> tuple[int, int, int, int, dict[str, int]]:
+        """(owner-cycles, accepted proposals, executes, failed executes, the policy's choices by kind) since the last read."""
         rows = self.executor.execute_rows(self.next_batch, self.COLUMNS)
         self.next_batch = rows.next_batch
         columns = rows.columns
-        return sum(columns["cycles"]), sum(columns["accepted"]), len(columns["ok"]), sum(not ok for ok in columns["ok"])
+        choices = {"cycle": sum(columns["policy_cycles"]), "decode": sum(columns["policy_decodes"])}
+        return sum(columns["cycles"]), sum(columns["accepted"]), len(columns["ok"]), sum(not ok for ok in columns["ok"]), choices

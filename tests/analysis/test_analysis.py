@@ -38,6 +38,8 @@ def cycles(
         "verify_ms": verify_ms or [0.0] * n,
         "host_ms": host_ms or [0.0] * n,
         "end_ms": end_ms or [float(c) for c in cycle_id],
+        "policy": ["fixed"] * n,
+        "policy_ratio": [float("nan")] * n,
     }
     return pl.LazyFrame(columns, schema=CYCLE_SCHEMA)
 

@@ -17,6 +17,7 @@ from dflash_trt.runtime.stats import (
     CYCLE_SCHEMA,
     EXECUTE_SCHEMA,
     KIND_KEY,
+    SCHEMA_VERSION,
     VERSION_KEY,
     stats_paths,
     write_parquet,
@@ -49,6 +50,8 @@ def cycles_frame() -> pl.DataFrame:
             "verify_ms": [2.0, 2.0, 2.0, 2.0],
             "host_ms": [0.5, 0.5, 0.5, 0.5],
             "end_ms": [100.0, 100.0, 150.0, 200.0],
+            "policy": ["estimate", "estimate", "drain", "fixed"],
+            "policy_ratio": [1.2, 1.2, 0.9, float("nan")],
         },
         schema=CYCLE_SCHEMA,
     )
@@ -65,7 +68,8 @@ def executes_frame() -> pl.DataFrame:
 def baseline_frame() -> pl.DataFrame:
     """Autoregressive: one token per 25 ms, ends 0..100 ms -> 4 tokens after t=0 over 0.1 s = 40 tokens/s."""
     rows = [{**dict.fromkeys(CYCLE_SCHEMA, 0), "cycle_id": i, "mode": "target", "bonus": False, "emitted": 1,
-             "temperature": 0.0, "draft_ms": 0.0, "verify_ms": 20.0, "host_ms": 1.0, "end_ms": 25.0 * i}
+             "temperature": 0.0, "draft_ms": 0.0, "verify_ms": 20.0, "host_ms": 1.0, "end_ms": 25.0 * i,
+             "policy": "fixed", "policy_ratio": float("nan")}
             for i in range(5)]
     return pl.DataFrame(rows, schema=CYCLE_SCHEMA)
 
@@ -112,7 +116,7 @@ def test_other_schema_version_is_refused(tmp_path):
     """Guards against reading a future/past layout as if it were this one."""
     path = tmp_path / "v99.parquet"
     cycles_frame().write_parquet(path, metadata={KIND_KEY: "cycles", VERSION_KEY: "99"})
-    with pytest.raises(StatsError, match=r"schema version: expected 1, seen 99"):
+    with pytest.raises(StatsError, match=rf"schema version: expected {SCHEMA_VERSION}, seen 99"):
         scan_stats(path, "cycles")
 
 
@@ -192,6 +196,7 @@ def random_cycles(calls: int, seed: int) -> pl.DataFrame:
         "temperature": np.zeros(n), "draft_ms": rng.uniform(1, 2, calls)[call],
         "verify_ms": rng.uniform(3, 5, calls)[call], "host_ms": rng.uniform(0, 1, calls)[call],
         "end_ms": np.cumsum(rng.uniform(5, 8, calls))[call],
+        "policy": np.where(mode == "target", "fixed", "estimate"), "policy_ratio": np.where(mode == "target", np.nan, 1.1),
     }).cast(CYCLE_SCHEMA)
 
 

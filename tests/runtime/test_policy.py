@@ -1,0 +1,301 @@
+"""The speculation policy (runtime/policy.py) against brute force, and the executor under forced and
+adaptive policies against the reference: lossless, exact pending context, counted choices."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+
+from dflash_trt.errors import InputError
+from dflash_trt.export.sampling import Sampling
+from dflash_trt.runtime.executor import Executor, Input
+from dflash_trt.runtime.policy import (
+    CYCLE, DECODE, DRAIN, ESTIMATE, EXPLORE, FIXED, PROBE, AdaptivePolicy, Choice, expected_tokens, survival_of,
+)
+from executor_fixtures import DraftReference, RecordingBackend, Tracker, tiny_dims
+
+TINY_ROWS = 8
+
+
+# ------------------------------------------------------------------ the policy's math
+
+
+def brute_force_tokens_per_s(accepted: np.ndarray, cycle_s: float, decode_s: float) -> dict[str, float]:
+    """Per lane: tokens per second of cycling (mean of a + 1 per cycle) and of decoding (one per step)."""
+    return {CYCLE: float(np.mean(accepted + 1)) / cycle_s, DECODE: 1.0 / decode_s}
+
+
+def known_policy(accepted: np.ndarray, proposals: int, owners: int, cycle_s: float, decode_s: float, **options) -> AdaptivePolicy:
+    """An adaptive policy that has seen these acceptances once and each cost at ``owners`` three times."""
+    policy = AdaptivePolicy(proposals, acceptance_alpha=1.0, **options)
+    policy.observe_accepted(accepted)
+    for _ in range(3):
+        policy.observe_cost(CYCLE, owners, cycle_s)
+        policy.observe_cost(DECODE, owners, decode_s)
+    return policy
+
+
+def test_choice_maximizes_tokens_per_second_against_brute_force():
+    """Guards against a wrong decision rule (τ without the bonus token, the cost ratio inverted, costs of
+    another owner count): on random acceptances and costs the policy must pick the kind whose brute-force
+    per-lane tokens per second is higher, and report their ratio."""
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        P = int(rng.integers(1, 16))
+        accepted = np.minimum(rng.geometric(rng.uniform(0.1, 0.9), int(rng.integers(1, 40))) - 1, P)
+        cycle_s, decode_s = rng.uniform(1e-3, 5e-2), rng.uniform(1e-3, 2e-2)
+        owners = int(rng.choice([1, 2, 4, 64]))
+        policy = known_policy(accepted, P, owners, cycle_s, decode_s, margin=0.0, probe_every=10**9)
+        rates = brute_force_tokens_per_s(accepted, cycle_s, decode_s)
+        if math.isclose(rates[CYCLE], rates[DECODE], rel_tol=1e-9):
+            continue
+        choice = policy.choose(owners)
+        assert choice.kind == max(rates, key=rates.get), (trial, rates, choice)
+        assert choice.why == ESTIMATE and choice.ratio == pytest.approx(rates[CYCLE] / rates[DECODE])
+        assert expected_tokens(survival_of(accepted, P)) == pytest.approx(np.mean(accepted + 1))
+
+
+def test_unknown_costs_are_explored_and_the_first_launch_is_not_counted():
+    """Guards against deciding from nothing (a kind never measured at this owner count would never run,
+    so its cost would stay unknown) and against a warm-up launch (compiles, captures) setting the cost."""
+    policy = AdaptivePolicy(7, margin=0.0)
+    assert policy.choose(4) == Choice(CYCLE, EXPLORE)  # nothing known: cycle first (measures acceptance too)
+    policy.observe_accepted(np.array([3, 3]))
+    policy.observe_cost(CYCLE, 4, 10.0)  # warm-up: ignored
+    policy.observe_cost(CYCLE, 4, 0.020)
+    assert policy.choose(4).kind == CYCLE and policy.cost(CYCLE, 4) is None  # one counted sample: not known yet
+    policy.observe_cost(CYCLE, 4, 0.020)
+    assert policy.cost(CYCLE, 4) == pytest.approx(0.020)
+    assert policy.choose(4) == Choice(DECODE, EXPLORE)  # the decode cost is the unknown one now
+    for seconds in (1.0, 0.004, 0.004):
+        policy.observe_cost(DECODE, 4, seconds)
+    choice = policy.choose(4)  # 4 tokens per cycle at 20 ms against 1 per 4 ms: ratio 0.8
+    assert choice.kind == DECODE and choice.why == ESTIMATE and choice.ratio == pytest.approx(0.8)
+    assert policy.choose(2) == Choice(CYCLE, EXPLORE)  # another owner count is measured on its own
+
+
+def test_hysteresis_keeps_the_choice_inside_the_margin_and_switches_outside():
+    """Guards against flapping between cycles and decode steps on noise: a ratio within ±margin of 1
+    keeps the previous choice at that owner count; beyond it the choice switches."""
+    accepted = np.array([1, 1])  # 2 tokens per cycle
+    policy = known_policy(accepted, 3, 1, 0.0100, 0.0048, margin=0.05, probe_every=10**9)  # ratio 0.96
+    assert policy.choose(1).kind == DECODE  # no previous choice: the plain comparison
+    for decode_s in (0.0052, 0.0051):  # ratio 1.04, 1.02: inside the margin, stays
+        policy.costs[(DECODE, 1)].value = decode_s
+        assert policy.choose(1).kind == DECODE
+    policy.costs[(DECODE, 1)].value = 0.0054  # ratio 1.08
+    assert policy.choose(1).kind == CYCLE
+    policy.costs[(DECODE, 1)].value = 0.0049  # ratio 0.98: inside, stays cycling
+    assert policy.choose(1).kind == CYCLE
+    policy.costs[(DECODE, 1)].value = 0.0045  # ratio 0.90
+    assert policy.choose(1).kind == DECODE
+
+
+def test_the_losing_kind_is_probed_so_a_stale_estimate_recovers():
+    """Guards against a losing kind that is never run again: its cost is then frozen at its old value and
+    the policy cannot notice when the load changes. Every probe_every rounds the loser runs once; as its
+    cost is re-measured lower the choice follows."""
+    policy = known_policy(np.array([2, 2]), 3, 2, 0.030, 0.005, margin=0.0, probe_every=4)  # ratio 0.5: decode
+    choices = [policy.choose(2) for _ in range(10)]
+    assert [c.why for c in choices] == [ESTIMATE] * 4 + [PROBE] + [ESTIMATE] * 4 + [PROBE]
+    assert all(c.kind == CYCLE for c in choices if c.why == PROBE) and all(c.kind == DECODE for c in choices if c.why == ESTIMATE)
+    kinds = []
+    for _ in range(100):  # the load changed: cycles now cost 10 ms (each probe measures one)
+        kinds.append(policy.choose(2).kind)
+        if kinds[-1] == CYCLE:
+            policy.observe_cost(CYCLE, 2, 0.010)
+    assert kinds[:4] == [DECODE] * 4 and kinds[-20:].count(CYCLE) == 16  # switched; decode now the probed loser
+    assert policy.choose(2) == Choice(CYCLE, ESTIMATE, pytest.approx(1.5, rel=1e-3))
+
+
+def test_unknown_policy_names_are_refused(tiny):
+    """Guards against a typo silently running another policy."""
+    with pytest.raises(InputError, match=r"policy must be one of \('adaptive', 'always'\).*'sometimes'"):
+        Executor(tiny.ort, tiny.dims, 2, policy="sometimes")
+
+
+# ------------------------------------------------------------------ the executor under a policy
+
+
+class Scripted:
+    """A policy forced to a fixed pattern of kinds, one per round (``choose``)."""
+
+    def __init__(self, pattern: list[str]) -> None:
+        self.pattern = itertools.cycle(pattern)
+        self.costs: list[tuple[str, int, float]] = []
+
+    def choose(self, owners: int) -> Choice:
+        return Choice(next(self.pattern), EXPLORE)
+
+    def observe_cost(self, kind: str, owners: int, seconds: float) -> None:
+        self.costs.append((kind, owners, seconds))
+
+    def observe_accepted(self, accepted) -> None:
+        pass
+
+
+def make_policy(name: str, P: int):
+    if name == "adaptive":
+        return AdaptivePolicy(P, probe_every=2)  # probes often: both kinds run in a short test
+    return Scripted({"alternate": [CYCLE, DECODE], "decode": [DECODE], "mixed": [DECODE, DECODE, CYCLE, DECODE, CYCLE, CYCLE]}[name])
+
+
+def policy_executor(tiny, backend: str, policy) -> tuple[Executor, RecordingBackend]:
+    if backend == "onnxruntime":
+        inner, dims = tiny.ort, tiny.dims
+    else:
+        dims = tiny_dims(tiny.target, tiny.draft, tiny.dims.max_context)
+        inner = tiny.torch_backend(dims, TINY_ROWS, "fast" if backend == "torch-fast" else "auto")
+    recording = RecordingBackend(inner)
+    return Executor(recording, dims, TINY_ROWS, policy=policy), recording
+
+
+def workload(tracker: Tracker, execute, sessions: list[int], rounds: int) -> None:
+    """Prompts of several lengths, then budgeted executes (several launches each, lag on) and single
+    steps, until the sessions reach the context end (its last tokens: plain decode with host taps)."""
+    prompts = [[3 + (7 * s + k) % 80 for k in range(n)] for s, n in zip(sessions, (1, 5, 9, 17, 24))]
+    execute([(s, p, None, True) for s, p in zip(sessions, prompts)])
+    for r in range(rounds):
+        live = [s for s in sessions if tracker.pending[s] and tracker.frontier(s) + 1 <= tracker.executor.dims.max_context]
+        if not live:
+            return
+        budget = {"max_new_tokens": 1 + (5 * r) % 11} if r % 3 else {}
+        execute([(s, [tracker.seq[s][-1]], None, True, budget) for s in live])
+
+
+def checked_execute(tiny, tracker: Tracker, backend: RecordingBackend):
+    """tracker.execute (outputs against the target-only reference), then every draft call's proposals
+    against the reference draft's for its sequence: the context the draft consumed was exact."""
+    seen = [0]
+
+    def execute(inputs):
+        outputs = tracker.execute(inputs)
+        rows = {tracker.executor.session(s).row: s for s in tracker.seq}
+        for row, start, anchor, proposals in backend.drafts[seen[0] :]:
+            sequence = tracker.seq[rows[row]]
+            assert sequence[start] == anchor
+            assert proposals == DraftReference(tiny.target, tiny.draft, sequence).proposals(start, tracker.executor.dims.proposals), (row, start)
+        seen[0] = len(backend.drafts)
+        return outputs
+
+    return execute
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch", "torch-fast"])
+@pytest.mark.parametrize("policy", ["alternate", "decode", "adaptive"])
+def test_outputs_under_any_policy_equal_plain_decoding_and_the_reference(tiny, oracle, backend, policy):
+    """Guards against a policy that changes output: decode steps between cycles must keep the draft's
+    context exact (the device writes each decode tap at the pending row; a wrong row, a lost tap, or a
+    pending count past B would change what the draft sees), and a lane switching kind must not lose or
+    repeat tokens. fp32 outputs, greedy and sampled, must equal the target-only reference and a
+    ``speculate=False`` executor's (``--no-draft``); every draft call's proposals the reference draft's."""
+    executor, recording = policy_executor(tiny, backend, make_policy(policy, tiny.dims.proposals))
+    t = Tracker(executor, oracle)
+    sessions = [t.open() for _ in range(5)]
+    t.set_sampling(sessions[3], Sampling(temperature=0.9, top_k=20, top_p=0.9, seed=7))
+    workload(t, checked_execute(tiny, t, recording), sessions, 14)
+    cycles = executor.cycle_stats()
+    assert set(cycles["mode"]) >= {"static", "target"}
+    decoded = cycles.filter((pl.col("mode") == "target") & (pl.col("policy") != FIXED)).height
+    assert decoded > 0  # drafting lanes really decoded plainly
+    outputs = [t.seq[s] for s in sessions]
+    executor.close()
+    plain, _ = policy_executor(tiny, backend, "always")
+    p = Tracker(plain, oracle)
+    plain_sessions = [p.open(speculate=False) for _ in range(5)]
+    p.set_sampling(plain_sessions[3], Sampling(temperature=0.9, top_k=20, top_p=0.9, seed=7))
+    workload(p, p.execute, plain_sessions, 14)
+    for ours, theirs in zip(outputs, (p.seq[s] for s in plain_sessions)):  # plain steps may get fewer tokens per call
+        n = min(len(ours), len(theirs))
+        assert ours[:n] == theirs[:n] and n >= 30
+    plain.close()
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch-fast"])
+def test_pending_context_rows_equal_a_brute_force_recompute_across_switches(tiny, oracle, backend):
+    """Guards against pending-row bookkeeping drifting when a lane switches between decode steps and
+    cycles (frontier or draft position off by one, a decode tap written at the wrong index or over a
+    pending row, or over a full row set: at the context end the host commits the tap and the device
+    must leave the B pending rows alone): after every execute each drafting session's pending rows
+    (draft position .. frontier) must be 0..B rows whose taps equal the target's taps at those
+    positions, recomputed from scratch."""
+    executor, recording = policy_executor(tiny, backend, make_policy("mixed", tiny.dims.proposals))
+    t = Tracker(executor, oracle)
+    sessions = [t.open() for _ in range(4)]
+    B = executor.dims.block_size
+    checks = [0]
+
+    def execute(inputs):
+        outputs = t.execute(inputs)
+        for s in sessions:
+            view = executor.session(s)
+            pending = view.frontier - view.draft_position
+            assert 0 <= pending <= B, (s, pending)
+            committed = t.seq[s][: view.frontier]
+            taps = DraftReference(tiny.target, tiny.draft, committed).taps  # [frontier, W]
+            got = executor.context.taps[view.row, :pending].float()
+            torch.testing.assert_close(got, taps[view.draft_position : view.frontier].float(), atol=1e-4, rtol=1e-4)
+            checks[0] += pending > 0
+        return outputs
+
+    workload(t, execute, sessions, 60)  # to the context end: decode steps with host taps at full pending rows
+    modes = executor.cycle_stats().group_by("policy").agg(pl.col("mode").unique())
+    assert {DRAIN, EXPLORE} <= set(modes["policy"])  # switches happened, and full pending rows forced drains
+    assert checks[0] > 10
+    executor.close()
+
+
+def test_choices_are_stats_columns_and_counters(tiny, oracle):
+    """Guards against choices that cannot be analysed: every decode row of a drafting lane and every
+    cycle row says why it ran (policy, policy_ratio), the per-execute counters count exactly those rows,
+    and the always policy's rows say fixed (it never decodes a lane that could cycle)."""
+    executor, _ = policy_executor(tiny, "onnxruntime", make_policy("alternate", tiny.dims.proposals))
+    t = Tracker(executor, oracle)
+    sessions = [t.open() for _ in range(3)] + [t.open(speculate=False)]
+    workload(t, t.execute, sessions, 6)
+    cycles, executes = executor.cycle_stats(), executor.execute_stats()
+    chosen = cycles.filter(pl.col("policy") != FIXED)
+    assert set(chosen["policy"]) <= {EXPLORE, DRAIN}
+    assert int(executes["policy_cycles"].sum()) == chosen.filter(pl.col("mode") != "target").height > 0
+    assert int(executes["policy_decodes"].sum()) == chosen.filter(pl.col("mode") == "target").height > 0
+    assert cycles.filter(pl.col("session") == sessions[3])["policy"].unique().to_list() == [FIXED]
+    assert cycles.filter(pl.col("policy") == FIXED)["policy_ratio"].is_nan().all()
+    executor.close()
+    always, _ = policy_executor(tiny, "onnxruntime", "always")
+    t = Tracker(always, oracle)
+    workload(t, t.execute, [t.open() for _ in range(2)], 4)
+    rows = always.cycle_stats()
+    assert set(rows.filter(pl.col("mode") != "target")["policy"]) == {FIXED}
+    assert int(always.execute_stats()["policy_decodes"].sum()) == 0
+    always.close()
+
+
+def test_policy_choices_reach_the_serving_metrics_and_prometheus(tiny, oracle):
+    """Guards against choices the operator cannot see: the serving loop's metrics and the server's
+    /metrics family dflash_trt_policy_choices_total{choice} must count the drafting lanes' launches
+    by kind, as the executor's stats count them."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dflash_trt.runtime.serving.loop import ServingLoop
+    from dflash_trt.server.prometheus import ServingCollector
+
+    executor = Executor(RecordingBackend(tiny.ort), tiny.dims, 4, policy=make_policy("alternate", tiny.dims.proposals))
+    serving = ServingLoop(executor)
+    for prompt in ([5, 6, 7], [9, 10, 11, 12, 13]):
+        tokens = serving.submit(prompt, 20).result(60).tokens
+        assert tokens == oracle.continuation(prompt)[:20]
+    serving.close()  # joins the loop: every execute row is recorded
+    executes = executor.execute_stats()
+    expected = {"cycle": int(executes["policy_cycles"].sum()), "decode": int(executes["policy_decodes"].sum())}
+    assert serving.metrics().policy_choices == expected and min(expected.values()) > 0
+    registry = CollectorRegistry()
+    registry.register(ServingCollector(serving, "tiny"))
+    samples = {s.labels["choice"]: s.value for f in text_string_to_metric_families(generate_latest(registry).decode())
+               for s in f.samples if s.name == "dflash_trt_policy_choices_total"}
+    assert samples == expected
