@@ -28,9 +28,11 @@ One execute():
    packed by consecutive rows, ≤ max_owners per launch. A drafting session
    whose block fits runs cycles: ``draft_n`` → ``target_verify_n`` →
    ``verify_argmax_n``/``verify_sample_n`` → bookkeeping, on the device,
-   one CUDA graph per cycle where the backend allows it. Others (speculation
-   off, or no room for a block) run plain decode steps (``target_decode_n``,
-   then ``sample`` or the argmax). Inputs that are exactly the pending token
+   one CUDA graph per cycle where the backend allows it; per round the
+   speculation policy (``runtime.policy``, ``policy=``) may run a plain decode
+   step for them instead, whose tap the device keeps as pending context.
+   Others (speculation off, or no room for a block) run plain decode steps
+   (``target_decode_n``, then ``sample`` or the argmax). Inputs that are exactly the pending token
    skip step 3 (the pending-decode fast path; each input qualifies on its
    own, whatever the rest of the batch holds). The host reads each verdict
    from pinned memory while the next cycle runs; tokens past a stop or the
