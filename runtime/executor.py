@@ -606,24 +606,22 @@ class Executor:
         """One round: the policy's choice for the policed lanes at their (padded) count, then per lane
         what its state allows (``runtime.launches.run_launches``'s ``choose``).
 
-        A lane whose pending context rows are full (B) must cycle (the cycle drains them): then every
-        policed lane of the round cycles (``DRAIN``), so the lanes stay in one group instead of
-        splitting into a cycle and a decode launch, and drain together. A lane with a cycle in
-        flight cannot decode yet (its pending count is unknown until that cycle is read): it is
-        deferred, and offered again after the read."""
+        On a decode choice, a lane whose pending context rows are full (B) cycles instead (the cycle
+        drains them: ``DRAIN``), and a lane with a cycle in flight is deferred (its pending count is
+        unknown until that cycle is read); both rejoin the others' decode steps in a later round."""
         policed = [lane for lane in lanes if lane.policed]
         if not policed:
             return lanes
-        B = self.dims.block_size
         choice = self.policy.choose(padded(min(len(policed), self.dims.max_owners), self.dims.max_owners))
-        if choice.kind == DECODE and any(self._pending(lane) >= B for lane in policed if CYCLE not in self._kinds(lane)):
-            choice = Choice(CYCLE, DRAIN, choice.ratio)
         ready = [lane for lane in lanes if not lane.policed]
         for lane in policed:
             if choice.kind == DECODE and CYCLE in self._kinds(lane):
                 lane.deferred = True
                 continue
-            self._set_kind(lane, choice.kind, choice)
+            if choice.kind == DECODE and self._pending(lane) >= self.dims.block_size:
+                self._set_kind(lane, CYCLE, Choice(CYCLE, DRAIN, choice.ratio))
+            else:
+                self._set_kind(lane, choice.kind, choice)
             ready.append(lane)
         return ready
 

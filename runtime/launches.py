@@ -167,7 +167,8 @@ def run_launches(
     ``choose(lanes)`` -> the lanes of one round that launch now, each one's
     ``kind``, ``shape`` and ``choice`` set for its next launch (a lane it
     leaves out with ``deferred`` set is offered again once its unread launch
-    is read; default: every lane keeps its kind);
+    is read, in the next round launched, so deferred lanes rejoin a group
+    instead of launching alone; default: every lane keeps its kind);
     ``pack(lanes)`` -> the groups one launch each serves (lanes of one kind);
     ``launch(group)`` enqueues one program and returns its handle;
     ``read(group, handle)`` waits for it and applies its verdict to the lanes
@@ -186,17 +187,22 @@ def run_launches(
                 lane.flight.append(Flight(lane.kind, lane.shape.width, lane.choice))
 
     start(lanes)
+    waiting: list[Lane] = []  # deferred lanes, read since: they join the next round (one group, not one of their own)
     while queue:
         group, handle = queue.popleft()
         if lag:
-            start(group.lanes)
+            start([*group.lanes, *waiting])
+            waiting = []
         read(group, handle)
         for lane in group.lanes:
             lane.flight.popleft()
         if not lag:
             start(group.lanes)
-        else:
-            waiting = [lane for lane in group.lanes if lane.deferred and not lane.flight]
-            for lane in waiting:
+            continue
+        for lane in group.lanes:
+            if lane.deferred and not lane.flight:
                 lane.deferred = False
+                waiting.append(lane)
+        if not queue:  # nothing else in flight: no round to join
             start(waiting)
+            waiting = []
