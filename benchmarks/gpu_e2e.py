@@ -144,8 +144,10 @@ def figures(executor: Executor, tokens: list[list[int]], seconds: float) -> dict
     }
 
 
-def run_mode(backend, requests: list[Request], sessions: int, speculate: bool, max_cycles: int) -> tuple[dict, list[list[int]]]:
-    with Executor(backend, max_sessions=sessions, speculate=speculate, max_cycles=max_cycles) as executor:
+def run_mode(
+    backend, requests: list[Request], sessions: int, speculate: bool, max_cycles: int, policy: str = "always"
+) -> tuple[dict, list[list[int]]]:
+    with Executor(backend, max_sessions=sessions, speculate=speculate, max_cycles=max_cycles, policy=policy) as executor:
         serve(executor, requests, sessions)  # warm-up: every graph this workload needs is captured here
         executor.clear_stats()
         executor.loop.timeline.reset()
@@ -166,9 +168,9 @@ def case(name: str, models, dtype, sessions: int, options, write):
         for temperature in temperatures:
             requests = [Request(p, new_tokens, stop, Sampling(temperature, 0, 1.0, i)) for i, p in enumerate(prompts[:count])]
             ar, ar_tokens = run_mode(backend, requests, sessions, False, max_cycles)
-            dflash, dflash_tokens = run_mode(backend, requests, sessions, True, max_cycles)
+            dflash, dflash_tokens = run_mode(backend, requests, sessions, True, max_cycles, options.policy)
             identical = sum(a == b for a, b in zip(ar_tokens, dflash_tokens))
-            write(row(name, sessions, temperature, ar, dflash, identical, count, max_cycles) | {"kernels": backend.kernels})
+            write(row(name, sessions, temperature, ar, dflash, identical, count, max_cycles) | {"kernels": backend.kernels, "policy": options.policy})
     finally:
         backend.close()
 
@@ -212,6 +214,8 @@ def main() -> None:
     parser.add_argument("--pairs", default="default,8b", help="comma-separated: default, 8b")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")))
     parser.add_argument("--max-cycles", type=int, default=8)
+    parser.add_argument("--policy", choices=("adaptive", "always"), default="adaptive",
+                        help="the DFlash mode's speculation policy (runtime.policy; default adaptive, as dflash-trt serve)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="default pair (the 8B shape: half)")
     parser.add_argument("--rounds", type=int, help="prompts per session (default: 6 / 4 / 3 at 1 / 4 / 16 sessions)")
