@@ -5,6 +5,9 @@ the fast path, each owner ≤ B new context rows) or ``dynamic`` (the
 dynamic-shape draft that drains long contexts, e.g. right after a prompt),
 or ``target`` (no draft: plain decode). A high dynamic share means the
 runtime spends its time draining context instead of speculating.
+
+A row's ``policy`` says why its launch was a cycle or a plain decode step
+(``runtime.policy``): ``policy_choices`` counts them.
 """
 
 from __future__ import annotations
@@ -43,4 +46,24 @@ def mode_share(cycles: pl.LazyFrame) -> pl.LazyFrame:
             (pl.col("calls") / pl.col("calls").sum()).alias("call_share"),
         )
         .sort("mode")
+    )
+
+
+def policy_choices(cycles: pl.LazyFrame) -> pl.LazyFrame:
+    """Rows and tokens per (policy reason, mode), with the policy's mean estimated ratio.
+
+    | column | dtype | meaning |
+    | --- | --- | --- |
+    | policy | String | estimate / explore / probe / drain / fixed (``runtime.stats``) |
+    | mode | String | static / dynamic / target |
+    | rows | UInt32 | owner rows |
+    | emitted | Int64 | Σ tokens produced |
+    | mean_ratio | Float64 | mean E[tokens per cycle] · decode cost / cycle cost at the choices (null where not estimated) |
+    | row_share | Float64 | rows / all rows |
+    """
+    return (
+        cycles.group_by("policy", "mode")
+        .agg(pl.len().alias("rows"), pl.col("emitted").cast(pl.Int64).sum(), pl.col("policy_ratio").fill_nan(None).mean().alias("mean_ratio"))
+        .with_columns((pl.col("rows") / pl.col("rows").sum()).alias("row_share"))
+        .sort("policy", "mode")
     )

@@ -46,6 +46,7 @@ class Summary:
     | rolling_tau | ``acceptance.rolling_tau``, thinned to ≤ MAX_PLOT_POINTS rows |
     | latency, latency_by_owners | ``throughput.latency_breakdown``, ``throughput.latency_by`` |
     | modes | ``drafting.mode_share`` |
+    | policy | ``drafting.policy_choices`` |
     | counters, cross_check | ``counters.*``; None without an executes table |
     | comparison | ``compare.compare``; None without baseline or compared runs |
     """
@@ -62,6 +63,7 @@ class Summary:
     latency: pl.DataFrame
     latency_by_owners: pl.DataFrame
     modes: pl.DataFrame
+    policy: pl.DataFrame
     counters: pl.DataFrame | None = None
     cross_check: pl.DataFrame | None = None
     comparison: pl.DataFrame | None = None
@@ -80,6 +82,7 @@ def summarize(run: Run, baseline: Run | None = None, others: Sequence[Run] = (),
         "latency": throughput.latency_breakdown(cycles),
         "latency_by_owners": throughput.latency_by(cycles, "owners"),
         "modes": drafting.mode_share(cycles),
+        "policy": drafting.policy_choices(cycles),
     }
     if run.executes is not None:
         queries["counters"] = counters.execute_totals(run.executes)
@@ -190,6 +193,7 @@ def markdown(summary: Summary, files: dict[str, Path] | None = None) -> str:
         sections.append(DRAFT_MS_NOTE)
     sections += _section("Latency per call by owners (mean ms)", summary.latency_by_owners)
     sections += _section("Draft modes", summary.modes)
+    sections += _section("Speculation policy (why each row's launch was a cycle or a plain decode step)", summary.policy)
     if summary.counters is not None:
         sections += ["## Execute counters (totals)", _figures_table(summary.counters.row(0, named=True))]
         sections += _section("Cross-check: cycles table vs counters", summary.cross_check)

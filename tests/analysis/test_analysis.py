@@ -17,7 +17,7 @@ from dflash_trt.runtime.stats import COUNTERS, CYCLE_SCHEMA, EXECUTE_SCHEMA
 
 def cycles(
     cycle_id, mode, proposed, accepted, *, session=None, owners=None, draft_ms=None, verify_ms=None,
-    host_ms=None, end_ms=None, context_rows=None, emitted=None,
+    host_ms=None, end_ms=None, context_rows=None, emitted=None, policy=None, policy_ratio=None,
 ) -> pl.LazyFrame:
     """A cycles table from literal columns; emitted (unless given: a cut cycle) and bonus follow the schema's definitions."""
     n = len(cycle_id)
@@ -38,8 +38,8 @@ def cycles(
         "verify_ms": verify_ms or [0.0] * n,
         "host_ms": host_ms or [0.0] * n,
         "end_ms": end_ms or [float(c) for c in cycle_id],
-        "policy": ["fixed"] * n,
-        "policy_ratio": [float("nan")] * n,
+        "policy": policy or ["fixed"] * n,
+        "policy_ratio": policy_ratio or [float("nan")] * n,
     }
     return pl.LazyFrame(columns, schema=CYCLE_SCHEMA)
 
@@ -59,6 +59,27 @@ def test_tau_counts_the_bonus_and_skips_target_rows():
     )
     # speculative rows emit 1, 4, 2 tokens -> τ = 7/3 (not 4/3 = mean accepted, not 9/5 with target rows)
     assert one(acceptance.tau(frame)) == {"rows": 3, "tau": pytest.approx(7 / 3)}
+
+
+def test_policy_choices_count_rows_and_tokens_per_reason_and_mode():
+    """Guards against a policy table that cannot be trusted: rows and tokens must be grouped by the
+    policy's reason and the mode, and the mean ratio must skip rows where nothing was estimated (NaN,
+    e.g. a prompt's prediction) instead of turning the whole mean into NaN."""
+    nan = float("nan")
+    frame = cycles(
+        cycle_id=[0, 0, 1, 2, 3, 4],
+        mode=["static", "static", "target", "target", "static", "target"],
+        proposed=[3, 3, 0, 0, 3, 0],
+        accepted=[2, 0, 0, 0, 3, 0],
+        policy=["estimate", "estimate", "estimate", "fixed", "drain", "estimate"],
+        policy_ratio=[1.5, 1.5, 0.5, nan, 0.7, 0.7],
+    )
+    table = drafting.policy_choices(frame).collect()
+    assert table.select("policy", "mode", "rows", "emitted").rows() == [
+        ("drain", "static", 1, 4), ("estimate", "static", 2, 4), ("estimate", "target", 2, 2), ("fixed", "target", 1, 1),
+    ]
+    assert table["mean_ratio"].to_list()[:3] == pytest.approx([0.7, 1.5, 0.6]) and table["mean_ratio"][3] is None
+    assert table["row_share"].sum() == pytest.approx(1.0)
 
 
 def test_tau_by_session_and_owners():
