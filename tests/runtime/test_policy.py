@@ -3,6 +3,7 @@ adaptive policies against the reference: lossless, exact pending context, counte
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 
@@ -148,6 +149,11 @@ def make_policy(name: str, P: int):
 def policy_executor(tiny, backend: str, policy) -> tuple[Executor, RecordingBackend]:
     if backend == "onnxruntime":
         inner, dims = tiny.ort, tiny.dims
+    elif backend == "torch-cuda":  # the fast path's programs captured as CUDA graphs; copies: the CPU oracle keeps the originals
+        from dflash_trt.runtime.backends.torch_backend import TorchBackend
+
+        dims = tiny_dims(tiny.target, tiny.draft, tiny.dims.max_context)
+        inner = TorchBackend(copy.deepcopy(tiny.target), copy.deepcopy(tiny.draft), dims, TINY_ROWS, device="cuda")
     else:
         dims = tiny_dims(tiny.target, tiny.draft, tiny.dims.max_context)
         inner = tiny.torch_backend(dims, TINY_ROWS, "fast" if backend == "torch-fast" else "auto")
@@ -186,7 +192,7 @@ def checked_execute(tiny, tracker: Tracker, backend: RecordingBackend):
     return execute
 
 
-@pytest.mark.parametrize("backend", ["onnxruntime", "torch", "torch-fast"])
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch", "torch-fast", pytest.param("torch-cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("policy", ["alternate", "decode", "adaptive"])
 def test_outputs_under_any_policy_equal_plain_decoding_and_the_reference(tiny, oracle, backend, policy):
     """Guards against a policy that changes output: decode steps between cycles must keep the draft's
