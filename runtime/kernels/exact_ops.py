@@ -8,12 +8,16 @@ for bit, in bf16 too, so DFlash's output is the target's own plain decoding, tok
 
 ==================  ===================================================================================
 ``linear``          one ``tl.dot`` kernel for every M: rows in 16-row MMA tiles (one row is padded to a
-                    tile), K walked from 0 in steps fixed per weight (``plan.exact_linear_plan``), no
-                    split-K, fp32 accumulate. RMSNorm, bias, SiLU·mul, residual and tap are epilogues of
-                    that kernel, the same for every M (the norm: rsqrt(mean(x²) + eps) per row in fp32,
-                    the sum of squares taken tile by tile in the K loop, applied after the product).
-                    How the work is spread may follow M (``plan.exact_linear_launch``: up to four tiles
-                    share each weight load, wider feature blocks for many rows): each tile's dot walks
+                    tile), K cut into a split count fixed PER WEIGHT (``plan.exact_linear_plan``: from N,
+                    K and the processor count, never M; an H200 table from the sweep), each split walked
+                    from its start in steps fixed per weight, fp32 accumulate. One split: RMSNorm, bias,
+                    SiLU·mul, residual and tap are epilogues of that kernel; more: each split's sums go
+                    to an fp32 workspace [splits, rows, N] (allocated once per stream) and a second pass
+                    adds splits 0..S-1 in order, then runs the same epilogues (the norm: rsqrt(mean(x²)
+                    + eps) per row in fp32, the sum of squares taken tile by tile in the K loop, per
+                    split, applied after the product). How the work is spread may follow M
+                    (``plan.exact_linear_launch``: up to four tiles share each weight load, wider feature
+                    blocks for many rows, rows per launch that fit the workspace): each tile's dot walks
                     the same K steps whatever M is, so that choice changes speed only.
 ``attention``       keys split at a fixed size (``EXACT_SPLIT_SLOTS``): split s covers slots
                     [256 s, 256 s + 256) of the valid range, walked in BLOCK_N steps at absolute slots;
@@ -25,7 +29,7 @@ for bit, in bf16 too, so DFlash's output is the target's own plain decoding, tok
 ==================  ===================================================================================
 
 Identical results need identical compiled arithmetic: every row of a kind goes through one kernel whose
-summing tiles (the K step and the 16-row MMA tile of the linear, the split window and BLOCK_N of
+summing tiles (the K split, the K step and the 16-row MMA tile of the linear, the split window and BLOCK_N of
 attention) are never chosen from a row, query, owner or slot count; the integer arguments that follow
 those counts are not specialized on; x is passed 16-byte aligned with row stride K (Triton vectorizes a
 load, and so orders the reductions over it, by the pointer's alignment). Per layer shape a few variants
@@ -49,15 +53,20 @@ from dflash_trt.runtime.kernels.plan import (
     EXACT_PARTIAL_BYTES,
     EXACT_SPLIT_SLOTS,
     EXACT_TILE_M,
+    EXACT_WORKSPACE_BYTES,
+    ExactLinearPlan,
     exact_attention_block_n,
     exact_linear_launch,
     exact_linear_plan,
     exact_split_count,
+    exact_split_k,
     exact_units_per_launch,
+    exact_workspace_rows,
 )
-from dflash_trt.runtime.kernels.triton_ops import MASKED, TritonOps
+from dflash_trt.runtime.kernels.triton_ops import MASKED, TritonOps, query_tile
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton.jit at import, as here
+EXACT_SUM_BLOCK_N = 256  # features per program of the split-K sum (elementwise: any tile gives the same bits)
 
 
 # --------------------------------------------------------------------------- linear
@@ -115,15 +124,35 @@ def _tile_epilogue(acc, acc_u, squares, rows, rn, n_ok, M, N, K, eps, w_ptr, b_p
         tl.store(t_ptr + rows[:, None] * stride_tm + rn[None, :], y.to(t_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["M"])  # the row count: one compiled kernel whatever M is
+@triton.jit
+def _tile_partial(acc, acc_u, squares, local, rn, n_ok, row_ok, ws_ptr, WR, N, s, first_block, NORM: tl.constexpr,
+                  GATED: tl.constexpr, SPLITS: tl.constexpr):
+    """Split s's fp32 sums into the workspace: [SPLITS, WR, C] products (C = 2N gated: gate | up), then
+    [SPLITS, WR] sums of squares (written by the first feature block only)."""
+    C = 2 * N if GATED else N
+    mask = row_ok[:, None] & n_ok[None, :]
+    part = ws_ptr + s * WR * C + local[:, None] * C + rn[None, :]
+    tl.store(part, acc, mask=mask)
+    if GATED:
+        tl.store(part + N, acc_u, mask=mask)
+    if NORM:
+        tl.store(ws_ptr + SPLITS * WR * C + s * WR + local, squares, mask=row_ok & first_block)
+
+
+@triton.jit(do_not_specialize=["M", "row0", "WR"])  # row counts: one compiled kernel whatever M is
 def _linear_kernel(
-    x_ptr, stride_xm, w_ptr, stride_wn, b_ptr, g_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm, M, N, K, eps,
+    x_ptr, stride_xm, w_ptr, stride_wn, b_ptr, g_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm, ws_ptr, WR,
+    row0, M, N, K, KS, eps,
     NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
-    TILES: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERP: tl.constexpr,
+    SPLITS: tl.constexpr, TILES: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERP: tl.constexpr,
 ):
-    """Program (TILES x TM rows, BN features); the row blocks of one feature block are neighbours (L2)."""
-    rows = tl.program_id(0) * (TILES * TM) + tl.arange(0, TM)
+    """Program (TILES x TM rows from row0, BN features, K split s = [s KS, s KS + KS)); the row blocks of one
+    feature block are neighbours (L2). SPLITS == 1: the epilogues here; else the split's sums go to the
+    workspace (rows local to row0) and ``_split_sum_kernel`` adds them."""
+    local = tl.program_id(0) * (TILES * TM) + tl.arange(0, TM)
+    rows = row0 + local
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    s = tl.program_id(2)
     rk = tl.arange(0, BK)
     n_ok = rn < N
     acc0 = tl.zeros([TM, BN], dtype=tl.float32)
@@ -131,7 +160,7 @@ def _linear_kernel(
     up0, up1, up2, up3 = acc0, acc0, acc0, acc0  # the up halves (GATED)
     sq0 = tl.zeros([TM], dtype=tl.float32)  # row sums of squares (NORM)
     sq1, sq2, sq3 = sq0, sq0, sq0
-    for k0 in range(0, K, BK):
+    for k0 in range(s * KS, tl.minimum(s * KS + KS, K), BK):  # KS: a multiple of BK, so only K cuts a step
         k_off = k0 + rk
         k_ok = k_off < K
         w_mask = n_ok[:, None] & k_ok[None, :]
@@ -154,38 +183,59 @@ def _linear_kernel(
                                            w_ptr.dtype.element_ty, NORM, GATED, INTERP)
             acc3, up3, sq3 = _tile_product(x_ptr, stride_xm, g, rows + 3 * TM, k_off, k_ok, M, wt, wut, acc3, up3, sq3,
                                            w_ptr.dtype.element_ty, NORM, GATED, INTERP)
-    _tile_epilogue(acc0, up0, sq0, rows, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
+    if SPLITS == 1:
+        _tile_epilogue(acc0, up0, sq0, rows, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
+                       t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
+        if TILES > 1:
+            _tile_epilogue(acc1, up1, sq1, rows + TM, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
+                           stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
+        if TILES > 2:
+            _tile_epilogue(acc2, up2, sq2, rows + 2 * TM, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
+                           stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
+            _tile_epilogue(acc3, up3, sq3, rows + 3 * TM, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
+                           stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
+    else:
+        first = tl.program_id(1) == 0
+        _tile_partial(acc0, up0, sq0, local, rn, n_ok, rows < M, ws_ptr, WR, N, s, first, NORM, GATED, SPLITS)
+        if TILES > 1:
+            _tile_partial(acc1, up1, sq1, local + TM, rn, n_ok, rows + TM < M, ws_ptr, WR, N, s, first, NORM, GATED, SPLITS)
+        if TILES > 2:
+            _tile_partial(acc2, up2, sq2, local + 2 * TM, rn, n_ok, rows + 2 * TM < M, ws_ptr, WR, N, s, first, NORM,
+                          GATED, SPLITS)
+            _tile_partial(acc3, up3, sq3, local + 3 * TM, rn, n_ok, rows + 3 * TM < M, ws_ptr, WR, N, s, first, NORM,
+                          GATED, SPLITS)
+
+
+@triton.jit(do_not_specialize=["M", "row0", "WR"])
+def _split_sum_kernel(
+    ws_ptr, WR, row0, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm,
+    NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
+    SPLITS: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr,
+):
+    """Program (TM rows from row0, BN features): the splits' fp32 sums added in order 0, 1, .., SPLITS - 1
+    (elementwise: the same for any tile), then ``_linear_kernel``'s epilogues."""
+    local = tl.program_id(0) * TM + tl.arange(0, TM)
+    rows = row0 + local
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = rn < N
+    row_ok = rows < M
+    mask = row_ok[:, None] & n_ok[None, :]
+    C = 2 * N if GATED else N
+    acc = tl.zeros([TM, BN], dtype=tl.float32)
+    acc_u = acc
+    squares = tl.zeros([TM], dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        part = ws_ptr + s * WR * C + local[:, None] * C + rn[None, :]
+        acc += tl.load(part, mask=mask, other=0.0)
+        if GATED:
+            acc_u += tl.load(part + N, mask=mask, other=0.0)
+        if NORM:
+            squares += tl.load(ws_ptr + SPLITS * WR * C + s * WR + local, mask=row_ok, other=0.0)
+    _tile_epilogue(acc, acc_u, squares, rows, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
                    t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
-    if TILES > 1:
-        _tile_epilogue(acc1, up1, sq1, rows + TM, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
-                       stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
-    if TILES > 2:
-        _tile_epilogue(acc2, up2, sq2, rows + 2 * TM, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
-                       stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
-        _tile_epilogue(acc3, up3, sq3, rows + 3 * TM, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
-                       stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
 
 
 # --------------------------------------------------------------------------- attention
-
-
-@triton.jit
-def _query_tile(pos_ptr, spos_n, len_ptr, i, qb, T, G, HKV, kvh, window,
-                BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
-    """Rows r = t * G + g of query tile qb (owner i, kv head kvh): token t, head h, position, and the
-    tile's slot range [lo, hi) (lo rounded down to BLOCK_N): the union of its rows' visible slots."""
-    r = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    t = r // G
-    h = kvh * G + r % G
-    row_ok = t < T
-    pos = tl.load(pos_ptr + i * spos_n + t, mask=row_ok, other=0)
-    hi = tl.load(len_ptr + i)
-    if CAUSAL:
-        hi = tl.minimum(hi, tl.max(tl.where(row_ok, pos, 0), axis=0) + 1)
-    lo = hi * 0
-    if WINDOW:
-        lo = tl.maximum(tl.min(tl.where(row_ok, pos, hi), axis=0) - window + 1, 0)
-    return t, h, row_ok, pos, lo // BLOCK_N * BLOCK_N, hi
 
 
 @triton.jit(do_not_specialize=["sq_n", "spos_n", "unit0", "QB", "T"])  # query counts: one kernel for all
@@ -202,7 +252,8 @@ def _attention_kernel(
     qb = (unit0 + u) % QB
     i = nh // HKV
     kvh = nh % HKV
-    t, h, row_ok, pos, lo, hi = _query_tile(pos_ptr, spos_n, len_ptr, i, qb, T, G, HKV, kvh, window, BLOCK_Q, BLOCK_N, CAUSAL, WINDOW)
+    t, h, row_ok, pos, lo, hi = query_tile(pos_ptr, spos_n, len_ptr, i, qb, T, G, kvh, window, BLOCK_Q, CAUSAL, WINDOW)
+    lo = lo // BLOCK_N * BLOCK_N  # steps at absolute multiples of BLOCK_N
     first = tl.maximum(s * SPLIT, lo)
     last = tl.minimum((s + 1) * SPLIT, hi)
     live = first < last  # else nothing to do: the combine never reads this split
@@ -251,7 +302,8 @@ def _combine_kernel(
     nh = (unit0 + u) // QB
     qb = (unit0 + u) % QB
     i = nh // HKV
-    t, h, row_ok, pos, lo, hi = _query_tile(pos_ptr, spos_n, len_ptr, i, qb, T, G, HKV, nh % HKV, window, BLOCK_Q, BLOCK_N, CAUSAL, WINDOW)
+    t, h, row_ok, pos, lo, hi = query_tile(pos_ptr, spos_n, len_ptr, i, qb, T, G, nh % HKV, window, BLOCK_Q, CAUSAL, WINDOW)
+    lo = lo // BLOCK_N * BLOCK_N  # as the attention pass
     s_lo = lo // SPLIT
     s_hi = tl.where(lo < hi, tl.cdiv(hi, SPLIT), s_lo)  # the splits the attention pass wrote
     base = u * S
@@ -282,18 +334,22 @@ class ExactOps(TritonOps):
     ``split_slots``: key slots per attention split (a multiple of the inner step; the result depends on it,
     so one backend keeps one value); ``linear_plans`` maps (N, K, gated) to an ``ExactLinearPlan``
     replacing ``plan.exact_linear_plan``'s (benchmark sweeps); ``partial_bytes``: the fp32 split partials
-    one attention launch may hold (more units run as more launches, same arithmetic).
+    one attention launch may hold (more units run as more launches, same arithmetic); ``workspace_bytes``:
+    the fp32 split-K partials one linear launch may hold (more rows run as more launches, same arithmetic).
     """
 
     kind = "exact"  # what TorchBackend(kernels=ExactOps(...)) reports as its kernels
 
-    def __init__(self, split_slots: int = EXACT_SPLIT_SLOTS, linear_plans: dict | None = None, partial_bytes: int = EXACT_PARTIAL_BYTES) -> None:
+    def __init__(self, split_slots: int = EXACT_SPLIT_SLOTS, linear_plans: dict | None = None, partial_bytes: int = EXACT_PARTIAL_BYTES,
+                 workspace_bytes: int = EXACT_WORKSPACE_BYTES) -> None:
         super().__init__()
-        self.split_slots, self.partial_bytes = split_slots, partial_bytes
+        self.split_slots, self.partial_bytes, self.workspace_bytes = split_slots, partial_bytes, workspace_bytes
         self.exact_plans = dict(linear_plans or {})
+        self._workspaces: dict[tuple, list[torch.Tensor]] = {}
 
     def linear(self, x, weight, bias=None, norm=None, eps=0.0, gated=False, residual=None, out=None, out_dtype=None, tap=None):
-        """``TritonOps.linear``'s contract (y [M, N] = epilogue(prologue(x) @ weight.T)), one kernel for every M."""
+        """``TritonOps.linear``'s contract (y [M, N] = epilogue(prologue(x) @ weight.T)), one kernel for every M
+        (two with split-K: the splits' sums, then their ordered sum and the epilogues)."""
         M, K = x.shape
         N = weight.shape[0] // 2 if gated else weight.shape[0]
         if x.stride(1) != 1 or x.stride(0) != K or x.data_ptr() % 16:
@@ -302,19 +358,47 @@ class ExactOps(TritonOps):
             x = x.clone(memory_format=torch.contiguous_format)
         if out is None:
             out = torch.empty((M, N), dtype=out_dtype or weight.dtype, device=x.device)
-        plan = self.exact_plans.get((N, K, gated)) or exact_linear_plan(N, K, gated, weight.element_size())
+        plan = self.linear_plan(N, K, gated, weight.element_size(), x.device)
+        splits, width = exact_split_k(K, plan)
         tiles, block_n, stages = exact_linear_launch(plan, M, gated, weight.element_size())
+        columns = 2 * N if gated else N
+        step = M if splits == 1 else exact_workspace_rows(M, splits, columns, self.workspace_bytes)  # rows per launch
+        workspace = weight if splits == 1 else self.workspace(x.device, splits * step * (columns + 1))
         residual_t = residual if residual is not None else out
         tap_t = tap if tap is not None else out
-        grid = (triton.cdiv(M, tiles * EXACT_TILE_M), triton.cdiv(N, block_n))
-        _linear_kernel[grid](
-            x, x.stride(0), weight, weight.stride(0), bias if bias is not None else weight, norm if norm is not None else weight,
-            residual_t, residual_t.stride(0), out, out.stride(0), tap_t, tap_t.stride(0), M, N, K, eps,
-            NORM=norm is not None, GATED=gated, BIAS=bias is not None, RESIDUAL=residual is not None, TAP=tap is not None,
-            TILES=tiles, TM=EXACT_TILE_M, BN=block_n, BK=plan.block_k, INTERP=INTERPRETED,
-            num_warps=plan.warps, num_stages=stages,
-        )
+        tensors = (weight, bias if bias is not None else weight, residual_t, residual_t.stride(0), out, out.stride(0), tap_t, tap_t.stride(0))
+        flags = dict(NORM=norm is not None, GATED=gated, BIAS=bias is not None, RESIDUAL=residual is not None, TAP=tap is not None,
+                     SPLITS=splits)
+        for row0 in range(0, M, step):
+            rows = min(step, M - row0)
+            _linear_kernel[(triton.cdiv(rows, tiles * EXACT_TILE_M), triton.cdiv(N, block_n), splits)](
+                x, x.stride(0), weight, weight.stride(0), tensors[1], norm if norm is not None else weight, *tensors[2:], workspace,
+                step, row0, row0 + rows, N, K, width, eps, **flags, TILES=tiles, TM=EXACT_TILE_M, BN=block_n, BK=plan.block_k,
+                INTERP=INTERPRETED, num_warps=plan.warps, num_stages=stages,
+            )
+            if splits > 1:
+                _split_sum_kernel[(triton.cdiv(rows, EXACT_TILE_M), triton.cdiv(N, EXACT_SUM_BLOCK_N))](
+                    workspace, step, row0, row0 + rows, N, K, eps, *tensors, **flags, TM=EXACT_TILE_M, BN=EXACT_SUM_BLOCK_N,
+                    num_warps=4,
+                )
         return out
+
+    def linear_plan(self, N: int, K: int, gated: bool, element_bytes: int, device: torch.device) -> ExactLinearPlan:
+        """The weight's tiling: ``linear_plans`` (sweeps), else ``plan.exact_linear_plan`` for this device."""
+        plan = self.exact_plans.get((N, K, gated))
+        return plan if plan is not None else exact_linear_plan(N, K, gated, element_bytes, self.processors(device))
+
+    def workspace(self, device: torch.device, elements: int) -> torch.Tensor:
+        """fp32 split-K partials: one buffer per (device, stream), allocated when first needed and only ever
+        replaced by a larger one; a replaced buffer stays alive (CUDA graphs captured with it keep its
+        address). The calls of one stream run in order, so they can share it."""
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        key = (str(device), stream)
+        held = self._workspaces.get(key)
+        if held is None or held[-1].numel() < elements:
+            held = self._workspaces.setdefault(key, [])
+            held.append(torch.empty(elements, dtype=torch.float32, device=device))
+        return held[-1]
 
     def attention(self, q, k_cache, v_cache, rows, q_positions, kv_len, causal, window):
         """``TritonOps.attention``'s contract (q [n, Hq, T, D] -> [n, Hq, T, D]) with fixed-size key splits."""
