@@ -85,6 +85,33 @@ def check_linear_rows(device: str, dtype: torch.dtype, small: bool) -> None:
                     assert_same_bits(part_tap, full_tap[rows], f"linear tap {N}x{K}: M={M}")
 
 
+def check_split_rows(device: str, dtype: torch.dtype) -> None:
+    """Split-K > 1 under several tilings (2 and 3 splits; K steps 32 and 64; 16 to 32 features; launches cut at
+    64 rows by a tiny workspace): each row of ``linear`` (norm, gated, residual + tap epilogues) is the same bits
+    for M = 1, 16 and 64 of 70 rows, and within rounding of the fp32 brute-force reference. fp32 runs every
+    tiling (its outputs show any change of summation order); bf16 one (the rounding to the weight dtype)."""
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+    from dflash_trt.runtime.kernels.plan import ExactLinearPlan, exact_split_k
+
+    generator, (N, K), total = torch.Generator().manual_seed(15), (40, 192), 70
+    plans = (ExactLinearPlan(16, 32, 32, 4, 2), ExactLinearPlan(32, 16, 64, 4, 3), ExactLinearPlan(16, 16, 32, 2, 4, 2))
+    for plan in plans if dtype == torch.float32 else plans[1:2]:
+        assert exact_split_k(K, plan)[0] > 1, plan
+        ops = ExactOps(linear_plans={(N, K, False): plan, (N, K, True): plan}, workspace_bytes=1)
+        x = _rand(generator, device, dtype, total, K)
+        for name, weight, options, residual in _linear_cases(generator, device, dtype, N, K, total):
+            if name not in ("norm", "gated norm bias (gate|up)", "residual in place + tap (o, down)"):
+                continue
+            full, full_tap = _run_linear(ops, x, weight, options, residual)
+            assert_near(full, _reference_linear(x, weight, options, residual), dtype, f"split linear {name} {plan} vs the reference")
+            for M in (1, 16, 64):
+                rows = torch.randperm(total, generator=generator)[:M].to(device)
+                part, part_tap = _run_linear(ops, x[rows], weight, options, None if residual is None else residual[rows])
+                assert_same_bits(part, full[rows], f"split linear {name} {plan} {dtype}: M={M} vs M={total}")
+                if full_tap is not None:
+                    assert_same_bits(part_tap, full_tap[rows], f"split linear tap {plan}: M={M}")
+
+
 def check_linear_reference(device: str, dtype: torch.dtype) -> None:
     """``linear`` against the pure-torch twin (same formula) and the reference layers (RMSNorm, Linear, SwiGLU)."""
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
@@ -195,6 +222,7 @@ def check_all(device: str, small: bool) -> None:
     """Every kernel check, fp32 and bf16."""
     for dtype in (torch.float32, torch.bfloat16):
         check_linear_rows(device, dtype, small)
+        check_split_rows(device, dtype)
         check_attention_rows(device, dtype, small)
         check_rope_rows(device, dtype)
         check_linear_reference(device, dtype)
