@@ -125,10 +125,10 @@ def _tile_epilogue(acc, acc_u, squares, rows, rn, n_ok, M, N, K, eps, w_ptr, b_p
 
 
 @triton.jit
-def _tile_partial(acc, acc_u, squares, local, rn, n_ok, row_ok, ws_ptr, WR, N, s, first_block, NORM: tl.constexpr,
+def _tile_partial(acc, acc_u, squares, local, rn, n_ok, row_ok, ws_ptr, WR, N, s, j, NB, NORM: tl.constexpr,
                   GATED: tl.constexpr, SPLITS: tl.constexpr):
-    """Split s's fp32 sums into the workspace: [SPLITS, WR, C] products (C = 2N gated: gate | up), then
-    [SPLITS, WR] sums of squares (written by the first feature block only)."""
+    """Split s's fp32 sums into the workspace: [SPLITS, WR, C] products (C = 2N gated: gate | up), then the
+    rows' sums of squares [SPLITS, NB, WR] (feature block j of NB: every block computes the same bits)."""
     C = 2 * N if GATED else N
     mask = row_ok[:, None] & n_ok[None, :]
     part = ws_ptr + s * WR * C + local[:, None] * C + rn[None, :]
@@ -136,19 +136,45 @@ def _tile_partial(acc, acc_u, squares, local, rn, n_ok, row_ok, ws_ptr, WR, N, s
     if GATED:
         tl.store(part + N, acc_u, mask=mask)
     if NORM:
-        tl.store(ws_ptr + SPLITS * WR * C + s * WR + local, squares, mask=row_ok & first_block)
+        tl.store(ws_ptr + SPLITS * WR * C + (s * NB + j) * WR + local, squares, mask=row_ok)
+
+
+@triton.jit
+def _tile_sum(ws_ptr, WR, local, rows, rn, n_ok, j, NB, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr,
+              stride_tm, NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
+              TAP: tl.constexpr, SPLITS: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr):
+    """The splits' fp32 sums of a [TM, BN] tile added in order 0, 1, .., SPLITS - 1 (elementwise: the same bits
+    for any tile), then ``_tile_epilogue``. Loads bypass L1 (".cg"): other programs wrote the workspace."""
+    row_ok = rows < M
+    mask = row_ok[:, None] & n_ok[None, :]
+    C = 2 * N if GATED else N
+    acc = tl.zeros([TM, BN], dtype=tl.float32)
+    acc_u = acc
+    squares = tl.zeros([TM], dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        part = ws_ptr + s * WR * C + local[:, None] * C + rn[None, :]
+        acc += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+        if GATED:
+            acc_u += tl.load(part + N, mask=mask, other=0.0, cache_modifier=".cg")
+        if NORM:
+            squares += tl.load(ws_ptr + SPLITS * WR * C + (s * NB + j) * WR + local, mask=row_ok, other=0.0, cache_modifier=".cg")
+    _tile_epilogue(acc, acc_u, squares, rows, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
+                   t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
 
 
 @triton.jit(do_not_specialize=["M", "row0", "WR"])  # row counts: one compiled kernel whatever M is
 def _linear_kernel(
     x_ptr, stride_xm, w_ptr, stride_wn, b_ptr, g_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm, ws_ptr, WR,
-    row0, M, N, K, KS, eps,
+    cnt_ptr, row0, M, N, K, KS, eps,
     NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
-    SPLITS: tl.constexpr, TILES: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERP: tl.constexpr,
+    SPLITS: tl.constexpr, FIXUP: tl.constexpr, TILES: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     """Program (TILES x TM rows from row0, BN features, K split s = [s KS, s KS + KS)); the row blocks of one
     feature block are neighbours (L2). SPLITS == 1: the epilogues here; else the split's sums go to the
-    workspace (rows local to row0) and ``_split_sum_kernel`` adds them."""
+    workspace (rows local to row0), then either ``_split_sum_kernel`` adds them (a second launch) or, FIXUP,
+    the tile's last split to arrive (a counter per tile) adds them in the same order 0..SPLITS-1 and resets
+    the counter: which program adds never changes what is added, or in which order."""
     local = tl.program_id(0) * (TILES * TM) + tl.arange(0, TM)
     rows = row0 + local
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -195,44 +221,55 @@ def _linear_kernel(
             _tile_epilogue(acc3, up3, sq3, rows + 3 * TM, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
                            stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
     else:
-        first = tl.program_id(1) == 0
-        _tile_partial(acc0, up0, sq0, local, rn, n_ok, rows < M, ws_ptr, WR, N, s, first, NORM, GATED, SPLITS)
+        j, NB = tl.program_id(1), tl.num_programs(1)
+        _tile_partial(acc0, up0, sq0, local, rn, n_ok, rows < M, ws_ptr, WR, N, s, j, NB, NORM, GATED, SPLITS)
         if TILES > 1:
-            _tile_partial(acc1, up1, sq1, local + TM, rn, n_ok, rows + TM < M, ws_ptr, WR, N, s, first, NORM, GATED, SPLITS)
+            _tile_partial(acc1, up1, sq1, local + TM, rn, n_ok, rows + TM < M, ws_ptr, WR, N, s, j, NB, NORM, GATED, SPLITS)
         if TILES > 2:
-            _tile_partial(acc2, up2, sq2, local + 2 * TM, rn, n_ok, rows + 2 * TM < M, ws_ptr, WR, N, s, first, NORM,
-                          GATED, SPLITS)
-            _tile_partial(acc3, up3, sq3, local + 3 * TM, rn, n_ok, rows + 3 * TM < M, ws_ptr, WR, N, s, first, NORM,
-                          GATED, SPLITS)
+            _tile_partial(acc2, up2, sq2, local + 2 * TM, rn, n_ok, rows + 2 * TM < M, ws_ptr, WR, N, s, j, NB, NORM, GATED,
+                          SPLITS)
+            _tile_partial(acc3, up3, sq3, local + 3 * TM, rn, n_ok, rows + 3 * TM < M, ws_ptr, WR, N, s, j, NB, NORM, GATED,
+                          SPLITS)
+        if FIXUP:
+            _fixup(ws_ptr, WR, cnt_ptr, local, rows, rn, n_ok, j, NB, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
+                   stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP, SPLITS, TILES, TM, BN)
 
 
-@triton.jit(do_not_specialize=["M", "row0", "WR"])
+@triton.jit
+def _fixup(ws_ptr, WR, cnt_ptr, local, rows, rn, n_ok, j, NB, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
+           t_ptr, stride_tm, NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
+           TAP: tl.constexpr, SPLITS: tl.constexpr, TILES: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr):
+    """The tile's last split to arrive adds every split's sums. The order of CUTLASS's split-K semaphore: the
+    program's stores, a barrier, then one release (acq_rel) count; the last arrival's acquire makes the other
+    splits' stores visible to its threads (after the barrier that shares the count)."""
+    tl.debug_barrier()
+    tile = tl.program_id(0) * NB + j
+    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLITS - 1:
+        _tile_sum(ws_ptr, WR, local, rows, rn, n_ok, j, NB, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
+                  t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
+        if TILES > 1:
+            _tile_sum(ws_ptr, WR, local + TM, rows + TM, rn, n_ok, j, NB, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
+                      stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
+        if TILES > 2:
+            _tile_sum(ws_ptr, WR, local + 2 * TM, rows + 2 * TM, rn, n_ok, j, NB, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm,
+                      o_ptr, stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
+            _tile_sum(ws_ptr, WR, local + 3 * TM, rows + 3 * TM, rn, n_ok, j, NB, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm,
+                      o_ptr, stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
+        tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch (stream order)
+
+
+@triton.jit(do_not_specialize=["M", "row0", "WR", "NB"])
 def _split_sum_kernel(
-    ws_ptr, WR, row0, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm,
+    ws_ptr, WR, NB, row0, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm,
     NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
     SPLITS: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr,
 ):
-    """Program (TM rows from row0, BN features): the splits' fp32 sums added in order 0, 1, .., SPLITS - 1
-    (elementwise: the same for any tile), then ``_linear_kernel``'s epilogues."""
+    """Program (TM rows from row0, BN features): ``_tile_sum`` (the squares: feature block 0's of the NB)."""
     local = tl.program_id(0) * TM + tl.arange(0, TM)
-    rows = row0 + local
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    n_ok = rn < N
-    row_ok = rows < M
-    mask = row_ok[:, None] & n_ok[None, :]
-    C = 2 * N if GATED else N
-    acc = tl.zeros([TM, BN], dtype=tl.float32)
-    acc_u = acc
-    squares = tl.zeros([TM], dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
-        part = ws_ptr + s * WR * C + local[:, None] * C + rn[None, :]
-        acc += tl.load(part, mask=mask, other=0.0)
-        if GATED:
-            acc_u += tl.load(part + N, mask=mask, other=0.0)
-        if NORM:
-            squares += tl.load(ws_ptr + SPLITS * WR * C + s * WR + local, mask=row_ok, other=0.0)
-    _tile_epilogue(acc, acc_u, squares, rows, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
-                   t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
+    _tile_sum(ws_ptr, WR, local, row0 + local, rn, rn < N, 0, NB, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
+              stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
 
 
 # --------------------------------------------------------------------------- attention
@@ -345,7 +382,7 @@ class ExactOps(TritonOps):
         super().__init__()
         self.split_slots, self.partial_bytes, self.workspace_bytes = split_slots, partial_bytes, workspace_bytes
         self.exact_plans = dict(linear_plans or {})
-        self._workspaces: dict[tuple, list[torch.Tensor]] = {}
+        self._buffers: dict[tuple, list[torch.Tensor]] = {}
 
     def linear(self, x, weight, bias=None, norm=None, eps=0.0, gated=False, residual=None, out=None, out_dtype=None, tap=None):
         """``TritonOps.linear``'s contract (y [M, N] = epilogue(prologue(x) @ weight.T)), one kernel for every M
@@ -361,24 +398,28 @@ class ExactOps(TritonOps):
         plan = self.linear_plan(N, K, gated, weight.element_size(), x.device)
         splits, width = exact_split_k(K, plan)
         tiles, block_n, stages = exact_linear_launch(plan, M, gated, weight.element_size())
-        columns = 2 * N if gated else N
-        step = M if splits == 1 else exact_workspace_rows(M, splits, columns, self.workspace_bytes)  # rows per launch
-        workspace = weight if splits == 1 else self.workspace(x.device, splits * step * (columns + 1))
+        blocks = triton.cdiv(N, block_n)
+        step = M if splits == 1 else exact_workspace_rows(M, splits, 2 * N if gated else N, self.workspace_bytes)  # rows per launch
+        workspace, counters = weight, weight  # unread with one split
+        if splits > 1:
+            workspace = self.buffer("partials", x.device, splits * step * ((2 * N if gated else N) + blocks), torch.float32)
+            counters = self.buffer("counters", x.device, triton.cdiv(step, tiles * EXACT_TILE_M) * blocks, torch.int32)
         residual_t = residual if residual is not None else out
         tap_t = tap if tap is not None else out
         tensors = (weight, bias if bias is not None else weight, residual_t, residual_t.stride(0), out, out.stride(0), tap_t, tap_t.stride(0))
         flags = dict(NORM=norm is not None, GATED=gated, BIAS=bias is not None, RESIDUAL=residual is not None, TAP=tap is not None,
                      SPLITS=splits)
+        fixup = splits > 1 and plan.fixup
         for row0 in range(0, M, step):
             rows = min(step, M - row0)
-            _linear_kernel[(triton.cdiv(rows, tiles * EXACT_TILE_M), triton.cdiv(N, block_n), splits)](
+            _linear_kernel[(triton.cdiv(rows, tiles * EXACT_TILE_M), blocks, splits)](
                 x, x.stride(0), weight, weight.stride(0), tensors[1], norm if norm is not None else weight, *tensors[2:], workspace,
-                step, row0, row0 + rows, N, K, width, eps, **flags, TILES=tiles, TM=EXACT_TILE_M, BN=block_n, BK=plan.block_k,
-                INTERP=INTERPRETED, num_warps=plan.warps, num_stages=stages,
+                step, counters, row0, row0 + rows, N, K, width, eps, **flags, FIXUP=fixup, TILES=tiles, TM=EXACT_TILE_M, BN=block_n,
+                BK=plan.block_k, INTERP=INTERPRETED, num_warps=plan.warps, num_stages=stages,
             )
-            if splits > 1:
+            if splits > 1 and not fixup:
                 _split_sum_kernel[(triton.cdiv(rows, EXACT_TILE_M), triton.cdiv(N, EXACT_SUM_BLOCK_N))](
-                    workspace, step, row0, row0 + rows, N, K, eps, *tensors, **flags, TM=EXACT_TILE_M, BN=EXACT_SUM_BLOCK_N,
+                    workspace, step, blocks, row0, row0 + rows, N, K, eps, *tensors, **flags, TM=EXACT_TILE_M, BN=EXACT_SUM_BLOCK_N,
                     num_warps=4,
                 )
         return out
@@ -388,16 +429,15 @@ class ExactOps(TritonOps):
         plan = self.exact_plans.get((N, K, gated))
         return plan if plan is not None else exact_linear_plan(N, K, gated, element_bytes, self.processors(device))
 
-    def workspace(self, device: torch.device, elements: int) -> torch.Tensor:
-        """fp32 split-K partials: one buffer per (device, stream), allocated when first needed and only ever
-        replaced by a larger one; a replaced buffer stays alive (CUDA graphs captured with it keep its
-        address). The calls of one stream run in order, so they can share it."""
+    def buffer(self, name: str, device: torch.device, elements: int, dtype: torch.dtype) -> torch.Tensor:
+        """The split-K ``partials`` (fp32 sums) or tile ``counters`` (int32, zero between launches: each
+        launch's last arrivals reset theirs): one buffer per (name, device, stream), allocated when first
+        needed, only ever replaced by a larger one, and a replaced one stays alive (CUDA graphs captured with
+        it keep its address). The calls of one stream run in order, so they can share it."""
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-        key = (str(device), stream)
-        held = self._workspaces.get(key)
-        if held is None or held[-1].numel() < elements:
-            held = self._workspaces.setdefault(key, [])
-            held.append(torch.empty(elements, dtype=torch.float32, device=device))
+        held = self._buffers.setdefault((name, str(device), stream), [])
+        if not held or held[-1].numel() < elements:
+            held.append(torch.zeros(elements, dtype=dtype, device=device))
         return held[-1]
 
     def attention(self, q, k_cache, v_cache, rows, q_positions, kv_len, causal, window):

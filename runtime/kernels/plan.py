@@ -124,7 +124,8 @@ class ExactLinearPlan:
     A row's reduction order, fixed per weight: K is cut into ``splits`` ranges of ``exact_split_k``'s width
     (a multiple of ``block_k``), each walked in ``block_k`` steps from its start, one 16-row MMA tile of x per
     dot, fp32 accumulate; with splits > 1 each range's sum lands in an fp32 workspace and a second pass adds
-    ranges 0, 1, .., S-1 in that order, then applies the epilogues. ``warps`` and ``stages`` (0: the
+    ranges 0, 1, .., S-1 in that order, then applies the epilogues (``fixup``: the tile's last range to finish
+    does that pass inside the first launch; the same sums in the same order). ``warps`` and ``stages`` (0: the
     shared-memory rule of ``exact_linear_launch``) are fixed per weight too.
     The rest only says how the work is spread, never how a row is summed: ``block_n`` features per program
     for a few rows (M <= 8: many programs stream the weight), ``block_n_rows`` for more (fewer re-reads of
@@ -140,10 +141,11 @@ class ExactLinearPlan:
     warps: int
     splits: int = 1
     stages: int = 0
+    fixup: bool = False
 
-    def fields(self) -> list[int]:
-        """The table row (``EXACT_TILES``, the sweep's JSON): block_n, block_n_rows, block_k, warps, splits, stages."""
-        return [self.block_n, self.block_n_rows, self.block_k, self.warps, self.splits, self.stages]
+    def fields(self) -> list:
+        """The table row (``EXACT_TILES``, the sweep's JSON): block_n, block_n_rows, block_k, warps, splits, stages, fixup."""
+        return [self.block_n, self.block_n_rows, self.block_k, self.warps, self.splits, self.stages, self.fixup]
 
 
 # (N, K, gated, element bytes, processors) -> the tiling measured best there by ``benchmarks/exact_kernels.py
@@ -186,9 +188,9 @@ def exact_split_k(in_features: int, plan: ExactLinearPlan) -> tuple[int, int]:
 
 def exact_workspace_rows(rows: int, splits: int, columns: int, budget: int = EXACT_WORKSPACE_BYTES) -> int:
     """Rows of one split-K launch (a multiple of 64, at least 64; at most ``rows`` rounded up to 16): its
-    fp32 partials ([splits, rows, columns] + [splits, rows] sums of squares) fit ``budget`` when 64 rows do.
-    Longer inputs run as more launches: the same arithmetic per row."""
-    fit = budget // (splits * (columns + 1) * 4) // 64 * 64
+    fp32 partials ([splits, rows, columns] + sums of squares, at most one per column) fit ``budget`` when
+    64 rows do. Longer inputs run as more launches: the same arithmetic per row."""
+    fit = budget // (splits * 2 * columns * 4) // 64 * 64
     return min(max(64, fit), cdiv(rows, EXACT_TILE_M) * EXACT_TILE_M)
 
 

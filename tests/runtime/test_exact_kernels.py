@@ -129,7 +129,7 @@ def test_exact_workspace_rows_fit_the_budget():
     the LM head), or a launch's rows are not whole 16-row tiles."""
     assert exact_workspace_rows(1, 4, 6144) == 16 and exact_workspace_rows(64, 4, 6144) == 64
     rows = exact_workspace_rows(4096, 2, 2 * 12288, budget=64 * 1024**2)
-    assert rows % 64 == 0 and rows * 2 * (2 * 12288 + 1) * 4 <= 64 * 1024**2 and rows >= 64
+    assert rows % 64 == 0 and rows * 2 * (2 * 12288 + 12288 // 16) * 4 <= 64 * 1024**2 and rows >= 64
     assert exact_workspace_rows(4096, 8, 151936, budget=1) == 64  # at least 64 rows, whatever the budget
 
 
@@ -151,7 +151,7 @@ def test_exact_linear_launches_sum_every_row_in_one_order(monkeypatch):
     must tile [0, M) in order; the second pass runs exactly when the weight is split."""
     from dflash_trt.runtime.kernels import exact_ops
 
-    for plan in (ExactLinearPlan(16, 64, 128, 4, 4), ExactLinearPlan(32, 64, 64, 8, 1), ExactLinearPlan(16, 32, 128, 4, 3, 2)):
+    for plan in (ExactLinearPlan(16, 64, 128, 4, 4), ExactLinearPlan(32, 64, 64, 8, 1), ExactLinearPlan(16, 32, 128, 4, 3, 2, True)):
         seen = set()
         for M in ROW_COUNTS + (1000,):
             linear, total = _Recorder(), _Recorder()
@@ -162,12 +162,12 @@ def test_exact_linear_launches_sum_every_row_in_one_order(monkeypatch):
             ops.linear(x, torch.zeros(512, 4096, dtype=torch.bfloat16), norm=torch.ones(4096, dtype=torch.bfloat16), gated=True)
             starts = []
             for grid, args, kwargs in linear.launches:
-                ws_rows, row0, end, K, width = args[13], args[14], args[15], args[17], args[18]
+                ws_rows, row0, end, K, width = args[13], args[15], args[16], args[18], args[19]
                 assert grid[2] == kwargs["SPLITS"] and end - row0 <= ws_rows and end <= M
                 seen.add((kwargs["SPLITS"], width, kwargs["BK"], kwargs["num_warps"], kwargs["TM"], ws_rows if M == 1 else None))
                 starts.append((row0, end))
             assert [a for a, _ in starts] == list(range(0, M, starts[0][1] - starts[0][0])) and starts[-1][1] == M
-            assert len(total.launches) == (len(starts) if kwargs["SPLITS"] > 1 else 0)
+            assert len(total.launches) == (len(starts) if kwargs["SPLITS"] > 1 and not kwargs["FIXUP"] else 0)
         arithmetic = {key[:5] for key in seen}
         assert len(arithmetic) == 1, (plan, arithmetic)
 
@@ -213,7 +213,7 @@ def test_an_exact_ops_object_reports_exact():
 # ------------------------------------------------------------------ the kernels, compiled for sm90 (CPU)
 
 LINEAR_ARGS = ("x_ptr", "stride_xm", "w_ptr", "stride_wn", "b_ptr", "g_ptr", "r_ptr", "stride_rm", "o_ptr", "stride_om",
-               "t_ptr", "stride_tm", "ws_ptr", "WR", "row0", "M", "N", "K", "KS", "eps")
+               "t_ptr", "stride_tm", "ws_ptr", "WR", "cnt_ptr", "row0", "M", "N", "K", "KS", "eps")
 
 
 def _ttgir(kernel, args: dict[str, str], aligned: set[str], constexprs: dict, warps: int, stages: int) -> str:
@@ -249,24 +249,58 @@ def test_exact_linear_compiles_to_one_arithmetic_for_every_row_count():
     from dflash_trt.runtime.kernels.exact_ops import _linear_kernel
 
     args = {name: "*bf16" if name.endswith("_ptr") else "fp32" if name == "eps" else "i32" for name in LINEAR_ARGS}
-    args["ws_ptr"] = "*fp32"
+    args["ws_ptr"], args["cnt_ptr"] = "*fp32", "*i32"
     aligned = {name for name in LINEAR_ARGS if name not in ("M", "WR", "row0", "eps")}  # pointers, strides (K, N...), N, K of the 8B weights
     for name in ("qkv", "gate_up", "down"):
         N, K, gated, norm = WEIGHTS_8B[name]
         plan = exact_linear_plan(N, K, gated, 2)
+        assert plan.splits > 1, plan  # the split variant is what the 8B step runs
         compiled = {}
-        for tiles, block_n, stages in sorted({exact_linear_launch(plan, M, gated, 2) for M in ROW_COUNTS}):
-            constexprs = dict(NORM=norm, GATED=gated, BIAS=False, RESIDUAL=not norm, TAP=False, SPLITS=plan.splits, TILES=tiles,
-                              TM=16, BN=block_n, BK=plan.block_k, INTERP=False)
+        launches = sorted({exact_linear_launch(plan, M, gated, 2) for M in ROW_COUNTS})
+        for fixup, (tiles, block_n, stages) in itertools.product((False, True), launches):  # the in-kernel sum: spread only
+            constexprs = dict(NORM=norm, GATED=gated, BIAS=False, RESIDUAL=not norm, TAP=False, SPLITS=plan.splits, FIXUP=fixup,
+                              TILES=tiles, TM=16, BN=block_n, BK=plan.block_k, INTERP=False)
             try:
                 ir = _ttgir(_linear_kernel, args, aligned, constexprs, plan.warps, stages)
             except Exception as error:  # noqa: BLE001 - a Triton without the NVIDIA backend's compiler
                 pytest.skip(f"cannot compile for sm90 here: {error!r}"[:200])
-            compiled[(tiles, block_n, stages)] = _arithmetic(ir)
+            compiled[(fixup, tiles, block_n, stages)] = _arithmetic(ir)
         reductions = {r for r, _ in compiled.values()}
         assert all(len(set(r)) <= 1 for r in reductions) and len({r[0] for r in reductions if r}) <= 1, (name, compiled)
         assert len({m for _, m in compiled.values()}) == 1, (name, compiled)
         assert all("versionMajor = 2" in m and "instrShape = [16, 8]" in m for _, ms in compiled.values() for m in ms), compiled
+
+
+@needs_triton
+def test_split_sum_and_attention_kernels_compile_for_sm90():
+    """Bug: a kernel the tests only run interpreted no longer compiles for the GPU (the split-K sum pass; the fast
+    and exact attention kernels, which share one query-tile setup): the first CUDA call of the backend fails."""
+    from dflash_trt.runtime.kernels import exact_ops, triton_ops
+
+    ints = lambda *names: {name: "i32" for name in names}  # noqa: E731
+    sums = {"ws_ptr": "*fp32"} | ints("WR", "NB", "row0", "M", "N", "K") | {"eps": "fp32", "w_ptr": "*bf16", "b_ptr": "*bf16",
+           "r_ptr": "*bf16", "stride_rm": "i32", "o_ptr": "*bf16", "stride_om": "i32", "t_ptr": "*bf16", "stride_tm": "i32"}
+    q = {"q_ptr": "*bf16"} | ints("sq_n", "sq_h", "sq_t") | {"k_ptr": "*bf16", "v_ptr": "*bf16"} | ints("sk_n", "sk_h", "sk_l")
+    q |= {"pos_ptr": "*i64", "spos_n": "i32", "len_ptr": "*i64"}
+    fast = q | {"o_ptr": "*bf16"} | ints("so_n", "so_h", "so_t") | {"part_ptr": "*fp32", "lse_ptr": "*fp32", "rows_ptr": "*i64"}
+    fast |= ints("T", "G", "HKV", "window") | {"scale": "fp32"}
+    exact = q | {"part_ptr": "*fp32", "lse_ptr": "*fp32", "rows_ptr": "*i64"} | ints("unit0", "QB", "T", "G", "HKV", "window")
+    exact |= {"scale": "fp32"}
+    combine = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "o_ptr": "*bf16"} | ints("so_n", "so_h", "so_t")
+    combine |= {"pos_ptr": "*i64", "spos_n": "i32", "len_ptr": "*i64"} | ints("unit0", "QB", "S", "T", "G", "HKV", "window")
+    shape = dict(D=128, BLOCK_Q=16, BLOCK_N=64, CAUSAL=True, WINDOW=True)
+    kernels = [
+        (exact_ops._split_sum_kernel, sums, dict(NORM=True, GATED=True, BIAS=True, RESIDUAL=True, TAP=True, SPLITS=4, TM=16, BN=256)),
+        (triton_ops._attention_kernel, fast, dict(D=128, BLOCK_Q=64, BLOCK_N=64, CAUSAL=True, WINDOW=True, SPLIT=True, ROWS=True)),
+        (exact_ops._attention_kernel, exact, shape | dict(SPLIT=256, ROWS=True, INTERP=False)),
+        (exact_ops._combine_kernel, combine, shape | dict(SPLIT=256)),
+    ]
+    for kernel, args, constexprs in kernels:
+        try:
+            ir = _ttgir(kernel, args, set(), constexprs, 4, 2)
+        except ImportError as error:  # a Triton without the NVIDIA backend's compiler
+            pytest.skip(f"cannot compile for sm90 here: {error!r}"[:200])
+        assert "tt.func" in ir, kernel
 
 
 # ------------------------------------------------------------------ the kernels, interpreted (CPU)
