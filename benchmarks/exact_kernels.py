@@ -1,7 +1,9 @@
 """The price of exactness: the torch backend's "exact" kernels against its "fast" ones at the Qwen3-8B shape.
 
     python benchmarks/exact_kernels.py              # ~2 min on an H200
-    python benchmarks/exact_kernels.py --sweep      # + a tile sweep of the exact linear (then used for the timings)
+    python benchmarks/exact_kernels.py --sweep      # + the exact linear's tile sweep (exact_sweep.py), whose
+                                                    #   winners then run the timings; ~5 min
+    bash benchmarks/run_exact_sweep.sh              # the sweep run, then the gpu tests (one device call, <= 8 min)
 
 Builds gpu_graphs.py's random bf16 pair on the device (target 36 layers, hidden 4096, 32/8 heads x 128,
 FFN 12288, vocab 151936; draft 5 layers, block 16), then, for kernels = "fast" and "exact" (one
@@ -15,8 +17,9 @@ FFN 12288, vocab 151936; draft 5 layers, block 16), then, for kernels = "fast" a
   same positions on the same cache: how many of the 16 rows have the same logits bits, the same argmax.
 
 Prints a table and ends with one JSON line; rows are appended to ``--results`` (default
-benchmarks/results.jsonl) and the whole report is written to ``$OUT/exact_kernels.json`` when ``OUT`` is set.
-A failing section is recorded and the run goes on.
+benchmarks/results.jsonl) and the whole report is written to ``$OUT/exact_kernels.json`` when ``OUT`` is set;
+with ``--sweep``, the chosen tilings also to ``$OUT/exact_tiles.json`` (and printed as ``plan.EXACT_TILES``
+lines) as soon as the sweep ends. A failing section is recorded and the run goes on.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import exact_sweep  # noqa: E402  (the exact linear's tile sweep)
 import gpu_graphs as gg  # noqa: E402  (the pair, feeds, AR step, cycle and timing helpers)
 
 CONTEXT, MAX_CONTEXT, OWNER_COUNTS, ROWS = 2048, 4096, (1, 4), (1, 16, 64)
@@ -40,7 +44,8 @@ def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--results", type=Path, default=gg.ROOT / "benchmarks" / "results.jsonl")
-    parser.add_argument("--sweep", action="store_true", help="time a few exact tilings per weight; the best run the timings")
+    parser.add_argument("--sweep", action="store_true", help="sweep the exact tilings per weight; the best run the timings")
+    parser.add_argument("--sweep-seconds", type=float, default=240.0, help="the sweep stops measuring after this long")
     return parser.parse_args()
 
 
@@ -55,7 +60,7 @@ def gemm_times(backends: dict, reps: int) -> list[dict]:
     stream = torch.cuda.Stream()
     for label, backend in backends.items():
         target = backend.modules["target_verify_1"].target
-        weights = _weights(target)
+        weights = exact_sweep.weights_of(target)
         for name, (N, K, gated, *_) in gg.GEMMS.items():
             for M in ROWS:
                 x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
@@ -67,12 +72,6 @@ def gemm_times(backends: dict, reps: int) -> list[dict]:
                 results.append({"kernels": label, "gemm": name, "rows": M, "us": round(us, 2), "tbps": round(moved / us / 1e6, 3)})
                 print(f"  {label:5s} {name:8s} M={M:3d}: {us:8.1f} us ({moved / us / 1e6:.2f} TB/s of weights)", flush=True)
     return results
-
-
-def _weights(target) -> dict:
-    layers = target.stack.layers
-    return {"qkv": [L.qkv for L in layers], "o": [L.o for L in layers], "gate_up": [L.gate_up for L in layers],
-            "down": [L.down for L in layers], "lm_head": [target.lm_head] * 4}
 
 
 def exactness(backend, dims) -> dict:
@@ -107,33 +106,6 @@ def exactness(backend, dims) -> dict:
     return result
 
 
-def sweep(target, reps: int) -> tuple[list[dict], dict]:
-    """A few exact tilings per weight at M = 1 and 16 (sum of both times); returns rows and the best per weight."""
-    import torch
-
-    from dflash_trt.runtime.kernels.exact_ops import ExactOps
-    from dflash_trt.runtime.kernels.plan import ExactLinearPlan as P
-
-    plans = [P(16, 64, 128, 4), P(32, 64, 128, 4), P(16, 32, 256, 4), P(32, 128, 128, 4), P(64, 64, 128, 4), P(16, 64, 64, 4), P(32, 64, 256, 8)]
-    weights, stream, rows, best = _weights(target), torch.cuda.Stream(), [], {}
-    for name, (N, K, gated, *_) in gg.GEMMS.items():
-        timed = []
-        for plan in plans:
-            ops = ExactOps(linear_plans={(N, K, gated): plan})
-            total = 0.0
-            for M in (1, 16):
-                x, norm = torch.randn(M, K, device="cuda").to(torch.bfloat16), torch.ones(K, dtype=torch.bfloat16, device="cuda")
-                residual = torch.randn(M, N, device="cuda").to(torch.bfloat16)
-                us = gg._graph_time(stream, lambda: [gg._gemm_call(ops, name, x, w, norm, residual) for w in weights[name]], reps) / len(weights[name]) * 1e3
-                rows.append({"gemm": name, "plan": list(plan.__dict__.values()), "rows": M, "us": round(us, 2)})
-                total += us
-            timed.append((total, plan))
-        total, plan = min(timed, key=lambda item: item[0])
-        best[(N, K, gated)] = plan
-        print(f"  {name:8s} best {plan} ({total:.1f} us for M = 1 + 16)", flush=True)
-    return rows, best
-
-
 # ---------------------------------------------------------------------- main
 
 
@@ -161,6 +133,8 @@ def summary(data: dict) -> dict:
         for n in OWNER_COUNTS:
             if (label, n) in by:
                 out[f"{label}_cycle_cost_ratio_n{n}"] = by[(label, n)]["cycle_cost_ratio"]
+    if data.get("exact_tiles"):
+        out["exact_tiles"] = data["exact_tiles"]
     for label in ("fast", "exact"):
         if data.get(f"{label}_exactness"):
             out[f"{label}_identical_rows"] = {k: v["identical_logits"] for k, v in data[f"{label}_exactness"].items()}
@@ -178,6 +152,23 @@ def measure(report, label: str, kernels, target, draft, dims, reps: int):
     report.data.setdefault("graph_rows", []).extend(rows or [])
     report.section(f"{label}_exactness", lambda: exactness(backend, dims))
     return backend
+
+
+def run_sweep(report, fast_backend, args, out_dir):
+    """The sweep (exact_sweep.py) over the fast backend's weights; its table saved at once; an ExactOps using it."""
+    import torch
+
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+
+    rows, best, errors = exact_sweep.sweep(fast_backend.modules["target_verify_1"].target, args.reps, args.sweep_seconds)
+    processors = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles = exact_sweep.table(best, processors)
+    report.data |= {"sweep": rows, "sweep_errors": errors, "exact_tiles": tiles}
+    if out_dir is not None:
+        (out_dir / "exact_tiles.json").write_text(json.dumps({"machine": report.data["machine"], "table": tiles}, indent=1))
+    print("plan.EXACT_TILES lines (fields: block_n, block_n_rows, block_k, warps, splits, stages, fixup):")
+    print(exact_sweep.python_table(best, processors), flush=True)
+    return ExactOps(linear_plans=best)
 
 
 def main() -> int:
@@ -198,10 +189,7 @@ def main() -> int:
     backends = {"fast": measure(report, "fast", "fast", target, draft, dims, args.reps)}
     exact = ExactOps()
     if args.sweep:
-        swept = report.section("sweep", lambda: sweep(backends["fast"].modules["target_verify_1"].target, args.reps), keep=False)
-        if swept is not None:
-            report.data["sweep"], report.data["sweep_best"] = swept[0], {str(k): list(v.__dict__.values()) for k, v in swept[1].items()}
-            exact = ExactOps(linear_plans=swept[1])
+        exact = report.section("sweep", lambda: run_sweep(report, backends["fast"], args, out_dir), keep=False) or exact
     backends["exact"] = measure(report, "exact", exact, target, draft, dims, args.reps)
     report.section("gemm_us", lambda: gemm_times(backends, args.reps))
     report.section("attention_us", lambda: gg.attention_times(backends, [CONTEXT], args.reps))

@@ -89,13 +89,17 @@ def check_split_rows(device: str, dtype: torch.dtype) -> None:
     """Split-K > 1 under several tilings (2 and 3 splits; K steps 32 and 64; 16 to 32 features; the ordered sum
     as a second launch or by each tile's last split; launches cut at 64 rows by a tiny workspace): each row of ``linear`` (norm, gated, residual + tap epilogues) is the same bits
     for M = 1, 16 and 64 of 70 rows, and within rounding of the fp32 brute-force reference. fp32 runs every
-    tiling (its outputs show any change of summation order); bf16 one (the rounding to the weight dtype)."""
+    tiling (its outputs show any change of summation order); bf16 one (the rounding to the weight dtype). On a
+    GPU also the 8B q|k|v shape with 4 splits, summed by a second launch and in-kernel."""
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
     from dflash_trt.runtime.kernels.plan import ExactLinearPlan, exact_split_k
 
-    generator, (N, K), total = torch.Generator().manual_seed(15), (40, 192), 70
+    generator, total = torch.Generator().manual_seed(15), 70
     plans = (ExactLinearPlan(16, 32, 32, 4, 2), ExactLinearPlan(32, 16, 64, 4, 3, fixup=True), ExactLinearPlan(16, 16, 32, 2, 4, 2))
-    for plan in plans if dtype == torch.float32 else plans[1:2]:
+    cases = [((40, 192), plan) for plan in (plans if dtype == torch.float32 else plans[1:2])]
+    if device != "cpu":  # the 8B q|k|v shape, 4 splits, both sums: hundreds of programs racing to the counters
+        cases += [((6144, 4096), ExactLinearPlan(32, 64, 128, 4, 4, fixup=fixup)) for fixup in (False, True)]
+    for (N, K), plan in cases:
         assert exact_split_k(K, plan)[0] > 1, plan
         ops = ExactOps(linear_plans={(N, K, False): plan, (N, K, True): plan}, workspace_bytes=1)
         x = _rand(generator, device, dtype, total, K)
@@ -107,7 +111,7 @@ def check_split_rows(device: str, dtype: torch.dtype) -> None:
             for M in (1, 16, 64):
                 rows = torch.randperm(total, generator=generator)[:M].to(device)
                 part, part_tap = _run_linear(ops, x[rows], weight, options, None if residual is None else residual[rows])
-                assert_same_bits(part, full[rows], f"split linear {name} {plan} {dtype}: M={M} vs M={total}")
+                assert_same_bits(part, full[rows], f"split linear {name} {N}x{K} {plan} {dtype}: M={M} vs M={total}")
                 if full_tap is not None:
                     assert_same_bits(part_tap, full_tap[rows], f"split linear tap {plan}: M={M}")
 

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One device call (<= 8 min on an H200): the exact linear's tile sweep + the exact-vs-fast benchmark with the
+# winning tiles (benchmarks/exact_kernels.py --sweep), then the gpu tests of the exact kernels.
+#
+#   bash benchmarks/run_exact_sweep.sh       # everything under $OUT (default ./exact_out)
+#
+# $OUT gets: exact_tiles.json (the chosen table, written as soon as the sweep ends), exact_kernels.json (the
+# whole report), exact_kernels.log, results.jsonl (this run's rows), gpu_tests.log. SKIP_TESTS=1 skips pytest.
+# Exit status: the benchmark's, else pytest's.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+export OUT=${OUT:-$ROOT/exact_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+began=$SECONDS
+# dflash_trt.* maps onto the top-level folders (pyproject package-dir): an editable install resolves them.
+$PY -m pip install --quiet --no-deps --no-build-isolation -e "$ROOT" > "$OUT/pip.log" 2>&1 || tail -5 "$OUT/pip.log"
+
+timeout 320 $PY benchmarks/exact_kernels.py --sweep --sweep-seconds 150 --reps 10 --results "$OUT/results.jsonl" \
+  > "$OUT/exact_kernels.log" 2>&1
+bench=$?
+grep -E "^(sweep|  [a-z_]+ +(BEST|M=1 best))|^plan.EXACT_TILES|^    \(" "$OUT/exact_kernels.log"
+tail -n 32 "$OUT/exact_kernels.log"
+echo "benchmark exit $bench after $((SECONDS - began)) s"
+
+status=$bench
+if [ "${SKIP_TESTS:-0}" != "1" ]; then
+  left=$((470 - (SECONDS - began)))
+  if [ $left -gt 30 ]; then
+    timeout $left $PY -m pytest -q -m gpu -p no:cacheprovider -x tests/runtime/test_exact_kernels.py > "$OUT/gpu_tests.log" 2>&1
+    tests=$?
+    tail -n 15 "$OUT/gpu_tests.log"
+    echo "gpu tests exit $tests (timeout ${left} s) after $((SECONDS - began)) s"
+    [ $status -eq 0 ] && status=$tests
+  else
+    echo "gpu tests skipped: ${left} s left"
+  fi
+fi
+exit $status
