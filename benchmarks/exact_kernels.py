@@ -12,7 +12,8 @@ FFN 12288, vocab 151936; draft 5 layers, block 16), then, for kernels = "fast" a
 - the AR step (``target_prefill`` at T = 1, one CUDA graph), ``target_verify_n``, ``draft_n`` and the
   cycle (draft -> verify -> verify_argmax -> verdict on the host) for n = 1 and 4 (gpu_graphs' rows);
 - each GEMM of the step alone over the 36 layers' own weights (CUDA graph) at M = 1, 16 and 64;
-- attention per layer at T = 1 / 16, n = 1 / 4;
+- attention per layer at T = 1 / 16, n = 1 / 4; the exact one with its splits folded by a second launch or
+  in the attention launch (``combine_in_kernel``), and whether both give the same bits;
 - exactness at this shape: the verify rows of owner 0 (n = 1 and n = 4) against the AR step run at the
   same positions on the same cache: how many of the 16 rows have the same logits bits, the same argmax.
 
@@ -71,6 +72,35 @@ def gemm_times(backends: dict, reps: int) -> list[dict]:
                 moved = weights[name][0].numel() * 2
                 results.append({"kernels": label, "gemm": name, "rows": M, "us": round(us, 2), "tbps": round(moved / us / 1e6, 3)})
                 print(f"  {label:5s} {name:8s} M={M:3d}: {us:8.1f} us ({moved / us / 1e6:.2f} TB/s of weights)", flush=True)
+    return results
+
+
+def combine_times(backend, reps: int) -> list[dict]:
+    """The exact attention over the 36 layers' caches (context 2048) with its splits folded by a second launch or
+    by each unit's last split (``combine_in_kernel``): µs per layer, and whether both give the same bits."""
+    import torch
+
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+
+    results, stream, pool = [], backend.stream.torch, backend.pools["target"]
+    variants = {"second launch": ExactOps(), "in kernel": ExactOps(combine_in_kernel=True)}
+    for tokens, owners in ((1, 1), (1, 4), (gg.BLOCK, 1), (gg.BLOCK, 4)):
+        keys, values = pool.rows(0, owners)
+        q = torch.randn(owners, tokens, 32, 128, device="cuda").to(torch.bfloat16).transpose(1, 2)
+        start = torch.full((owners,), CONTEXT, device="cuda")
+        positions, kv_len = start[:, None] + torch.arange(tokens, device="cuda"), start + tokens
+        outputs = {}
+        for label, ops in variants.items():
+            call = lambda: [ops.attention(q, k, v, None, positions, kv_len, True, 0) for k, v in zip(keys, values)]  # noqa: E731
+            us = gg._graph_time(stream, call, reps) / len(keys) * 1e3
+            with torch.cuda.stream(stream):
+                outputs[label] = ops.attention(q, keys[0], values[0], None, positions, kv_len, True, 0)
+            stream.synchronize()
+            results.append({"combine": label, "tokens": tokens, "owners": owners, "us_per_layer": round(us, 2)})
+            print(f"  exact attention, combine {label:13s} T={tokens:2d} n={owners}: {us:6.1f} us/layer", flush=True)
+        same = torch.equal(*(o.view(torch.int16) for o in outputs.values()))
+        results[-1]["same_bits"] = same
+        print(f"    same bits: {same}", flush=True)
     return results
 
 
@@ -193,6 +223,7 @@ def main() -> int:
     backends["exact"] = measure(report, "exact", exact, target, draft, dims, args.reps)
     report.section("gemm_us", lambda: gemm_times(backends, args.reps))
     report.section("attention_us", lambda: gg.attention_times(backends, [CONTEXT], args.reps))
+    report.section("combine_us", lambda: combine_times(backends["exact"], args.reps))
     for backend in backends.values():
         backend.close()
     report.data["summary"] = summary(report.data)

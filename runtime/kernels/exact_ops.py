@@ -22,7 +22,8 @@ for bit, in bf16 too, so DFlash's output is the target's own plain decoding, tok
 ``attention``       keys split at a fixed size (``EXACT_SPLIT_SLOTS``): split s covers slots
                     [256 s, 256 s + 256) of the valid range, walked in BLOCK_N steps at absolute slots;
                     the grid covers a full cache and splits past the valid slots do nothing; the
-                    ``_combine`` pass always runs and folds the splits in increasing order. A query's
+                    combine (``_combine_unit``: a second launch, or the unit's last split to finish)
+                    always runs and folds the splits in increasing order. A query's
                     splits, steps and combine do not depend on the other queries of its tile (their
                     extra steps are exact no-ops for it), the query count, the owners or the capacity.
 ``qk_rope_write``   ``TritonOps``' kernel: one program per (row, head), already row-local.
@@ -278,11 +279,13 @@ def _split_sum_kernel(
 @triton.jit(do_not_specialize=["sq_n", "spos_n", "unit0", "QB", "T"])  # query counts: one kernel for all
 def _attention_kernel(
     q_ptr, sq_n, sq_h, sq_t, k_ptr, v_ptr, sk_n, sk_h, sk_l, pos_ptr, spos_n, len_ptr, part_ptr, lse_ptr, rows_ptr,
-    unit0, QB, T, G, HKV, window, scale,
+    o_ptr, so_n, so_h, so_t, cnt_ptr, unit0, QB, T, G, HKV, window, scale,
     D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, ROWS: tl.constexpr, COMBINE: tl.constexpr, INTERP: tl.constexpr,
 ):
-    """Program (unit = owner x kv head x query tile, split s): online softmax over the split's slots."""
+    """Program (unit = owner x kv head x query tile, split s): online softmax over the split's slots.
+    COMBINE: the unit's last live split to finish (a counter per unit) runs ``_combine_unit``, else
+    ``_combine_kernel`` does (a second launch): the same fold in the same order either way."""
     u = tl.program_id(0)
     s = tl.program_id(1)
     nh = (unit0 + u) // QB
@@ -326,6 +329,20 @@ def _attention_kernel(
     local = (u * tl.num_programs(1) + s) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     tl.store(part_ptr + local[:, None] * D + d[None, :], out, mask=(local >= 0)[:, None] & live)
     tl.store(lse_ptr + local, tl.where(seen, top + tl.log(total), float("-inf")), mask=(local >= 0) & live)
+    if COMBINE:
+        # The order of CUTLASS's split-K semaphore: every thread's stores, a barrier, one acq_rel count; the
+        # last arrival's acquire (shared with its threads by the barrier after the count) shows it the others'.
+        tl.debug_barrier()
+        s_lo = lo // SPLIT
+        if live:
+            arrived = tl.atomic_add(cnt_ptr + u, 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.cdiv(hi, SPLIT) - s_lo - 1:
+                _combine_unit(part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, u * tl.num_programs(1), i, t, h, row_ok, lo, hi,
+                              D, BLOCK_Q, SPLIT)
+                tl.atomic_xchg(cnt_ptr + u, 0)  # ready for the next launch (stream order)
+        elif s == 0 and lo >= hi:  # no split is live (no visible slot): the combine's zeros, once
+            _combine_unit(part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, u * tl.num_programs(1), i, t, h, row_ok, lo, hi,
+                          D, BLOCK_Q, SPLIT)
 
 
 @triton.jit(do_not_specialize=["spos_n", "unit0", "QB", "S", "T"])
@@ -334,28 +351,34 @@ def _combine_kernel(
     D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
 ):
-    """Program (unit): the unit's live splits folded in increasing order, weights exp(lse - max lse)."""
+    """Program (unit): ``_combine_unit`` over the tile's rows and slot range (as the attention pass saw them)."""
     u = tl.program_id(0)
     nh = (unit0 + u) // QB
     qb = (unit0 + u) % QB
     i = nh // HKV
     t, h, row_ok, pos, lo, hi = query_tile(pos_ptr, spos_n, len_ptr, i, qb, T, G, nh % HKV, window, BLOCK_Q, CAUSAL, WINDOW)
-    lo = lo // BLOCK_N * BLOCK_N  # as the attention pass
+    _combine_unit(part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, u * S, i, t, h, row_ok, lo // BLOCK_N * BLOCK_N, hi, D, BLOCK_Q, SPLIT)
+
+
+@triton.jit
+def _combine_unit(part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, base, i, t, h, row_ok, lo, hi,
+                  D: tl.constexpr, BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr):
+    """A unit's live splits (partials at rows (base + s) * BLOCK_Q ..) folded in increasing order, weights
+    exp(lse - max lse), stored to its rows. Loads bypass L1 (".cg"): other programs wrote the partials."""
     s_lo = lo // SPLIT
     s_hi = tl.where(lo < hi, tl.cdiv(hi, SPLIT), s_lo)  # the splits the attention pass wrote
-    base = u * S
     q = tl.arange(0, BLOCK_Q)
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     for s in range(s_lo, s_hi):
-        best = tl.maximum(best, tl.load(lse_ptr + (base + s) * BLOCK_Q + q))
+        best = tl.maximum(best, tl.load(lse_ptr + (base + s) * BLOCK_Q + q, cache_modifier=".cg"))
     best = tl.where(best == float("-inf"), 0.0, best)  # a row no split showed a slot (padding)
     d = tl.arange(0, D)
     acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
     weight_sum = tl.zeros([BLOCK_Q], dtype=tl.float32)
     for s in range(s_lo, s_hi):  # a split that shows a row nothing adds exact zeros to it
         local = (base + s) * BLOCK_Q + q
-        weight = tl.exp(tl.load(lse_ptr + local) - best)
-        acc += weight[:, None] * tl.load(part_ptr + local[:, None] * D + d[None, :])
+        weight = tl.exp(tl.load(lse_ptr + local, cache_modifier=".cg") - best)
+        acc += weight[:, None] * tl.load(part_ptr + local[:, None] * D + d[None, :], cache_modifier=".cg")
         weight_sum += weight
     out = acc / tl.where(weight_sum > 0, weight_sum, 1.0)[:, None]
     dest = o_ptr + i * so_n + h[:, None] * so_h + t[:, None] * so_t + d[None, :]
@@ -372,15 +395,17 @@ class ExactOps(TritonOps):
     so one backend keeps one value); ``linear_plans`` maps (N, K, gated) to an ``ExactLinearPlan``
     replacing ``plan.exact_linear_plan``'s (benchmark sweeps); ``partial_bytes``: the fp32 split partials
     one attention launch may hold (more units run as more launches, same arithmetic); ``workspace_bytes``:
-    the fp32 split-K partials one linear launch may hold (more rows run as more launches, same arithmetic).
+    the fp32 split-K partials one linear launch may hold (more rows run as more launches, same arithmetic);
+    ``combine_in_kernel``: each attention unit's last split folds the splits (no second launch; same fold).
     """
 
     kind = "exact"  # what TorchBackend(kernels=ExactOps(...)) reports as its kernels
 
     def __init__(self, split_slots: int = EXACT_SPLIT_SLOTS, linear_plans: dict | None = None, partial_bytes: int = EXACT_PARTIAL_BYTES,
-                 workspace_bytes: int = EXACT_WORKSPACE_BYTES) -> None:
+                 workspace_bytes: int = EXACT_WORKSPACE_BYTES, combine_in_kernel: bool = False) -> None:
         super().__init__()
         self.split_slots, self.partial_bytes, self.workspace_bytes = split_slots, partial_bytes, workspace_bytes
+        self.combine_in_kernel = combine_in_kernel
         self.exact_plans = dict(linear_plans or {})
         self._buffers: dict[tuple, list[torch.Tensor]] = {}
 
@@ -456,16 +481,19 @@ class ExactOps(TritonOps):
         part = torch.empty((per_launch * splits * EXACT_BLOCK_Q, D), dtype=torch.float32, device=q.device)
         lse = torch.empty((per_launch * splits * EXACT_BLOCK_Q,), dtype=torch.float32, device=q.device)
         shape = dict(D=D, BLOCK_Q=EXACT_BLOCK_Q, BLOCK_N=block_n, SPLIT=self.split_slots, CAUSAL=causal, WINDOW=window > 0)
+        counters = self.buffer("attention counters", q.device, per_launch, torch.int32) if self.combine_in_kernel else kv_len
         for unit0 in range(0, units, per_launch):
             count = min(per_launch, units - unit0)
             _attention_kernel[(count, splits)](
                 q, q.stride(0), q.stride(1), q.stride(2), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
                 k_cache.stride(2), q_positions, q_positions.stride(0), kv_len, part, lse,
-                rows if rows is not None else kv_len, unit0, tiles, T, group, kv_heads, window, D**-0.5,
-                ROWS=rows is not None, INTERP=INTERPRETED, num_warps=4, num_stages=2, **shape,
+                rows if rows is not None else kv_len, out, out.stride(0), out.stride(2), out.stride(1), counters, unit0, tiles, T,
+                group, kv_heads, window, D**-0.5, ROWS=rows is not None, COMBINE=self.combine_in_kernel, INTERP=INTERPRETED,
+                num_warps=4, num_stages=2, **shape,
             )
-            _combine_kernel[(count,)](
-                part, lse, out, out.stride(0), out.stride(2), out.stride(1), q_positions, q_positions.stride(0), kv_len,
-                unit0, tiles, splits, T, group, kv_heads, window, num_warps=4, **shape,
-            )
+            if not self.combine_in_kernel:
+                _combine_kernel[(count,)](
+                    part, lse, out, out.stride(0), out.stride(2), out.stride(1), q_positions, q_positions.stride(0), kv_len,
+                    unit0, tiles, splits, T, group, kv_heads, window, num_warps=4, **shape,
+                )
         return out.transpose(1, 2)

@@ -274,7 +274,8 @@ def test_exact_linear_compiles_to_one_arithmetic_for_every_row_count():
 @needs_triton
 def test_split_sum_and_attention_kernels_compile_for_sm90():
     """Bug: a kernel the tests only run interpreted no longer compiles for the GPU (the split-K sum pass; the fast
-    and exact attention kernels, which share one query-tile setup): the first CUDA call of the backend fails."""
+    and exact attention kernels, which share one query-tile setup; the in-kernel combine with its counter): the
+    first CUDA call of the backend fails."""
     from dflash_trt.runtime.kernels import exact_ops, triton_ops
 
     ints = lambda *names: {name: "i32" for name in names}  # noqa: E731
@@ -284,7 +285,8 @@ def test_split_sum_and_attention_kernels_compile_for_sm90():
     q |= {"pos_ptr": "*i64", "spos_n": "i32", "len_ptr": "*i64"}
     fast = q | {"o_ptr": "*bf16"} | ints("so_n", "so_h", "so_t") | {"part_ptr": "*fp32", "lse_ptr": "*fp32", "rows_ptr": "*i64"}
     fast |= ints("T", "G", "HKV", "window") | {"scale": "fp32"}
-    exact = q | {"part_ptr": "*fp32", "lse_ptr": "*fp32", "rows_ptr": "*i64"} | ints("unit0", "QB", "T", "G", "HKV", "window")
+    exact = q | {"part_ptr": "*fp32", "lse_ptr": "*fp32", "rows_ptr": "*i64", "o_ptr": "*bf16"} | ints("so_n", "so_h", "so_t")
+    exact |= {"cnt_ptr": "*i32"} | ints("unit0", "QB", "T", "G", "HKV", "window")
     exact |= {"scale": "fp32"}
     combine = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "o_ptr": "*bf16"} | ints("so_n", "so_h", "so_t")
     combine |= {"pos_ptr": "*i64", "spos_n": "i32", "len_ptr": "*i64"} | ints("unit0", "QB", "S", "T", "G", "HKV", "window")
@@ -292,7 +294,8 @@ def test_split_sum_and_attention_kernels_compile_for_sm90():
     kernels = [
         (exact_ops._split_sum_kernel, sums, dict(NORM=True, GATED=True, BIAS=True, RESIDUAL=True, TAP=True, SPLITS=4, TM=16, BN=256)),
         (triton_ops._attention_kernel, fast, dict(D=128, BLOCK_Q=64, BLOCK_N=64, CAUSAL=True, WINDOW=True, SPLIT=True, ROWS=True)),
-        (exact_ops._attention_kernel, exact, shape | dict(SPLIT=256, ROWS=True, INTERP=False)),
+        (exact_ops._attention_kernel, exact, shape | dict(SPLIT=256, ROWS=True, COMBINE=False, INTERP=False)),
+        (exact_ops._attention_kernel, exact, shape | dict(SPLIT=256, ROWS=True, COMBINE=True, INTERP=False)),
         (exact_ops._combine_kernel, combine, shape | dict(SPLIT=256)),
     ]
     for kernel, args, constexprs in kernels:
