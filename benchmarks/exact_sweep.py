@@ -7,8 +7,9 @@ Triton's disk cache:
 
 1. M = 1: every arithmetic part (K step 64 / 128 / 256 x splits 1 / 2 / 4 / 8, each split >= 4 steps) with
    each one-row feature block, timed over the 36 layers' own weights in one CUDA graph;
-2. the best arithmetic parts (two, the best one with 2 and 8 warps too, and the default rule's): the many-row
-   feature block at M = 16 and 64, then the in-kernel sum (``fixup``) at M = 1 / 16 / 64 when split.
+2. the best arithmetic parts (two, the best one with 8 warps too, and the default rule's), with and
+   without the in-kernel sum (``fixup``) when split: the many-row feature block at M = 16, that block and the
+   tiles per program (1 / 2 / 4) at M = 64.
 
 Every phase-2 candidate is checked before it may win: the rows of M = 1 (three single rows), M = 16 and a
 shuffled M = 64 are bit-identical to the same rows of one M = 64 launch (twice, for a race), and the M = 64
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import replace
 
 import gpu_graphs as gg
 
@@ -171,8 +173,6 @@ def weights_of(target) -> dict:
 
 def sweep(target, reps: int, budget_s: float = 240.0) -> tuple[list[dict], dict, dict]:
     """(rows, best plan per (N, K, gated), errors): see the module docstring."""
-    from dataclasses import replace
-
     from dflash_trt.runtime.kernels.plan import exact_linear_plan
 
     began, bench, rows, best, errors = time.perf_counter(), Bench(target, reps), [], {}, {}
@@ -195,7 +195,7 @@ def sweep(target, reps: int, budget_s: float = 240.0) -> tuple[list[dict], dict,
             by_arith.setdefault(arithmetic(plan), (us, plan))
         top = [plan for _, plan in sorted(by_arith.values(), key=lambda item: item[0])[:2]]
         if top:
-            top += [replace(top[0], warps=2), replace(top[0], warps=8)]
+            top.append(replace(top[0], warps=8))
         top.append(exact_linear_plan(N, K, gated, 2))
         finalists[name] = list(dict.fromkeys(top))
         if one.get(name):
@@ -216,17 +216,23 @@ def sweep(target, reps: int, budget_s: float = 240.0) -> tuple[list[dict], dict,
 
 def phase2_jobs(finalists: dict) -> list:
     """(name, plan, M) of every kernel phase 2 may launch: each finalist at M = 1, with each many-row feature
-    block at M = 16 and 64, and the same with the in-kernel sum when the weight is split."""
-    from dataclasses import replace
-
+    block at M = 16 and, with 1, 2 or 4 tiles per program, at M = 64; the same with the in-kernel sum when split."""
     jobs = []
     for name, plans in finalists.items():
-        N, gated = gg.GEMMS[name][0], gg.GEMMS[name][2]
         for plan in plans:
             for fixup in (False, True) if plan.splits > 1 else (False,):
-                jobs.append((name, replace(plan, fixup=fixup), 1))
-                jobs += [(name, replace(plan, block_n_rows=bnr, fixup=fixup), m) for bnr in row_blocks(N, gated) for m in ROWS[1:]]
+                jobs += [(name, variant, m) for variant, m in _variants(name, replace(plan, fixup=fixup))]
     return jobs
+
+
+def _variants(name: str, plan) -> list:
+    """(plan, M) of one finalist: M = 1 as it is; M = 16 per many-row block; M = 64 per (block, tiles)."""
+    N, gated = gg.GEMMS[name][0], gg.GEMMS[name][2]
+    out = [(plan, 1)]
+    for bnr in row_blocks(N, gated):
+        out.append((replace(plan, block_n_rows=bnr), 16))
+        out += [(replace(plan, block_n_rows=bnr, tiles=tiles), 64) for tiles in (1, 2, 4)]
+    return out
 
 
 def _measure(bench, name, plan, M, rows, errors):
@@ -241,30 +247,14 @@ def _measure(bench, name, plan, M, rows, errors):
 
 def _phase2(bench, name, plans, rows, errors, left):
     """The best checked full plan of one weight among its finalists (None when none passed)."""
-    from dataclasses import replace
-
-    N, K, gated, *_ = gg.GEMMS[name]
     scored = []
     for plan in plans:
-        if left() < 0:
-            break
-        t1 = _measure(bench, name, plan, 1, rows, errors)
-        many = []
-        for bnr in row_blocks(N, gated):
-            candidate = replace(plan, block_n_rows=bnr)
-            t16, t64 = (_measure(bench, name, candidate, m, rows, errors) for m in ROWS[1:])
-            if None not in (t16, t64):
-                many.append((t16 + t64, candidate))
-        if t1 is None or not many:
-            continue
-        score, candidate = min(many, key=lambda item: item[0])
-        options = [(t1 + score, candidate)]
-        if plan.splits > 1:
-            fixed = replace(candidate, fixup=True)
-            times = [_measure(bench, name, fixed, m, rows, errors) for m in ROWS]
-            if None not in times:
-                options.append((sum(times), fixed))
-        for total, option in options:
+        for fixup in (False, True) if plan.splits > 1 else (False,):
+            if left() < 0:
+                break
+            option, total = _best_spread(bench, name, replace(plan, fixup=fixup), rows, errors)
+            if option is None:
+                continue
             problem = _checked(bench, name, option, errors)
             rows.append({"gemm": name, "plan": option.fields(), "score_us": round(total, 2), "check": problem or "ok"})
             print(f"  {name:8s} {option.fields()} t1+t16+t64 {total:7.1f} us  {problem or 'bit-invariant, near fp32'}", flush=True)
@@ -275,6 +265,22 @@ def _phase2(bench, name, plans, rows, errors, left):
     total, plan = min(scored, key=lambda item: item[0])
     print(f"  {name:8s} BEST {plan.fields()} ({total:.1f} us for M = 1 + 16 + 64)", flush=True)
     return plan
+
+
+def _best_spread(bench, name, plan, rows, errors):
+    """(plan with the many-row block and tiles of least t16 + t64, t1 + t16 + t64), or (None, None)."""
+    times = {}
+    for variant, m in _variants(name, plan):
+        us = _measure(bench, name, variant, m, rows, errors)
+        if us is not None:
+            times[(variant.block_n_rows, variant.tiles if m == 64 else None, m)] = us
+    t1 = times.get((plan.block_n_rows, None, 1))
+    pairs = [(times[(bnr, None, 16)] + times[(bnr, tiles, 64)], bnr, tiles) for (bnr, tiles, m) in times
+             if m == 64 and (bnr, None, 16) in times]
+    if t1 is None or not pairs:
+        return None, None
+    many, bnr, tiles = min(pairs)
+    return replace(plan, block_n_rows=bnr, tiles=tiles), t1 + many
 
 
 def _checked(bench, name, plan, errors) -> str:

@@ -129,7 +129,8 @@ class ExactLinearPlan:
     shared-memory rule of ``exact_linear_launch``) are fixed per weight too.
     The rest only says how the work is spread, never how a row is summed: ``block_n`` features per program
     for a few rows (M <= 8: many programs stream the weight), ``block_n_rows`` for more (fewer re-reads of
-    x), up to four 16-row tiles per program sharing each weight load (``exact_row_tiles``). Each output
+    x), up to ``tiles`` (1, 2 or 4) 16-row tiles per program sharing each weight load (``exact_row_tiles``;
+    four tiles cost registers: a normed gate|up spills). Each output
     element is one MMA column's sum over the same K steps whatever the feature block, and the norm's row
     sums of squares reduce the same [16, block_k] x tile (tests/runtime/test_exact_kernels.py compiles the
     variants for sm90 and compares their layouts).
@@ -142,10 +143,12 @@ class ExactLinearPlan:
     splits: int = 1
     stages: int = 0
     fixup: bool = False
+    tiles: int = 4
 
     def fields(self) -> list:
-        """The table row (``EXACT_TILES``, the sweep's JSON): block_n, block_n_rows, block_k, warps, splits, stages, fixup."""
-        return [self.block_n, self.block_n_rows, self.block_k, self.warps, self.splits, self.stages, self.fixup]
+        """The table row (``EXACT_TILES``, the sweep's JSON): block_n, block_n_rows, block_k, warps, splits, stages,
+        fixup, tiles."""
+        return [self.block_n, self.block_n_rows, self.block_k, self.warps, self.splits, self.stages, self.fixup, self.tiles]
 
 
 # (N, K, gated, element bytes, processors) -> the tiling measured best there by ``benchmarks/exact_kernels.py
@@ -197,7 +200,7 @@ def exact_workspace_rows(rows: int, splits: int, columns: int, budget: int = EXA
 def exact_linear_launch(plan: ExactLinearPlan, rows: int, gated: bool, element_bytes: int) -> tuple[int, int, int]:
     """(16-row tiles per program, features per program, pipeline stages) for ``rows`` rows: spread only
     (the stages: the plan's, else as many as fit ``EXACT_STAGE_BYTES``, 2 to 4)."""
-    tiles = exact_row_tiles(rows)
+    tiles = exact_row_tiles(rows, plan.tiles)
     block_n = plan.block_n if rows <= EXACT_TILE_M // 2 else plan.block_n_rows
     if plan.stages:
         return tiles, block_n, plan.stages
@@ -205,9 +208,10 @@ def exact_linear_launch(plan: ExactLinearPlan, rows: int, gated: bool, element_b
     return tiles, block_n, max(2, min(4, EXACT_STAGE_BYTES // stage))
 
 
-def exact_row_tiles(rows: int) -> int:
-    """16-row tiles per program (1, 2 or 4): how many tiles share each weight load; never the arithmetic."""
-    return 1 if rows <= EXACT_TILE_M else 2 if rows <= 2 * EXACT_TILE_M else 4
+def exact_row_tiles(rows: int, most: int = 4) -> int:
+    """16-row tiles per program (1, 2 or 4, at most ``most``): how many tiles share each weight load; never the
+    arithmetic."""
+    return min(most, 1 if rows <= EXACT_TILE_M else 2 if rows <= 2 * EXACT_TILE_M else 4)
 
 
 def exact_attention_block_n(head_dim: int) -> int:

@@ -92,6 +92,8 @@ def test_exact_launches_follow_the_rows_only_in_how_work_is_spread():
                 stage = ((2 if gated else 1) * block_n + 16 * tiles) * plan.block_k * dtype_bytes
                 assert 2 <= stages <= 4 and (stages == 2 or stages * stage <= EXACT_STAGE_BYTES)
     assert [exact_row_tiles(m) for m in (1, 5, 16, 17, 32, 33, 64, 1000)] == [1, 1, 1, 2, 2, 4, 4, 4]
+    assert [exact_row_tiles(m, 2) for m in (1, 17, 64)] == [1, 2, 2] and exact_row_tiles(64, 1) == 1
+    assert exact_linear_launch(ExactLinearPlan(32, 64, 128, 4, tiles=2), 64, True, 2)[0] == 2
     assert exact_linear_launch(ExactLinearPlan(32, 64, 128, 4, 2, 3), 64, True, 2)[2] == 3  # a table's stages win
 
 
