@@ -165,8 +165,11 @@ def exact_linear_plan(out_features: int, in_features: int, gated: bool, element_
     one-row launch needs many in flight. fp32 (FMA dots): small tiles, no split.
     """
     table = EXACT_TILES.get((out_features, in_features, gated, element_bytes, processors))
-    if table is not None:
-        return table
+    return table if table is not None else exact_linear_rule(out_features, in_features, gated, element_bytes, processors)
+
+
+def exact_linear_rule(out_features: int, in_features: int, gated: bool, element_bytes: int, processors: int) -> ExactLinearPlan:
+    """``exact_linear_plan`` for a weight the table does not list."""
     if element_bytes >= 4:
         return ExactLinearPlan(16, 32, 32, 4)
     if out_features >= 65536:

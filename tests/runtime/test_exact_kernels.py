@@ -35,6 +35,7 @@ from dflash_trt.runtime.kernels.plan import (
     exact_attention_block_n,
     exact_linear_launch,
     exact_linear_plan,
+    exact_linear_rule,
     exact_row_tiles,
     exact_split_k,
     exact_split_range,
@@ -100,10 +101,10 @@ def test_exact_launches_follow_the_rows_only_in_how_work_is_spread():
 def test_exact_split_k_is_fixed_per_weight_and_covers_k():
     """Bug: the split-K count or width follows the row count (a one-row decode step split 4 ways, a 64-row verify
     not: the same row summed in two orders), leaves a K step out or counts one twice, or starts a split off a
-    BLOCK_K boundary; or a one-row launch of the default plan gets too few programs to stream the weight."""
+    BLOCK_K boundary; or a one-row launch of the rule's plan gets too few programs to stream the weight."""
     for processors in (78, 114, 132):
         for N, K, gated, _ in WEIGHTS_8B.values():
-            plan = exact_linear_plan(N, K, gated, 2, processors)
+            plan = exact_linear_rule(N, K, gated, 2, processors)
             splits, width = exact_split_k(K, plan)
             assert width % plan.block_k == 0 and (splits - 1) * width < K <= splits * width, (N, K, plan)
             ranges = [(s * width, min(s * width + width, K)) for s in range(splits)]
@@ -115,6 +116,9 @@ def test_exact_split_k_is_fixed_per_weight_and_covers_k():
     assert exact_split_k(4096, ExactLinearPlan(16, 64, 128, 4, 3)) == (3, 1408)  # 32 steps: 11 + 11 + 10
     assert exact_split_k(200, ExactLinearPlan(16, 64, 128, 4, 8)) == (2, 128)  # no empty split
     assert exact_linear_plan(6144, 4096, False, 4) == ExactLinearPlan(16, 32, 32, 4)  # fp32: no split
+    for N, K, gated, _ in WEIGHTS_8B.values():  # the table (a sweep's winners), else the rule: never a row count
+        key = (N, K, gated, 2, 132)
+        assert exact_linear_plan(*key) == EXACT_TILES.get(key, exact_linear_rule(*key))
 
 
 def test_exact_linear_table_entries_win_over_the_rule(monkeypatch):
