@@ -68,6 +68,7 @@ from dflash_trt.runtime.kernels.triton_ops import MASKED, TritonOps, query_tile
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton.jit at import, as here
 EXACT_SUM_BLOCK_N = 256  # features per program of the split-K sum (elementwise: any tile gives the same bits)
+EXACT_COUNTERS = 1 << 16  # tile / unit counters of the in-kernel sums, at least (the 8B LM head at 64 rows: 38k)
 
 
 # --------------------------------------------------------------------------- linear
@@ -455,14 +456,17 @@ class ExactOps(TritonOps):
         return plan if plan is not None else exact_linear_plan(N, K, gated, element_bytes, self.processors(device))
 
     def buffer(self, name: str, device: torch.device, elements: int, dtype: torch.dtype) -> torch.Tensor:
-        """The split-K ``partials`` (fp32 sums) or tile ``counters`` (int32, zero between launches: each
-        launch's last arrivals reset theirs): one buffer per (name, device, stream), allocated when first
-        needed, only ever replaced by a larger one, and a replaced one stays alive (CUDA graphs captured with
-        it keep its address). The calls of one stream run in order, so they can share it."""
+        """The split-K ``partials`` (fp32 sums) or the ``counters`` of the in-kernel sums (int32, zero between
+        launches: each launch's last arrivals reset theirs): one buffer per (name, device, stream), allocated
+        when first needed, only ever replaced by a larger one, and a replaced one stays alive (CUDA graphs
+        captured with it keep its address). The calls of one stream run in order, so they can share it.
+        Counters start at ``EXACT_COUNTERS`` entries: a buffer first made inside a CUDA-graph capture would
+        hold its zeros only from the graph's first replay on, so the eager warm-up before a capture makes it."""
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
         held = self._buffers.setdefault((name, str(device), stream), [])
         if not held or held[-1].numel() < elements:
-            held.append(torch.zeros(elements, dtype=dtype, device=device))
+            least = EXACT_COUNTERS if dtype == torch.int32 else 0
+            held.append(torch.zeros(max(elements, least), dtype=dtype, device=device))
         return held[-1]
 
     def attention(self, q, k_cache, v_cache, rows, q_positions, kv_len, causal, window):
@@ -481,7 +485,7 @@ class ExactOps(TritonOps):
         part = torch.empty((per_launch * splits * EXACT_BLOCK_Q, D), dtype=torch.float32, device=q.device)
         lse = torch.empty((per_launch * splits * EXACT_BLOCK_Q,), dtype=torch.float32, device=q.device)
         shape = dict(D=D, BLOCK_Q=EXACT_BLOCK_Q, BLOCK_N=block_n, SPLIT=self.split_slots, CAUSAL=causal, WINDOW=window > 0)
-        counters = self.buffer("attention counters", q.device, per_launch, torch.int32) if self.combine_in_kernel else kv_len
+        counters = self.buffer("counters", q.device, per_launch, torch.int32) if self.combine_in_kernel else kv_len
         for unit0 in range(0, units, per_launch):
             count = min(per_launch, units - unit0)
             _attention_kernel[(count, splits)](
