@@ -62,10 +62,10 @@ def _compile_job(job) -> str:
     import torch
 
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
+    from dflash_trt.runtime.kernels.plan import ExactLinearPlan
 
     name, fields, M = job
     try:
-        from dflash_trt.runtime.kernels.plan import ExactLinearPlan
 
         N, K, gated, *_ = gg.GEMMS[name]
         ops = ExactOps(linear_plans={(N, K, gated): ExactLinearPlan(*fields)})
@@ -149,7 +149,7 @@ def _relative_error(name: str, got, x, weight, norm, residual) -> float:
     import torch
     import torch.nn.functional as F
 
-    N, K, gated, normed, has_residual, _ = gg.GEMMS[name]
+    N, _, gated, normed, has_residual, _ = gg.GEMMS[name]
     h = x.float()
     if normed:
         h = (norm.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16).float())

@@ -110,7 +110,7 @@ def test_exact_split_k_is_fixed_per_weight_and_covers_k():
             assert width % plan.block_k == 0 and (splits - 1) * width < K <= splits * width, (N, K, plan)
             ranges = [(s * width, min(s * width + width, K)) for s in range(splits)]
             assert all(a < b for a, b in ranges) and ranges[0][0] == 0 and ranges[-1][1] == K
-            assert all(b == c for (_, b), (c, _) in zip(ranges, ranges[1:])), ranges
+            assert all(b == c for (_, b), (c, _) in itertools.pairwise(ranges)), ranges
             assert plan.splits in (1, 2, 4, 8) and width >= 8 * plan.block_k
             programs = -(-N // plan.block_n) * splits  # at M = 1
             assert programs >= 4 * processors or plan.splits == 8 or K < 2 * plan.splits * 8 * plan.block_k, (N, K, plan)
@@ -170,7 +170,7 @@ def test_exact_linear_launches_sum_every_row_in_one_order(monkeypatch):
             starts = []
             for grid, args, kwargs in linear.launches:
                 ws_rows, row0, end, K, width = args[13], args[15], args[16], args[18], args[19]
-                assert grid[2] == kwargs["SPLITS"] and end - row0 <= ws_rows and end <= M
+                assert grid[2] == kwargs["SPLITS"] and end - row0 <= ws_rows and end <= M and K == 4096
                 seen.add((kwargs["SPLITS"], width, kwargs["BK"], kwargs["num_warps"], kwargs["TM"], ws_rows if M == 1 else None))
                 starts.append((row0, end))
             assert [a for a, _ in starts] == list(range(0, M, starts[0][1] - starts[0][0])) and starts[-1][1] == M
