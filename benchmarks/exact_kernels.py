@@ -196,7 +196,7 @@ def run_sweep(report, fast_backend, args, out_dir):
     report.data |= {"sweep": rows, "sweep_errors": errors, "exact_tiles": tiles}
     if out_dir is not None:
         (out_dir / "exact_tiles.json").write_text(json.dumps({"machine": report.data["machine"], "table": tiles}, indent=1))
-    print("plan.EXACT_TILES lines (fields: block_n, block_n_rows, block_k, warps, splits, stages, fixup):")
+    print("plan.EXACT_TILES lines (fields: block_n, block_n_rows, block_k, warps, splits, stages, fixup, tiles):")
     print(exact_sweep.python_table(best, processors), flush=True)
     return ExactOps(linear_plans=best)
 
