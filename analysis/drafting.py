@@ -58,7 +58,7 @@ def policy_choices(cycles: pl.LazyFrame) -> pl.LazyFrame:
     | mode | String | static / dynamic / target |
     | rows | UInt32 | owner rows |
     | emitted | Int64 | Σ tokens produced |
-    | mean_ratio | Float64 | mean E[tokens per cycle] · decode cost / cycle cost at the choices (null where not estimated) |
+    | mean_ratio | Float64 | mean estimated ratio at the choices: cycle rounds' tokens/s over decode rounds' (null where not estimated) |
     | row_share | Float64 | rows / all rows |
     """
     return (

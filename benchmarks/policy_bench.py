@@ -63,7 +63,7 @@ def main() -> int:
     identical = True
     with command.open_backend(args) as backend:
         prompts = command.fit_prompts(prompts, args.max_new_tokens, backend.dims.max_context)
-        adaptive = AdaptivePolicy(backend.dims.proposals)
+        adaptive = AdaptivePolicy()
         for mode in MODES:  # warm-up: first runs of every graph, untimed
             serve_round(backend, args, prompts, stop, mode, adaptive)
         print("| round | " + " | ".join(f"{m} tok/s" for m in MODES) + " |\n|" + " --- |" * (len(MODES) + 1), flush=True)

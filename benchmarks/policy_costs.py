@@ -6,14 +6,16 @@ server's engine without HTTP) over the embedded default pair, or
 tokens from the pair's held-out prompts, ``--max-sessions`` at once, under
 a policy forced to alternate decode steps and cycles (``--policy
 alternate``: both kinds measured at every owner count), ``adaptive`` or
-``always``. Per (kind, padded owner count) it prints: launches, the
+``always``. Per round kind and padded lane count it prints: launches
+charged to such rounds (a decode round's drain cycles included), the
 policy's measured cost (wall ms per launch: the launch call, the wait for
 its verdict, and the host work turning it into tokens, stats and
-deliveries), the device ms of the same launches (``runtime.timing``: CUDA
-events, or host time around the synchronous launch on CPU), and the host's
-share of the wall cost. Then the per-lane ratio the policy would estimate
-from each measure (E[tokens per cycle] · C_decode / C_cycle), and, last,
-one JSON line.
+deliveries), tokens per launch and the policy's rate (tokens per wall
+second); per launch kind, the device ms of the launches (``runtime.timing``:
+CUDA events, or host time around the synchronous launch on CPU). Then the
+ratio the policy estimates (cycle rounds' rate over decode rounds') against
+the one device time gives (τ · device ms of a decode step / of a cycle),
+and, last, one JSON line.
 
     python benchmarks/policy_costs.py [--backend onnxruntime|torch] [--device cuda] [--max-sessions 4]
         [--requests 32] [--max-tokens 64] [--policy alternate|adaptive|always] [--record]
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import platform
 import sys
@@ -45,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class Recorded:
-    """A policy whose measured costs are kept, launch by launch: (kind, owners, seconds)."""
+    """A policy whose observations are kept, launch by launch: (round kind, owners, seconds, tokens)."""
 
     def __init__(self, inner) -> None:
         self.inner, self.samples = inner, []
@@ -53,41 +56,40 @@ class Recorded:
     def choose(self, owners: int) -> Choice:
         return self.inner.choose(owners)
 
-    def observe_cost(self, kind: str, owners: int, seconds: float) -> None:
-        self.samples.append((kind, owners, seconds))
-        self.inner.observe_cost(kind, owners, seconds)
-
-    def observe_accepted(self, accepted) -> None:
-        self.inner.observe_accepted(accepted)
+    def observe(self, kind: str, owners: int, seconds: float, tokens: int) -> None:
+        self.samples.append((kind, owners, seconds, tokens))
+        self.inner.observe(kind, owners, seconds, tokens)
 
 
 class Alternate(AdaptivePolicy):
     """Decode, decode, cycle, ...: both kinds measured at every owner count (a lane with a cycle in
     flight is deferred on a decode choice and offered again: the second decode runs it)."""
 
-    def __init__(self, proposals: int) -> None:
-        super().__init__(proposals)
+    def __init__(self) -> None:
+        super().__init__()
         self.pattern = itertools.cycle((DECODE, DECODE, CYCLE))
 
     def choose(self, owners: int) -> Choice:
-        return Choice(next(self.pattern), EXPLORE)
+        kind = next(self.pattern)
+        return Choice(kind, EXPLORE, math.nan, kind, owners)
 
 
 POLICIES = {"alternate": Alternate, "adaptive": AdaptivePolicy, "always": AlwaysCycle}
 
 
-def costs(samples: list[tuple[str, int, float]], cycles: pl.DataFrame, max_owners: int) -> pl.DataFrame:
-    """Per (kind, owners): launches, wall ms (the policy's cost) and device ms of the loop's launches."""
-    wall = pl.DataFrame(samples, schema={"kind": pl.Utf8, "owners": pl.Int64, "seconds": pl.Float64}, orient="row")
-    wall = wall.group_by("kind", "owners").agg(pl.len().alias("launches"), (pl.col("seconds").mean() * 1000).alias("wall_ms"),
-                                               (pl.col("seconds").median() * 1000).alias("wall_p50_ms"))
-    loop = cycles.filter(pl.col("verify_ms") > 0).unique("cycle_id")  # one row per launch (prompt predictions included below)
-    loop = loop.filter((pl.col("mode") != "target") | (pl.col("policy") != "fixed"))  # the policed lanes' launches
+def costs(samples: list[tuple[str, int, float, int]], cycles: pl.DataFrame, max_owners: int) -> pl.DataFrame:
+    """Per (kind, owners): launches charged to rounds of that kind, wall ms and tokens per launch, the
+    rate (tokens per wall second), and the device ms of the loop's launches of that kind."""
+    schema = {"kind": pl.Utf8, "owners": pl.Int64, "seconds": pl.Float64, "tokens": pl.Int64}
+    wall = pl.DataFrame(samples, schema=schema, orient="row").group_by("kind", "owners").agg(
+        pl.len().alias("launches"), (pl.col("seconds").mean() * 1000).alias("wall_ms"), pl.col("tokens").mean().alias("tokens"),
+        (pl.col("tokens").sum() / pl.col("seconds").sum()).alias("tokens_per_s"))
+    loop = cycles.filter(pl.col("verify_ms") > 0).unique("cycle_id")  # one row per launch
+    loop = loop.filter((pl.col("mode") != "target") | (pl.col("policy") != "fixed"))  # the drafting lanes' launches
     loop = loop.with_columns(pl.when(pl.col("mode") == "target").then(pl.lit(DECODE)).otherwise(pl.lit(CYCLE)).alias("kind"),
                              pl.col("owners").map_elements(lambda n: padded(min(n, max_owners), max_owners), return_dtype=pl.Int64))
     device = loop.group_by("kind", "owners").agg(pl.col("verify_ms").mean().alias("device_ms"))
-    table = wall.join(device, on=["kind", "owners"], how="left").sort("owners", "kind")
-    return table.with_columns((1 - pl.col("device_ms") / pl.col("wall_ms")).alias("host_share"))
+    return wall.join(device, on=["kind", "owners"], how="left").sort("owners", "kind")
 
 
 def main() -> int:
@@ -105,7 +107,7 @@ def main() -> int:
     prompts = command.read_prompts(args.prompts, tokenizer, None)
     with command.open_backend(args) as backend:
         sessions = args.max_sessions or backend.dims.max_owners
-        policy = Recorded(POLICIES[args.policy](backend.dims.proposals))
+        policy = Recorded(POLICIES[args.policy]())
         executor = Executor(backend, max_sessions=sessions, policy=policy, max_cycles=args.max_cycles, stats_rows=None)
         serving = ServingLoop(executor, tokenizer)
         started = time.perf_counter()
@@ -124,9 +126,9 @@ def main() -> int:
     for owners in sorted(set(table["owners"])):
         row = {r["kind"]: r for r in table.filter(pl.col("owners") == owners).iter_rows(named=True)}
         if tau is not None and CYCLE in row and DECODE in row and row[CYCLE]["device_ms"] and row[DECODE]["device_ms"]:
-            ratios[owners] = {"wall": round(cycle_ratio(tau, row[CYCLE]["wall_ms"], row[DECODE]["wall_ms"]), 3),
-                              "device": round(cycle_ratio(tau, row[CYCLE]["device_ms"], row[DECODE]["device_ms"]), 3)}
-            print(f"owners {owners}: ratio from wall cost {ratios[owners]['wall']}, from device time {ratios[owners]['device']} (τ {tau:.3f})")
+            ratios[owners] = {"wall": round(cycle_ratio(row[CYCLE]["tokens_per_s"], row[DECODE]["tokens_per_s"]), 3),
+                              "device": round(tau * row[DECODE]["device_ms"] / row[CYCLE]["device_ms"], 3)}
+            print(f"owners {owners}: ratio from wall rates {ratios[owners]['wall']}, from device time {ratios[owners]['device']} (τ {tau:.3f})")
     summary = {"name": "policy_costs", "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
                "command": " ".join(["python", "benchmarks/policy_costs.py", *sys.argv[1:]]), "policy": args.policy, "sessions": sessions,
                "requests": args.requests, "tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2),

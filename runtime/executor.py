@@ -59,6 +59,7 @@ import secrets
 import time
 import weakref
 from collections import Counter
+from dataclasses import replace
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -129,8 +130,7 @@ class Executor:
         ``adaptive`` picks a cycle or a plain decode step per round for drafting
         sessions from measured costs and acceptance; ``always`` cycles whenever
         a block fits (or any object with ``runtime.policy.AdaptivePolicy``'s
-        ``choose`` / ``observe_cost`` / ``observe_accepted``). Greedy output is
-        the same under any policy.
+        ``choose`` / ``observe``). Greedy output is the same under any policy.
         """
         dims = dims if dims is not None else backend.dims
         self.ownership = backend.ownership()
@@ -157,7 +157,7 @@ class Executor:
         self.speculate, self.max_cycles, self.lag = bool(speculate), max_cycles, bool(lag)
         if isinstance(policy, str) and policy not in POLICIES:
             raise InputError(f"policy must be one of {POLICIES} (or a policy object), got {policy!r}")
-        self.policy = make_policy(policy, dims.proposals) if isinstance(policy, str) else policy
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.loop = DeviceLoop(backend, dims, self.context, rows, cycle_graphs)
         self._prepare_programs()
         self.closed = False
@@ -619,7 +619,7 @@ class Executor:
                 lane.deferred = True
                 continue
             if choice.kind == DECODE and self._pending(lane) >= self.dims.block_size:
-                self._set_kind(lane, CYCLE, Choice(CYCLE, DRAIN, choice.ratio))
+                self._set_kind(lane, CYCLE, replace(choice, kind=CYCLE, why=DRAIN))  # charged to the decode round
             else:
                 self._set_kind(lane, choice.kind, choice)
             ready.append(lane)
@@ -654,18 +654,17 @@ class Executor:
     def _read(self, group: Group, launched: tuple[Launch, float]) -> None:
         """Host sync (the launch's event): apply its verdict to the sessions, lanes and stats; hand
         the lanes' new tokens to ``on_tokens``. The launch's wall cost (launch call, wait, this
-        work) goes to the policy (``runtime.policy``: why wall time)."""
+        work) and the tokens it yielded go to the policy, charged to the round that chose it
+        (``runtime.policy``: why wall time, why per round)."""
         launch, launch_s = launched
         started = time.perf_counter()
         record, device_ms = self.loop.read(launch)
-        if group.kind == CYCLE:
-            self._read_cycle(group, record, device_ms)
-        else:
-            self._read_decode(group, record, device_ms)
+        read = self._read_cycle if group.kind == CYCLE else self._read_decode
+        tokens = read(group, record, device_ms)
         self._stream(group.lanes)
-        if any(lane.policed for lane in group.lanes):
-            owners = padded(min(len(group.lanes), self.dims.max_owners), self.dims.max_owners)
-            self.policy.observe_cost(group.kind, owners, launch_s + time.perf_counter() - started)
+        choice = next((lane.flight[0].choice for lane in group.lanes if lane.flight[0].choice is not None), None)
+        if choice is not None:
+            self.policy.observe(choice.round, choice.owners, launch_s + time.perf_counter() - started, tokens)
 
     def _stream(self, lanes: Sequence[Lane]) -> None:
         if self._on_tokens is None:
@@ -675,14 +674,14 @@ class Executor:
                 self._on_tokens(lane.step.index, lane.tokens[lane.streamed :], lane.finish)
                 lane.streamed = len(lane.tokens)
 
-    def _read_cycle(self, group: Group, record: np.ndarray, device_ms: float) -> None:
+    def _read_cycle(self, group: Group, record: np.ndarray, device_ms: float) -> int:
+        """The cycle's verdicts applied; returns the tokens it yielded (a + 1 per owner not finished before it)."""
         P = self.dims.proposals
         sessions = [lane.session for lane in group.lanes]
         starts = [s.frontier for s in sessions]
         counts = [s.frontier - s.draft_position for s in sessions]
         accepted, tokens, proposals = record[:, ACCEPTED_COLUMN], record[:, NEXT_COLUMN], record[:, PROPOSALS_COLUMN:]
         verdicts = make_verdicts(proposals, accepted, tokens, starts, self.dims.vocab_size)
-        self.policy.observe_accepted(accepted)
         rows, live_counts, live_verdicts, choices = [], [], [], []
         for lane, verdict, count, start in zip(group.lanes, verdicts, counts, starts):
             s = lane.session
@@ -700,12 +699,14 @@ class Executor:
             live_counts.append(count)
             live_verdicts.append(verdict)
         if not rows:
-            return
+            return 0
         self.log.cycle_counters(len(rows), P, live_counts, live_verdicts, self.tap_row_bytes)
         # One device unit: the draft is not timed apart inside a cycle's graph (the whole cycle is verify_ms).
         self.log.cycle_rows(rows, P, 0.0, device_ms, owners=len(group.lanes), choices=choices)
+        return sum(len(verdict.tokens) for verdict in live_verdicts)
 
-    def _read_decode(self, group: Group, record: np.ndarray, device_ms: float) -> None:
+    def _read_decode(self, group: Group, record: np.ndarray, device_ms: float) -> int:
+        """The step's tokens applied; returns the tokens it yielded (one per lane not finished before it)."""
         live = [lane for lane in group.lanes if not lane.finished]  # a finished lane's read-ahead step is discarded
         if live:
             self.log.decode_rows([lane.session for lane in live], device_ms, len(group.lanes), [lane.flight[0].choice for lane in live])
@@ -723,6 +724,7 @@ class Executor:
                 s.frontier += 1
                 s.draft_position = s.frontier  # no drafting: no pending context
             lane.add([token])
+        return len(live)
 
     def _sampling_feeds(self, samplings: list[Sampling], positions: list[int]) -> dict[str, torch.Tensor]:
         """``cycles.sampling_rows`` as device tensors (small H2D copies on CUDA)."""

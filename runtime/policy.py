@@ -1,31 +1,35 @@
 """Speculation that never loses: per round, a DFlash cycle or a plain decode step for the drafting lanes.
 
 Pure math over what the loop measures (no torch); the executor asks for one
-``Choice`` per round (the lanes it is about to launch together) and feeds
-back each launch's cost and each cycle's acceptance.
+``Choice`` per round (the lanes it is about to launch together, ``n`` of
+them, padded to ``device_loop.owner_buckets``) and feeds back, per launch,
+the kind and lane count of the round that caused it, its cost and the
+tokens it yielded.
 
-Per lane, a round at ``n`` owners is either a cycle, costing ``C_cycle(n)``
-seconds and yielding E[tokens per cycle] tokens, or a decode step, costing
-``C_decode(n)`` and yielding one token. Cycle iff it yields more tokens per
-second::
+A round of ``n`` lanes is either cycles or decode steps; cycle iff cycle
+rounds yield more tokens per second at ``n``::
 
-    ratio(n) = E[tokens per cycle] * C_decode(n) / C_cycle(n) > 1
+    ratio(n) = (tokens / second of cycle rounds at n) / (tokens / second of decode rounds at n) > 1
 
-E[tokens per cycle] = 1 + Σ_j P(a ≥ j), j = 1..P, from the acceptance by
-draft position seen so far (``survival``: P(a ≥ j), an EWMA over cycles);
-τ counts the bonus token, as ``runtime.stats`` defines it.
+With no other launches, a cycle round yields n · E[tokens per cycle] tokens
+(the accepted proposals and the correction/bonus token: τ per owner) for
+C_cycle(n) seconds and a decode round n tokens for C_decode(n), so this is
+E[tokens per cycle] · C_decode(n) / C_cycle(n) > 1. Measured per round kind,
+it also charges each kind with what it causes: a decode round's forced
+drains (lanes whose pending context is full cycle: ``DRAIN``), split
+launches, and launches whose tokens are discarded (a lane that finished).
 
 Costs are WALL seconds per launch, host work included (the launch call, the
 wait for its verdict, and turning it into tokens, stats and streamed
 deliveries): summed over launches they are the loop's wall time, so the
 policy maximizes what callers receive per second. Device time alone
-(``runtime.timing``) would miss what a busy serving thread spends per launch,
-which is where a cycle at many owners loses (benchmarks/RESULTS.md,
-"policy"). Costs are kept per (kind, padded owner count) as an EWMA; the
-first launch of each key is not counted (it warms up: compiles, captures),
-and a cost is known from its second counted launch on.
+(``runtime.timing``) would miss what a busy serving thread spends per launch
+(benchmarks/RESULTS.md, "policy"). Costs and yields are kept per (round
+kind, padded lane count) as EWMAs; the first launch of each key is not
+counted (it warms up: compiles, captures), and a rate is known from its
+second counted launch on.
 
-While a cost at ``n`` is unknown, the policy explores (runs the unknown
+While a rate at ``n`` is unknown, the policy explores (runs the unknown
 kind); once both are known it re-probes the losing kind every
 ``probe_every`` rounds at that count, so a stale estimate recovers when the
 load changes. Hysteresis: the choice at ``n`` switches only when the ratio
@@ -41,8 +45,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
-
 CYCLE, DECODE = "cycle", "decode"  # the kinds (device_loop's program kinds)
 # Why a lane ran what it ran: the cycle table's ``policy`` column.
 ESTIMATE, EXPLORE, PROBE, DRAIN, FIXED = "estimate", "explore", "probe", "drain", "fixed"
@@ -51,12 +53,15 @@ POLICIES = ("adaptive", "always")  # ``Executor(policy=...)``, ``--policy``
 
 @dataclass(frozen=True)
 class Choice:
-    """One round's choice: the kind, why (``ESTIMATE``, ``EXPLORE``, ``PROBE``, ``FIXED``; the executor adds
-    ``DRAIN``), and the estimated ratio at the decision (NaN while a cost is unknown)."""
+    """What a lane runs and why: ``kind``; ``why`` (``ESTIMATE``, ``EXPLORE``, ``PROBE``, ``FIXED``, or
+    ``DRAIN`` from the executor); the estimated ratio at the decision (NaN while a rate is unknown); and
+    the round it belongs to (its kind and padded lane count), which its launch's cost is charged to."""
 
     kind: str
     why: str
     ratio: float = math.nan
+    round: str = ""
+    owners: int = 0
 
 
 @dataclass
@@ -84,76 +89,53 @@ class Ewma:
         return self.seen - self.skip >= self.least
 
 
-def expected_tokens(survival: np.ndarray) -> float:
-    """E[tokens per cycle] from P(a ≥ j), j = 1..P: the accepted proposals and the correction/bonus token.
+def cycle_ratio(cycle_tokens_per_s: float, decode_tokens_per_s: float) -> float:
+    """Tokens per second of cycle rounds over that of decode rounds (> 1: cycling pays).
 
-    >>> expected_tokens(np.array([0.5, 0.25, 0.0]))
-    1.75
-    """
-    return 1.0 + float(np.sum(survival))
-
-
-def survival_of(accepted: np.ndarray, proposals: int) -> np.ndarray:
-    """P(a ≥ j) for j = 1..P over the cycles' accepted counts [m].
-
-    >>> survival_of(np.array([0, 2, 3]), 3).tolist()
-    [0.6666666666666666, 0.6666666666666666, 0.3333333333333333]
-    """
-    return (np.asarray(accepted)[:, None] >= np.arange(1, proposals + 1)[None, :]).mean(axis=0)
-
-
-def cycle_ratio(tokens_per_cycle: float, cycle_s: float, decode_s: float) -> float:
-    """Tokens per second of cycling over that of decoding, per lane (> 1: cycling pays).
-
-    >>> cycle_ratio(3.0, 0.02, 0.005)
+    >>> cycle_ratio(150.0, 200.0)
     0.75
     """
-    return tokens_per_cycle * decode_s / cycle_s
+    return cycle_tokens_per_s / decode_tokens_per_s
 
 
 @dataclass
 class AdaptivePolicy:
-    """Cycle or decode per round, from measured costs and acceptance (see the module docstring)."""
+    """Cycle or decode per round, from measured costs and yields (see the module docstring)."""
 
-    proposals: int
-    alpha: float = 0.2  # cost EWMA weight of a new launch
-    acceptance_alpha: float = 0.05  # survival EWMA weight of a new launch's cycles
+    alpha: float = 0.2  # EWMA weight of a new launch
     margin: float = 0.05  # hysteresis: switch when the ratio crosses 1 ± margin
-    probe_every: int = 64  # rounds at one owner count between probes of the losing kind
-    costs: dict[tuple[str, int], Ewma] = field(default_factory=dict)
-    survival: np.ndarray | None = None  # P(a ≥ j), j = 1..P; None before the first cycle
+    probe_every: int = 64  # rounds at one lane count between probes of the losing kind
+    costs: dict[tuple[str, int], Ewma] = field(default_factory=dict)  # (round kind, owners) -> seconds per launch
+    yields: dict[tuple[str, int], Ewma] = field(default_factory=dict)  # ... -> tokens per launch
     last: dict[int, str] = field(default_factory=dict)  # owners -> the kind chosen last
     since_probe: dict[int, int] = field(default_factory=dict)  # owners -> rounds since the loser ran
 
-    def observe_cost(self, kind: str, owners: int, seconds: float) -> None:
-        """One launch of ``kind`` at ``owners`` (padded) took ``seconds`` of wall time."""
+    def observe(self, kind: str, owners: int, seconds: float, tokens: int) -> None:
+        """One launch of a round of ``kind`` at ``owners`` (padded) lanes took ``seconds`` of wall time
+        and yielded ``tokens`` (0 for one whose tokens were all discarded)."""
         self.costs.setdefault((kind, owners), Ewma(self.alpha)).add(seconds)
+        self.yields.setdefault((kind, owners), Ewma(self.alpha)).add(tokens)
 
-    def observe_accepted(self, accepted: np.ndarray) -> None:
-        """One launch's cycles: their accepted counts [m]."""
-        if len(accepted) == 0:
-            return
-        seen = survival_of(accepted, self.proposals)
-        self.survival = seen if self.survival is None else self.survival + self.acceptance_alpha * (seen - self.survival)
-
-    def cost(self, kind: str, owners: int) -> float | None:
-        """The estimated seconds per launch; None until ``Ewma.known``."""
-        ewma = self.costs.get((kind, owners))
-        return ewma.value if ewma is not None and ewma.known else None
+    def rate(self, kind: str, owners: int) -> float | None:
+        """Tokens per second of rounds of ``kind`` at ``owners``; None until ``Ewma.known``."""
+        cost, tokens = self.costs.get((kind, owners)), self.yields.get((kind, owners))
+        if cost is None or not cost.known or cost.value <= 0:
+            return None
+        return tokens.value / cost.value
 
     def ratio(self, owners: int) -> float | None:
-        """E[tokens per cycle] · C_decode / C_cycle at ``owners``; None while anything is unknown."""
-        cycle, decode = self.cost(CYCLE, owners), self.cost(DECODE, owners)
-        if cycle is None or decode is None or self.survival is None:
+        """Cycle rounds' tokens per second over decode rounds' at ``owners``; None while either is unknown."""
+        cycle, decode = self.rate(CYCLE, owners), self.rate(DECODE, owners)
+        if cycle is None or decode is None or decode <= 0:
             return None
-        return cycle_ratio(expected_tokens(self.survival), cycle, decode)
+        return cycle_ratio(cycle, decode)
 
     def choose(self, owners: int) -> Choice:
         """The kind of the round at ``owners`` (padded) lanes."""
         ratio = self.ratio(owners)
         if ratio is None:
-            unknown = CYCLE if self.cost(CYCLE, owners) is None or self.survival is None else DECODE
-            return Choice(unknown, EXPLORE)
+            unknown = CYCLE if self.rate(CYCLE, owners) is None else DECODE
+            return Choice(unknown, EXPLORE, math.nan, unknown, owners)
         previous = self.last.get(owners)
         threshold = 1.0 + self.margin if previous == DECODE else 1.0 - self.margin if previous == CYCLE else 1.0
         best = CYCLE if ratio > threshold else DECODE
@@ -161,27 +143,23 @@ class AdaptivePolicy:
         rounds = self.since_probe.get(owners, 0) + 1
         if rounds > self.probe_every:
             self.since_probe[owners] = 0
-            return Choice(DECODE if best == CYCLE else CYCLE, PROBE, ratio)
+            loser = DECODE if best == CYCLE else CYCLE
+            return Choice(loser, PROBE, ratio, loser, owners)
         self.since_probe[owners] = rounds
-        return Choice(best, ESTIMATE, ratio)
+        return Choice(best, ESTIMATE, ratio, best, owners)
 
 
 @dataclass
 class AlwaysCycle:
     """The fixed policy: every drafting lane cycles whenever a block fits."""
 
-    proposals: int
-
-    def observe_cost(self, kind: str, owners: int, seconds: float) -> None:
-        pass
-
-    def observe_accepted(self, accepted: np.ndarray) -> None:
+    def observe(self, kind: str, owners: int, seconds: float, tokens: int) -> None:
         pass
 
     def choose(self, owners: int) -> Choice:
-        return Choice(CYCLE, FIXED)
+        return Choice(CYCLE, FIXED, math.nan, CYCLE, owners)
 
 
-def make_policy(name: str, proposals: int) -> AdaptivePolicy | AlwaysCycle:
-    """The policy named ``name`` (one of ``POLICIES``) for ``proposals`` proposals per cycle."""
-    return {"adaptive": AdaptivePolicy, "always": AlwaysCycle}[name](proposals)
+def make_policy(name: str) -> AdaptivePolicy | AlwaysCycle:
+    """The policy named ``name`` (one of ``POLICIES``)."""
+    return {"adaptive": AdaptivePolicy, "always": AlwaysCycle}[name]()

@@ -31,7 +31,7 @@ per session per plain target-decode step:
 | host_ms | Float64 | host time since the previous row outside this call's device time (shared) |
 | end_ms | Float64 | wall-clock time the cycle ended, ms since the executor started |
 | policy | Utf8 | why this row's launch was a cycle or a decode step (``runtime.policy``): ``estimate`` (the measured ratio said so), ``explore`` (a cost still unknown), ``probe`` (re-measuring the losing kind), ``drain`` (pending context full: a cycle must run), ``fixed`` (no choice: not drafting, no block's room, a prompt's prediction, or the ``always`` policy) |
-| policy_ratio | Float64 | the policy's estimate at the choice: E[tokens per cycle] · decode cost / cycle cost (> 1: cycling pays); NaN when not estimated |
+| policy_ratio | Float64 | the policy's estimate at the choice: cycle rounds' tokens per second over decode rounds' (> 1: cycling pays); NaN when not estimated |
 
 Execute table (``EXECUTE_SCHEMA``), one row per ``execute()``: the
 counters of docs/design.md §8 as per-call deltas, plus timing.

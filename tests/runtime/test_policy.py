@@ -15,9 +15,7 @@ import torch
 from dflash_trt.errors import InputError
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor, Input
-from dflash_trt.runtime.policy import (
-    CYCLE, DECODE, DRAIN, ESTIMATE, EXPLORE, FIXED, PROBE, AdaptivePolicy, Choice, expected_tokens, survival_of,
-)
+from dflash_trt.runtime.policy import CYCLE, DECODE, DRAIN, ESTIMATE, EXPLORE, FIXED, PROBE, AdaptivePolicy, Choice
 from executor_fixtures import DraftReference, RecordingBackend, Tracker, tiny_dims
 
 TINY_ROWS = 8
@@ -26,92 +24,119 @@ TINY_ROWS = 8
 # ------------------------------------------------------------------ the policy's math
 
 
-def brute_force_tokens_per_s(accepted: np.ndarray, cycle_s: float, decode_s: float) -> dict[str, float]:
-    """Per lane: tokens per second of cycling (mean of a + 1 per cycle) and of decoding (one per step)."""
-    return {CYCLE: float(np.mean(accepted + 1)) / cycle_s, DECODE: 1.0 / decode_s}
+def launches_of(kind: str, lanes: int, accepted: np.ndarray, cycle_s: float, decode_s: float, drains: int = 0):
+    """One round's launches as (seconds, tokens): a cycle of ``lanes`` owners yields a + 1 each; a decode
+    round yields one per lane, plus ``drains`` of its lanes cycling apart (each drain a cycle launch)."""
+    if kind == CYCLE:
+        return [(cycle_s, int(np.sum(accepted[:lanes] + 1)))]
+    drained = [(cycle_s, int(np.sum(accepted[:drains] + 1)))] if drains else []
+    return [(decode_s, lanes - drains), *drained]
 
 
-def known_policy(accepted: np.ndarray, proposals: int, owners: int, cycle_s: float, decode_s: float, **options) -> AdaptivePolicy:
-    """An adaptive policy that has seen these acceptances once and each cost at ``owners`` three times."""
-    policy = AdaptivePolicy(proposals, acceptance_alpha=1.0, **options)
-    policy.observe_accepted(accepted)
-    for _ in range(3):
-        policy.observe_cost(CYCLE, owners, cycle_s)
-        policy.observe_cost(DECODE, owners, decode_s)
-    return policy
+def brute_force_best(accepted: np.ndarray, lanes: int, cycle_s: float, decode_s: float, drains: int) -> tuple[str, float]:
+    """The kind whose rounds deliver more tokens per second, and the ratio: Σ tokens / Σ seconds of each."""
+    rates = {}
+    for kind in (CYCLE, DECODE):
+        launches = launches_of(kind, lanes, accepted, cycle_s, decode_s, drains)
+        rates[kind] = sum(t for _, t in launches) / sum(s for s, _ in launches)
+    return max(rates, key=rates.get), rates[CYCLE] / rates[DECODE]
 
 
 def test_choice_maximizes_tokens_per_second_against_brute_force():
-    """Guards against a wrong decision rule (τ without the bonus token, the cost ratio inverted, costs of
-    another owner count): on random acceptances and costs the policy must pick the kind whose brute-force
-    per-lane tokens per second is higher, and report their ratio."""
+    """Guards against a wrong decision rule (τ without the bonus token, the cost ratio inverted, rates of
+    another lane count, a decode round's forced drains not charged to it): on random acceptances, costs
+    and drains the policy must pick the kind whose rounds deliver more tokens per second by brute force,
+    and report the ratio."""
     rng = np.random.default_rng(0)
     for trial in range(300):
-        P = int(rng.integers(1, 16))
-        accepted = np.minimum(rng.geometric(rng.uniform(0.1, 0.9), int(rng.integers(1, 40))) - 1, P)
+        lanes = int(rng.choice([1, 2, 4, 16, 64]))
+        accepted = np.minimum(rng.geometric(rng.uniform(0.1, 0.9), lanes) - 1, 15)
         cycle_s, decode_s = rng.uniform(1e-3, 5e-2), rng.uniform(1e-3, 2e-2)
-        owners = int(rng.choice([1, 2, 4, 64]))
-        policy = known_policy(accepted, P, owners, cycle_s, decode_s, margin=0.0, probe_every=10**9)
-        rates = brute_force_tokens_per_s(accepted, cycle_s, decode_s)
-        if math.isclose(rates[CYCLE], rates[DECODE], rel_tol=1e-9):
+        drains = int(rng.integers(0, lanes)) if lanes > 1 else 0
+        policy = AdaptivePolicy(margin=0.0, probe_every=10**9)
+        for kind in (CYCLE, DECODE):
+            policy.observe(kind, lanes, 1.0, 0)  # the first launch of each round kind is a warm-up: not counted
+            for _ in range(2):  # whole rounds (fewer launches than 1 / alpha: their plain mean)
+                for seconds, tokens in launches_of(kind, lanes, accepted, cycle_s, decode_s, drains):
+                    policy.observe(kind, lanes, seconds, tokens)
+        best, ratio = brute_force_best(accepted, lanes, cycle_s, decode_s, drains)
+        if math.isclose(ratio, 1.0, rel_tol=1e-9):
             continue
-        choice = policy.choose(owners)
-        assert choice.kind == max(rates, key=rates.get), (trial, rates, choice)
-        assert choice.why == ESTIMATE and choice.ratio == pytest.approx(rates[CYCLE] / rates[DECODE])
-        assert expected_tokens(survival_of(accepted, P)) == pytest.approx(np.mean(accepted + 1))
+        choice = policy.choose(lanes)
+        assert (choice.kind, choice.why, choice.round, choice.owners) == (best, ESTIMATE, best, lanes), (trial, ratio, choice)
+        assert choice.ratio == pytest.approx(ratio)
 
 
-def test_unknown_costs_are_explored_and_the_first_launch_is_not_counted():
-    """Guards against deciding from nothing (a kind never measured at this owner count would never run,
-    so its cost would stay unknown) and against a warm-up launch (compiles, captures) setting the cost."""
-    policy = AdaptivePolicy(7, margin=0.0)
-    assert policy.choose(4) == Choice(CYCLE, EXPLORE)  # nothing known: cycle first (measures acceptance too)
-    policy.observe_accepted(np.array([3, 3]))
-    policy.observe_cost(CYCLE, 4, 10.0)  # warm-up: ignored
-    policy.observe_cost(CYCLE, 4, 0.020)
-    assert policy.choose(4).kind == CYCLE and policy.cost(CYCLE, 4) is None  # one counted sample: not known yet
-    policy.observe_cost(CYCLE, 4, 0.020)
-    assert policy.cost(CYCLE, 4) == pytest.approx(0.020)
-    assert policy.choose(4) == Choice(DECODE, EXPLORE)  # the decode cost is the unknown one now
+def test_the_ratio_is_tau_times_the_cost_ratio_without_drains():
+    """Guards against a rate that is not per lane-token: with one launch per round the ratio must be
+    E[tokens per cycle] · C_decode / C_cycle (τ counting the bonus token), whatever the lane count."""
+    accepted = np.array([0, 3, 5, 2])  # τ = 3.5
+    policy = AdaptivePolicy()
+    for _ in range(3):
+        policy.observe(CYCLE, 4, 0.020, int(np.sum(accepted + 1)))
+        policy.observe(DECODE, 4, 0.005, 4)
+    assert policy.ratio(4) == pytest.approx(3.5 * 0.005 / 0.020)
+
+
+def test_unknown_rates_are_explored_and_the_first_launch_is_not_counted():
+    """Guards against deciding from nothing (a kind never measured at this lane count would never run,
+    so its rate would stay unknown) and against a warm-up launch (compiles, captures) setting the cost."""
+    policy = AdaptivePolicy(margin=0.0)
+    assert policy.choose(4) == Choice(CYCLE, EXPLORE, pytest.approx(math.nan, nan_ok=True), CYCLE, 4)
+    policy.observe(CYCLE, 4, 10.0, 16)  # warm-up: ignored
+    policy.observe(CYCLE, 4, 0.020, 16)
+    assert policy.choose(4).kind == CYCLE and policy.rate(CYCLE, 4) is None  # one counted launch: not known yet
+    policy.observe(CYCLE, 4, 0.020, 16)
+    assert policy.rate(CYCLE, 4) == pytest.approx(800.0)
+    assert policy.choose(4).kind == DECODE and policy.choose(4).why == EXPLORE  # the decode rate is the unknown one now
     for seconds in (1.0, 0.004, 0.004):
-        policy.observe_cost(DECODE, 4, seconds)
-    choice = policy.choose(4)  # 4 tokens per cycle at 20 ms against 1 per 4 ms: ratio 0.8
-    assert choice.kind == DECODE and choice.why == ESTIMATE and choice.ratio == pytest.approx(0.8)
-    assert policy.choose(2) == Choice(CYCLE, EXPLORE)  # another owner count is measured on its own
+        policy.observe(DECODE, 4, seconds, 4)
+    choice = policy.choose(4)  # 4 tokens per lane-cycle at 20 ms against 1 per 4 ms: ratio 0.8
+    assert (choice.kind, choice.why, choice.ratio) == (DECODE, ESTIMATE, pytest.approx(0.8))
+    assert policy.choose(2).why == EXPLORE  # another lane count is measured on its own
+
+
+def known(**options) -> AdaptivePolicy:
+    policy = AdaptivePolicy(**options)
+    for _ in range(3):
+        policy.observe(CYCLE, 1, 0.010, 2)  # 200 tokens/s
+        policy.observe(DECODE, 1, 0.005, 1)
+    return policy
+
+
+def set_decode_rate(policy: AdaptivePolicy, ratio: float) -> None:
+    """Make the decode rate such that cycle / decode = ``ratio`` (cycle rounds: 200 tokens/s)."""
+    policy.costs[(DECODE, 1)].value = ratio * policy.yields[(DECODE, 1)].value / 200.0
 
 
 def test_hysteresis_keeps_the_choice_inside_the_margin_and_switches_outside():
     """Guards against flapping between cycles and decode steps on noise: a ratio within ±margin of 1
-    keeps the previous choice at that owner count; beyond it the choice switches."""
-    accepted = np.array([1, 1])  # 2 tokens per cycle
-    policy = known_policy(accepted, 3, 1, 0.0100, 0.0048, margin=0.05, probe_every=10**9)  # ratio 0.96
-    assert policy.choose(1).kind == DECODE  # no previous choice: the plain comparison
-    for decode_s in (0.0052, 0.0051):  # ratio 1.04, 1.02: inside the margin, stays
-        policy.costs[(DECODE, 1)].value = decode_s
-        assert policy.choose(1).kind == DECODE
-    policy.costs[(DECODE, 1)].value = 0.0054  # ratio 1.08
-    assert policy.choose(1).kind == CYCLE
-    policy.costs[(DECODE, 1)].value = 0.0049  # ratio 0.98: inside, stays cycling
-    assert policy.choose(1).kind == CYCLE
-    policy.costs[(DECODE, 1)].value = 0.0045  # ratio 0.90
-    assert policy.choose(1).kind == DECODE
+    keeps the previous choice at that lane count; beyond it the choice switches."""
+    policy = known(margin=0.05, probe_every=10**9)
+    for ratio, kind in ((0.96, DECODE), (1.04, DECODE), (1.02, DECODE), (1.08, CYCLE), (0.98, CYCLE), (0.90, DECODE)):
+        set_decode_rate(policy, ratio)
+        choice = policy.choose(1)
+        assert choice.kind == kind and choice.ratio == pytest.approx(ratio), (ratio, choice)
 
 
 def test_the_losing_kind_is_probed_so_a_stale_estimate_recovers():
-    """Guards against a losing kind that is never run again: its cost is then frozen at its old value and
+    """Guards against a losing kind that is never run again: its rate is then frozen at its old value and
     the policy cannot notice when the load changes. Every probe_every rounds the loser runs once; as its
     cost is re-measured lower the choice follows."""
-    policy = known_policy(np.array([2, 2]), 3, 2, 0.030, 0.005, margin=0.0, probe_every=4)  # ratio 0.5: decode
+    policy = AdaptivePolicy(margin=0.0, probe_every=4)
+    for _ in range(3):
+        policy.observe(CYCLE, 2, 0.030, 6)  # 200 tokens/s
+        policy.observe(DECODE, 2, 0.005, 2)  # 400 tokens/s: decode
     choices = [policy.choose(2) for _ in range(10)]
     assert [c.why for c in choices] == [ESTIMATE] * 4 + [PROBE] + [ESTIMATE] * 4 + [PROBE]
-    assert all(c.kind == CYCLE for c in choices if c.why == PROBE) and all(c.kind == DECODE for c in choices if c.why == ESTIMATE)
+    assert all(c.kind == c.round == CYCLE for c in choices if c.why == PROBE) and all(c.kind == DECODE for c in choices if c.why == ESTIMATE)
     kinds = []
-    for _ in range(100):  # the load changed: cycles now cost 10 ms (each probe measures one)
+    for _ in range(100):  # the load changed: cycle rounds now cost 10 ms (each probe measures one)
         kinds.append(policy.choose(2).kind)
         if kinds[-1] == CYCLE:
-            policy.observe_cost(CYCLE, 2, 0.010)
+            policy.observe(CYCLE, 2, 0.010, 6)
     assert kinds[:4] == [DECODE] * 4 and kinds[-20:].count(CYCLE) == 16  # switched; decode now the probed loser
-    assert policy.choose(2) == Choice(CYCLE, ESTIMATE, pytest.approx(1.5, rel=1e-3))
+    assert policy.choose(2).ratio == pytest.approx(1.5, rel=1e-3)
 
 
 def test_unknown_policy_names_are_refused(tiny):
@@ -128,21 +153,19 @@ class Scripted:
 
     def __init__(self, pattern: list[str]) -> None:
         self.pattern = itertools.cycle(pattern)
-        self.costs: list[tuple[str, int, float]] = []
+        self.launches: list[tuple[str, int, float, int]] = []
 
     def choose(self, owners: int) -> Choice:
-        return Choice(next(self.pattern), EXPLORE)
+        kind = next(self.pattern)
+        return Choice(kind, EXPLORE, math.nan, kind, owners)
 
-    def observe_cost(self, kind: str, owners: int, seconds: float) -> None:
-        self.costs.append((kind, owners, seconds))
-
-    def observe_accepted(self, accepted) -> None:
-        pass
+    def observe(self, kind: str, owners: int, seconds: float, tokens: int) -> None:
+        self.launches.append((kind, owners, seconds, tokens))
 
 
 def make_policy(name: str, P: int):
     if name == "adaptive":
-        return AdaptivePolicy(P, probe_every=2)  # probes often: both kinds run in a short test
+        return AdaptivePolicy(probe_every=2)  # probes often: both kinds run in a short test
     return Scripted({"alternate": [CYCLE, DECODE], "decode": [DECODE], "mixed": [DECODE, DECODE, CYCLE, DECODE, CYCLE, CYCLE]}[name])
 
 
@@ -279,6 +302,24 @@ def test_choices_are_stats_columns_and_counters(tiny, oracle):
     assert set(rows.filter(pl.col("mode") != "target")["policy"]) == {FIXED}
     assert int(always.execute_stats()["policy_decodes"].sum()) == 0
     always.close()
+
+
+def test_every_launch_is_charged_to_the_round_that_chose_it(tiny, oracle):
+    """Guards against a decode round whose forced drains are charged to cycle rounds (decoding would then
+    look cheaper than it is, and cycling dearer): under a decode-only policy every launch of a drafting
+    lane, drain cycles included, is charged to a decode round, and the tokens charged are exactly the
+    tokens those launches yielded (a + 1 per cycle row, 1 per decode row, a session at the context end
+    decoding in the same launch included: it shares the launch's cost)."""
+    policy = make_policy("decode", tiny.dims.proposals)
+    executor, _ = policy_executor(tiny, "onnxruntime", policy)
+    t = Tracker(executor, oracle)
+    workload(t, t.execute, [t.open() for _ in range(4)], 12)
+    cycles = executor.cycle_stats()
+    chosen = cycles.filter(pl.col("policy") != FIXED)
+    assert set(chosen["policy"]) == {EXPLORE, DRAIN} and {kind for kind, *_ in policy.launches} == {DECODE}
+    charged = cycles.filter(pl.col("cycle_id").is_in(chosen["cycle_id"].implode()))  # every row of those launches
+    assert sum(tokens for *_, tokens in policy.launches) == int((charged["accepted"] + 1).sum())
+    executor.close()
 
 
 def test_policy_choices_reach_the_serving_metrics_and_prometheus(tiny, oracle):
