@@ -582,6 +582,7 @@ class Executor:
         for lane in lanes:
             self._assign(lane)
         stage = [(l.session.row, l.anchor, l.session.frontier, l.session.draft_position, l.session.sampling) for l in lanes]
+        self._policed = [lane for lane in lanes if lane.policed]
         with self.loop.running():
             self.loop.stage(stage)
             run_launches(lanes, self._pack, self._launch, self._read, self.lag, self._plan_round)
@@ -603,8 +604,10 @@ class Executor:
         lane.shape = LoopShape(P + 1, B, L, cycles) if kind == CYCLE else LoopShape(1, 1, L, cycles)
 
     def _plan_round(self, lanes: list[Lane]) -> list[Lane]:
-        """One round: the policy's choice for the policed lanes at their (padded) count, then per lane
-        what its state allows (``runtime.launches.run_launches``'s ``choose``).
+        """One round: the policy's choice for the policed lanes, then per lane what its state allows
+        (``runtime.launches.run_launches``'s ``choose``). The choice is made at the (padded) count of
+        the execute's policed lanes still decoding, not of this round's: lanes that fall apart into
+        small groups (a drain, a deferral) are then steered back to one kind, and one group.
 
         On a decode choice, a lane whose pending context rows are full (B) cycles instead (the cycle
         drains them: ``DRAIN``), and a lane with a cycle in flight is deferred (its pending count is
@@ -612,7 +615,9 @@ class Executor:
         policed = [lane for lane in lanes if lane.policed]
         if not policed:
             return lanes
-        choice = self.policy.choose(padded(min(len(policed), self.dims.max_owners), self.dims.max_owners))
+        going = sum(not lane.finished and lane.may_launch() or bool(lane.flight) for lane in self._policed)
+        owners = min(max(going, len(policed)), self.dims.max_owners)
+        choice = self.policy.choose(padded(owners, self.dims.max_owners))
         ready = [lane for lane in lanes if not lane.policed]
         for lane in policed:
             if choice.kind == DECODE and CYCLE in self._kinds(lane):

@@ -31,7 +31,7 @@ second counted launch on.
 
 While a rate at ``n`` is unknown, the policy explores (runs the unknown
 kind); once both are known it re-probes the losing kind every
-``probe_every`` rounds at that count, so a stale estimate recovers when the
+``probe_every`` (16) rounds at that count, so a stale estimate recovers when the
 load changes. Hysteresis: the choice at ``n`` switches only when the ratio
 crosses 1 by ``margin``, so it does not flap on noise.
 
@@ -104,7 +104,7 @@ class AdaptivePolicy:
 
     alpha: float = 0.2  # EWMA weight of a new launch
     margin: float = 0.05  # hysteresis: switch when the ratio crosses 1 ± margin
-    probe_every: int = 64  # rounds at one lane count between probes of the losing kind
+    probe_every: int = 16  # rounds at one lane count between probes of the losing kind
     costs: dict[tuple[str, int], Ewma] = field(default_factory=dict)  # (round kind, owners) -> seconds per launch
     yields: dict[tuple[str, int], Ewma] = field(default_factory=dict)  # ... -> tokens per launch
     last: dict[int, str] = field(default_factory=dict)  # owners -> the kind chosen last
