@@ -21,7 +21,7 @@ parsing, tokenizing, detokenizing, SSE: ``server.front``), so HTTP work never
 holds the GIL the serving loop's thread needs; the two exchange
 ``server.wire``'s messages over a pipe. If the serving process dies, open
 requests get a 503 (or a last error event), /health answers 503, and the
-server exits 1 a second later. ``--no-front-process``: one process (what Ray
+server exits 1 two seconds later. ``--no-front-process``: one process (what Ray
 replicas run).
 
 Start-up checks the port first (the socket is bound before anything loads,

@@ -31,7 +31,7 @@ log = logging.getLogger("dflash_trt.server")
 POLL_S = 0.02  # how often the drain looks at the open requests
 ABORT_GRACE_S = 0.5  # after the abort: time for the aborted responses to be sent
 CLOSE_GRACE_S = 0.3  # then uvicorn's own graceful timeout for the connections left
-DEATH_GRACE_S = 1.0  # after the serving process died: /health says so (503) this long, then the server stops
+DEATH_GRACE_S = 2.0  # after the serving process died: /health says so (503) this long, then the server stops
 
 
 class Shutdown:
