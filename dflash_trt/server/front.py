@@ -238,15 +238,15 @@ class ServingClient:
             self._died = error
             jobs, self._jobs = list(self._jobs.values()), {}
             answers, self._answers = list(self._answers.values()), {}
+        if not self._stopping:  # reported before the requests fail: whoever sees a failure sees the death
+            log.error("%s; %d open requests fail", error, len(jobs))
+            if self.on_death is not None:
+                self.on_death()
         for job in jobs:
             job.handle._fail(error)
         for answer in answers:
             if not answer.done():
                 answer.set_exception(error)
-        if not self._stopping:
-            log.error("%s; %d open requests failed", error, len(jobs))
-            if self.on_death is not None:
-                self.on_death()
 
 
 def start(args: argparse.Namespace, logging_config: dict) -> tuple[object, object, wire.Ready]:

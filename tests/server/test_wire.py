@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -21,21 +22,10 @@ from dflash_trt.runtime.serving.loop import ServingLoop
 from dflash_trt.server import wire
 from dflash_trt.server.front import DIED, ServingClient
 from dflash_trt.server.serving_process import Outbox, ServingProcess
+from executor_fixtures import CharTokenizer
 
 TINY_ROWS = 4  # cache rows of the module's Tiny (conftest)
 TIMEOUT_S = 60
-
-
-class CharTokenizer:
-    """One token per character (the tiny pair has no tokenizer): ids 3..92 are ' '..'y'."""
-
-    stop_ids = (0,)
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(ch) - 29 for ch in text]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(chr(i + 29) for i in ids)
 
 
 def crossed(message):
@@ -178,7 +168,9 @@ def test_the_front_over_a_pipe_answers_as_the_in_process_loop(tiny):
     deliveries = [m for m in side.sent if isinstance(m, wire.Deliveries)]
     items = sum(len(m.items) for m in deliveries)
     assert len(deliveries) < items and max(len({key for key, *_ in m.items}) for m in deliveries) > 1
-    metrics = client.metrics()
+    deadline = time.monotonic() + TIMEOUT_S
+    while (metrics := client.metrics()).running and time.monotonic() < deadline:  # the stop ends it at the next gap
+        time.sleep(0.01)
     assert (metrics.completed, metrics.cancelled, metrics.running) == (len(expected), 0, 0)
     client.stop()
     assert side.exitcode == 0 and side.serving.executor.sessions() == []
