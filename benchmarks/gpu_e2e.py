@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_e2e.py [--quick] [--out DIR] [--pairs default,8b]
     python benchmarks/gpu_e2e.py --device cpu --quick --new-tokens 16   # a smoke run of the script itself
+    python benchmarks/gpu_e2e.py --pairs default --dtypes bf16 --kernels exact   # the exact kernels' identity
 
 For each case (pair, dtype, sessions, temperature) one torch backend on CUDA
 serves the same prompts twice per mode, first to capture the CUDA graphs
@@ -159,14 +160,15 @@ def case(name: str, models, dtype, sessions: int, options, write):
     target, draft, prompts, stop = models
     count = sessions * (options.rounds or PROMPTS_PER_SESSION.get(sessions, 2))
     dims = dims_of(target, draft, sessions, dtype)
-    backend = TorchBackend(target, draft, dims, sessions, device=options.device)
+    backend = TorchBackend(target, draft, dims, sessions, device=options.device, kernels=options.kernels)
     temperatures, new_tokens, max_cycles = options.temperatures, options.new_tokens, options.max_cycles
     try:
         for temperature in temperatures:
             requests = [Request(p, new_tokens, stop, Sampling(temperature, 0, 1.0, i)) for i, p in enumerate(prompts[:count])]
             ar, ar_tokens = run_mode(backend, requests, sessions, False, max_cycles)
             dflash, dflash_tokens = run_mode(backend, requests, sessions, True, max_cycles)
-            write(row(name, sessions, temperature, ar, dflash, sum(a == b for a, b in zip(ar_tokens, dflash_tokens)), count, max_cycles))
+            identical = sum(a == b for a, b in zip(ar_tokens, dflash_tokens))
+            write(row(name, sessions, temperature, ar, dflash, identical, count, max_cycles) | {"kernels": backend.kernels})
     finally:
         backend.close()
 
@@ -213,6 +215,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="default pair (the 8B shape: half)")
     parser.add_argument("--rounds", type=int, help="prompts per session (default: 6 / 4 / 3 at 1 / 4 / 16 sessions)")
+    parser.add_argument("--kernels", default="auto", help="the torch backend's kernels: auto, fast, exact (CUDA), reference")
+    parser.add_argument("--dtypes", default="fp32,bf16", help="the default pair's dtypes, comma-separated: fp32, bf16")
+    parser.add_argument("--sessions", help="comma-separated session counts (default: 1,4,16; --quick: 1,16)")
     parser.add_argument("--also-max-cycles", type=int, help="the default pair at 1 session, T=0, once more with this max_cycles")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -226,9 +231,11 @@ def main() -> None:
                                        "speedup", "host_overhead_fraction", "gpu_idle_fraction", "identical_outputs")}, flush=True)
 
     sessions_list, args.temperatures = ((1, 16), (0.0,)) if args.quick else ((1, 4, 16), (0.0, 1.0))
+    sessions_list = tuple(int(n) for n in args.sessions.split(",")) if args.sessions else sessions_list
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     pairs = ["default"] if args.quick else args.pairs.split(",")
     if "default" in pairs:
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (dtypes[name] for name in args.dtypes.split(",")):
             models = default_pair(dtype)
             label = "fp32" if dtype == torch.float32 else "bf16"
             for sessions in sessions_list:
@@ -247,7 +254,7 @@ def main() -> None:
 
 
 def table(rows: list[dict]) -> str:
-    keys = ("name", "sessions", "temperature", "tau", "ar_tokens_per_s", "dflash_tokens_per_s", "speedup",
+    keys = ("name", "kernels", "sessions", "temperature", "tau", "ar_tokens_per_s", "dflash_tokens_per_s", "speedup",
             "ar_device_ms_per_step", "dflash_device_ms_per_cycle", "host_overhead_fraction", "gpu_idle_fraction")
     lines = ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
     lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]

@@ -6,7 +6,8 @@ output and a query's attention are the same BITS with M = 1 / 5 / 16 / 64 rows a
 queries per owner, 1 or 3 owners, two cache capacities, views or pools, fp32 and bf16; and they agree
 with the reference modules within bf16 rounding. GPU (``-m gpu``): the same on CUDA at the Qwen3-8B
 weight shapes, and the executor: bf16 DFlash output == plain decoding token for token (greedy and
-sampled with the same seeds) on the tiny pair and on the shipped default pair at 1, 4 and 16 sessions.
+sampled with the same seeds) on the tiny pair and on the shipped default pair at 1, 4 and 16 sessions,
+and through the serving loop: a request beside 63 others (DFlash) == the same request alone (plain).
 
     python -m pytest -q -m gpu tests/runtime/test_exact_kernels.py     # on the GPU machine
 """
@@ -342,3 +343,34 @@ def test_dflash_equals_plain_decoding_in_bf16_on_the_default_pair():
         alone = alone or outputs["plain"]
         for i, (one, shared) in enumerate(zip(alone, outputs["plain"])):
             assert one == shared, f"request {i}: 1 vs {sessions} sessions differ at {exact_checks.first_difference(one, shared)}"
+
+
+@gpu
+def test_a_request_beside_63_others_equals_it_alone_in_bf16():
+    """Bug: in bf16 (kernels="exact") a request served by the serving loop beside 63 others with DFlash
+    (64 owners per launch, cycles and joining prompts mixed) emits other tokens than the same request
+    decoded plainly and alone — greedy or top-p sampled with the same seed."""
+    import exact_checks
+
+    from dflash_trt.export.pair import DEFAULT_PAIR_DIR
+    from dflash_trt.export.tokenizer import Tokenizer
+    from dflash_trt.runtime.executor import Executor
+    from dflash_trt.runtime.serving.loop import ServingLoop
+
+    tokenizer = Tokenizer.from_dir(DEFAULT_PAIR_DIR / "target")
+    rows = [json.loads(line) for line in (DEFAULT_PAIR_DIR / "prompts.jsonl").read_text().splitlines() if line.strip()]
+    prompts = [tokenizer.encode(row["prompt"])[-160:] for row in rows[:64]]
+    samplings = [dict(temperature=0.0, seed=i) if i % 2 else dict(temperature=0.8, top_p=0.95, seed=100 + i) for i in range(len(prompts))]
+
+    def serve(backend, speculate: bool, running: int) -> list[list[int]]:
+        with Executor(backend, max_sessions=len(prompts), speculate=speculate) as executor:
+            with ServingLoop(executor, stop_ids=tokenizer.stop_ids, max_running=running) as loop:
+                handles = [loop.submit(p, 64, **s) for p, s in zip(prompts, samplings)]
+                return [h.result(timeout=600).tokens for h in handles]
+
+    with _bf16_backend(DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft", len(prompts), 1024, 256) as backend:
+        alone = serve(backend, speculate=False, running=1)
+        together = serve(backend, speculate=True, running=len(prompts))
+    assert len(prompts) == 64
+    for i, (one, shared) in enumerate(zip(alone, together)):
+        assert one == shared, f"request {i} {samplings[i]}: alone (plain) vs 64 streams (DFlash) differ at {exact_checks.first_difference(one, shared)}"
