@@ -15,7 +15,7 @@ deliveries, so the sender sends a round (or several) per message, never one
 message per token or per request.
 
 The process ignores SIGINT / SIGTERM: the front owns the shutdown (a signal
-delivered to the whole process group must not kill the engine under open
+delivered to the whole process group must not kill the executor under open
 streams) and says ``Close`` / ``Exit``. It ends when the front's end of the
 pipe closes (the front died) and, on Linux, when the front's process dies
 while this one still loads (``PR_SET_PDEATHSIG``). It exits 1 when its

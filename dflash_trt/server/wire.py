@@ -1,19 +1,19 @@
-"""The messages between the HTTP front and the engine process (``dflash-trt serve``'s default).
+"""The messages between the HTTP front and the serving process (``dflash-trt serve``'s default).
 
 The front (uvicorn, parsing, chat template, tokenizing, detokenizing, SSE:
-``server.front``) and the engine process (the executor and its ``ServingLoop``:
-``server.engine``) share one duplex ``multiprocessing`` pipe; every message is
+``server.front``) and the serving process (the executor and its ``ServingLoop``:
+``server.serving_process``) share one duplex ``multiprocessing`` pipe; every message is
 one of the frozen dataclasses below, pickled by the pipe.
 
-    front ──> engine                            engine ──> front
-    ----------------                            ----------------
+    front ──> serving process                   serving process ──> front
+    -------------------------                   -------------------------
     Submit(key, prompt ids, max, sampling)      Ready(what the front needs to know) | LoadFailed(WireError), once
     Cancel(key, finish)                         Accepted(key) | Refused(key, WireError)   (one per Submit)
     Close(drain)      (SIGTERM: drain/cancel)   Deliveries(items, failures): every request's new tokens of
     MetricsQuery(seq)                                 one delivery round (or more), in one message
-    Exit()            (then the engine exits)   MetricsReply(seq, ServingMetrics)
+    Exit()            (then it exits)           MetricsReply(seq, ServingMetrics)
 
-``key`` is the front's id of a request (the engine keeps its own handle ids).
+``key`` is the front's id of a request (the serving loop keeps its own handle ids).
 A request's tokens travel as ids; the front detokenizes them (stop strings
 are the front's: it ends the request and sends ``Cancel(key, "stop")``).
 Errors travel as ``WireError`` (the typed error's class name, message,
@@ -56,13 +56,13 @@ class WireError:
         kind = kind if isinstance(kind, type) and issubclass(kind, DFlashError) else DFlashError
         try:
             error = kind(self.message)
-        except TypeError:  # a class with other constructor arguments (EngineBuildError, CudaError)
+        except TypeError:  # a class whose constructor needs more than a message
             error = DFlashError(self.message)
         error.param, error.code = self.param, self.code
         return error
 
 
-# ---------------------------------------------------------------------- front -> engine
+# ---------------------------------------------------------------------- front -> serving process
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class Submit:
     prompt: list[int]
     max_new_tokens: int
     sampling: Sampling
-    stop_ids: tuple[int, ...] | None = None  # None: the engine's default stop tokens
+    stop_ids: tuple[int, ...] | None = None  # None: the serving loop's default stop tokens
 
 
 @dataclass(frozen=True)
@@ -95,12 +95,12 @@ class Exit:
     """Cancel what is left, free the backend, exit 0."""
 
 
-# ---------------------------------------------------------------------- engine -> front
+# ---------------------------------------------------------------------- serving process -> front
 
 
 @dataclass(frozen=True)
 class Ready:
-    """Sent once the engine loaded: what the HTTP layer reads about it."""
+    """Sent once the serving process loaded: what the HTTP layer reads about it."""
 
     speculate: bool
     max_sessions: int

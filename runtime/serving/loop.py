@@ -98,7 +98,7 @@ class ServingLoop:
         (its tokens are handed out as launches are read, at most this often; its first token and its
         end at once): the gap a client sees is bounded without a delivery per launch per request.
         ``handles(request_id, prompt, cancel)`` makes each request's handle (a ``RequestHandle``
-        subclass sees every delivery on the loop's thread: the engine process forwards them)."""
+        subclass sees every delivery on the loop's thread: ``server.serving_process`` forwards them)."""
         if not is_int(max_queue) or max_queue < 0:
             msg = f"max_queue must be an int >= 0, got {max_queue!r}"
             raise InputError(msg)
