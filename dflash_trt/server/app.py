@@ -255,7 +255,7 @@ def _prepare(serving: ServingLoop, names: list[str], route: Route, raw: bytes, s
     except QueueFullError as error:
         raise ApiError(429, str(error), "rate_limit_error", code="queue_full") from None
     except ServingClosedError as error:
-        raise ApiError(503, str(error), "server_error", code="shutting_down") from None
+        raise ApiError(503, str(error), "server_error", code=error.code or "shutting_down") from None  # or serving_process_died
     except REQUEST_ERRORS as error:
         param = API_PARAMS.get(error.param, error.param)
         param = route.prompt_param if param == "prompt" else param
