@@ -122,6 +122,7 @@ def servers(default_pair_cache, tmp_path_factory):
         main.stop()
         small.stop()
     assert main.process.returncode == 0, main.log.read_text()[-3000:]
+    assert small.process.returncode == 0, small.log.read_text()[-3000:]  # one process stops cleanly too
 
 
 @pytest.fixture(scope="module")
