@@ -1,7 +1,9 @@
 """The price of exactness: the torch backend's "exact" kernels against its "fast" ones at the Qwen3-8B shape.
 
     python benchmarks/exact_kernels.py              # ~2 min on an H200
-    python benchmarks/exact_kernels.py --sweep      # + a tile sweep of the exact linear (then used for the timings)
+    python benchmarks/exact_kernels.py --sweep      # + the exact linear's tile sweep (exact_sweep.py), whose
+                                                    #   winners then run the timings; ~5 min
+    bash benchmarks/run_exact_sweep.sh              # the sweep run, then the gpu tests (one device call, <= 8 min)
 
 Builds gpu_graphs.py's random bf16 pair on the device (target 36 layers, hidden 4096, 32/8 heads x 128,
 FFN 12288, vocab 151936; draft 5 layers, block 16), then, for kernels = "fast" and "exact" (one
@@ -10,13 +12,15 @@ FFN 12288, vocab 151936; draft 5 layers, block 16), then, for kernels = "fast" a
 - the AR step (``target_prefill`` at T = 1, one CUDA graph), ``target_verify_n``, ``draft_n`` and the
   cycle (draft -> verify -> verify_argmax -> verdict on the host) for n = 1 and 4 (gpu_graphs' rows);
 - each GEMM of the step alone over the 36 layers' own weights (CUDA graph) at M = 1, 16 and 64;
-- attention per layer at T = 1 / 16, n = 1 / 4;
+- attention per layer at T = 1 / 16, n = 1 / 4; the exact one with its splits folded by a second launch or
+  in the attention launch (``combine_in_kernel``), and whether both give the same bits;
 - exactness at this shape: the verify rows of owner 0 (n = 1 and n = 4) against the AR step run at the
   same positions on the same cache: how many of the 16 rows have the same logits bits, the same argmax.
 
 Prints a table and ends with one JSON line; rows are appended to ``--results`` (default
-benchmarks/results.jsonl) and the whole report is written to ``$OUT/exact_kernels.json`` when ``OUT`` is set.
-A failing section is recorded and the run goes on.
+benchmarks/results.jsonl) and the whole report is written to ``$OUT/exact_kernels.json`` when ``OUT`` is set;
+with ``--sweep``, the chosen tilings also to ``$OUT/exact_tiles.json`` (and printed as ``plan.EXACT_TILES``
+lines) as soon as the sweep ends. A failing section is recorded and the run goes on.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import exact_sweep  # noqa: E402  (the exact linear's tile sweep)
 import gpu_graphs as gg  # noqa: E402  (the pair, feeds, AR step, cycle and timing helpers)
 
 CONTEXT, MAX_CONTEXT, OWNER_COUNTS, ROWS = 2048, 4096, (1, 4), (1, 16, 64)
@@ -40,7 +45,8 @@ def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--results", type=Path, default=gg.ROOT / "benchmarks" / "results.jsonl")
-    parser.add_argument("--sweep", action="store_true", help="time a few exact tilings per weight; the best run the timings")
+    parser.add_argument("--sweep", action="store_true", help="sweep the exact tilings per weight; the best run the timings")
+    parser.add_argument("--sweep-seconds", type=float, default=240.0, help="the sweep stops measuring after this long")
     return parser.parse_args()
 
 
@@ -55,7 +61,7 @@ def gemm_times(backends: dict, reps: int) -> list[dict]:
     stream = torch.cuda.Stream()
     for label, backend in backends.items():
         target = backend.modules["target_verify_1"].target
-        weights = _weights(target)
+        weights = exact_sweep.weights_of(target)
         for name, (N, K, gated, *_) in gg.GEMMS.items():
             for M in ROWS:
                 x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
@@ -69,10 +75,33 @@ def gemm_times(backends: dict, reps: int) -> list[dict]:
     return results
 
 
-def _weights(target) -> dict:
-    layers = target.stack.layers
-    return {"qkv": [L.qkv for L in layers], "o": [L.o for L in layers], "gate_up": [L.gate_up for L in layers],
-            "down": [L.down for L in layers], "lm_head": [target.lm_head] * 4}
+def combine_times(backend, reps: int) -> list[dict]:
+    """The exact attention over the 36 layers' caches (context 2048) with its splits folded by a second launch or
+    by each unit's last split (``combine_in_kernel``): µs per layer, and whether both give the same bits."""
+    import torch
+
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+
+    results, stream, pool = [], backend.stream.torch, backend.pools["target"]
+    variants = {"second launch": ExactOps(), "in kernel": ExactOps(combine_in_kernel=True)}
+    for tokens, owners in ((1, 1), (1, 4), (gg.BLOCK, 1), (gg.BLOCK, 4)):
+        keys, values = pool.rows(0, owners)
+        q = torch.randn(owners, tokens, 32, 128, device="cuda").to(torch.bfloat16).transpose(1, 2)
+        start = torch.full((owners,), CONTEXT, device="cuda")
+        positions, kv_len = start[:, None] + torch.arange(tokens, device="cuda"), start + tokens
+        outputs = {}
+        for label, ops in variants.items():
+            call = lambda: [ops.attention(q, k, v, None, positions, kv_len, True, 0) for k, v in zip(keys, values)]  # noqa: E731
+            us = gg._graph_time(stream, call, reps) / len(keys) * 1e3
+            with torch.cuda.stream(stream):
+                outputs[label] = ops.attention(q, keys[0], values[0], None, positions, kv_len, True, 0)
+            stream.synchronize()
+            results.append({"combine": label, "tokens": tokens, "owners": owners, "us_per_layer": round(us, 2)})
+            print(f"  exact attention, combine {label:13s} T={tokens:2d} n={owners}: {us:6.1f} us/layer", flush=True)
+        same = torch.equal(*(o.view(torch.int16) for o in outputs.values()))
+        results[-1]["same_bits"] = same
+        print(f"    same bits: {same}", flush=True)
+    return results
 
 
 def exactness(backend, dims) -> dict:
@@ -107,33 +136,6 @@ def exactness(backend, dims) -> dict:
     return result
 
 
-def sweep(target, reps: int) -> tuple[list[dict], dict]:
-    """A few exact tilings per weight at M = 1 and 16 (sum of both times); returns rows and the best per weight."""
-    import torch
-
-    from dflash_trt.runtime.kernels.exact_ops import ExactOps
-    from dflash_trt.runtime.kernels.plan import ExactLinearPlan as P
-
-    plans = [P(16, 64, 128, 4), P(32, 64, 128, 4), P(16, 32, 256, 4), P(32, 128, 128, 4), P(64, 64, 128, 4), P(16, 64, 64, 4), P(32, 64, 256, 8)]
-    weights, stream, rows, best = _weights(target), torch.cuda.Stream(), [], {}
-    for name, (N, K, gated, *_) in gg.GEMMS.items():
-        timed = []
-        for plan in plans:
-            ops = ExactOps(linear_plans={(N, K, gated): plan})
-            total = 0.0
-            for M in (1, 16):
-                x, norm = torch.randn(M, K, device="cuda").to(torch.bfloat16), torch.ones(K, dtype=torch.bfloat16, device="cuda")
-                residual = torch.randn(M, N, device="cuda").to(torch.bfloat16)
-                us = gg._graph_time(stream, lambda: [gg._gemm_call(ops, name, x, w, norm, residual) for w in weights[name]], reps) / len(weights[name]) * 1e3
-                rows.append({"gemm": name, "plan": list(plan.__dict__.values()), "rows": M, "us": round(us, 2)})
-                total += us
-            timed.append((total, plan))
-        total, plan = min(timed, key=lambda item: item[0])
-        best[(N, K, gated)] = plan
-        print(f"  {name:8s} best {plan} ({total:.1f} us for M = 1 + 16)", flush=True)
-    return rows, best
-
-
 # ---------------------------------------------------------------------- main
 
 
@@ -161,6 +163,8 @@ def summary(data: dict) -> dict:
         for n in OWNER_COUNTS:
             if (label, n) in by:
                 out[f"{label}_cycle_cost_ratio_n{n}"] = by[(label, n)]["cycle_cost_ratio"]
+    if data.get("exact_tiles"):
+        out["exact_tiles"] = data["exact_tiles"]
     for label in ("fast", "exact"):
         if data.get(f"{label}_exactness"):
             out[f"{label}_identical_rows"] = {k: v["identical_logits"] for k, v in data[f"{label}_exactness"].items()}
@@ -178,6 +182,23 @@ def measure(report, label: str, kernels, target, draft, dims, reps: int):
     report.data.setdefault("graph_rows", []).extend(rows or [])
     report.section(f"{label}_exactness", lambda: exactness(backend, dims))
     return backend
+
+
+def run_sweep(report, fast_backend, args, out_dir):
+    """The sweep (exact_sweep.py) over the fast backend's weights; its table saved at once; an ExactOps using it."""
+    import torch
+
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+
+    rows, best, errors = exact_sweep.sweep(fast_backend.modules["target_verify_1"].target, args.reps, args.sweep_seconds)
+    processors = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles = exact_sweep.table(best, processors)
+    report.data |= {"sweep": rows, "sweep_errors": errors, "exact_tiles": tiles}
+    if out_dir is not None:
+        (out_dir / "exact_tiles.json").write_text(json.dumps({"machine": report.data["machine"], "table": tiles}, indent=1))
+    print("plan.EXACT_TILES lines (fields: block_n, block_n_rows, block_k, warps, splits, stages, fixup, tiles):")
+    print(exact_sweep.python_table(best, processors), flush=True)
+    return ExactOps(linear_plans=best)
 
 
 def main() -> int:
@@ -198,13 +219,11 @@ def main() -> int:
     backends = {"fast": measure(report, "fast", "fast", target, draft, dims, args.reps)}
     exact = ExactOps()
     if args.sweep:
-        swept = report.section("sweep", lambda: sweep(backends["fast"].modules["target_verify_1"].target, args.reps), keep=False)
-        if swept is not None:
-            report.data["sweep"], report.data["sweep_best"] = swept[0], {str(k): list(v.__dict__.values()) for k, v in swept[1].items()}
-            exact = ExactOps(linear_plans=swept[1])
+        exact = report.section("sweep", lambda: run_sweep(report, backends["fast"], args, out_dir), keep=False) or exact
     backends["exact"] = measure(report, "exact", exact, target, draft, dims, args.reps)
     report.section("gemm_us", lambda: gemm_times(backends, args.reps))
     report.section("attention_us", lambda: gg.attention_times(backends, [CONTEXT], args.reps))
+    report.section("combine_us", lambda: combine_times(backends["exact"], args.reps))
     for backend in backends.values():
         backend.close()
     report.data["summary"] = summary(report.data)

@@ -85,6 +85,37 @@ def check_linear_rows(device: str, dtype: torch.dtype, small: bool) -> None:
                     assert_same_bits(part_tap, full_tap[rows], f"linear tap {N}x{K}: M={M}")
 
 
+def check_split_rows(device: str, dtype: torch.dtype) -> None:
+    """Split-K > 1 under several tilings (2 and 3 splits; K steps 32 and 64; 16 to 32 features; the ordered sum
+    as a second launch or by each tile's last split; launches cut at 64 rows by a tiny workspace): each row of ``linear`` (norm, gated, residual + tap epilogues) is the same bits
+    for M = 1, 16 and 64 of 70 rows, and within rounding of the fp32 brute-force reference. fp32 runs every
+    tiling (its outputs show any change of summation order); bf16 one (the rounding to the weight dtype). On a
+    GPU also the 8B q|k|v shape with 4 splits, summed by a second launch and in-kernel."""
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+    from dflash_trt.runtime.kernels.plan import ExactLinearPlan, exact_split_k
+
+    generator, total = torch.Generator().manual_seed(15), 70
+    plans = (ExactLinearPlan(16, 32, 32, 4, 2), ExactLinearPlan(32, 16, 64, 4, 3, fixup=True), ExactLinearPlan(16, 16, 32, 2, 4, 2))
+    cases = [((40, 192), plan) for plan in (plans if dtype == torch.float32 else plans[1:2])]
+    if device != "cpu":  # the 8B q|k|v shape, 4 splits, both sums: hundreds of programs racing to the counters
+        cases += [((6144, 4096), ExactLinearPlan(32, 64, 128, 4, 4, fixup=fixup)) for fixup in (False, True)]
+    for (N, K), plan in cases:
+        assert exact_split_k(K, plan)[0] > 1, plan
+        ops = ExactOps(linear_plans={(N, K, False): plan, (N, K, True): plan}, workspace_bytes=1)
+        x = _rand(generator, device, dtype, total, K)
+        for name, weight, options, residual in _linear_cases(generator, device, dtype, N, K, total):
+            if name not in ("norm", "gated norm bias (gate|up)", "residual in place + tap (o, down)"):
+                continue
+            full, full_tap = _run_linear(ops, x, weight, options, residual)
+            assert_near(full, _reference_linear(x, weight, options, residual), dtype, f"split linear {name} {plan} vs the reference")
+            for M in (1, 16, 64):
+                rows = torch.randperm(total, generator=generator)[:M].to(device)
+                part, part_tap = _run_linear(ops, x[rows], weight, options, None if residual is None else residual[rows])
+                assert_same_bits(part, full[rows], f"split linear {name} {N}x{K} {plan} {dtype}: M={M} vs M={total}")
+                if full_tap is not None:
+                    assert_same_bits(part_tap, full_tap[rows], f"split linear tap {plan}: M={M}")
+
+
 def check_linear_reference(device: str, dtype: torch.dtype) -> None:
     """``linear`` against the pure-torch twin (same formula) and the reference layers (RMSNorm, Linear, SwiGLU)."""
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
@@ -122,7 +153,9 @@ def _attention_inputs(generator, device, dtype, n, heads, kv_heads, T, D, L):
 
 def check_attention_rows(device: str, dtype: torch.dtype, small: bool) -> None:
     """A query's attention is the same bits with 1 or 16 queries per owner, 1 or 3 owners, two capacities,
-    the owners' row views or whole pools (any rows), for causal (target), windowed and non-causal (draft) layers."""
+    the owners' row views or whole pools (any rows), for causal (target), windowed and non-causal (draft) layers;
+    and with the splits folded in the attention launch (``combine_in_kernel``) or by a second one, also for
+    owners with no visible slot."""
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
 
     ops, generator = ExactOps(), torch.Generator().manual_seed(12)
@@ -138,6 +171,8 @@ def check_attention_rows(device: str, dtype: torch.dtype, small: bool) -> None:
         start = torch.tensor([5, 250, L - T - 4], device=device)  # one split; straddling a split edge; three
         positions, kv_len = start[:, None] + torch.arange(T, device=device), start + T
         full = ops.attention(q, k, v, None, positions, kv_len, causal, window)  # [3, Hq, T, D]
+        fused = ExactOps(combine_in_kernel=True).attention(q, k, v, None, positions, kv_len, causal, window)
+        assert_same_bits(fused, full, f"{what}: splits folded by the last split vs by a second launch")
         for t in (0, T - 1):  # one query per owner: a decode step (causal: the slots up to its own)
             one_len = start + t + 1 if causal else kv_len
             one = ops.attention(q[:, :, t : t + 1].contiguous(), k, v, None, positions[:, t : t + 1], one_len, causal, window)
@@ -151,6 +186,12 @@ def check_attention_rows(device: str, dtype: torch.dtype, small: bool) -> None:
         for pool, view in zip(pools, (k, v)):
             pool[rows] = view
         assert_same_bits(ops.attention(q, *pools, rows, positions, kv_len, causal, window), full, f"{what}: pools at rows vs row views")
+    empty = torch.tensor([0, 7, 0], device=device)  # owners with no visible slot: zeros, whoever combines
+    q, k, v = _attention_inputs(generator, device, dtype, 3, 4, 2, 5, 16, L)
+    positions = torch.arange(5, device=device)[None, :].repeat(3, 1)
+    two_pass = ops.attention(q, k, v, None, positions, empty, False, 0)
+    assert not two_pass[0].any() and not two_pass[2].any() and two_pass[1].abs().sum() > 0
+    assert_same_bits(ExactOps(combine_in_kernel=True).attention(q, k, v, None, positions, empty, False, 0), two_pass, "no visible slot")
 
 
 def check_attention_reference(device: str, dtype: torch.dtype) -> None:
@@ -195,6 +236,7 @@ def check_all(device: str, small: bool) -> None:
     """Every kernel check, fp32 and bf16."""
     for dtype in (torch.float32, torch.bfloat16):
         check_linear_rows(device, dtype, small)
+        check_split_rows(device, dtype)
         check_attention_rows(device, dtype, small)
         check_rope_rows(device, dtype)
         check_linear_reference(device, dtype)

@@ -8,24 +8,29 @@ for bit, in bf16 too, so DFlash's output is the target's own plain decoding, tok
 
 ==================  ===================================================================================
 ``linear``          one ``tl.dot`` kernel for every M: rows in 16-row MMA tiles (one row is padded to a
-                    tile), K walked from 0 in steps fixed per weight (``plan.exact_linear_plan``), no
-                    split-K, fp32 accumulate. RMSNorm, bias, SiLU·mul, residual and tap are epilogues of
-                    that kernel, the same for every M (the norm: rsqrt(mean(x²) + eps) per row in fp32,
-                    the sum of squares taken tile by tile in the K loop, applied after the product).
-                    How the work is spread may follow M (``plan.exact_linear_launch``: up to four tiles
-                    share each weight load, wider feature blocks for many rows): each tile's dot walks
+                    tile), K cut into a split count fixed PER WEIGHT (``plan.exact_linear_plan``: from N,
+                    K and the processor count, never M; an H200 table from the sweep), each split walked
+                    from its start in steps fixed per weight, fp32 accumulate. One split: RMSNorm, bias,
+                    SiLU·mul, residual and tap are epilogues of that kernel; more: each split's sums go
+                    to an fp32 workspace [splits, rows, N] (allocated once per stream) and a second pass
+                    adds splits 0..S-1 in order, then runs the same epilogues (the norm: rsqrt(mean(x²)
+                    + eps) per row in fp32, the sum of squares taken tile by tile in the K loop, per
+                    split, applied after the product). How the work is spread may follow M
+                    (``plan.exact_linear_launch``: up to four tiles share each weight load, wider feature
+                    blocks for many rows, rows per launch that fit the workspace): each tile's dot walks
                     the same K steps whatever M is, so that choice changes speed only.
 ``attention``       keys split at a fixed size (``EXACT_SPLIT_SLOTS``): split s covers slots
                     [256 s, 256 s + 256) of the valid range, walked in BLOCK_N steps at absolute slots;
                     the grid covers a full cache and splits past the valid slots do nothing; the
-                    ``_combine`` pass always runs and folds the splits in increasing order. A query's
+                    combine (``_combine_unit``: a second launch, or the unit's last split to finish)
+                    always runs and folds the splits in increasing order. A query's
                     splits, steps and combine do not depend on the other queries of its tile (their
                     extra steps are exact no-ops for it), the query count, the owners or the capacity.
 ``qk_rope_write``   ``TritonOps``' kernel: one program per (row, head), already row-local.
 ==================  ===================================================================================
 
 Identical results need identical compiled arithmetic: every row of a kind goes through one kernel whose
-summing tiles (the K step and the 16-row MMA tile of the linear, the split window and BLOCK_N of
+summing tiles (the K split, the K step and the 16-row MMA tile of the linear, the split window and BLOCK_N of
 attention) are never chosen from a row, query, owner or slot count; the integer arguments that follow
 those counts are not specialized on; x is passed 16-byte aligned with row stride K (Triton vectorizes a
 load, and so orders the reductions over it, by the pointer's alignment). Per layer shape a few variants
@@ -49,15 +54,21 @@ from dflash_trt.runtime.kernels.plan import (
     EXACT_PARTIAL_BYTES,
     EXACT_SPLIT_SLOTS,
     EXACT_TILE_M,
+    EXACT_WORKSPACE_BYTES,
+    ExactLinearPlan,
     exact_attention_block_n,
     exact_linear_launch,
     exact_linear_plan,
     exact_split_count,
+    exact_split_k,
     exact_units_per_launch,
+    exact_workspace_rows,
 )
-from dflash_trt.runtime.kernels.triton_ops import MASKED, TritonOps
+from dflash_trt.runtime.kernels.triton_ops import MASKED, TritonOps, query_tile
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton.jit at import, as here
+EXACT_SUM_BLOCK_N = 256  # features per program of the split-K sum (elementwise: any tile gives the same bits)
+EXACT_COUNTERS = 1 << 16  # tile / unit counters of the in-kernel sums, at least (the 8B LM head at 64 rows: 38k)
 
 
 # --------------------------------------------------------------------------- linear
@@ -115,15 +126,61 @@ def _tile_epilogue(acc, acc_u, squares, rows, rn, n_ok, M, N, K, eps, w_ptr, b_p
         tl.store(t_ptr + rows[:, None] * stride_tm + rn[None, :], y.to(t_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["M"])  # the row count: one compiled kernel whatever M is
+@triton.jit
+def _tile_partial(acc, acc_u, squares, local, rn, n_ok, row_ok, ws_ptr, WR, N, s, j, NB, NORM: tl.constexpr,
+                  GATED: tl.constexpr, SPLITS: tl.constexpr):
+    """Split s's fp32 sums into the workspace: [SPLITS, WR, C] products (C = 2N gated: gate | up), then the
+    rows' sums of squares [SPLITS, NB, WR] (feature block j of NB: every block computes the same bits)."""
+    C = 2 * N if GATED else N
+    mask = row_ok[:, None] & n_ok[None, :]
+    part = ws_ptr + s * WR * C + local[:, None] * C + rn[None, :]
+    tl.store(part, acc, mask=mask)
+    if GATED:
+        tl.store(part + N, acc_u, mask=mask)
+    if NORM:
+        tl.store(ws_ptr + SPLITS * WR * C + (s * NB + j) * WR + local, squares, mask=row_ok)
+
+
+@triton.jit
+def _tile_sum(ws_ptr, WR, local, rows, rn, n_ok, j, NB, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr,
+              stride_tm, NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
+              TAP: tl.constexpr, SPLITS: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr):
+    """The splits' fp32 sums of a [TM, BN] tile added in order 0, 1, .., SPLITS - 1 (elementwise: the same bits
+    for any tile), then ``_tile_epilogue``. Loads bypass L1 (".cg"): other programs wrote the workspace."""
+    row_ok = rows < M
+    mask = row_ok[:, None] & n_ok[None, :]
+    C = 2 * N if GATED else N
+    acc = tl.zeros([TM, BN], dtype=tl.float32)
+    acc_u = acc
+    squares = tl.zeros([TM], dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        part = ws_ptr + s * WR * C + local[:, None] * C + rn[None, :]
+        acc += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+        if GATED:
+            acc_u += tl.load(part + N, mask=mask, other=0.0, cache_modifier=".cg")
+        if NORM:
+            squares += tl.load(ws_ptr + SPLITS * WR * C + (s * NB + j) * WR + local, mask=row_ok, other=0.0, cache_modifier=".cg")
+    _tile_epilogue(acc, acc_u, squares, rows, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
+                   t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
+
+
+@triton.jit(do_not_specialize=["M", "row0", "WR"])  # row counts: one compiled kernel whatever M is
 def _linear_kernel(
-    x_ptr, stride_xm, w_ptr, stride_wn, b_ptr, g_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm, M, N, K, eps,
+    x_ptr, stride_xm, w_ptr, stride_wn, b_ptr, g_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm, ws_ptr, WR,
+    cnt_ptr, row0, M, N, K, KS, eps,
     NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
-    TILES: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERP: tl.constexpr,
+    SPLITS: tl.constexpr, FIXUP: tl.constexpr, TILES: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
-    """Program (TILES x TM rows, BN features); the row blocks of one feature block are neighbours (L2)."""
-    rows = tl.program_id(0) * (TILES * TM) + tl.arange(0, TM)
+    """Program (TILES x TM rows from row0, BN features, K split s = [s KS, s KS + KS)); the row blocks of one
+    feature block are neighbours (L2). SPLITS == 1: the epilogues here; else the split's sums go to the
+    workspace (rows local to row0), then either ``_split_sum_kernel`` adds them (a second launch) or, FIXUP,
+    the tile's last split to arrive (a counter per tile) adds them in the same order 0..SPLITS-1 and resets
+    the counter: which program adds never changes what is added, or in which order."""
+    local = tl.program_id(0) * (TILES * TM) + tl.arange(0, TM)
+    rows = row0 + local
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    s = tl.program_id(2)
     rk = tl.arange(0, BK)
     n_ok = rn < N
     acc0 = tl.zeros([TM, BN], dtype=tl.float32)
@@ -131,7 +188,7 @@ def _linear_kernel(
     up0, up1, up2, up3 = acc0, acc0, acc0, acc0  # the up halves (GATED)
     sq0 = tl.zeros([TM], dtype=tl.float32)  # row sums of squares (NORM)
     sq1, sq2, sq3 = sq0, sq0, sq0
-    for k0 in range(0, K, BK):
+    for k0 in range(s * KS, tl.minimum(s * KS + KS, K), BK):  # KS: a multiple of BK, so only K cuts a step
         k_off = k0 + rk
         k_ok = k_off < K
         w_mask = n_ok[:, None] & k_ok[None, :]
@@ -154,55 +211,90 @@ def _linear_kernel(
                                            w_ptr.dtype.element_ty, NORM, GATED, INTERP)
             acc3, up3, sq3 = _tile_product(x_ptr, stride_xm, g, rows + 3 * TM, k_off, k_ok, M, wt, wut, acc3, up3, sq3,
                                            w_ptr.dtype.element_ty, NORM, GATED, INTERP)
-    _tile_epilogue(acc0, up0, sq0, rows, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
-                   t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
-    if TILES > 1:
-        _tile_epilogue(acc1, up1, sq1, rows + TM, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
-                       stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
-    if TILES > 2:
-        _tile_epilogue(acc2, up2, sq2, rows + 2 * TM, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
-                       stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
-        _tile_epilogue(acc3, up3, sq3, rows + 3 * TM, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
-                       stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
+    if SPLITS == 1:
+        _tile_epilogue(acc0, up0, sq0, rows, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
+                       t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
+        if TILES > 1:
+            _tile_epilogue(acc1, up1, sq1, rows + TM, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
+                           stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
+        if TILES > 2:
+            _tile_epilogue(acc2, up2, sq2, rows + 2 * TM, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
+                           stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
+            _tile_epilogue(acc3, up3, sq3, rows + 3 * TM, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
+                           stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
+    else:
+        j, NB = tl.program_id(1), tl.num_programs(1)
+        _tile_partial(acc0, up0, sq0, local, rn, n_ok, rows < M, ws_ptr, WR, N, s, j, NB, NORM, GATED, SPLITS)
+        if TILES > 1:
+            _tile_partial(acc1, up1, sq1, local + TM, rn, n_ok, rows + TM < M, ws_ptr, WR, N, s, j, NB, NORM, GATED, SPLITS)
+        if TILES > 2:
+            _tile_partial(acc2, up2, sq2, local + 2 * TM, rn, n_ok, rows + 2 * TM < M, ws_ptr, WR, N, s, j, NB, NORM, GATED,
+                          SPLITS)
+            _tile_partial(acc3, up3, sq3, local + 3 * TM, rn, n_ok, rows + 3 * TM < M, ws_ptr, WR, N, s, j, NB, NORM, GATED,
+                          SPLITS)
+        if FIXUP:
+            _fixup(ws_ptr, WR, cnt_ptr, local, rows, rn, n_ok, j, NB, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
+                   stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP, SPLITS, TILES, TM, BN)
+
+
+@triton.jit
+def _fixup(ws_ptr, WR, cnt_ptr, local, rows, rn, n_ok, j, NB, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
+           t_ptr, stride_tm, NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
+           TAP: tl.constexpr, SPLITS: tl.constexpr, TILES: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr):
+    """The tile's last split to arrive adds every split's sums. The order of CUTLASS's split-K semaphore: the
+    program's stores, a barrier, then one release (acq_rel) count; the last arrival's acquire makes the other
+    splits' stores visible to its threads (after the barrier that shares the count)."""
+    tl.debug_barrier()
+    tile = tl.program_id(0) * NB + j
+    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLITS - 1:
+        _tile_sum(ws_ptr, WR, local, rows, rn, n_ok, j, NB, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
+                  t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
+        if TILES > 1:
+            _tile_sum(ws_ptr, WR, local + TM, rows + TM, rn, n_ok, j, NB, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
+                      stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
+        if TILES > 2:
+            _tile_sum(ws_ptr, WR, local + 2 * TM, rows + 2 * TM, rn, n_ok, j, NB, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm,
+                      o_ptr, stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
+            _tile_sum(ws_ptr, WR, local + 3 * TM, rows + 3 * TM, rn, n_ok, j, NB, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm,
+                      o_ptr, stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
+        tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch (stream order)
+
+
+@triton.jit(do_not_specialize=["M", "row0", "WR", "NB"])
+def _split_sum_kernel(
+    ws_ptr, WR, NB, row0, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm,
+    NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
+    SPLITS: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr,
+):
+    """Program (TM rows from row0, BN features): ``_tile_sum`` (the squares: feature block 0's of the NB)."""
+    local = tl.program_id(0) * TM + tl.arange(0, TM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    _tile_sum(ws_ptr, WR, local, row0 + local, rn, rn < N, 0, NB, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
+              stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
 
 
 # --------------------------------------------------------------------------- attention
 
 
-@triton.jit
-def _query_tile(pos_ptr, spos_n, len_ptr, i, qb, T, G, HKV, kvh, window,
-                BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
-    """Rows r = t * G + g of query tile qb (owner i, kv head kvh): token t, head h, position, and the
-    tile's slot range [lo, hi) (lo rounded down to BLOCK_N): the union of its rows' visible slots."""
-    r = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    t = r // G
-    h = kvh * G + r % G
-    row_ok = t < T
-    pos = tl.load(pos_ptr + i * spos_n + t, mask=row_ok, other=0)
-    hi = tl.load(len_ptr + i)
-    if CAUSAL:
-        hi = tl.minimum(hi, tl.max(tl.where(row_ok, pos, 0), axis=0) + 1)
-    lo = hi * 0
-    if WINDOW:
-        lo = tl.maximum(tl.min(tl.where(row_ok, pos, hi), axis=0) - window + 1, 0)
-    return t, h, row_ok, pos, lo // BLOCK_N * BLOCK_N, hi
-
-
 @triton.jit(do_not_specialize=["sq_n", "spos_n", "unit0", "QB", "T"])  # query counts: one kernel for all
 def _attention_kernel(
     q_ptr, sq_n, sq_h, sq_t, k_ptr, v_ptr, sk_n, sk_h, sk_l, pos_ptr, spos_n, len_ptr, part_ptr, lse_ptr, rows_ptr,
-    unit0, QB, T, G, HKV, window, scale,
+    o_ptr, so_n, so_h, so_t, cnt_ptr, unit0, QB, T, G, HKV, window, scale,
     D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, ROWS: tl.constexpr, INTERP: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, ROWS: tl.constexpr, COMBINE: tl.constexpr, INTERP: tl.constexpr,
 ):
-    """Program (unit = owner x kv head x query tile, split s): online softmax over the split's slots."""
+    """Program (unit = owner x kv head x query tile, split s): online softmax over the split's slots.
+    COMBINE: the unit's last live split to finish (a counter per unit) runs ``_combine_unit``, else
+    ``_combine_kernel`` does (a second launch): the same fold in the same order either way."""
     u = tl.program_id(0)
     s = tl.program_id(1)
     nh = (unit0 + u) // QB
     qb = (unit0 + u) % QB
     i = nh // HKV
     kvh = nh % HKV
-    t, h, row_ok, pos, lo, hi = _query_tile(pos_ptr, spos_n, len_ptr, i, qb, T, G, HKV, kvh, window, BLOCK_Q, BLOCK_N, CAUSAL, WINDOW)
+    t, h, row_ok, pos, lo, hi = query_tile(pos_ptr, spos_n, len_ptr, i, qb, T, G, kvh, window, BLOCK_Q, CAUSAL, WINDOW)
+    lo = lo // BLOCK_N * BLOCK_N  # steps at absolute multiples of BLOCK_N
     first = tl.maximum(s * SPLIT, lo)
     last = tl.minimum((s + 1) * SPLIT, hi)
     live = first < last  # else nothing to do: the combine never reads this split
@@ -238,6 +330,20 @@ def _attention_kernel(
     local = (u * tl.num_programs(1) + s) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     tl.store(part_ptr + local[:, None] * D + d[None, :], out, mask=(local >= 0)[:, None] & live)
     tl.store(lse_ptr + local, tl.where(seen, top + tl.log(total), float("-inf")), mask=(local >= 0) & live)
+    if COMBINE:
+        # The order of CUTLASS's split-K semaphore: every thread's stores, a barrier, one acq_rel count; the
+        # last arrival's acquire (shared with its threads by the barrier after the count) shows it the others'.
+        tl.debug_barrier()
+        s_lo = lo // SPLIT
+        if live:
+            arrived = tl.atomic_add(cnt_ptr + u, 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.cdiv(hi, SPLIT) - s_lo - 1:
+                _combine_unit(part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, u * tl.num_programs(1), i, t, h, row_ok, lo, hi,
+                              D, BLOCK_Q, SPLIT)
+                tl.atomic_xchg(cnt_ptr + u, 0)  # ready for the next launch (stream order)
+        elif s == 0 and lo >= hi:  # no split is live (no visible slot): the combine's zeros, once
+            _combine_unit(part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, u * tl.num_programs(1), i, t, h, row_ok, lo, hi,
+                          D, BLOCK_Q, SPLIT)
 
 
 @triton.jit(do_not_specialize=["spos_n", "unit0", "QB", "S", "T"])
@@ -246,27 +352,34 @@ def _combine_kernel(
     D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
 ):
-    """Program (unit): the unit's live splits folded in increasing order, weights exp(lse - max lse)."""
+    """Program (unit): ``_combine_unit`` over the tile's rows and slot range (as the attention pass saw them)."""
     u = tl.program_id(0)
     nh = (unit0 + u) // QB
     qb = (unit0 + u) % QB
     i = nh // HKV
-    t, h, row_ok, pos, lo, hi = _query_tile(pos_ptr, spos_n, len_ptr, i, qb, T, G, HKV, nh % HKV, window, BLOCK_Q, BLOCK_N, CAUSAL, WINDOW)
+    t, h, row_ok, pos, lo, hi = query_tile(pos_ptr, spos_n, len_ptr, i, qb, T, G, nh % HKV, window, BLOCK_Q, CAUSAL, WINDOW)
+    _combine_unit(part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, u * S, i, t, h, row_ok, lo // BLOCK_N * BLOCK_N, hi, D, BLOCK_Q, SPLIT)
+
+
+@triton.jit
+def _combine_unit(part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, base, i, t, h, row_ok, lo, hi,
+                  D: tl.constexpr, BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr):
+    """A unit's live splits (partials at rows (base + s) * BLOCK_Q ..) folded in increasing order, weights
+    exp(lse - max lse), stored to its rows. Loads bypass L1 (".cg"): other programs wrote the partials."""
     s_lo = lo // SPLIT
     s_hi = tl.where(lo < hi, tl.cdiv(hi, SPLIT), s_lo)  # the splits the attention pass wrote
-    base = u * S
     q = tl.arange(0, BLOCK_Q)
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     for s in range(s_lo, s_hi):
-        best = tl.maximum(best, tl.load(lse_ptr + (base + s) * BLOCK_Q + q))
+        best = tl.maximum(best, tl.load(lse_ptr + (base + s) * BLOCK_Q + q, cache_modifier=".cg"))
     best = tl.where(best == float("-inf"), 0.0, best)  # a row no split showed a slot (padding)
     d = tl.arange(0, D)
     acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
     weight_sum = tl.zeros([BLOCK_Q], dtype=tl.float32)
     for s in range(s_lo, s_hi):  # a split that shows a row nothing adds exact zeros to it
         local = (base + s) * BLOCK_Q + q
-        weight = tl.exp(tl.load(lse_ptr + local) - best)
-        acc += weight[:, None] * tl.load(part_ptr + local[:, None] * D + d[None, :])
+        weight = tl.exp(tl.load(lse_ptr + local, cache_modifier=".cg") - best)
+        acc += weight[:, None] * tl.load(part_ptr + local[:, None] * D + d[None, :], cache_modifier=".cg")
         weight_sum += weight
     out = acc / tl.where(weight_sum > 0, weight_sum, 1.0)[:, None]
     dest = o_ptr + i * so_n + h[:, None] * so_h + t[:, None] * so_t + d[None, :]
@@ -282,18 +395,24 @@ class ExactOps(TritonOps):
     ``split_slots``: key slots per attention split (a multiple of the inner step; the result depends on it,
     so one backend keeps one value); ``linear_plans`` maps (N, K, gated) to an ``ExactLinearPlan``
     replacing ``plan.exact_linear_plan``'s (benchmark sweeps); ``partial_bytes``: the fp32 split partials
-    one attention launch may hold (more units run as more launches, same arithmetic).
+    one attention launch may hold (more units run as more launches, same arithmetic); ``workspace_bytes``:
+    the fp32 split-K partials one linear launch may hold (more rows run as more launches, same arithmetic);
+    ``combine_in_kernel``: each attention unit's last split folds the splits (no second launch; same fold).
     """
 
     kind = "exact"  # what TorchBackend(kernels=ExactOps(...)) reports as its kernels
 
-    def __init__(self, split_slots: int = EXACT_SPLIT_SLOTS, linear_plans: dict | None = None, partial_bytes: int = EXACT_PARTIAL_BYTES) -> None:
+    def __init__(self, split_slots: int = EXACT_SPLIT_SLOTS, linear_plans: dict | None = None, partial_bytes: int = EXACT_PARTIAL_BYTES,
+                 workspace_bytes: int = EXACT_WORKSPACE_BYTES, combine_in_kernel: bool = False) -> None:
         super().__init__()
-        self.split_slots, self.partial_bytes = split_slots, partial_bytes
+        self.split_slots, self.partial_bytes, self.workspace_bytes = split_slots, partial_bytes, workspace_bytes
+        self.combine_in_kernel = combine_in_kernel
         self.exact_plans = dict(linear_plans or {})
+        self._buffers: dict[tuple, list[torch.Tensor]] = {}
 
     def linear(self, x, weight, bias=None, norm=None, eps=0.0, gated=False, residual=None, out=None, out_dtype=None, tap=None):
-        """``TritonOps.linear``'s contract (y [M, N] = epilogue(prologue(x) @ weight.T)), one kernel for every M."""
+        """``TritonOps.linear``'s contract (y [M, N] = epilogue(prologue(x) @ weight.T)), one kernel for every M
+        (two with split-K: the splits' sums, then their ordered sum and the epilogues)."""
         M, K = x.shape
         N = weight.shape[0] // 2 if gated else weight.shape[0]
         if x.stride(1) != 1 or x.stride(0) != K or x.data_ptr() % 16:
@@ -302,19 +421,53 @@ class ExactOps(TritonOps):
             x = x.clone(memory_format=torch.contiguous_format)
         if out is None:
             out = torch.empty((M, N), dtype=out_dtype or weight.dtype, device=x.device)
-        plan = self.exact_plans.get((N, K, gated)) or exact_linear_plan(N, K, gated, weight.element_size())
+        plan = self.linear_plan(N, K, gated, weight.element_size(), x.device)
+        splits, width = exact_split_k(K, plan)
         tiles, block_n, stages = exact_linear_launch(plan, M, gated, weight.element_size())
+        blocks = triton.cdiv(N, block_n)
+        step = M if splits == 1 else exact_workspace_rows(M, splits, 2 * N if gated else N, self.workspace_bytes)  # rows per launch
+        workspace, counters = weight, weight  # unread with one split
+        if splits > 1:
+            workspace = self.buffer("partials", x.device, splits * step * ((2 * N if gated else N) + blocks), torch.float32)
+            counters = self.buffer("counters", x.device, triton.cdiv(step, tiles * EXACT_TILE_M) * blocks, torch.int32)
         residual_t = residual if residual is not None else out
         tap_t = tap if tap is not None else out
-        grid = (triton.cdiv(M, tiles * EXACT_TILE_M), triton.cdiv(N, block_n))
-        _linear_kernel[grid](
-            x, x.stride(0), weight, weight.stride(0), bias if bias is not None else weight, norm if norm is not None else weight,
-            residual_t, residual_t.stride(0), out, out.stride(0), tap_t, tap_t.stride(0), M, N, K, eps,
-            NORM=norm is not None, GATED=gated, BIAS=bias is not None, RESIDUAL=residual is not None, TAP=tap is not None,
-            TILES=tiles, TM=EXACT_TILE_M, BN=block_n, BK=plan.block_k, INTERP=INTERPRETED,
-            num_warps=plan.warps, num_stages=stages,
-        )
+        tensors = (weight, bias if bias is not None else weight, residual_t, residual_t.stride(0), out, out.stride(0), tap_t, tap_t.stride(0))
+        flags = dict(NORM=norm is not None, GATED=gated, BIAS=bias is not None, RESIDUAL=residual is not None, TAP=tap is not None,
+                     SPLITS=splits)
+        fixup = splits > 1 and plan.fixup
+        for row0 in range(0, M, step):
+            rows = min(step, M - row0)
+            _linear_kernel[(triton.cdiv(rows, tiles * EXACT_TILE_M), blocks, splits)](
+                x, x.stride(0), weight, weight.stride(0), tensors[1], norm if norm is not None else weight, *tensors[2:], workspace,
+                step, counters, row0, row0 + rows, N, K, width, eps, **flags, FIXUP=fixup, TILES=tiles, TM=EXACT_TILE_M, BN=block_n,
+                BK=plan.block_k, INTERP=INTERPRETED, num_warps=plan.warps, num_stages=stages,
+            )
+            if splits > 1 and not fixup:
+                _split_sum_kernel[(triton.cdiv(rows, EXACT_TILE_M), triton.cdiv(N, EXACT_SUM_BLOCK_N))](
+                    workspace, step, blocks, row0, row0 + rows, N, K, eps, *tensors, **flags, TM=EXACT_TILE_M, BN=EXACT_SUM_BLOCK_N,
+                    num_warps=4,
+                )
         return out
+
+    def linear_plan(self, N: int, K: int, gated: bool, element_bytes: int, device: torch.device) -> ExactLinearPlan:
+        """The weight's tiling: ``linear_plans`` (sweeps), else ``plan.exact_linear_plan`` for this device."""
+        plan = self.exact_plans.get((N, K, gated))
+        return plan if plan is not None else exact_linear_plan(N, K, gated, element_bytes, self.processors(device))
+
+    def buffer(self, name: str, device: torch.device, elements: int, dtype: torch.dtype) -> torch.Tensor:
+        """The split-K ``partials`` (fp32 sums) or the ``counters`` of the in-kernel sums (int32, zero between
+        launches: each launch's last arrivals reset theirs): one buffer per (name, device, stream), allocated
+        when first needed, only ever replaced by a larger one, and a replaced one stays alive (CUDA graphs
+        captured with it keep its address). The calls of one stream run in order, so they can share it.
+        Counters start at ``EXACT_COUNTERS`` entries: a buffer first made inside a CUDA-graph capture would
+        hold its zeros only from the graph's first replay on, so the eager warm-up before a capture makes it."""
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        held = self._buffers.setdefault((name, str(device), stream), [])
+        if not held or held[-1].numel() < elements:
+            least = EXACT_COUNTERS if dtype == torch.int32 else 0
+            held.append(torch.zeros(max(elements, least), dtype=dtype, device=device))
+        return held[-1]
 
     def attention(self, q, k_cache, v_cache, rows, q_positions, kv_len, causal, window):
         """``TritonOps.attention``'s contract (q [n, Hq, T, D] -> [n, Hq, T, D]) with fixed-size key splits."""
@@ -332,16 +485,19 @@ class ExactOps(TritonOps):
         part = torch.empty((per_launch * splits * EXACT_BLOCK_Q, D), dtype=torch.float32, device=q.device)
         lse = torch.empty((per_launch * splits * EXACT_BLOCK_Q,), dtype=torch.float32, device=q.device)
         shape = dict(D=D, BLOCK_Q=EXACT_BLOCK_Q, BLOCK_N=block_n, SPLIT=self.split_slots, CAUSAL=causal, WINDOW=window > 0)
+        counters = self.buffer("counters", q.device, per_launch, torch.int32) if self.combine_in_kernel else kv_len
         for unit0 in range(0, units, per_launch):
             count = min(per_launch, units - unit0)
             _attention_kernel[(count, splits)](
                 q, q.stride(0), q.stride(1), q.stride(2), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
                 k_cache.stride(2), q_positions, q_positions.stride(0), kv_len, part, lse,
-                rows if rows is not None else kv_len, unit0, tiles, T, group, kv_heads, window, D**-0.5,
-                ROWS=rows is not None, INTERP=INTERPRETED, num_warps=4, num_stages=2, **shape,
+                rows if rows is not None else kv_len, out, out.stride(0), out.stride(2), out.stride(1), counters, unit0, tiles, T,
+                group, kv_heads, window, D**-0.5, ROWS=rows is not None, COMBINE=self.combine_in_kernel, INTERP=INTERPRETED,
+                num_warps=4, num_stages=2, **shape,
             )
-            _combine_kernel[(count,)](
-                part, lse, out, out.stride(0), out.stride(2), out.stride(1), q_positions, q_positions.stride(0), kv_len,
-                unit0, tiles, splits, T, group, kv_heads, window, num_warps=4, **shape,
-            )
+            if not self.combine_in_kernel:
+                _combine_kernel[(count,)](
+                    part, lse, out, out.stride(0), out.stride(2), out.stride(1), q_positions, q_positions.stride(0), kv_len,
+                    unit0, tiles, splits, T, group, kv_heads, window, num_warps=4, **shape,
+                )
         return out.transpose(1, 2)

@@ -113,54 +113,108 @@ EXACT_PARTIAL_BYTES = 256 * 1024**2  # fp32 split partials of one exact attentio
 
 
 EXACT_STAGE_BYTES = 160 * 1024  # shared memory the pipelined K steps of one exact linear program may hold
+EXACT_WORKSPACE_BYTES = 64 * 1024**2  # fp32 split-K partials of one exact linear launch, at most
+EXACT_PROCESSORS = 132  # streaming multiprocessors the default tilings are written for (an H100 / H200 SXM)
 
 
 @dataclass(frozen=True)
 class ExactLinearPlan:
     """Tiling of the exact linear ``y[M, N] = x[M, K] @ W[N, K]^T``.
 
-    K is walked in ``block_k`` steps from 0, one 16-row MMA tile of x per dot: that is a row's reduction
-    order, fixed per weight. The rest only says how the work is spread, never how a row is summed:
-    ``block_n`` features per program for a few rows (M <= 8: many programs stream the weight),
-    ``block_n_rows`` for more (fewer re-reads of x), up to four 16-row tiles per program sharing each
-    weight load (``exact_row_tiles``). Each output element is one MMA column's sum over the same K steps
-    whatever the feature block, and the norm's row sums of squares reduce the same [16, block_k] x tile
-    (tests/runtime/test_exact_kernels.py compiles the variants for sm90 and compares their layouts).
+    A row's reduction order, fixed per weight: K is cut into ``splits`` ranges of ``exact_split_k``'s width
+    (a multiple of ``block_k``), each walked in ``block_k`` steps from its start, one 16-row MMA tile of x per
+    dot, fp32 accumulate; with splits > 1 each range's sum lands in an fp32 workspace and a second pass adds
+    ranges 0, 1, .., S-1 in that order, then applies the epilogues (``fixup``: the tile's last range to finish
+    does that pass inside the first launch; the same sums in the same order). ``warps`` and ``stages`` (0: the
+    shared-memory rule of ``exact_linear_launch``) are fixed per weight too.
+    The rest only says how the work is spread, never how a row is summed: ``block_n`` features per program
+    for a few rows (M <= 8: many programs stream the weight), ``block_n_rows`` for more (fewer re-reads of
+    x), up to ``tiles`` (1, 2 or 4) 16-row tiles per program sharing each weight load (``exact_row_tiles``;
+    four tiles cost registers: a normed gate|up spills). Each output
+    element is one MMA column's sum over the same K steps whatever the feature block, and the norm's row
+    sums of squares reduce the same [16, block_k] x tile (tests/runtime/test_exact_kernels.py compiles the
+    variants for sm90 and compares their layouts).
     """
 
     block_n: int
     block_n_rows: int
     block_k: int
     warps: int
+    splits: int = 1
+    stages: int = 0
+    fixup: bool = False
+    tiles: int = 4
+
+    def fields(self) -> list:
+        """The table row (``EXACT_TILES``, the sweep's JSON): block_n, block_n_rows, block_k, warps, splits, stages,
+        fixup, tiles."""
+        return [self.block_n, self.block_n_rows, self.block_k, self.warps, self.splits, self.stages, self.fixup, self.tiles]
 
 
-def exact_linear_plan(out_features: int, in_features: int, gated: bool, element_bytes: int) -> ExactLinearPlan:
-    """The tiling of one weight (its K step never depends on the row count).
+# (N, K, gated, element bytes, processors) -> the tiling measured best there by ``benchmarks/exact_kernels.py
+# --sweep`` (its JSON ``table``); weights not listed take ``exact_linear_plan``'s rule.
+EXACT_TILES: dict[tuple[int, int, bool, int, int], ExactLinearPlan] = {}
 
-    bf16, one row: enough programs to keep ~all 132 SMs of an H200 streaming: q|k|v (6144 rows) 192 of 32
-    features, o / down (4096) 256 of 16, gate|up (2 x 12288) 384 of 32 (two weight tiles each), the LM
-    head 2374 of 64. fp32 (FMA dots): small tiles.
+
+def exact_linear_plan(out_features: int, in_features: int, gated: bool, element_bytes: int, processors: int = EXACT_PROCESSORS) -> ExactLinearPlan:
+    """The tiling of one weight: a function of its shape and the processor count, never of the row count.
+
+    ``EXACT_TILES`` first; else bf16: feature blocks of 16 (N <= K), 32 (gate|up, q|k|v) or 64 (the LM head)
+    and K cut into the fewest splits (1, 2, 4 or 8, each at least 8 K steps) that give one row ~4 programs
+    per processor: the 16-row tiles stream the weight at a fraction of the bandwidth per program, so a
+    one-row launch needs many in flight. fp32 (FMA dots): small tiles, no split.
     """
+    table = EXACT_TILES.get((out_features, in_features, gated, element_bytes, processors))
+    return table if table is not None else exact_linear_rule(out_features, in_features, gated, element_bytes, processors)
+
+
+def exact_linear_rule(out_features: int, in_features: int, gated: bool, element_bytes: int, processors: int) -> ExactLinearPlan:
+    """``exact_linear_plan`` for a weight the table does not list."""
     if element_bytes >= 4:
         return ExactLinearPlan(16, 32, 32, 4)
     if out_features >= 65536:
-        return ExactLinearPlan(64, 128, 128, 4)
-    if gated or out_features > in_features:
-        return ExactLinearPlan(32, 64, 128, 4)
-    return ExactLinearPlan(16, 64, 128, 4)
+        block_n, rows = 64, 128
+    elif gated or out_features > in_features:
+        block_n, rows = 32, 64
+    else:
+        block_n, rows = 16, 64
+    splits, programs = 1, cdiv(out_features, block_n)
+    while splits < 8 and programs * splits < 4 * processors and in_features >= 2 * splits * 8 * 128:
+        splits *= 2
+    return ExactLinearPlan(block_n, rows, 128, 4, splits)
+
+
+def exact_split_k(in_features: int, plan: ExactLinearPlan) -> tuple[int, int]:
+    """(splits, K per split) of a weight: ranges of a whole number of ``block_k`` steps, the last one cut
+    at K; fewer than ``plan.splits`` when K has fewer steps (no empty range)."""
+    steps = cdiv(in_features, plan.block_k)
+    width = cdiv(steps, max(1, min(plan.splits, steps))) * plan.block_k
+    return cdiv(in_features, width), width
+
+
+def exact_workspace_rows(rows: int, splits: int, columns: int, budget: int = EXACT_WORKSPACE_BYTES) -> int:
+    """Rows of one split-K launch (a multiple of 64, at least 64; at most ``rows`` rounded up to 16): its
+    fp32 partials ([splits, rows, columns] + sums of squares, at most one per column) fit ``budget`` when
+    64 rows do. Longer inputs run as more launches: the same arithmetic per row."""
+    fit = budget // (splits * 2 * columns * 4) // 64 * 64
+    return min(max(64, fit), cdiv(rows, EXACT_TILE_M) * EXACT_TILE_M)
 
 
 def exact_linear_launch(plan: ExactLinearPlan, rows: int, gated: bool, element_bytes: int) -> tuple[int, int, int]:
-    """(16-row tiles per program, features per program, pipeline stages) for ``rows`` rows: spread only."""
-    tiles = exact_row_tiles(rows)
+    """(16-row tiles per program, features per program, pipeline stages) for ``rows`` rows: spread only
+    (the stages: the plan's, else as many as fit ``EXACT_STAGE_BYTES``, 2 to 4)."""
+    tiles = exact_row_tiles(rows, plan.tiles)
     block_n = plan.block_n if rows <= EXACT_TILE_M // 2 else plan.block_n_rows
+    if plan.stages:
+        return tiles, block_n, plan.stages
     stage = ((2 if gated else 1) * block_n + tiles * EXACT_TILE_M) * plan.block_k * element_bytes
     return tiles, block_n, max(2, min(4, EXACT_STAGE_BYTES // stage))
 
 
-def exact_row_tiles(rows: int) -> int:
-    """16-row tiles per program (1, 2 or 4): how many tiles share each weight load; never the arithmetic."""
-    return 1 if rows <= EXACT_TILE_M else 2 if rows <= 2 * EXACT_TILE_M else 4
+def exact_row_tiles(rows: int, most: int = 4) -> int:
+    """16-row tiles per program (1, 2 or 4, at most ``most``): how many tiles share each weight load; never the
+    arithmetic."""
+    return min(most, 1 if rows <= EXACT_TILE_M else 2 if rows <= 2 * EXACT_TILE_M else 4)
 
 
 def exact_attention_block_n(head_dim: int) -> int:

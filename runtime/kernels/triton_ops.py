@@ -183,6 +183,26 @@ def _qk_rope_write_kernel(
 
 
 @triton.jit
+def query_tile(pos_ptr, spos_n, len_ptr, i, qb, T, G, kvh, window, BLOCK_Q: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Rows r = t * G + g of query tile qb (owner i, kv head kvh): token t, head h, whether the row is real,
+    its position, and the tile's slot range [lo, hi): the union of its rows' visible slots (causal: up to
+    the last row's position; window: from the first row's position - window + 1). Both attention kernels
+    (this module's, ``exact_ops``') start here."""
+    r = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    t = r // G
+    h = kvh * G + r % G
+    row_ok = t < T
+    pos = tl.load(pos_ptr + i * spos_n + t, mask=row_ok, other=0)
+    hi = tl.load(len_ptr + i)
+    if CAUSAL:
+        hi = tl.minimum(hi, tl.max(tl.where(row_ok, pos, 0), axis=0) + 1)
+    lo = hi * 0
+    if WINDOW:
+        lo = tl.maximum(tl.min(tl.where(row_ok, pos, hi), axis=0) - window + 1, 0)
+    return t, h, row_ok, pos, lo, hi
+
+
+@triton.jit
 def _attention_kernel(
     q_ptr, sq_n, sq_h, sq_t, k_ptr, v_ptr, sk_n, sk_h, sk_l, pos_ptr, spos_n, len_ptr,
     o_ptr, so_n, so_h, so_t, part_ptr, lse_ptr, rows_ptr, T, G, HKV, window, scale,
@@ -196,19 +216,9 @@ def _attention_kernel(
     splits = tl.num_programs(0)
     i = nh // HKV
     kvh = nh % HKV
-    r = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)  # query row = t * G + g
-    t = r // G
-    h = kvh * G + r % G
-    row_ok = t < T
+    t, h, row_ok, pos, lo, hi = query_tile(pos_ptr, spos_n, len_ptr, i, qb, T, G, kvh, window, BLOCK_Q, CAUSAL, WINDOW)
     d = tl.arange(0, D)
     q = tl.load(q_ptr + i * sq_n + h[:, None] * sq_h + t[:, None] * sq_t + d[None, :], mask=row_ok[:, None], other=0.0)
-    pos = tl.load(pos_ptr + i * spos_n + t, mask=row_ok, other=0)
-    hi = tl.load(len_ptr + i)
-    if CAUSAL:
-        hi = tl.minimum(hi, tl.max(tl.where(row_ok, pos, 0), axis=0) + 1)
-    lo = hi * 0
-    if WINDOW:
-        lo = tl.maximum(tl.min(tl.where(row_ok, pos, hi), axis=0) - window + 1, 0)
     width = tl.maximum(hi - lo, 0)
     chunk = tl.cdiv(tl.cdiv(width, splits), BLOCK_N) * BLOCK_N
     first = lo + s * chunk

@@ -31,12 +31,17 @@ from dflash_trt.runtime.backends.torch_backend import choose_kernels
 from dflash_trt.runtime.kernels.plan import (
     EXACT_SPLIT_SLOTS,
     EXACT_STAGE_BYTES,
+    EXACT_TILES,
+    ExactLinearPlan,
     exact_attention_block_n,
     exact_linear_launch,
     exact_linear_plan,
+    exact_linear_rule,
     exact_row_tiles,
+    exact_split_k,
     exact_split_range,
     exact_units_per_launch,
+    exact_workspace_rows,
 )
 
 gpu = pytest.mark.gpu
@@ -89,6 +94,89 @@ def test_exact_launches_follow_the_rows_only_in_how_work_is_spread():
                 stage = ((2 if gated else 1) * block_n + 16 * tiles) * plan.block_k * dtype_bytes
                 assert 2 <= stages <= 4 and (stages == 2 or stages * stage <= EXACT_STAGE_BYTES)
     assert [exact_row_tiles(m) for m in (1, 5, 16, 17, 32, 33, 64, 1000)] == [1, 1, 1, 2, 2, 4, 4, 4]
+    assert [exact_row_tiles(m, 2) for m in (1, 17, 64)] == [1, 2, 2] and exact_row_tiles(64, 1) == 1
+    assert exact_linear_launch(ExactLinearPlan(32, 64, 128, 4, tiles=2), 64, True, 2)[0] == 2
+    assert exact_linear_launch(ExactLinearPlan(32, 64, 128, 4, 2, 3), 64, True, 2)[2] == 3  # a table's stages win
+
+
+def test_exact_split_k_is_fixed_per_weight_and_covers_k():
+    """Bug: the split-K count or width follows the row count (a one-row decode step split 4 ways, a 64-row verify
+    not: the same row summed in two orders), leaves a K step out or counts one twice, or starts a split off a
+    BLOCK_K boundary; or a one-row launch of the rule's plan gets too few programs to stream the weight."""
+    for processors in (78, 114, 132):
+        for N, K, gated, _ in WEIGHTS_8B.values():
+            plan = exact_linear_rule(N, K, gated, 2, processors)
+            splits, width = exact_split_k(K, plan)
+            assert width % plan.block_k == 0 and (splits - 1) * width < K <= splits * width, (N, K, plan)
+            ranges = [(s * width, min(s * width + width, K)) for s in range(splits)]
+            assert all(a < b for a, b in ranges) and ranges[0][0] == 0 and ranges[-1][1] == K
+            assert all(b == c for (_, b), (c, _) in itertools.pairwise(ranges)), ranges
+            assert plan.splits in (1, 2, 4, 8) and width >= 8 * plan.block_k
+            programs = -(-N // plan.block_n) * splits  # at M = 1
+            assert programs >= 4 * processors or plan.splits == 8 or K < 2 * plan.splits * 8 * plan.block_k, (N, K, plan)
+    assert exact_split_k(4096, ExactLinearPlan(16, 64, 128, 4, 3)) == (3, 1408)  # 32 steps: 11 + 11 + 10
+    assert exact_split_k(200, ExactLinearPlan(16, 64, 128, 4, 8)) == (2, 128)  # no empty split
+    assert exact_linear_plan(6144, 4096, False, 4) == ExactLinearPlan(16, 32, 32, 4)  # fp32: no split
+    for N, K, gated, _ in WEIGHTS_8B.values():  # the table (a sweep's winners), else the rule: never a row count
+        key = (N, K, gated, 2, 132)
+        assert exact_linear_plan(*key) == EXACT_TILES.get(key, exact_linear_rule(*key))
+
+
+def test_exact_linear_table_entries_win_over_the_rule(monkeypatch):
+    """Bug: the sweep's table (EXACT_TILES) is ignored, or applied on a GPU with another processor count
+    (its split counts were measured for that many processors)."""
+    tuned = ExactLinearPlan(64, 128, 64, 8, 2, 3)
+    monkeypatch.setitem(EXACT_TILES, (6144, 4096, False, 2, 132), tuned)
+    assert exact_linear_plan(6144, 4096, False, 2, 132) == tuned
+    assert exact_linear_plan(6144, 4096, False, 2, 114) != tuned
+
+
+def test_exact_workspace_rows_fit_the_budget():
+    """Bug: the split-K partials of a long prefill chunk are allocated whole (splits x rows x N fp32: gigabytes for
+    the LM head), or a launch's rows are not whole 16-row tiles."""
+    assert exact_workspace_rows(1, 4, 6144) == 16 and exact_workspace_rows(64, 4, 6144) == 64
+    rows = exact_workspace_rows(4096, 2, 2 * 12288, budget=64 * 1024**2)
+    assert rows % 64 == 0 and rows * 2 * (2 * 12288 + 12288 // 16) * 4 <= 64 * 1024**2 and rows >= 64
+    assert exact_workspace_rows(4096, 8, 151936, budget=1) == 64  # at least 64 rows, whatever the budget
+
+
+class _Recorder:
+    """Stands in for a Triton kernel: records each launch's grid, arguments and options."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
+
+
+@needs_triton
+def test_exact_linear_launches_sum_every_row_in_one_order(monkeypatch):
+    """Bug: ``ExactOps.linear`` passes the kernel another split count, split width, K step, warp count or
+    workspace layout for another row count (M = 1 decode vs 16 x n verify vs a prefill chunk), or its launches
+    skip or repeat rows. Every launch of every M must carry the weight's own arithmetic and the row chunks
+    must tile [0, M) in order; the second pass runs exactly when the weight is split."""
+    from dflash_trt.runtime.kernels import exact_ops
+
+    for plan in (ExactLinearPlan(16, 64, 128, 4, 4), ExactLinearPlan(32, 64, 64, 8, 1), ExactLinearPlan(16, 32, 128, 4, 3, 2, True)):
+        seen = set()
+        for M in ROW_COUNTS + (1000,):
+            linear, total = _Recorder(), _Recorder()
+            monkeypatch.setattr(exact_ops, "_linear_kernel", linear)
+            monkeypatch.setattr(exact_ops, "_split_sum_kernel", total)
+            ops = exact_ops.ExactOps(linear_plans={(256, 4096, True): plan}, workspace_bytes=2 * 1024**2)
+            x = torch.zeros(M, 4096, dtype=torch.bfloat16)
+            ops.linear(x, torch.zeros(512, 4096, dtype=torch.bfloat16), norm=torch.ones(4096, dtype=torch.bfloat16), gated=True)
+            starts = []
+            for grid, args, kwargs in linear.launches:
+                ws_rows, row0, end, K, width = args[13], args[15], args[16], args[18], args[19]
+                assert grid[2] == kwargs["SPLITS"] and end - row0 <= ws_rows and end <= M and K == 4096
+                seen.add((kwargs["SPLITS"], width, kwargs["BK"], kwargs["num_warps"], kwargs["TM"], ws_rows if M == 1 else None))
+                starts.append((row0, end))
+            assert [a for a, _ in starts] == list(range(0, M, starts[0][1] - starts[0][0])) and starts[-1][1] == M
+            assert len(total.launches) == (len(starts) if kwargs["SPLITS"] > 1 and not kwargs["FIXUP"] else 0)
+        arithmetic = {key[:5] for key in seen}
+        assert len(arithmetic) == 1, (plan, arithmetic)
 
 
 def test_exact_attention_partials_fit_their_budget():
@@ -132,7 +220,7 @@ def test_an_exact_ops_object_reports_exact():
 # ------------------------------------------------------------------ the kernels, compiled for sm90 (CPU)
 
 LINEAR_ARGS = ("x_ptr", "stride_xm", "w_ptr", "stride_wn", "b_ptr", "g_ptr", "r_ptr", "stride_rm", "o_ptr", "stride_om",
-               "t_ptr", "stride_tm", "M", "N", "K", "eps")
+               "t_ptr", "stride_tm", "ws_ptr", "WR", "cnt_ptr", "row0", "M", "N", "K", "KS", "eps")
 
 
 def _ttgir(kernel, args: dict[str, str], aligned: set[str], constexprs: dict, warps: int, stages: int) -> str:
@@ -168,28 +256,66 @@ def test_exact_linear_compiles_to_one_arithmetic_for_every_row_count():
     from dflash_trt.runtime.kernels.exact_ops import _linear_kernel
 
     args = {name: "*bf16" if name.endswith("_ptr") else "fp32" if name == "eps" else "i32" for name in LINEAR_ARGS}
-    aligned = {name for name in LINEAR_ARGS if name not in ("M", "eps")}  # pointers, strides (K, N...), N, K of the 8B weights
+    args["ws_ptr"], args["cnt_ptr"] = "*fp32", "*i32"
+    aligned = {name for name in LINEAR_ARGS if name not in ("M", "WR", "row0", "eps")}  # pointers, strides (K, N...), N, K of the 8B weights
     for name in ("qkv", "gate_up", "down"):
         N, K, gated, norm = WEIGHTS_8B[name]
         plan = exact_linear_plan(N, K, gated, 2)
+        assert plan.splits > 1, plan  # the split variant is what the 8B step runs
         compiled = {}
-        for tiles, block_n, stages in sorted({exact_linear_launch(plan, M, gated, 2) for M in ROW_COUNTS}):
-            constexprs = dict(NORM=norm, GATED=gated, BIAS=False, RESIDUAL=not norm, TAP=False, TILES=tiles, TM=16, BN=block_n,
-                              BK=plan.block_k, INTERP=False)
+        launches = sorted({exact_linear_launch(plan, M, gated, 2) for M in ROW_COUNTS})
+        for fixup, (tiles, block_n, stages) in itertools.product((False, True), launches):  # the in-kernel sum: spread only
+            constexprs = dict(NORM=norm, GATED=gated, BIAS=False, RESIDUAL=not norm, TAP=False, SPLITS=plan.splits, FIXUP=fixup,
+                              TILES=tiles, TM=16, BN=block_n, BK=plan.block_k, INTERP=False)
             try:
                 ir = _ttgir(_linear_kernel, args, aligned, constexprs, plan.warps, stages)
             except Exception as error:  # noqa: BLE001 - a Triton without the NVIDIA backend's compiler
                 pytest.skip(f"cannot compile for sm90 here: {error!r}"[:200])
-            compiled[(tiles, block_n, stages)] = _arithmetic(ir)
+            compiled[(fixup, tiles, block_n, stages)] = _arithmetic(ir)
         reductions = {r for r, _ in compiled.values()}
         assert all(len(set(r)) <= 1 for r in reductions) and len({r[0] for r in reductions if r}) <= 1, (name, compiled)
         assert len({m for _, m in compiled.values()}) == 1, (name, compiled)
         assert all("versionMajor = 2" in m and "instrShape = [16, 8]" in m for _, ms in compiled.values() for m in ms), compiled
 
 
+@needs_triton
+def test_split_sum_and_attention_kernels_compile_for_sm90():
+    """Bug: a kernel the tests only run interpreted no longer compiles for the GPU (the split-K sum pass; the fast
+    and exact attention kernels, which share one query-tile setup; the in-kernel combine with its counter): the
+    first CUDA call of the backend fails."""
+    from dflash_trt.runtime.kernels import exact_ops, triton_ops
+
+    ints = lambda *names: {name: "i32" for name in names}  # noqa: E731
+    sums = {"ws_ptr": "*fp32"} | ints("WR", "NB", "row0", "M", "N", "K") | {"eps": "fp32", "w_ptr": "*bf16", "b_ptr": "*bf16",
+           "r_ptr": "*bf16", "stride_rm": "i32", "o_ptr": "*bf16", "stride_om": "i32", "t_ptr": "*bf16", "stride_tm": "i32"}
+    q = {"q_ptr": "*bf16"} | ints("sq_n", "sq_h", "sq_t") | {"k_ptr": "*bf16", "v_ptr": "*bf16"} | ints("sk_n", "sk_h", "sk_l")
+    q |= {"pos_ptr": "*i64", "spos_n": "i32", "len_ptr": "*i64"}
+    fast = q | {"o_ptr": "*bf16"} | ints("so_n", "so_h", "so_t") | {"part_ptr": "*fp32", "lse_ptr": "*fp32", "rows_ptr": "*i64"}
+    fast |= ints("T", "G", "HKV", "window") | {"scale": "fp32"}
+    exact = q | {"part_ptr": "*fp32", "lse_ptr": "*fp32", "rows_ptr": "*i64", "o_ptr": "*bf16"} | ints("so_n", "so_h", "so_t")
+    exact |= {"cnt_ptr": "*i32"} | ints("unit0", "QB", "T", "G", "HKV", "window")
+    exact |= {"scale": "fp32"}
+    combine = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "o_ptr": "*bf16"} | ints("so_n", "so_h", "so_t")
+    combine |= {"pos_ptr": "*i64", "spos_n": "i32", "len_ptr": "*i64"} | ints("unit0", "QB", "S", "T", "G", "HKV", "window")
+    shape = dict(D=128, BLOCK_Q=16, BLOCK_N=64, CAUSAL=True, WINDOW=True)
+    kernels = [
+        (exact_ops._split_sum_kernel, sums, dict(NORM=True, GATED=True, BIAS=True, RESIDUAL=True, TAP=True, SPLITS=4, TM=16, BN=256)),
+        (triton_ops._attention_kernel, fast, dict(D=128, BLOCK_Q=64, BLOCK_N=64, CAUSAL=True, WINDOW=True, SPLIT=True, ROWS=True)),
+        (exact_ops._attention_kernel, exact, shape | dict(SPLIT=256, ROWS=True, COMBINE=False, INTERP=False)),
+        (exact_ops._attention_kernel, exact, shape | dict(SPLIT=256, ROWS=True, COMBINE=True, INTERP=False)),
+        (exact_ops._combine_kernel, combine, shape | dict(SPLIT=256)),
+    ]
+    for kernel, args, constexprs in kernels:
+        try:
+            ir = _ttgir(kernel, args, set(), constexprs, 4, 2)
+        except ImportError as error:  # a Triton without the NVIDIA backend's compiler
+            pytest.skip(f"cannot compile for sm90 here: {error!r}"[:200])
+        assert "tt.func" in ir, kernel
+
+
 # ------------------------------------------------------------------ the kernels, interpreted (CPU)
 
-CHECKS = ("linear_rows", "attention_rows", "rope_rows", "linear_reference", "attention_reference")
+CHECKS = ("linear_rows", "split_rows", "attention_rows", "rope_rows", "linear_reference", "attention_reference")
 INTERPRETED = """
 import json, sys, traceback
 sys.path.insert(0, {tests!r})
@@ -200,7 +326,7 @@ results = {{}}
 for dtype in (torch.float32, torch.bfloat16):
     for name in {checks!r}:
         check = getattr(exact_checks, "check_" + name)
-        args = ("cpu", dtype, True) if name.endswith("_rows") and name != "rope_rows" else ("cpu", dtype)
+        args = ("cpu", dtype, True) if name in ("linear_rows", "attention_rows") else ("cpu", dtype)
         try:
             check(*args)
             results[f"{{name}} {{dtype}}"] = "ok"
@@ -212,7 +338,7 @@ print("RESULTS " + json.dumps(results))
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
-    """Every kernel check of exact_checks, fp32 and bf16, under Triton's interpreter (one process, ~25 s)."""
+    """Every kernel check of exact_checks, fp32 and bf16, under Triton's interpreter (one process, ~45 s on a 2-core box)."""
     if not TRITON:
         pytest.skip("needs triton (it ships with the CUDA builds of torch)")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
@@ -234,6 +360,14 @@ def test_exact_linear_rows_do_not_depend_on_the_batch(interpreted):
     logits) changes with the row count (1 / 5 / 16 / 64 of 70) or its place among the rows: a DFlash verify row
     and the same token decoded alone then differ in bf16 and near-ties flip."""
     _passed(interpreted, "linear_rows")
+
+
+def test_exact_split_k_rows_do_not_depend_on_the_batch(interpreted):
+    """Bug: with K split in several ranges (per weight), a row's output depends on the row count or the launch it
+    lands in (the splits' partial sums added in another order, a workspace row read by another launch, the
+    norm's per-split sums of squares mixed up between rows), or the split sums compute something else than the
+    product: M = 1 / 16 / 64 of 70 rows across 64-row launches, three tilings, every epilogue, against fp32."""
+    _passed(interpreted, "split_rows")
 
 
 def test_exact_attention_does_not_depend_on_queries_owners_or_capacity(interpreted):
@@ -260,15 +394,15 @@ def test_exact_ops_agree_with_the_reference(interpreted):
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("check", ["linear_rows", "attention_rows", "rope_rows"])
+@pytest.mark.parametrize("check", ["linear_rows", "split_rows", "attention_rows", "rope_rows"])
 def test_exact_kernels_are_batch_invariant_on_cuda(check, dtype):
     """Bug: compiled for the GPU, a row's result depends on the batch after all (tensor-core tiles that round
     a row by its place in the tile, a kernel specialized on the row count, a split chosen from the key count):
     Qwen3-8B weight shapes, M = 1 .. 300 rows, 1 / 16 queries, 1 / 3 owners, two capacities, bit for bit."""
     import exact_checks
 
-    if check == "rope_rows":
-        exact_checks.check_rope_rows("cuda", dtype)
+    if check in ("rope_rows", "split_rows"):
+        getattr(exact_checks, f"check_{check}")("cuda", dtype)
     else:
         getattr(exact_checks, f"check_{check}")("cuda", dtype, small=False)
 
