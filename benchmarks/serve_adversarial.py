@@ -62,8 +62,26 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def _rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:  # it exited meanwhile
+        return 0.0
+    return 0.0
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(child) for task in Path(f"/proc/{pid}/task").iterdir() for child in (task / "children").read_text().split()]
+    except OSError:
+        return []
+
+
 class Server:
-    """One ``dflash-trt serve`` subprocess; its RSS from /proc."""
+    """One ``dflash-trt serve`` subprocess; its RSS from /proc (the server's process and its children:
+    the serving process beside the HTTP front, and the spawn's resource tracker)."""
 
     def __init__(self, args, *flags: str) -> None:
         self.port = free_port()
@@ -82,10 +100,7 @@ class Server:
         raise SystemExit("server not ready after 900 s")
 
     def rss_mb(self) -> float:
-        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return float("nan")
+        return sum(_rss_mb(pid) for pid in (self.process.pid, *_children(self.process.pid)))
 
     def stop(self) -> None:
         if self.process.poll() is None:

@@ -13,9 +13,11 @@ the window ends are cancelled (disconnect): they do not count as requests,
 but their tokens (the server's own output-token counter over the window) and
 latencies do.
 
-Per mode (DFlash on, under ``--policy``, default adaptive; always = DFlash with
-``--policy always``; off = the server's ``--no-draft``, plain target decoding
-through the same engine) and per client count (each on the same server) it
+Per front (``--fronts``: ``process``, the default server with the HTTP front
+in its own process; ``single``, ``--no-front-process``: HTTP and the serving
+loop in one process), per mode (DFlash on, under ``--policy``, default adaptive;
+always = DFlash with ``--policy always``; off = the server's ``--no-draft``,
+plain target decoding through the same engine) and per client count (each on the same server) it
 prints: requests/s and output tokens/s over the window, TTFT, inter-token
 latency (ITL: the gap between two stream events of a request; a DFlash
 cycle's accepted tokens, and an execute's cycles, arrive together) p50/p99,
@@ -27,7 +29,7 @@ the server's /metrics.
     python benchmarks/serve_load.py [--clients 8 [1 ...]] [--seconds 30] [--max-tokens 64] [--modes on off]
         [--artifacts DIR] [--backend onnxruntime|torch|tensorrt] [--device cuda] [--serve-args "--max-cycles 4"]
         [--policy adaptive|always] [--modes on always off]
-        [--threads N] [--client-procs P] [--warmup-seconds S] [--server-logs DIR] [--record]
+        [--threads N] [--client-procs P] [--warmup-seconds S] [--server-logs DIR] [--fronts process single] [--record]
 
 ``--record`` appends one row per mode and client count to
 benchmarks/results.jsonl. The last line printed is one JSON object with
@@ -56,6 +58,7 @@ import numpy as np
 
 # "on": DFlash under --policy; "always": DFlash cycling whenever a block fits; "off": plain target decoding through the same engine
 MODES = {"on": [], "always": ["--policy", "always"], "off": ["--no-draft"]}
+FRONTS = {"process": ["--front-process"], "single": ["--no-front-process"]}  # the HTTP front in its own process, or not
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -235,20 +238,22 @@ def main() -> int:
     parser.add_argument("--client-procs", type=int, default=1, help="client processes (each an event loop over its share of clients)")
     parser.add_argument("--prompt-chars", type=int, default=600, help="keep the last N characters of each prompt")
     parser.add_argument("--server-logs", type=Path, default=Path(tempfile.gettempdir()), help="where each server's output goes (serve_load_PORT.log)")
+    parser.add_argument("--fronts", nargs="+", choices=tuple(FRONTS), default=["process"],
+                        help="process: the HTTP front in its own process (serve's default); single: --no-front-process")
     parser.add_argument("--record", action="store_true", help="append rows to benchmarks/results.jsonl")
     args = parser.parse_args()
     rows = [json.loads(line) for line in (ROOT / "export" / "default_pair" / "prompts.jsonl").read_text().splitlines() if line.strip()]
     prompts = [row["prompt"][-args.prompt_chars :] for row in rows]
     results = {}
-    print("| mode | clients | requests/s | output tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 / p99 ms | τ | policy cycles / decodes |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
-    for mode in args.modes:
-        process, base, log = start_server(args, MODES[mode])
+    print("| front | mode | clients | requests/s | output tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 / p99 ms | τ | policy cycles / decodes |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    for front, mode in ((front, mode) for front in args.fronts for mode in args.modes):
+        process, base, log = start_server(args, [*FRONTS[front], *MODES[mode]])
         try:
             for clients in args.clients:
                 figures = load(base, args, prompts, clients)
-                results[f"{mode}_{clients}"] = {"mode": mode, "clients": clients, **figures}
-                print(f"| {mode} | {clients} | {figures['requests_per_s']} | {figures['output_tokens_per_s']} | {figures['ttft_p50_ms']} / {figures['ttft_p99_ms']} "
+                results[f"{front}_{mode}_{clients}"] = {"front": front, "mode": mode, "clients": clients, **figures}
+                print(f"| {front} | {mode} | {clients} | {figures['requests_per_s']} | {figures['output_tokens_per_s']} | {figures['ttft_p50_ms']} / {figures['ttft_p99_ms']} "
                       f"| {figures['itl_p50_ms']} / {figures['itl_p99_ms']} | {figures['tpot_p50_ms']} / {figures['tpot_p99_ms']} | {figures['tau']} "
                       f"| {figures['policy_cycles']} / {figures['policy_decodes']} |", flush=True)
         finally:

@@ -37,6 +37,18 @@ def pair(target_dir: Path, draft_dir: Path):
     return load_pair(target_dir, draft_dir)
 
 
+class CharTokenizer:
+    """One token per character (the tiny pair has no tokenizer): ids 3..92 are ' '..'y'."""
+
+    stop_ids = (0,)
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(ch) - 29 for ch in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i + 29) for i in ids)
+
+
 class Tiny:
     """The exported tiny pair (conftest ``exported_pair``): models, dims, and backends over it."""
 

@@ -1,5 +1,9 @@
 """The OpenAI-compatible HTTP API over one ``ServingLoop`` (FastAPI; served by uvicorn).
 
+The loop is in this process, or in the serving process behind
+``server.front.ServingClient`` (the same interface; ``dflash-trt serve``'s
+default): nothing here differs but where the metrics come from.
+
 | route | what |
 | --- | --- |
 | ``POST /v1/completions`` | one prompt (text or token ids) |
@@ -30,8 +34,11 @@ the context; 404 for another model name or route; 413 for a body over the
 limit; 429 when the serving loop's queue is full (nothing queued: retry); 503
 while shutting down (``server.shutdown``) or once the serving loop is closed;
 500 when the serving loop failed the request (a failed batch) or a bug — its
-body says only that, with the request id; the log has the cause. An error
-after a stream started is sent as a last ``{"error": ...}`` event.
+body says only that, with the request id; the log has the cause; 503 (code
+``serving_process_died``) for the open requests when the serving process
+dies. An error after a stream started is sent as a last ``{"error": ...}``
+event. ``/metrics`` asks the serving loop in a worker thread (across the pipe
+from the front), never on the event loop.
 """
 
 from __future__ import annotations
@@ -176,7 +183,11 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(app.state.registry), media_type=CONTENT_TYPE_LATEST)
+        try:
+            text = await anyio.to_thread.run_sync(generate_latest, app.state.registry, limiter=app.state.limiter)
+        except ServingClosedError as error:
+            raise ApiError(503, str(error), "server_error", code=error.code) from None
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -244,7 +255,7 @@ def _prepare(serving: ServingLoop, names: list[str], route: Route, raw: bytes, s
     except QueueFullError as error:
         raise ApiError(429, str(error), "rate_limit_error", code="queue_full") from None
     except ServingClosedError as error:
-        raise ApiError(503, str(error), "server_error", code="shutting_down") from None
+        raise ApiError(503, str(error), "server_error", code=error.code or "shutting_down") from None  # or serving_process_died
     except REQUEST_ERRORS as error:
         param = API_PARAMS.get(error.param, error.param)
         param = route.prompt_param if param == "prompt" else param
@@ -310,6 +321,8 @@ async def _result(handle: RequestHandle, request: Request, request_id: str, shut
             handle.cancel()  # its session is closed at the next gap between executes
     try:
         result = completion.result() if completion.done() and not completion.cancelled() else None
+    except ServingClosedError as error:  # the serving process died under it
+        raise ApiError(503, str(error), "server_error", code=error.code) from None
     except DFlashError as error:
         log.error("request %s failed in the serving loop", request_id, exc_info=error)
         raise ApiError(500, f"the server failed this request (request id {request_id}); see the server log", "server_error") from None
@@ -385,6 +398,9 @@ async def _events(handle: RequestHandle, request_id: str, shutdown: Shutdown, ch
         async with aclosing(_deltas(handle, shutdown)) as deltas:
             async for delta in deltas:
                 yield chunk(delta)
+    except ServingClosedError as error:  # the serving process died under it: no traceback per stream
+        yield schema.error_body(str(error), "server_error", code=error.code)
+        return
     except DFlashError as error:
         log.error("request %s failed in the serving loop", request_id, exc_info=error)
         yield schema.error_body(f"the server failed this request (request id {request_id}); see the server log", "server_error")
@@ -418,10 +434,16 @@ async def _chat_events(handle, request_id: str, model: str, include_usage: bool,
 
 async def _log_throughput(serving: ServingLoop, interval_s: float) -> None:
     """Every ``interval_s``, while there is work or was some since the last line: throughput and load."""
-    before, then = serving.metrics(), time.perf_counter()
+    try:
+        before, then = await anyio.to_thread.run_sync(serving.metrics), time.perf_counter()
+    except ServingClosedError:
+        return
     while True:
         await asyncio.sleep(interval_s)
-        now_metrics, now = serving.metrics(), time.perf_counter()
+        try:
+            now_metrics, now = await anyio.to_thread.run_sync(serving.metrics), time.perf_counter()
+        except ServingClosedError:  # stopped or died: /health and the log say so
+            return
         seconds = now - then
         prompt = (now_metrics.prompt_tokens - before.prompt_tokens) / seconds
         output = (now_metrics.output_tokens - before.output_tokens) / seconds

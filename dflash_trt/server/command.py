@@ -6,6 +6,7 @@
     dflash-trt serve --backend torch --device cuda       # the checkpoints in PyTorch (bf16 on CUDA), no export
     dflash-trt serve ... --no-draft                      # plain target decoding: the autoregressive baseline
     dflash-trt serve ... --replicas 2                    # two serving loops on Ray Serve (server.replicas)
+    dflash-trt serve ... --no-front-process              # HTTP and the serving loop in one process
 
 Without ``--artifacts`` the default pair is exported to the cache exactly as
 ``dflash-trt demo`` does (reused when unchanged), except for ``--backend
@@ -14,9 +15,18 @@ the export's default geometry (``--dtype``, ``--max-owners``). The tokenizer (te
 prompts, chat template, stop tokens) is the first ``tokenizer.json`` among
 ``--tokenizer``, the artifacts dir and ``--target``. One serving loop serves every
 connection: one executor on one background thread (``runtime.serving.loop``).
+By default (``--front-process``) that loop runs in a process of its own
+(``server.serving_process``) and this process is the HTTP front (uvicorn,
+parsing, tokenizing, detokenizing, SSE: ``server.front``), so HTTP work never
+holds the GIL the serving loop's thread needs; the two exchange
+``server.wire``'s messages over a pipe. If the serving process dies, open
+requests get a 503 (or a last error event), /health answers 503, and the
+server exits 1 two seconds later. ``--no-front-process``: one process (what Ray
+replicas run).
 
 Start-up checks the port first (the socket is bound before anything loads,
-and handed to uvicorn), then loads. Logs go to stderr at INFO by default:
+and handed to uvicorn), then loads (in the serving process: its progress
+lines go to the same stderr). Logs go to stderr at INFO by default:
 the start-up, uvicorn's access lines, and every ``--log-interval`` seconds a
 throughput line (prompt and generation tokens/s, running and queued
 requests, τ). SIGINT / SIGTERM drain (``server.shutdown``) and exit 0.
@@ -33,6 +43,8 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trt.cli import nonnegative_int, positive_int
@@ -45,6 +57,7 @@ STATS_ROWS = 16384  # the executor's stats log in a server: ~5 MB at most (nobod
 STATS_AGE_S = 60.0  # a server reads each row once, right after its execute: keep a minute (flat memory within a minute of start)
 MALLOC_ARENAS, M_ARENA_MAX = 2, -8  # glibc's malloc.h: mallopt parameter number of M_ARENA_MAX
 EXIT_JOIN_S = 0.5  # after the last response: how long the exit waits for the serving loop's execute to end
+FAILED_CLOSE_S = 30.0  # after a failure in the server: how long the serving loop gets to stop before the backend is freed
 
 log = logging.getLogger("dflash_trt.server")
 
@@ -86,6 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-draft", action="store_true", help="plain target decoding (no speculation): the autoregressive baseline")
     command.add_policy_argument(parser)
     parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads for ONNX Runtime / torch")
+    parser.add_argument("--front-process", action=argparse.BooleanOptionalAction, default=True,
+                        help="the HTTP front in its own process, the serving loop in another (default); --no-front-process: "
+                             "one process (the HTTP event loop shares the GIL with the serving loop's thread)")
     parser.add_argument("--replicas", type=positive_int, default=1,
                         help="serving loops behind the one API; N >= 2: a local Ray cluster with N Ray Serve replicas, one GPU each on "
                              "CUDA (the ray extra; server.replicas); default 1: this process alone")
@@ -156,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     cap_malloc_arenas()
     try:
         with _interrupts_as_keyboard():
-            serving, backend, names = _load(args)
+            served = _start_serving_process(args, logging_config) if getattr(args, "front_process", False) else _load_here(args)
     except KeyboardInterrupt:
         listener.close()
         log.info("interrupted while loading; nothing served")
@@ -164,46 +180,104 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         listener.close()
         raise
+    serving = served.serving
     try:
         body_bytes = args.max_body_bytes or default_body_bytes(serving.executor.dims.max_context)
         limits = Limits(body_bytes, args.read_timeout, args.keep_alive_timeout, args.max_connections, args.max_header_bytes)
-        app = create_app(serving, names, limits, args.log_interval)
+        app = create_app(serving, served.names, limits, args.log_interval)
         executor = serving.executor
         mode = "DFlash" if executor.speculate else "plain target decoding (--no-draft)"
         host, port = listener.getsockname()[:2]
-        log.info("serving %s (%s, %d sessions, %s) on http://%s:%d/v1", names[0], args.backend, executor.max_sessions, mode,
+        log.info("serving %s (%s, %d sessions, %s) on http://%s:%d/v1", served.names[0], args.backend, executor.max_sessions, mode,
                  f"[{host}]" if ":" in host else host, port)
         config = ServeConfig(app, limits, log_config=logging_config, log_level=args.log_level)
-        GracefulServer(config, serving, app.state.shutdown, args.shutdown_timeout).run(sockets=[listener])
+        server = GracefulServer(config, serving, app.state.shutdown, args.shutdown_timeout)
+        if served.on_death is not None:
+            served.on_death(server.serving_died)
+        server.run(sockets=[listener])
     except BaseException:
-        serving.close(drain=False, timeout=30)
-        backend.close()
+        served.release(FAILED_CLOSE_S)
         raise
     finally:
         listener.close()
     # Every response is sent. The loop stops at the next gap between executes; closing the backend under a
     # running execute is unsafe, and waiting for it could pass the deadline + 1 s: the exit frees it then.
-    if serving.close(drain=False, timeout=EXIT_JOIN_S):
-        backend.close()
+    died = served.died()
+    served.release(EXIT_JOIN_S)
+    if died:
+        log.error("stopped: the serving process died")
     else:
-        log.info("exiting during an execute (its requests were already answered); the backend is freed with the process")
-    log.info("stopped")
-    _exit_now()
+        log.info("stopped")
+    _exit_now(1 if died else 0)
 
 
-def _exit_now() -> None:
-    """Exit 0 without the interpreter's teardown of torch / onnxruntime module state (0.3–0.7 s on a CPU
+@dataclass
+class _Served:
+    """What serves the API: the serving loop (or the front's client of the serving process) and its names;
+    ``release(seconds)`` stops it and frees its backend; ``died()``: it stopped unasked;
+    ``on_death(callback)`` registers the server's reaction (None in one process: the loop has no death of its own)."""
+
+    serving: object
+    names: list[str]
+    release: Callable[[float], None]
+    died: Callable[[], bool] = lambda: False
+    on_death: Callable[[Callable[[], None]], None] | None = None
+
+
+def _load_here(args) -> _Served:
+    serving, backend, names = _load(args)
+
+    def release(timeout: float) -> None:
+        if serving.close(drain=False, timeout=timeout):
+            backend.close()
+        else:
+            log.info("exiting during an execute (its requests were already answered); the backend is freed with the process")
+
+    return _Served(serving, names, release)
+
+
+def _start_serving_process(args, logging_config: dict) -> _Served:
+    """Spawn the serving process (it prepares the artifacts and loads), then the front's tokenizer and client."""
+    from dflash_trt.server import front
+
+    names = args.served_model_name or [_model_name(args)]
+    process, conn, ready = front.start(args, logging_config)
+    try:
+        if args.artifacts is None and ready.artifacts is not None:
+            args.artifacts = Path(ready.artifacts)  # the default pair's export, made by the serving process
+        tokenizer = _tokenizer(args)
+        if tokenizer is not None:
+            tokenizer.chars_per_token  # noqa: B018  (computed once now, not on the first request)
+        client = front.ServingClient(process, conn, ready, tokenizer)
+    except BaseException:
+        process.kill()
+        process.join()
+        raise
+    log.info("serving process %d loaded; this process serves HTTP (--front-process)", ready.pid)
+
+    def on_death(callback) -> None:
+        client.on_death = callback
+        if client.died:  # it died before the callback was set
+            callback()
+
+    return _Served(client, names, client.stop, lambda: client.died, on_death)
+
+
+def _exit_now(code: int = 0) -> None:
+    """Exit without the interpreter's teardown of torch / onnxruntime module state (0.3–0.7 s on a CPU
     box), which would push the exit past --shutdown-timeout + 1 s: every connection is closed and every
     response sent above, the backend closed unless an execute still runs, and logs are flushed here."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
-def _load(args):
-    """(serving loop, backend, served names): the tokenizer, the backend and its executor."""
+def _load(args, text: bool = True, handles=None):
+    """(serving loop, backend, served names): the tokenizer, the backend and its executor. ``text``: the
+    loop detokenizes (False in the serving process: the front does); ``handles``: ``ServingLoop``'s."""
     from dflash_trt.runtime.executor import Executor
+    from dflash_trt.runtime.serving.handle import RequestHandle
     from dflash_trt.runtime.serving.loop import ServingLoop
 
     names = args.served_model_name or [_model_name(args)]
@@ -216,9 +290,10 @@ def _load(args):
         executor = Executor(backend, max_sessions=args.max_sessions, speculate=not args.no_draft, max_cycles=args.max_cycles,
                             stats_rows=args.stats_rows, stats_age_s=args.stats_age, policy=args.policy)
         stop_ids = tokenizer.stop_ids if tokenizer is not None else command.manifest_stops(args.artifacts)
-        if tokenizer is not None:
+        if tokenizer is not None and text:
             tokenizer.chars_per_token  # noqa: B018  (computed once now, not on the first request)
-        serving = ServingLoop(executor, tokenizer, max_queue=args.max_queue, stop_ids=stop_ids, stream_interval=args.stream_interval_ms / 1000)
+        serving = ServingLoop(executor, tokenizer if text else None, max_queue=args.max_queue, stop_ids=stop_ids,
+                              stream_interval=args.stream_interval_ms / 1000, handles=handles or RequestHandle)
         return serving, backend, names
     except BaseException:
         backend.close()

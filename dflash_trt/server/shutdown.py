@@ -7,6 +7,9 @@
            ──> uvicorn closes the listener and the connections; the process exits 0
 
 A second SIGINT skips the wait (the open requests are aborted at once).
+When the serving process dies (``--front-process``), its open requests have
+already failed (503 / a last error event); /health answers 503 for
+``DEATH_GRACE_S``, then the server stops (and ``dflash-trt serve`` exits 1).
 ``Shutdown`` holds the states the routes read and the count of open API
 requests, kept by ``InFlight`` (an ASGI middleware: a request is open until
 its response, streamed or not, has been sent); ``GracefulServer`` is
@@ -28,6 +31,7 @@ log = logging.getLogger("dflash_trt.server")
 POLL_S = 0.02  # how often the drain looks at the open requests
 ABORT_GRACE_S = 0.5  # after the abort: time for the aborted responses to be sent
 CLOSE_GRACE_S = 0.3  # then uvicorn's own graceful timeout for the connections left
+DEATH_GRACE_S = 2.0  # after the serving process died: /health says so (503) this long, then the server stops
 
 
 class Shutdown:
@@ -101,6 +105,16 @@ class GracefulServer(uvicorn.Server):
             self.should_exit = True  # before the server runs: nothing to drain
             return
         self.loop.call_soon_threadsafe(self._start_drain, signal.Signals(sig).name)
+
+    def serving_died(self) -> None:
+        """The serving process died (any thread): stop after ``DEATH_GRACE_S`` (its requests already failed)."""
+        if self.loop is None:
+            self.should_exit = True
+            return
+        self.loop.call_soon_threadsafe(self._stop_later)
+
+    def _stop_later(self) -> None:
+        self.loop.call_later(DEATH_GRACE_S, setattr, self, "should_exit", True)
 
     def _start_drain(self, name: str) -> None:
         self._drain = self.loop.create_task(self.drain(name))

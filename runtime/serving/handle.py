@@ -67,10 +67,11 @@ class RequestHandle:
             parts = [d.text for d in self._deltas if d.text is not None]
             return "".join(parts) if parts or not self._deltas else None
 
-    def cancel(self) -> None:
-        """Stop generating (no-op once finished); the result keeps the tokens delivered so far."""
+    def cancel(self, finish: str = CANCELLED) -> None:
+        """Stop generating (no-op once finished); the result keeps the tokens delivered so far. ``finish``:
+        the reason it ends with (STOP when the caller found a stop string in the text it decodes itself)."""
         if not self._done:
-            self._cancel(self)
+            self._cancel(self, finish)
 
     def result(self, timeout: float | None = None) -> Completion:
         """Block for the whole completion; raises the request's error if it failed."""

@@ -43,7 +43,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from dflash_trt.checks import is_int
@@ -53,7 +53,7 @@ from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.serving.batcher import LENGTH, STOP, Batcher, Chunk, Completion, Request, check_request
 from dflash_trt.runtime.serving.handle import CANCELLED, Delta, RequestHandle
 from dflash_trt.runtime.serving.metrics import ServingMetrics, MetricsRecorder
-from dflash_trt.runtime.serving.text import TextStream
+from dflash_trt.runtime.serving.text import TextStream, detokenize, stop_strings
 
 __all__ = ["CANCELLED", "Delta", "ServingLoop", "RequestHandle"]
 
@@ -69,7 +69,7 @@ class _Job:
     request: Request
     text: TextStream | None
     submitted: float
-    cancelled: bool = False
+    cancelled: str | None = None  # the finish it ends with once cancelled: CANCELLED, or STOP (the caller found a stop string)
     last_delivery: float | None = None
     suspect: BaseException | None = None  # the error of a failed batch it was in: replayed alone next
 
@@ -92,10 +92,13 @@ class ServingLoop:
         max_running: int | None = None,
         stop_ids: Sequence[int] | None = None,
         stream_interval: float = DEFAULT_STREAM_INTERVAL,
+        handles: Callable[..., RequestHandle] = RequestHandle,
     ) -> None:
         """``stream_interval``: seconds between two deliveries of one request while an execute runs
         (its tokens are handed out as launches are read, at most this often; its first token and its
-        end at once): the gap a client sees is bounded without a delivery per launch per request."""
+        end at once): the gap a client sees is bounded without a delivery per launch per request.
+        ``handles(request_id, prompt, cancel)`` makes each request's handle (a ``RequestHandle``
+        subclass sees every delivery on the loop's thread: ``server.serving_process`` forwards them)."""
         if not is_int(max_queue) or max_queue < 0:
             msg = f"max_queue must be an int >= 0, got {max_queue!r}"
             raise InputError(msg)
@@ -104,6 +107,7 @@ class ServingLoop:
         self.batcher = Batcher(executor, max_running)  # the loop thread's alone
         self.stream_interval = float(stream_interval)
         self.recorder = MetricsRecorder()
+        self._handles = handles
         self._executes = ExecuteCursor(executor)
         self._cond = threading.Condition()  # guards everything below
         self._queue: deque[_Job] = deque()
@@ -154,7 +158,7 @@ class ServingLoop:
                 waiting = len(self._queue) - free
                 msg = f"the request queue is full ({waiting} waiting for a session, max_queue {self.max_queue}); retry later"
                 raise QueueFullError(msg)
-            handle = RequestHandle(self._next_id, list(request.prompt), self._cancel)
+            handle = self._handles(self._next_id, list(request.prompt), self._cancel)
             self._next_id += 1
             text = TextStream(self.tokenizer, stops) if self.tokenizer is not None else None
             self._queue.append(_Job(handle, request, text, time.perf_counter()))
@@ -170,27 +174,23 @@ class ServingLoop:
             if self.tokenizer is None:
                 raise TokenizerError("prompt is text but the serving loop has no tokenizer: pass token ids or ServingLoop(tokenizer=...)", param="prompt")
             prompt = self.tokenizer.encode(prompt)
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if stops and self.tokenizer is None:
-            raise TokenizerError("stop strings need a tokenizer: pass stop_ids or ServingLoop(tokenizer=...)", param="stop")
-        if any(not isinstance(s, str) for s in stops):
-            msg = f"stop must be a string or a list of strings, got {stop!r:.80}"
-            raise InputError(msg, param="stop")
+        stops = stop_strings(stop, self.tokenizer)
         stop_ids = self.stop_ids if stop_ids is None else stop_ids
         request = Request(prompt, max_new_tokens, stop_ids, sampling)
         return check_request(0, request, dims.max_context, dims.vocab_size), stops  # plain values, every field checked
 
-    def _cancel(self, handle: RequestHandle) -> None:
-        """RequestHandle.cancel: a queued request finishes now; a running one at the next gap."""
+    def _cancel(self, handle: RequestHandle, finish: str = CANCELLED) -> None:
+        """RequestHandle.cancel: a queued request finishes now; a running one at the next gap (with
+        ``finish``: CANCELLED, or STOP when the caller ended it at a stop string it found)."""
         with self._cond:
             queued = next((job for job in self._queue if job.handle is handle), None)
             if queued is not None:
                 self._queue.remove(queued)
             elif handle.id in self._jobs:
-                self._jobs[handle.id].cancelled = True
+                self._jobs[handle.id].cancelled = finish
                 self._cond.notify_all()
         if queued is not None:
-            self._finish(queued, [], CANCELLED)
+            self._finish(queued, [], finish)
 
     def metrics(self) -> ServingMetrics:
         """One consistent snapshot: requests running/queued, totals, tokens/s, τ, latency percentiles."""
@@ -243,9 +243,9 @@ class ServingLoop:
                 self._cond.wait()
             if self._stopping == "cancel":
                 for job in self._queue:
-                    job.cancelled = True
+                    job.cancelled = job.cancelled or CANCELLED
                 for job in self._jobs.values():
-                    job.cancelled = True
+                    job.cancelled = job.cancelled or CANCELLED
             leaving = [job for job in self._jobs.values() if job.cancelled]
             dropped = [job for job in self._queue if job.cancelled]
             self._queue = deque(job for job in self._queue if not job.cancelled)
@@ -259,9 +259,9 @@ class ServingLoop:
                 self.batcher.leave(job.handle.id)
             else:
                 self._suspects.remove(job)
-            self._finish(job, [], CANCELLED)
+            self._finish(job, [], job.cancelled)
         for job in dropped:
-            self._finish(job, [], CANCELLED)
+            self._finish(job, [], job.cancelled)
         for job in joining:
             self._join(job)
         if self._suspects:
@@ -352,7 +352,7 @@ class ServingLoop:
         tokens, finish, text = chunk.tokens, chunk.finish, None
         stopped = False
         if job.text is not None:
-            tokens, text, stopped = _detokenize(job.text, tokens, chunk.finish == STOP)
+            tokens, text, stopped = detokenize(job.text, tokens, chunk.finish == STOP)
             if stopped and finish is None and not streaming:
                 self.batcher.leave(job.handle.id)
             finish = STOP if stopped else finish
@@ -398,21 +398,6 @@ class ServingLoop:
             self.batcher.close()
         except Exception:  # the loop is already broken; the sessions die with the executor
             pass
-
-
-def _detokenize(stream: TextStream, tokens: list[int], stopped_by_token: bool) -> tuple[list[int], str, bool]:
-    """Push tokens one at a time (a stop string ends the chunk at the token completing it).
-
-    A stop token that ended the request is kept in the tokens but not in the text.
-    """
-    text = []
-    textual = tokens[:-1] if stopped_by_token else tokens
-    for i, token in enumerate(textual):
-        delta, stopped = stream.push(token)
-        text.append(delta)
-        if stopped:
-            return tokens[: i + 1], "".join(text), True
-    return tokens, "".join(text), False
 
 
 def _wrap(error: BaseException) -> DFlashError:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dflash_trt.errors import InputError, TokenizerError
+
 REPLACEMENT = "\ufffd"
 
 
@@ -88,3 +90,31 @@ class TextStream:
         self.prefix = self.read = len(self.tokens)
         delta, self.sent = self.text[self.sent :], len(self.text)
         return delta
+
+
+def stop_strings(stop: Sequence[str] | str | None, tokenizer) -> tuple[str, ...]:
+    """A request's stop strings as a tuple; InputError when one is not a string, TokenizerError without a
+    tokenizer (stop strings are matched on the text)."""
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if stops and tokenizer is None:
+        raise TokenizerError("stop strings need a tokenizer: pass stop_ids or ServingLoop(tokenizer=...)", param="stop")
+    if any(not isinstance(s, str) for s in stops):
+        msg = f"stop must be a string or a list of strings, got {stop!r:.80}"
+        raise InputError(msg, param="stop")
+    return stops
+
+
+def detokenize(stream: TextStream, tokens: list[int], stopped_by_token: bool) -> tuple[list[int], str, bool]:
+    """Push tokens one at a time: (the tokens kept, their new final text, stopped by a stop string).
+
+    A stop string ends the chunk at the token completing it; a stop token that ended the request is
+    kept in the tokens but not in the text.
+    """
+    text = []
+    textual = tokens[:-1] if stopped_by_token else tokens
+    for i, token in enumerate(textual):
+        delta, stopped = stream.push(token)
+        text.append(delta)
+        if stopped:
+            return tokens[: i + 1], "".join(text), True
+    return tokens, "".join(text), False

@@ -90,7 +90,7 @@ def test_exact_launches_follow_the_rows_only_in_how_work_is_spread():
             assert plan.block_k >= 16 and min(plan.block_n, plan.block_n_rows) >= 16
             for M in ROW_COUNTS:
                 tiles, block_n, stages = exact_linear_launch(plan, M, gated, dtype_bytes)
-                assert tiles == exact_row_tiles(M) and block_n == (plan.block_n if M <= 8 else plan.block_n_rows)
+                assert tiles == exact_row_tiles(M, plan.tiles) and block_n == (plan.block_n if M <= 8 else plan.block_n_rows)
                 stage = ((2 if gated else 1) * block_n + 16 * tiles) * plan.block_k * dtype_bytes
                 assert 2 <= stages <= 4 and (stages == 2 or stages * stage <= EXACT_STAGE_BYTES)
     assert [exact_row_tiles(m) for m in (1, 5, 16, 17, 32, 33, 64, 1000)] == [1, 1, 1, 2, 2, 4, 4, 4]

@@ -4,7 +4,10 @@ disconnects, OpenAI-style errors and backpressure, the bounds on what a client c
 (body size, read deadline, text length), strict types, the drain on SIGTERM, vLLM's conventions, and
 ``dflash-trt bench --serve``. The shipped default pair, exported once per run (conftest
 ``default_pair_cache``); a failing backend is served in-process over the tiny export. Every loop is
-bounded in count and time."""
+bounded in count and time. The main server runs the default mode (the HTTP front and the serving
+process apart: ``--front-process``), the small one a single process (``--no-front-process``, what Ray
+replicas run), so each test of a route runs in the mode of the server it uses; the serving process's
+death is tested on a server of its own."""
 
 from __future__ import annotations
 
@@ -101,14 +104,15 @@ class Server:
 
 @pytest.fixture(scope="module")
 def servers(default_pair_cache, tmp_path_factory):
-    """(main server: 8 sessions, a chat template, two served names, a 1 MB body limit, a throughput line a
-    second; small server: 1 session, queue of 1, the torch backend straight from the checkpoints,
-    --no-draft, the shipped chat template, a 1 s read deadline), started together."""
+    """(main server: the front in its own process (the default), 8 sessions, a chat template, two served
+    names, a 1 MB body limit, a throughput line a second; small server: one process, 1 session, queue of 1,
+    the torch backend straight from the checkpoints, --no-draft, the shipped chat template, a 1 s read
+    deadline), started together."""
     root = tmp_path_factory.mktemp("serve")
     (root / "chat.jinja").write_text(TEMPLATE)
     main = Server(default_pair_cache, root / "main.log", "--max-sessions", "8", "--chat-template", str(root / "chat.jinja"),
                   "--served-model-name", MODEL, ALIAS, "--max-body-bytes", str(BODY_LIMIT), "--log-interval", "1")
-    small = Server(default_pair_cache, root / "small.log", "--max-sessions", "1", "--max-queue", "1", "--backend", "torch", "--no-draft",
+    small = Server(default_pair_cache, root / "small.log", "--no-front-process", "--max-sessions", "1", "--max-queue", "1", "--backend", "torch", "--no-draft",
                    "--read-timeout", str(READ_TIMEOUT_S))
     try:
         main.wait_ready()
@@ -118,6 +122,7 @@ def servers(default_pair_cache, tmp_path_factory):
         main.stop()
         small.stop()
     assert main.process.returncode == 0, main.log.read_text()[-3000:]
+    assert small.process.returncode == 0, small.log.read_text()[-3000:]  # one process stops cleanly too
 
 
 @pytest.fixture(scope="module")
@@ -559,6 +564,60 @@ def test_sigterm_drains_then_ends_every_open_request_and_exits_0(default_pair_ca
     assert "SIGTERM: shutting down" in log and "aborting 8 open requests" in log
 
 
+def test_the_serving_process_dying_fails_open_requests_and_the_server_exits_1(default_pair_cache, tmp_path, prompts):
+    """Guards against the serving process's death leaving clients hanging (streams that never end, whole
+    requests that never answer), /health still answering 200, or a server that lives on without its
+    engine: open streams end with an error event (code serving_process_died), a whole request gets 503,
+    /health answers 503, and the server exits 1 without a traceback."""
+    server = Server(default_pair_cache, tmp_path / "died.log", "--max-sessions", "1")
+    try:
+        server.wait_ready()
+        pid = int(re.search(r"serving process (\d+) loaded", server.log.read_text()).group(1))
+        client, outcomes, started = server.client(), {}, threading.Event()
+
+        def stream(i):
+            try:
+                for _ in client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=900, temperature=0, stream=True):
+                    started.set()
+                outcomes[i] = "ended without an error"
+            except openai.APIError as error:
+                outcomes[i] = error.body.get("code") if isinstance(error.body, dict) else repr(error)
+
+        def whole(i):
+            try:
+                client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=900, temperature=0)
+                outcomes[i] = "answered"
+            except openai.APIStatusError as error:
+                outcomes[i] = (error.status_code, error.body["code"])
+
+        threads = [threading.Thread(target=f, args=(i,)) for i, f in enumerate([stream, stream, whole])]
+        for thread in threads:
+            thread.start()
+        assert started.wait(60)
+        os.kill(pid, signal.SIGKILL)
+        health = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not health:
+            try:
+                server.get("/health")
+            except urllib.error.HTTPError as error:
+                health.append((error.code, json.loads(error.read())["status"]))
+            except OSError:
+                break
+            time.sleep(0.05)
+        for thread in threads:
+            thread.join(60)
+        code = server.process.wait(30)
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+            server.process.wait()
+    log = server.log.read_text()
+    assert outcomes == {0: "serving_process_died", 1: "serving_process_died", 2: (503, "serving_process_died")}, outcomes
+    assert health == [(503, "unavailable")]
+    assert code == 1 and "Traceback" not in log and "the serving process stopped (exit code -9)" in log, log[-3000:]
+
+
 def test_port_checked_before_anything_loads(monkeypatch):
     """Guards against a busy or impossible port being found only after the model loaded (then a crash;
     "serving ..." printed before the bind error): --port 70000 is refused by the parser, a busy port by a
@@ -569,7 +628,10 @@ def test_port_checked_before_anything_loads(monkeypatch):
         build_parser("serve").parse_args(["serve", "--port", "70000"])
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
-    monkeypatch.setattr(command, "_load", lambda args: pytest.fail("loaded before the port was checked"))
+    from dflash_trt.server import front
+
+    monkeypatch.setattr(command, "_load", lambda *args, **kwargs: pytest.fail("loaded before the port was checked"))
+    monkeypatch.setattr(front, "start", lambda *args: pytest.fail("the serving process started before the port was checked"))
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

@@ -20,7 +20,7 @@ from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.serving.batcher import CONTEXT, LENGTH, STOP
 from dflash_trt.runtime.serving.loop import CANCELLED, ServingLoop
 from dflash_trt.runtime.serving.metrics import LATENCY_BUCKETS_S, RATE_BUCKET_S, RATE_WINDOW_S, WINDOW_S, WINDOW_SAMPLES, MetricsRecorder
-from executor_fixtures import RecordingBackend
+from executor_fixtures import CharTokenizer, RecordingBackend
 
 
 TINY_ROWS = 4  # cache rows of the module's Tiny (conftest)
@@ -261,18 +261,6 @@ def test_close_drains_or_cancels_then_refuses(tiny, oracle):
     backend.gate.set()
     closer.join(30)
     assert [h.result(0).finish for h in handles] == [CANCELLED, CANCELLED] and serving.executor.sessions() == []
-
-
-class CharTokenizer:
-    """One token per character (the tiny pair has no tokenizer): ids 3..92 are ' '..'y'."""
-
-    stop_ids = (0,)
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(ch) - 29 for ch in text]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(chr(i + 29) for i in ids)
 
 
 def test_text_prompts_stop_strings_and_stop_tokens(tiny, oracle):

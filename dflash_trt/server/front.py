@@ -1,0 +1,278 @@
+"""The HTTP front's side of the serving process: ``ServingClient`` stands where ``server.app`` holds a ``ServingLoop``.
+
+``dflash-trt serve`` (``--front-process``, the default) starts the serving
+process (``server.serving_process``: the executor and its loop) and serves
+HTTP in this process over a ``ServingClient``. The app sees the same
+interface as an in-process ``ServingLoop`` — ``submit`` returning a
+``RequestHandle``, ``cancel``, ``metrics()``, ``healthy``, ``close``,
+``tokenizer``, ``executor.{speculate, max_sessions, dims.max_context}`` — so
+every route, error, stream and drain works as before; the messages are
+``server.wire``'s.
+
+Detokenizing and stop strings are done here (``runtime.serving.text``, the
+loop's own code): the serving process sends token ids only, one message per
+delivery round for every request. A stop string found here ends the request
+at once (finish ``stop``, the text cut before it) and tells the serving
+process to end it (``Cancel(key, "stop")``, counted as completed there).
+
+The serving process's death (its pipe closes) fails every open request with
+``ServingClosedError`` (code ``serving_process_died``: a 503, or a last error
+event on a stream), makes ``healthy`` False and calls ``on_death`` (the
+server then exits 1, as vLLM's does when its engine core dies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing
+import secrets
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+from dflash_trt.errors import ServingClosedError, ServingError, TokenizerError
+from dflash_trt.export.sampling import Sampling
+from dflash_trt.runtime.serving.batcher import STOP, Completion
+from dflash_trt.runtime.serving.handle import CANCELLED, Delta, RequestHandle
+from dflash_trt.runtime.serving.text import TextStream, detokenize, stop_strings
+from dflash_trt.server import serving_process, wire
+
+log = logging.getLogger("dflash_trt.server")
+
+ANSWER_TIMEOUT_S = 30.0  # a submit's or a metrics query's answer; beyond, the serving process is taken as hung
+STOP_JOIN_S = 1.0  # on stop: how long the serving process gets to exit before it is killed
+DIED = "serving_process_died"
+
+
+@dataclass(frozen=True)
+class Dims:
+    max_context: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class ExecutorSummary:
+    """What the HTTP layer reads of the serving process's executor (``Ready``)."""
+
+    speculate: bool
+    max_sessions: int
+    dims: Dims
+
+
+@dataclass
+class _Job:
+    handle: RequestHandle
+    text: TextStream | None
+
+
+class ServingClient:
+    """The front's stand-in for a ``ServingLoop`` in another process (see the module docstring)."""
+
+    def __init__(self, process, conn, ready: wire.Ready, tokenizer=None, on_death: Callable[[], None] | None = None) -> None:
+        self.process, self.conn, self.tokenizer, self.on_death = process, conn, tokenizer, on_death
+        self.pid = ready.pid
+        self.executor = ExecutorSummary(ready.speculate, ready.max_sessions, Dims(ready.max_context, ready.vocab_size))
+        self._lock = threading.Lock()  # guards everything below
+        self._send_lock = threading.Lock()
+        self._jobs: dict[int, _Job] = {}  # open requests by key
+        self._answers: dict[tuple[type, int], Future] = {}  # (Submit or MetricsQuery, key or seq) -> its answer
+        self._next = 0
+        self._died: ServingClosedError | None = None
+        self._stopping = False
+        self._dispatch = {wire.Deliveries: self._deliveries, wire.Accepted: self._answer, wire.Refused: self._answer,
+                          wire.MetricsReply: self._answer}
+        self._receiver = threading.Thread(target=self._receive, name="dflash-trt-front-receiver", daemon=True)
+        self._receiver.start()
+
+    # ------------------------------------------------------------------ the ServingLoop interface
+
+    def submit(self, prompt: str | Sequence[int], max_new_tokens: int = 64, stop: Sequence[str] | str | None = None,
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+               stop_ids: Sequence[int] | None = None, sampling: Sampling | None = None) -> RequestHandle:
+        """``ServingLoop.submit`` across the pipe: the serving process checks and queues it (its typed
+        refusal is raised here); blocks for that answer (call it from a worker thread)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise TokenizerError("prompt is text but this server has no tokenizer: send token ids", param="prompt")
+            prompt = self.tokenizer.encode(prompt)
+        stops = stop_strings(stop, self.tokenizer)
+        if sampling is None:
+            sampling = Sampling(temperature, top_k, top_p, secrets.randbits(63) if seed is None else seed)
+        prompt = list(prompt)
+        with self._lock:
+            self._check_alive()
+            key, self._next = self._next, self._next + 1
+            handle = RequestHandle(key, prompt, self._cancel)
+            self._jobs[key] = _Job(handle, TextStream(self.tokenizer, stops) if self.tokenizer is not None else None)
+            answer = self._answers[(wire.Submit, key)] = Future()
+        self._send(wire.Submit(key, prompt, max_new_tokens, sampling, None if stop_ids is None else tuple(stop_ids)))
+        reply = self._await(answer, (wire.Submit, key))
+        if isinstance(reply, wire.Refused):
+            with self._lock:
+                self._jobs.pop(key, None)
+            raise reply.error.error()
+        return handle
+
+    def metrics(self):
+        """The serving process's ``ServingMetrics`` (blocks for its answer: call it off the event loop)."""
+        with self._lock:
+            self._check_alive()
+            seq, self._next = self._next, self._next + 1
+            answer = self._answers[(wire.MetricsQuery, seq)] = Future()
+        self._send(wire.MetricsQuery(seq))
+        return self._await(answer, (wire.MetricsQuery, seq)).metrics
+
+    @property
+    def healthy(self) -> bool:
+        return self._died is None and self.process.is_alive()
+
+    @property
+    def died(self) -> bool:
+        """The serving process ended without being asked to (``stop``)."""
+        return self._died is not None and not self._stopping
+
+    def close(self, drain: bool = True, timeout: float | None = 0) -> bool:
+        """Refuse new requests; the serving process finishes (``drain``) or cancels the accepted ones.
+        Does not wait (``stop`` ends the process); True when the process has already ended."""
+        self._send(wire.Close(drain))
+        return not self.process.is_alive()
+
+    def stop(self, timeout: float = STOP_JOIN_S) -> None:
+        """End the serving process: ``Exit`` (it cancels what is left and frees its backend), killed if it
+        has not exited within ``timeout``."""
+        self._stopping = True
+        self._send(wire.Exit())
+        self.process.join(timeout)
+        if self.process.is_alive():
+            log.warning("the serving process did not exit within %.1f s; killing it", timeout)
+            self.process.kill()
+            self.process.join()
+        self._receiver.join(timeout)
+
+    # ------------------------------------------------------------------ the pipe
+
+    def _send(self, message) -> None:
+        try:
+            with self._send_lock:
+                self.conn.send(message)
+        except (OSError, ValueError):  # the serving process is gone: the receiver fails what is open
+            pass
+
+    def _await(self, answer: Future, key: tuple):
+        try:
+            return answer.result(ANSWER_TIMEOUT_S)
+        except FutureTimeout:
+            msg = f"the serving process did not answer within {ANSWER_TIMEOUT_S:g} s"
+            raise ServingClosedError(msg, code=DIED) from None
+        finally:
+            with self._lock:
+                self._answers.pop(key, None)
+
+    def _check_alive(self) -> None:
+        """Under ``_lock``."""
+        if self._died is not None:
+            raise self._died
+
+    def _cancel(self, handle: RequestHandle, finish: str = CANCELLED) -> None:
+        with self._lock:
+            open_ = handle.id in self._jobs
+        if open_:
+            self._send(wire.Cancel(handle.id, finish))
+
+    def _receive(self) -> None:
+        """The receiver thread: every message from the serving process until its end of the pipe closes."""
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            self._dispatch[type(message)](message)
+        self._die()
+
+    def _answer(self, message) -> None:
+        kind = wire.MetricsQuery if isinstance(message, wire.MetricsReply) else wire.Submit
+        with self._lock:
+            answer = self._answers.get((kind, message.seq if kind is wire.MetricsQuery else message.key))
+        if answer is not None and not answer.done():
+            answer.set_result(message)
+
+    def _deliveries(self, message: wire.Deliveries) -> None:
+        for key, tokens, finish in message.items:
+            with self._lock:
+                job = self._jobs.get(key)
+            if job is not None:  # else it ended here at a stop string: the serving process's late tokens
+                self._deliver(key, job, tokens, finish)
+        for key, error in message.failures:
+            with self._lock:
+                job = self._jobs.pop(key, None)
+            if job is not None:
+                job.handle._fail(error.error())
+
+    def _deliver(self, key: int, job: _Job, tokens: list[int], finish: str | None) -> None:
+        """Tokens to the handle: text deltas, stop strings, finish (``ServingLoop._deliver``'s rules)."""
+        text = None
+        if job.text is not None:
+            tokens, text, stopped = detokenize(job.text, tokens, finish == STOP)
+            if stopped and finish is None:
+                self._send(wire.Cancel(key, STOP))
+            if stopped:
+                finish = STOP
+            elif finish not in (None, CANCELLED):
+                text += job.text.flush()
+        if finish is None:
+            job.handle._push(Delta(tokens, text, None))
+            return
+        with self._lock:
+            self._jobs.pop(key, None)
+        job.handle._push(Delta(tokens, text, finish))
+        job.handle._complete(Completion(job.handle.tokens, finish, job.handle.text if job.text is not None else None))
+
+    def _die(self) -> None:
+        """The pipe closed: fail every open request and answer, once; report an unexpected death."""
+        self.process.join(STOP_JOIN_S)
+        error = ServingClosedError(f"the serving process stopped (exit code {self.process.exitcode})", code=DIED)
+        with self._lock:
+            self._died = error
+            jobs, self._jobs = list(self._jobs.values()), {}
+            answers, self._answers = list(self._answers.values()), {}
+        if not self._stopping:  # reported before the requests fail: whoever sees a failure sees the death
+            log.error("%s; %d open requests fail", error, len(jobs))
+            if self.on_death is not None:
+                self.on_death()
+        for job in jobs:
+            job.handle._fail(error)
+        for answer in answers:
+            if not answer.done():
+                answer.set_exception(error)
+
+
+def start(args: argparse.Namespace, logging_config: dict) -> tuple[object, object, wire.Ready]:
+    """Spawn the serving process and wait until it loaded: (process, the front's end of the pipe, Ready).
+
+    Its start-up logs go to this process's stderr. Raises its loading error (the same typed error), or
+    ServingError when it died while loading; a KeyboardInterrupt while waiting kills it."""
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no fork of this process's threads
+    conn, child_conn = context.Pipe(duplex=True)
+    child_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})
+    process = context.Process(target=serving_process.main, args=(child_conn, child_args, logging_config), name="dflash-trt-serving")
+    process.start()
+    child_conn.close()
+    try:
+        first = conn.recv()
+    except EOFError:
+        process.join()
+        raise ServingError(f"the serving process exited while loading (exit code {process.exitcode}); see the log above") from None
+    except BaseException:
+        process.kill()
+        process.join()
+        raise
+    if isinstance(first, wire.LoadFailed):
+        process.join()
+        raise first.error.error()
+    return process, conn, first
+
+
+__all__ = ["DIED", "ServingClient", "start"]

@@ -1,0 +1,243 @@
+"""The serving process: the executor and its ``ServingLoop`` in a process of their own, driven over a pipe.
+
+``dflash-trt serve`` (by default) runs the HTTP front (``server.front``) in its
+own process and this one beside it, so the serving loop's thread never waits
+for the GIL behind HTTP parsing, tokenizing, detokenizing or SSE work. The
+messages are ``server.wire``'s.
+
+Threads here: the main thread reads the pipe (submits, cancels, closes,
+metrics queries) and answers each submit at once (``Accepted`` / ``Refused``);
+the serving loop's thread runs the executor and hands tokens to the requests'
+handles (``ForwardingHandle``: each delivery also goes to the outbox); the
+sender thread sends what the outbox holds as one ``Deliveries`` message. The
+loop thread releases the GIL at its next device wait right after a round's
+deliveries, so the sender sends a round (or several) per message, never one
+message per token or per request.
+
+The process ignores SIGINT / SIGTERM: the front owns the shutdown (a signal
+delivered to the whole process group must not kill the executor under open
+streams) and says ``Close`` / ``Exit``. It ends when the front's end of the
+pipe closes (the front died) and, on Linux, when the front's process dies
+while this one still loads (``PR_SET_PDEATHSIG``). It exits 1 when its
+serving loop stops on an internal error (the front then sees EOF: the
+process died).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import logging.config
+import os
+import signal
+import threading
+
+from dflash_trt.errors import DFlashError
+from dflash_trt.runtime.serving.handle import CANCELLED, Delta, RequestHandle
+from dflash_trt.server import wire
+
+log = logging.getLogger("dflash_trt.server")
+
+POLL_S = 0.5  # how often the main thread, waiting on the pipe, checks the serving loop's health
+EXIT_JOIN_S = 0.5  # on Exit: how long the serving loop's running execute may take before the process exits anyway
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+class Outbox:
+    """Deliveries and failures not sent yet (the loop thread puts, the sender thread takes all at once)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._items: list[wire.Item] = []
+        self._failures: list[tuple[int, wire.WireError]] = []
+        self._closed = False
+
+    def put(self, item: wire.Item) -> None:
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify()
+
+    def fail(self, key: int, error: wire.WireError) -> None:
+        with self._cond:
+            self._failures.append((key, error))
+            self._cond.notify()
+
+    def take(self) -> wire.Deliveries | None:
+        """Everything put so far as one message (waits for something); None once closed and empty."""
+        with self._cond:
+            while not (self._items or self._failures or self._closed):
+                self._cond.wait()
+            if not (self._items or self._failures):
+                return None
+            message = wire.Deliveries(tuple(self._items), tuple(self._failures))
+            self._items, self._failures = [], []
+            return message
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+
+class ForwardingHandle(RequestHandle):
+    """A request's handle in the serving process: every delivery also goes to the outbox under the
+    front's ``key``; it forgets its deltas (the front keeps them), only its tokens stay (a replay needs them)."""
+
+    def __init__(self, outbox: Outbox, key: int, request_id: int, prompt: list[int], cancel) -> None:
+        super().__init__(request_id, prompt, cancel)
+        self.key, self.outbox = key, outbox
+        self._received: list[int] = []
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self._received)
+
+    @property
+    def text(self) -> None:
+        return None
+
+    def _push(self, delta: Delta) -> None:
+        self._received += delta.tokens
+        self.outbox.put((self.key, delta.tokens, delta.finish))
+
+    def _fail(self, error: BaseException) -> None:
+        self.outbox.fail(self.key, wire.WireError.of(error))
+        super()._fail(error)
+
+
+class ServingProcess:
+    """The main thread's side of the pipe over one loaded ``ServingLoop`` (see the module docstring)."""
+
+    def __init__(self, conn, outbox: Outbox) -> None:
+        self.conn, self.outbox = conn, outbox
+        self.serving = None
+        self.handles: dict[int, ForwardingHandle] = {}  # by the front's key; the main thread's alone
+        self._submitting: int | None = None  # the key ``handle`` names (the main thread submits one at a time)
+        self._send_lock = threading.Lock()
+        self._sender = threading.Thread(target=self._send_deliveries, name="dflash-trt-deliveries", daemon=True)
+        self._dispatch = {wire.Submit: self._submit, wire.Cancel: self._cancel, wire.Close: self._close, wire.MetricsQuery: self._metrics}
+
+    def handle(self, request_id: int, prompt: list[int], cancel) -> ForwardingHandle:
+        """``ServingLoop(handles=...)``: the handle of the request being submitted."""
+        handle = ForwardingHandle(self.outbox, self._submitting, request_id, prompt, cancel)
+        self.handles[handle.key] = handle
+        return handle
+
+    def send(self, message) -> None:
+        with self._send_lock:
+            self.conn.send(message)
+
+    def run(self, serving, ready: wire.Ready) -> int:
+        """Serve the pipe until Exit (0), the front's end closing (0) or the serving loop failing (1)."""
+        self.serving = serving
+        self._sender.start()
+        self.send(ready)
+        while True:
+            try:
+                if not self.conn.poll(POLL_S):
+                    if not serving.healthy:
+                        log.error("the serving loop stopped after an internal error; the serving process exits")
+                        return 1
+                    continue
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                log.info("the front closed the pipe; the serving process stops")
+                return 0
+            if isinstance(message, wire.Exit):
+                return 0
+            self._dispatch[type(message)](message)
+
+    def stop(self) -> bool:
+        """Cancel what is left, stop the loop and the sender; True when the loop's thread ended."""
+        stopped = self.serving.close(drain=False, timeout=EXIT_JOIN_S) if self.serving is not None else True
+        self.outbox.close()
+        if self._sender.is_alive():
+            self._sender.join(EXIT_JOIN_S)
+        return stopped
+
+    def _submit(self, message: wire.Submit) -> None:
+        self._forget_finished()
+        self._submitting = message.key
+        try:
+            self.serving.submit(message.prompt, message.max_new_tokens, sampling=message.sampling, stop_ids=message.stop_ids)
+        except DFlashError as error:
+            self.send(wire.Refused(message.key, wire.WireError.of(error)))
+            return
+        self.send(wire.Accepted(message.key))
+
+    def _cancel(self, message: wire.Cancel) -> None:
+        handle = self.handles.pop(message.key, None)
+        if handle is not None:
+            handle.cancel(message.finish)
+
+    def _close(self, message: wire.Close) -> None:
+        self.serving.close(drain=message.drain, timeout=0)
+
+    def _metrics(self, message: wire.MetricsQuery) -> None:
+        self.send(wire.MetricsReply(message.seq, self.serving.metrics()))
+
+    def _forget_finished(self) -> None:
+        """Drop the handles of finished requests (bounded: done at every submit, so the map holds at
+        most the open requests plus those finished since the last submit)."""
+        for key in [key for key, handle in self.handles.items() if handle.done]:
+            del self.handles[key]
+
+    def _send_deliveries(self) -> None:
+        while (message := self.outbox.take()) is not None:
+            try:
+                self.send(message)
+            except (OSError, ValueError):  # the front is gone: the main thread sees EOF and stops
+                return
+
+
+def main(conn, args, logging_config: dict) -> None:
+    """The process's entry (``multiprocessing``, spawn): load, answer ``Ready``, serve the pipe, exit."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _die_with_parent()
+    logging.config.dictConfig(logging_config)
+    from dflash_trt.server import command
+
+    command.cap_malloc_arenas()
+    process = ServingProcess(conn, Outbox())
+    try:
+        serving, backend, _ = command._load(args, text=False, handles=process.handle)
+    except BaseException as error:  # noqa: BLE001  (reported to the front, which raises it)
+        if not isinstance(error, DFlashError):
+            log.exception("the serving process failed while loading")
+        _send_quietly(conn, wire.LoadFailed(wire.WireError.of(error)))
+        _exit(1)
+    executor = serving.executor
+    ready = wire.Ready(executor.speculate, executor.max_sessions, executor.dims.max_context, executor.dims.vocab_size,
+                       None if args.artifacts is None else str(args.artifacts), os.getpid())
+    code = 1
+    try:
+        code = process.run(serving, ready)
+    finally:
+        if process.stop():
+            backend.close()
+        _exit(code)
+
+
+def _send_quietly(conn, message) -> None:
+    try:
+        conn.send(message)
+    except (OSError, ValueError):
+        pass
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the front's process dies (it may die while this one loads)."""
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def _exit(code: int) -> None:
+    """Exit without the interpreter's teardown of torch / onnxruntime state (the front waits on this exit)."""
+    logging.shutdown()
+    os._exit(code)
+
+
+__all__ = ["CANCELLED", "ForwardingHandle", "Outbox", "ServingProcess", "main"]

@@ -1,0 +1,223 @@
+"""The front / serving-process protocol (server.wire, server.front, server.serving_process) over a real
+pipe, in one process: the serving side runs on a thread over the exported tiny pair (ONNX Runtime), so
+every message is pickled through the pipe as between the two processes. The processes themselves (spawn,
+kill, SIGTERM) are tested through ``dflash-trt serve`` in test_server.py."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from dflash_trt import errors
+from dflash_trt.errors import DFlashError, InputError, QueueFullError, SamplingError, ServingClosedError, TokenizerError
+from dflash_trt.export.sampling import Sampling
+from dflash_trt.runtime.executor import Executor
+from dflash_trt.runtime.serving.batcher import STOP
+from dflash_trt.runtime.serving.handle import CANCELLED
+from dflash_trt.runtime.serving.loop import ServingLoop
+from dflash_trt.server import wire
+from dflash_trt.server.front import DIED, ServingClient
+from dflash_trt.server.serving_process import Outbox, ServingProcess
+from executor_fixtures import CharTokenizer
+
+TINY_ROWS = 4  # cache rows of the module's Tiny (conftest)
+TIMEOUT_S = 60
+
+
+def crossed(message):
+    """``message`` after a trip through a multiprocessing pipe (pickled, as between the processes)."""
+    a, b = multiprocessing.Pipe()
+    with a, b:
+        a.send(message)
+        return b.recv()
+
+
+def test_typed_errors_cross_the_pipe_as_the_same_class_with_param_and_code():
+    """Guards against a refusal losing its type, field or reason between the processes (the front would
+    answer 500 for a 429, or a 400 without ``param``/``code``), and against an error class this package
+    does not define, or an untyped exception, failing to rebuild on the front."""
+    cases = [QueueFullError("queue full"), ServingClosedError("closed", code=DIED), InputError("too long", param="prompt", code="context_length_exceeded"),
+             SamplingError("bad top_p", param="top_p"), TokenizerError("no tokenizer", param="stop")]
+    for error in cases:
+        rebuilt = crossed(wire.WireError.of(error)).error()
+        assert (type(rebuilt), str(rebuilt), rebuilt.param, rebuilt.code) == (type(error), str(error), error.param, error.code)
+    bug = crossed(wire.WireError.of(ValueError("boom"))).error()
+    assert type(bug) is DFlashError and str(bug) == "ValueError: boom"
+    assert type(wire.WireError("NotAnError", "x").error()) is DFlashError and type(wire.WireError("Path", "x").error()) is DFlashError
+    assert type(wire.WireError("CudaError", "x", code="cudaErrorInvalidValue").error()) is errors.CudaError
+
+
+def test_every_message_crosses_the_pipe_unchanged():
+    """Guards against a message that cannot be pickled (a lock, a lambda, a handle in a field) or loses a
+    field between the processes: found only when a server first sends it."""
+    messages = [wire.Submit(3, [5, 6], 7, Sampling(0.8, 4, 0.9, 11), (0, 2)), wire.Submit(4, [1], 1, Sampling()),
+                wire.Cancel(3, CANCELLED), wire.Cancel(3, STOP), wire.Close(True), wire.MetricsQuery(9), wire.Exit(),
+                wire.Ready(True, 16, 1024, 32000, "/x/export", 123), wire.LoadFailed(wire.WireError("EngineError", "no plan")),
+                wire.Accepted(3), wire.Refused(3, wire.WireError("QueueFullError", "full")),
+                wire.Deliveries(((3, [1, 2, 3], None), (4, [9], "length")), ((5, wire.WireError("PoisonedError", "bad")),))]
+    for message in messages:
+        assert crossed(message) == message
+
+
+def test_the_outbox_sends_what_a_round_delivered_as_one_message():
+    """Guards against a message per token or per request (64 streams would cost 64 pipe writes and
+    pickles per round on the serving process's GIL): everything put before a take is one message,
+    in order; a take waits for something; a closed, empty outbox ends the sender."""
+    outbox = Outbox()
+    for key in range(64):
+        outbox.put((key, [key, key + 1], None))
+    outbox.fail(70, wire.WireError("PoisonedError", "bad"))
+    message = outbox.take()
+    assert [item[0] for item in message.items] == list(range(64)) and message.failures == ((70, wire.WireError("PoisonedError", "bad")),)
+    taken = []
+    taker = threading.Thread(target=lambda: taken.append(outbox.take()))
+    taker.start()
+    taker.join(0.2)
+    assert taker.is_alive()  # nothing to send: it waits
+    outbox.put((1, [2], "stop"))
+    taker.join(TIMEOUT_S)
+    assert taken == [wire.Deliveries(((1, [2], "stop"),))]
+    outbox.close()
+    assert outbox.take() is None
+
+
+class ThreadProcess:
+    """The serving side on a thread, standing in for the serving process (``multiprocessing.Process``'s
+    methods the front calls)."""
+
+    def __init__(self, tiny, stream_interval: float = 0.0) -> None:
+        front_end, self.conn = multiprocessing.Pipe(duplex=True)
+        self.side = ServingProcess(self.conn, Outbox())
+        self.serving = ServingLoop(Executor(tiny.ort, tiny.dims, 4), None, stop_ids=(), stream_interval=stream_interval, handles=self.side.handle)
+        self.sent: list = []
+        send = self.side.send
+        self.side.send = lambda message: (self.sent.append(message), send(message))[1]
+        dims = tiny.dims
+        ready = wire.Ready(True, 4, dims.max_context, dims.vocab_size, None, 0)
+        self.exitcode = None
+        self.thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
+        self.thread.start()
+        self.front_end = front_end
+        self.ready = crossed(ready)
+
+    def _run(self, ready) -> None:
+        self.exitcode = self.side.run(self.serving, ready)
+        self.side.stop()
+        self.conn.close()
+
+    def client(self, tokenizer=None, on_death=None) -> ServingClient:
+        assert self.front_end.recv() == self.ready
+        return ServingClient(self, self.front_end, self.ready, tokenizer, on_death)
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def join(self, timeout=None) -> None:
+        self.thread.join(timeout)
+
+    def kill(self) -> None:
+        self.conn.close()
+
+
+REQUESTS = [  # (prompt, max_new_tokens, sampling)
+    ([5, 6, 7], 20, Sampling()),
+    (list(range(10, 40)), 12, Sampling(0.9, 10, 1.0, 11)),
+    ([9] * 12, 25, Sampling()),
+    ([44], 8, Sampling(1.2, 0, 0.8, 3)),
+    (list(range(60, 50, -1)), 30, Sampling(0.7, 0, 1.0, 5)),
+    (list(range(3, 58)), 20, Sampling()),  # runs into the context end (64)
+]
+
+
+def run_all(serving, requests, tokenizer=None):
+    """(tokens, finish, text, streamed text) per request, sent from threads at once."""
+
+    def one(request):
+        prompt, max_new, sampling, *stop = request
+        handle = serving.submit(prompt, max_new, stop=stop[0] if stop else None, sampling=sampling)
+        streamed = [delta for delta in handle]
+        done = handle.result(TIMEOUT_S)
+        text = "".join(d.text for d in streamed) if tokenizer is not None else None
+        return done.tokens, done.finish, done.text, text
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(one, requests))
+
+
+def test_the_front_over_a_pipe_answers_as_the_in_process_loop(tiny):
+    """Guards against the process split changing any output: greedy and seeded requests at once, their
+    streamed deltas, text and stop strings (detokenized and matched on the front, the request then ended
+    in the serving loop as completed, not cancelled) equal what the in-process ServingLoop returns; the
+    tokens of a round travel in one message, not one per request."""
+    tokenizer = CharTokenizer()
+    prompt = tokenizer.encode("def f(x):")
+    with ServingLoop(Executor(tiny.ort, tiny.dims, 4), tokenizer, stream_interval=0.0) as here:
+        full = here.submit(prompt, 30).result(TIMEOUT_S).text
+        text_requests = [(prompt, 30, Sampling(), [full[9:12], "never"]), (tokenizer.encode("abc"), 16, Sampling(0.8, 0, 1.0, 4), "never")]
+        expected = run_all(here, REQUESTS) + run_all(here, text_requests, tokenizer)
+    side = ThreadProcess(tiny)
+    client = side.client(tokenizer)
+    assert (client.executor.max_sessions, client.executor.dims.max_context) == (4, tiny.dims.max_context)
+    got = run_all(client, REQUESTS) + run_all(client, text_requests, tokenizer)
+    assert got == expected
+    assert expected[len(REQUESTS)][1:3] == (STOP, full[: full.index(full[9:12])])  # the stop string did cut it
+    deliveries = [m for m in side.sent if isinstance(m, wire.Deliveries)]
+    items = sum(len(m.items) for m in deliveries)
+    assert len(deliveries) < items and max(len({key for key, *_ in m.items}) for m in deliveries) > 1
+    deadline = time.monotonic() + TIMEOUT_S
+    while (metrics := client.metrics()).running and time.monotonic() < deadline:  # the stop ends it at the next gap
+        time.sleep(0.01)
+    assert (metrics.completed, metrics.cancelled, metrics.running) == (len(expected), 0, 0)
+    client.stop()
+    assert side.exitcode == 0 and side.serving.executor.sessions() == []
+
+
+def test_refusals_and_cancels_reach_across_the_pipe(tiny):
+    """Guards against the serving loop's typed refusals not reaching the caller (a 400 or 429 answered
+    as 500, or a hang), and a cancel on the front (a client's disconnect) not ending the request in the
+    serving loop (its session decoding on to max_tokens)."""
+    side = ThreadProcess(tiny, stream_interval=0.02)
+    client = side.client()
+    with pytest.raises(InputError) as refused:
+        client.submit([1] * tiny.dims.max_context, 4)
+    assert (refused.value.param, refused.value.code) == ("prompt", "context_length_exceeded")
+    with pytest.raises(SamplingError, match="top_p"):
+        client.submit([1], 4, top_p=0.0)
+    long = client.submit([5, 6, 7], 60)
+    next(iter(long))  # it runs
+    long.cancel()
+    done = long.result(TIMEOUT_S)
+    assert done.finish == CANCELLED and len(done.tokens) < 60
+    metrics = client.metrics()
+    assert (metrics.cancelled, metrics.running) == (1, 0)
+    client.close(drain=True)
+    with pytest.raises(ServingClosedError):
+        client.submit([5], 2)
+    client.stop()
+
+
+def test_the_serving_process_dying_fails_open_requests_and_reports_it(tiny):
+    """Guards against a dead serving process leaving clients hanging on requests that will never end, a
+    server that still reports healthy, or new requests accepted into a closed pipe: every open request
+    fails with ServingClosedError (code serving_process_died), ``healthy`` turns False, ``on_death`` is
+    called once, and submits are refused."""
+    side = ThreadProcess(tiny, stream_interval=0.02)
+    died = []
+    client = side.client(on_death=lambda: died.append(True))
+    handles = [client.submit([5, 6, 7], 60), client.submit([9, 9], 60)]
+    next(iter(handles[0]))
+    side.kill()  # its end of the pipe closes, as when the process dies
+    for handle in handles:
+        with pytest.raises(ServingClosedError) as failed:
+            handle.result(TIMEOUT_S)
+        assert failed.value.code == DIED
+    assert died == [True] and not client.healthy and client.died
+    with pytest.raises(ServingClosedError):
+        client.submit([5], 2)
+    with pytest.raises(ServingClosedError):
+        client.metrics()
+    side.serving.close(drain=False, timeout=TIMEOUT_S)
