@@ -170,6 +170,7 @@ def test_models_health_and_metrics(server):
     kinds = {f.name: f.type for f in text_string_to_metric_families(server.get("/metrics")[1])}
     for name in ("time_to_first_token", "inter_token_latency", "queue_wait", "e2e_request_latency"):
         assert kinds[f"dflash_trt_{name}_seconds"] == "histogram", name
+    assert kinds["dflash_trt_policy_choices"] == "counter"  # the speculation policy's choices reach the front's /metrics
     before = server.metrics()
     done = server.client().completions.create(model=ALIAS, prompt="def f(x):", max_tokens=6, temperature=0)
     assert done.model == ALIAS
