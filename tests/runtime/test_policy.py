@@ -245,6 +245,20 @@ def test_outputs_under_any_policy_equal_plain_decoding_and_the_reference(tiny, o
     plain.close()
 
 
+def test_without_lag_the_policy_switches_every_round_and_stays_lossless(tiny, oracle):
+    """Guards against the policy depending on the read-ahead: without ``lag`` every launch is read before
+    the lane's next one, so a lane may switch kind every round (never deferred); outputs and every draft
+    call's context must still be the reference's."""
+    policy = make_policy("alternate", tiny.dims.proposals)
+    executor, recording = policy_executor(tiny, "onnxruntime", policy)
+    executor.lag = False
+    t = Tracker(executor, oracle)
+    workload(t, checked_execute(tiny, t, recording), [t.open() for _ in range(3)], 8)
+    kinds = [kind for kind, *_ in policy.launches]
+    assert kinds.count(CYCLE) > 5 and kinds.count(DECODE) > 5
+    executor.close()
+
+
 @pytest.mark.parametrize("backend", ["onnxruntime", "torch-fast"])
 def test_pending_context_rows_equal_a_brute_force_recompute_across_switches(tiny, oracle, backend):
     """Guards against pending-row bookkeeping drifting when a lane switches between decode steps and
