@@ -35,7 +35,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import polars as pl
 
 from dflash_trt.runtime import command

@@ -14,7 +14,7 @@ import torch
 
 from dflash_trt.errors import InputError
 from dflash_trt.export.sampling import Sampling
-from dflash_trt.runtime.executor import Executor, Input
+from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.policy import CYCLE, DECODE, DRAIN, ESTIMATE, EXPLORE, FIXED, PROBE, AdaptivePolicy, Choice
 from executor_fixtures import DraftReference, RecordingBackend, Tracker, tiny_dims
 
