@@ -46,6 +46,7 @@ from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.serving.batcher import Completion, Request
 
 BACKEND_CHOICES = ("onnxruntime", "torch", "tensorrt")
+KERNEL_CHOICES = ("auto", "fast", "exact", "eager")  # the torch backend's kernels= (torch_backend.KERNELS; not imported here: torch loads late)
 
 
 def default_pair_dir() -> Path:
@@ -111,6 +112,9 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser, target_default: Pa
     parser.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cpu, cuda for tensorrt)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="torch backend without --artifacts: weights and caches (default: bf16 on CUDA, fp32 on CPU)")
     parser.add_argument("--max-owners", type=positive_int, help="torch backend without --artifacts: sessions per draft/verify launch (default: --max-sessions)")
+    parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
+                        help="torch backend: auto (fast on CUDA, eager on the CPU), fast, exact (CUDA: rows that do not depend on "
+                             "the batch, so bf16 DFlash output equals plain decoding; slower), eager")
 
 
 # ---------------------------------------------------------------------- backends
@@ -125,6 +129,11 @@ def check_flags(args: argparse.Namespace) -> None:
     if getattr(args, "temperature", None) is not None:
         check_sampling_flags(args)
     checkpoints = args.backend == "torch" and args.artifacts is None
+    kernels = getattr(args, "kernels", "auto")
+    if kernels != "auto" and args.backend != "torch":
+        raise UsageError(f"--kernels {kernels} applies to --backend torch (got --backend {args.backend})")
+    if kernels == "exact" and not (args.device or "cpu").startswith("cuda"):
+        raise UsageError(f"--kernels exact runs Triton kernels on a CUDA device: add --device cuda (got --device {args.device or 'cpu'})")
     if (args.dtype is not None or args.max_owners is not None) and not checkpoints:
         raise UsageError("--dtype and --max-owners apply to --backend torch without --artifacts (an artifact set fixes both)")
     if args.backend == "tensorrt" and args.artifacts is None:
@@ -184,7 +193,7 @@ def torch_from_checkpoints(args: argparse.Namespace):
     owners = min(args.max_owners or args.max_sessions, args.max_sessions)
     options = ExportOptions(max_owners=owners, max_sessions=args.max_sessions, dtype=dtype).resolve(args.target, args.draft)
     target, draft = load_pair(args.target, args.draft, dtype=torch_dtype(DTYPES[dtype]))
-    return TorchBackend(target, draft, contract_dims(target, draft, options), args.max_sessions, device=device)
+    return TorchBackend(target, draft, contract_dims(target, draft, options), args.max_sessions, device=device, kernels=getattr(args, "kernels", "auto"))
 
 
 CHECKPOINT_SESSIONS = 16  # cache rows of a torch backend run from checkpoints when --max-sessions is not given
@@ -203,7 +212,8 @@ def _open_torch(args):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    return TorchBackend.from_checkpoints(args.target, args.draft, args.artifacts, max_sessions=args.max_sessions, device=args.device or "cpu")
+    device = args.device or "cpu"
+    return TorchBackend.from_checkpoints(args.target, args.draft, args.artifacts, max_sessions=args.max_sessions, device=device, kernels=getattr(args, "kernels", "auto"))
 
 
 def _open_tensorrt(args):

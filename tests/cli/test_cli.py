@@ -82,6 +82,8 @@ def test_generate_refuses_bad_sampling_flags_before_loading(flags, words, capsys
     (["run", "--out", "o", "--dtype", "fp16"], "--dtype and --max-owners apply to --backend torch without --artifacts"),
     (["bench", "--out", "o", "--no-draft"], "--no-draft does not apply to bench"),
     (["serve", "--max-owners", "2"], "--dtype and --max-owners apply to --backend torch without --artifacts"),
+    (["run", "--out", "o", "--kernels", "fast"], "--kernels fast applies to --backend torch (got --backend onnxruntime)"),
+    (["serve", "--backend", "torch", "--kernels", "exact"], "--kernels exact runs Triton kernels on a CUDA device: add --device cuda (got --device cpu)"),
     (["serve", "--max-queue", "-1"], "--max-queue: must be an int >= 0, got -1"),
     (["serve", "--port", "70000"], "--port: must be a TCP port in [0, 65535], got 70000"),
     (["bench", "--prompts", "p.jsonl"], "dflash-trt bench needs --out DIR (or --serve URL to measure a running server)"),
@@ -109,3 +111,24 @@ def test_build_of_an_fp32_export_exits_2_with_one_line(exported_pair, tmp_path, 
     assert len(lines) == 1 and captured.out == "", captured
     assert lines[0].startswith("dflash-trt build: UnsupportedExportError: target_model, draft_model: float32 attention")
     assert "--dtype bf16" in lines[0] and not out.exists()
+
+
+def test_kernels_flag_reaches_the_torch_backend(tmp_path, monkeypatch):
+    """Guards against `--kernels` being parsed but not passed on (the torch backend silently running its
+    default kernels, so `--kernels exact` would not give the bf16 guarantee it names), and against the
+    flag's choices drifting from the backend's."""
+    from dflash_trt.runtime import command
+    from dflash_trt.runtime.backends import torch_backend
+
+    assert command.KERNEL_CHOICES == torch_backend.KERNELS
+    seen = []
+    real = torch_backend.TorchBackend.__init__
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("kernels"))
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch_backend.TorchBackend, "__init__", spy)
+    out = tmp_path / "o"
+    assert main(["run", "--backend", "torch", "--kernels", "fast", "--limit", "1", "--max-new-tokens", "4", "--out", str(out)]) == 0
+    assert seen == ["fast"] and (out / "outputs.jsonl").exists()
