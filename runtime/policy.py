@@ -31,8 +31,10 @@ second counted launch on.
 
 While a rate at ``n`` is unknown, the policy explores (runs the unknown
 kind); once both are known it re-probes the losing kind every
-``probe_every`` (16) rounds at that count, so a stale estimate recovers when the
-load changes. Hysteresis: the choice at ``n`` switches only when the ratio
+``probe_interval(ratio)`` rounds at that count, so a stale estimate recovers when the
+load changes: ``probe_every`` (16) near break-even, doubling for every 25% the
+estimate lies away from it, at most 8× (a probe costs in proportion to the gap,
+and a far estimate needs a large change of load to flip). Hysteresis: the choice at ``n`` switches only when the ratio
 crosses 1 by ``margin``, so it does not flap on noise.
 
 ``AlwaysCycle`` is the fixed policy (every drafting lane cycles whenever a
@@ -98,13 +100,27 @@ def cycle_ratio(cycle_tokens_per_s: float, decode_tokens_per_s: float) -> float:
     return cycle_tokens_per_s / decode_tokens_per_s
 
 
+PROBE_STEP = 1.25  # each factor of this between the estimate and break-even doubles the probe interval
+PROBE_SPREAD = 8  # ... up to this many times ``probe_every``
+
+
+def probe_interval(probe_every: int, ratio: float) -> int:
+    """Rounds between two probes of the losing kind at an estimated cycle / decode ``ratio``.
+
+    >>> [probe_interval(16, r) for r in (1.0, 0.9, 0.75, 0.5, 0.39, 1.5, 4.0)]
+    [16, 16, 32, 128, 128, 32, 128]
+    """
+    steps = int(abs(math.log(ratio)) / math.log(PROBE_STEP)) if ratio > 0 else PROBE_SPREAD
+    return probe_every * min(PROBE_SPREAD, 2**steps)
+
+
 @dataclass
 class AdaptivePolicy:
     """Cycle or decode per round, from measured costs and yields (see the module docstring)."""
 
     alpha: float = 0.2  # EWMA weight of a new launch
     margin: float = 0.05  # hysteresis: switch when the ratio crosses 1 ± margin
-    probe_every: int = 16  # rounds at one lane count between probes of the losing kind
+    probe_every: int = 16  # rounds at one lane count between probes of the losing kind, near break-even
     costs: dict[tuple[str, int], Ewma] = field(default_factory=dict)  # (round kind, owners) -> seconds per launch
     yields: dict[tuple[str, int], Ewma] = field(default_factory=dict)  # ... -> tokens per launch
     last: dict[int, str] = field(default_factory=dict)  # owners -> the kind chosen last
@@ -141,7 +157,7 @@ class AdaptivePolicy:
         best = CYCLE if ratio > threshold else DECODE
         self.last[owners] = best
         rounds = self.since_probe.get(owners, 0) + 1
-        if rounds > self.probe_every:
+        if rounds > probe_interval(self.probe_every, ratio):
             self.since_probe[owners] = 0
             loser = DECODE if best == CYCLE else CYCLE
             return Choice(loser, PROBE, ratio, loser, owners)

@@ -15,7 +15,7 @@ import torch
 from dflash_trt.errors import InputError
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor
-from dflash_trt.runtime.policy import CYCLE, DECODE, DRAIN, ESTIMATE, EXPLORE, FIXED, PROBE, AdaptivePolicy, Choice
+from dflash_trt.runtime.policy import CYCLE, DECODE, DRAIN, ESTIMATE, EXPLORE, FIXED, PROBE, PROBE_SPREAD, AdaptivePolicy, Choice, probe_interval
 from executor_fixtures import DraftReference, RecordingBackend, Tracker, tiny_dims
 
 TINY_ROWS = 8
@@ -121,22 +121,37 @@ def test_hysteresis_keeps_the_choice_inside_the_margin_and_switches_outside():
 
 def test_the_losing_kind_is_probed_so_a_stale_estimate_recovers():
     """Guards against a losing kind that is never run again: its rate is then frozen at its old value and
-    the policy cannot notice when the load changes. Every probe_every rounds the loser runs once; as its
-    cost is re-measured lower the choice follows."""
+    the policy cannot notice when the load changes. Every ``probe_interval`` rounds the loser runs once; as
+    its cost is re-measured lower the choice follows."""
     policy = AdaptivePolicy(margin=0.0, probe_every=4)
     for _ in range(3):
         policy.observe(CYCLE, 2, 0.030, 6)  # 200 tokens/s
         policy.observe(DECODE, 2, 0.005, 2)  # 400 tokens/s: decode
-    choices = [policy.choose(2) for _ in range(10)]
-    assert [c.why for c in choices] == [ESTIMATE] * 4 + [PROBE] + [ESTIMATE] * 4 + [PROBE]
+    gap = probe_interval(4, 0.5)
+    choices = [policy.choose(2) for _ in range(2 * gap + 2)]
+    assert [c.why for c in choices] == ([ESTIMATE] * gap + [PROBE]) * 2
     assert all(c.kind == c.round == CYCLE for c in choices if c.why == PROBE) and all(c.kind == DECODE for c in choices if c.why == ESTIMATE)
     kinds = []
-    for _ in range(100):  # the load changed: cycle rounds now cost 10 ms (each probe measures one)
+    for _ in range(400):  # the load changed: cycle rounds now cost 10 ms (each probe measures one)
         kinds.append(policy.choose(2).kind)
         if kinds[-1] == CYCLE:
             policy.observe(CYCLE, 2, 0.010, 6)
-    assert kinds[:4] == [DECODE] * 4 and kinds[-20:].count(CYCLE) == 16  # switched; decode now the probed loser
-    assert policy.choose(2).ratio == pytest.approx(1.5, rel=1e-3)
+    assert kinds[:gap] == [DECODE] * gap  # still the old estimate until the next probe
+    assert policy.choose(2).ratio == pytest.approx(1.5, rel=1e-3)  # switched: cycles at 600 tokens/s
+    tail = probe_interval(4, 1.5) + 1
+    assert kinds[-4 * tail :].count(DECODE) == 4  # decode now the probed loser, once per interval
+
+
+def test_probes_are_rarer_the_farther_the_estimate_is_from_break_even():
+    """Guards against probing a clearly losing kind as often as a close one (each probe of a kind that
+    delivers a third of the other's tokens per second costs a round's worth of throughput), and against
+    never probing at all: the interval is ``probe_every`` near break-even, the same for a ratio and its
+    inverse, grows with the distance and is capped at PROBE_SPREAD times ``probe_every``."""
+    ratios = [1.0, 1.1, 1.3, 1.7, 2.5, 5.0, 100.0]
+    gaps = [probe_interval(16, r) for r in ratios]
+    assert gaps[0] == 16 and gaps == sorted(gaps) and gaps[-1] == 16 * PROBE_SPREAD
+    assert [probe_interval(16, 1 / r) for r in ratios] == gaps
+    assert probe_interval(16, 0.0) == 16 * PROBE_SPREAD
 
 
 def test_unknown_policy_names_are_refused(tiny):
@@ -267,7 +282,7 @@ def test_pending_context_rows_equal_a_brute_force_recompute_across_switches(tiny
     must leave the B pending rows alone): after every execute each drafting session's pending rows
     (draft position .. frontier) must be 0..B rows whose taps equal the target's taps at those
     positions, recomputed from scratch."""
-    executor, recording = policy_executor(tiny, backend, make_policy("mixed", tiny.dims.proposals))
+    executor, _recording = policy_executor(tiny, backend, make_policy("mixed", tiny.dims.proposals))
     t = Tracker(executor, oracle)
     sessions = [t.open() for _ in range(4)]
     B = executor.dims.block_size
