@@ -22,9 +22,11 @@ prints: requests/s and output tokens/s over the window, TTFT, inter-token
 latency (ITL: the gap between two stream events of a request; a DFlash
 cycle's accepted tokens, and an execute's cycles, arrive together) p50/p99,
 time per output token (TPOT: per finished request, (last event − first
-event) / (tokens − 1)) p50/p99, τ and the speculation policy's choices
-(drafting lanes' launches run as cycles / decode steps in the window) from
-the server's /metrics.
+event) / (tokens − 1)) p50/p99, the server's own TTFT / ITL p99 (its
+/metrics histograms between two scrapes that bound the window, interpolated
+in their buckets: what the serving process measured, to set beside the
+clients'), τ and the speculation policy's choices (drafting lanes' launches
+run as cycles / decode steps in the window) from the server's /metrics.
 
     python benchmarks/serve_load.py [--clients 8 [1 ...]] [--seconds 30] [--max-tokens 64] [--modes on off]
         [--artifacts DIR] [--backend onnxruntime|torch|tensorrt] [--device cuda] [--serve-args "--max-cycles 4"]
@@ -103,8 +105,32 @@ def server_metrics(base: str) -> dict[str, float]:
 
     with urllib.request.urlopen(base + "/metrics", timeout=30) as response:
         text = response.read().decode()
-    return {s.name + "".join(f"[{s.labels[label]}]" for label in ("outcome", "quantile", "choice") if label in s.labels): s.value
+    return {s.name + "".join(f"[{s.labels[label]}]" for label in ("outcome", "quantile", "choice", "le") if label in s.labels): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def histogram_quantile(q: float, name: str, before: dict, after: dict) -> float | None:
+    """The ``q`` quantile (0..1) of histogram ``name``'s samples between two scrapes, interpolated linearly
+    inside its bucket (Prometheus' ``histogram_quantile``); None without samples in between.
+
+    >>> a = {"h_bucket[0.01]": 0.0, "h_bucket[0.02]": 0.0, "h_bucket[+Inf]": 0.0}
+    >>> b = {"h_bucket[0.01]": 50.0, "h_bucket[0.02]": 100.0, "h_bucket[+Inf]": 100.0}
+    >>> round(histogram_quantile(0.99, "h", a, b), 4)
+    0.0198
+    """
+    prefix = f"{name}_bucket["
+    bounds = sorted((float(key[len(prefix) : -1]), after[key] - before.get(key, 0.0)) for key in after if key.startswith(prefix))
+    total = bounds[-1][1] if bounds else 0.0
+    if total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for upper, count in bounds:
+        if count >= rank:
+            if upper == float("inf"):
+                return lower  # past the last finite bound: its value, as Prometheus does
+            return lower + (upper - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = upper, count
+    return lower
 
 
 async def client_loop(client, model: str, prompts: list[str], index: int, clients: int, args, window: tuple[float, float], record: dict) -> None:
@@ -209,12 +235,20 @@ def figures(records: list[dict], before: dict, after: dict, seconds: float) -> d
         "itl_p99_ms": _ms(merged["itl"], 99),
         "tpot_p50_ms": _ms(merged["tpot"], 50),
         "tpot_p99_ms": _ms(merged["tpot"], 99),
+        # The server's own view (its histograms between the window's two scrapes; bucket resolution ~25%):
+        **{f"server_{key}_p99_ms": _bucket_ms(0.99, f"dflash_trt_{metric}", before, after)
+           for key, metric in (("ttft", "time_to_first_token_seconds"), ("itl", "inter_token_latency_seconds"))},
         "executes": int(after["dflash_trt_executes_total"] - before["dflash_trt_executes_total"]),
         "cycles": int(cycles),
         "tau": round(after["dflash_trt_acceptance_length"], 3) if cycles else None,  # since the server started (warm-up included)
         **{f"policy_{kind}s": int(after.get(f"dflash_trt_policy_choices_total[{kind}]", 0) - before.get(f"dflash_trt_policy_choices_total[{kind}]", 0))
            for kind in ("cycle", "decode")},
     }
+
+
+def _bucket_ms(q: float, name: str, before: dict, after: dict) -> float | None:
+    seconds = histogram_quantile(q, name, before, after)
+    return None if seconds is None else round(seconds * 1000.0, 2)
 
 
 def _ms(values: list[float], q: float) -> float | None:
@@ -245,8 +279,8 @@ def main() -> int:
     rows = [json.loads(line) for line in (ROOT / "export" / "default_pair" / "prompts.jsonl").read_text().splitlines() if line.strip()]
     prompts = [row["prompt"][-args.prompt_chars :] for row in rows]
     results = {}
-    print("| front | mode | clients | requests/s | output tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 / p99 ms | τ | policy cycles / decodes |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    print("| front | mode | clients | requests/s | output tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 / p99 ms | server TTFT / ITL p99 ms | τ | policy cycles / decodes |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     for front, mode in ((front, mode) for front in args.fronts for mode in args.modes):
         process, base, log = start_server(args, [*FRONTS[front], *MODES[mode]])
         try:
@@ -254,7 +288,8 @@ def main() -> int:
                 figures = load(base, args, prompts, clients)
                 results[f"{front}_{mode}_{clients}"] = {"front": front, "mode": mode, "clients": clients, **figures}
                 print(f"| {front} | {mode} | {clients} | {figures['requests_per_s']} | {figures['output_tokens_per_s']} | {figures['ttft_p50_ms']} / {figures['ttft_p99_ms']} "
-                      f"| {figures['itl_p50_ms']} / {figures['itl_p99_ms']} | {figures['tpot_p50_ms']} / {figures['tpot_p99_ms']} | {figures['tau']} "
+                      f"| {figures['itl_p50_ms']} / {figures['itl_p99_ms']} | {figures['tpot_p50_ms']} / {figures['tpot_p99_ms']} "
+                      f"| {figures['server_ttft_p99_ms']} / {figures['server_itl_p99_ms']} | {figures['tau']} "
                       f"| {figures['policy_cycles']} / {figures['policy_decodes']} |", flush=True)
         finally:
             process.send_signal(signal.SIGINT)
