@@ -592,9 +592,14 @@ def test_the_serving_process_dying_fails_open_requests_and_the_server_exits_1(de
                 outcomes[i] = (error.status_code, error.body["code"])
 
         threads = [threading.Thread(target=f, args=(i,)) for i, f in enumerate([stream, stream, whole])]
-        for thread in threads:
+        for thread in threads[:2]:
             thread.start()
-        assert started.wait(60)
+        assert started.wait(60)  # a stream holds the one session; the whole request queues behind it
+        threads[2].start()
+        queued = re.compile(r"^dflash_trt_requests_queued\{[^}]*\} 2\.0$", re.M)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not queued.search(server.get("/metrics")[1]):
+            time.sleep(0.02)
         os.kill(pid, signal.SIGKILL)
         health = []
         deadline = time.monotonic() + 10
