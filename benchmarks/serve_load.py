@@ -235,7 +235,7 @@ def figures(records: list[dict], before: dict, after: dict, seconds: float) -> d
         "itl_p99_ms": _ms(merged["itl"], 99),
         "tpot_p50_ms": _ms(merged["tpot"], 50),
         "tpot_p99_ms": _ms(merged["tpot"], 99),
-        # The server's own view (its histograms between the window's two scrapes; bucket resolution ~25%):
+        # The server's own view (its histograms between the window's two scrapes; buckets ~25-33% apart):
         **{f"server_{key}_p99_ms": _bucket_ms(0.99, f"dflash_trt_{metric}", before, after)
            for key, metric in (("ttft", "time_to_first_token_seconds"), ("itl", "inter_token_latency_seconds"))},
         "executes": int(after["dflash_trt_executes_total"] - before["dflash_trt_executes_total"]),

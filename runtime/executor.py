@@ -162,6 +162,7 @@ class Executor:
         self._prepare_programs()
         self.closed = False
         self._on_tokens: Callable | None = None
+        self._should_yield: Callable[[], bool] | None = None
         # Rows go back to the backend even if the executor is dropped without close().
         self._release = weakref.finalize(self, self.table.rows.give_all, self.table.held)
 
@@ -330,7 +331,9 @@ class Executor:
         """Run one batch (see the module docstring). Returns per input its new tokens."""
         return [output.tokens for output in self.execute_outputs(batch)]
 
-    def execute_outputs(self, batch: Sequence[Input | dict], on_tokens: Callable | None = None) -> list[Output]:
+    def execute_outputs(
+        self, batch: Sequence[Input | dict], on_tokens: Callable | None = None, should_yield: Callable[[], bool] | None = None
+    ) -> list[Output]:
         """``execute``, returning per input its new tokens and why they ended (``Output.finish``).
 
         ``on_tokens(index, tokens, finish)``, called on this thread while the call runs, receives input
@@ -338,13 +341,17 @@ class Executor:
         STOP / LENGTH once they end it, else None — CONTEXT is known only in the outputs), so a server
         can stream them before the call returns; the outputs still hold every token. The callback
         must not call into the executor (it is busy).
+
+        ``should_yield()``, asked before each launch after the first round, ends the call early when
+        True (a server with a request waiting for the gap between calls): the launches in flight are
+        read and returned; the sessions go on at the next call, with the same tokens.
         """
         with self._call("execute", count_refusals=False):
-            self._on_tokens = on_tokens
+            self._on_tokens, self._should_yield = on_tokens, should_yield
             try:
                 return self._execute(batch)
             finally:
-                self._on_tokens = None
+                self._on_tokens = self._should_yield = None
 
     def _execute(self, batch: Sequence[Input | dict]) -> list[Output]:
         try:
@@ -585,7 +592,7 @@ class Executor:
         self._policed = [lane for lane in lanes if lane.policed]
         with self.loop.running():
             self.loop.stage(stage)
-            run_launches(lanes, self._pack, self._launch, self._read, self.lag, self._plan_round)
+            run_launches(lanes, self._pack, self._launch, self._read, self.lag, self._plan_round, self._should_yield)
 
     def _assign(self, lane: Lane) -> None:
         """The lane's kind for this execute: a drafting session with a block's room is ``policed`` (the

@@ -160,9 +160,12 @@ class Group:
 
 
 def run_launches(
-    lanes: Sequence[Lane], pack: Callable, launch: Callable, read: Callable, lag: bool, choose: Callable | None = None
+    lanes: Sequence[Lane], pack: Callable, launch: Callable, read: Callable, lag: bool, choose: Callable | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> None:
-    """Launch and read every lane's cycles until none may launch (see the module docstring).
+    """Launch and read every lane's cycles until none may launch, or until ``stop()`` (asked before each
+    launch after the first round) says to end early: the launches in flight are still read (see the
+    module docstring).
 
     ``choose(lanes)`` -> the lanes of one round that launch now, each one's
     ``kind``, ``shape`` and ``choice`` set for its next launch (a lane it
@@ -177,7 +180,9 @@ def run_launches(
     """
     queue: deque = deque()
 
-    def start(candidates: Sequence[Lane]) -> None:
+    def start(candidates: Sequence[Lane], may_stop: bool = True) -> None:
+        if may_stop and stop is not None and stop():
+            return
         live = [lane for lane in candidates if not lane.finished]
         chosen = live if choose is None or not live else choose(live)
         for group in pack([lane for lane in chosen if lane.may_launch()]):
@@ -186,7 +191,7 @@ def run_launches(
                 lane.launched += 1
                 lane.flight.append(Flight(lane.kind, lane.shape.width, lane.choice))
 
-    start(lanes)
+    start(lanes, may_stop=False)  # the first round always runs: every call makes progress
     waiting: list[Lane] = []  # deferred lanes, read since: they join the next round (one group, not one of their own)
     while queue:
         group, handle = queue.popleft()

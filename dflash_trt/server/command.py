@@ -98,6 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a stream's tokens are sent as cycles are read, at most this often per request (default 20; 0: after every cycle)")
     parser.add_argument("--no-draft", action="store_true", help="plain target decoding (no speculation): the autoregressive baseline")
     command.add_policy_argument(parser)
+    parser.add_argument("--early-join", action=argparse.BooleanOptionalAction, default=True,
+                        help="end an execute after its current round when a queued request could take a session "
+                             "(default; --no-early-join: it waits for the execute's end, up to --max-cycles rounds)")
     parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads for ONNX Runtime / torch")
     parser.add_argument("--front-process", action=argparse.BooleanOptionalAction, default=True,
                         help="the HTTP front in its own process, the serving loop in another (default); --no-front-process: "
@@ -293,7 +296,8 @@ def _load(args, text: bool = True, handles=None):
         if tokenizer is not None and text:
             tokenizer.chars_per_token  # noqa: B018  (computed once now, not on the first request)
         serving = ServingLoop(executor, tokenizer if text else None, max_queue=args.max_queue, stop_ids=stop_ids,
-                              stream_interval=args.stream_interval_ms / 1000, handles=handles or RequestHandle)
+                              stream_interval=args.stream_interval_ms / 1000, handles=handles or RequestHandle,
+                              early_join=getattr(args, "early_join", True))
         return serving, backend, names
     except BaseException:
         backend.close()

@@ -133,9 +133,13 @@ class Batcher:
         for key in list(self.running):
             self.leave(key)
 
-    def step(self, keys: Iterable[Hashable] | None = None, on_chunk: Callable[[Chunk], None] | None = None) -> list[Chunk]:
+    def step(
+        self, keys: Iterable[Hashable] | None = None, on_chunk: Callable[[Chunk], None] | None = None,
+        should_yield: Callable[[], bool] | None = None,
+    ) -> list[Chunk]:
         """One execute() over every running request (or only ``keys``: the others wait, their pending
         tokens kept); returns a chunk per request; raises what execute raised (sessions left as they are).
+        ``should_yield``: ``Executor.execute_outputs``' (end the execute early for a waiting request).
 
         ``on_chunk`` receives chunks while the execute runs (``Executor.execute_outputs``' on_tokens; a
         chunk's finish is set when its tokens end the request); the returned chunk of a request then
@@ -148,7 +152,7 @@ class Batcher:
             streamed[index] += len(tokens)
             on_chunk(Chunk(running[index].key, tokens, finish))
 
-        outputs = self.executor.execute_outputs([self._next_input(r) for r in running], stream if on_chunk else None)
+        outputs = self.executor.execute_outputs([self._next_input(r) for r in running], stream if on_chunk else None, should_yield)
         chunks = []
         for r, output, sent in zip(running, outputs, streamed):
             r.produced += len(output.tokens)

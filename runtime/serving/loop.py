@@ -93,10 +93,14 @@ class ServingLoop:
         stop_ids: Sequence[int] | None = None,
         stream_interval: float = DEFAULT_STREAM_INTERVAL,
         handles: Callable[..., RequestHandle] = RequestHandle,
+        early_join: bool = True,
     ) -> None:
         """``stream_interval``: seconds between two deliveries of one request while an execute runs
         (its tokens are handed out as launches are read, at most this often; its first token and its
         end at once): the gap a client sees is bounded without a delivery per launch per request.
+        ``early_join``: end an execute after its current round when a queued request could take a
+        session at the gap (``Executor.execute_outputs``' ``should_yield``), so a joining request waits
+        about one round for its session rather than the rest of the execute (up to ``max_cycles``).
         ``handles(request_id, prompt, cancel)`` makes each request's handle (a ``RequestHandle``
         subclass sees every delivery on the loop's thread: ``server.serving_process`` forwards them)."""
         if not is_int(max_queue) or max_queue < 0:
@@ -106,6 +110,7 @@ class ServingLoop:
         self.stop_ids = tuple(stop_ids if stop_ids is not None else tokenizer.stop_ids if tokenizer is not None else ())
         self.batcher = Batcher(executor, max_running)  # the loop thread's alone
         self.stream_interval = float(stream_interval)
+        self.early_join = bool(early_join)
         self.recorder = MetricsRecorder()
         self._handles = handles
         self._executes = ExecuteCursor(executor)
@@ -281,8 +286,17 @@ class ServingLoop:
     def _step(self) -> None:
         ended: set = set()  # requests that ended while the execute streamed: their sessions close after it
         held: dict = {}  # tokens read but not handed out yet (at most stream_interval old)
+        finished: list = []  # requests whose tokens ended during the execute (their sessions free at the gap)
+
+        def should_yield() -> bool:
+            """End the execute early when a queued request could take a session at the gap: a free one,
+            or one a request that finished during the execute leaves (its first token then waits one
+            round, not a whole execute)."""
+            return bool(self._queue) and (self.batcher.room > 0 or bool(finished) or bool(ended))
 
         def stream(chunk: Chunk) -> None:
+            if chunk.finish is not None:
+                finished.append(chunk.index)
             if chunk.index in ended:
                 return
             job, tokens = self._jobs[chunk.index], held.setdefault(chunk.index, [])
@@ -294,7 +308,7 @@ class ServingLoop:
                 ended.add(chunk.index)
 
         try:
-            chunks = self.batcher.step(on_chunk=stream)
+            chunks = self.batcher.step(on_chunk=stream, should_yield=should_yield if self.early_join else None)
         except Exception as error:
             failed = [self._jobs[key] for key in list(self.batcher.running)]
             for job in failed:

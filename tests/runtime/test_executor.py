@@ -509,3 +509,37 @@ def test_start_up_prefill_warm_up_touches_no_session_row(tiny, oracle):
         for old, new in zip(before[name], pool.keys + pool.values):
             assert torch.equal(old, new[: backend.max_sessions]), name
     t.execute([item + ({"max_new_tokens": 6},) for item in t.decode_inputs([s])])  # still the reference's tokens
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch-fast"])
+def test_an_execute_asked_to_yield_ends_after_one_round_and_loses_nothing(tiny, oracle, backend):
+    """Guards against a server's waiting request sitting out a whole execute (up to max_cycles rounds) when
+    the call was asked to end early, and against an early end that changes the tokens: each yielding call
+    runs one round per lane (a prompt's prediction, then one launch) and the calls together return the
+    reference continuation, exactly as one long call does."""
+    executor, _ = new_executor(tiny, 4, backend)
+    executor.max_cycles = 8
+    text = prompt(11, 6)
+    session = executor.open_session()
+    asked = []
+
+    def should_yield() -> bool:
+        asked.append(True)
+        return True
+
+    tokens = executor.execute_outputs([Input(session, text, max_new_tokens=40)], should_yield=should_yield)[0].tokens
+    assert asked and 2 <= len(tokens) <= 1 + executor.dims.block_size  # the prediction + one cycle's tokens
+    calls = 1
+    while len(tokens) < 40:
+        out = executor.execute_outputs([Input(session, [tokens[-1]], max_new_tokens=40 - len(tokens))], should_yield=lambda: True)[0]
+        assert 1 <= len(out.tokens) <= executor.dims.block_size  # one round: one cycle (or decode step)
+        tokens += out.tokens
+        calls += 1
+    assert tokens == oracle.continuation(text)[:40]
+    per_call = executor.execute_stats()["cycles"].to_list()
+    assert len(per_call) == calls and max(per_call) == 1  # one launch per yielding call
+    executor.clear_stats()
+    other = executor.open_session()
+    whole = executor.execute_outputs([Input(other, text, max_new_tokens=40)])[0].tokens
+    assert whole == tokens[: len(whole)]
+    assert executor.execute_stats()["cycles"].to_list()[0] > 1  # not asked to yield: the call runs several rounds

@@ -111,3 +111,29 @@ def test_a_lane_stops_before_the_cache_end_even_with_a_launch_in_flight():
     run_launches([lane], device.pack, device.launch, device.read, lag=True)
     # 26 + 8 <= 40; with the first in flight 26 + 4 + 8 <= 40; after it is read 30 + 4 + 8 > 40
     assert lane.launched == 2 and lane.session.frontier == 34
+
+
+@pytest.mark.parametrize("lag", [True, False])
+def test_a_stop_request_ends_the_call_after_its_round_and_reads_what_is_in_flight(lag):
+    """Guards against a server's queued request waiting a whole execute (up to max_cycles rounds) for a
+    session when it asked to end early, and against an early end that drops launches in flight (tokens
+    computed but never read) or that launches nothing at all (a call that makes no progress)."""
+    asked = []
+
+    def stop() -> bool:
+        asked.append(True)
+        return len(asked) > 1  # the second question onwards: stop
+
+    device = FakeDevice()
+    lanes = [fake_lane(0, 20), fake_lane(1, 20)]
+    run_launches(lanes, device.pack, device.launch, device.read, lag, stop=stop)
+    launches = [entry for entry in device.log if entry[0] == "launch"]
+    reads = [entry for entry in device.log if entry[0] == "read"]
+    assert len(launches) == len(reads) and all(lane.in_flight == 0 for lane in lanes)  # everything launched was read
+    assert 1 <= len(launches) <= 2 and all(lane.tokens for lane in lanes)  # the first round, at most one more asked-for
+    device = FakeDevice()
+    run_launches(lanes := [fake_lane(0, 20), fake_lane(1, 20)], device.pack, device.launch, device.read, lag, stop=lambda: True)
+    assert [entry[0] for entry in device.log] == ["launch", "read"] and all(len(lane.tokens) == 2 for lane in lanes)
+    device = FakeDevice()
+    run_launches(lanes := [fake_lane(0, 20), fake_lane(1, 20)], device.pack, device.launch, device.read, lag, stop=lambda: False)
+    assert all(lane.launched == SHAPE.max_cycles for lane in lanes)  # never asked to stop: every round runs
