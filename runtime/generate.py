@@ -7,7 +7,8 @@ prompts (target prefill + cycles) with running sessions' pending tokens
 (the fast path: straight to draft → verify). Each input carries its
 request's remaining room and stop tokens, so one call runs up to the
 executor's ``max_cycles`` cycles per session, the device never waiting for
-the host between them.
+the host between them — or fewer when a queued request could take a session
+(early join: the call ends after its round and the request joins at once).
 
 ``runtime.serving.batcher.Batcher`` is that loop's state, shared with the
 serving loop (requests arriving from other threads); ``stream`` drives it over
@@ -47,9 +48,27 @@ def stream(executor: Executor, requests: Iterable[Request], max_sessions: int | 
         while queue or batcher.running:
             while queue and batcher.room:
                 batcher.join(*queue.popleft())
-            yield from batcher.step()
+            yield from _step(batcher, queue)
     finally:
         batcher.close()
+
+
+def _step(batcher: Batcher, queue: deque) -> list[Chunk]:
+    """One execute, ended after its current round once a queued request could take a session (a free one,
+    or one a request finishing in it leaves: early join); one chunk per request, as the step returns it."""
+    streamed: dict[int, list[int]] = {}
+    finished: list[int] = []
+
+    def on_chunk(chunk: Chunk) -> None:
+        streamed.setdefault(chunk.index, []).extend(chunk.tokens)
+        if chunk.finish is not None:
+            finished.append(chunk.index)
+
+    def should_yield() -> bool:
+        return bool(queue) and (batcher.room > 0 or bool(finished))
+
+    chunks = batcher.step(on_chunk=on_chunk, should_yield=should_yield)
+    return [Chunk(c.index, streamed.pop(c.index, []) + c.tokens, c.finish) for c in chunks]
 
 
 def collect(chunks: Iterable[Chunk], count: int) -> list[Completion]:

@@ -217,3 +217,19 @@ def test_a_burst_of_prompts_is_prefilled_over_several_steps(tiny, oracle):
     for key, prompt in prompts.items():
         assert tokens[key] == oracle.continuation(prompt)[:40]
     executor.close()
+
+
+def test_a_queued_request_joins_as_soon_as_a_session_frees(tiny, oracle):
+    """Guards against a waiting request sitting out the rest of an execute (its neighbour decoding alone
+    for up to max_cycles rounds) after a request finished and freed a session: the execute ends after its
+    round (early join), the next one takes the queued request, and every output still equals the reference."""
+    executor = Executor(tiny.ort, max_sessions=2, max_cycles=8)
+    requests = [Request(tiny.prompts[0], 1), Request(tiny.prompts[1], 24), Request(tiny.prompts[2], 24)]
+    chunks = list(stream(executor, requests))
+    first_cycles = executor.execute_stats()["cycles"].to_list()[0]
+    assert first_cycles == 1  # request 0 ended at its prediction: request 1's first round, then the gap
+    joined = next(i for i, chunk in enumerate(chunks) if chunk.index == 2)
+    assert joined <= 3  # request 2's first tokens come in the second step (one chunk per request per step)
+    for i, request in enumerate(requests):
+        tokens = [token for chunk in chunks if chunk.index == i for token in chunk.tokens]
+        assert tokens == expected(oracle, request)[0]
