@@ -54,8 +54,8 @@ def stream(executor: Executor, requests: Iterable[Request], max_sessions: int | 
 
 
 def _step(batcher: Batcher, queue: deque) -> list[Chunk]:
-    """One execute, ended after its current round once a queued request could take a session (a free one,
-    or one a request finishing in it leaves: early join); one chunk per request, as the step returns it."""
+    """One execute, ended after its round once queued requests could take sessions (free ones, or those of
+    requests finishing in it: early join, ``Batcher.should_yield``); one chunk per request, as before."""
     streamed: dict[int, list[int]] = {}
     finished: list[int] = []
 
@@ -65,7 +65,7 @@ def _step(batcher: Batcher, queue: deque) -> list[Chunk]:
             finished.append(chunk.index)
 
     def should_yield() -> bool:
-        return bool(queue) and (batcher.room > 0 or bool(finished))
+        return batcher.should_yield(len(queue), len(finished))
 
     chunks = batcher.step(on_chunk=on_chunk, should_yield=should_yield)
     return [Chunk(c.index, streamed.pop(c.index, []) + c.tokens, c.finish) for c in chunks]

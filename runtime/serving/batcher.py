@@ -23,6 +23,7 @@ from dflash_trt.runtime.sessions import CONTEXT, LENGTH, STOP, Input, token_ids 
 
 
 PREFILL_TOKENS_PER_STEP = 8192  # prompt tokens one step takes at most (the first prompt always goes)
+JOIN_SHARE = 8  # early join: a step ends for queued requests once 1 / JOIN_SHARE of its sessions can be handed out
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,19 @@ class Batcher:
     @property
     def room(self) -> int:
         return self.capacity - len(self.running)
+
+    def should_yield(self, waiting: int, finished: int) -> bool:
+        """Early join: end the running step after its round for ``waiting`` queued requests? Yes when
+        the gap could hand out at least one session (``room`` plus the ``finished`` requests') and at
+        least one in JOIN_SHARE of the running requests' (a large batch is not cut for each request
+        that finishes: executes stay several rounds long at many sessions).
+
+        >>> b = Batcher.__new__(Batcher); b.capacity, b.running = 64, dict.fromkeys(range(64))
+        >>> [b.should_yield(3, f) for f in (1, 7, 8)], b.should_yield(0, 8)
+        ([False, False, True], False)
+        """
+        free = self.room + finished
+        return waiting > 0 and free >= max(1, -(-len(self.running) // JOIN_SHARE))
 
     def join(self, key: Hashable, request: Request) -> None:
         session = self.executor.open_session()

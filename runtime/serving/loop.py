@@ -289,10 +289,10 @@ class ServingLoop:
         finished: list = []  # requests whose tokens ended during the execute (their sessions free at the gap)
 
         def should_yield() -> bool:
-            """End the execute early when a queued request could take a session at the gap: a free one,
-            or one a request that finished during the execute leaves (its first token then waits one
-            round, not a whole execute)."""
-            return bool(self._queue) and (self.batcher.room > 0 or bool(finished) or bool(ended))
+            """End the execute early when queued requests could take sessions at the gap (free ones, or
+            those of requests that finished during it: ``Batcher.should_yield``): their first tokens
+            then wait a round or a few, not the rest of the execute."""
+            return self.batcher.should_yield(len(self._queue), len(ended.union(finished)))
 
         def stream(chunk: Chunk) -> None:
             if chunk.finish is not None:
