@@ -543,3 +543,29 @@ def test_an_execute_asked_to_yield_ends_after_one_round_and_loses_nothing(tiny, 
     whole = executor.execute_outputs([Input(other, text, max_new_tokens=40)])[0].tokens
     assert whole == tokens[: len(whole)]
     assert executor.execute_stats()["cycles"].to_list()[0] > 1  # not asked to yield: the call runs several rounds
+
+
+def test_early_join_cuts_a_large_batch_only_for_one_in_eight_sessions(tiny):
+    """Guards against ending a large batch's execute for every request that finishes (at many sessions
+    every execute would shrink to one round and pay its host work per round), and against making a
+    queued request wait when a small batch frees a session: the batcher asks for an early end once the
+    gap could hand out one in eight of its running requests' sessions (at least one), never with no
+    request waiting."""
+    from dflash_trt.runtime.serving.batcher import Batcher, Request
+
+    executor = Executor(tiny.ort, tiny.dims, 12)
+    full = Batcher(executor, 10)
+    for key in range(10):
+        full.join(key, Request(prompt(5, key), 8))
+    assert full.room == 0
+    assert [full.should_yield(1, finished) for finished in (0, 1, 2, 3)] == [False, False, True, True]  # ceil(10 / 8) = 2
+    assert not full.should_yield(0, 10)  # nobody waiting
+    full.close()
+    small = Batcher(executor, 4)
+    small.join("a", Request(prompt(5, 50), 8))
+    small.join("b", Request(prompt(5, 51), 8))
+    assert small.should_yield(1, 0) and not small.should_yield(0, 0)  # two sessions free
+    small.join("c", Request(prompt(5, 52), 8))
+    small.join("d", Request(prompt(5, 53), 8))
+    assert not small.should_yield(1, 0) and small.should_yield(1, 1)  # full: one finishing request suffices
+    small.close()
