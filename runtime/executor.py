@@ -162,7 +162,7 @@ class Executor:
         self._prepare_programs()
         self.closed = False
         self._on_tokens: Callable | None = None
-        self._should_yield: Callable[[], bool] | None = None
+        self._should_yield: Callable[[int], bool] | None = None
         # Rows go back to the backend even if the executor is dropped without close().
         self._release = weakref.finalize(self, self.table.rows.give_all, self.table.held)
 
@@ -332,7 +332,7 @@ class Executor:
         return [output.tokens for output in self.execute_outputs(batch)]
 
     def execute_outputs(
-        self, batch: Sequence[Input | dict], on_tokens: Callable | None = None, should_yield: Callable[[], bool] | None = None
+        self, batch: Sequence[Input | dict], on_tokens: Callable | None = None, should_yield: Callable[[int], bool] | None = None
     ) -> list[Output]:
         """``execute``, returning per input its new tokens and why they ended (``Output.finish``).
 
@@ -342,9 +342,10 @@ class Executor:
         can stream them before the call returns; the outputs still hold every token. The callback
         must not call into the executor (it is busy).
 
-        ``should_yield()``, asked before each launch after the first round, ends the call early when
-        True (a server with a request waiting for the gap between calls): the launches in flight are
-        read and returned; the sessions go on at the next call, with the same tokens.
+        ``should_yield(finished)``, asked before each launch after the first round with how many of
+        the call's inputs have ended (STOP / LENGTH) so far, ends the call early when True (a server
+        with a request waiting for the gap between calls): the launches in flight are read and
+        returned; the sessions go on at the next call, with the same tokens.
         """
         with self._call("execute", count_refusals=False):
             self._on_tokens, self._should_yield = on_tokens, should_yield
@@ -388,7 +389,7 @@ class Executor:
         predictions = self._target_work(steps)
         lanes = [lane for step in steps if (lane := self._lane(step, predictions)) is not None]
         self._stream(lanes)  # the predictions after the prompts
-        self._decode([lane for lane in lanes if lane.decodes])
+        self._decode([lane for lane in lanes if lane.decodes], lanes)
         outputs = [Output([]) for _ in steps]
         for lane in lanes:
             if lane.session.frontier > lane.keep_until:  # tokens past a stop / the room were discarded
@@ -582,8 +583,9 @@ class Executor:
 
     # ------------------------------------------------------------------ the loop
 
-    def _decode(self, lanes: list[Lane]) -> None:
-        """Every lane's cycles (drafting sessions with a block's room) or plain decode steps, on the device."""
+    def _decode(self, lanes: list[Lane], every: list[Lane]) -> None:
+        """Every lane's cycles (drafting sessions with a block's room) or plain decode steps, on the device;
+        ``every``: the call's lanes, those done at their prompts' predictions included (``should_yield``)."""
         if not lanes:
             return
         for lane in lanes:
@@ -592,7 +594,14 @@ class Executor:
         self._policed = [lane for lane in lanes if lane.policed]
         with self.loop.running():
             self.loop.stage(stage)
-            run_launches(lanes, self._pack, self._launch, self._read, self.lag, self._plan_round, self._should_yield)
+            run_launches(lanes, self._pack, self._launch, self._read, self.lag, self._plan_round, self._yield_check(every))
+
+    def _yield_check(self, every: list[Lane]) -> Callable[[], bool] | None:
+        """``run_launches``' stop: the caller's ``should_yield`` with the count of lanes ended so far."""
+        should_yield = self._should_yield
+        if should_yield is None:
+            return None
+        return lambda: should_yield(sum(lane.finished for lane in every))
 
     def _assign(self, lane: Lane) -> None:
         """The lane's kind for this execute: a drafting session with a block's room is ``policed`` (the

@@ -55,20 +55,8 @@ def stream(executor: Executor, requests: Iterable[Request], max_sessions: int | 
 
 def _step(batcher: Batcher, queue: deque) -> list[Chunk]:
     """One execute, ended after its round once queued requests could take sessions (free ones, or those of
-    requests finishing in it: early join, ``Batcher.should_yield``); one chunk per request, as before."""
-    streamed: dict[int, list[int]] = {}
-    finished: list[int] = []
-
-    def on_chunk(chunk: Chunk) -> None:
-        streamed.setdefault(chunk.index, []).extend(chunk.tokens)
-        if chunk.finish is not None:
-            finished.append(chunk.index)
-
-    def should_yield() -> bool:
-        return batcher.should_yield(len(queue), len(finished))
-
-    chunks = batcher.step(on_chunk=on_chunk, should_yield=should_yield)
-    return [Chunk(c.index, streamed.pop(c.index, []) + c.tokens, c.finish) for c in chunks]
+    requests ended in it: early join, ``Batcher.should_yield``)."""
+    return batcher.step(should_yield=lambda finished: batcher.should_yield(len(queue), finished))
 
 
 def collect(chunks: Iterable[Chunk], count: int) -> list[Completion]:

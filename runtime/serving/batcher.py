@@ -149,7 +149,7 @@ class Batcher:
 
     def step(
         self, keys: Iterable[Hashable] | None = None, on_chunk: Callable[[Chunk], None] | None = None,
-        should_yield: Callable[[], bool] | None = None,
+        should_yield: Callable[[int], bool] | None = None,
     ) -> list[Chunk]:
         """One execute() over every running request (or only ``keys``: the others wait, their pending
         tokens kept); returns a chunk per request; raises what execute raised (sessions left as they are).

@@ -286,17 +286,15 @@ class ServingLoop:
     def _step(self) -> None:
         ended: set = set()  # requests that ended while the execute streamed: their sessions close after it
         held: dict = {}  # tokens read but not handed out yet (at most stream_interval old)
-        finished: list = []  # requests whose tokens ended during the execute (their sessions free at the gap)
 
-        def should_yield() -> bool:
+        def should_yield(finished: int) -> bool:
             """End the execute early when queued requests could take sessions at the gap (free ones, or
-            those of requests that finished during it: ``Batcher.should_yield``): their first tokens
-            then wait a round or a few, not the rest of the execute."""
-            return self.batcher.should_yield(len(self._queue), len(ended.union(finished)))
+            those of requests that ended during it: ``Batcher.should_yield``): their first tokens then
+            wait a round or a few, not the rest of the execute. ``ended`` counts every request the
+            executor ended (a chunk with a finish is delivered at once) and those cut at a stop string."""
+            return self.batcher.should_yield(len(self._queue), max(finished, len(ended)))
 
         def stream(chunk: Chunk) -> None:
-            if chunk.finish is not None:
-                finished.append(chunk.index)
             if chunk.index in ended:
                 return
             job, tokens = self._jobs[chunk.index], held.setdefault(chunk.index, [])

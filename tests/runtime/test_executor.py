@@ -523,15 +523,15 @@ def test_an_execute_asked_to_yield_ends_after_one_round_and_loses_nothing(tiny, 
     session = executor.open_session()
     asked = []
 
-    def should_yield() -> bool:
-        asked.append(True)
+    def should_yield(finished: int) -> bool:
+        asked.append(finished)
         return True
 
     tokens = executor.execute_outputs([Input(session, text, max_new_tokens=40)], should_yield=should_yield)[0].tokens
-    assert asked and 2 <= len(tokens) <= 1 + executor.dims.block_size  # the prediction + one cycle's tokens
+    assert asked and set(asked) == {0} and 2 <= len(tokens) <= 1 + executor.dims.block_size  # the prediction + one cycle's tokens
     calls = 1
     while len(tokens) < 40:
-        out = executor.execute_outputs([Input(session, [tokens[-1]], max_new_tokens=40 - len(tokens))], should_yield=lambda: True)[0]
+        out = executor.execute_outputs([Input(session, [tokens[-1]], max_new_tokens=40 - len(tokens))], should_yield=lambda finished: True)[0]
         assert 1 <= len(out.tokens) <= executor.dims.block_size  # one round: one cycle (or decode step)
         tokens += out.tokens
         calls += 1
