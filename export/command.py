@@ -2,7 +2,7 @@
 
     dflash-trt export --target DIR --draft DIR --out DIR [--backend onnxruntime|tensorrt] [--max-owners 4]
         [--max-sessions N] [--max-context L] [--max-chunk T] [--proposals P]
-        [--dtype bf16|fp16|fp32] [--causal lengths|mask] [--[no-]shared-weights] [--force]
+        [--verify-proposals K ...] [--dtype bf16|fp16|fp32] [--causal lengths|mask] [--[no-]shared-weights] [--force]
 
 The dtype follows the backend the export is for (``--backend``, default
 ``onnxruntime``, as ``dflash-trt run``'s): fp32 for ONNX Runtime (its CPU
@@ -40,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-context", type=positive_int, help="cache length in positions (default: min(4096, target max positions))")
     parser.add_argument("--max-chunk", type=positive_int, help="largest prefill / context chunk (default: min(512, max context))")
     parser.add_argument("--proposals", type=positive_int, help="draft tokens verified per cycle, 2..block-1 (default: block - 1)")
+    parser.add_argument(
+        "--verify-proposals", type=positive_int, nargs="+", metavar="K",
+        help="shorter verify lengths a cycle may use besides P (graphs per length; the policy picks one per round; "
+             "default: 2^j-1 while 2k+1 <= P, e.g. 3 7 for P 15)",
+    )
     parser.add_argument("--backend", choices=tuple(BACKEND_DTYPES), default="onnxruntime",
                         help="what will run the export; picks the default --dtype: onnxruntime fp32 (default), tensorrt bf16")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="model dtype (default: from --backend)")
@@ -64,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         max_context=args.max_context,
         max_chunk=args.max_chunk,
         proposals=args.proposals,
+        verify_proposals=tuple(args.verify_proposals) if args.verify_proposals else None,
         dtype=args.dtype or BACKEND_DTYPES[args.backend],
         causal=args.causal,
         shared_weights=args.shared_weights,
@@ -81,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     total = sum((args.out / name).stat().st_size for name in files)
     print(
         f"{args.out}: {len(manifest.graphs)} graphs, {total / 2**20:.1f} MiB, {manifest.dtype}, "
-        f"block {manifest.block_size}, proposals {manifest.proposals}, max owners {manifest.max_owners}, "
+        f"block {manifest.block_size}, proposals {manifest.proposals} (verify lengths {list(manifest.verify_proposals)}), max owners {manifest.max_owners}, "
         f"max context {manifest.max_context}, in {time.perf_counter() - started:.1f} s"
     )
     return 0

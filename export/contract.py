@@ -13,6 +13,14 @@ or bfloat16). ``"T"`` and ``"C"`` (1..max_chunk) and ``"R"`` (1..n·(P+1) for
 max_owners n) are the only dynamic dims of the run graphs; the exported
 models add ``"N"`` (owners), ``"S"`` (tokens per owner) and ``"Q"`` (picked rows).
 
+Verify lengths: a cycle may verify only the first ``k`` of the draft's P
+proposals, for ``k`` in ``Dims.verify_proposals`` (ascending, the last is P;
+default ``default_verify_proposals``: 3, 7, 15 for P = 15). The graphs at
+``k = P`` keep their names; a shorter ``k`` adds ``target_verify_{n}_p{k}``,
+``verify_argmax_{n}_p{k}`` and ``verify_sample_{n}_p{k}``: the graphs below
+with ``k`` in place of P (``[n, k+1]`` candidates and rows). An artifact set
+without the field offers P only.
+
 ==================  ===========================================  ===========================================
 graph               inputs                                       outputs
 ==================  ===========================================  ===========================================
@@ -33,6 +41,8 @@ verify_sample_{n}   logits, candidates (as above),               accepted [n] in
                     temperature [n] float32, top_k [n] int64,
                     top_p [n] float32, seed [n, 3] int64,
                     position [n] int64
+{kind}_{n}_p{k}     target_verify, verify_argmax, verify_sample  their outputs; a verify length k < P
+                    inputs with k in place of P (k + 1 rows)
 sample              logits [R, V] float32, temperature [R]       token [R] int64
                     float32, top_k [R] int64, top_p [R] float32,
                     seed [R, 3] int64, position [R] int64
@@ -58,7 +68,7 @@ Each run graph is one ``Profile`` of its exported graph (a TensorRT
 optimization profile; ``profiles_of``), fed as follows:
 
 - ``target_prefill``: N 1, S = T, picks = [T-1] (logits [1, 1, V] are the run graph's [1, V]);
-- ``target_verify_{n}``: N n, S = Q = P+1, picks = 0..P;
+- ``target_verify_{n}``: N n, S = Q = P+1, picks = 0..P (``target_verify_{n}_p{k}``: S = Q = k+1, picks = 0..k);
 - ``target_decode_{n}``: N n, S = Q = 1, picks = [0] (logits [n, 1, V] are [n, V]);
 - ``draft_context``: N 1, C = C, ctx_taps = taps, ctx_start = start, ctx_count = [C],
   anchor = [-1]: a negative anchor writes no block, proposals are not read;
@@ -82,8 +92,8 @@ Semantics (positions are cache slots):
   ``ctx_start ..``, the block ``[anchor, MASK × (B-1)]`` runs (and is
   written) at ``ctx_start + ctx_count``; ``proposals`` = argmax of the
   target's head over block slots 1..P. Other slots keep their values.
-- ``verify_*``: ``candidates`` = [anchor, d_1..d_P]; ``accepted`` = longest
-  prefix with ``d_{i+1} == choice_i``; ``next_token`` = ``choice[accepted]``.
+- ``verify_*``: ``candidates`` = [anchor, d_1..d_P] (``_p{k}``: [anchor, d_1..d_k]);
+  ``accepted`` = longest prefix with ``d_{i+1} == choice_i``; ``next_token`` = ``choice[accepted]``.
   ``choice_j`` of owner i is the target's token at position ``position[i] + j``
   (verify_argmax: the argmax).
 - ``sample``: row r's token at ``position[r]``; it and ``verify_sample_{n}``
@@ -142,6 +152,8 @@ STATIC_KINDS = (TARGET_VERIFY, TARGET_DECODE, DRAFT, VERIFY_ARGMAX, VERIFY_SAMPL
 KINDS = DYNAMIC_KINDS + STATIC_KINDS
 # Kinds only sampled sessions need: an engine set may lack them (greedy only).
 SAMPLED_KINDS = (VERIFY_SAMPLE,)
+# Kinds with a graph per verify length k (``Dims.verify_proposals``): ``f"{kind}_{n}_p{k}"`` for k < P.
+LENGTH_KINDS = (TARGET_VERIFY, VERIFY_ARGMAX, VERIFY_SAMPLE)
 
 # Tensor names.
 TOKENS = "tokens"
@@ -200,8 +212,9 @@ def present_of(past_name: str) -> str:
     return "present_" + past_name.removeprefix("past_")
 
 
-def graph_name(kind: str, owners: int | None = None) -> str:
-    """``target_prefill`` / ``draft_context`` / ``target_model``..., or ``f"{kind}_{owners}"`` for static kinds."""
+def graph_name(kind: str, owners: int | None = None, proposals: int | None = None) -> str:
+    """``target_prefill`` / ``draft_context`` / ``target_model``..., or ``f"{kind}_{owners}"`` for static
+    kinds; ``proposals``: a verify length k shorter than P (``LENGTH_KINDS`` only): ``f"{kind}_{owners}_p{k}"``."""
     if kind in DYNAMIC_KINDS or kind in MODEL_KINDS:
         if owners is not None:
             raise ValueError(f"graph kind {kind!r} has no owner count, got {owners}")
@@ -210,20 +223,44 @@ def graph_name(kind: str, owners: int | None = None) -> str:
         raise ValueError(f"graph kind must be one of {KINDS}, got {kind!r}")
     if not is_int(owners) or owners < 1:
         raise ValueError(f"graph kind {kind!r} needs an owner count >= 1, got {owners!r}")
-    return f"{kind}_{owners}"
+    if proposals is None:
+        return f"{kind}_{owners}"
+    if kind not in LENGTH_KINDS or not is_int(proposals) or proposals < MIN_PROPOSALS:
+        raise ValueError(f"graph kind {kind!r}: a verify length must be an int >= {MIN_PROPOSALS} of {LENGTH_KINDS}, got {proposals!r}")
+    return f"{kind}_{owners}_p{proposals}"
 
 
-_STATIC_NAME = re.compile(r"^(" + "|".join(STATIC_KINDS) + r")_([1-9][0-9]*)$")
+def verify_graph(dims: Dims, kind: str, owners: int, proposals: int) -> str:
+    """The graph of ``kind`` verifying ``proposals`` (one of ``dims.verify_proposals``) for ``owners``."""
+    if proposals not in dims.verify_proposals:
+        raise ValueError(f"verify length must be one of {dims.verify_proposals} (verify_proposals), got {proposals!r}")
+    return graph_name(kind, owners, None if proposals == dims.proposals else proposals)
+
+
+_STATIC_NAME = re.compile(r"^(" + "|".join(STATIC_KINDS) + r")_([1-9][0-9]*)(?:_p([1-9][0-9]*))?$")
+
+
+def _match(name: str) -> re.Match:
+    match = _STATIC_NAME.match(name)
+    if match is None or (match.group(3) is not None and match.group(1) not in LENGTH_KINDS):
+        raise ValueError(f"not a graph name of the contract: {name!r}")
+    return match
 
 
 def parse_graph_name(name: str) -> tuple[str, int | None]:
-    """Inverse of ``graph_name``: (kind, owners or None)."""
+    """Inverse of ``graph_name``: (kind, owners or None); ``verify_length`` reads a ``_p{k}`` suffix."""
     if name in DYNAMIC_KINDS or name in MODEL_KINDS:
         return name, None
-    match = _STATIC_NAME.match(name)
-    if match is None:
-        raise ValueError(f"not a graph name of the contract: {name!r}")
+    match = _match(name)
     return match.group(1), int(match.group(2))
+
+
+def verify_length(name: str) -> int | None:
+    """The verify length k of a ``_p{k}`` graph name; None for every other graph (P for the verify kinds)."""
+    if name in DYNAMIC_KINDS or name in MODEL_KINDS:
+        return None
+    suffix = _match(name).group(3)
+    return None if suffix is None else int(suffix)
 
 
 @dataclass(frozen=True)
@@ -323,11 +360,14 @@ class Dims:
     draft_kv_heads: int
     draft_head_dim: int
     dtype: str  # model dtype name: float32 | float16 | bfloat16
+    # The verify lengths a cycle may use, ascending, the last P (graphs ``_p{k}`` for the others);
+    # () means (P,): an artifact set exported before verify lengths existed.
+    verify_proposals: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name != "dtype" and (not is_int(value) or value < 1):
+            if f.name not in ("dtype", "verify_proposals") and (not is_int(value) or value < 1):
                 raise ValueError(f"Dims.{f.name} must be an int >= 1, got {value!r}")
         if self.dtype not in DTYPES.values():
             raise ValueError(f"Dims.dtype must be one of {sorted(DTYPES.values())}, got {self.dtype!r}")
@@ -335,24 +375,63 @@ class Dims:
             raise ValueError(f"Dims.proposals must be in [2, {self.block_size - 1}] (block size - 1), got {self.proposals}")
         if not self.max_chunk <= self.max_context:
             raise ValueError(f"Dims.max_chunk must be <= max_context {self.max_context}, got {self.max_chunk}")
+        lengths = tuple(self.verify_proposals) or (self.proposals,)
+        object.__setattr__(self, "verify_proposals", lengths)  # frozen: normalized once, here
+        if not check_verify_lengths(lengths, self.proposals):
+            msg = f"Dims.verify_proposals must increase within [{MIN_PROPOSALS}, {self.proposals}] and end at proposals {self.proposals}, got {lengths!r}"
+            raise ValueError(msg)
+
+    @property
+    def short_verify(self) -> tuple[int, ...]:
+        """The verify lengths below P: the ones with graphs of their own (``_p{k}``)."""
+        return self.verify_proposals[:-1]
 
     @classmethod
-    def of(cls, target: tuple[int, int, int], draft: tuple[int, int, int], dtype: str, **sizes: int) -> Dims:
+    def of(
+        cls, target: tuple[int, int, int], draft: tuple[int, int, int], dtype: str, verify_proposals: tuple[int, ...] = (), **sizes: int
+    ) -> Dims:
         """The dims of a pair from each model's decoder stack as (layers, kv_heads, head_dim), the
-        model dtype name and the other sizes by field name (``SIZE_FIELDS``); ValueError if one is
-        out of range. The exporter (from the models) and the manifest (from its facts) both build
-        their dims here."""
+        model dtype name, the verify lengths and the other sizes by field name (``SIZE_FIELDS``);
+        ValueError if one is out of range. The exporter (from the models) and the manifest (from its
+        facts) both build their dims here."""
         stacks = {f"{model}_{name}": value for model, stack in (("target", target), ("draft", draft))
                   for name, value in zip(STACK_FIELDS, stack, strict=True)}
-        return cls(**sizes, **stacks, dtype=dtype)
+        return cls(**sizes, **stacks, dtype=dtype, verify_proposals=tuple(verify_proposals))
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
-# The fields of Dims: SIZE_FIELDS, then each stack's "<model>_<STACK_FIELDS>", then dtype.
+# The fields of Dims: SIZE_FIELDS, then each stack's "<model>_<STACK_FIELDS>", then dtype, verify_proposals.
 SIZE_FIELDS = ("vocab_size", "tap_width", "block_size", "proposals", "max_owners", "max_context", "max_chunk")
 STACK_FIELDS = ("layers", "kv_heads", "head_dim")
+
+
+def check_verify_lengths(lengths, proposals: int) -> bool:
+    """Whether ``lengths`` are valid verify lengths for P = ``proposals``: ints strictly increasing
+    within [MIN_PROPOSALS, P], the last P."""
+    values = list(lengths) if isinstance(lengths, (tuple, list)) else []
+    return (
+        bool(values)
+        and all(is_int(k) and MIN_PROPOSALS <= k <= proposals for k in values)
+        and all(a < b for a, b in zip(values, values[1:]))
+        and values[-1] == proposals
+    )
+
+
+def default_verify_proposals(proposals: int) -> tuple[int, ...]:
+    """The verify lengths an export offers by default: k = 2^j - 1 (j >= 2) while 2k + 1 <= P, then P
+    itself — each length about half the next, so a few graphs cover short and long verifies (on the
+    CPU a verify costs about its rows; acceptance past ~7 proposals is rare for a small draft).
+
+    >>> [default_verify_proposals(p) for p in (2, 7, 15, 31)]
+    [(2,), (3, 7), (3, 7, 15), (3, 7, 15, 31)]
+    """
+    lengths, k = [], 3
+    while 2 * k + 1 <= proposals:
+        lengths.append(k)
+        k = 2 * k + 1
+    return (*lengths, proposals)
 
 
 def _caches(prefix: str, layers: int, shape: tuple[Dim, ...], dtype: str) -> tuple[TensorSpec, ...]:
@@ -387,10 +466,10 @@ def _target_prefill(dims: Dims, n: None) -> GraphSpec:
     )
 
 
-def _target_verify(dims: Dims, n: int) -> GraphSpec:
-    rows = dims.proposals + 1
+def _target_verify(dims: Dims, n: int, k: int | None = None) -> GraphSpec:
+    rows = (k or dims.proposals) + 1
     return GraphSpec(
-        graph_name(TARGET_VERIFY, n),
+        graph_name(TARGET_VERIFY, n, k),
         TARGET_VERIFY,
         n,
         (TensorSpec(TOKENS, (n, rows), INT64), TensorSpec(START, (n,), INT64)) + _target_caches(dims, n, "past"),
@@ -443,13 +522,13 @@ def _verdict_outputs(n: int) -> tuple[TensorSpec, ...]:
     return (TensorSpec(ACCEPTED, (n,), INT64), TensorSpec(NEXT_TOKEN, (n,), INT64))
 
 
-def _verify_inputs(dims: Dims, n: int) -> tuple[TensorSpec, ...]:
-    rows = dims.proposals + 1
+def _verify_inputs(dims: Dims, n: int, k: int | None) -> tuple[TensorSpec, ...]:
+    rows = (k or dims.proposals) + 1
     return (TensorSpec(LOGITS, (n, rows, dims.vocab_size), FLOAT32), TensorSpec(CANDIDATES, (n, rows), INT64))
 
 
-def _verify_argmax(dims: Dims, n: int) -> GraphSpec:
-    return GraphSpec(graph_name(VERIFY_ARGMAX, n), VERIFY_ARGMAX, n, _verify_inputs(dims, n), _verdict_outputs(n))
+def _verify_argmax(dims: Dims, n: int, k: int | None = None) -> GraphSpec:
+    return GraphSpec(graph_name(VERIFY_ARGMAX, n, k), VERIFY_ARGMAX, n, _verify_inputs(dims, n, k), _verdict_outputs(n))
 
 
 def _sampling_inputs(rows: Dim) -> tuple[TensorSpec, ...]:
@@ -463,9 +542,9 @@ def _sampling_inputs(rows: Dim) -> tuple[TensorSpec, ...]:
     )
 
 
-def _verify_sample(dims: Dims, n: int) -> GraphSpec:
-    inputs = _verify_inputs(dims, n) + _sampling_inputs(n)
-    return GraphSpec(graph_name(VERIFY_SAMPLE, n), VERIFY_SAMPLE, n, inputs, _verdict_outputs(n))
+def _verify_sample(dims: Dims, n: int, k: int | None = None) -> GraphSpec:
+    inputs = _verify_inputs(dims, n, k) + _sampling_inputs(n)
+    return GraphSpec(graph_name(VERIFY_SAMPLE, n, k), VERIFY_SAMPLE, n, inputs, _verdict_outputs(n))
 
 
 def _sample(dims: Dims, n: None) -> GraphSpec:
@@ -514,6 +593,8 @@ def _target_model_profiles(dims: Dims) -> tuple[Profile, ...]:
     for n in range(1, dims.max_owners + 1):
         profiles.append(_profile(graph_name(TARGET_VERIFY, n), {N: n, S: rows, Q: rows}, {}))
         profiles.append(_profile(graph_name(TARGET_DECODE, n), {N: n, S: 1, Q: 1}, {}))
+    for k in dims.short_verify:  # shorter verifies: more profiles of the one network, no other weights
+        profiles += [_profile(graph_name(TARGET_VERIFY, n, k), {N: n, S: k + 1, Q: k + 1}, {}) for n in range(1, dims.max_owners + 1)]
     return tuple(profiles)
 
 
@@ -562,31 +643,40 @@ _BUILDERS = {
 
 
 def graph_spec(dims: Dims, name: str) -> GraphSpec:
-    """The contract of one graph, by name (``target_verify_3``, ``draft_context``...)."""
+    """The contract of one graph, by name (``target_verify_3``, ``verify_argmax_2_p7``, ``draft_context``...)."""
     kind, owners = parse_graph_name(name)
     if owners is not None and owners > dims.max_owners:
         raise ValueError(f"graph {name!r}: owner count must be in [1, {dims.max_owners}] (max_owners), got {owners}")
-    return _BUILDERS[kind](dims, owners)
+    k = verify_length(name)
+    if k is None:
+        return _BUILDERS[kind](dims, owners)
+    if k not in dims.short_verify:
+        raise ValueError(f"graph {name!r}: verify length must be one of {dims.short_verify} (verify_proposals below P), got {k}")
+    return _BUILDERS[kind](dims, owners, k)
 
 
-def graph_names(max_owners: int) -> tuple[str, ...]:
-    """Every run graph, in contract order."""
+def graph_names(max_owners: int, short: tuple[int, ...] = ()) -> tuple[str, ...]:
+    """Every run graph, in contract order; ``short``: the verify lengths below P (``Dims.short_verify``)."""
     names = list(DYNAMIC_KINDS)
     for kind in STATIC_KINDS:
         names += [graph_name(kind, n) for n in range(1, max_owners + 1)]
+        if kind in LENGTH_KINDS:
+            names += [graph_name(kind, n, k) for k in short for n in range(1, max_owners + 1)]
     return tuple(names)
 
 
 def sampled_only(name: str) -> bool:
     """Whether only sampled sessions need graph ``name`` (a greedy-only set may lack it);
     False for names outside the contract."""
-    match = _STATIC_NAME.match(name)
-    return match is not None and match.group(1) in SAMPLED_KINDS
+    try:
+        return parse_graph_name(name)[0] in SAMPLED_KINDS
+    except ValueError:
+        return False
 
 
 def graph_specs(dims: Dims) -> dict[str, GraphSpec]:
     """Every run graph's contract, by name."""
-    return {name: graph_spec(dims, name) for name in graph_names(dims.max_owners)}
+    return {name: graph_spec(dims, name) for name in graph_names(dims.max_owners, dims.short_verify)}
 
 
 # Run graphs computed by a model network rather than exported as they are.
@@ -599,15 +689,15 @@ MODEL_OF_KIND = {
 }
 
 
-def export_names(max_owners: int) -> tuple[str, ...]:
-    """Every exported graph (one file, one engine each), in export order."""
-    small = [name for name in graph_names(max_owners) if parse_graph_name(name)[0] not in MODEL_OF_KIND]
+def export_names(max_owners: int, short: tuple[int, ...] = ()) -> tuple[str, ...]:
+    """Every exported graph (one file, one engine each), in export order; ``short`` as ``graph_names``."""
+    small = [name for name in graph_names(max_owners, short) if parse_graph_name(name)[0] not in MODEL_OF_KIND]
     return MODEL_KINDS + tuple(small)
 
 
 def export_specs(dims: Dims) -> dict[str, GraphSpec]:
     """Every exported graph's contract, by name, in export order."""
-    return {name: graph_spec(dims, name) for name in export_names(dims.max_owners)}
+    return {name: graph_spec(dims, name) for name in export_names(dims.max_owners, dims.short_verify)}
 
 
 def exported_as(name: str) -> str:

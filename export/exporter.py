@@ -72,6 +72,7 @@ class ExportOptions:
     max_context: int | None = None  # default: min(4096, target max_position_embeddings)
     max_chunk: int | None = None  # default: min(512, max_context - block_size)
     proposals: int | None = None  # default: block_size - 1
+    verify_proposals: tuple[int, ...] | None = None  # verify lengths below P (P is always one); default: contract.default_verify_proposals
     dtype: str = "bf16"
     causal: str = CAUSAL_LENGTHS
     shared_weights: bool | None = None  # one weights.data for all graphs; default: when the pair is > 1 GiB
@@ -85,12 +86,14 @@ class ExportOptions:
         shared = self.shared_weights
         if shared is None:
             shared = _pair_bytes(target_dir, draft_dir) > SHARED_WEIGHTS_MIN_BYTES
+        proposals = self.proposals or block - 1
         resolved = replace(
             self,
             max_sessions=self.max_sessions or self.max_owners,
             max_context=max_context,
             max_chunk=self.max_chunk or min(DEFAULT_MAX_CHUNK, max_context - block),
-            proposals=self.proposals or block - 1,
+            proposals=proposals,
+            verify_proposals=verify_lengths(self.verify_proposals, proposals),
             shared_weights=shared,
         )
         resolved._check(block)
@@ -109,10 +112,23 @@ class ExportOptions:
             if not is_int(value) or value < low or (high is not None and value > high):
                 valid = f"[{low}, {high}]" if high is not None else f">= {low}"
                 raise ExportError(f"export option {name} must be an int {valid}, got {value!r}")
+        if not contract.check_verify_lengths(self.verify_proposals, self.proposals):
+            msg = f"export option verify_proposals must be distinct ints in [{contract.MIN_PROPOSALS}, {self.proposals}] (proposals), got {self.verify_proposals!r}"
+            raise ExportError(msg)
         if self.dtype not in DTYPES:
             raise ExportError(f"export option dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.causal not in CAUSAL_MODES:
             raise ExportError(f"export option causal must be one of {CAUSAL_MODES}, got {self.causal!r}")
+
+
+def verify_lengths(given: tuple[int, ...] | None, proposals: int) -> tuple[int, ...] | list:
+    """The verify lengths of an export: ``given`` (any order) with P added, or the contract's default;
+    ``given`` unchanged when it holds anything but ints (``_check`` refuses it, naming the value)."""
+    if given is None:
+        return contract.default_verify_proposals(proposals)
+    if not all(is_int(k) for k in given):
+        return list(given)
+    return tuple(sorted(set(given) | {proposals}))
 
 
 def _pair_bytes(target_dir: str | Path, draft_dir: str | Path) -> int:
@@ -165,6 +181,7 @@ def contract_dims(target: TargetModel, draft: DraftModel, options: ExportOptions
         (t.num_layers, t.num_kv_heads, t.head_dim),
         (d.num_layers, d.num_kv_heads, d.head_dim),
         DTYPES[options.dtype],
+        verify_lengths(options.verify_proposals, options.proposals),
         vocab_size=t.vocab_size,
         tap_width=target.tap_width,
         block_size=d.block_size,
@@ -327,6 +344,7 @@ def build_manifest(
         causal=options.causal,
         block_size=d.block_size,
         proposals=options.proposals,
+        verify_proposals=tuple(options.verify_proposals),
         min_proposals=contract.MIN_PROPOSALS,
         max_proposals=d.block_size - 1,
         mask_token_id=d.mask_token_id,

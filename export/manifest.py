@@ -14,6 +14,9 @@ dtype               fp32 | fp16 | bf16 (model tensors; logits are fp32 always)
 opset, ir_version   ONNX opset (24) and IR version (<= 13: ONNX Runtime's max)
 causal              target causal formulation: lengths | mask (onnx_kernels)
 block_size          B; ``proposals`` P, within [min_proposals, max_proposals]
+verify_proposals    the verify lengths k a cycle may use (ascending, the last P;
+                    graphs ``*_{n}_p{k}`` for the others: ``contract``);
+                    optional: an older manifest without it offers [P] only
 mask_token_id       the block's mask token (a row of the target's embedding)
 tap_layer_ids       target layers whose outputs are the taps; ``tap_width`` m*H
 max_owners          static graphs exist for n = 1..max_owners
@@ -125,11 +128,18 @@ class Manifest:
     graphs: Mapping[str, GraphFile]
     versions: Mapping[str, str] = field(default_factory=dict)
     tokenizer: Mapping[str, str] = field(default_factory=dict)  # file name -> sha256
+    verify_proposals: tuple[int, ...] = ()  # () as (proposals,): an export made before verify lengths
 
     def dims(self) -> Dims:
         """The contract dims these facts imply (ValueError if they are out of range)."""
         target, draft = ((g.layers, g.kv_heads, g.head_dim) for g in (self.target, self.draft))
-        return Dims.of(target, draft, DTYPES[self.dtype], **{name: getattr(self, name) for name in contract.SIZE_FIELDS})
+        sizes = {name: getattr(self, name) for name in contract.SIZE_FIELDS}
+        return Dims.of(target, draft, DTYPES[self.dtype], self.verify_proposals, **sizes)
+
+    @property
+    def short_verify(self) -> tuple[int, ...]:
+        """The verify lengths below P (those with graphs of their own)."""
+        return tuple(self.verify_proposals)[:-1]
 
     def to_json(self) -> dict:
         data = {k: v for k, v in asdict(self).items() if k != "graphs"}
@@ -273,6 +283,7 @@ def _parse(data: dict, path: Path) -> Manifest:
         graphs={name: _graph(top.obj("graphs"), name) for name in top.obj("graphs").data},
         versions={key: versions.str(key) for key in versions.data},
         tokenizer=_tokenizer_files(top, path),
+        verify_proposals=top.ints("verify_proposals") if "verify_proposals" in top.data else (top.int("proposals"),),
     )
 
 
@@ -341,7 +352,12 @@ def _check_consistency(m: Manifest, path: Path) -> None:
     if m.max_owners > len(m.graphs):
         count = len(contract.export_names(1)) + (len(contract.export_names(2)) - len(contract.export_names(1))) * (m.max_owners - 1)
         raise ManifestError(f"{path}: max_owners {m.max_owners} needs {count} graphs, 'graphs' lists {len(m.graphs)}")
-    expected = contract.export_names(m.max_owners)
+    # verify_proposals sizes the graph list too: bound it before using it (``_check_facts`` relates it to proposals,
+    # after the graphs' shapes have named an edited proposals field as such).
+    lengths = list(m.verify_proposals)
+    if not contract.check_verify_lengths(lengths, lengths[-1] if lengths else 0) or lengths[-1] > INT32_MAX or len(lengths) > len(m.graphs):
+        raise ManifestError(f"{path}: verify_proposals must be ints increasing from >= {contract.MIN_PROPOSALS}, got {lengths}")
+    expected = contract.export_names(m.max_owners, m.short_verify)
     missing = [n for n in expected if n not in m.graphs]
     if missing:
         raise ManifestError(f"{path}: graphs lacks '{missing[0]}' (max_owners {m.max_owners} needs every n in 1..{m.max_owners})")
@@ -380,6 +396,9 @@ def _check_facts(m: Manifest, path: Path) -> None:
     _refuse(path, "max_proposals", m.max_proposals, m.block_size - 1, "block_size - 1 is")
     if not m.min_proposals <= m.proposals <= m.max_proposals:
         raise ManifestError(f"{path}: proposals must be in [{m.min_proposals}, {m.max_proposals}], got {m.proposals}")
+    if not contract.check_verify_lengths(m.verify_proposals, m.proposals):
+        msg = f"{path}: verify_proposals must increase within [{m.min_proposals}, {m.proposals}] and end at proposals {m.proposals}, got {list(m.verify_proposals)}"
+        raise ManifestError(msg)
     ids = list(m.tap_layer_ids)
     if not ids or ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= m.target.layers:
         raise ManifestError(f"{path}: tap_layer_ids must increase within [0, {m.target.layers - 1}], got {ids}")

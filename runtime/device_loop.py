@@ -5,7 +5,9 @@ A *program* is what one launch does for ``n`` owners at consecutive rows
 
 - ``cycle``: ``draft_n`` → ``target_verify_n`` → tap copy into the context
   pool → ``verify_argmax_n`` / ``verify_sample_n`` → device-side update of
-  the owners' anchor, draft position and frontier;
+  the owners' anchor, draft position and frontier; a cycle of verify length
+  ``k`` (``Key.proposals``, one of ``Dims.verify_proposals``) verifies the
+  first k of the draft's P proposals (``target_verify_{n}_p{k}``...);
 - ``decode``: ``target_decode_n`` → the target's token (the argmax, or the
   ``sample`` graph) → the tap into the context pool at the owner's pending
   count (``frontier - draft``, while below B) → anchor and frontier. A
@@ -98,18 +100,21 @@ def padded(owners: int, max_owners: int) -> int:
 
 @dataclass(frozen=True)
 class Key:
-    """One program -> one CUDA graph: (kind, sampled, n, first row); ``first`` is None when the rows
-    are a device input (row-indexed backends; ``n`` is then a padded count)."""
+    """One program -> one CUDA graph: (kind, sampled, n, first row, verify length); ``first`` is None when
+    the rows are a device input (row-indexed backends; ``n`` is then a padded count); ``proposals``: the
+    proposals a cycle verifies (one of ``Dims.verify_proposals``; 0 for a decode step)."""
 
     kind: str
     sampled: bool
     owners: int
     first: int | None
+    proposals: int = 0
 
 
 def describe(key: Key) -> str:
-    """A program, for messages: its kind, owner count and (row-bound) first row."""
-    return f"{key.kind} program for {key.owners} owners" + ("" if key.first is None else f" at row {key.first}")
+    """A program, for messages: its kind (and verify length), owner count and (row-bound) first row."""
+    kind = f"{key.kind} (verifying {key.proposals})" if key.proposals else key.kind
+    return f"{kind} program for {key.owners} owners" + ("" if key.first is None else f" at row {key.first}")
 
 
 class Mirror:
@@ -257,8 +262,8 @@ class DeviceLoop:
         """Every program a row-indexed loop can launch (none to list otherwise: keys follow the rows)."""
         if not self.row_indexed:
             return []
-        kinds = (CYCLE, DECODE)
-        return [Key(k, s, n, None) for k in kinds for s in sampled for n in owner_buckets(self.dims.max_owners)]
+        programs = [(CYCLE, k) for k in self.dims.verify_proposals] + [(DECODE, 0)]
+        return [Key(kind, s, n, None, k) for kind, k in programs for s in sampled for n in owner_buckets(self.dims.max_owners)]
 
     def prepare(self, keys: list[Key]) -> None:
         """Capture ``keys`` now (start-up), each run on the scratch row only: no capture, and no kernel
@@ -288,12 +293,16 @@ class DeviceLoop:
 
     # ------------------------------------------------------------------ launches
 
-    def launch(self, kind: str, sampled: bool, rows: list[int]) -> Launch:
-        """Run one program over the owners at ``rows`` (consecutive on row-bound backends): replay its
-        graph (capturing first if new), then queue its record's copy to the host (inside ``running``).
-        No host sync, except around a capture (first use, row-bound backends only)."""
+    def launch(self, kind: str, sampled: bool, rows: list[int], proposals: int = 0) -> Launch:
+        """Run one program over the owners at ``rows`` (consecutive on row-bound backends), a cycle
+        verifying ``proposals`` (default P; 0 for a decode step): replay its graph (capturing first if
+        new), then queue its record's copy to the host (inside ``running``). No host sync, except
+        around a capture (first use, row-bound backends only)."""
+        if kind == CYCLE and not proposals:
+            proposals = self.dims.proposals
+        assert kind == DECODE and not proposals or proposals in self.dims.verify_proposals, (kind, proposals)
         entry, self.next_entry = self.next_entry, (self.next_entry + 1) % self.ring
-        key = self._key(kind, sampled, rows, entry)
+        key = self._key(kind, sampled, rows, entry, proposals)
         started = self.timeline.mark()
         graph = self.captured.get(key)
         if graph is not None:
@@ -307,11 +316,11 @@ class DeviceLoop:
         self._download(key, len(rows), entry)
         return Launch(key, len(rows), entry, started, self.timeline.mark())
 
-    def _key(self, kind: str, sampled: bool, rows: list[int], entry: int) -> Key:
+    def _key(self, kind: str, sampled: bool, rows: list[int], entry: int, proposals: int) -> Key:
         """The program of these rows; on row-indexed backends also enqueues the upload of its slots."""
         if not self.row_indexed:
             assert rows == list(range(rows[0], rows[0] + len(rows))), f"rows must be consecutive, got {rows}"
-            return Key(kind, sampled, len(rows), rows[0])
+            return Key(kind, sampled, len(rows), rows[0], proposals)
         n = padded(len(rows), self.dims.max_owners)
         staged = self.staged_slots.host[entry]
         staged[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
@@ -322,7 +331,7 @@ class DeviceLoop:
             from dflash_trt.runtime.device import copy_async
 
             copy_async(self.slots[n].data_ptr(), self.staged_slots.pinned.ptr + entry * staged.nbytes, n * 8, self.stream)
-        return Key(kind, sampled, n, None)
+        return Key(kind, sampled, n, None, proposals)
 
     def read(self, launch: Launch) -> tuple[np.ndarray, float]:
         """Host sync (the launch's end event): its live owners' record rows [n, P+2] and its device ms."""
@@ -375,24 +384,25 @@ class DeviceLoop:
                 self.ints.device[:, self.scratch] = 0  # padded lanes' state: back to an empty row
 
     def _cycle(self, key: Key, rows: RowRange | RowSlots) -> None:
-        """draft_n → target_verify_n → taps → verdict → anchors/positions, all on the device."""
-        n, P = rows.n, self.dims.proposals
+        """draft_n → target_verify_n (the first k = ``key.proposals`` proposals) → taps → verdict →
+        anchors/positions, all on the device."""
+        n, k = rows.n, key.proposals or self.dims.proposals
         anchor, start = rows.take(self.ints.device[ANCHOR]), rows.take(self.ints.device[FRONTIER])
         ctx_start = rows.take(self.ints.device[DRAFT])
         context = rows.take(self.context.taps)  # [n, B, W]
         feeds = {c.CTX_TAPS: context, c.CTX_START: ctx_start, c.CTX_COUNT: start - ctx_start, c.ANCHOR: anchor}
         proposals = rows.run(self.backend, c.graph_name(c.DRAFT, n), feeds)[c.PROPOSALS]  # [n, P]
-        candidates = torch.cat([anchor[:, None], proposals], dim=1)  # [n, P+1]
-        verify = rows.run(self.backend, c.graph_name(c.TARGET_VERIFY, n), {c.TOKENS: candidates, c.START: start})
+        candidates = torch.cat([anchor[:, None], proposals[:, :k]], dim=1)  # [n, k+1]
+        verify = rows.run(self.backend, c.verify_graph(self.dims, c.TARGET_VERIFY, n, k), {c.TOKENS: candidates, c.START: start})
         # Next context = taps of verify rows 0..a; rows past a are padding the static draft overwrites.
-        context[:, : P + 1].copy_(verify[c.TAPS])
+        context[:, : k + 1].copy_(verify[c.TAPS])
         rows.put(self.context.taps, context)
         feeds = {c.LOGITS: verify[c.LOGITS], c.CANDIDATES: candidates}
         kind = c.VERIFY_ARGMAX
         if key.sampled:
             kind = c.VERIFY_SAMPLE
             feeds |= self._sampling(rows, start)
-        verdict = rows.run(self.backend, c.graph_name(kind, n), feeds)
+        verdict = rows.run(self.backend, c.verify_graph(self.dims, kind, n, k), feeds)
         accepted, token = verdict[c.ACCEPTED], verdict[c.NEXT_TOKEN]
         self.records[n][:, PROPOSALS_COLUMN:].copy_(proposals)
         rows.put(self.ints.device[DRAFT], start)  # the draft now holds the context before this cycle's anchor

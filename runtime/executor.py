@@ -157,7 +157,7 @@ class Executor:
         self.speculate, self.max_cycles, self.lag = bool(speculate), max_cycles, bool(lag)
         if isinstance(policy, str) and policy not in POLICIES:
             raise InputError(f"policy must be one of {POLICIES} (or a policy object), got {policy!r}")
-        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.policy = make_policy(policy, dims.verify_proposals) if isinstance(policy, str) else policy
         self.loop = DeviceLoop(backend, dims, self.context, rows, cycle_graphs)
         self._prepare_programs()
         self.closed = False
@@ -614,10 +614,12 @@ class Executor:
         self._set_kind(lane, CYCLE if lane.policed else DECODE, None)
 
     def _set_kind(self, lane: Lane, kind: str, choice: Choice | None) -> None:
-        P, B, L = self.dims.proposals, self.dims.block_size, self.dims.max_context
+        """The lane's next launch: ``kind``, a cycle verifying the choice's length (P without one)."""
+        B, L = self.dims.block_size, self.dims.max_context
         lane.kind, lane.choice = kind, choice
+        lane.proposals = (choice.proposals if choice is not None and choice.proposals else self.dims.proposals) if kind == CYCLE else 0
         cycles = 1 if lane.host_taps else self.max_cycles
-        lane.shape = LoopShape(P + 1, B, L, cycles) if kind == CYCLE else LoopShape(1, 1, L, cycles)
+        lane.shape = LoopShape(lane.proposals + 1, B, L, cycles) if kind == CYCLE else LoopShape(1, 1, L, cycles)
 
     def _plan_round(self, lanes: list[Lane]) -> list[Lane]:
         """One round: the policy's choice for the policed lanes, then per lane what its state allows
@@ -655,37 +657,42 @@ class Executor:
         return lane.session.frontier - lane.session.draft_position + self._kinds(lane).count(DECODE)
 
     def _pack(self, lanes: list[Lane]) -> list[Group]:
-        """One launch's groups: per kind, ≤ max_owners lanes each, at consecutive rows unless the loop is row-indexed."""
+        """One launch's groups: per kind and verify length, ≤ max_owners lanes each, at consecutive rows
+        unless the loop is row-indexed."""
         groups = []
-        for kind in (CYCLE, DECODE):
-            members = sorted((lane for lane in lanes if lane.kind == kind), key=lambda lane: lane.session.row)
+        for kind, proposals in sorted({(lane.kind, lane.proposals) for lane in lanes}, key=lambda key: (key[0] != CYCLE, -key[1])):
+            members = sorted((lane for lane in lanes if (lane.kind, lane.proposals) == (kind, proposals)), key=lambda lane: lane.session.row)
             if self.loop.row_indexed:
                 runs = [members[i : i + self.dims.max_owners] for i in range(0, len(members), self.dims.max_owners)]
             else:
                 runs = [[members[m] for m in run.members] for run in pack_rows([lane.session.row for lane in members], self.dims.max_owners)]
             for run in runs:
-                groups.append(Group(kind, any(lane.session.sampling.temperature > 0 for lane in run), run))
+                groups.append(Group(kind, any(lane.session.sampling.temperature > 0 for lane in run), run, proposals))
         return groups
 
     def _launch(self, group: Group) -> tuple[Launch, float]:
         """The group's program, launched; with the host seconds the launch call took (part of its cost)."""
         started = time.perf_counter()
-        return self.loop.launch(group.kind, group.sampled, group.rows), time.perf_counter() - started
+        return self.loop.launch(group.kind, group.sampled, group.rows, group.proposals), time.perf_counter() - started
 
     def _read(self, group: Group, launched: tuple[Launch, float]) -> None:
         """Host sync (the launch's event): apply its verdict to the sessions, lanes and stats; hand
         the lanes' new tokens to ``on_tokens``. The launch's wall cost (launch call, wait, this
         work) and the tokens it yielded go to the policy, charged to the round that chose it
-        (``runtime.policy``: why wall time, why per round)."""
+        (``runtime.policy``: why wall time, why per round), and a cycle's acceptances to its
+        acceptance by draft position."""
         launch, launch_s = launched
         started = time.perf_counter()
         record, device_ms = self.loop.read(launch)
         read = self._read_cycle if group.kind == CYCLE else self._read_decode
-        tokens = read(group, record, device_ms)
+        tokens, lanes, accepted = read(group, record, device_ms)
         self._stream(group.lanes)
+        accept = getattr(self.policy, "accept", None)
+        if accepted and accept is not None:
+            accept(group.proposals, accepted)
         choice = next((lane.flight[0].choice for lane in group.lanes if lane.flight[0].choice is not None), None)
         if choice is not None:
-            self.policy.observe(choice.round, choice.owners, launch_s + time.perf_counter() - started, tokens)
+            self.policy.observe(choice.round, choice.owners, launch_s + time.perf_counter() - started, tokens, lanes, choice.proposals)
 
     def _stream(self, lanes: Sequence[Lane]) -> None:
         if self._on_tokens is None:
@@ -695,13 +702,14 @@ class Executor:
                 self._on_tokens(lane.step.index, lane.tokens[lane.streamed :], lane.finish)
                 lane.streamed = len(lane.tokens)
 
-    def _read_cycle(self, group: Group, record: np.ndarray, device_ms: float) -> int:
-        """The cycle's verdicts applied; returns the tokens it yielded (a + 1 per owner not finished before it)."""
-        P = self.dims.proposals
+    def _read_cycle(self, group: Group, record: np.ndarray, device_ms: float) -> tuple[int, int, list[int]]:
+        """The cycle's verdicts applied; returns the tokens it yielded (a + 1 per owner not finished before
+        it), those owners' count and their accepted counts."""
+        P = group.proposals  # verified of the draft's proposals
         sessions = [lane.session for lane in group.lanes]
         starts = [s.frontier for s in sessions]
         counts = [s.frontier - s.draft_position for s in sessions]
-        accepted, tokens, proposals = record[:, ACCEPTED_COLUMN], record[:, NEXT_COLUMN], record[:, PROPOSALS_COLUMN:]
+        accepted, tokens, proposals = record[:, ACCEPTED_COLUMN], record[:, NEXT_COLUMN], record[:, PROPOSALS_COLUMN : PROPOSALS_COLUMN + P]
         verdicts = make_verdicts(proposals, accepted, tokens, starts, self.dims.vocab_size)
         rows, live_counts, live_verdicts, choices = [], [], [], []
         for lane, verdict, count, start in zip(group.lanes, verdicts, counts, starts):
@@ -720,14 +728,15 @@ class Executor:
             live_counts.append(count)
             live_verdicts.append(verdict)
         if not rows:
-            return 0
+            return 0, 0, []
         self.log.cycle_counters(len(rows), P, live_counts, live_verdicts, self.tap_row_bytes)
         # One device unit: the draft is not timed apart inside a cycle's graph (the whole cycle is verify_ms).
         self.log.cycle_rows(rows, P, 0.0, device_ms, owners=len(group.lanes), choices=choices)
-        return sum(len(verdict.tokens) for verdict in live_verdicts)
+        return sum(len(verdict.tokens) for verdict in live_verdicts), len(live_verdicts), [v.accepted for v in live_verdicts]
 
-    def _read_decode(self, group: Group, record: np.ndarray, device_ms: float) -> int:
-        """The step's tokens applied; returns the tokens it yielded (one per lane not finished before it)."""
+    def _read_decode(self, group: Group, record: np.ndarray, device_ms: float) -> tuple[int, int, list[int]]:
+        """The step's tokens applied; returns the tokens it yielded (one per lane not finished before it),
+        those lanes' count and no acceptances."""
         live = [lane for lane in group.lanes if not lane.finished]  # a finished lane's read-ahead step is discarded
         if live:
             self.log.decode_rows([lane.session for lane in live], device_ms, len(group.lanes), [lane.flight[0].choice for lane in live])
@@ -745,7 +754,7 @@ class Executor:
                 s.frontier += 1
                 s.draft_position = s.frontier  # no drafting: no pending context
             lane.add([token])
-        return len(live)
+        return len(live), len(live), []
 
     def _sampling_feeds(self, samplings: list[Sampling], positions: list[int]) -> dict[str, torch.Tensor]:
         """``cycles.sampling_rows`` as device tensors (small H2D copies on CUDA)."""

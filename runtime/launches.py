@@ -103,6 +103,7 @@ class Lane:
     anchor: int
     first_position: int
     kind: str = ""  # device_loop.CYCLE or DECODE: which program serves its next launch
+    proposals: int = 0  # a cycle's verify length (one of Dims.verify_proposals); 0 for a decode step
     shape: LoopShape | None = None
     choice: object = None  # why its next launch is of that kind (``runtime.policy.Choice``; None: fixed)
     policed: bool = False  # a drafting lane whose kind the executor's policy picks per round
@@ -148,11 +149,12 @@ class Lane:
 
 @dataclass
 class Group:
-    """Lanes of one kind sharing one program per launch (``sampled``: any lane samples)."""
+    """Lanes of one kind (and verify length) sharing one program per launch (``sampled``: any lane samples)."""
 
     kind: str
     sampled: bool
     lanes: list[Lane]
+    proposals: int = 0  # the cycle's verify length; 0 for a decode step
 
     @property
     def rows(self) -> list[int]:
@@ -172,7 +174,7 @@ def run_launches(
     leaves out with ``deferred`` set is offered again once its unread launch
     is read, in the next round launched, so deferred lanes rejoin a group
     instead of launching alone; default: every lane keeps its kind);
-    ``pack(lanes)`` -> the groups one launch each serves (lanes of one kind);
+    ``pack(lanes)`` -> the groups one launch each serves (lanes of one kind and verify length);
     ``launch(group)`` enqueues one program and returns its handle;
     ``read(group, handle)`` waits for it and applies its verdict to the lanes
     (the launch read is ``lane.flight[0]`` while it runs).

@@ -56,14 +56,17 @@ POLICIES = ("adaptive", "always")  # ``Executor(policy=...)``, ``--policy``
 @dataclass(frozen=True)
 class Choice:
     """What a lane runs and why: ``kind``; ``why`` (``ESTIMATE``, ``EXPLORE``, ``PROBE``, ``FIXED``, or
-    ``DRAIN`` from the executor); the estimated ratio at the decision (NaN while a rate is unknown); and
-    the round it belongs to (its kind and padded lane count), which its launch's cost is charged to."""
+    ``DRAIN`` from the executor); the estimated ratio at the decision (NaN while a rate is unknown); the
+    round it belongs to (its kind and padded lane count), which its launch's cost is charged to; and
+    ``proposals``, the verify length of a cycle (of a decode round: the length its drain cycles use;
+    0: the executor's P)."""
 
     kind: str
     why: str
     ratio: float = math.nan
     round: str = ""
     owners: int = 0
+    proposals: int = 0
 
 
 @dataclass
@@ -114,68 +117,154 @@ def probe_interval(probe_every: int, ratio: float) -> int:
     return probe_every * min(PROBE_SPREAD, 2**steps)
 
 
+def expected_tokens(reached: list[float], proposals: int) -> float:
+    """Expected tokens of one owner's cycle verifying ``proposals``: 1 + Σ_{i ≤ k} P(a ≥ i), from
+    ``reached[i - 1]`` = P(the first i proposals are accepted) (the correction or bonus token counts).
+
+    >>> expected_tokens([0.8, 0.5, 0.25, 0.1], 2)
+    2.3
+    """
+    return 1.0 + sum(reached[:proposals])
+
+
+Option = tuple[str, int]  # (kind, verify length): (CYCLE, k), or (DECODE, 0); (CYCLE, 0) is the executor's P
+
+
 @dataclass
 class AdaptivePolicy:
-    """Cycle or decode per round, from measured costs and yields (see the module docstring)."""
+    """Decode, or a cycle of one of ``lengths``, per round, from measured costs and yields (see the module docstring)."""
 
     alpha: float = 0.2  # EWMA weight of a new launch
     margin: float = 0.05  # hysteresis: switch when the ratio crosses 1 ± margin
     probe_every: int = 16  # rounds at one lane count between probes of the losing kind, near break-even
-    costs: dict[tuple[str, int], Ewma] = field(default_factory=dict)  # (round kind, owners) -> seconds per launch
-    yields: dict[tuple[str, int], Ewma] = field(default_factory=dict)  # ... -> tokens per launch
-    last: dict[int, str] = field(default_factory=dict)  # owners -> the kind chosen last
-    since_probe: dict[int, int] = field(default_factory=dict)  # owners -> rounds since the loser ran
+    lengths: tuple[int, ...] = ()  # the verify lengths offered (ascending, the last P); (): one, the executor's
+    accept_alpha: float = 0.02  # EWMA weight of a new cycle launch in the acceptance by draft position
+    costs: dict[tuple[str, int, int], Ewma] = field(default_factory=dict)  # (round kind, owners, length) -> seconds per launch
+    yields: dict[tuple[str, int, int], Ewma] = field(default_factory=dict)  # ... -> tokens per launch
+    lanes: dict[tuple[str, int, int], Ewma] = field(default_factory=dict)  # ... -> lanes served per launch
+    reached: list[Ewma] = field(default_factory=list)  # [i - 1]: share of verified owner-cycles accepting d_1..d_i
+    last: dict[int, Option] = field(default_factory=dict)  # owners -> the option chosen last
+    idle: dict[tuple[int, Option], int] = field(default_factory=dict)  # (owners, option) -> rounds since it ran
 
-    def observe(self, kind: str, owners: int, seconds: float, tokens: int) -> None:
-        """One launch of a round of ``kind`` at ``owners`` (padded) lanes took ``seconds`` of wall time
-        and yielded ``tokens`` (0 for one whose tokens were all discarded)."""
-        self.costs.setdefault((kind, owners), Ewma(self.alpha)).add(seconds)
-        self.yields.setdefault((kind, owners), Ewma(self.alpha)).add(tokens)
+    def options(self) -> list[Option]:
+        """Every option, in exploration order: the longest cycle first (its verdicts measure acceptance
+        at every position), then decode, then the shorter cycles."""
+        cycles = [(CYCLE, k) for k in reversed(self.lengths)] or [(CYCLE, 0)]
+        return [cycles[0], (DECODE, 0), *cycles[1:]]
 
-    def rate(self, kind: str, owners: int) -> float | None:
-        """Tokens per second of rounds of ``kind`` at ``owners``; None until ``Ewma.known``."""
-        cost, tokens = self.costs.get((kind, owners)), self.yields.get((kind, owners))
+    def observe(self, kind: str, owners: int, seconds: float, tokens: int, lanes: int | None = None, proposals: int = 0) -> None:
+        """One launch of a round of ``kind`` (a cycle round verifying ``proposals``) at ``owners`` (padded)
+        lanes took ``seconds`` of wall time, served ``lanes`` lanes whose tokens were kept (default:
+        ``owners``) and yielded ``tokens`` (0 for one whose tokens were all discarded)."""
+        key = (kind, owners, proposals if kind == CYCLE else 0)
+        self.costs.setdefault(key, Ewma(self.alpha)).add(seconds)
+        self.yields.setdefault(key, Ewma(self.alpha)).add(tokens)
+        self.lanes.setdefault(key, Ewma(self.alpha)).add(owners if lanes is None else lanes)
+
+    def accept(self, proposals: int, accepted: list[int]) -> None:
+        """One cycle launch verifying ``proposals`` accepted ``accepted`` (one count per owner): the
+        acceptance by draft position, at the positions it verified (1..proposals)."""
+        if not accepted:
+            return
+        while len(self.reached) < proposals:
+            self.reached.append(Ewma(self.accept_alpha, skip=0, least=1))
+        for i in range(1, proposals + 1):
+            self.reached[i - 1].add(sum(a >= i for a in accepted) / len(accepted))
+
+    def expected(self, proposals: int) -> float | None:
+        """E[tokens per owner] of a cycle verifying ``proposals`` from the acceptance seen so far; None
+        until every position 1..proposals has been verified."""
+        if not proposals or len(self.reached) < proposals or not all(r.known for r in self.reached[:proposals]):
+            return None
+        return expected_tokens([r.value for r in self.reached], proposals)
+
+    def rate(self, kind: str, owners: int, proposals: int = 0) -> float | None:
+        """Tokens per second of rounds of ``kind`` (cycles verifying ``proposals``) at ``owners``; None
+        until ``Ewma.known``. A cycle round's tokens per launch are its lanes times the expected tokens
+        of that length (``expected``) once the acceptance at its positions is known, else as measured."""
+        key = (kind, owners, proposals if kind == CYCLE else 0)
+        cost, tokens = self.costs.get(key), self.yields.get(key)
         if cost is None or not cost.known or cost.value <= 0:
             return None
-        return tokens.value / cost.value
+        expected = self.expected(proposals) if kind == CYCLE else None
+        if expected is None:
+            return tokens.value / cost.value
+        return self.lanes[key].value * expected / cost.value
 
     def ratio(self, owners: int) -> float | None:
-        """Cycle rounds' tokens per second over decode rounds' at ``owners``; None while either is unknown."""
-        cycle, decode = self.rate(CYCLE, owners), self.rate(DECODE, owners)
-        if cycle is None or decode is None or decode <= 0:
+        """The best cycle length's tokens per second over decode rounds' at ``owners``; None while any
+        option's rate is unknown."""
+        values = self._values(owners)
+        return None if values is None else max(v for (kind, _), v in values.items() if kind == CYCLE)
+
+    def _values(self, owners: int) -> dict[Option, float] | None:
+        """Each option's rate over the decode rate (decode: 1); None while any is unknown."""
+        rates = {option: self.rate(option[0], owners, option[1]) for option in self.options()}
+        decode = rates[(DECODE, 0)]
+        if any(rate is None for rate in rates.values()) or decode <= 0:
             return None
-        return cycle_ratio(cycle, decode)
+        return {option: cycle_ratio(rate, decode) for option, rate in rates.items()}
 
     def choose(self, owners: int) -> Choice:
-        """The kind of the round at ``owners`` (padded) lanes."""
-        ratio = self.ratio(owners)
-        if ratio is None:
-            unknown = CYCLE if self.rate(CYCLE, owners) is None else DECODE
-            return Choice(unknown, EXPLORE, math.nan, unknown, owners)
+        """The kind (and verify length) of the round at ``owners`` (padded) lanes."""
+        values = self._values(owners)
+        if values is None:
+            unknown = [o for o in self.options() if self.rate(o[0], owners, o[1]) is None]
+            kind, k = unknown[0] if unknown else (DECODE, 0)  # all known but decode yields nothing: re-measure it
+            return Choice(kind, EXPLORE, math.nan, kind, owners, k if kind == CYCLE else self._drain_length(owners))
+        chosen = self._keep_or_switch(owners, values)
+        ratio = values[chosen] if chosen[0] == CYCLE else max(v for (kind, _), v in values.items() if kind == CYCLE)
+        probe = self._due(owners, chosen, values)
+        kind, k = probe or chosen
+        length = k if kind == CYCLE else self._drain_length(owners)
+        return Choice(kind, PROBE if probe else ESTIMATE, ratio, kind, owners, length)
+
+    def _keep_or_switch(self, owners: int, values: dict[Option, float]) -> Option:
+        """Hysteresis: the best option, unless the previous one is within ``margin`` (in ratio units) of it."""
+        order = [(DECODE, 0)] + [o for o in self.options() if o[0] == CYCLE]  # ties: decode, then longer cycles
+        best = max(order, key=lambda o: values[o])
         previous = self.last.get(owners)
-        threshold = 1.0 + self.margin if previous == DECODE else 1.0 - self.margin if previous == CYCLE else 1.0
-        best = CYCLE if ratio > threshold else DECODE
-        self.last[owners] = best
-        rounds = self.since_probe.get(owners, 0) + 1
-        if rounds > probe_interval(self.probe_every, ratio):
-            self.since_probe[owners] = 0
-            loser = DECODE if best == CYCLE else CYCLE
-            return Choice(loser, PROBE, ratio, loser, owners)
-        self.since_probe[owners] = rounds
-        return Choice(best, ESTIMATE, ratio, best, owners)
+        chosen = previous if previous in values and values[best] <= values[previous] + self.margin else best
+        self.last[owners] = chosen
+        return chosen
+
+    def _due(self, owners: int, chosen: Option, values: dict[Option, float]) -> Option | None:
+        """The losing option most overdue for a probe (``probe_interval`` from its ratio to the chosen
+        one's), if any: it runs this round, so a stale estimate recovers."""
+        due = []
+        for option in self.options():
+            if option == chosen:
+                continue
+            idle = self.idle[(owners, option)] = self.idle.get((owners, option), 0) + 1
+            interval = probe_interval(self.probe_every, values[option] / values[chosen])
+            if idle > interval:
+                due.append((idle / interval, option))
+        self.idle[(owners, chosen)] = 0
+        if not due:
+            return None
+        probe = max(due)[1]
+        self.idle[(owners, probe)] = 0
+        return probe
+
+    def _drain_length(self, owners: int) -> int:
+        """The verify length of a decode round's drain cycles: the best-rated known cycle length, else the longest."""
+        known = [(self.rate(CYCLE, owners, k), k) for _, k in self.options()[:1] + self.options()[2:]]
+        known = [(rate, k) for rate, k in known if rate is not None]
+        return max(known)[1] if known else (self.lengths[-1] if self.lengths else 0)
 
 
 @dataclass
 class AlwaysCycle:
     """The fixed policy: every drafting lane cycles whenever a block fits."""
 
-    def observe(self, kind: str, owners: int, seconds: float, tokens: int) -> None:
+    def observe(self, kind: str, owners: int, seconds: float, tokens: int, lanes: int | None = None, proposals: int = 0) -> None:
         pass
 
     def choose(self, owners: int) -> Choice:
-        return Choice(CYCLE, FIXED, math.nan, CYCLE, owners)
+        return Choice(CYCLE, FIXED, math.nan, CYCLE, owners)  # proposals 0: the executor's P
 
 
-def make_policy(name: str) -> AdaptivePolicy | AlwaysCycle:
-    """The policy named ``name`` (one of ``POLICIES``)."""
-    return {"adaptive": AdaptivePolicy, "always": AlwaysCycle}[name]()
+def make_policy(name: str, lengths: tuple[int, ...] = ()) -> AdaptivePolicy | AlwaysCycle:
+    """The policy named ``name`` (one of ``POLICIES``); ``lengths``: the verify lengths it may choose
+    among (``Dims.verify_proposals``; ``always`` cycles at P)."""
+    return AdaptivePolicy(lengths=tuple(lengths)) if name == "adaptive" else AlwaysCycle()

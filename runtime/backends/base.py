@@ -103,7 +103,7 @@ class Backend(ABC):
     def graph_names(self) -> tuple[str, ...]:
         """The contract graphs this backend runs: all of them, unless its artifacts lack some
         (a greedy-only engine set has no ``verify_sample_n``; the executor then refuses sampling)."""
-        return contract.graph_names(self.dims.max_owners)
+        return contract.graph_names(self.dims.max_owners, self.dims.short_verify)
 
     def copy_rows(self, pool: str, source: int, destination: int, upto: int) -> None:
         """Copy cache slots ``0 .. upto-1`` of row ``source`` into row ``destination`` (clone).

@@ -81,4 +81,4 @@ def route_of(dims: Dims, name: str) -> Route:
 
 def routes(dims: Dims) -> dict[str, Route]:
     """Every run graph's route, by name."""
-    return {name: route_of(dims, name) for name in c.graph_names(dims.max_owners)}
+    return {name: route_of(dims, name) for name in c.graph_names(dims.max_owners, dims.short_verify)}

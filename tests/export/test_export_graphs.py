@@ -33,8 +33,9 @@ from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 
 FP32_TOLERANCE = 1e-4
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64}
-GRAPHS = contract.graph_names(3)  # run graphs
-EXPORTED = contract.export_names(3)  # exported graphs
+SHORT = contract.default_verify_proposals(7)[:-1]  # the tiny draft's block 8 (P = 7) offers verify lengths 3 and 7
+GRAPHS = contract.graph_names(3, SHORT)  # run graphs
+EXPORTED = contract.export_names(3, SHORT)  # exported graphs
 
 
 def session(path) -> ort.InferenceSession:
@@ -80,7 +81,8 @@ def _caches(spec, rng, dtype) -> dict[str, np.ndarray]:
 
 def random_inputs(spec: contract.GraphSpec, dims: contract.Dims, rng: np.random.Generator):
     """(inputs by name, written [lo, hi) slot range per owner or None)."""
-    n, V, L, B, P = spec.owners or 1, dims.vocab_size, dims.max_context, dims.block_size, dims.proposals
+    n, V, L, B = spec.owners or 1, dims.vocab_size, dims.max_context, dims.block_size
+    P = contract.verify_length(spec.name) or dims.proposals  # a verify graph's length
     dtype = NUMPY_DTYPES[dims.dtype]
     feeds = _caches(spec, rng, dtype)
     if spec.kind in (contract.TARGET_PREFILL, contract.TARGET_VERIFY, contract.TARGET_DECODE):
@@ -125,7 +127,7 @@ def sampling_inputs(rng, rows: int) -> dict[str, np.ndarray]:
 
 def verifier_inputs(spec, dims, rng) -> dict[str, np.ndarray]:
     """Logits + candidates whose proposals match the target's choices for a random prefix per owner."""
-    n, V, P = spec.owners, dims.vocab_size, dims.proposals
+    n, V, P = spec.owners, dims.vocab_size, contract.verify_length(spec.name) or dims.proposals
     logits = (3 * rng.standard_normal((n, P + 1, V))).astype(np.float32)
     feeds = {contract.LOGITS: logits}
     if spec.kind == contract.VERIFY_ARGMAX:
@@ -196,7 +198,9 @@ def test_bindings_of_every_graph_equal_the_contract(exported_pair):
     or re-types a binding, or leaves a dynamic dim unnamed: the engines and runtime bind by these names."""
     out, manifest = exported_pair.out, exported_pair.manifest
     dims = manifest.dims()
+    assert SHORT == (3,) and dims.verify_proposals == manifest.verify_proposals == (3, 7)
     assert tuple(manifest.graphs) == EXPORTED
+    assert {"verify_argmax_3_p3", "verify_sample_1_p3"} <= set(EXPORTED) and "target_verify_2_p3" in GRAPHS
     for name in EXPORTED:
         assert_bindings_equal_contract(out / manifest.graphs[name].file, contract.graph_spec(dims, name))
 
@@ -239,7 +243,7 @@ def routed(spec: contract.GraphSpec, dims: contract.Dims, feeds: dict) -> tuple[
     kind = spec.kind
     if kind in (contract.TARGET_PREFILL, contract.TARGET_VERIFY, contract.TARGET_DECODE):
         tokens = feeds[contract.TOKENS].shape[1]
-        picks = {contract.TARGET_PREFILL: [tokens - 1], contract.TARGET_DECODE: [0]}.get(kind, range(dims.proposals + 1))
+        picks = {contract.TARGET_PREFILL: [tokens - 1], contract.TARGET_DECODE: [0]}.get(kind, range(tokens))  # verify: 0..k
         return contract.TARGET_MODEL, feeds | {contract.PICKS: np.array(list(picks), np.int64)}
     if kind == contract.DRAFT_CONTEXT:
         caches = {k: v for k, v in feeds.items() if k.startswith("past_")}

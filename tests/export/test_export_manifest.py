@@ -49,14 +49,14 @@ def test_manifest_records_the_facts_the_runtime_needs(exported_pair):
 def test_exporter_and_manifest_build_the_same_dims(exported_pair):
     """Bug: the exporter's dims (from the models and options) and the manifest's (from its facts)
     drift apart (a field taken from the wrong model, a size one of them does not set): for the
-    same pair and options both are equal, and every Dims field is a size, a stack field or the dtype."""
+    same pair and options both are equal, and every Dims field is a size, a stack field, the dtype or the verify lengths."""
     target, draft = load_pair(exported_pair.target_dir, exported_pair.draft_dir)
     options = OPTIONS.resolve(exported_pair.target_dir, exported_pair.draft_dir)
     assert contract_dims(target, draft, options) == exported_pair.manifest.dims()
     stacks = [f"{model}_{name}" for model in ("target", "draft") for name in contract.STACK_FIELDS]
-    assert [f.name for f in fields(Dims)] == [*contract.SIZE_FIELDS, *stacks, "dtype"]
+    assert [f.name for f in fields(Dims)] == [*contract.SIZE_FIELDS, *stacks, "dtype", "verify_proposals"]
     sizes = {name: getattr(exported_pair.manifest, name) for name in contract.SIZE_FIELDS}
-    assert Dims.of((5, 2, 16), (2, 2, 16), "float32", **sizes) == exported_pair.manifest.dims()
+    assert Dims.of((5, 2, 16), (2, 2, 16), "float32", (3, 7), **sizes) == exported_pair.manifest.dims()
     with pytest.raises(ValueError, match="shorter"):
         Dims.of((5, 2), (2, 2, 16), "float32", **sizes)  # a stack without its head_dim
 
@@ -71,7 +71,8 @@ def _set(key, value):
 def _relabel_proposals(data):
     """Edit proposals AND every recorded IO consistently: only the graph files can tell."""
     data["proposals"] = 5
-    dims = Dims.of((5, 2, 16), (2, 2, 16), "float32", **{k: data[k] for k in contract.SIZE_FIELDS})
+    data["verify_proposals"] = [3, 5]
+    dims = Dims.of((5, 2, 16), (2, 2, 16), "float32", (3, 5), **{k: data[k] for k in contract.SIZE_FIELDS})
     for name, graph in data["graphs"].items():
         graph.update(contract.graph_spec(dims, name).io_json())
 
@@ -91,6 +92,10 @@ REFUSALS = {
     "malformed-field": (_set("block_size", "8"), ["block_size", "must be an int", "'8'"]),
     "unknown-field": (_set("blok_size", 8), ["blok_size", "unknown field"]),
     "graph-entry-missing": (lambda d: d["graphs"].pop("verify_argmax_3"), ["graphs lacks 'verify_argmax_3'", "max_owners 3"]),
+    "short-graph-missing": (lambda d: d["graphs"].pop("verify_sample_2_p3"), ["graphs lacks 'verify_sample_2_p3'"]),
+    "verify-lengths-past-proposals": (_set("verify_proposals", [3, 9]), ["verify_proposals", "[3, 9]", "end at proposals 7"]),
+    "verify-lengths-unordered": (_set("verify_proposals", [7, 3]), ["verify_proposals", "[7, 3]", "increasing"]),
+    "verify-length-unlisted": (_set("verify_proposals", [5, 7]), ["graphs lacks 'verify_argmax_1_p5'"]),
     "wrong-hash": (lambda d: d["graphs"]["draft_model"].update(sha256="0" * 64), ["draft_model", "sha256", "0" * 64]),
     "same-cache-keys": (_same_cache_keys, ["cache_key", "must differ"]),
 }
@@ -108,6 +113,30 @@ def test_manifest_disagreeing_with_its_graphs_is_refused_naming_field_and_values
         load_manifest(out)
     for word in words:
         assert word in str(error.value), f"{word!r} not in: {error.value}"
+
+
+def test_a_manifest_without_verify_lengths_loads_as_offering_p_only(export_copy):
+    """Guards against refusing (or misreading) artifact sets exported before verify lengths existed: a
+    manifest without ``verify_proposals`` and without the ``_p{k}`` graphs loads, its dims offering
+    P alone; the same manifest listing a ``_p{k}`` graph it does not offer is refused, naming it."""
+    from dflash_trt.runtime.backends.ort_backend import OrtBackend
+
+    out, edit = export_copy
+
+    def older(data):
+        del data["verify_proposals"]
+        for name in [n for n in data["graphs"] if "_p" in n]:
+            del data["graphs"][name]
+
+    edit(older)
+    manifest = load_manifest(out)
+    assert manifest.verify_proposals == (7,) and manifest.dims().verify_proposals == (7,) and manifest.dims().short_verify == ()
+    assert not any(contract.verify_length(name) for name in manifest.graphs)
+    with OrtBackend.from_export(out, verify="none", threads=1, lazy=True) as backend:
+        assert backend.graph_names == contract.graph_names(3)  # runs P only
+    edit(lambda d: d["graphs"].update(verify_argmax_1_p3=d["graphs"]["verify_argmax_1"]))
+    with pytest.raises(ManifestError, match="graphs has 'verify_argmax_1_p3', not a graph of max_owners 3"):
+        load_manifest(out, verify="none")
 
 
 def test_tokenizer_files_the_manifest_names_are_checked(export_copy):

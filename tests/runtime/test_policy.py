@@ -106,7 +106,7 @@ def known(**options) -> AdaptivePolicy:
 
 def set_decode_rate(policy: AdaptivePolicy, ratio: float) -> None:
     """Make the decode rate such that cycle / decode = ``ratio`` (cycle rounds: 200 tokens/s)."""
-    policy.costs[(DECODE, 1)].value = ratio * policy.yields[(DECODE, 1)].value / 200.0
+    policy.costs[(DECODE, 1, 0)].value = ratio * policy.yields[(DECODE, 1, 0)].value / 200.0
 
 
 def test_hysteresis_keeps_the_choice_inside_the_margin_and_switches_outside():
@@ -164,18 +164,23 @@ def test_unknown_policy_names_are_refused(tiny):
 
 
 class Scripted:
-    """A policy forced to a fixed pattern of kinds, one per round (``choose``)."""
+    """A policy forced to a fixed pattern, one entry per round (``choose``): a kind, or (CYCLE, verify length)."""
 
-    def __init__(self, pattern: list[str]) -> None:
+    def __init__(self, pattern: list) -> None:
         self.pattern = itertools.cycle(pattern)
         self.launches: list[tuple[str, int, float, int]] = []
+        self.lengths: list[int] = []  # the verify length of every cycle launch read
 
     def choose(self, owners: int) -> Choice:
-        kind = next(self.pattern)
-        return Choice(kind, EXPLORE, math.nan, kind, owners)
+        kind, length = entry if isinstance(entry := next(self.pattern), tuple) else (entry, 0)
+        return Choice(kind, EXPLORE, math.nan, kind, owners, length)
 
-    def observe(self, kind: str, owners: int, seconds: float, tokens: int) -> None:
+    def observe(self, kind: str, owners: int, seconds: float, tokens: int, lanes: int | None = None, proposals: int = 0) -> None:
         self.launches.append((kind, owners, seconds, tokens))
+
+    def accept(self, proposals: int, accepted: list[int]) -> None:
+        assert all(0 <= a <= proposals for a in accepted), (proposals, accepted)
+        self.lengths.append(proposals)
 
 
 def make_policy(name: str, P: int):
