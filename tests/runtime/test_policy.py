@@ -15,7 +15,9 @@ import torch
 from dflash_trt.errors import InputError
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor
-from dflash_trt.runtime.policy import CYCLE, DECODE, DRAIN, ESTIMATE, EXPLORE, FIXED, PROBE, PROBE_SPREAD, AdaptivePolicy, Choice, probe_interval
+from dflash_trt.runtime.policy import (
+    CYCLE, DECODE, DRAIN, ESTIMATE, EXPLORE, FIXED, PROBE, PROBE_SPREAD, AdaptivePolicy, Choice, make_policy as policy_named, probe_interval,
+)
 from executor_fixtures import DraftReference, RecordingBackend, Tracker, tiny_dims
 
 TINY_ROWS = 8
@@ -65,6 +67,91 @@ def test_choice_maximizes_tokens_per_second_against_brute_force():
         choice = policy.choose(lanes)
         assert (choice.kind, choice.why, choice.round, choice.owners) == (best, ESTIMATE, best, lanes), (trial, ratio, choice)
         assert choice.ratio == pytest.approx(ratio)
+
+
+LENGTHS = (3, 7, 15)
+
+
+def censored_reach(verified: np.ndarray, accepted: np.ndarray, position: int) -> float:
+    """Brute force: among owner-cycles that verified ``position`` or more proposals, the share that accepted
+    the first ``position`` (a cycle verifying k accepts at most k: it says nothing about positions past k)."""
+    tried = accepted[verified >= position]
+    return float(np.mean(tried >= position))
+
+
+def test_the_verify_length_maximizes_tokens_per_second_against_brute_force():
+    """Guards against choosing how many proposals to verify wrongly: expected tokens not truncated at k,
+    acceptance at a position counted from cycles that never verified it (a cycle of 3 accepting all 3
+    is no evidence about the 4th), the bonus token dropped, or a length's rate taken from another's
+    cost. On random acceptances seen through cycles of random lengths and random costs per length, the
+    policy must pick what delivers the most tokens per second by brute force — decode (measured), or a
+    cycle of k proposals: lanes · (1 + Σ_{i ≤ k} share accepting the first i) / its cost per launch —
+    and report the best cycle's ratio to decode."""
+    rng = np.random.default_rng(1)
+    for trial in range(300):
+        lanes, launches = int(rng.choice([1, 2, 4])), 40
+        truth = np.minimum(rng.geometric(1 - rng.uniform(0.2, 0.95), size=(launches, lanes)) - 1, 15)
+        verified = np.where(np.arange(launches) == 0, 15, rng.choice(LENGTHS, size=launches))  # the first explores at P
+        seen = np.minimum(truth, verified[:, None])
+        policy = AdaptivePolicy(margin=0.0, probe_every=10**9, lengths=LENGTHS)
+        for k, accepted in zip(verified, seen):
+            policy.accept(int(k), accepted.tolist())
+        per_row, fixed = rng.uniform(1e-4, 3e-3), rng.uniform(1e-3, 2e-2)
+        costs = {k: fixed + per_row * (k + 1) * rng.uniform(0.8, 1.2) for k in LENGTHS}
+        decode_s = rng.uniform(0.3, 1.0) * (fixed + per_row)
+        for k, seconds in costs.items():
+            for s in (1.0, seconds, seconds):  # a warm-up, then two counted launches
+                policy.observe(CYCLE, lanes, s, 0, lanes, k)  # tokens as measured are ignored once acceptance is known
+        for s in (1.0, decode_s, decode_s):
+            policy.observe(DECODE, lanes, s, lanes)
+        expected = {k: 1 + sum(censored_reach(np.repeat(verified, lanes), seen.ravel(), i) for i in range(1, k + 1)) for k in LENGTHS}
+        rates = {(CYCLE, k): lanes * expected[k] / costs[k] for k in LENGTHS} | {(DECODE, 0): lanes / decode_s}
+        ordered = sorted(rates.values())
+        if math.isclose(ordered[-1], ordered[-2], rel_tol=1e-9):
+            continue
+        best = max(rates, key=rates.get)
+        choice = policy.choose(lanes)
+        assert (choice.kind, choice.why, choice.owners) == (best[0], ESTIMATE, lanes), (trial, rates, choice)
+        if best[0] == CYCLE:
+            assert choice.proposals == best[1], (trial, rates, choice)
+        best_cycle = max(rate for (kind, _), rate in rates.items() if kind == CYCLE)
+        assert choice.ratio == pytest.approx(best_cycle / rates[(DECODE, 0)])
+
+
+def test_expected_tokens_of_a_length_truncate_the_acceptance_seen_at_p():
+    """Guards against the expected tokens of a shorter verify not being what truncating each cycle at k
+    gives: from cycles verifying all P, E[tokens of a k-cycle] = 1 + mean(min(a, k)); unknown (None)
+    for a length past every position seen."""
+    rng = np.random.default_rng(2)
+    accepted = np.minimum(rng.geometric(0.3, size=(30, 4)) - 1, 7)
+    policy = AdaptivePolicy(lengths=(3, 7))
+    for launch in accepted:
+        policy.accept(7, launch.tolist())
+    for k in (1, 3, 5, 7):
+        assert policy.expected(k) == pytest.approx(1 + np.mean(np.minimum(accepted, k)))
+    assert AdaptivePolicy(lengths=(3, 7)).expected(3) is None and policy.expected(8) is None
+
+
+def test_every_length_is_explored_before_estimating_and_probes_keep_them_measured():
+    """Guards against a length that never runs (its cost stays unknown and it could never be chosen) and
+    against estimating before every option is known: exploration runs the longest cycle first (its verdicts
+    measure every position), then decode, then the shorter lengths; once all are known every losing option
+    is probed now and then, not only the runner-up."""
+    policy = AdaptivePolicy(probe_every=2, lengths=LENGTHS)
+    order = []
+    for _ in range(40):
+        choice = policy.choose(1)
+        order.append((choice.kind, choice.proposals if choice.kind == CYCLE else 0, choice.why))
+        if choice.kind == CYCLE:
+            policy.accept(choice.proposals, [min(2, choice.proposals)])
+            policy.observe(CYCLE, 1, 0.004 + 0.001 * choice.proposals, 3, 1, choice.proposals)
+        else:
+            policy.observe(DECODE, 1, 0.004, 1)
+    explored = [(kind, k) for kind, k, why in order if why == EXPLORE]
+    assert explored == [(CYCLE, 15)] * 3 + [(DECODE, 0)] * 3 + [(CYCLE, 7)] * 3 + [(CYCLE, 3)] * 3
+    estimated = [(kind, k) for kind, k, why in order if why == ESTIMATE]
+    assert set(estimated) == {(CYCLE, 3)}  # a = 2 always: 3 tokens at 7 ms beats 3 at 11 or 19 ms and 1 at 4 ms
+    assert {(kind, k) for kind, k, why in order if why == PROBE} == {(CYCLE, 15), (CYCLE, 7), (DECODE, 0)}
 
 
 def test_the_ratio_is_tau_times_the_cost_ratio_without_drains():
@@ -183,10 +270,16 @@ class Scripted:
         self.lengths.append(proposals)
 
 
-def make_policy(name: str, P: int):
+def make_policy(name: str, lengths: tuple[int, ...]):
     if name == "adaptive":
-        return AdaptivePolicy(probe_every=2)  # probes often: both kinds run in a short test
-    return Scripted({"alternate": [CYCLE, DECODE], "decode": [DECODE], "mixed": [DECODE, DECODE, CYCLE, DECODE, CYCLE, CYCLE]}[name])
+        return AdaptivePolicy(probe_every=2, lengths=lengths)  # probes often: every option runs in a short test
+    patterns = {
+        "alternate": [CYCLE, DECODE],
+        "decode": [DECODE],
+        "mixed": [DECODE, DECODE, CYCLE, DECODE, CYCLE, CYCLE],
+        "lengths": [(CYCLE, lengths[0]), (CYCLE, lengths[0]), DECODE, (CYCLE, lengths[-1]), (CYCLE, lengths[0]), DECODE, DECODE],
+    }
+    return Scripted(patterns[name])
 
 
 def policy_executor(tiny, backend: str, policy) -> tuple[Executor, RecordingBackend]:
@@ -219,14 +312,18 @@ def workload(tracker: Tracker, execute, sessions: list[int], rounds: int) -> Non
 
 def checked_execute(tiny, tracker: Tracker, backend: RecordingBackend):
     """tracker.execute (outputs against the target-only reference), then every draft call's proposals
-    against the reference draft's for its sequence: the context the draft consumed was exact."""
+    against the reference draft's for its sequence: the context the draft consumed was exact. A cycle
+    launched ahead past the tokens kept (its tokens discarded) drafted on the reference continuation."""
     seen = [0]
 
     def execute(inputs):
         outputs = tracker.execute(inputs)
         rows = {tracker.executor.session(s).row: s for s in tracker.seq}
         for row, start, anchor, proposals in backend.drafts[seen[0] :]:
-            sequence = tracker.seq[rows[row]]
+            s = rows[row]
+            sequence = tracker.seq[s]
+            if start >= len(sequence):
+                sequence = sequence + tracker.oracle.continuation(sequence, tracker.sampling[s])[: start + 1 - len(sequence)]
             assert sequence[start] == anchor
             assert proposals == DraftReference(tiny.target, tiny.draft, sequence).proposals(start, tracker.executor.dims.proposals), (row, start)
         seen[0] = len(backend.drafts)
@@ -236,14 +333,18 @@ def checked_execute(tiny, tracker: Tracker, backend: RecordingBackend):
 
 
 @pytest.mark.parametrize("backend", ["onnxruntime", "torch", "torch-fast", pytest.param("torch-cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("policy", ["alternate", "decode", "adaptive"])
+@pytest.mark.parametrize("policy", ["alternate", "decode", "adaptive", "lengths"])
 def test_outputs_under_any_policy_equal_plain_decoding_and_the_reference(tiny, oracle, backend, policy):
     """Guards against a policy that changes output: decode steps between cycles must keep the draft's
     context exact (the device writes each decode tap at the pending row; a wrong row, a lost tap, or a
-    pending count past B would change what the draft sees), and a lane switching kind must not lose or
-    repeat tokens. fp32 outputs, greedy and sampled, must equal the target-only reference and a
-    ``speculate=False`` executor's (``--no-draft``); every draft call's proposals the reference draft's."""
-    executor, recording = policy_executor(tiny, backend, make_policy(policy, tiny.dims.proposals))
+    pending count past B would change what the draft sees), a lane switching kind must not lose or
+    repeat tokens, and a cycle verifying k < P proposals (``lengths``: forced 3, 3, decode, 7, 3...) must
+    verify, emit and keep as context exactly its first k (a verdict over the wrong rows, taps of rows past
+    k, or a bonus token at P instead of k would change tokens or the next draft). fp32 outputs, greedy
+    and sampled, must equal the target-only reference and a ``speculate=False`` executor's
+    (``--no-draft``); every draft call's proposals the reference draft's."""
+    policy_object = make_policy(policy, tiny.dims.verify_proposals)
+    executor, recording = policy_executor(tiny, backend, policy_object)
     t = Tracker(executor, oracle)
     sessions = [t.open() for _ in range(5)]
     t.set_sampling(sessions[3], Sampling(temperature=0.9, top_k=20, top_p=0.9, seed=7))
@@ -252,6 +353,12 @@ def test_outputs_under_any_policy_equal_plain_decoding_and_the_reference(tiny, o
     assert set(cycles["mode"]) >= {"static", "target"}
     decoded = cycles.filter((pl.col("mode") == "target") & (pl.col("policy") != FIXED)).height
     assert decoded > 0  # drafting lanes really decoded plainly
+    verified = cycles.filter(pl.col("mode") != "target")
+    assert set(verified["proposed"]) <= set(tiny.dims.verify_proposals) and (verified["accepted"] <= verified["proposed"]).all()
+    assert (verified["bonus"] == (verified["accepted"] == verified["proposed"])).all()
+    if policy == "lengths":
+        assert tiny.dims.verify_proposals == (3, 7) and set(policy_object.lengths) == {3, 7}
+        assert set(verified["proposed"]) == {3, 7}
     outputs = [t.seq[s] for s in sessions]
     executor.close()
     plain, _ = policy_executor(tiny, backend, "always")
@@ -265,11 +372,42 @@ def test_outputs_under_any_policy_equal_plain_decoding_and_the_reference(tiny, o
     plain.close()
 
 
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch", "torch-fast"])
+def test_forced_verify_lengths_with_oracle_proposals_equal_the_reference(tiny, oracle, backend):
+    """Guards against wrong commits of a shorter verify when it accepts (emitted = d_1..d_a + y_a with
+    a <= k, the bonus token y_k when all k are accepted, frontier = start + a + 1, context = taps of rows
+    0..a): with oracle proposals (wrong at a scrambled offset in 0..P) a policy forced through lengths 3
+    and 7 and decode steps sees every acceptance 0..3 at k = 3 and long ones at k = 7; greedy and sampled
+    fp32 outputs must equal the target-only reference, the real draft's proposals the reference draft's,
+    on ONNX Runtime (the exported _p3 graphs) and the torch backend (eager modules and the fast twin)."""
+    policy = make_policy("lengths", tiny.dims.verify_proposals)
+    executor, recording = policy_executor(tiny, backend, policy)
+    t = Tracker(executor, oracle)
+    sessions = [t.open() for _ in range(3)]
+    sampled = Sampling(temperature=0.8, top_k=0, top_p=0.95, seed=11)
+    t.set_sampling(sessions[2], sampled)
+    prompts = [[3 + (5 * s + 3 * k) % 80 for k in range(n)] for s, n in zip(sessions, (6, 11, 4))]
+    for s, p in zip(sessions, prompts):
+        recording.truth[executor.session(s).row] = p + oracle.continuation(p, t.sampling[s])
+    execute = checked_execute(tiny, t, recording)
+    execute([(s, p, None, True) for s, p in zip(sessions, prompts)])
+    for r in range(30):
+        live = [s for s in sessions if t.frontier(s) + 1 <= executor.dims.max_context]
+        if not live:
+            break
+        execute([(s, [t.seq[s][-1]], None, True, {"max_new_tokens": 3 + r % 7}) for s in live])
+    cycles = executor.cycle_stats().filter(pl.col("mode") != "target")
+    short, full = cycles.filter(pl.col("proposed") == 3), cycles.filter(pl.col("proposed") == 7)
+    assert set(short["accepted"]) == {0, 1, 2, 3} and short["bonus"].sum() == (short["accepted"] == 3).sum() > 0
+    assert full["accepted"].max() > 3 and set(policy.lengths) == {3, 7}
+    executor.close()
+
+
 def test_without_lag_the_policy_switches_every_round_and_stays_lossless(tiny, oracle):
     """Guards against the policy depending on the read-ahead: without ``lag`` every launch is read before
     the lane's next one, so a lane may switch kind every round (never deferred); outputs and every draft
     call's context must still be the reference's."""
-    policy = make_policy("alternate", tiny.dims.proposals)
+    policy = make_policy("alternate", tiny.dims.verify_proposals)
     executor, recording = policy_executor(tiny, "onnxruntime", policy)
     executor.lag = False
     t = Tracker(executor, oracle)
@@ -287,7 +425,7 @@ def test_pending_context_rows_equal_a_brute_force_recompute_across_switches(tiny
     must leave the B pending rows alone): after every execute each drafting session's pending rows
     (draft position .. frontier) must be 0..B rows whose taps equal the target's taps at those
     positions, recomputed from scratch."""
-    executor, _recording = policy_executor(tiny, backend, make_policy("mixed", tiny.dims.proposals))
+    executor, _recording = policy_executor(tiny, backend, make_policy("mixed", tiny.dims.verify_proposals))
     t = Tracker(executor, oracle)
     sessions = [t.open() for _ in range(4)]
     B = executor.dims.block_size
@@ -317,7 +455,7 @@ def test_choices_are_stats_columns_and_counters(tiny, oracle):
     """Guards against choices that cannot be analysed: every decode row of a drafting lane and every
     cycle row says why it ran (policy, policy_ratio), the per-execute counters count exactly those rows,
     and the always policy's rows say fixed (it never decodes a lane that could cycle)."""
-    executor, _ = policy_executor(tiny, "onnxruntime", make_policy("alternate", tiny.dims.proposals))
+    executor, _ = policy_executor(tiny, "onnxruntime", make_policy("alternate", tiny.dims.verify_proposals))
     t = Tracker(executor, oracle)
     sessions = [t.open() for _ in range(3)] + [t.open(speculate=False)]
     workload(t, t.execute, sessions, 6)
@@ -334,6 +472,7 @@ def test_choices_are_stats_columns_and_counters(tiny, oracle):
     workload(t, t.execute, [t.open() for _ in range(2)], 4)
     rows = always.cycle_stats()
     assert set(rows.filter(pl.col("mode") != "target")["policy"]) == {FIXED}
+    assert set(rows.filter(pl.col("mode") != "target")["proposed"]) == {tiny.dims.proposals}  # always: every cycle verifies P
     assert int(always.execute_stats()["policy_decodes"].sum()) == 0
     always.close()
 
@@ -344,7 +483,7 @@ def test_every_launch_is_charged_to_the_round_that_chose_it(tiny, oracle):
     lane, drain cycles included, is charged to a decode round, and the tokens charged are exactly the
     tokens those launches yielded (a + 1 per cycle row, 1 per decode row, a session at the context end
     decoding in the same launch included: it shares the launch's cost)."""
-    policy = make_policy("decode", tiny.dims.proposals)
+    policy = make_policy("decode", tiny.dims.verify_proposals)
     executor, _ = policy_executor(tiny, "onnxruntime", policy)
     t = Tracker(executor, oracle)
     workload(t, t.execute, [t.open() for _ in range(4)], 12)
@@ -366,7 +505,7 @@ def test_policy_choices_reach_the_serving_metrics_and_prometheus(tiny, oracle):
     from dflash_trt.runtime.serving.loop import ServingLoop
     from dflash_trt.server.prometheus import ServingCollector
 
-    executor = Executor(RecordingBackend(tiny.ort), tiny.dims, 4, policy=make_policy("alternate", tiny.dims.proposals))
+    executor = Executor(RecordingBackend(tiny.ort), tiny.dims, 4, policy=make_policy("alternate", tiny.dims.verify_proposals))
     serving = ServingLoop(executor)
     for prompt in ([5, 6, 7], [9, 10, 11, 12, 13]):
         tokens = serving.submit(prompt, 20).result(60).tokens
