@@ -15,8 +15,8 @@ import torch
 from dflash_trt.export import contract as c
 from dflash_trt.runtime.backends.routes import RouteConstants, route_of, routes
 
-# P = 3 proposals (P+1 = 4 verify rows), B = 4, max_chunk 6 > P+1.
-DIMS = c.Dims.of((2, 1, 4), (1, 1, 4), "float32", vocab_size=11, tap_width=8, block_size=4, proposals=3, max_owners=2,
+# P = 3 proposals (P+1 = 4 verify rows) and a shorter verify length 2 (3 rows), B = 4, max_chunk 6 > P+1.
+DIMS = c.Dims.of((2, 1, 4), (1, 1, 4), "float32", (2, 3), vocab_size=11, tap_width=8, block_size=4, proposals=3, max_owners=2,
                  max_context=16, max_chunk=6)
 # max_chunk 2 < P+1 = 6: the constant counts must cover the verify rows, not only the chunk.
 FEW_CHUNKS = c.Dims.of((1, 1, 4), (1, 1, 4), "float32", vocab_size=5, tap_width=4, block_size=7, proposals=5, max_owners=1,
@@ -31,6 +31,8 @@ RULES = {
     ("target_prefill", 6): (c.TARGET_MODEL, {N: 1, S: 6, Q: 1}, {c.PICKS: [5]}, {}),  # T = max_chunk
     ("target_verify_1", None): (c.TARGET_MODEL, {N: 1, S: 4, Q: 4}, {c.PICKS: [0, 1, 2, 3]}, {}),
     ("target_verify_2", None): (c.TARGET_MODEL, {N: 2, S: 4, Q: 4}, {c.PICKS: [0, 1, 2, 3]}, {}),
+    ("target_verify_1_p2", None): (c.TARGET_MODEL, {N: 1, S: 3, Q: 3}, {c.PICKS: [0, 1, 2]}, {}),  # verify 2 of 3
+    ("target_verify_2_p2", None): (c.TARGET_MODEL, {N: 2, S: 3, Q: 3}, {c.PICKS: [0, 1, 2]}, {}),
     ("target_decode_1", None): (c.TARGET_MODEL, {N: 1, S: 1, Q: 1}, {c.PICKS: [0]}, {}),
     ("target_decode_2", None): (c.TARGET_MODEL, {N: 2, S: 1, Q: 1}, {c.PICKS: [0]}, {}),
     ("draft_context", 3): (c.DRAFT_MODEL, {N: 1, C: 3}, {c.CTX_COUNT: [3], c.ANCHOR: [-1]},
@@ -43,12 +45,16 @@ RULES = {
     ("verify_argmax_2", None): ("verify_argmax_2", {}, {}, {}),
     ("verify_sample_1", None): ("verify_sample_1", {}, {}, {}),
     ("verify_sample_2", None): ("verify_sample_2", {}, {}, {}),
+    ("verify_argmax_1_p2", None): ("verify_argmax_1_p2", {}, {}, {}),
+    ("verify_argmax_2_p2", None): ("verify_argmax_2_p2", {}, {}, {}),
+    ("verify_sample_1_p2", None): ("verify_sample_1_p2", {}, {}, {}),
+    ("verify_sample_2_p2", None): ("verify_sample_2_p2", {}, {}, {}),
     ("sample", 1): ("sample", {R: 1}, {}, {}),
     ("sample", 7): ("sample", {R: 7}, {}, {}),
 }
 
 
-# The same rules for any dims: kind -> (its T or C, P+1) -> the feeds the route adds.
+# The same rules for any dims: kind -> (its T or C, the verify rows k+1) -> the feeds the route adds.
 ADDED = {
     c.TARGET_PREFILL: lambda size, rows: {c.PICKS: [size - 1]},
     c.TARGET_VERIFY: lambda size, rows: {c.PICKS: list(range(rows))},
@@ -75,7 +81,7 @@ def literal_feeds(spec: c.GraphSpec, sizes: dict[str, int]) -> dict[str, torch.T
 
 def test_rules_cover_every_run_graph():
     """Bug: a run graph added to the contract without a feeding rule here would go untested."""
-    assert {name for name, _ in RULES} == set(c.graph_names(DIMS.max_owners))
+    assert {name for name, _ in RULES} == set(c.graph_names(DIMS.max_owners, DIMS.short_verify))
 
 
 @pytest.mark.parametrize("name,size", sorted(RULES, key=str))
@@ -110,9 +116,9 @@ def test_added_feeds_are_views_of_the_constants_at_every_size(dims):
     size, each added feed lies inside the constants' memory and holds the rule's values."""
     constants = RouteConstants(dims, torch.device("cpu"))
     memory = {constants.counts.data_ptr(), constants.no_anchor.data_ptr()}  # the two constant tensors
-    rows = dims.proposals + 1
     for name, route in routes(dims).items():
         kind = route.run.kind
+        rows = (c.verify_length(name) or dims.proposals) + 1
         chunked = kind in (c.TARGET_PREFILL, c.DRAFT_CONTEXT)
         for size in range(1, dims.max_chunk + 1) if chunked else [1 if route.run.dims else None]:
             sizes = run_sizes(route.run, size)
