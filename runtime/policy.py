@@ -1,45 +1,59 @@
-"""Speculation that never loses: per round, a DFlash cycle or a plain decode step for the drafting lanes.
+"""Speculation that never loses: per round, a plain decode step or a DFlash cycle of one verify length.
 
 Pure math over what the loop measures (no torch); the executor asks for one
 ``Choice`` per round (the lanes it is about to launch together, ``n`` of
 them, padded to ``device_loop.owner_buckets``) and feeds back, per launch,
-the kind and lane count of the round that caused it, its cost and the
-tokens it yielded.
+the kind, verify length and lane count of the round that caused it, its
+cost, the lanes it served and the tokens it yielded, and per cycle launch
+its owners' accepted counts.
 
-A round of ``n`` lanes is either cycles or decode steps; cycle iff cycle
-rounds yield more tokens per second at ``n``::
+The options of a round of ``n`` lanes: a decode step, or a cycle verifying
+the first ``k`` of the draft's P proposals for ``k`` in ``lengths``
+(``Dims.verify_proposals``, e.g. 3, 7, 15: the draft always proposes P, a
+shorter verify costs fewer target rows). The round runs the option whose
+rounds yield the most tokens per second at ``n``; its ``ratio`` is the best
+cycle length's over decode's::
 
-    ratio(n) = (tokens / second of cycle rounds at n) / (tokens / second of decode rounds at n) > 1
+    ratio(n) = max_k (tokens / second of k-cycle rounds at n) / (tokens / second of decode rounds at n)
 
-With no other launches, a cycle round yields n · E[tokens per cycle] tokens
-(the accepted proposals and the correction/bonus token: τ per owner) for
-C_cycle(n) seconds and a decode round n tokens for C_decode(n), so this is
-E[tokens per cycle] · C_decode(n) / C_cycle(n) > 1. Measured per round kind,
-it also charges each kind with what it causes: a decode round's forced
-drains (lanes whose pending context is full cycle: ``DRAIN``), split
-launches, and launches whose tokens are discarded (a lane that finished).
+A k-cycle round yields lanes · E_k tokens, E_k = 1 + Σ_{i ≤ k} P(the first i
+proposals are accepted) — the accepted proposals and the correction/bonus
+token, τ of a k-cycle — so the ratio is E_k · C_decode(n) / C_cycle(k, n)
+without other launches. The acceptance by draft position is measured from
+every cycle's verdicts (``accept``: a cycle verifying k says whether
+d_1..d_i were accepted for i <= k only, nothing past k), as EWMAs per
+position; a length whose positions were never verified is rated by its
+measured tokens per launch instead. Decode rounds are rated by what they
+yielded per launch, which charges them with what they cause: forced drains
+(lanes whose pending context is full cycle: ``DRAIN``, at the best-rated
+length), split launches, and launches whose tokens are discarded (a lane
+that finished).
 
 Costs are WALL seconds per launch, host work included (the launch call, the
 wait for its verdict, and turning it into tokens, stats and streamed
 deliveries): summed over launches they are the loop's wall time, so the
 policy maximizes what callers receive per second. Device time alone
 (``runtime.timing``) would miss what a busy serving thread spends per launch
-(benchmarks/RESULTS.md, "policy"). Costs and yields are kept per (round
-kind, padded lane count) as EWMAs; the first launch of each key is not
-counted (it warms up: compiles, captures), and a rate is known from its
-second counted launch on.
+(benchmarks/RESULTS.md, "policy"). Costs, yields and lanes are kept per
+(round kind, padded lane count, verify length) as EWMAs; the first launch of
+each key is not counted (it warms up: compiles, captures), and a rate is
+known from its second counted launch on.
 
 While a rate at ``n`` is unknown, the policy explores (runs the unknown
-kind); once both are known it re-probes the losing kind every
-``probe_interval(ratio)`` rounds at that count, so a stale estimate recovers when the
-load changes: ``probe_every`` (16) near break-even, doubling for every 25% the
-estimate lies away from it, at most 8× (a probe costs in proportion to the gap,
-and a far estimate needs a large change of load to flip). Hysteresis: the choice at ``n`` switches only when the ratio
-crosses 1 by ``margin``, so it does not flap on noise.
+option: the longest cycle first, whose verdicts measure every position, then
+decode, then the shorter lengths); once all are known it re-probes each
+losing option every ``probe_interval(its rate / the chosen rate)`` rounds at
+that count (the most overdue first), so a stale estimate recovers when the
+load or the acceptance changes: ``probe_every`` (16) near break-even, doubling
+for every 25% the estimate lies away from it, at most 8× (a probe costs in
+proportion to the gap, and a far estimate needs a large change to flip).
+Hysteresis: the choice at ``n`` switches only when another option's ratio
+exceeds the previous one's by ``margin`` (with one cycle length: when the
+ratio crosses 1 ± margin), so it does not flap on noise.
 
-``AlwaysCycle`` is the fixed policy (every drafting lane cycles whenever a
-block fits), the behaviour before this module existed; ``--no-draft`` stays
-the baseline without any drafting.
+``AlwaysCycle`` is the fixed policy (every drafting lane cycles, verifying
+P, whenever a block fits), the behaviour before this module existed;
+``--no-draft`` stays the baseline without any drafting.
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ per session per plain target-decode step:
 | owners | Int32 | owners packed into this draft/verify call (1..max_owners), rows of discarded owners included |
 | mode | Utf8 | ``static`` (draft@n), ``dynamic`` (dynamic draft) or ``target`` (plain decode, no draft) |
 | context_rows | Int32 | new context rows the draft consumed for this owner |
-| proposed | Int32 | proposals verified (P; 0 in ``target`` mode) |
+| proposed | Int32 | proposals verified: the cycle's verify length k (``Dims.verify_proposals``; P under the ``always`` policy, the policy's choice under ``adaptive``); 0 in ``target`` mode |
 | accepted | Int32 | accepted proposals a (0..proposed) |
-| bonus | Boolean | every proposal accepted (a == P) and the bonus token emitted |
+| bonus | Boolean | every verified proposal accepted (a == proposed) and the bonus token emitted |
 | emitted | Int32 | tokens of this row returned to the caller: accepted + 1, less any cut at the room or after a stop token |
 | position | Int64 | position of the anchor (first verified token) |
 | temperature | Float32 | the session's sampling temperature (0 = greedy) |
@@ -31,7 +31,7 @@ per session per plain target-decode step:
 | host_ms | Float64 | host time since the previous row outside this call's device time (shared) |
 | end_ms | Float64 | wall-clock time the cycle ended, ms since the executor started |
 | policy | Utf8 | why this row's launch was a cycle or a decode step (``runtime.policy``): ``estimate`` (the measured ratio said so), ``explore`` (a cost still unknown), ``probe`` (re-measuring the losing kind), ``drain`` (pending context full: a cycle must run), ``fixed`` (no choice: not drafting, no block's room, a prompt's prediction, or the ``always`` policy) |
-| policy_ratio | Float64 | the policy's estimate at the choice: cycle rounds' tokens per second over decode rounds' (> 1: cycling pays); NaN when not estimated |
+| policy_ratio | Float64 | the policy's estimate at the choice: cycle rounds' tokens per second (of the chosen verify length, or the best one for a decode step) over decode rounds' (> 1: cycling pays); NaN when not estimated |
 
 Execute table (``EXECUTE_SCHEMA``), one row per ``execute()``: the
 counters of docs/design.md §8 as per-call deltas, plus timing.
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from dflash_trt.runtime.cycles import Verdict
     from dflash_trt.runtime.sessions import Session
 
-SCHEMA_VERSION = 2  # 2: the cycle table's policy and policy_ratio; the policy_* counters
+SCHEMA_VERSION = 3  # 2: the cycle table's policy and policy_ratio; the policy_* counters; 3: proposed is the cycle's verify length (not always P)
 STATIC, DYNAMIC, TARGET = "static", "dynamic", "target"  # the values of the cycle table's ``mode``
 TAU_LENGTH = "accepted + 1"  # τ = mean of this over speculative rows (``analysis.acceptance.TAU``)
 
