@@ -26,7 +26,11 @@ event) / (tokens − 1)) p50/p99, the server's own TTFT / ITL p99 (its
 /metrics histograms between two scrapes that bound the window, interpolated
 in their buckets: what the serving process measured, to set beside the
 clients'), τ and the speculation policy's choices (drafting lanes' launches
-run as cycles / decode steps in the window) from the server's /metrics.
+run as cycles / decode steps in the window) from the server's /metrics, and
+whose CPU is the limit: the busiest process's CPU time over the window in %
+of one core, for the server's own process (the HTTP front; with
+``--fronts single`` everything), the serving process and the client
+processes (Linux /proc; 100 = a process that never waited).
 
     python benchmarks/serve_load.py [--clients 8 [1 ...]] [--seconds 30] [--max-tokens 64] [--modes on off]
         [--artifacts DIR] [--backend onnxruntime|torch|tensorrt] [--device cuda] [--serve-args "--max-cycles 4"]
@@ -187,7 +191,34 @@ def client_process(conn, base: str, model: str, prompts: list[str], indices: lis
     conn.close()
 
 
-def load(base: str, args, prompts: list[str], clients: int) -> dict:
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` (all its threads) so far; None where /proc has no such
+    process (not Linux, or it exited)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (Linux /proc; [] elsewhere)."""
+    try:
+        return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+    except OSError:
+        return []
+
+
+def cpu_shares(pids: dict[str, list[int]], before: dict[int, float | None], seconds: float) -> dict[str, float | None]:
+    """Per role, the busiest process's CPU over the window in % of one core (100: a process that never waited)."""
+    shares = {}
+    for role, members in pids.items():
+        used = [(cpu_seconds(p) or 0.0) - before[p] for p in members if before.get(p) is not None]
+        shares[f"{role}_cpu_pct"] = round(100.0 * max(used) / seconds, 1) if used else None
+    return shares
+
+
+def load(base: str, args, prompts: list[str], clients: int, server: int) -> dict:
     """``clients`` streaming clients: warm-up, then the measured window; the window's figures."""
     import openai
 
@@ -209,14 +240,18 @@ def load(base: str, args, prompts: list[str], clients: int) -> dict:
     window = (window_start, window_start + args.seconds)
     for pipe in pipes:
         pipe.send(window)
+    # Whose CPU is the limit: the server's process (the HTTP front), its children (the serving process), the clients.
+    pids = {"front": [server], "serving": children(server), "client": [w.pid for w in workers]}
     time.sleep(max(0.0, window_start - time.time()))
     before = server_metrics(base)
+    cpu_before = {p: cpu_seconds(p) for members in pids.values() for p in members}
     time.sleep(max(0.0, window[1] - time.time()))
+    shares = cpu_shares(pids, cpu_before, args.seconds)
     after = server_metrics(base)
     records = [pipe.recv() for pipe in pipes]
     for worker in workers:
         worker.join(60)
-    return figures(records, before, after, window[1] - window[0])
+    return figures(records, before, after, window[1] - window[0]) | shares
 
 
 def figures(records: list[dict], before: dict, after: dict, seconds: float) -> dict:
@@ -279,18 +314,19 @@ def main() -> int:
     rows = [json.loads(line) for line in (ROOT / "export" / "default_pair" / "prompts.jsonl").read_text().splitlines() if line.strip()]
     prompts = [row["prompt"][-args.prompt_chars :] for row in rows]
     results = {}
-    print("| front | mode | clients | requests/s | output tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 / p99 ms | server TTFT / ITL p99 ms | τ | policy cycles / decodes |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    print("| front | mode | clients | requests/s | output tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 / p99 ms | server TTFT / ITL p99 ms | τ | policy cycles / decodes | CPU % front / serving / client |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     for front, mode in ((front, mode) for front in args.fronts for mode in args.modes):
         process, base, log = start_server(args, [*FRONTS[front], *MODES[mode]])
         try:
             for clients in args.clients:
-                figures = load(base, args, prompts, clients)
+                figures = load(base, args, prompts, clients, process.pid)
                 results[f"{front}_{mode}_{clients}"] = {"front": front, "mode": mode, "clients": clients, **figures}
                 print(f"| {front} | {mode} | {clients} | {figures['requests_per_s']} | {figures['output_tokens_per_s']} | {figures['ttft_p50_ms']} / {figures['ttft_p99_ms']} "
                       f"| {figures['itl_p50_ms']} / {figures['itl_p99_ms']} | {figures['tpot_p50_ms']} / {figures['tpot_p99_ms']} "
                       f"| {figures['server_ttft_p99_ms']} / {figures['server_itl_p99_ms']} | {figures['tau']} "
-                      f"| {figures['policy_cycles']} / {figures['policy_decodes']} |", flush=True)
+                      f"| {figures['policy_cycles']} / {figures['policy_decodes']} "
+                      f"| {figures['front_cpu_pct']} / {figures['serving_cpu_pct']} / {figures['client_cpu_pct']} |", flush=True)
         finally:
             process.send_signal(signal.SIGINT)
             process.wait(60)

@@ -150,6 +150,22 @@ def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     return pinned, pinned.as_tensor()
 
 
+def capture_graph(device: torch.device, stream: torch.cuda.Stream, pool, work) -> torch.cuda.CUDAGraph:
+    """``work()`` as a CUDA graph on ``stream`` (intermediates in the graph pool ``pool``), captured in
+    thread-local mode: CUDA calls of other threads (a server's, a logger's) stay legal meanwhile and
+    cannot invalidate it. The capture is always ended, also when the work fails inside it, and the
+    stream restored; the failure propagates (the caller falls back to eager)."""
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize(device)  # host sync: before a capture only
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            work()
+        finally:
+            graph.capture_end()
+    return graph
+
+
 @dataclass
 class Launch:
     """One launched program: its live owners, the ring entry its record lands in, when it finished."""
@@ -220,7 +236,7 @@ class DeviceLoop:
         # At most two launches per session are unread at once (the one read, the next): ring entries never collide.
         self.ring = 2 * rows + 2
         self.next_entry = 0
-        with self._on_stream():
+        with self.on_stream():
             self.ints = Mirror((4, self.rows), torch.int64, self.device)
             self.seeds = Mirror((self.rows, c.SEED_PARTS), torch.int64, self.device)
             self.floats = Mirror((2, self.rows), torch.float32, self.device)
@@ -237,7 +253,7 @@ class DeviceLoop:
         self.timeline = Timeline(self.stream)
 
     @contextmanager
-    def _on_stream(self) -> Iterator[None]:
+    def on_stream(self) -> Iterator[None]:
         """Torch work on the backend's stream, ordered after the caller's and before its later work."""
         stream = getattr(self.backend, "stream", None)
         with stream.scope() if stream is not None and self.device.type == "cuda" else nullcontext():
@@ -248,7 +264,7 @@ class DeviceLoop:
         """One execute's staging, launches and reads: on the backend's stream (entered once, not per
         launch); device idle gaps are counted between the launches inside."""
         try:
-            with self._on_stream():
+            with self.on_stream():
                 yield
         except BaseException:
             self.abandon()
@@ -270,7 +286,7 @@ class DeviceLoop:
         specialization of these programs, is left for steady state. Host syncs (captures)."""
         if not self.graphs:
             return
-        with self._on_stream(), self.backend.plain_runs():
+        with self.on_stream(), self.backend.plain_runs():
             for key in keys:
                 if key not in self.captured and self.graphs:
                     self.slots[key.owners].fill_(self.scratch)
@@ -352,19 +368,7 @@ class DeviceLoop:
         copy_async(pinned.ptr + entry * host[0].numel() * record.element_size(), record.data_ptr(), owners * row, self.stream)
 
     def _capture(self, key: Key) -> torch.cuda.CUDAGraph:
-        """One program as a CUDA graph, captured in thread-local mode: CUDA calls of other
-        threads (a server's, a logger's) stay legal meanwhile and cannot invalidate it. The
-        capture is always ended, also when the program fails inside it, and the stream
-        restored; the failure propagates (the caller falls back to eager)."""
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize(self.device)  # host sync: before a capture only
-        with torch.cuda.stream(self.backend.stream.torch):
-            graph.capture_begin(pool=self.memory, capture_error_mode="thread_local")
-            try:
-                self._program(key)
-            finally:
-                graph.capture_end()
-        return graph
+        return capture_graph(self.device, self.backend.stream.torch, self.memory, lambda: self._program(key))
 
     def _keep(self, key: Key, graph: torch.cuda.CUDAGraph | None) -> None:
         """A captured program is replayed from now on; a capture that failed (None) turns capture off

@@ -77,9 +77,10 @@ from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.cycles import (
     block_fits, chunks, cycle_mode, make_verdicts, pack_rows, plan_context, prefill_batches, sampling_rows, trim_context,
 )
-from dflash_trt.runtime.device_loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_COLUMN, PROPOSALS_COLUMN, DeviceLoop, Launch, owner_buckets, padded
+from dflash_trt.runtime.device_loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_COLUMN, PROPOSALS_COLUMN, DeviceLoop, Launch, padded
 from dflash_trt.runtime.launches import Group, Lane, LoopShape, run_launches
 from dflash_trt.runtime.policy import DRAIN, POLICIES, Choice, make_policy
+from dflash_trt.runtime.prefill import PREFILL_QUANTUM, PREFILL_TOKENS, Prompt, PrefillPrograms
 from dflash_trt.runtime.sessions import CONTEXT, ContextPool, Input, Limits, Output, Session, SessionTable, SessionView, Step, int_in, validate_batch
 from dflash_trt.runtime.stats import DEFAULT_MAX_ROWS, ExecuteRows, StatsLog, stats_paths, write_parquet
 from dflash_trt.runtime.timing import make_clock
@@ -87,10 +88,6 @@ from dflash_trt.runtime.timing import make_clock
 __all__ = ["Executor", "Input", "Output"]
 
 LOG = logging.getLogger(__name__)
-
-# Batched prefill (row-indexed backends): tokens per launch, padded lengths a multiple of PREFILL_QUANTUM.
-PREFILL_TOKENS, PREFILL_QUANTUM = 4096, 32
-
 
 class Executor:
     """Sessions and batched DFlash cycles over one backend (see the module docstring).
@@ -159,6 +156,7 @@ class Executor:
             raise InputError(f"policy must be one of {POLICIES} (or a policy object), got {policy!r}")
         self.policy = make_policy(policy, dims.verify_proposals) if isinstance(policy, str) else policy
         self.loop = DeviceLoop(backend, dims, self.context, rows, cycle_graphs)
+        self.prefill = PrefillPrograms(self.loop, self.context, max_sessions, self.speculate) if self.loop.row_indexed else None
         self._prepare_programs()
         self.closed = False
         self._on_tokens: Callable | None = None
@@ -176,27 +174,8 @@ class Executor:
         started = time.perf_counter()
         LOG.info("capturing %d decode programs (cycle and decode steps, %s owners)", len(keys), sorted({k.owners for k in keys}))
         self.loop.prepare(keys)
-        shapes = self._warm_prefill()
-        LOG.info("captured %d programs, warmed %d batched-prefill shapes in %.1f s", len(keys), shapes, time.perf_counter() - started)
-
-    def _warm_prefill(self) -> int:
-        """Run batched prefill (and its drain) once per (owners, tokens) power of two within the launch
-        budget, on the scratch row only, so their kernels are compiled before serving: padded lengths
-        are multiples of PREFILL_QUANTUM, which specialize like these. Returns the shapes run."""
-        shapes = [
-            (n, tokens)
-            for n in owner_buckets(self.max_sessions)
-            for tokens in (PREFILL_QUANTUM * 2**k for k in range(16))
-            if tokens <= self.dims.max_chunk and n * tokens <= PREFILL_TOKENS
-        ]
-        scratch = self.loop.scratch
-        for n, tokens in shapes:
-            slots = torch.full((n,), scratch, dtype=torch.int64, device=self.device)
-            start, lengths = torch.zeros_like(slots), torch.full_like(slots, tokens)
-            _, taps = self.backend.prefill_many(torch.zeros((n, tokens), dtype=torch.int64, device=self.device), start, lengths, slots)
-            self.backend.draft_context_many(taps, start, lengths, slots)
-        self.backend.synchronize()  # host sync: start-up only
-        return len(shapes)
+        shapes = self.prefill.prepare()
+        LOG.info("captured %d decode programs and %d prefill programs in %.1f s", len(keys), shapes, time.perf_counter() - started)
 
     @contextmanager
     def _call(self, name: str, count_refusals: bool = True) -> Iterator[None]:
@@ -220,7 +199,9 @@ class Executor:
             return
         with self._call("close"):
             self.table.close_all()
-            self.loop.close()
+            self.loop.close()  # waits for the stream: the prefill buffers are free after it
+            if self.prefill is not None:
+                self.prefill.close()
             self.closed = True
             self._release.detach()
 
@@ -467,60 +448,45 @@ class Executor:
         )
 
     def _prefill_batch(self, steps: list[Step], width: int) -> dict[int, int | None]:
-        """One ragged prefill launch for ``steps`` (padded to ``width`` tokens), their taps committed
-        (drained together), their predictions chosen in one ``sample`` call (one host sync)."""
+        """One prefill program for ``steps`` (padded to ``width`` tokens; ``runtime.prefill``): their taps
+        drained and kept, their predictions chosen on the device (one host sync)."""
         sessions = [step.session for step in steps]
+        B = self.dims.block_size
         t0 = self.clock.mark()
-        tokens = torch.zeros((len(steps), width), dtype=torch.int64)
-        for i, step in enumerate(steps):
-            tokens[i, : len(step.tokens)] = torch.tensor(step.tokens, dtype=torch.int64)
-        lengths = [len(step.tokens) for step in steps]
-        slots, start, length = (self._ints([s.row for s in sessions]), self._ints([s.frontier for s in sessions]), self._ints(lengths))
-        logits, taps = self.backend.prefill_many(tokens.to(self.device), start, length, slots)
+        prompts = []
+        for step, s in zip(steps, sessions):
+            length = len(step.tokens)
+            drain = max(0, length - B) if s.speculate else 0
+            keep = length - drain if s.speculate else 0
+            prompts.append(Prompt(step.tokens, s.frontier, s.row, s.draft_position, drain, keep, s.sampling, step.end))
+        chosen = self.prefill.run(prompts, width)  # host sync: the tokens
+        t1 = self.clock.mark()
         self.log.counters["target_preamble_forwards"] += 1
         self.log.counters["target_preamble_calls"] += len(steps)
-        self._commit_many(sessions, taps, lengths, slots)
-        wanted = [i for i, step in enumerate(steps) if step.produce_output]
-        chosen = self._choose_many([sessions[i] for i in wanted], logits[wanted], [steps[i].end for i in wanted]) if wanted else []
-        t1 = self.clock.mark()
+        if any(p.drain for p in prompts):
+            self.log.counters["draft_forwards"] += 1
         ms = self.clock.elapsed_ms(t0, t1) / len(steps)  # one launch: its device time shared evenly
-        for i, token in zip(wanted, chosen):
-            self.log.target_row(sessions[i], steps[i].end - 1, ms)
+        predictions: dict[int, int | None] = {}
+        for step, s, p, token in zip(steps, sessions, prompts, chosen):
+            self._commit_prompt(s, p)
+            predictions[step.index] = token if step.produce_output else None
+            if step.produce_output:
+                self.log.target_row(s, step.end - 1, ms)
         self.clock.release(t0, t1)
-        predictions: dict[int, int | None] = {step.index: None for step in steps}
-        predictions |= {steps[i].index: token for i, token in zip(wanted, chosen)}
-        for s in sessions:
-            s.pending = None
         return predictions
 
-    def _commit_many(self, sessions: list[Session], taps: torch.Tensor, lengths: list[int], slots: torch.Tensor) -> None:
-        """Fresh contexts' taps [n, T, W]: all but the last B rows of each drafting session drained in one
-        ``draft_context_many`` launch, the rest kept pending (``cycles.plan_context`` with nothing pending)."""
-        B = self.dims.block_size
-        drains = [max(0, length - B) if s.speculate else 0 for s, length in zip(sessions, lengths)]
-        if any(drains):
-            starts, counts = self._ints([s.draft_position for s in sessions]), self._ints(drains)
-            self.backend.draft_context_many(taps[:, : max(drains)], starts, counts, slots)
-            self.log.counters["draft_forwards"] += 1
-            self.log.counters["warmed_context_tokens"] += sum(drains)
-        for i, (s, length, drained) in enumerate(zip(sessions, lengths, drains)):
-            if s.speculate:
-                self.context.store(s.row, taps[i, drained:length])  # device copy
-                self.log.count("hidden_rows_d2d", length - drained, self.tap_row_bytes)
-                s.draft_position += drained
-                s.drained_rows += drained
-                s.frontier += length
-            else:
-                s.frontier = s.draft_position = s.frontier + length  # no drafting: taps are not kept
-
-    def _ints(self, values: list[int]) -> torch.Tensor:
-        """A small int64 tensor on the device (an H2D copy)."""
-        return torch.as_tensor(values, dtype=torch.int64).to(self.device)
-
-    def _choose_many(self, sessions: list[Session], logits: torch.Tensor, positions: list[int]) -> list[int]:
-        """Each session's token AT its position from logits [n, V]: one ``sample`` call, one host sync."""
-        feeds = self._sampling_feeds([s.sampling for s in sessions], positions) | {c.LOGITS: logits.contiguous()}
-        return [int(t) for t in self.backend.run(c.SAMPLE, feeds, 0)[c.TOKEN].tolist()]  # host sync: the token ids
+    def _commit_prompt(self, s: Session, p: Prompt) -> None:
+        """A prefilled prompt's positions: ``p.drain`` rows in the draft cache, ``p.keep`` pending."""
+        length = len(p.tokens)
+        s.pending = None
+        if s.speculate:
+            self.log.counters["warmed_context_tokens"] += p.drain
+            self.log.count("hidden_rows_d2d", p.keep, self.tap_row_bytes)
+            s.draft_position += p.drain
+            s.drained_rows += p.drain
+            s.frontier += length
+        else:
+            s.frontier = s.draft_position = s.frontier + length  # no drafting: taps are not kept
 
     def _target_step(self, step: Step) -> int | None:
         """Run the input's tokens through target_prefill (chunked); the prediction at ``end`` if asked."""

@@ -474,13 +474,16 @@ def test_outputs_say_why_they_ended(tiny, oracle):
     assert outputs[3].finish is None and outputs[3].tokens == expected[: len(outputs[3].tokens)]
 
 
-def test_joining_prompts_are_prefilled_together_losslessly(tiny, oracle):
+@pytest.mark.parametrize("pad", [False, True], ids=["exact-shape", "padded-shape"])
+def test_joining_prompts_are_prefilled_together_losslessly(tiny, oracle, pad):
     """Guards against batched prefill (one ragged launch for every joining prompt, padded rows masked)
     writing padding into a cache, attending past a prompt's end or draining the wrong taps: outputs of
     prompts of mixed lengths, greedy and sampled, drafting and plain, must equal the reference's, with
-    fewer target launches than prompts."""
+    fewer target launches than prompts. Padded: the launch at its captured shape (owners padded to a
+    bucket with scratch-row lanes, tokens to a power of two), as CUDA graphs replay it."""
     dims = tiny_dims(tiny.target, tiny.draft, tiny.dims.max_context, max_chunk=40)
     executor = Executor(tiny.torch_backend(dims, 8, kernels="fast"), dims, 8)
+    executor.prefill.pad = pad
     t = Tracker(executor, oracle)
     sessions = [t.open() for _ in range(5)] + [t.open(speculate=False)]
     t.set_sampling(sessions[1], SAMPLED)
@@ -491,6 +494,35 @@ def test_joining_prompts_are_prefilled_together_losslessly(tiny, oracle):
     assert counters["target_preamble_forwards"].sum() < len(sessions)
     for _ in range(3):
         t.execute([item + ({"max_new_tokens": 5},) for item in t.decode_inputs(sessions)])
+
+
+@pytest.mark.gpu
+def test_joining_prompts_replay_prefill_programs_captured_at_start_up(tiny, oracle):
+    """Guards against joining prompts being prefilled eagerly on CUDA (~100 kernel launches from Python
+    per batch), against a capture or compile while serving, and against a replayed prefill that reads
+    stale inputs or writes the wrong rows: every padded prefill shape is captured at start-up, batches
+    of joining prompts replay them (no eager prefill program runs afterwards), and the outputs, greedy
+    and sampled, drafting and plain, equal the reference's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from dflash_trt.runtime.backends.torch_backend import TorchBackend
+
+    dims = tiny_dims(tiny.target, tiny.draft, tiny.dims.max_context, max_chunk=40)  # prompts up to 40 batch
+    backend = TorchBackend(copy.deepcopy(tiny.target), copy.deepcopy(tiny.draft), dims, 8, device="cuda")
+    executor = Executor(backend, dims, 8)
+    prefill = executor.prefill
+    assert prefill is not None and len(prefill.captured) == len(prefill.shapes) > 1 and prefill.pad
+    eager = []
+    program = prefill._program
+    prefill._program = lambda n, T, drafting: (eager.append((n, T)), program(n, T, drafting))
+    t = Tracker(executor, oracle)
+    sessions = [t.open() for _ in range(5)] + [t.open(speculate=False)]
+    t.set_sampling(sessions[1], SAMPLED)
+    for wave in (sessions[:3], sessions[3:]):  # two joins: 3 then 3 prompts (padded to 4 owners)
+        t.execute([(s, prompt(n, 70 + s), None, True, {"max_new_tokens": 9}) for s, n in zip(wave, [3, 30, 17])])
+    for _ in range(3):
+        t.execute([item + ({"max_new_tokens": 5},) for item in t.decode_inputs(sessions)])
+    assert eager == [] and prefill.fallback.failures == 0 and len(prefill.captured) == len(prefill.shapes)
 
 
 def test_start_up_prefill_warm_up_touches_no_session_row(tiny, oracle):
@@ -504,7 +536,9 @@ def test_start_up_prefill_warm_up_touches_no_session_row(tiny, oracle):
     t.execute([(s, prompt(12, 7), None, True, {"max_new_tokens": 4})])
     backend = executor.backend
     before = {name: [x[: backend.max_sessions].clone() for x in pool.keys + pool.values] for name, pool in backend.pools.items()}
-    assert executor._warm_prefill() > 1
+    assert len(executor.prefill.shapes) > 1
+    for n, T in executor.prefill.shapes:
+        executor.prefill.warm(n, T)
     for name, pool in backend.pools.items():
         for old, new in zip(before[name], pool.keys + pool.values):
             assert torch.equal(old, new[: backend.max_sessions]), name

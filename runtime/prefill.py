@@ -1,0 +1,210 @@
+"""Batched prefill as one program: joining prompts' target prefill, their draft context, their pending
+taps and their first token, in one launch (row-indexed backends).
+
+A prefill program for ``n`` prompts padded to ``T`` tokens (owner i's first ``length[i]`` real):
+
+1. ``target_prefill_many``: tokens [n, T] at positions ``start[i]..`` of cache rows ``slot[i]`` ->
+   logits [n, V] of each prompt's last real row, taps [n, T, W];
+2. ``draft_context_many``: each drafting prompt's taps but its last B (``drain[i]`` rows; 0 for a
+   session that does not draft) into the draft cache at ``draft_start[i]..``;
+3. pending context: the context pool's row ``slot[i]`` becomes taps[i, drain[i] : drain[i] + keep[i]],
+   zero past ``keep[i]`` (what ``ContextPool.store`` does, as one gather);
+4. ``sample``: each prompt's token AT ``position[i]`` (its end), by its own sampling.
+
+Only the tokens come back to the host (one host sync). On CUDA with graphs the program is captured at
+start-up for every padded shape (``shapes``): owner counts padded to ``owner_buckets(max_sessions)``,
+token counts to ``widths`` (PREFILL_QUANTUM · 2^k, and max_chunk), ``n · T <= CAPTURE_TOKENS``; padded
+lanes point at the scratch row (one token, nothing drained or kept: writes nobody reads). A batch beyond
+those shapes, the CPU, and a loop without graphs run the same program eagerly at the batch's exact
+shape. Inputs are staged in buffers allocated once at their largest (pinned twins on CUDA, stable
+addresses): one upload per buffer, no allocation per launch. The drain always spans the launch's whole
+width (its lengths say which rows are real), so its kernels see only the captured widths: no Triton
+specialization is left to compile while serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dflash_trt.export import contract as c
+from dflash_trt.export.sampling import Sampling
+from dflash_trt.runtime.cycles import sampling_rows
+from dflash_trt.runtime.device import CaptureFallback
+from dflash_trt.runtime.device_loop import DeviceLoop, Mirror, capture_graph, owner_buckets
+from dflash_trt.runtime.sessions import ContextPool
+
+# Tokens per prefill launch (the executor's batches), their padding quantum, and the largest padded
+# launch captured as a CUDA graph: above it a launch's compute outweighs its ~100 kernel launches, and
+# padding it to a captured shape would cost more than it saves.
+PREFILL_TOKENS, PREFILL_QUANTUM, CAPTURE_TOKENS = 4096, 32, 2048
+
+START, LENGTH, SLOT, DRAFT_START, DRAIN, KEEP, TOP_K, POSITION = range(8)  # rows of the int inputs
+TEMPERATURE, TOP_P = range(2)  # rows of the float inputs
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a prefill launch: its tokens, where they go, what is drained and kept, how its
+    first token is chosen (the token AT ``position``)."""
+
+    tokens: Sequence[int]
+    start: int
+    slot: int
+    draft_start: int
+    drain: int
+    keep: int
+    sampling: Sampling
+    position: int
+
+
+def widths(max_chunk: int) -> list[int]:
+    """Captured token counts: PREFILL_QUANTUM · 2^k below ``max_chunk``, and ``max_chunk``.
+
+    >>> widths(100)
+    [32, 64, 100]
+    """
+    below = [PREFILL_QUANTUM * 2**k for k in range(32) if PREFILL_QUANTUM * 2**k < max_chunk]
+    return [*below, max_chunk]
+
+
+def shapes(max_sessions: int, max_chunk: int) -> list[tuple[int, int]]:
+    """Every captured (owners, tokens): owner buckets of ``max_sessions`` × ``widths``, n·T <= CAPTURE_TOKENS."""
+    return [(n, T) for n in owner_buckets(max_sessions) for T in widths(max_chunk) if n * T <= CAPTURE_TOKENS]
+
+
+class PrefillPrograms:
+    """The prefill program of one executor's loop (see the module docstring)."""
+
+    def __init__(self, loop: DeviceLoop, context: ContextPool, max_sessions: int, drafting: bool, pad: bool | None = None) -> None:
+        """``drafting``: the executor's sessions draft by default (its programs drain and keep taps;
+        a batch of the other kind runs eagerly). ``pad``: run batches at the padded shapes (default:
+        where they are captured, i.e. when the loop captures graphs)."""
+        self.loop, self.backend, self.context = loop, loop.backend, context
+        self.dims, self.device, self.drafting = loop.dims, loop.device, drafting
+        self.shapes = shapes(max_sessions, self.dims.max_chunk)
+        self.pad = loop.graphs if pad is None else pad
+        self.captured: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.fallback = CaptureFallback("prefill programs")
+        n, tokens = max_sessions, max(PREFILL_TOKENS, self.dims.max_chunk)
+        with loop.on_stream():
+            self.tokens = Mirror((tokens,), torch.int64, self.device)
+            self.ints = Mirror((8, n), torch.int64, self.device)
+            self.seeds = Mirror((n, c.SEED_PARTS), torch.int64, self.device)
+            self.floats = Mirror((2, n), torch.float32, self.device)
+            self.chosen = torch.zeros((n,), dtype=torch.int64, device=self.device)
+
+    def prepare(self) -> int:
+        """Capture the program at every padded shape now (start-up), each run on the scratch row only,
+        so nothing compiles or captures while serving. Host syncs (captures). Returns the shapes."""
+        if not self.loop.graphs:
+            return 0
+        with self.loop.on_stream(), self.backend.plain_runs():
+            for n, T in self.shapes:
+                if not self.loop.graphs:
+                    break
+                self.warm(n, T)  # the warm-up the capture needs (Triton compiles)
+                graph = self.fallback.capture(f"prefill of {n} x {T} tokens", lambda n=n, T=T: self._capture(n, T))
+                if graph is None:
+                    self.loop.graphs = False  # one switch for the loop's captures
+                else:
+                    self.captured[(n, T, self.drafting)] = graph
+        return len(self.captured)
+
+    def warm(self, n: int, T: int) -> None:
+        """Run the program at (n, T) with every lane padding: writes the scratch row only. Never syncs."""
+        with self.loop.on_stream(), torch.no_grad():
+            self._stage_padding(0, n, T)
+            for mirror in (self.tokens, self.ints, self.seeds, self.floats):
+                mirror.upload(self.loop.stream)
+            self._program(n, T, self.drafting)
+
+    def run(self, prompts: Sequence[Prompt], width: int) -> list[int]:
+        """Prefill ``prompts`` (each at most ``width`` tokens) in one launch -> each prompt's token.
+        Host sync: the tokens."""
+        n = len(prompts)
+        drafting = any(p.drain or p.keep for p in prompts) or self.drafting
+        owners, T = self._padded(n, width) if self.pad else (n, width)
+        graph = self.captured.get((owners, T, drafting))
+        with self.loop.on_stream():
+            self._stage(prompts, T)
+            self._stage_padding(n, owners, T)
+            for mirror in (self.tokens, self.ints, self.seeds, self.floats):
+                mirror.upload(self.loop.stream)
+            if graph is not None:
+                graph.replay()
+            else:
+                with torch.no_grad():
+                    self._program(owners, T, drafting)
+            return self.chosen[:n].tolist()  # host sync: the tokens
+
+    def _padded(self, n: int, width: int) -> tuple[int, int]:
+        """The captured shape holding ``n`` prompts of ``width`` tokens, or (n, width) when none does."""
+        owners = next((b for b, _ in self.shapes if b >= n), n)
+        T = next((w for w in widths(self.dims.max_chunk) if w >= width), width)
+        return (owners, T) if (owners, T) in self.shapes else (n, width)
+
+    def _stage(self, prompts: Sequence[Prompt], T: int) -> None:
+        """The prompts' inputs into the host buffers (tokens as [n, T], rows past a length: zero)."""
+        n = len(prompts)
+        tokens = self.tokens.host[: n * T].view(n, T)
+        tokens.zero_()
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p.tokens)] = torch.as_tensor(p.tokens, dtype=torch.int64)
+        columns = [(p.start, len(p.tokens), p.slot, p.draft_start, p.drain, p.keep, p.sampling.top_k, p.position) for p in prompts]
+        self.ints.host[:, :n] = torch.tensor(columns, dtype=torch.int64).T
+        sampling = sampling_rows([p.sampling for p in prompts], [p.position for p in prompts])
+        self.seeds.host[:n] = torch.from_numpy(sampling[c.SEED])
+        self.floats.host[TEMPERATURE, :n] = torch.from_numpy(sampling[c.TEMPERATURE])
+        self.floats.host[TOP_P, :n] = torch.from_numpy(sampling[c.TOP_P])
+
+    def _stage_padding(self, first: int, owners: int, T: int) -> None:
+        """Lanes ``first..owners-1``: one token at position 0 of the scratch row, nothing drained or kept, greedy."""
+        if first >= owners:
+            return
+        self.tokens.host[first * T : owners * T].zero_()
+        self.ints.host[:, first:owners] = 0
+        self.ints.host[LENGTH, first:owners] = 1
+        self.ints.host[SLOT, first:owners] = self.loop.scratch
+        self.seeds.host[first:owners] = 0
+        self.floats.host[TEMPERATURE, first:owners] = 0.0
+        self.floats.host[TOP_P, first:owners] = 1.0
+
+    def _capture(self, n: int, T: int) -> torch.cuda.CUDAGraph:
+        return capture_graph(self.device, self.backend.stream.torch, self.loop.memory, lambda: self._program(n, T, self.drafting))
+
+    def _program(self, n: int, T: int, drafting: bool) -> None:
+        """The launch for ``n`` owners × ``T`` tokens over the staged device buffers. Never syncs."""
+        ints = self.ints.device[:, :n]
+        slots = ints[SLOT]
+        tokens = self.tokens.device[: n * T].view(n, T)
+        logits, taps = self.backend.prefill_many(tokens, ints[START], ints[LENGTH], slots)
+        if drafting:
+            self.backend.draft_context_many(taps, ints[DRAFT_START], ints[DRAIN], slots)
+            self._keep(taps, ints[DRAIN], ints[KEEP], slots)
+        feeds = {
+            c.LOGITS: logits.contiguous(),
+            c.TEMPERATURE: self.floats.device[TEMPERATURE, :n],
+            c.TOP_K: ints[TOP_K],
+            c.TOP_P: self.floats.device[TOP_P, :n],
+            c.SEED: self.seeds.device[:n],
+            c.POSITION: ints[POSITION],
+        }
+        self.chosen[:n].copy_(self.backend.run(c.SAMPLE, feeds, 0)[c.TOKEN])
+
+    def _keep(self, taps: torch.Tensor, drain: torch.Tensor, keep: torch.Tensor, slots: torch.Tensor) -> None:
+        """Context pool row slots[i] = taps[i, drain[i] : drain[i] + keep[i]], zero past keep[i] (taps [n, T, W])."""
+        n, T, W = taps.shape
+        B = self.context.block
+        offsets = torch.arange(B, device=taps.device)
+        index = (drain[:, None] + offsets).clamp(max=T - 1)  # [n, B]
+        rows = taps.gather(1, index[:, :, None].expand(n, B, W))  # [n, B, W]
+        kept = torch.where((offsets < keep[:, None])[:, :, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+        self.context.taps.index_copy_(0, slots, kept.to(self.context.taps.dtype))
+
+    def close(self) -> None:
+        self.captured.clear()
+        for mirror in (self.tokens, self.ints, self.seeds, self.floats):
+            mirror.close()
