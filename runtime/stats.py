@@ -106,6 +106,7 @@ COUNTERS = (
     "hidden_bytes_d2d",
     "policy_cycles",  # launches of drafting lanes the policy ran as cycles (per owner)
     "policy_decodes",  # ... and as plain decode steps
+    "policy_verified",  # proposals those cycles verified (Σ of their verify lengths k, per owner)
 )
 
 EXECUTE_SCHEMA: dict[str, pl.DataType] = {
@@ -299,6 +300,7 @@ class StatsLog:
         ``choices``: per row the policy's ``Choice`` (None: fixed)."""
         modes = [mode for _, mode, *_ in rows]
         policy, ratio = self._choices(choices, len(rows), "policy_cycles")
+        self.counters["policy_verified"] += proposals * sum(choice is not None for choice in choices or ())
         shared = self._shared(owners or len(rows), DYNAMIC if DYNAMIC in modes else STATIC, draft_ms, verify_ms)
         del shared["mode"]  # per row
         self.staged.append_rows(

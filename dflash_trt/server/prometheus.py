@@ -14,6 +14,7 @@ them: ``histogram_quantile(0.99, rate(dflash_trt_time_to_first_token_seconds_buc
 | dflash_trt_cycles_total, dflash_trt_executes_total, dflash_trt_failed_executes_total | counter | model |
 | dflash_trt_acceptance_length | gauge (τ, bonus included) | model |
 | dflash_trt_policy_choices_total | counter (drafting lanes' launches, ``runtime.policy``) | model, choice (cycle, decode) |
+| dflash_trt_policy_verified_proposals_total | counter (proposals the policy's cycles verified: Σ verify length k; over ``choice="cycle"``, the mean k) | model |
 | dflash_trt_queue_wait_seconds, _time_to_first_token_seconds, _inter_token_latency_seconds, _e2e_request_latency_seconds | histogram | model, le |
 """
 
@@ -60,6 +61,7 @@ class ServingCollector(Collector):
         for choice, count in sorted(m.policy_choices.items()):
             choices.add_metric([self.model, choice], count)
         yield choices
+        yield self._counter("policy_verified_proposals", "Proposals the speculation policy's cycles verified (sum of verify lengths)", m.policy_verified)
         yield self._gauge("acceptance_length", "Mean tokens per cycle (tau), bonus included; NaN before the first cycle", m.tau if m.tau is not None else float("nan"))
         for name, doc, key in HISTOGRAMS:
             yield self._histogram(name, doc, m.histograms[key])

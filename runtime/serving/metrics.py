@@ -122,6 +122,7 @@ class ServingMetrics:
     executes: int
     failed_executes: int
     policy_choices: dict[str, int]  # "cycle" / "decode" -> drafting lanes' launches of that kind, since start
+    policy_verified: int  # proposals the policy's cycles verified (Σ verify length k per owner): / policy_choices["cycle"] = mean k
     uptime_s: float
     queue_wait_s: Percentiles  # over the recent window
     ttft_s: Percentiles
@@ -150,6 +151,7 @@ class MetricsRecorder:
         self.counts = dict.fromkeys(("submitted", *OUTCOMES, "prompt_tokens", "output_tokens"), 0)
         self.executor_totals = dict.fromkeys(("cycles", "accepted", "executes", "failed_executes"), 0)
         self.policy_choices = {"cycle": 0, "decode": 0}
+        self.policy_verified = 0
         self.latencies = {name: _Latency() for name in LATENCIES}
         self.deliveries: deque[list] = deque()  # [bucket start, tokens] within RATE_WINDOW_S
 
@@ -180,7 +182,9 @@ class MetricsRecorder:
             self.counts[outcome] += 1
             self.latencies["e2e_s"].observe(time.perf_counter(), latency_s)
 
-    def executed(self, cycles: int, accepted: int, executes: int, failed: int, choices: dict[str, int] | None = None) -> None:
+    def executed(
+        self, cycles: int, accepted: int, executes: int, failed: int, choices: dict[str, int] | None = None, verified: int = 0
+    ) -> None:
         with self.lock:
             totals = self.executor_totals
             totals["cycles"] += cycles
@@ -189,6 +193,7 @@ class MetricsRecorder:
             totals["failed_executes"] += failed
             for kind, count in (choices or {}).items():
                 self.policy_choices[kind] += count
+            self.policy_verified += verified
 
     def snapshot(self, running: int, queued: int) -> ServingMetrics:
         now = time.perf_counter()
@@ -196,7 +201,7 @@ class MetricsRecorder:
             _expire(self.deliveries, now - RATE_WINDOW_S)
             window = min(RATE_WINDOW_S, now - self.started)
             rate = sum(n for _, n in self.deliveries) / window if window > 0 else 0.0
-            totals, counts, choices = dict(self.executor_totals), dict(self.counts), dict(self.policy_choices)
+            totals, counts, choices, verified = dict(self.executor_totals), dict(self.counts), dict(self.policy_choices), self.policy_verified
             recent = {name: latency.recent(now) for name, latency in self.latencies.items()}
             histograms = {name: latency.histogram() for name, latency in self.latencies.items()}
         cycles = totals["cycles"]
@@ -210,6 +215,7 @@ class MetricsRecorder:
             executes=totals["executes"],
             failed_executes=totals["failed_executes"],
             policy_choices=choices,
+            policy_verified=verified,
             uptime_s=now - self.started,
             **{name: percentiles(samples) for name, samples in recent.items()},
             histograms=histograms,

@@ -464,6 +464,7 @@ def test_choices_are_stats_columns_and_counters(tiny, oracle):
     assert set(chosen["policy"]) <= {EXPLORE, DRAIN}
     assert int(executes["policy_cycles"].sum()) == chosen.filter(pl.col("mode") != "target").height > 0
     assert int(executes["policy_decodes"].sum()) == chosen.filter(pl.col("mode") == "target").height > 0
+    assert int(executes["policy_verified"].sum()) == int(chosen["proposed"].sum()) > 0  # Σ verify lengths of its cycles
     assert cycles.filter(pl.col("session") == sessions[3])["policy"].unique().to_list() == [FIXED]
     assert cycles.filter(pl.col("policy") == FIXED)["policy_ratio"].is_nan().all()
     executor.close()
@@ -498,14 +499,15 @@ def test_every_launch_is_charged_to_the_round_that_chose_it(tiny, oracle):
 def test_policy_choices_reach_the_serving_metrics_and_prometheus(tiny, oracle):
     """Guards against choices the operator cannot see: the serving loop's metrics and the server's
     /metrics family dflash_trt_policy_choices_total{choice} must count the drafting lanes' launches
-    by kind, as the executor's stats count them."""
+    by kind, and dflash_trt_policy_verified_proposals_total the proposals their cycles verified (Σ k
+    of a policy forced through lengths 3 and 7), as the executor's stats count them."""
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
     from dflash_trt.runtime.serving.loop import ServingLoop
     from dflash_trt.server.prometheus import ServingCollector
 
-    executor = Executor(RecordingBackend(tiny.ort), tiny.dims, 4, policy=make_policy("alternate", tiny.dims.verify_proposals))
+    executor = Executor(RecordingBackend(tiny.ort), tiny.dims, 4, policy=make_policy("lengths", tiny.dims.verify_proposals))
     serving = ServingLoop(executor)
     for prompt in ([5, 6, 7], [9, 10, 11, 12, 13]):
         tokens = serving.submit(prompt, 20).result(60).tokens
@@ -514,8 +516,12 @@ def test_policy_choices_reach_the_serving_metrics_and_prometheus(tiny, oracle):
     executes = executor.execute_stats()
     expected = {"cycle": int(executes["policy_cycles"].sum()), "decode": int(executes["policy_decodes"].sum())}
     assert serving.metrics().policy_choices == expected and min(expected.values()) > 0
+    chosen = executor.cycle_stats().filter((pl.col("policy") != FIXED) & (pl.col("mode") != "target"))
+    verified = int(chosen["proposed"].sum())
+    assert serving.metrics().policy_verified == verified == int(executes["policy_verified"].sum()) and set(chosen["proposed"]) == {3, 7}
     registry = CollectorRegistry()
     registry.register(ServingCollector(serving, "tiny"))
-    samples = {s.labels["choice"]: s.value for f in text_string_to_metric_families(generate_latest(registry).decode())
-               for s in f.samples if s.name == "dflash_trt_policy_choices_total"}
+    families = list(text_string_to_metric_families(generate_latest(registry).decode()))
+    samples = {s.labels["choice"]: s.value for f in families for s in f.samples if s.name == "dflash_trt_policy_choices_total"}
     assert samples == expected
+    assert [s.value for f in families for s in f.samples if s.name == "dflash_trt_policy_verified_proposals_total"] == [verified]
