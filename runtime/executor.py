@@ -260,7 +260,8 @@ class Executor:
 
     def _require_sampled_graphs(self, temperature: float) -> None:
         """A greedy-only engine set (no verify_sample_n) cannot serve sampled sessions: refuse up front."""
-        wanted = [c.graph_name(c.VERIFY_SAMPLE, n) for n in range(1, self.dims.max_owners + 1)]
+        n_range = range(1, self.dims.max_owners + 1)
+        wanted = [c.verify_graph(self.dims, c.VERIFY_SAMPLE, n, k) for k in self.dims.verify_proposals for n in n_range]  # every length
         missing = [g for g in wanted if g not in self.backend.graph_names]
         if missing:
             msg = (
