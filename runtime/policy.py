@@ -23,7 +23,8 @@ without other launches. The acceptance by draft position is measured from
 every cycle's verdicts (``accept``: a cycle verifying k says whether
 d_1..d_i were accepted for i <= k only, nothing past k), as EWMAs per
 position; a length whose positions were never verified is rated by its
-measured tokens per launch instead. Decode rounds are rated by what they
+measured tokens per launch instead, and a length's cost is never taken below
+a shorter one's (a superset of the verify rows). Decode rounds are rated by what they
 yielded per launch, which charges them with what they cause: forced drains
 (lanes whose pending context is full cycle: ``DRAIN``, at the best-rated
 length), split launches, and launches whose tokens are discarded (a lane
@@ -195,7 +196,8 @@ class AdaptivePolicy:
     def rate(self, kind: str, owners: int, proposals: int = 0) -> float | None:
         """Tokens per second of rounds of ``kind`` (cycles verifying ``proposals``) at ``owners``; None
         until ``Ewma.known``. A cycle round's tokens per launch are its lanes times the expected tokens
-        of that length (``expected``) once the acceptance at its positions is known, else as measured."""
+        of that length (``expected``) once the acceptance at its positions is known, else as measured;
+        its cost is ``_cycle_cost``."""
         key = (kind, owners, proposals if kind == CYCLE else 0)
         cost, tokens = self.costs.get(key), self.yields.get(key)
         if cost is None or not cost.known or cost.value <= 0:
@@ -203,7 +205,13 @@ class AdaptivePolicy:
         expected = self.expected(proposals) if kind == CYCLE else None
         if expected is None:
             return tokens.value / cost.value
-        return self.lanes[key].value * expected / cost.value
+        return self.lanes[key].value * expected / self._cycle_cost(owners, proposals)
+
+    def _cycle_cost(self, owners: int, proposals: int) -> float:
+        """A k-cycle's cost per launch, never below a shorter length's: the same draft and a superset of
+        the verify rows cost no less, so a noisy low sample cannot make a longer verify look cheaper."""
+        known = [self.costs[(CYCLE, owners, k)] for k in self.lengths if k <= proposals and (CYCLE, owners, k) in self.costs]
+        return max([cost.value for cost in known if cost.known] + [self.costs[(CYCLE, owners, proposals)].value])
 
     def ratio(self, owners: int) -> float | None:
         """The best cycle length's tokens per second over decode rounds' at ``owners``; None while any
@@ -235,7 +243,7 @@ class AdaptivePolicy:
 
     def _keep_or_switch(self, owners: int, values: dict[Option, float]) -> Option:
         """Hysteresis: the best option, unless the previous one is within ``margin`` (in ratio units) of it."""
-        order = [(DECODE, 0)] + [o for o in self.options() if o[0] == CYCLE]  # ties: decode, then longer cycles
+        order = [(DECODE, 0)] + sorted(o for o in self.options() if o[0] == CYCLE)  # ties: decode, then shorter cycles
         best = max(order, key=lambda o: values[o])
         previous = self.last.get(owners)
         chosen = previous if previous in values and values[best] <= values[previous] + self.margin else best

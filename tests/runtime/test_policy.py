@@ -118,6 +118,30 @@ def test_the_verify_length_maximizes_tokens_per_second_against_brute_force():
         assert choice.ratio == pytest.approx(best_cycle / rates[(DECODE, 0)])
 
 
+def test_a_longer_verify_is_never_rated_cheaper_than_a_shorter_one():
+    """Guards against a noisy low cost sample making a longer verify look cheaper than a shorter one
+    (the same draft and a superset of the verify rows cannot cost less): with no acceptance past 7
+    proposals (7 and 15 yield the same), a 15-cycle measured at 8 ms against a 7-cycle at 10 ms is rated
+    at 10 ms, and the 7-cycle is chosen (a tie goes to the shorter); measured dearer, the 15-cycle keeps
+    its own cost."""
+    policy = AdaptivePolicy(margin=0.0, probe_every=10**9, lengths=LENGTHS)
+    for _ in range(5):
+        policy.accept(15, [2, 7, 0, 4])
+    for k, seconds in ((3, 0.009), (7, 0.010), (15, 0.008)):
+        for s in (1.0, seconds, seconds):
+            policy.observe(CYCLE, 4, s, 0, 4, k)
+    for s in (1.0, 0.020, 0.020):
+        policy.observe(DECODE, 4, s, 4)
+    E = {k: policy.expected(k) for k in LENGTHS}
+    assert E[7] == E[15] > E[3]
+    assert policy.rate(CYCLE, 4, 15) == pytest.approx(4 * E[15] / 0.010) and policy.rate(CYCLE, 4, 7) == pytest.approx(4 * E[7] / 0.010)
+    assert policy.rate(CYCLE, 4, 3) == pytest.approx(4 * E[3] / 0.009)
+    assert (policy.choose(4).kind, policy.choose(4).proposals) == (CYCLE, 7)
+    for s in (0.012, 0.012, 0.012, 0.012, 0.012, 0.012, 0.012, 0.012, 0.012, 0.012):
+        policy.observe(CYCLE, 4, s, 0, 4, 15)
+    assert policy.rate(CYCLE, 4, 15) == pytest.approx(4 * E[15] / policy.costs[(CYCLE, 4, 15)].value)
+
+
 def test_expected_tokens_of_a_length_truncate_the_acceptance_seen_at_p():
     """Guards against the expected tokens of a shorter verify not being what truncating each cycle at k
     gives: from cycles verifying all P, E[tokens of a k-cycle] = 1 + mean(min(a, k)); unknown (None)
