@@ -5,13 +5,17 @@ A shared machine's load swings by 2x within seconds, so three separate runs
 load as much as the modes. Here the three modes serve the same prompts in
 short rounds, in rotating order, on one backend (the ``run`` flags: the
 embedded pair on ONNX Runtime by default): plain decoding (``--no-draft``),
-DFlash under ``always`` and under ``adaptive``. The adaptive policy is one
-object kept across rounds (what it learned carries over, as in a server);
-each round opens fresh executors. Per round: each mode's tokens/s; then
-per mode the median over rounds, and the median of the per-round ratios
-(adaptive / plain, always / plain, adaptive / always), which a load swing
-longer than a round cancels out of. Outputs must be identical across
-modes (greedy, fp32). The last line is one JSON object.
+DFlash under ``always`` (cycles verifying P), under ``adaptive-p`` (the
+adaptive policy choosing between decode and cycles of P only: the policy
+before verify lengths) and under ``adaptive`` (decode or a cycle of any of
+the export's verify lengths, ``Dims.verify_proposals``). Each adaptive policy
+is one object kept across rounds (what it learned carries over, as in a
+server); each round opens fresh executors. Per round: each mode's tokens/s;
+then per mode the median over rounds, and the median of the per-round
+ratios (adaptive / plain, adaptive-p / plain, always / plain, adaptive /
+adaptive-p, adaptive / always), which a load swing longer than a round
+cancels out of. Outputs must be identical across modes (greedy, fp32). The
+last line is one JSON object.
 
     python benchmarks/policy_bench.py [--rounds 9] [--limit 8] [--max-new-tokens 64] [--backend torch ...] [--record]
 """
@@ -32,12 +36,13 @@ from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.policy import AdaptivePolicy
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = ("plain", "always", "adaptive")
+MODES = ("plain", "always", "adaptive-p", "adaptive")
+RATIOS = (("adaptive", "plain"), ("adaptive-p", "plain"), ("always", "plain"), ("adaptive", "adaptive-p"), ("adaptive", "always"))
 
 
-def serve_round(backend, args, prompts, stop, mode: str, adaptive: AdaptivePolicy) -> tuple[float, list[list[int]]]:
+def serve_round(backend, args, prompts, stop, mode: str, adaptive: dict[str, AdaptivePolicy]) -> tuple[float, list[list[int]]]:
     """One pass over the prompts in ``mode``: (tokens/s over the pass's wall time, the outputs)."""
-    policy = adaptive if mode == "adaptive" else "always"
+    policy = adaptive.get(mode, "always")
     with Executor(backend, max_sessions=args.max_sessions, stats_rows=None, speculate=mode != "plain", max_cycles=args.max_cycles,
                   policy=policy) as executor:
         started = time.perf_counter()
@@ -63,25 +68,27 @@ def main() -> int:
     identical = True
     with command.open_backend(args) as backend:
         prompts = command.fit_prompts(prompts, args.max_new_tokens, backend.dims.max_context)
-        adaptive = AdaptivePolicy()
+        lengths = backend.dims.verify_proposals
+        adaptive = {"adaptive": AdaptivePolicy(lengths=lengths), "adaptive-p": AdaptivePolicy()}  # (): cycles of P only
         for mode in MODES:  # warm-up: first runs of every graph, untimed
             serve_round(backend, args, prompts, stop, mode, adaptive)
         print("| round | " + " | ".join(f"{m} tok/s" for m in MODES) + " |\n|" + " --- |" * (len(MODES) + 1), flush=True)
         for r in range(args.rounds):
-            order = MODES[r % 3 :] + MODES[: r % 3]
+            order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]
             outputs = {}
             for mode in order:
                 rate, outputs[mode] = serve_round(backend, args, prompts, stop, mode, adaptive)
                 rates[mode].append(rate)
-            identical &= outputs["plain"] == outputs["always"] == outputs["adaptive"]
+            identical &= all(outputs[mode] == outputs["plain"] for mode in MODES)
             print(f"| {r} | " + " | ".join(f"{rates[m][-1]:.1f}" for m in MODES) + " |", flush=True)
     ratios = {f"{a}/{b}": round(statistics.median(x / y for x, y in zip(rates[a], rates[b])), 3)
-              for a, b in (("adaptive", "plain"), ("always", "plain"), ("adaptive", "always"))}
+              for a, b in RATIOS}
     medians = {mode: round(statistics.median(values), 2) for mode, values in rates.items()}
     print(f"median tokens/s {medians}; median per-round ratios {ratios}; identical outputs {identical}")
     summary = {"name": "policy_bench", "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
                "command": " ".join(["python", "benchmarks/policy_bench.py", *sys.argv[1:]]), "backend": args.backend,
-               "rounds": args.rounds, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "median_tokens_per_s": medians,
+               "rounds": args.rounds, "prompts": len(prompts), "verify_proposals": list(lengths),
+               "max_new_tokens": args.max_new_tokens, "median_tokens_per_s": medians,
                "median_ratios": ratios, "identical_outputs": identical, "tokens_per_s": {m: [round(v, 2) for v in rates[m]] for m in MODES}}
     if args.record:
         with (ROOT / "benchmarks" / "results.jsonl").open("a") as file:
