@@ -163,6 +163,7 @@ async def client_loop(client, model: str, prompts: list[str], index: int, client
         if events and started >= window_start:
             record["ttft"].append(events[0] - started)
         record["itl"].extend(np.diff(inside).tolist())
+        record["events"] += len(inside)
         if finished and usage is not None and events and started >= window_start and events[-1] <= stop_at:
             record["requests"] += 1
             if usage.completion_tokens > 1 and len(events) > 1:
@@ -172,7 +173,7 @@ async def client_loop(client, model: str, prompts: list[str], index: int, client
 async def clients_part(base: str, model: str, prompts: list[str], indices: list[int], clients: int, args, window: tuple[float, float]) -> dict:
     import openai
 
-    record = {"requests": 0, "ttft": [], "itl": [], "tpot": []}
+    record = {"requests": 0, "events": 0, "ttft": [], "itl": [], "tpot": []}
     client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
     try:
         await asyncio.gather(*(client_loop(client, model, prompts, i, clients, args, window, record) for i in indices))
@@ -255,11 +256,12 @@ def load(base: str, args, prompts: list[str], clients: int, server: int) -> dict
 
 
 def figures(records: list[dict], before: dict, after: dict, seconds: float) -> dict:
-    merged = {key: sum((r[key] for r in records), [] if key != "requests" else 0) for key in ("requests", "ttft", "itl", "tpot")}
+    merged = {key: sum((r[key] for r in records), [] if key not in ("requests", "events") else 0) for key in ("requests", "events", "ttft", "itl", "tpot")}
     cycles = after["dflash_trt_cycles_total"] - before["dflash_trt_cycles_total"]
     tokens = after["dflash_trt_output_tokens_total"] - before["dflash_trt_output_tokens_total"]  # partial requests too
     return {
         "requests": merged["requests"],
+        "events": merged["events"],  # stream events with text the clients received inside the window
         "output_tokens": int(tokens),
         "seconds": round(seconds, 3),
         "requests_per_s": round(merged["requests"] / seconds, 3),
