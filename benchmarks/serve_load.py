@@ -28,9 +28,10 @@ in their buckets: what the serving process measured, to set beside the
 clients'), τ and the speculation policy's choices (drafting lanes' launches
 run as cycles / decode steps in the window) from the server's /metrics, and
 whose CPU is the limit: the busiest process's CPU time over the window in %
-of one core, for the server's own process (the HTTP front; with
-``--fronts single`` everything), the serving process and the client
-processes (Linux /proc; 100 = a process that never waited).
+of one core, for the HTTP fronts (the server's own process and, with
+``serve --fronts N``, the others; with ``--fronts single`` everything), the
+serving process and the client processes (Linux /proc; 100 = a process that
+never waited).
 
     python benchmarks/serve_load.py [--clients 8 [1 ...]] [--seconds 30] [--max-tokens 64] [--modes on off]
         [--artifacts DIR] [--backend onnxruntime|torch|tensorrt] [--device cuda] [--serve-args "--max-cycles 4"]
@@ -50,6 +51,7 @@ import json
 import multiprocessing
 import os
 import platform
+import re
 import shlex
 import signal
 import socket
@@ -211,15 +213,25 @@ def children(pid: int) -> list[int]:
 
 
 def cpu_shares(pids: dict[str, list[int]], before: dict[int, float | None], seconds: float) -> dict[str, float | None]:
-    """Per role, the busiest process's CPU over the window in % of one core (100: a process that never waited)."""
+    """Per role, the busiest process's CPU over the window in % of one core (100: a process that never
+    waited), and all the role's processes together (``_total``)."""
     shares = {}
     for role, members in pids.items():
         used = [(cpu_seconds(p) or 0.0) - before[p] for p in members if before.get(p) is not None]
         shares[f"{role}_cpu_pct"] = round(100.0 * max(used) / seconds, 1) if used else None
+        shares[f"{role}_cpu_total_pct"] = round(100.0 * sum(used) / seconds, 1) if used else None
     return shares
 
 
-def load(base: str, args, prompts: list[str], clients: int, server: int) -> dict:
+def server_roles(server: int, log: Path) -> dict[str, list[int]]:
+    """The server's processes by role: the serving process (named in its log) and the HTTP fronts (the
+    server's own process and its other children: ``--fronts``)."""
+    found = re.search(r"serving process (\d+) loaded", log.read_text())
+    serving = [int(found.group(1))] if found else []
+    return {"front": [server] + [p for p in children(server) if p not in serving], "serving": serving}
+
+
+def load(base: str, args, prompts: list[str], clients: int, roles: dict[str, list[int]]) -> dict:
     """``clients`` streaming clients: warm-up, then the measured window; the window's figures."""
     import openai
 
@@ -242,7 +254,7 @@ def load(base: str, args, prompts: list[str], clients: int, server: int) -> dict
     for pipe in pipes:
         pipe.send(window)
     # Whose CPU is the limit: the server's process (the HTTP front), its children (the serving process), the clients.
-    pids = {"front": [server], "serving": children(server), "client": [w.pid for w in workers]}
+    pids = roles | {"client": [w.pid for w in workers]}
     time.sleep(max(0.0, window_start - time.time()))
     before = server_metrics(base)
     cpu_before = {p: cpu_seconds(p) for members in pids.values() for p in members}
@@ -322,7 +334,7 @@ def main() -> int:
         process, base, log = start_server(args, [*FRONTS[front], *MODES[mode]])
         try:
             for clients in args.clients:
-                figures = load(base, args, prompts, clients, process.pid)
+                figures = load(base, args, prompts, clients, server_roles(process.pid, log))
                 results[f"{front}_{mode}_{clients}"] = {"front": front, "mode": mode, "clients": clients, **figures}
                 print(f"| {front} | {mode} | {clients} | {figures['requests_per_s']} | {figures['output_tokens_per_s']} | {figures['ttft_p50_ms']} / {figures['ttft_p99_ms']} "
                       f"| {figures['itl_p50_ms']} / {figures['itl_p99_ms']} | {figures['tpot_p50_ms']} / {figures['tpot_p99_ms']} "
