@@ -57,13 +57,15 @@ class Outbox:
 
     def put(self, item: wire.Item) -> None:
         with self._cond:
-            self._items.append(item)
-            self._cond.notify()
+            if not self._closed:  # closed: its front is gone (nothing would send it)
+                self._items.append(item)
+                self._cond.notify()
 
     def fail(self, key: int, error: wire.WireError) -> None:
         with self._cond:
-            self._failures.append((key, error))
-            self._cond.notify()
+            if not self._closed:
+                self._failures.append((key, error))
+                self._cond.notify()
 
     def take(self) -> wire.Deliveries | None:
         """Everything put so far as one message (waits for something); None once closed and empty."""
