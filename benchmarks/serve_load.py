@@ -322,7 +322,8 @@ def main() -> int:
     parser.add_argument("--prompt-chars", type=int, default=600, help="keep the last N characters of each prompt")
     parser.add_argument("--server-logs", type=Path, default=Path(tempfile.gettempdir()), help="where each server's output goes (serve_load_PORT.log)")
     parser.add_argument("--fronts", nargs="+", choices=tuple(FRONTS), default=["process"],
-                        help="process: the HTTP front in its own process (serve's default); single: --no-front-process")
+                        help="process: the HTTP front in its own process (serve's default); single: --no-front-process "
+                             "(serve's --fronts N, several front processes, goes in --serve-args)")
     parser.add_argument("--record", action="store_true", help="append rows to benchmarks/results.jsonl")
     args = parser.parse_args()
     rows = [json.loads(line) for line in (ROOT / "export" / "default_pair" / "prompts.jsonl").read_text().splitlines() if line.strip()]
