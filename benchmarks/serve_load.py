@@ -28,9 +28,10 @@ in their buckets: what the serving process measured, to set beside the
 clients'), τ and the speculation policy's choices (drafting lanes' launches
 run as cycles / decode steps in the window) from the server's /metrics, and
 whose CPU is the limit: the busiest process's CPU time over the window in %
-of one core, for the server's own process (the HTTP front; with
-``--fronts single`` everything), the serving process and the client
-processes (Linux /proc; 100 = a process that never waited).
+of one core, for the HTTP fronts (the server's own process and, with
+``serve --fronts N``, the others; with ``--fronts single`` everything), the
+serving process and the client processes (Linux /proc; 100 = a process that
+never waited).
 
     python benchmarks/serve_load.py [--clients 8 [1 ...]] [--seconds 30] [--max-tokens 64] [--modes on off]
         [--artifacts DIR] [--backend onnxruntime|torch|tensorrt] [--device cuda] [--serve-args "--max-cycles 4"]
@@ -50,6 +51,7 @@ import json
 import multiprocessing
 import os
 import platform
+import re
 import shlex
 import signal
 import socket
@@ -163,6 +165,7 @@ async def client_loop(client, model: str, prompts: list[str], index: int, client
         if events and started >= window_start:
             record["ttft"].append(events[0] - started)
         record["itl"].extend(np.diff(inside).tolist())
+        record["events"] += len(inside)
         if finished and usage is not None and events and started >= window_start and events[-1] <= stop_at:
             record["requests"] += 1
             if usage.completion_tokens > 1 and len(events) > 1:
@@ -172,7 +175,7 @@ async def client_loop(client, model: str, prompts: list[str], index: int, client
 async def clients_part(base: str, model: str, prompts: list[str], indices: list[int], clients: int, args, window: tuple[float, float]) -> dict:
     import openai
 
-    record = {"requests": 0, "ttft": [], "itl": [], "tpot": []}
+    record = {"requests": 0, "events": 0, "ttft": [], "itl": [], "tpot": []}
     client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
     try:
         await asyncio.gather(*(client_loop(client, model, prompts, i, clients, args, window, record) for i in indices))
@@ -210,15 +213,25 @@ def children(pid: int) -> list[int]:
 
 
 def cpu_shares(pids: dict[str, list[int]], before: dict[int, float | None], seconds: float) -> dict[str, float | None]:
-    """Per role, the busiest process's CPU over the window in % of one core (100: a process that never waited)."""
+    """Per role, the busiest process's CPU over the window in % of one core (100: a process that never
+    waited), and all the role's processes together (``_total``)."""
     shares = {}
     for role, members in pids.items():
         used = [(cpu_seconds(p) or 0.0) - before[p] for p in members if before.get(p) is not None]
         shares[f"{role}_cpu_pct"] = round(100.0 * max(used) / seconds, 1) if used else None
+        shares[f"{role}_cpu_total_pct"] = round(100.0 * sum(used) / seconds, 1) if used else None
     return shares
 
 
-def load(base: str, args, prompts: list[str], clients: int, server: int) -> dict:
+def server_roles(server: int, log: Path) -> dict[str, list[int]]:
+    """The server's processes by role: the serving process (named in its log) and the HTTP fronts (the
+    server's own process and its other children: ``--fronts``)."""
+    found = re.search(r"serving process (\d+) loaded", log.read_text())
+    serving = [int(found.group(1))] if found else []
+    return {"front": [server] + [p for p in children(server) if p not in serving], "serving": serving}
+
+
+def load(base: str, args, prompts: list[str], clients: int, roles: dict[str, list[int]]) -> dict:
     """``clients`` streaming clients: warm-up, then the measured window; the window's figures."""
     import openai
 
@@ -241,7 +254,7 @@ def load(base: str, args, prompts: list[str], clients: int, server: int) -> dict
     for pipe in pipes:
         pipe.send(window)
     # Whose CPU is the limit: the server's process (the HTTP front), its children (the serving process), the clients.
-    pids = {"front": [server], "serving": children(server), "client": [w.pid for w in workers]}
+    pids = roles | {"client": [w.pid for w in workers]}
     time.sleep(max(0.0, window_start - time.time()))
     before = server_metrics(base)
     cpu_before = {p: cpu_seconds(p) for members in pids.values() for p in members}
@@ -255,11 +268,12 @@ def load(base: str, args, prompts: list[str], clients: int, server: int) -> dict
 
 
 def figures(records: list[dict], before: dict, after: dict, seconds: float) -> dict:
-    merged = {key: sum((r[key] for r in records), [] if key != "requests" else 0) for key in ("requests", "ttft", "itl", "tpot")}
+    merged = {key: sum((r[key] for r in records), [] if key not in ("requests", "events") else 0) for key in ("requests", "events", "ttft", "itl", "tpot")}
     cycles = after["dflash_trt_cycles_total"] - before["dflash_trt_cycles_total"]
     tokens = after["dflash_trt_output_tokens_total"] - before["dflash_trt_output_tokens_total"]  # partial requests too
     return {
         "requests": merged["requests"],
+        "events": merged["events"],  # stream events with text the clients received inside the window
         "output_tokens": int(tokens),
         "seconds": round(seconds, 3),
         "requests_per_s": round(merged["requests"] / seconds, 3),
@@ -308,7 +322,8 @@ def main() -> int:
     parser.add_argument("--prompt-chars", type=int, default=600, help="keep the last N characters of each prompt")
     parser.add_argument("--server-logs", type=Path, default=Path(tempfile.gettempdir()), help="where each server's output goes (serve_load_PORT.log)")
     parser.add_argument("--fronts", nargs="+", choices=tuple(FRONTS), default=["process"],
-                        help="process: the HTTP front in its own process (serve's default); single: --no-front-process")
+                        help="process: the HTTP front in its own process (serve's default); single: --no-front-process "
+                             "(serve's --fronts N, several front processes, goes in --serve-args)")
     parser.add_argument("--record", action="store_true", help="append rows to benchmarks/results.jsonl")
     args = parser.parse_args()
     rows = [json.loads(line) for line in (ROOT / "export" / "default_pair" / "prompts.jsonl").read_text().splitlines() if line.strip()]
@@ -320,7 +335,7 @@ def main() -> int:
         process, base, log = start_server(args, [*FRONTS[front], *MODES[mode]])
         try:
             for clients in args.clients:
-                figures = load(base, args, prompts, clients, process.pid)
+                figures = load(base, args, prompts, clients, server_roles(process.pid, log))
                 results[f"{front}_{mode}_{clients}"] = {"front": front, "mode": mode, "clients": clients, **figures}
                 print(f"| {front} | {mode} | {clients} | {figures['requests_per_s']} | {figures['output_tokens_per_s']} | {figures['ttft_p50_ms']} / {figures['ttft_p99_ms']} "
                       f"| {figures['itl_p50_ms']} / {figures['itl_p99_ms']} | {figures['tpot_p50_ms']} / {figures['tpot_p99_ms']} "

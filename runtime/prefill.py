@@ -88,7 +88,8 @@ class PrefillPrograms:
         self.pad = loop.graphs if pad is None else pad
         self.captured: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self.fallback = CaptureFallback("prefill programs")
-        n, tokens = max_sessions, max(PREFILL_TOKENS, self.dims.max_chunk)
+        # Capacity: a batch holds <= PREFILL_TOKENS padded tokens, or one prompt of <= max_chunk padded to the quantum.
+        n, tokens = max_sessions, max(PREFILL_TOKENS, -(-self.dims.max_chunk // PREFILL_QUANTUM) * PREFILL_QUANTUM)
         with loop.on_stream():
             self.tokens = Mirror((tokens,), torch.int64, self.device)
             self.ints = Mirror((8, n), torch.int64, self.device)

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trt.cli import nonnegative_int, positive_int
-from dflash_trt.errors import ServingError
+from dflash_trt.errors import ServingError, UsageError
 from dflash_trt.runtime import command
 
 DEFAULT_PAIR_SESSIONS = 16  # cache rows when serving the default pair (its export says 4, for the demo)
@@ -105,6 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--front-process", action=argparse.BooleanOptionalAction, default=True,
                         help="the HTTP front in its own process, the serving loop in another (default); --no-front-process: "
                              "one process (the HTTP event loop shares the GIL with the serving loop's thread)")
+    parser.add_argument("--fronts", type=positive_int, default=1,
+                        help="HTTP front processes sharing the port, each with its own pipe to the serving process (default 1); "
+                             "more when one front's CPU is the limit (many streams); needs --front-process")
     parser.add_argument("--replicas", type=positive_int, default=1,
                         help="serving loops behind the one API; N >= 2: a local Ray cluster with N Ray Serve replicas, one GPU each on "
                              "CUDA (the ray extra; server.replicas); default 1: this process alone")
@@ -162,9 +165,34 @@ def chat_template(value: str) -> str:
     raise ServingError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
 
 
+def check_front_flags(args: argparse.Namespace) -> None:
+    """``--fronts N`` needs the serving process of its own that the fronts share (``UsageError``)."""
+    fronts = getattr(args, "fronts", 1)
+    if fronts > 1 and not getattr(args, "front_process", True):
+        raise UsageError(f"--fronts {fronts} needs --front-process (the fronts share one serving process); drop --no-front-process")
+    if fronts > 1 and args.replicas > 1:
+        raise UsageError(f"--fronts {fronts} applies to one serving process; with --replicas {args.replicas} Ray Serve is the front")
+
+
+def serve_http(serving, names: list[str], args: argparse.Namespace, logging_config: dict, listener: socket.socket,
+               log_interval_s: float, prepare: Callable | None = None) -> None:
+    """The API over ``serving`` on ``listener`` until a signal drained it (every HTTP front runs this);
+    ``prepare(server)`` before it runs."""
+    create_app, Limits, ServeConfig, GracefulServer, default_body_bytes = _imports()
+    body_bytes = args.max_body_bytes or default_body_bytes(serving.executor.dims.max_context)
+    limits = Limits(body_bytes, args.read_timeout, args.keep_alive_timeout, args.max_connections, args.max_header_bytes)
+    app = create_app(serving, names, limits, log_interval_s)
+    config = ServeConfig(app, limits, log_config=logging_config, log_level=args.log_level)
+    server = GracefulServer(config, serving, app.state.shutdown, args.shutdown_timeout)
+    if prepare is not None:
+        prepare(server)
+    server.run(sockets=[listener])
+
+
 def run(args: argparse.Namespace) -> int:
     command.check_flags(args)  # flags that cannot work together, an export the device cannot run: refused first
-    create_app, Limits, ServeConfig, GracefulServer, default_body_bytes = _imports()
+    check_front_flags(args)
+    _imports()
     logging_config = _logging_config(args.log_level)
     logging.config.dictConfig(logging_config)
     if args.replicas > 1:
@@ -175,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     cap_malloc_arenas()
     try:
         with _interrupts_as_keyboard():
-            served = _start_serving_process(args, logging_config) if getattr(args, "front_process", False) else _load_here(args)
+            served = _start_serving_process(args, logging_config, listener) if getattr(args, "front_process", False) else _load_here(args)
     except KeyboardInterrupt:
         listener.close()
         log.info("interrupted while loading; nothing served")
@@ -185,19 +213,18 @@ def run(args: argparse.Namespace) -> int:
         raise
     serving = served.serving
     try:
-        body_bytes = args.max_body_bytes or default_body_bytes(serving.executor.dims.max_context)
-        limits = Limits(body_bytes, args.read_timeout, args.keep_alive_timeout, args.max_connections, args.max_header_bytes)
-        app = create_app(serving, served.names, limits, args.log_interval)
         executor = serving.executor
         mode = "DFlash" if executor.speculate else "plain target decoding (--no-draft)"
         host, port = listener.getsockname()[:2]
         log.info("serving %s (%s, %d sessions, %s) on http://%s:%d/v1", served.names[0], args.backend, executor.max_sessions, mode,
                  f"[{host}]" if ":" in host else host, port)
-        config = ServeConfig(app, limits, log_config=logging_config, log_level=args.log_level)
-        server = GracefulServer(config, serving, app.state.shutdown, args.shutdown_timeout)
-        if served.on_death is not None:
-            served.on_death(server.serving_died)
-        server.run(sockets=[listener])
+
+        def prepare(server) -> None:
+            server.on_signal = served.on_signal
+            if served.on_death is not None:
+                served.on_death(server.serving_died)
+
+        serve_http(serving, served.names, args, logging_config, listener, args.log_interval, prepare)
     except BaseException:
         served.release(FAILED_CLOSE_S)
         raise
@@ -225,6 +252,7 @@ class _Served:
     release: Callable[[float], None]
     died: Callable[[], bool] = lambda: False
     on_death: Callable[[Callable[[], None]], None] | None = None
+    on_signal: Callable[[int], None] | None = None  # the server's shutdown signal, for the other fronts
 
 
 def _load_here(args) -> _Served:
@@ -239,31 +267,42 @@ def _load_here(args) -> _Served:
     return _Served(serving, names, release)
 
 
-def _start_serving_process(args, logging_config: dict) -> _Served:
-    """Spawn the serving process (it prepares the artifacts and loads), then the front's tokenizer and client."""
+def _start_serving_process(args, logging_config: dict, listener: socket.socket) -> _Served:
+    """Spawn the serving process (it prepares the artifacts and loads), then the front's tokenizer and
+    client, and the other fronts (``--fronts``) on ``listener``."""
     from dflash_trt.server import front
+    from dflash_trt.server.fronts import STOP_GRACE_S, Fronts
 
     names = args.served_model_name or [_model_name(args)]
-    process, conn, ready = front.start(args, logging_config)
+    fronts = getattr(args, "fronts", 1)
+    process, conns, ready = front.start(args, logging_config, fronts)
     try:
         if args.artifacts is None and ready.artifacts is not None:
             args.artifacts = Path(ready.artifacts)  # the default pair's export, made by the serving process
         tokenizer = _tokenizer(args)
         if tokenizer is not None:
             tokenizer.chars_per_token  # noqa: B018  (computed once now, not on the first request)
-        client = front.ServingClient(process, conn, ready, tokenizer)
+        client = front.ServingClient(process, conns[0], ready, tokenizer)
+        others = Fronts(conns[1:], listener, args, logging_config) if fronts > 1 else None
     except BaseException:
         process.kill()
         process.join()
         raise
-    log.info("serving process %d loaded; this process serves HTTP (--front-process)", ready.pid)
+    log.info("serving process %d loaded; %s", ready.pid,
+             "this process serves HTTP (--front-process)" if others is None else f"this process and {fronts - 1} more serve HTTP (--fronts {fronts})")
+
+    def release(timeout: float) -> None:
+        if others is not None:  # the serving process outlives every front's drain
+            others.signal(signal.SIGTERM)
+            others.join(args.shutdown_timeout + STOP_GRACE_S)
+        client.stop()
 
     def on_death(callback) -> None:
         client.on_death = callback
         if client.died:  # it died before the callback was set
             callback()
 
-    return _Served(client, names, client.stop, lambda: client.died, on_death)
+    return _Served(client, names, release, lambda: client.died, on_death, others.signal if others is not None else None)
 
 
 def _exit_now(code: int = 0) -> None:

@@ -26,7 +26,9 @@ from __future__ import annotations
 import argparse
 import logging
 import multiprocessing
+import os
 import secrets
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -72,6 +74,8 @@ class ServingClient:
     """The front's stand-in for a ``ServingLoop`` in another process (see the module docstring)."""
 
     def __init__(self, process, conn, ready: wire.Ready, tokenizer=None, on_death: Callable[[], None] | None = None) -> None:
+        """``process``: the serving process when this front owns it (it may stop it), None in another
+        front (``serve --fronts``): its liveness is then its pipe's."""
         self.process, self.conn, self.tokenizer, self.on_death = process, conn, tokenizer, on_death
         self.pid = ready.pid
         self.executor = ExecutorSummary(ready.speculate, ready.max_sessions, Dims(ready.max_context, ready.vocab_size))
@@ -127,7 +131,7 @@ class ServingClient:
 
     @property
     def healthy(self) -> bool:
-        return self._died is None and self.process.is_alive()
+        return self._died is None and (self.process is None or self.process.is_alive())
 
     @property
     def died(self) -> bool:
@@ -138,12 +142,17 @@ class ServingClient:
         """Refuse new requests; the serving process finishes (``drain``) or cancels the accepted ones.
         Does not wait (``stop`` ends the process); True when the process has already ended."""
         self._send(wire.Close(drain))
-        return not self.process.is_alive()
+        return not self.healthy
 
     def stop(self, timeout: float = STOP_JOIN_S) -> None:
         """End the serving process: ``Exit`` (it cancels what is left and frees its backend), killed if it
         has not exited within ``timeout``."""
         self._stopping = True
+        if self.process is None:  # another front's: its pipe ends, the serving process cancels its requests
+            _shut_down(self.conn)
+            self._receiver.join(timeout)
+            self.conn.close()
+            return
         self._send(wire.Exit())
         self.process.join(timeout)
         if self.process.is_alive():
@@ -232,8 +241,11 @@ class ServingClient:
 
     def _die(self) -> None:
         """The pipe closed: fail every open request and answer, once; report an unexpected death."""
-        self.process.join(STOP_JOIN_S)
-        error = ServingClosedError(f"the serving process stopped (exit code {self.process.exitcode})", code=DIED)
+        if self.process is not None:
+            self.process.join(STOP_JOIN_S)
+            error = ServingClosedError(f"the serving process stopped (exit code {self.process.exitcode})", code=DIED)
+        else:
+            error = ServingClosedError("the serving process stopped (its pipe closed)", code=DIED)
         with self._lock:
             self._died = error
             jobs, self._jobs = list(self._jobs.values()), {}
@@ -249,17 +261,35 @@ class ServingClient:
                 answer.set_exception(error)
 
 
-def start(args: argparse.Namespace, logging_config: dict) -> tuple[object, object, wire.Ready]:
-    """Spawn the serving process and wait until it loaded: (process, the front's end of the pipe, Ready).
+def _shut_down(conn) -> None:
+    """End a duplex pipe (a socket pair) both ways: a read blocked on it, here or at the other end, returns EOF."""
+    try:
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+    except OSError:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.close()
 
-    Its start-up logs go to this process's stderr. Raises its loading error (the same typed error), or
-    ServingError when it died while loading; a KeyboardInterrupt while waiting kills it."""
+
+def start(args: argparse.Namespace, logging_config: dict, fronts: int = 1) -> tuple[object, list, wire.Ready]:
+    """Spawn the serving process and wait until it loaded: (process, the fronts' ends of the pipes, Ready).
+
+    One pipe per HTTP front (``serve --fronts``); this process's is the first, and it has read its
+    ``Ready`` (the others' wait in their pipes). Its start-up logs go to this process's stderr. Raises its
+    loading error (the same typed error), or ServingError when it died while loading; a
+    KeyboardInterrupt while waiting kills it."""
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no fork of this process's threads
-    conn, child_conn = context.Pipe(duplex=True)
-    child_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})
-    process = context.Process(target=serving_process.main, args=(child_conn, child_args, logging_config), name="dflash-trt-serving")
+    pipes = [context.Pipe(duplex=True) for _ in range(fronts)]
+    conns, child_conns = [a for a, _ in pipes], [b for _, b in pipes]
+    process = context.Process(target=serving_process.main, args=(child_conns, child_args(args), logging_config), name="dflash-trt-serving")
     process.start()
-    child_conn.close()
+    for child_conn in child_conns:
+        child_conn.close()
+    conn = conns[0]
     try:
         first = conn.recv()
     except EOFError:
@@ -272,7 +302,12 @@ def start(args: argparse.Namespace, logging_config: dict) -> tuple[object, objec
     if isinstance(first, wire.LoadFailed):
         process.join()
         raise first.error.error()
-    return process, conn, first
+    return process, conns, first
+
+
+def child_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The command's arguments as a spawned process can receive them (no callables)."""
+    return argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})
 
 
 __all__ = ["DIED", "ServingClient", "start"]

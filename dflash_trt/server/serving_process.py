@@ -5,19 +5,21 @@ own process and this one beside it, so the serving loop's thread never waits
 for the GIL behind HTTP parsing, tokenizing, detokenizing or SSE work. The
 messages are ``server.wire``'s.
 
-Threads here: the main thread reads the pipe (submits, cancels, closes,
-metrics queries) and answers each submit at once (``Accepted`` / ``Refused``);
-the serving loop's thread runs the executor and hands tokens to the requests'
-handles (``ForwardingHandle``: each delivery also goes to the outbox); the
-sender thread sends what the outbox holds as one ``Deliveries`` message. The
-loop thread releases the GIL at its next device wait right after a round's
-deliveries, so the sender sends a round (or several) per message, never one
-message per token or per request.
+Threads here: the main thread reads the pipes, one per HTTP front (submits,
+cancels, closes, metrics queries), and answers each submit at once on its
+front's pipe (``Accepted`` / ``Refused``); the serving loop's thread runs the
+executor and hands tokens to the requests' handles (``ForwardingHandle``: each
+delivery also goes to its front's outbox); one sender thread per front sends
+what its outbox holds as one ``Deliveries`` message. The loop thread releases
+the GIL at its next device wait right after a round's deliveries, so a sender
+sends a round (or several) per message, never one message per token or per
+request. With ``serve --fronts N`` the first front owns the process; another
+front's pipe closing (its process ended) cancels that front's requests only.
 
 The process ignores SIGINT / SIGTERM: the front owns the shutdown (a signal
 delivered to the whole process group must not kill the executor under open
-streams) and says ``Close`` / ``Exit``. It ends when the front's end of the
-pipe closes (the front died) and, on Linux, when the front's process dies
+streams) and says ``Close`` / ``Exit``. It ends when the first front's end of
+the pipe closes (the front died) and, on Linux, when the front's process dies
 while this one still loads (``PR_SET_PDEATHSIG``). It exits 1 when its
 serving loop stops on an internal error (the front then sees EOF: the
 process died).
@@ -28,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import logging.config
+import multiprocessing.connection
 import os
 import signal
 import threading
@@ -54,13 +57,15 @@ class Outbox:
 
     def put(self, item: wire.Item) -> None:
         with self._cond:
-            self._items.append(item)
-            self._cond.notify()
+            if not self._closed:  # closed: its front is gone (nothing would send it)
+                self._items.append(item)
+                self._cond.notify()
 
     def fail(self, key: int, error: wire.WireError) -> None:
         with self._cond:
-            self._failures.append((key, error))
-            self._cond.notify()
+            if not self._closed:
+                self._failures.append((key, error))
+                self._cond.notify()
 
     def take(self) -> wire.Deliveries | None:
         """Everything put so far as one message (waits for something); None once closed and empty."""
@@ -105,76 +110,116 @@ class ForwardingHandle(RequestHandle):
         super()._fail(error)
 
 
-class ServingProcess:
-    """The main thread's side of the pipe over one loaded ``ServingLoop`` (see the module docstring)."""
+class Front:
+    """One HTTP front's end of the pipes: its connection, what waits to be sent to it, its sender thread."""
 
-    def __init__(self, conn, outbox: Outbox) -> None:
-        self.conn, self.outbox = conn, outbox
+    def __init__(self, index: int, conn) -> None:
+        self.index, self.conn = index, conn
+        self.outbox = Outbox()
+        self.lock = threading.Lock()
+        self.sender = threading.Thread(target=self._send_deliveries, name=f"dflash-trt-deliveries-{index}", daemon=True)
+
+    def send(self, message) -> None:
+        with self.lock:
+            self.conn.send(message)
+
+    def _send_deliveries(self) -> None:
+        while (message := self.outbox.take()) is not None:
+            try:
+                self.send(message)
+            except (OSError, ValueError):  # the front is gone: the main thread sees EOF and drops it
+                return
+
+
+class ServingProcess:
+    """The main thread's side of the pipes over one loaded ``ServingLoop`` (see the module docstring).
+
+    ``conns``: one connection per HTTP front (``serve --fronts N``); the first front owns the process
+    (its ``Exit`` or its end of the pipe closing ends it), another front's end closing cancels that
+    front's requests only. A request is known by (front index, the front's key)."""
+
+    def __init__(self, conns) -> None:
+        self.fronts = [Front(i, conn) for i, conn in enumerate(conns)]
         self.serving = None
-        self.handles: dict[int, ForwardingHandle] = {}  # by the front's key; the main thread's alone
-        self._submitting: int | None = None  # the key ``handle`` names (the main thread submits one at a time)
-        self._send_lock = threading.Lock()
-        self._sender = threading.Thread(target=self._send_deliveries, name="dflash-trt-deliveries", daemon=True)
+        self.handles: dict[tuple[int, int], ForwardingHandle] = {}  # the main thread's alone
+        self._submitting: tuple[int, int] | None = None  # the (front, key) ``handle`` names (one submit at a time)
         self._dispatch = {wire.Submit: self._submit, wire.Cancel: self._cancel, wire.Close: self._close, wire.MetricsQuery: self._metrics}
 
     def handle(self, request_id: int, prompt: list[int], cancel) -> ForwardingHandle:
         """``ServingLoop(handles=...)``: the handle of the request being submitted."""
-        handle = ForwardingHandle(self.outbox, self._submitting, request_id, prompt, cancel)
-        self.handles[handle.key] = handle
+        index, key = self._submitting
+        handle = ForwardingHandle(self.fronts[index].outbox, key, request_id, prompt, cancel)
+        self.handles[(index, key)] = handle
         return handle
 
-    def send(self, message) -> None:
-        with self._send_lock:
-            self.conn.send(message)
+    def send(self, message, front: int = 0) -> None:
+        self.fronts[front].send(message)
 
     def run(self, serving, ready: wire.Ready) -> int:
-        """Serve the pipe until Exit (0), the front's end closing (0) or the serving loop failing (1)."""
+        """Serve the pipes until Exit (0), the first front's end closing (0) or the serving loop failing (1)."""
         self.serving = serving
-        self._sender.start()
-        self.send(ready)
+        for front in self.fronts:
+            front.sender.start()
+            front.send(ready)
+        live = {front.conn: front.index for front in self.fronts}
         while True:
-            try:
-                if not self.conn.poll(POLL_S):
-                    if not serving.healthy:
-                        log.error("the serving loop stopped after an internal error; the serving process exits")
-                        return 1
+            ready_conns = multiprocessing.connection.wait(list(live), POLL_S)
+            if not ready_conns and not serving.healthy:
+                log.error("the serving loop stopped after an internal error; the serving process exits")
+                return 1
+            for conn in ready_conns:
+                index = live[conn]
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    if index == 0:
+                        log.info("the front closed the pipe; the serving process stops")
+                        return 0
+                    del live[conn]
+                    self._front_gone(index)
                     continue
-                message = self.conn.recv()
-            except (EOFError, OSError):
-                log.info("the front closed the pipe; the serving process stops")
-                return 0
-            if isinstance(message, wire.Exit):
-                return 0
-            self._dispatch[type(message)](message)
+                if isinstance(message, wire.Exit):
+                    return 0
+                self._dispatch[type(message)](message, index)
 
     def stop(self) -> bool:
-        """Cancel what is left, stop the loop and the sender; True when the loop's thread ended."""
+        """Cancel what is left, stop the loop and the senders; True when the loop's thread ended."""
         stopped = self.serving.close(drain=False, timeout=EXIT_JOIN_S) if self.serving is not None else True
-        self.outbox.close()
-        if self._sender.is_alive():
-            self._sender.join(EXIT_JOIN_S)
+        for front in self.fronts:
+            front.outbox.close()
+            if front.sender.is_alive():
+                front.sender.join(EXIT_JOIN_S)
         return stopped
 
-    def _submit(self, message: wire.Submit) -> None:
+    def _front_gone(self, index: int) -> None:
+        """Front ``index`` closed its pipe (its process ended): its open requests are cancelled."""
+        orphans = [self.handles.pop(k) for k in [k for k in self.handles if k[0] == index]]
+        open_ = [handle for handle in orphans if not handle.done]
+        (log.warning if open_ else log.info)("HTTP front %d closed its pipe; %d of its requests were open and are cancelled", index, len(open_))
+        for handle in open_:
+            handle.cancel(CANCELLED)
+        self.fronts[index].outbox.close()
+
+    def _submit(self, message: wire.Submit, front: int) -> None:
         self._forget_finished()
-        self._submitting = message.key
+        self._submitting = (front, message.key)
         try:
             self.serving.submit(message.prompt, message.max_new_tokens, sampling=message.sampling, stop_ids=message.stop_ids)
         except DFlashError as error:
-            self.send(wire.Refused(message.key, wire.WireError.of(error)))
+            self.send(wire.Refused(message.key, wire.WireError.of(error)), front)
             return
-        self.send(wire.Accepted(message.key))
+        self.send(wire.Accepted(message.key), front)
 
-    def _cancel(self, message: wire.Cancel) -> None:
-        handle = self.handles.pop(message.key, None)
+    def _cancel(self, message: wire.Cancel, front: int) -> None:
+        handle = self.handles.pop((front, message.key), None)
         if handle is not None:
             handle.cancel(message.finish)
 
-    def _close(self, message: wire.Close) -> None:
+    def _close(self, message: wire.Close, front: int) -> None:
         self.serving.close(drain=message.drain, timeout=0)
 
-    def _metrics(self, message: wire.MetricsQuery) -> None:
-        self.send(wire.MetricsReply(message.seq, self.serving.metrics()))
+    def _metrics(self, message: wire.MetricsQuery, front: int) -> None:
+        self.send(wire.MetricsReply(message.seq, self.serving.metrics()), front)
 
     def _forget_finished(self) -> None:
         """Drop the handles of finished requests (bounded: done at every submit, so the map holds at
@@ -182,16 +227,10 @@ class ServingProcess:
         for key in [key for key, handle in self.handles.items() if handle.done]:
             del self.handles[key]
 
-    def _send_deliveries(self) -> None:
-        while (message := self.outbox.take()) is not None:
-            try:
-                self.send(message)
-            except (OSError, ValueError):  # the front is gone: the main thread sees EOF and stops
-                return
 
-
-def main(conn, args, logging_config: dict) -> None:
-    """The process's entry (``multiprocessing``, spawn): load, answer ``Ready``, serve the pipe, exit."""
+def main(conns, args, logging_config: dict) -> None:
+    """The process's entry (``multiprocessing``, spawn): load, answer ``Ready`` to every front, serve the
+    pipes, exit. ``conns``: one connection per HTTP front, the first the owning front's."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent()
@@ -199,13 +238,14 @@ def main(conn, args, logging_config: dict) -> None:
     from dflash_trt.server import command
 
     command.cap_malloc_arenas()
-    process = ServingProcess(conn, Outbox())
+    process = ServingProcess(conns)
     try:
         serving, backend, _ = command._load(args, text=False, handles=process.handle)
     except BaseException as error:  # noqa: BLE001  (reported to the front, which raises it)
         if not isinstance(error, DFlashError):
             log.exception("the serving process failed while loading")
-        _send_quietly(conn, wire.LoadFailed(wire.WireError.of(error)))
+        for conn in conns:
+            _send_quietly(conn, wire.LoadFailed(wire.WireError.of(error)))
         _exit(1)
     executor = serving.executor
     ready = wire.Ready(executor.speculate, executor.max_sessions, executor.dims.max_context, executor.dims.vocab_size,

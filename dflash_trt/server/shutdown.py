@@ -85,6 +85,7 @@ class GracefulServer(uvicorn.Server):
         super().__init__(config)
         self.serving, self.shutdown_state, self.deadline_s = serving, shutdown, deadline_s
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.on_signal = None  # called with every shutdown signal (the other HTTP fronts get it too)
         self.signalled = False
         self.hurry = False
         self._drain: asyncio.Task | None = None
@@ -97,6 +98,8 @@ class GracefulServer(uvicorn.Server):
         """A signal (main thread): start the drain; a second SIGINT (Ctrl+C again) skips its wait (a
         repeated SIGTERM does not: ``timeout`` and process managers deliver it to the whole group).
         Not re-raised after."""
+        if self.on_signal is not None:
+            self.on_signal(sig)
         if self.signalled:
             self.hurry = self.hurry or sig == signal.SIGINT
             return

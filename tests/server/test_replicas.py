@@ -156,7 +156,11 @@ def test_two_replicas_answer_as_one_server(cluster, single, prompts):
     # Both replicas' counts appear among /metrics answers (each reaches one replica; an odd total: the two
     # counts differ), and they add up.
     seen = cluster.per_replica("completed", len(jobs) + 1)
-    assert len(seen) == 2 and sum(seen) == len(jobs) + 1 and min(seen) > 0, seen
+    if 0 in seen:  # Ray's router draws two replicas per request and takes the less busy: one burst can land on one by chance
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            assert list(pool.map(ask, jobs, timeout=180)) == answers
+        seen = cluster.per_replica("completed", 2 * len(jobs) + 1)
+    assert len(seen) == 2 and sum(seen) in (len(jobs) + 1, 2 * len(jobs) + 1) and min(seen) > 0, seen
 
 
 def test_errors_are_the_single_servers(cluster):

@@ -565,6 +565,66 @@ def test_sigterm_drains_then_ends_every_open_request_and_exits_0(default_pair_ca
     assert "SIGTERM: shutting down" in log and "aborting 8 open requests" in log
 
 
+@pytest.mark.parametrize("flags", [["--fronts", "2", "--no-front-process"], ["--fronts", "3", "--replicas", "2"]])
+def test_more_fronts_need_their_own_serving_process(flags):
+    """Guards against ``--fronts N`` being accepted where no serving process of its own exists to share
+    (one process, or Ray replicas): refused on one line before anything loads."""
+    args = argparse.Namespace(front_process="--no-front-process" not in flags, fronts=int(flags[1]),
+                              replicas=int(flags[-1]) if "--replicas" in flags else 1)
+    with pytest.raises(UsageError, match=f"--fronts {flags[1]}"):
+        command.check_front_flags(args)
+
+
+def test_two_http_fronts_answer_as_one_server_and_drain_together(default_pair_cache, tmp_path, prompts, reference):
+    """Guards against ``--fronts 2`` (a second HTTP front process on the same port, its own pipe to the one
+    serving process) answering wrongly or dropping requests, and against a shutdown that cuts the second
+    front's streams, leaves it running after the server exited, or exits non-zero: concurrent requests
+    over many connections equal the reference; at SIGTERM every open stream ends with a finish reason and
+    the server exits 0 with no front process left."""
+    served = Server(default_pair_cache, tmp_path / "fronts.log", "--fronts", "2", "--max-sessions", "4", "--shutdown-timeout", "1.5")
+    try:
+        served.wait_ready()
+        deadline = time.monotonic() + 60
+        while "HTTP front 1 (pid" not in served.log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        worker = int(served.log.read_text().split("HTTP front 1 (pid ")[1].split(")")[0])
+
+        def one(i):
+            client = served.client()  # a client (and connection) of its own
+            return client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=12, temperature=0).choices[0].text
+
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(one, range(8)))
+        assert texts == [reference(prompts[i], 12)[0] for i in range(8)]
+        finishes, started = {}, threading.Semaphore(0)
+
+        def stream(i):
+            finish = None
+            for n, event in enumerate(served.client().completions.create(model=MODEL, prompt=prompts[i], max_tokens=900, temperature=0, stream=True)):
+                started.release() if n == 0 else None
+                finish = event.choices[0].finish_reason or finish
+            finishes[i] = finish
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]  # one per session, all streaming
+        for thread in threads:
+            thread.start()
+        for _ in range(4):
+            assert started.acquire(timeout=60)
+        served.process.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(60)
+        code = served.process.wait(30)
+    finally:
+        if served.process.poll() is None:
+            served.process.kill()
+            served.process.wait()
+    log = served.log.read_text()
+    assert code == 0 and "Traceback" not in log, log[-3000:]
+    assert sorted(finishes) == list(range(4)) and set(finishes.values()) <= {"abort", "length"}, finishes
+    time.sleep(0.5)
+    assert not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split()[2], "front 1 outlived the server"
+
+
 def test_the_serving_process_dying_fails_open_requests_and_the_server_exits_1(default_pair_cache, tmp_path, prompts):
     """Guards against the serving process's death leaving clients hanging (streams that never end, whole
     requests that never answer), /health still answering 200, or a server that lives on without its

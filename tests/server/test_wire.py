@@ -87,15 +87,16 @@ def test_the_outbox_sends_what_a_round_delivered_as_one_message():
 
 class ThreadProcess:
     """The serving side on a thread, standing in for the serving process (``multiprocessing.Process``'s
-    methods the front calls)."""
+    methods the front calls); ``fronts``: pipes of as many HTTP fronts (``serve --fronts``)."""
 
-    def __init__(self, tiny, stream_interval: float = 0.0) -> None:
-        front_end, self.conn = multiprocessing.Pipe(duplex=True)
-        self.side = ServingProcess(self.conn, Outbox())
+    def __init__(self, tiny, stream_interval: float = 0.0, fronts: int = 1) -> None:
+        pipes = [multiprocessing.Pipe(duplex=True) for _ in range(fronts)]
+        (front_end, self.conn), self.others = pipes[0], [a for a, _ in pipes[1:]]
+        self.side = ServingProcess([b for _, b in pipes])
         self.serving = ServingLoop(Executor(tiny.ort, tiny.dims, 4), None, stop_ids=(), stream_interval=stream_interval, handles=self.side.handle)
         self.sent: list = []
-        send = self.side.send
-        self.side.send = lambda message: (self.sent.append(message), send(message))[1]
+        send = self.side.fronts[0].send
+        self.side.fronts[0].send = lambda message: (self.sent.append(message), send(message))[1]
         dims = tiny.dims
         ready = wire.Ready(True, 4, dims.max_context, dims.vocab_size, None, 0)
         self.exitcode = None
@@ -112,6 +113,12 @@ class ThreadProcess:
     def client(self, tokenizer=None, on_death=None) -> ServingClient:
         assert self.front_end.recv() == self.ready
         return ServingClient(self, self.front_end, self.ready, tokenizer, on_death)
+
+    def other_client(self, index: int) -> ServingClient:
+        """Front ``index`` >= 1's client: it does not own the serving process (``process`` None)."""
+        conn = self.others[index - 1]
+        assert conn.recv() == self.ready
+        return ServingClient(None, conn, self.ready)
 
     def is_alive(self) -> bool:
         return self.thread.is_alive()
@@ -221,3 +228,29 @@ def test_the_serving_process_dying_fails_open_requests_and_reports_it(tiny):
     with pytest.raises(ServingClosedError):
         client.metrics()
     side.serving.close(drain=False, timeout=TIMEOUT_S)
+
+
+def test_two_fronts_share_one_serving_process_and_a_closing_front_cancels_only_its_requests(tiny):
+    """Guards against ``serve --fronts``' pipes mixing requests up (two fronts use the same keys: a
+    delivery or a cancel reaching the other front's request), and against a front that ends (its process
+    died) leaving its requests decoding or ending the other front's: requests sent through both fronts at
+    once return what the in-process loop returns; front 1's pipe closing cancels its open request in the
+    serving loop while front 0's runs to its end."""
+    with ServingLoop(Executor(tiny.ort, tiny.dims, 4), None, stream_interval=0.0) as here:
+        expected = run_all(here, REQUESTS[:4])
+    side = ThreadProcess(tiny, fronts=2)
+    first, second = side.client(), side.other_client(1)
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda client: run_all(client, REQUESTS[:4]), (first, second)))
+    assert got == [expected, expected]
+    kept, dropped = first.submit([5, 6, 7], 40), second.submit([5, 6, 7], 60)
+    next(iter(dropped))  # it runs
+    second.stop()  # front 1's end of its pipe closes
+    done = kept.result(TIMEOUT_S)
+    assert done.finish == "length" and len(done.tokens) == 40
+    deadline = time.monotonic() + TIMEOUT_S
+    while (metrics := first.metrics()).running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (metrics.cancelled, metrics.running) == (1, 0) and side.side.handles.keys() <= {(0, k) for k in range(100)}
+    first.stop()
+    assert side.exitcode == 0

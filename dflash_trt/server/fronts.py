@@ -1,0 +1,101 @@
+"""More HTTP fronts: ``serve --fronts N`` runs N − 1 front processes beside this one, all accepting on
+the one listening socket, each with a pipe of its own to the serving process.
+
+One front (FastAPI + uvicorn: parsing, tokenizing, detokenizing, SSE) spends about a millisecond of CPU
+per request and tens of microseconds per streamed event (``benchmarks/front_cost.py``), so at a few
+hundred requests and ~10,000 stream events per second one front process is busy all the time while
+the serving process is not, and requests wait in its event loop. The kernel hands each new connection
+to one of the processes accepting on the socket; each front runs the same app over its own
+``ServingClient`` (``server.front``).
+
+This process (the first front) owns the others: it spawns them once the serving process has loaded,
+forwards SIGINT / SIGTERM to them (each drains its own streams as the first does; a signal sent to the
+whole process group reaches them directly too, and a repeated SIGTERM changes nothing), waits for them
+before it stops the serving process, and logs one that ends early (the others keep serving; the serving
+process cancelled its requests when its pipe closed). They die with this process (Linux
+``PR_SET_PDEATHSIG``). The throughput log line is the first front's; every front logs its access lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import logging.config
+import multiprocessing
+import multiprocessing.connection
+import os
+import threading
+import time
+
+log = logging.getLogger("dflash_trt.server")
+
+STOP_GRACE_S = 3.0  # after the drain deadline: how long an extra front gets to exit before it is killed
+
+
+class Fronts:
+    """The extra front processes of one server (see the module docstring)."""
+
+    def __init__(self, conns: list, listener, args: argparse.Namespace, logging_config: dict) -> None:
+        """``conns``: the serving process's pipes of the extra fronts (fronts 1..N-1)."""
+        from dflash_trt.server.front import child_args
+
+        context = multiprocessing.get_context("spawn")
+        self.stopping = False
+        self.processes = []
+        for index, conn in enumerate(conns, start=1):
+            process = context.Process(target=main, args=(index, conn, listener, child_args(args), logging_config), name=f"dflash-trt-front-{index}")
+            process.start()
+            conn.close()  # the child holds it now
+            self.processes.append(process)
+        self._watcher = threading.Thread(target=self._watch, name="dflash-trt-fronts", daemon=True)
+        self._watcher.start()
+
+    def signal(self, sig: int) -> None:
+        """Forward a shutdown signal to every extra front (it drains as this one does)."""
+        self.stopping = True
+        for process in self.processes:
+            if process.is_alive():
+                os.kill(process.pid, sig)
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for every extra front to exit (after ``signal``), then kill the rest."""
+        self.stopping = True
+        deadline = time.monotonic() + timeout
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                log.warning("HTTP front %s did not exit in time; killing it", process.name)
+                process.kill()
+                process.join()
+
+    def _watch(self) -> None:
+        """Log a front that ends while the server is not stopping."""
+        waiting = list(self.processes)
+        while waiting:
+            multiprocessing.connection.wait([p.sentinel for p in waiting])
+            for process in [p for p in waiting if not p.is_alive()]:
+                waiting.remove(process)
+                if not self.stopping:
+                    log.error("HTTP front %s (pid %d) exited with code %s; %d fronts keep serving", process.name, process.pid,
+                              process.exitcode, 1 + sum(p.is_alive() for p in self.processes))
+
+
+def main(index: int, conn, listener, args: argparse.Namespace, logging_config: dict) -> None:
+    """An extra front's process (``multiprocessing``, spawn): the app over its pipe, on the shared socket."""
+    from dflash_trt.server import command, serving_process
+    from dflash_trt.server.front import ServingClient
+
+    serving_process._die_with_parent()
+    logging.config.dictConfig(logging_config)
+    ready = conn.recv()
+    if not hasattr(ready, "pid"):  # LoadFailed: the first front reports it
+        os._exit(1)
+    client = ServingClient(None, conn, ready, command._tokenizer(args))
+    log.info("HTTP front %d (pid %d) serving", index, os.getpid())
+    died = command.serve_http(client, args.served_model_name or [command._model_name(args)], args, logging_config, listener, log_interval_s=0)
+    client.stop()
+    logging.shutdown()
+    os._exit(1 if died else 0)
+
+
+__all__ = ["Fronts", "main"]
