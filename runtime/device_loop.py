@@ -112,9 +112,9 @@ class Key:
 
 
 def describe(key: Key) -> str:
-    """A program, for messages: its kind (and verify length), owner count and (row-bound) first row."""
-    kind = f"{key.kind} (verifying {key.proposals})" if key.proposals else key.kind
-    return f"{kind} program for {key.owners} owners" + ("" if key.first is None else f" at row {key.first}")
+    """A program, for messages: its kind, owner count, (row-bound) first row and (a cycle's) verify length."""
+    where = "" if key.first is None else f" at row {key.first}"
+    return f"{key.kind} program for {key.owners} owners{where}" + (f", verifying {key.proposals} proposals" if key.proposals else "")
 
 
 class Mirror:

@@ -439,6 +439,7 @@ def test_a_whole_cycle_capture_that_fails_runs_every_program_eagerly_logged_once
     loop = DeviceLoop.__new__(DeviceLoop)
     loop.graphs, loop.captured, loop.fallback = True, {}, CaptureFallback("the device loop")
     loop.row_indexed, loop.next_entry, loop.ring = False, 0, 4
+    loop.dims = SimpleNamespace(proposals=7, verify_proposals=(3, 7))  # a cycle launched without a length verifies P
     loop.backend = SimpleNamespace(plain_runs=contextlib.nullcontext)
     loop.timeline = SimpleNamespace(mark=lambda: 0.0)
     programs, attempts = [], []
@@ -453,7 +454,7 @@ def test_a_whole_cycle_capture_that_fails_runs_every_program_eagerly_logged_once
     with caplog.at_level("WARNING", logger="dflash_trt.runtime.device"):
         for kind, sampled, rows in launches * 2:
             loop.launch(kind, sampled, rows)
-    keys = [Key(CYCLE, False, 2, 0), Key(DECODE, True, 1, 3)]
+    keys = [Key(CYCLE, False, 2, 0, 7), Key(DECODE, True, 1, 3)]
     assert programs == keys * 2 and attempts == keys[:1] and not loop.captured and loop.graphs is False
     warnings = [r.getMessage() for r in caplog.records if "CUDA-graph capture" in r.getMessage()]
     assert len(warnings) == 1 and "cycle program for 2 owners at row 0" in warnings[0] and "not permitted" in warnings[0]
