@@ -270,8 +270,8 @@ class AdaptivePolicy:
 
     def _drain_length(self, owners: int) -> int:
         """The verify length of a decode round's drain cycles: the best-rated known cycle length, else the longest."""
-        known = [(self.rate(CYCLE, owners, k), k) for _, k in self.options()[:1] + self.options()[2:]]
-        known = [(rate, k) for rate, k in known if rate is not None]
+        rates = [(self.rate(CYCLE, owners, k), k) for kind, k in self.options() if kind == CYCLE]
+        known = [(rate, k) for rate, k in rates if rate is not None]
         return max(known)[1] if known else (self.lengths[-1] if self.lengths else 0)
 
 
