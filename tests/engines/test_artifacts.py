@@ -41,7 +41,7 @@ MANIFEST_EDITS = {
     "absolute-graph-path": (_graph_file("draft_model", "/etc/hostname"), ["graphs.draft_model.file", "'/etc/hostname'"]),
     "nested-graph-path": (_graph_file("draft_model", "sub/draft_model.onnx"), ["'sub/draft_model.onnx'", "no directories"]),
     "parent-data-path": (_data_file("../weights.data"), ["data_files", "'../weights.data'"]),
-    "huge-max-owners": (_set("max_owners", 10**5), ["max_owners 100000 needs 200003 graphs", "lists 9"]),
+    "huge-max-owners": (_set("max_owners", 10**5), ["max_owners 100000 needs 200003 graphs", "'graphs' lists"]),
     "huger-max-owners": (_set("max_owners", 3 * 10**7), ["max_owners 30000000 needs"]),
     "vocab-past-int32": (_set("vocab_size", 10**12), ["vocab_size must be in [1, 2147483647]", "1000000000000"]),
     "context-past-int32": (_set("max_context", 2**40), ["max_context must be in [1, 2147483647]"]),
