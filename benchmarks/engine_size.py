@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+import record  # benchmarks/record.py: results.jsonl
+
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("make", "export", "build", "report")
 TAP_LAYERS = (1, 9, 17, 25, 33)
@@ -248,8 +250,7 @@ def main() -> int:
             line = report(results, args.work)
             print(json.dumps(line))
             if args.record:
-                with (ROOT / "benchmarks" / "results.jsonl").open("a") as handle:
-                    handle.write(json.dumps(line) + "\n")
+                record.append_rows([line])
         state.write_text(json.dumps(results, indent=2))
         print(f"== {stage} done in {time.perf_counter() - started:.1f} s", flush=True)
     return 0

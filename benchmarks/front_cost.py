@@ -41,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import record  # results.jsonl
 import serve_load  # the clients, the window, the CPU shares
 
 
@@ -271,9 +272,7 @@ def main() -> int:
                "tokens_per_round": args.tokens_per_round, "fronts": args.fronts, "max_tokens": args.max_tokens, "max_sessions": args.max_sessions,
                "seconds": args.seconds, "runs": results}
     if args.record:
-        with (ROOT / "benchmarks" / "results.jsonl").open("a") as file:
-            for figures in results.values():
-                file.write(json.dumps({**{k: v for k, v in summary.items() if k != "runs"}, **figures}) + "\n")
+        record.append_rows({**{k: v for k, v in summary.items() if k != "runs"}, **figures} for figures in results.values())
     print(json.dumps(summary))
     return 0
 

@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import record  # noqa: E402  (benchmarks/record.py: results.jsonl)
 from gpu_e2e import default_pair, dims_of, machine  # noqa: E402
 
 from dflash_trt.runtime.backends.torch_backend import TorchBackend  # noqa: E402
@@ -86,8 +87,7 @@ def main() -> None:
         print(f"| {row['function']} | {row['calls']} | {row['own_s']} | {row['cumulative_s']} |")
     print(json.dumps(result))
     if args.record:
-        with (Path(__file__).resolve().parent / "results.jsonl").open("a") as file:
-            file.write(json.dumps(result) + "\n")
+        record.append_rows([result])
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ from dflash_trt.runtime import command
 from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.policy import AdaptivePolicy
 
+import record  # benchmarks/record.py: results.jsonl
+
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("plain", "always", "adaptive-p", "adaptive")
 RATIOS = (("adaptive", "plain"), ("adaptive-p", "plain"), ("always", "plain"), ("adaptive", "adaptive-p"), ("adaptive", "always"))
@@ -91,8 +93,7 @@ def main() -> int:
                "max_new_tokens": args.max_new_tokens, "median_tokens_per_s": medians,
                "median_ratios": ratios, "identical_outputs": identical, "tokens_per_s": {m: [round(v, 2) for v in rates[m]] for m in MODES}}
     if args.record:
-        with (ROOT / "benchmarks" / "results.jsonl").open("a") as file:
-            file.write(json.dumps(summary) + "\n")
+        record.append_rows([summary])
     print(json.dumps(summary))
     return 0
 

@@ -43,6 +43,8 @@ from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.policy import CYCLE, DECODE, EXPLORE, AdaptivePolicy, AlwaysCycle, Choice, cycle_ratio
 from dflash_trt.runtime.serving.loop import ServingLoop
 
+import record  # benchmarks/record.py: results.jsonl
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -134,8 +136,7 @@ def main() -> int:
                "tau": None if tau is None else round(tau, 3), "ratios": ratios,
                "costs": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in table.iter_rows(named=True)]}
     if args.record:
-        with (ROOT / "benchmarks" / "results.jsonl").open("a") as file:
-            file.write(json.dumps(summary) + "\n")
+        record.append_rows([summary])
     print(json.dumps(summary))
     return 0
 

@@ -51,6 +51,8 @@ from pathlib import Path
 
 import numpy as np
 
+import record  # benchmarks/record.py: results.jsonl
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "dflash-trt-default-pair"
 MB = 1 << 20
@@ -409,10 +411,8 @@ def main() -> int:
     summary = {"name": "serve_adversarial", "date": time.strftime("%Y-%m-%d"), "commit": commit(), "machine": machine(),
                "command": " ".join(["python", "benchmarks/serve_adversarial.py", *sys.argv[1:]]), **results}
     if args.record:
-        with (ROOT / "benchmarks" / "results.jsonl").open("a") as file:
-            for name, figures in results.items():
-                row = {"name": f"serve_adversarial_{name}", **{k: summary[k] for k in ("date", "commit", "machine", "command")}, **figures}
-                file.write(json.dumps(row) + "\n")
+        record.append_rows({"name": f"serve_adversarial_{name}", **{k: summary[k] for k in ("date", "commit", "machine", "command")}, **figures}
+                           for name, figures in results.items())
     print(json.dumps(summary))
     return 0
 

@@ -64,6 +64,8 @@ from pathlib import Path
 
 import numpy as np
 
+import record  # benchmarks/record.py: results.jsonl
+
 # "on": DFlash under --policy; "always": DFlash cycling whenever a block fits; "off": plain target decoding through the same engine
 MODES = {"on": [], "always": ["--policy", "always"], "off": ["--no-draft"]}
 FRONTS = {"process": ["--front-process"], "single": ["--no-front-process"]}  # the HTTP front in its own process, or not
@@ -351,10 +353,8 @@ def main() -> int:
                "max_tokens": args.max_tokens, "max_sessions": args.max_sessions, "backend": args.backend, "device": args.device,
                "policy": args.policy, "runs": results}
     if args.record:
-        with (ROOT / "benchmarks" / "results.jsonl").open("a") as file:
-            for figures in results.values():
-                row = {**{k: v for k, v in summary.items() if k != "runs"}, "name": f"serve_load_{figures['mode']}", **figures}
-                file.write(json.dumps(row) + "\n")
+        record.append_rows({**{k: v for k, v in summary.items() if k != "runs"}, "name": f"serve_load_{figures['mode']}", **figures}
+                           for figures in results.values())
     print(json.dumps(summary))
     return 0
 

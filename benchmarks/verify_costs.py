@@ -27,6 +27,8 @@ import torch
 from dflash_trt.export import contract as c
 from dflash_trt.runtime import command
 
+import record  # benchmarks/record.py: results.jsonl
+
 ROOT = Path(__file__).resolve().parent.parent
 START = 300  # cache slots already filled per owner (attention over a realistic prefix)
 
@@ -79,8 +81,7 @@ def main() -> int:
                "command": " ".join(["python", "benchmarks/verify_costs.py", *sys.argv[1:]]), "backend": args.backend,
                "verify_proposals": list(lengths), "reps": args.reps, "ms": {n: {k: round(v, 3) for k, v in row.items()} for n, row in rows.items()}}
     if args.record:
-        with (ROOT / "benchmarks" / "results.jsonl").open("a") as file:
-            file.write(json.dumps(summary) + "\n")
+        record.append_rows([summary])
     print(json.dumps(summary))
     return 0
 

@@ -1,0 +1,31 @@
+"""Where the benchmarks' figures go: ``--record`` appends rows (one JSON object a line) to
+benchmarks/results.jsonl, each with the commit it measured when the checkout is a git repository."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterable
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results.jsonl"
+
+
+def _git(*argv: str) -> str:
+    return subprocess.run(["git", *argv], cwd=RESULTS.parent, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+
+
+def commit() -> str | None:
+    """The checkout's short commit (with ``+`` when it has uncommitted changes), or None outside git."""
+    try:
+        return _git("rev-parse", "--short", "HEAD") + ("+" if _git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def append_rows(rows: Iterable[dict]) -> None:
+    """Append ``rows`` to results.jsonl; a row without a ``commit`` gets the checkout's."""
+    head = commit()
+    with RESULTS.open("a") as file:
+        for row in rows:
+            file.write(json.dumps(row if "commit" in row or head is None else {**row, "commit": head}) + "\n")
