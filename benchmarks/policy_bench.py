@@ -23,7 +23,6 @@ last line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -92,10 +91,7 @@ def main() -> int:
                "rounds": args.rounds, "prompts": len(prompts), "verify_proposals": list(lengths),
                "max_new_tokens": args.max_new_tokens, "median_tokens_per_s": medians,
                "median_ratios": ratios, "identical_outputs": identical, "tokens_per_s": {m: [round(v, 2) for v in rates[m]] for m in MODES}}
-    if args.record:
-        record.append_rows([summary])
-    print(json.dumps(summary))
-    return 0
+    return record.finish(summary, args.record)
 
 
 if __name__ == "__main__":

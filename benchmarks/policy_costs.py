@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import os
 import platform
@@ -135,10 +134,7 @@ def main() -> int:
                "requests": args.requests, "tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2),
                "tau": None if tau is None else round(tau, 3), "ratios": ratios,
                "costs": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in table.iter_rows(named=True)]}
-    if args.record:
-        record.append_rows([summary])
-    print(json.dumps(summary))
-    return 0
+    return record.finish(summary, args.record)
 
 
 if __name__ == "__main__":

@@ -29,3 +29,11 @@ def append_rows(rows: Iterable[dict]) -> None:
     with RESULTS.open("a") as file:
         for row in rows:
             file.write(json.dumps(row if "commit" in row or head is None else {**row, "commit": head}) + "\n")
+
+
+def finish(summary: dict, record: bool) -> int:
+    """A benchmark's end: ``summary`` appended when ``record`` (``--record``), printed as the last line; exit status 0."""
+    if record:
+        append_rows([summary])
+    print(json.dumps(summary))
+    return 0

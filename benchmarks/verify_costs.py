@@ -15,7 +15,6 @@ ONNX Runtime by default (the ``run`` flags); the last line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -47,7 +46,7 @@ def mean_ms(backend, graph: str, feeds: dict, reps: int) -> float:
 def costs(backend, n: int, reps: int) -> dict[str, float]:
     """ms per run of every graph a cycle or a decode step of ``n`` owners runs."""
     dims, device = backend.dims, backend.device
-    ints = lambda shape, value: torch.full(shape, value, dtype=torch.int64, device=device)  # noqa: E731
+    ints = lambda shape, value: torch.full(shape, value, dtype=torch.int64, device=device)
     start = ints((n,), START)
     row = {"decode": mean_ms(backend, c.graph_name(c.TARGET_DECODE, n), {c.TOKENS: ints((n, 1), 5), c.START: start}, reps)}
     taps = torch.randn((n, dims.block_size, dims.tap_width), device=device).to(getattr(torch, dims.dtype))
@@ -80,10 +79,7 @@ def main() -> int:
     summary = {"name": "verify_costs", "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
                "command": " ".join(["python", "benchmarks/verify_costs.py", *sys.argv[1:]]), "backend": args.backend,
                "verify_proposals": list(lengths), "reps": args.reps, "ms": {n: {k: round(v, 3) for k, v in row.items()} for n, row in rows.items()}}
-    if args.record:
-        record.append_rows([summary])
-    print(json.dumps(summary))
-    return 0
+    return record.finish(summary, args.record)
 
 
 if __name__ == "__main__":
