@@ -55,7 +55,10 @@ class Fronts:
         self.stopping = True
         for process in self.processes:
             if process.is_alive():
-                os.kill(process.pid, sig)
+                try:
+                    os.kill(process.pid, sig)
+                except ProcessLookupError:  # it ended meanwhile
+                    pass
 
     def join(self, timeout: float) -> None:
         """Wait up to ``timeout`` for every extra front to exit (after ``signal``), then kill the rest."""
