@@ -37,6 +37,21 @@ def pair(target_dir: Path, draft_dir: Path):
     return load_pair(target_dir, draft_dir)
 
 
+# Requests the serving loop serves at once, in process or across the front's pipe: (prompt, max_new_tokens,
+# sampling) for the tiny pair's 4 rows and 64-token context: greedy and seeded, short and long, one that
+# runs into the context end and one that ends at its first token.
+SERVING_REQUESTS = [
+    ([5, 6, 7], 20, Sampling()),
+    (list(range(10, 40)), 12, Sampling(0.9, 10, 1.0, 11)),
+    ([9] * 12, 25, Sampling()),
+    ([44], 8, Sampling(1.2, 0, 0.8, 3)),
+    (list(range(60, 50, -1)), 30, Sampling(0.7, 0, 1.0, 5)),
+    ([1, 2], 16, Sampling()),
+    (list(range(3, 58)), 20, Sampling()),  # runs into the context end (64)
+    ([17, 18, 19, 20], 1, Sampling()),
+]
+
+
 class CharTokenizer:
     """One token per character (the tiny pair has no tokenizer): ids 3..92 are ' '..'y'."""
 

@@ -24,6 +24,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import openai
@@ -92,6 +93,17 @@ class Server:
         """(sample name, outcome label or '') -> value."""
         families = text_string_to_metric_families(self.get("/metrics")[1])
         return {(s.name, s.labels.get("outcome", "")): s.value for f in families for s in f.samples}
+
+    @contextmanager
+    def reaped(self):
+        """The body's server process is killed if it still runs when the body ends (a test that failed
+        before the server exited must not leave it behind)."""
+        try:
+            yield
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGINT)
@@ -511,7 +523,7 @@ def test_sigterm_drains_then_ends_every_open_request_and_exits_0(default_pair_ca
     openai client raised APIConnectionError), non-stream requests getting a plain-text 500 instead of
     503, new requests being admitted while shutting down, a traceback, or a non-zero exit."""
     drained = Server(default_pair_cache, tmp_path / "drain.log", "--max-sessions", "4", "--shutdown-timeout", "1.5")
-    try:
+    with drained.reaped():
         drained.wait_ready()
         client, outcomes, started = drained.client(), {}, threading.Semaphore(0)
 
@@ -552,10 +564,6 @@ def test_sigterm_drains_then_ends_every_open_request_and_exits_0(default_pair_ca
             thread.join(60)
         code = drained.process.wait(30)
         exited = time.monotonic() - signalled
-    finally:
-        if drained.process.poll() is None:
-            drained.process.kill()
-            drained.process.wait()
     log = drained.log.read_text()
     assert code == 0 and "Traceback" not in log, log[-3000:]
     assert [outcomes[i] for i in range(5)] == ["abort"] * 5, outcomes
@@ -582,7 +590,7 @@ def test_two_http_fronts_answer_as_one_server_and_drain_together(default_pair_ca
     over many connections equal the reference; at SIGTERM every open stream ends with a finish reason and
     the server exits 0 with no front process left."""
     served = Server(default_pair_cache, tmp_path / "fronts.log", "--fronts", "2", "--max-sessions", "4", "--shutdown-timeout", "1.5")
-    try:
+    with served.reaped():
         served.wait_ready()
         deadline = time.monotonic() + 60
         while "HTTP front 1 (pid" not in served.log.read_text() and time.monotonic() < deadline:
@@ -614,10 +622,6 @@ def test_two_http_fronts_answer_as_one_server_and_drain_together(default_pair_ca
         for thread in threads:
             thread.join(60)
         code = served.process.wait(30)
-    finally:
-        if served.process.poll() is None:
-            served.process.kill()
-            served.process.wait()
     log = served.log.read_text()
     assert code == 0 and "Traceback" not in log, log[-3000:]
     assert sorted(finishes) == list(range(4)) and set(finishes.values()) <= {"abort", "length"}, finishes
@@ -631,7 +635,7 @@ def test_the_serving_process_dying_fails_open_requests_and_the_server_exits_1(de
     engine: open streams end with an error event (code serving_process_died), a whole request gets 503,
     /health answers 503, and the server exits 1 without a traceback."""
     server = Server(default_pair_cache, tmp_path / "died.log", "--max-sessions", "1")
-    try:
+    with server.reaped():
         server.wait_ready()
         pid = int(re.search(r"serving process (\d+) loaded", server.log.read_text()).group(1))
         client, outcomes, started = server.client(), {}, threading.Event()
@@ -674,10 +678,6 @@ def test_the_serving_process_dying_fails_open_requests_and_the_server_exits_1(de
         for thread in threads:
             thread.join(60)
         code = server.process.wait(30)
-    finally:
-        if server.process.poll() is None:
-            server.process.kill()
-            server.process.wait()
     log = server.log.read_text()
     assert outcomes == {0: "serving_process_died", 1: "serving_process_died", 2: (503, "serving_process_died")}, outcomes
     assert health == [(503, "unavailable")]

@@ -22,7 +22,7 @@ from dflash_trt.runtime.serving.loop import ServingLoop
 from dflash_trt.server import wire
 from dflash_trt.server.front import DIED, ServingClient
 from dflash_trt.server.serving_process import Outbox, ServingProcess
-from executor_fixtures import CharTokenizer
+from executor_fixtures import SERVING_REQUESTS as REQUESTS, CharTokenizer
 
 TINY_ROWS = 4  # cache rows of the module's Tiny (conftest)
 TIMEOUT_S = 60
@@ -128,16 +128,6 @@ class ThreadProcess:
 
     def kill(self) -> None:
         self.conn.close()
-
-
-REQUESTS = [  # (prompt, max_new_tokens, sampling)
-    ([5, 6, 7], 20, Sampling()),
-    (list(range(10, 40)), 12, Sampling(0.9, 10, 1.0, 11)),
-    ([9] * 12, 25, Sampling()),
-    ([44], 8, Sampling(1.2, 0, 0.8, 3)),
-    (list(range(60, 50, -1)), 30, Sampling(0.7, 0, 1.0, 5)),
-    (list(range(3, 58)), 20, Sampling()),  # runs into the context end (64)
-]
 
 
 def run_all(serving, requests, tokenizer=None):

@@ -20,7 +20,7 @@ from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.serving.batcher import CONTEXT, LENGTH, STOP
 from dflash_trt.runtime.serving.loop import CANCELLED, ServingLoop
 from dflash_trt.runtime.serving.metrics import LATENCY_BUCKETS_S, RATE_BUCKET_S, RATE_WINDOW_S, WINDOW_S, WINDOW_SAMPLES, MetricsRecorder
-from executor_fixtures import CharTokenizer, RecordingBackend
+from executor_fixtures import SERVING_REQUESTS as REQUESTS, CharTokenizer, RecordingBackend
 
 
 TINY_ROWS = 4  # cache rows of the module's Tiny (conftest)
@@ -53,18 +53,6 @@ def reference(oracle, prompt, max_new, stop=(), sampling=Sampling()) -> tuple[li
     if cut is not None:
         return tokens[:cut], STOP
     return tokens, LENGTH if len(tokens) == max_new else CONTEXT
-
-
-REQUESTS = [  # (prompt, max_new_tokens, sampling)
-    ([5, 6, 7], 20, Sampling()),
-    (list(range(10, 40)), 12, Sampling(0.9, 10, 1.0, 11)),
-    ([9] * 12, 25, Sampling()),
-    ([44], 8, Sampling(1.2, 0, 0.8, 3)),
-    (list(range(60, 50, -1)), 30, Sampling(0.7, 0, 1.0, 5)),
-    ([1, 2], 16, Sampling()),
-    (list(range(3, 58)), 20, Sampling()),  # runs into the context end (64)
-    ([17, 18, 19, 20], 1, Sampling()),
-]
 
 
 def submit(serving, prompt, max_new, sampling):
