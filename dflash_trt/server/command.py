@@ -223,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
             server.on_signal = served.on_signal
             if served.on_death is not None:
                 served.on_death(server.serving_died)
+            if served.start_together is not None:
+                served.start_together()
 
         serve_http(serving, served.names, args, logging_config, listener, args.log_interval, prepare)
     except BaseException:
@@ -253,6 +255,7 @@ class _Served:
     died: Callable[[], bool] = lambda: False
     on_death: Callable[[Callable[[], None]], None] | None = None
     on_signal: Callable[[int], None] | None = None  # the server's shutdown signal, for the other fronts
+    start_together: Callable[[], None] | None = None  # waits for the other fronts to accept too (--fronts)
 
 
 def _load_here(args) -> _Served:
@@ -302,7 +305,7 @@ def _start_serving_process(args, logging_config: dict, listener: socket.socket) 
         if client.died:  # it died before the callback was set
             callback()
 
-    return _Served(client, names, release, lambda: client.died, on_death, others.signal if others is not None else None)
+    return _Served(client, names, release, lambda: client.died, on_death, *((others.signal, others.start_together) if others is not None else ()))
 
 
 def _exit_now(code: int = 0) -> None:

@@ -9,7 +9,9 @@ to one of the processes accepting on the socket; each front runs the same app ov
 ``ServingClient`` (``server.front``).
 
 This process (the first front) owns the others: it spawns them once the serving process has loaded,
-forwards SIGINT / SIGTERM to them (each drains its own streams as the first does; a signal sent to the
+and every front starts accepting at once (a barrier just before each one's accept loop): connections
+made while the others still start would all stay with the first front (clients keep them open), so
+the server is ready only when every front is. It forwards SIGINT / SIGTERM to them (each drains its own streams as the first does; a signal sent to the
 whole process group reaches them directly too, and a repeated SIGTERM changes nothing), waits for them
 before it stops the serving process, and logs one that ends early (the others keep serving; the serving
 process cancelled its requests when its pipe closed). They die with this process (Linux
@@ -30,6 +32,7 @@ import time
 log = logging.getLogger("dflash_trt.server")
 
 STOP_GRACE_S = 3.0  # after the drain deadline: how long an extra front gets to exit before it is killed
+START_TIMEOUT_S = 120.0  # how long the fronts wait for each other before accepting (then those started serve)
 
 
 class Fronts:
@@ -42,13 +45,19 @@ class Fronts:
         context = multiprocessing.get_context("spawn")
         self.stopping = False
         self.processes = []
+        self.started = context.Barrier(len(conns) + 1)  # every front, this one included, before it accepts
         for index, conn in enumerate(conns, start=1):
-            process = context.Process(target=main, args=(index, conn, listener, child_args(args), logging_config), name=f"dflash-trt-front-{index}")
+            process = context.Process(target=main, args=(index, conn, listener, child_args(args), logging_config, self.started),
+                                      name=f"dflash-trt-front-{index}")
             process.start()
             conn.close()  # the child holds it now
             self.processes.append(process)
         self._watcher = threading.Thread(target=self._watch, name="dflash-trt-fronts", daemon=True)
         self._watcher.start()
+
+    def start_together(self) -> None:
+        """This front's wait for the others to reach their accept loops (see the module docstring)."""
+        accept_together(self.started, 0)
 
     def signal(self, sig: int) -> None:
         """Forward a shutdown signal to every extra front (it drains as this one does)."""
@@ -78,12 +87,23 @@ class Fronts:
             multiprocessing.connection.wait([p.sentinel for p in waiting])
             for process in [p for p in waiting if not p.is_alive()]:
                 waiting.remove(process)
+                self.started.abort()  # a front that died starting: the others do not wait for it
                 if not self.stopping:
                     log.error("HTTP front %s (pid %d) exited with code %s; %d fronts keep serving", process.name, process.pid,
                               process.exitcode, 1 + sum(p.is_alive() for p in self.processes))
 
 
-def main(index: int, conn, listener, args: argparse.Namespace, logging_config: dict) -> None:
+def accept_together(started, index: int) -> None:
+    """Front ``index`` waits for every front at ``started`` (a barrier) before it accepts connections; one
+    that did not start in time (or died) is logged and the others serve without it."""
+    try:
+        started.wait(START_TIMEOUT_S)
+    except threading.BrokenBarrierError:
+        if index == 0:
+            log.warning("not every HTTP front started within %.0f s; those that did serve", START_TIMEOUT_S)
+
+
+def main(index: int, conn, listener, args: argparse.Namespace, logging_config: dict, started) -> None:
     """An extra front's process (``multiprocessing``, spawn): the app over its pipe, on the shared socket."""
     from dflash_trt.server import command, serving_process
     from dflash_trt.server.front import ServingClient
@@ -95,7 +115,8 @@ def main(index: int, conn, listener, args: argparse.Namespace, logging_config: d
         os._exit(1)
     client = ServingClient(None, conn, ready, command._tokenizer(args))
     log.info("HTTP front %d (pid %d) serving", index, os.getpid())
-    died = command.serve_http(client, args.served_model_name or [command._model_name(args)], args, logging_config, listener, log_interval_s=0)
+    died = command.serve_http(client, args.served_model_name or [command._model_name(args)], args, logging_config, listener,
+                              log_interval_s=0, prepare=lambda server: accept_together(started, index))
     client.stop()
     logging.shutdown()
     os._exit(1 if died else 0)
