@@ -23,7 +23,8 @@ from dflash_trt.runtime.sessions import CONTEXT, LENGTH, STOP, Input, token_ids 
 
 
 PREFILL_TOKENS_PER_STEP = 8192  # prompt tokens one step takes at most (the first prompt always goes)
-JOIN_SHARE = 8  # early join: a step ends for queued requests once 1 / JOIN_SHARE of its sessions can be handed out
+JOIN_SHARE = 8  # early join: a step ends once 1 / JOIN_SHARE of its sessions' worth of queued requests can join
+JOIN_WAIT_S = 0.02  # ... or once the oldest queued request (with a session for it) waited this long
 
 
 @dataclass(frozen=True)
@@ -118,18 +119,21 @@ class Batcher:
     def room(self) -> int:
         return self.capacity - len(self.running)
 
-    def should_yield(self, waiting: int, finished: int) -> bool:
-        """Early join: end the running step after its round for ``waiting`` queued requests? Yes when
-        the gap could hand out at least one session (``room`` plus the ``finished`` requests') and at
-        least one in JOIN_SHARE of the running requests' (a large batch is not cut for each request
-        that finishes: executes stay several rounds long at many sessions).
+    def should_yield(self, waiting: int, finished: int, waited: float = 0.0) -> bool:
+        """Early join: end the running step after its round for ``waiting`` queued requests? Yes when the
+        gap could hand sessions (``room`` plus the ``finished`` requests') to at least one in JOIN_SHARE
+        of the running requests' worth of them (at least one), or to one that has ``waited`` JOIN_WAIT_S
+        seconds for this step (the serving loop: since the step started, or since the request came if
+        later): a large batch is not cut for each request that arrives or finishes (at many sessions
+        every execute would shrink to one round and pay the gap's host work per round, while the device
+        waits), and a lone waiting request waits for it about one stream interval at most.
 
         >>> b = Batcher.__new__(Batcher); b.capacity, b.running = 64, dict.fromkeys(range(64))
-        >>> [b.should_yield(3, f) for f in (1, 7, 8)], b.should_yield(0, 8)
-        ([False, False, True], False)
+        >>> [b.should_yield(3, f) for f in (1, 7, 8)], b.should_yield(8, 8), b.should_yield(0, 8), b.should_yield(1, 1, JOIN_WAIT_S)
+        ([False, False, False], True, False, True)
         """
-        free = self.room + finished
-        return waiting > 0 and free >= max(1, -(-len(self.running) // JOIN_SHARE))
+        joinable = min(waiting, self.room + finished)
+        return joinable > 0 and (joinable >= -(-len(self.running) // JOIN_SHARE) or waited >= JOIN_WAIT_S)
 
     def join(self, key: Hashable, request: Request) -> None:
         session = self.executor.open_session()

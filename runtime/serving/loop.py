@@ -286,13 +286,20 @@ class ServingLoop:
     def _step(self) -> None:
         ended: set = set()  # requests that ended while the execute streamed: their sessions close after it
         held: dict = {}  # tokens read but not handed out yet (at most stream_interval old)
+        started = time.perf_counter()
 
         def should_yield(finished: int) -> bool:
             """End the execute early when queued requests could take sessions at the gap (free ones, or
-            those of requests that ended during it: ``Batcher.should_yield``): their first tokens then
-            wait a round or a few, not the rest of the execute. ``ended`` counts every request the
+            those of requests that ended during it: ``Batcher.should_yield``, for a share of the batch's
+            worth of them or the oldest after ``JOIN_WAIT_S``): their first tokens then wait a round or
+            a few, not the rest of the execute. ``ended`` counts every request the
             executor ended (a chunk with a finish is delivered at once) and those cut at a stop string."""
-            return self.batcher.should_yield(len(self._queue), max(finished, len(ended)))
+            now = time.perf_counter()
+            with self._cond:
+                waiting = len(self._queue)
+                oldest = self._queue[0].submitted if waiting else now
+            # Waited for this execute: since it started, or since the request came if later.
+            return self.batcher.should_yield(waiting, max(finished, len(ended)), now - max(oldest, started))
 
         def stream(chunk: Chunk) -> None:
             if chunk.index in ended:

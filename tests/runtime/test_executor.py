@@ -580,20 +580,24 @@ def test_an_execute_asked_to_yield_ends_after_one_round_and_loses_nothing(tiny, 
 
 
 def test_early_join_cuts_a_large_batch_only_for_one_in_eight_sessions(tiny):
-    """Guards against ending a large batch's execute for every request that finishes (at many sessions
-    every execute would shrink to one round and pay its host work per round), and against making a
-    queued request wait when a small batch frees a session: the batcher asks for an early end once the
-    gap could hand out one in eight of its running requests' sessions (at least one), never with no
-    request waiting."""
-    from dflash_trt.runtime.serving.batcher import Batcher, Request
+    """Guards against ending a large batch's execute for every request that arrives or finishes (at many
+    sessions every execute would shrink to one round and pay its host work per round), against a lone
+    queued request waiting for a large batch without bound, and against making a queued request wait
+    when a small batch frees a session: the batcher asks for an early end once one in eight of its
+    running requests' worth of queued requests could take sessions at the gap (at least one), or one
+    could that waited JOIN_WAIT_S, never with no request waiting or no session to hand out."""
+    from dflash_trt.runtime.serving.batcher import JOIN_WAIT_S, Batcher, Request
 
     executor = Executor(tiny.ort, tiny.dims, 12)
     full = Batcher(executor, 10)
     for key in range(10):
         full.join(key, Request(prompt(5, key), 8))
     assert full.room == 0
-    assert [full.should_yield(1, finished) for finished in (0, 1, 2, 3)] == [False, False, True, True]  # ceil(10 / 8) = 2
-    assert not full.should_yield(0, 10)  # nobody waiting
+    assert [full.should_yield(2, finished) for finished in (0, 1, 2, 3)] == [False, False, True, True]  # ceil(10 / 8) = 2
+    assert not full.should_yield(1, 3)  # one request waiting: below the share
+    assert full.should_yield(1, 1, JOIN_WAIT_S) and not full.should_yield(1, 1, JOIN_WAIT_S / 2)  # ... until it waited
+    assert not full.should_yield(1, 0, 10 * JOIN_WAIT_S)  # no session to hand it
+    assert not full.should_yield(0, 10, 10 * JOIN_WAIT_S)  # nobody waiting
     full.close()
     small = Batcher(executor, 4)
     small.join("a", Request(prompt(5, 50), 8))
