@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -142,8 +143,7 @@ def trim_context(frontier: int, draft_position: int, position: int) -> tuple[int
     return draft, position - draft
 
 
-@dataclass(frozen=True)
-class Verdict:
+class Verdict(NamedTuple):
     """What one owner's verdict commits (docs/design.md §1, cycle steps 3–4)."""
 
     tokens: tuple[int, ...]  # emitted: d_1..d_a then y_a (correction or bonus)
@@ -161,17 +161,20 @@ def make_verdicts(
     emitted = proposals[:a] + [next] (== choices[:a+1], since an accepted
     proposal equals the target's choice). An out-of-range verdict is a
     device-side fault, not a user error: ValueError (the executor poisons).
+    One range check and one conversion per array (this runs per launch for every owner).
     """
-    n, width = proposals.shape
-    verdicts = []
-    for i in range(n):
+    width = proposals.shape[1]
+    bad = (accepted < 0) | (accepted > width) | (next_token < 0) | (next_token >= vocab_size)
+    if bad.any():
+        i = int(np.argmax(bad))
         a, token = int(accepted[i]), int(next_token[i])
-        if not 0 <= a <= width or not 0 <= token < vocab_size:
-            msg = f"verdict of owner {i} out of range: accepted {a} (valid [0, {width}]), token {token} (valid [0, {vocab_size - 1}])"
-            raise ValueError(msg)
-        tokens = tuple(int(t) for t in proposals[i, :a]) + (token,)
-        verdicts.append(Verdict(tokens, a, a == width, int(starts[i]) + a + 1, a + 1))
-    return verdicts
+        msg = f"verdict of owner {i} out of range: accepted {a} (valid [0, {width}]), token {token} (valid [0, {vocab_size - 1}])"
+        raise ValueError(msg)
+    rows = proposals.tolist()
+    return [
+        Verdict((*rows[i][:a], token), a, a == width, int(starts[i]) + a + 1, a + 1)
+        for i, (a, token) in enumerate(zip(accepted.tolist(), next_token.tolist()))
+    ]
 
 
 def sampling_rows(samplings: Sequence[Sampling], positions: Sequence[int]) -> dict[str, np.ndarray]:

@@ -161,6 +161,7 @@ class Executor:
         self.closed = False
         self._on_tokens: Callable | None = None
         self._should_yield: Callable[[int], bool] | None = None
+        self._shapes: dict[tuple[str, int, int], LoopShape] = {}  # _set_kind's, by (kind, proposals, cycles)
         # Rows go back to the backend even if the executor is dropped without close().
         self._release = weakref.finalize(self, self.table.rows.give_all, self.table.held)
 
@@ -586,7 +587,10 @@ class Executor:
         lane.kind, lane.choice = kind, choice
         lane.proposals = (choice.proposals if choice is not None and choice.proposals else self.dims.proposals) if kind == CYCLE else 0
         cycles = 1 if lane.host_taps else self.max_cycles
-        lane.shape = LoopShape(lane.proposals + 1, B, L, cycles) if kind == CYCLE else LoopShape(1, 1, L, cycles)
+        key = (kind, lane.proposals, cycles)  # a handful of shapes, made once (this runs per lane per round)
+        if (shape := self._shapes.get(key)) is None:
+            shape = self._shapes[key] = LoopShape(lane.proposals + 1, B, L, cycles) if kind == CYCLE else LoopShape(1, 1, L, cycles)
+        lane.shape = shape
 
     def _plan_round(self, lanes: list[Lane]) -> list[Lane]:
         """One round: the policy's choice for the policed lanes, then per lane what its state allows
