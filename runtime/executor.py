@@ -604,8 +604,10 @@ class Executor:
         policed = [lane for lane in lanes if lane.policed]
         if not policed:
             return lanes
-        going = sum(not lane.finished and lane.may_launch() or bool(lane.flight) for lane in self._policed)
-        owners = min(max(going, len(policed)), self.dims.max_owners)
+        going = len(policed)  # every policed lane of the execute is in this round: none else can be going
+        if going < len(self._policed):
+            going = max(going, sum(not lane.finished and lane.may_launch() or bool(lane.flight) for lane in self._policed))
+        owners = min(going, self.dims.max_owners)
         choice = self.policy.choose(padded(owners, self.dims.max_owners))
         ready = [lane for lane in lanes if not lane.policed]
         for lane in policed:

@@ -133,7 +133,11 @@ class Lane:
         """A read cycle's tokens: keep what room and stop tokens allow (nothing once finished)."""
         if self.finished:
             return
-        kept, self.finish = take(tokens, self.room, self.step.stop)
+        room = self.room
+        if (room is None or len(tokens) < room) and self.step.stop.isdisjoint(tokens):
+            self.tokens += tokens  # the common case, without a look at each token (ints already)
+            return
+        kept, self.finish = take(tokens, room, self.step.stop)
         self.tokens += kept
 
     @property
@@ -143,8 +147,9 @@ class Lane:
 
     def may_launch(self) -> bool:
         """One more launch fits and is wanted, judged from what has been read."""
-        reach = sum(f.width for f in self.flight)
-        return may_launch(self.session.frontier, self.in_flight, self.launched, self.room, self.finished, self.shape, reach)
+        flight = self.flight
+        reach = sum(f.width for f in flight) if flight else 0
+        return may_launch(self.session.frontier, len(flight), self.launched, self.room, self.finish is not None, self.shape, reach)
 
 
 @dataclass
