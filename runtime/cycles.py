@@ -18,7 +18,7 @@ Vocabulary (docs/design.md §1, §5):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -205,22 +205,29 @@ def pick_row(free: Sequence[int], used: Sequence[int]) -> int:
     return min(free, key=lambda row: (-((row - 1 in taken) + (row + 1 in taken)), row))
 
 
-def prefill_batches(lengths: Sequence[int], budget: int, quantum: int) -> list[tuple[tuple[int, ...], int]]:
+def prefill_batches(
+    lengths: Sequence[int], budget: int, quantum: int, cost: Callable[[int, int], int] | None = None, most: int | None = None
+) -> list[tuple[tuple[int, ...], int]]:
     """Prompts of ``lengths`` tokens -> batches (indices, padded length T): one launch each, T a multiple
-    of ``quantum``, ``len(indices) * T <= budget`` (a prompt longer than the budget goes alone).
+    of ``quantum``, ``cost(len(indices), T) <= budget`` (a prompt over the budget goes alone), at most
+    ``most`` prompts. ``cost``: the tokens a launch of n prompts of T tokens runs (default n · T; a
+    launch padded to a captured shape runs more).
 
     Prompts are taken shortest first, so a batch pads each prompt to about its neighbours' length.
 
     >>> prefill_batches([5, 40, 7, 33], budget=96, quantum=8)
     [((0, 2), 8), ((3, 1), 40)]
+    >>> prefill_batches([5, 7, 6], budget=16, quantum=8, cost=lambda n, T: 8 * n * T)  # padded to 8 owners
+    [((0,), 8), ((2,), 8), ((1,), 8)]
     """
     assert budget >= 1 and quantum >= 1, (budget, quantum)
+    cost = cost or (lambda n, T: n * T)
     batches: list[tuple[tuple[int, ...], int]] = []
     members: list[int] = []
     width = 0
     for index in sorted(range(len(lengths)), key=lambda i: lengths[i]):
         padded = -(-lengths[index] // quantum) * quantum
-        if members and (len(members) + 1) * max(width, padded) > budget:
+        if members and (cost(len(members) + 1, max(width, padded)) > budget or len(members) == most):
             batches.append((tuple(members), width))
             members, width = [], 0
         members.append(index)

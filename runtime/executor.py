@@ -80,7 +80,7 @@ from dflash_trt.runtime.cycles import (
 from dflash_trt.runtime.device_loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_COLUMN, PROPOSALS_COLUMN, DeviceLoop, Launch, padded
 from dflash_trt.runtime.launches import Group, Lane, LoopShape, run_launches
 from dflash_trt.runtime.policy import DRAIN, POLICIES, Choice, make_policy
-from dflash_trt.runtime.prefill import PREFILL_QUANTUM, PREFILL_TOKENS, Prompt, PrefillPrograms
+from dflash_trt.runtime.prefill import PREFILL_QUANTUM, Prompt, PrefillPrograms
 from dflash_trt.runtime.sessions import CONTEXT, ContextPool, Input, Limits, Output, Session, SessionTable, SessionView, Step, int_in, validate_batch
 from dflash_trt.runtime.stats import DEFAULT_MAX_ROWS, ExecuteRows, StatsLog, stats_paths, write_parquet
 from dflash_trt.runtime.timing import make_clock
@@ -431,9 +431,10 @@ class Executor:
         sessions = Counter(step.session.id for step in targets)
         together = [step for step in targets if self._batchable(step, sessions)]
         predictions: dict[int, int | None] = {}
-        lengths = [len(step.tokens) for step in together]
-        for members, width in prefill_batches(lengths, PREFILL_TOKENS, PREFILL_QUANTUM):
-            predictions |= self._prefill_batch([together[m] for m in members], width)
+        if together:  # row-indexed: self.prefill exists
+            lengths = [len(step.tokens) for step in together]
+            for members, width in prefill_batches(lengths, self.prefill.budget, PREFILL_QUANTUM, self.prefill.launch_tokens, self.prefill.most):
+                predictions |= self._prefill_batch([together[m] for m in members], width)
         batched = {step.index for step in together}
         for step in targets:
             if step.index not in batched:

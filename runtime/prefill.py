@@ -142,6 +142,24 @@ class PrefillPrograms:
                     self._program(owners, T, drafting)
             return self.chosen[:n].tolist()  # host sync: the tokens
 
+    @property
+    def budget(self) -> int:
+        """Tokens one launch may run (``launch_tokens``): the captured shapes' limit where batches run padded
+        to them (a larger batch would run eagerly, a host-bound crawl at many prompts), else PREFILL_TOKENS."""
+        return CAPTURE_TOKENS if self.pad else PREFILL_TOKENS
+
+    @property
+    def most(self) -> int:
+        """Prompts one launch may hold: the ``sample`` graph's rows (max_owners · (P + 1))."""
+        return self.dims.max_owners * (self.dims.proposals + 1)
+
+    def launch_tokens(self, n: int, width: int) -> int:
+        """Tokens a launch of ``n`` prompts of ``width`` tokens runs: at its padded shape where batches are padded."""
+        if not self.pad:
+            return n * width
+        owners = next((b for b, _ in self.shapes if b >= n), n)
+        return owners * next((w for w in widths(self.dims.max_chunk) if w >= width), width)
+
     def _padded(self, n: int, width: int) -> tuple[int, int]:
         """The captured shape holding ``n`` prompts of ``width`` tokens, or (n, width) when none does."""
         owners = next((b for b, _ in self.shapes if b >= n), n)

@@ -141,3 +141,5 @@ def test_prefill_batches_respect_the_token_budget_and_pad_to_neighbours():
         assert len(members) * width <= 96 or len(members) == 1  # a prompt past the budget goes alone
     assert batches[0] == ((5, 0, 2), 8)  # the short ones together
     assert prefill_batches([], 96, 8) == []
+    padded = prefill_batches([5] * 6, budget=32, quantum=8, cost=lambda n, T: (1 << (n - 1).bit_length()) * T)  # owners to 2^k
+    assert [members for members, _ in padded] == [(0, 1, 2, 3), (4, 5)]  # 5 owners would launch as 8: over budget

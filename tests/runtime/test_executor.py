@@ -496,6 +496,30 @@ def test_joining_prompts_are_prefilled_together_losslessly(tiny, oracle, pad):
         t.execute([item + ({"max_new_tokens": 5},) for item in t.decode_inputs(sessions)])
 
 
+@pytest.mark.parametrize("pad", [False, True], ids=["exact-shape", "padded-shape"])
+def test_a_large_join_is_split_into_launches_that_fit(tiny, oracle, pad):
+    """Guards against a large join (the requests that queued during one execute, joining at once) forming
+    one prefill batch that cannot run as it should: more prompts than the ``sample`` graph's rows
+    (max_owners · (P + 1) = 32 here: the execute failed and poisoned every joining session), or, padded,
+    a shape never captured (it would run eagerly, a host-bound crawl that stalls every running stream on
+    a GPU). 40 prompts of 64 padded tokens go as 32 + 8, each padded launch at a captured shape, and
+    the outputs equal the reference."""
+    from dflash_trt.runtime.prefill import CAPTURE_TOKENS
+
+    dims = tiny_dims(tiny.target, tiny.draft, 256, max_chunk=64)
+    executor = Executor(tiny.torch_backend(dims, 40, kernels="fast"), dims, 40)
+    prefill = executor.prefill
+    prefill.pad = pad  # padded: as where the shapes are captured (CUDA graphs)
+    assert prefill.most == 32 and (40, 64) not in prefill.shapes and 40 * 64 > CAPTURE_TOKENS
+    launched, run = [], prefill.run
+    prefill.run = lambda prompts, width: launched.append(prefill._padded(len(prompts), width) if pad else (len(prompts), width)) or run(prompts, width)
+    t = Tracker(executor, oracle)
+    sessions = [t.open() for _ in range(40)]
+    t.execute([(s, prompt(33 + s % 28, 80 + s), None, True, {"max_new_tokens": 3}) for s in sessions])
+    assert sorted(n for n, _ in launched) == [8, 32], launched
+    assert not pad or all(shape in prefill.shapes for shape in launched), launched
+
+
 @pytest.mark.gpu
 def test_joining_prompts_replay_prefill_programs_captured_at_start_up(tiny, oracle):
     """Guards against joining prompts being prefilled eagerly on CUDA (~100 kernel launches from Python
