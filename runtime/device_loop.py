@@ -244,6 +244,7 @@ class DeviceLoop:
             self.floats.device[TOP_P].fill_(1.0)  # the scratch row samples like a greedy session
             self.records = {n: torch.zeros((n, width), dtype=torch.int64, device=self.device) for n in range(1, max_owners + 1)}
             self.reads = host_buffer((self.ring, max_owners, width), torch.int64, self.device)
+            self.read_rows = self.reads[1].numpy()  # the same memory as numpy: a read copies without a torch op
             self.taps_out = torch.zeros((self.rows, dims.tap_width), dtype=context.taps.dtype, device=self.device)
             # Row-indexed programs read their rows from here (one tensor per padded count, stable addresses).
             self.slots = {n: torch.full((n,), self.scratch or 0, dtype=torch.int64, device=self.device) for n in owner_buckets(max_owners)}
@@ -354,7 +355,7 @@ class DeviceLoop:
     def read(self, launch: Launch) -> tuple[np.ndarray, float]:
         """Host sync (the launch's end event): its live owners' record rows [n, P+2] and its device ms."""
         self.timeline.wait(launch)
-        record = self.reads[1][launch.entry, : launch.owners].numpy().copy()
+        record = self.read_rows[launch.entry, : launch.owners].copy()
         return record, self.timeline.account(launch)
 
     def _download(self, key: Key, owners: int, entry: int) -> None:
