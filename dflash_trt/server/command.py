@@ -305,7 +305,8 @@ def _start_serving_process(args, logging_config: dict, listener: socket.socket) 
         if client.died:  # it died before the callback was set
             callback()
 
-    return _Served(client, names, release, lambda: client.died, on_death, *((others.signal, others.start_together) if others is not None else ()))
+    return _Served(client, names, release, lambda: client.died, on_death, on_signal=others.signal if others is not None else None,
+                   start_together=others.start_together if others is not None else None)
 
 
 def _exit_now(code: int = 0) -> None:

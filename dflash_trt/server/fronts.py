@@ -11,11 +11,12 @@ to one of the processes accepting on the socket; each front runs the same app ov
 This process (the first front) owns the others: it spawns them once the serving process has loaded,
 and every front starts accepting at once (a barrier just before each one's accept loop): connections
 made while the others still start would all stay with the first front (clients keep them open), so
-the server is ready only when every front is. It forwards SIGINT / SIGTERM to them (each drains its own streams as the first does; a signal sent to the
-whole process group reaches them directly too, and a repeated SIGTERM changes nothing), waits for them
-before it stops the serving process, and logs one that ends early (the others keep serving; the serving
-process cancelled its requests when its pipe closed). They die with this process (Linux
-``PR_SET_PDEATHSIG``). The throughput log line is the first front's; every front logs its access lines.
+the server is ready only when every front is. It forwards SIGINT / SIGTERM to them (each drains its
+own streams as the first does; a signal sent to the whole process group reaches them directly too, and
+a repeated SIGTERM changes nothing), waits for them before it stops the serving process, and logs one
+that ends early (the others keep serving; the serving process cancelled its requests when its pipe
+closed). They die with this process (Linux ``PR_SET_PDEATHSIG``). The throughput log line is the first
+front's; every front logs its access lines.
 """
 
 from __future__ import annotations
