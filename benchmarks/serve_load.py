@@ -31,12 +31,13 @@ whose CPU is the limit: the busiest process's CPU time over the window in %
 of one core, for the HTTP fronts (the server's own process and, with
 ``serve --fronts N``, the others; with ``--fronts single`` everything), the
 serving process and the client processes (Linux /proc; 100 = a process that
-never waited).
+never waited). ``--profile-serving`` also samples the serving process with py-spy over each
+window and prints its serving thread's functions by share of the samples (``thread_profile.py``).
 
     python benchmarks/serve_load.py [--clients 8 [1 ...]] [--seconds 30] [--max-tokens 64] [--modes on off]
         [--artifacts DIR] [--backend onnxruntime|torch|tensorrt] [--device cuda] [--serve-args "--max-cycles 4"]
         [--policy adaptive|always] [--modes on always off]
-        [--threads N] [--client-procs P] [--warmup-seconds S] [--server-logs DIR] [--fronts process single] [--record]
+        [--threads N] [--client-procs P] [--warmup-seconds S] [--server-logs DIR] [--fronts process single] [--profile-serving] [--record]
 
 ``--record`` appends one row per mode and client count to
 benchmarks/results.jsonl. The last line printed is one JSON object with
@@ -65,6 +66,7 @@ from pathlib import Path
 import numpy as np
 
 import record  # benchmarks/record.py: results.jsonl
+import thread_profile  # benchmarks/thread_profile.py: py-spy samples of the serving thread
 
 # "on": DFlash under --policy; "always": DFlash cycling whenever a block fits; "off": plain target decoding through the same engine
 MODES = {"on": [], "always": ["--policy", "always"], "off": ["--no-draft"]}
@@ -260,13 +262,18 @@ def load(base: str, args, prompts: list[str], clients: int, roles: dict[str, lis
     time.sleep(max(0.0, window_start - time.time()))
     before = server_metrics(base)
     cpu_before = {p: cpu_seconds(p) for members in pids.values() for p in members}
+    spy = None
+    if args.profile_serving and roles["serving"]:  # the serving thread sampled over the window
+        raw = args.server_logs / f"serving_profile_{roles['serving'][0]}_{clients}.raw"
+        spy = (thread_profile.record(roles["serving"][0], args.seconds, raw), raw)
     time.sleep(max(0.0, window[1] - time.time()))
     shares = cpu_shares(pids, cpu_before, args.seconds)
     after = server_metrics(base)
     records = [pipe.recv() for pipe in pipes]
     for worker in workers:
         worker.join(60)
-    return figures(records, before, after, window[1] - window[0]) | shares
+    profiled = {} if spy is None else {"serving_profile": thread_profile.finish(*spy, top=40)}
+    return figures(records, before, after, window[1] - window[0]) | shares | profiled
 
 
 def figures(records: list[dict], before: dict, after: dict, seconds: float) -> dict:
@@ -326,6 +333,8 @@ def main() -> int:
     parser.add_argument("--fronts", nargs="+", choices=tuple(FRONTS), default=["process"],
                         help="process: the HTTP front in its own process (serve's default); single: --no-front-process "
                              "(serve's --fronts N, several front processes, goes in --serve-args)")
+    parser.add_argument("--profile-serving", action="store_true",
+                        help="sample the serving process with py-spy over each window; print its serving thread's profile")
     parser.add_argument("--record", action="store_true", help="append rows to benchmarks/results.jsonl")
     args = parser.parse_args()
     rows = [json.loads(line) for line in (ROOT / "export" / "default_pair" / "prompts.jsonl").read_text().splitlines() if line.strip()]
@@ -344,6 +353,8 @@ def main() -> int:
                       f"| {figures['server_ttft_p99_ms']} / {figures['server_itl_p99_ms']} | {figures['tau']} "
                       f"| {figures['policy_cycles']} / {figures['policy_decodes']} "
                       f"| {figures['front_cpu_pct']} / {figures['serving_cpu_pct']} / {figures['client_cpu_pct']} |", flush=True)
+                if "serving_profile" in figures:
+                    print(f"\n{front} {mode} {clients} clients: " + thread_profile.table(figures["serving_profile"]) + "\n", flush=True)
         finally:
             process.send_signal(signal.SIGINT)
             process.wait(60)
