@@ -454,13 +454,12 @@ class Executor:
         """One prefill program for ``steps`` (padded to ``width`` tokens; ``runtime.prefill``): their taps
         drained and kept, their predictions chosen on the device (one host sync)."""
         sessions = [step.session for step in steps]
-        B = self.dims.block_size
         t0 = self.clock.mark()
         prompts = []
         for step, s in zip(steps, sessions):
-            length = len(step.tokens)
-            drain = max(0, length - B) if s.speculate else 0
-            keep = length - drain if s.speculate else 0
+            # A fresh context (nothing pending): all but the last B rows drained, those B kept pending.
+            plan = plan_context(0, len(step.tokens), self.dims.block_size, self.dims.max_chunk) if s.speculate else None
+            drain, keep = (plan.drained, plan.keep[1] - plan.keep[0]) if plan is not None else (0, 0)
             prompts.append(Prompt(step.tokens, s.frontier, s.row, s.draft_position, drain, keep, s.sampling, step.end))
         chosen = self.prefill.run(prompts, width)  # host sync: the tokens
         t1 = self.clock.mark()

@@ -119,8 +119,7 @@ class PrefillPrograms:
         """Run the program at (n, T) with every lane padding: writes the scratch row only. Never syncs."""
         with self.loop.on_stream(), torch.no_grad():
             self._stage_padding(0, n, T)
-            for mirror in (self.tokens, self.ints, self.seeds, self.floats):
-                mirror.upload(self.loop.stream)
+            self._upload()
             self._program(n, T, self.drafting)
 
     def run(self, prompts: Sequence[Prompt], width: int) -> list[int]:
@@ -133,8 +132,7 @@ class PrefillPrograms:
         with self.loop.on_stream():
             self._stage(prompts, T)
             self._stage_padding(n, owners, T)
-            for mirror in (self.tokens, self.ints, self.seeds, self.floats):
-                mirror.upload(self.loop.stream)
+            self._upload()
             if graph is not None:
                 graph.replay()
             else:
@@ -155,16 +153,18 @@ class PrefillPrograms:
 
     def launch_tokens(self, n: int, width: int) -> int:
         """Tokens a launch of ``n`` prompts of ``width`` tokens runs: at its padded shape where batches are padded."""
-        if not self.pad:
-            return n * width
-        owners = next((b for b, _ in self.shapes if b >= n), n)
-        return owners * next((w for w in widths(self.dims.max_chunk) if w >= width), width)
+        owners, T = self._pad(n, width) if self.pad else (n, width)
+        return owners * T
 
     def _padded(self, n: int, width: int) -> tuple[int, int]:
         """The captured shape holding ``n`` prompts of ``width`` tokens, or (n, width) when none does."""
+        shape = self._pad(n, width)
+        return shape if shape in self.shapes else (n, width)
+
+    def _pad(self, n: int, width: int) -> tuple[int, int]:
+        """``n`` prompts of ``width`` tokens padded to the next owner bucket and captured width (captured or not)."""
         owners = next((b for b, _ in self.shapes if b >= n), n)
-        T = next((w for w in widths(self.dims.max_chunk) if w >= width), width)
-        return (owners, T) if (owners, T) in self.shapes else (n, width)
+        return owners, next((w for w in widths(self.dims.max_chunk) if w >= width), width)
 
     def _stage(self, prompts: Sequence[Prompt], T: int) -> None:
         """The prompts' inputs into the host buffers (tokens as [n, T], rows past a length: zero)."""
@@ -192,6 +192,14 @@ class PrefillPrograms:
         self.seeds.array[first:owners] = 0
         self.floats.array[TEMPERATURE, first:owners] = 0.0
         self.floats.array[TOP_P, first:owners] = 1.0
+
+    def _upload(self) -> None:
+        """The staged inputs -> device (async on CUDA; inside ``loop.on_stream``)."""
+        for mirror in self._mirrors():
+            mirror.upload(self.loop.stream)
+
+    def _mirrors(self) -> tuple[Mirror, ...]:
+        return self.tokens, self.ints, self.seeds, self.floats
 
     def _capture(self, n: int, T: int) -> torch.cuda.CUDAGraph:
         return capture_graph(self.device, self.backend.stream.torch, self.loop.memory, lambda: self._program(n, T, self.drafting))
@@ -227,5 +235,5 @@ class PrefillPrograms:
 
     def close(self) -> None:
         self.captured.clear()
-        for mirror in (self.tokens, self.ints, self.seeds, self.floats):
+        for mirror in self._mirrors():
             mirror.close()
