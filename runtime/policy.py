@@ -145,6 +145,11 @@ def expected_tokens(reached: list[float], proposals: int) -> float:
 Option = tuple[str, int]  # (kind, verify length): (CYCLE, k), or (DECODE, 0); (CYCLE, 0) is the executor's P
 
 
+def _best_cycle(values: dict[Option, float]) -> float:
+    """The best cycle length's value among an owner count's options (``AdaptivePolicy._values``)."""
+    return max(v for (kind, _), v in values.items() if kind == CYCLE)
+
+
 @dataclass
 class AdaptivePolicy:
     """Decode, or a cycle of one of ``lengths``, per round, from measured costs and yields (see the module docstring)."""
@@ -217,7 +222,7 @@ class AdaptivePolicy:
         """The best cycle length's tokens per second over decode rounds' at ``owners``; None while any
         option's rate is unknown."""
         values = self._values(owners)
-        return None if values is None else max(v for (kind, _), v in values.items() if kind == CYCLE)
+        return None if values is None else _best_cycle(values)
 
     def _values(self, owners: int) -> dict[Option, float] | None:
         """Each option's rate over the decode rate (decode: 1); None while any is unknown."""
@@ -235,7 +240,7 @@ class AdaptivePolicy:
             kind, k = unknown[0] if unknown else (DECODE, 0)  # all known but decode yields nothing: re-measure it
             return Choice(kind, EXPLORE, math.nan, kind, owners, k if kind == CYCLE else self._drain_length(owners))
         chosen = self._keep_or_switch(owners, values)
-        ratio = values[chosen] if chosen[0] == CYCLE else max(v for (kind, _), v in values.items() if kind == CYCLE)
+        ratio = values[chosen] if chosen[0] == CYCLE else _best_cycle(values)
         probe = self._due(owners, chosen, values)
         kind, k = probe or chosen
         length = k if kind == CYCLE else self._drain_length(owners)
