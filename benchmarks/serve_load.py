@@ -235,8 +235,10 @@ def server_roles(server: int, log: Path) -> dict[str, list[int]]:
     return {"front": [server] + [p for p in children(server) if p not in serving], "serving": serving}
 
 
-def load(base: str, args, prompts: list[str], clients: int, roles: dict[str, list[int]]) -> dict:
-    """``clients`` streaming clients: warm-up, then the measured window; the window's figures."""
+def load(base: str, args, prompts: list[str], clients: int, roles: dict[str, list[int]], profile: Path | None = None) -> dict:
+    """``clients`` streaming clients: warm-up, then the measured window; the window's figures. ``profile``: a
+    folder for py-spy's samples of the serving process over the window (its serving thread's profile joins
+    the figures); None: not sampled."""
     import openai
 
     sync = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
@@ -263,8 +265,8 @@ def load(base: str, args, prompts: list[str], clients: int, roles: dict[str, lis
     before = server_metrics(base)
     cpu_before = {p: cpu_seconds(p) for members in pids.values() for p in members}
     spy = None
-    if args.profile_serving and roles["serving"]:  # the serving thread sampled over the window
-        raw = args.server_logs / f"serving_profile_{roles['serving'][0]}_{clients}.raw"
+    if profile is not None and roles["serving"]:  # the serving thread sampled over the window
+        raw = profile / f"serving_profile_{roles['serving'][0]}_{clients}.raw"
         spy = (thread_profile.record(roles["serving"][0], args.seconds, raw), raw)
     time.sleep(max(0.0, window[1] - time.time()))
     shares = cpu_shares(pids, cpu_before, args.seconds)
@@ -346,7 +348,7 @@ def main() -> int:
         process, base, log = start_server(args, [*FRONTS[front], *MODES[mode]])
         try:
             for clients in args.clients:
-                figures = load(base, args, prompts, clients, server_roles(process.pid, log))
+                figures = load(base, args, prompts, clients, server_roles(process.pid, log), args.server_logs if args.profile_serving else None)
                 results[f"{front}_{mode}_{clients}"] = {"front": front, "mode": mode, "clients": clients, **figures}
                 print(f"| {front} | {mode} | {clients} | {figures['requests_per_s']} | {figures['output_tokens_per_s']} | {figures['ttft_p50_ms']} / {figures['ttft_p99_ms']} "
                       f"| {figures['itl_p50_ms']} / {figures['itl_p99_ms']} | {figures['tpot_p50_ms']} / {figures['tpot_p99_ms']} "
