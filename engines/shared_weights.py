@@ -132,7 +132,7 @@ def rewrite(model: onnx.ModelProto, uses: Mapping[str, Use], tensors: Mapping[st
     transposes = {use.transpose.output[0] for use in uses.values() if use.transpose is not None}
     _keep(graph.node, lambda node: not (node.op_type == "Transpose" and node.output[0] in transposes and not _read(graph, node.output[0])))
     read = {name for node in graph.node for name in node.input}
-    unread = {t.name for t in graph.initializer if t.name not in read}
+    unread = {use.initializer.name for use in uses.values()} - read  # only what the rewrite stopped reading
     _keep(graph.initializer, lambda t: t.name not in unread)
     _keep(graph.input, lambda v: v.name not in unread)
     for spec in tensor_specs(tensors):
