@@ -60,6 +60,7 @@ import time
 import weakref
 from collections import Counter
 from dataclasses import replace
+from operator import attrgetter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -86,6 +87,8 @@ from dflash_trt.runtime.stats import DEFAULT_MAX_ROWS, ExecuteRows, StatsLog, st
 from dflash_trt.runtime.timing import make_clock
 
 __all__ = ["Executor", "Input", "Output"]
+
+_ROW = attrgetter("session.row")  # a lane's cache row (the order of a group's lanes)
 
 LOG = logging.getLogger(__name__)
 
@@ -583,14 +586,17 @@ class Executor:
 
     def _set_kind(self, lane: Lane, kind: str, choice: Choice | None) -> None:
         """The lane's next launch: ``kind``, a cycle verifying the choice's length (P without one)."""
-        B, L = self.dims.block_size, self.dims.max_context
         lane.kind, lane.choice = kind, choice
-        lane.proposals = (choice.proposals if choice is not None and choice.proposals else self.dims.proposals) if kind == CYCLE else 0
-        cycles = 1 if lane.host_taps else self.max_cycles
-        key = (kind, lane.proposals, cycles)  # a handful of shapes, made once (this runs per lane per round)
+        lane.proposals, lane.shape = self._shape(kind, choice, 1 if lane.host_taps else self.max_cycles)
+
+    def _shape(self, kind: str, choice: Choice | None, cycles: int) -> tuple[int, LoopShape]:
+        """A launch of ``kind`` for ``choice``: its verify length and ``LoopShape`` (a handful of shapes, made once)."""
+        proposals = (choice.proposals if choice is not None and choice.proposals else self.dims.proposals) if kind == CYCLE else 0
+        key = (kind, proposals, cycles)
         if (shape := self._shapes.get(key)) is None:
-            shape = self._shapes[key] = LoopShape(lane.proposals + 1, B, L, cycles) if kind == CYCLE else LoopShape(1, 1, L, cycles)
-        lane.shape = shape
+            B, L = self.dims.block_size, self.dims.max_context
+            shape = self._shapes[key] = LoopShape(proposals + 1, B, L, cycles) if kind == CYCLE else LoopShape(1, 1, L, cycles)
+        return proposals, shape
 
     def _plan_round(self, lanes: list[Lane]) -> list[Lane]:
         """One round: the policy's choice for the policed lanes, then per lane what its state allows
@@ -610,14 +616,16 @@ class Executor:
         owners = min(going, self.dims.max_owners)
         choice = self.policy.choose(padded(owners, self.dims.max_owners))
         ready = [lane for lane in lanes if not lane.policed]
+        kind = choice.kind
+        proposals, shape = self._shape(kind, choice, self.max_cycles)  # policed lanes are never host_taps: max_cycles
         for lane in policed:
-            if choice.kind == DECODE and CYCLE in self._kinds(lane):
+            if kind == DECODE and CYCLE in self._kinds(lane):
                 lane.deferred = True
                 continue
-            if choice.kind == DECODE and self._pending(lane) >= self.dims.block_size:
+            if kind == DECODE and self._pending(lane) >= self.dims.block_size:
                 self._set_kind(lane, CYCLE, replace(choice, kind=CYCLE, why=DRAIN))  # charged to the decode round
             else:
-                self._set_kind(lane, choice.kind, choice)
+                lane.kind, lane.choice, lane.proposals, lane.shape = kind, choice, proposals, shape  # _set_kind, made once
             ready.append(lane)
         return ready
 
@@ -632,9 +640,11 @@ class Executor:
     def _pack(self, lanes: list[Lane]) -> list[Group]:
         """One launch's groups: per kind and verify length, ≤ max_owners lanes each, at consecutive rows
         unless the loop is row-indexed."""
-        groups = []
-        for kind, proposals in sorted({(lane.kind, lane.proposals) for lane in lanes}, key=lambda key: (key[0] != CYCLE, -key[1])):
-            members = sorted((lane for lane in lanes if (lane.kind, lane.proposals) == (kind, proposals)), key=lambda lane: lane.session.row)
+        groups, kinds = [], {}
+        for lane in lanes:  # one pass: the lanes by (kind, verify length), in their order
+            kinds.setdefault((lane.kind, lane.proposals), []).append(lane)
+        for kind, proposals in sorted(kinds, key=lambda key: (key[0] != CYCLE, -key[1])):
+            members = sorted(kinds[kind, proposals], key=_ROW)
             if self.loop.row_indexed:
                 runs = [members[i : i + self.dims.max_owners] for i in range(0, len(members), self.dims.max_owners)]
             else:
