@@ -158,9 +158,11 @@ class ColumnStore:
     def append_rows(self, count: int, shared: Mapping[str, object], **columns: Sequence) -> None:
         """``count`` rows at once: ``shared`` values repeated, ``columns`` one value per row (one
         extend per column instead of one append per value)."""
-        missing = self.schema.keys() - shared.keys() - columns.keys()
-        extra = (shared.keys() | columns.keys()) - self.schema.keys()
-        assert not missing and not extra and not shared.keys() & columns.keys(), f"stats rows: missing {missing}, extra {extra}"
+        # Every column once (one union and one count: this runs per launch); the message only on a fault.
+        assert len(shared) + len(columns) == len(self.schema) and shared.keys() | columns.keys() == self.schema.keys(), (
+            f"stats rows: missing {self.schema.keys() - shared.keys() - columns.keys()}, extra {(shared.keys() | columns.keys()) - self.schema.keys()}, "
+            f"both shared and per row {shared.keys() & columns.keys()}"
+        )
         assert all(len(values) == count for values in columns.values()), f"stats rows: columns of another length than {count}"
         for name, value in shared.items():
             self.columns[name].extend([value] * count)
