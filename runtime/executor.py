@@ -572,7 +572,7 @@ class Executor:
         should_yield = self._should_yield
         if should_yield is None:
             return None
-        return lambda: should_yield(sum(lane.finished for lane in every))
+        return lambda: should_yield(len(every) - [lane.finish for lane in every].count(None))  # lanes ended so far
 
     def _assign(self, lane: Lane) -> None:
         """The lane's kind for this execute: a drafting session with a block's room is ``policed`` (the
@@ -612,7 +612,7 @@ class Executor:
             return lanes
         going = len(policed)  # every policed lane of the execute is in this round: none else can be going
         if going < len(self._policed):
-            going = max(going, sum(not lane.finished and lane.may_launch() or bool(lane.flight) for lane in self._policed))
+            going = max(going, sum(lane.finish is None and lane.may_launch() or bool(lane.flight) for lane in self._policed))
         owners = min(going, self.dims.max_owners)
         choice = self.policy.choose(padded(owners, self.dims.max_owners))
         ready = [lane for lane in lanes if not lane.policed]

@@ -132,9 +132,10 @@ class Lane:
 
     def add(self, tokens: Sequence[int]) -> None:
         """A read cycle's tokens: keep what room and stop tokens allow (nothing once finished)."""
-        if self.finished:
+        if self.finish is not None:
             return
-        room = self.room
+        budget = self.step.room  # the room property, inlined: this runs per lane per launch
+        room = None if budget is None else budget - len(self.tokens)
         if (room is None or len(tokens) < room) and self.step.stop.isdisjoint(tokens):
             self.tokens += tokens  # the common case, without a look at each token (ints already)
             return
@@ -192,7 +193,7 @@ def run_launches(
     def start(candidates: Sequence[Lane], may_stop: bool = True) -> None:
         if may_stop and stop is not None and stop():
             return
-        live = [lane for lane in candidates if not lane.finished]
+        live = [lane for lane in candidates if lane.finish is None]
         chosen = live if choose is None or not live else choose(live)
         for group in pack([lane for lane in chosen if lane.may_launch()]):
             queue.append((group, launch(group)))
