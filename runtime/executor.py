@@ -563,6 +563,7 @@ class Executor:
             self._assign(lane)
         stage = [(l.session.row, l.anchor, l.session.frontier, l.session.draft_position, l.session.sampling) for l in lanes]
         self._policed = [lane for lane in lanes if lane.policed]
+        self._sampling = any(lane.session.sampling.temperature > 0 for lane in lanes)  # else no group samples (_pack)
         with self.loop.running():
             self.loop.stage(stage)
             run_launches(lanes, self._pack, self._launch, self._read, self.lag, self._plan_round, self._yield_check(every))
@@ -650,7 +651,8 @@ class Executor:
             else:
                 runs = [[members[m] for m in run.members] for run in pack_rows([lane.session.row for lane in members], self.dims.max_owners)]
             for run in runs:
-                groups.append(Group(kind, any(lane.session.sampling.temperature > 0 for lane in run), run, proposals))
+                sampled = self._sampling and any(lane.session.sampling.temperature > 0 for lane in run)
+                groups.append(Group(kind, sampled, run, proposals))
         return groups
 
     def _launch(self, group: Group) -> tuple[Launch, float]:
