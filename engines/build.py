@@ -14,7 +14,9 @@ only graphs that sampled sessions alone need (``verify_sample_{n}``) failed:
 the set is then written without them, greedy-only, and engines.json says
 why each is ``skipped`` (the runtime refuses sampled sessions on it). One
 builder and one timing cache (TensorRT; a file in the output directory)
-serve all graphs. The set's semantics probe (``engines.probe``) is exported
+serve all graphs. The two models' shared weights (the target's embedding
+and LM head) are lifted out of their graphs before parsing, into one file
+beside the plans (``engines.shared_weights``). The set's semantics probe (``engines.probe``) is exported
 and built the same way, and run where the builder has a GPU that runs the
 plans: a failed probe fails the build (``engines.verdict``).
 """
@@ -48,13 +50,23 @@ from dflash_trt.engines.bindings import (
     profile_shapes,
     trt_dtype_name,
 )
-from dflash_trt.engines.engine_set import ENGINES_JSON, PROBE_NAME, EngineRecord, EngineSetRecord, ProbeRecord, write_engine_set
+from dflash_trt.engines.engine_set import (
+    ENGINES_JSON,
+    PROBE_NAME,
+    SHARED_WEIGHTS_FILE,
+    EngineRecord,
+    EngineSetRecord,
+    ProbeRecord,
+    SharedWeightsRecord,
+    write_engine_set,
+)
 from dflash_trt.engines.flavour import TIMING_CACHE_FILE, Flavour
 from dflash_trt.engines.probe import ProbeSpec, export_probe, probe_io
+from dflash_trt.engines.shared_weights import Lifted, lift_shared_weights, write_shared_weights
 from dflash_trt.engines.sources import GraphSource, load_graph, source_files
 from dflash_trt.engines.verdict import Site, refusal, run_probe
 from dflash_trt.errors import EngineBuildError, EngineError, UnsupportedExportError
-from dflash_trt.export.contract import GraphSpec, profiles_of, sampled_only
+from dflash_trt.export.contract import GraphSpec, profiles_of, sampled_only, with_shared_weights
 from dflash_trt.export.identity import file_sha256
 
 Progress = Callable[[str], None]
@@ -131,12 +143,13 @@ def build_engine_set(
     _check_sources(sources)
     refuse_fp32(sources)
     say = progress or (lambda _line: None)
+    sources, lifted, shared = _lift(sources, out_dir, say)
     builder = _SetBuilder(flavour, options, out_dir, echo)
     records, failures = {}, []
     for index, source in enumerate(sources, start=1):
         start = time.perf_counter()
         try:
-            records[source.name] = builder.build(source)
+            records[source.name] = builder.build(source, lifted.graphs.get(source.name) if lifted else None)
         except _GraphFailed as failed:
             failures.extend(failed.failures)
             say(f"[{index}/{len(sources)}] {source.name}: FAILED after {time.perf_counter() - start:.2f} s")
@@ -161,10 +174,26 @@ def build_engine_set(
         source_manifest=_copy_manifest(source_manifest, out_dir),
         skipped=skipped,
         probe=probe_record,
+        shared_weights=shared,
     )
     record = _probe_at_build(record, out_dir, flavour, say, Site.current() if site is AUTO else site)
     write_engine_set(out_dir, record)
     return record
+
+
+def _lift(sources: Sequence[GraphSource], out_dir: Path, say: Progress) -> tuple[list[GraphSource], Lifted | None, SharedWeightsRecord | None]:
+    """The model graphs with their shared weights lifted out (``engines.shared_weights``): their
+    sources with the engine-level IO, the rewritten graphs, and the shared file, written."""
+    out_dir.joinpath(SHARED_WEIGHTS_FILE).unlink(missing_ok=True)
+    lifted = lift_shared_weights(sources)
+    if lifted is None:
+        return list(sources), None, None
+    start = time.perf_counter()
+    record = write_shared_weights(out_dir, lifted)
+    engine_io = with_shared_weights({s.name: s.io for s in sources}, lifted.specs)
+    names = ", ".join(f"{t.name} {list(t.shape)}" for t in record.tensors)
+    say(f"[shared] {names}: {record.bytes / 1e6:.1f} MB in {record.file}, one copy for both models ({time.perf_counter() - start:.2f} s)")
+    return [replace(s, io=engine_io[s.name]) for s in sources], lifted, record
 
 
 def _manifest_probe(manifest: Path | None) -> ProbeSpec | None:
@@ -263,9 +292,10 @@ class _SetBuilder:
         self.targets: list[str] = []
         self._hashes: dict[Path, str] = {}  # graphs may share one external-data file
 
-    def build(self, source: GraphSource) -> EngineRecord:
+    def build(self, source: GraphSource, model: bytes | None = None) -> EngineRecord:
+        """``model``: the graph to parse in place of the source file's (its shared weights lifted)."""
         mark, start = self.log.mark(), time.perf_counter()
-        graph = parse_graph(self.flavour, self.builder, self.log, source)
+        graph = parse_graph(self.flavour, self.builder, self.log, source, model)
         network = graph.network
         failures = unread_failures(source.name, network)
         config = self._config(source)
@@ -348,13 +378,15 @@ class ParsedGraph:
     attention: list[BoundAttention]
 
 
-def parse_graph(flavour: Flavour, builder, log, source: GraphSource) -> ParsedGraph:
-    """Parse ``source`` into a strongly typed network and bind its attentions; ``_GraphFailed`` lists what failed."""
+def parse_graph(flavour: Flavour, builder, log, source: GraphSource, model: bytes | None = None) -> ParsedGraph:
+    """Parse ``source`` (or ``model``, a rewrite of it) into a strongly typed network and bind its
+    attentions; ``_GraphFailed`` lists what failed."""
     mark = log.mark()
     network = builder.create_network(flavour.network_flags())
     parser = flavour.trt.OnnxParser(network, log)
-    # parse_from_file (not parse(bytes)) so external weight files resolve.
-    if not parser.parse_from_file(str(source.onnx_path)):
+    # The source's path either way, so external weight files resolve.
+    parsed = parser.parse_from_file(str(source.onnx_path)) if model is None else parser.parse(model, str(source.onnx_path))
+    if not parsed:
         failures = []
         for index in range(parser.num_errors):
             error = parser.get_error(index)

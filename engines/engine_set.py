@@ -5,10 +5,13 @@ Layout of an engine-set directory::
     engines.json        this record
     <graph>.plan        one serialized TensorRT plan per exported graph (target_model,
                         draft_model: one per model, a profile per run graph)
+    shared_weights.safetensors
+                        the target's embedding and LM head, which both models'
+                        engines take as inputs (``engines.shared_weights``)
     manifest.json       the export manifest, copied unchanged (hash recorded)
     timing.cache        TensorRT only: the timing cache reused by later builds
 
-``engines.json`` (format_version 2)::
+``engines.json`` (format_version 4)::
 
     format, format_version
     flavour             "tensorrt" | "tensorrt_rtx"
@@ -18,6 +21,9 @@ Layout of an engine-set directory::
     build_options       BuildOptions.to_json()
     source_manifest     {"file", "sha256"} of the export manifest, or null
     engines             {graph name: EngineRecord.to_json()}
+    shared_weights      {file, sha256, bytes, tensors: [{name, shape, dtype}]}: the
+                        weights both models' engines read (their bindings list
+                        them too); null for a set without model engines
     skipped             {graph name: why}: graphs only sampled sessions need
                         that failed to build; the set serves greedy sessions
     probe               the semantics probe (``engines.probe``): its plan, bindings
@@ -49,11 +55,14 @@ from pathlib import Path
 from dflash_trt.engines.attention import BoundAttention
 from dflash_trt.engines.bindings import Binding
 from dflash_trt.errors import EngineError
+from dflash_trt.export.contract import TensorSpec
 
 ENGINES_JSON = "engines.json"
 PROBE_NAME = "probe"  # the semantics probe's graph and plan: probe.onnx, probe.plan
 FORMAT = "dflash-trt/engines"
-FORMAT_VERSION = 3  # 2: one plan per model with a profile per run graph; 3: the semantics probe
+# 2: one plan per model with a profile per run graph; 3: the semantics probe; 4: the shared weights.
+FORMAT_VERSION = 4
+SHARED_WEIGHTS_FILE = "shared_weights.safetensors"
 
 
 @dataclass(frozen=True)
@@ -110,6 +119,23 @@ class EngineRecord:
 
 
 @dataclass(frozen=True)
+class SharedWeightsRecord:
+    """The file of the weights both model engines read, and what it holds."""
+
+    file: str
+    sha256: str
+    bytes: int
+    tensors: tuple[TensorSpec, ...]  # contract.SHARED_WEIGHTS, in order
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "sha256": self.sha256, "bytes": self.bytes, "tensors": [t.to_json() for t in self.tensors]}
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> SharedWeightsRecord:
+        return cls(str(data["file"]), str(data["sha256"]), int(data["bytes"]), tuple(TensorSpec.from_json(t) for t in data["tensors"]))
+
+
+@dataclass(frozen=True)
 class Verdict:
     """What the probe found on one GPU, with one TensorRT."""
 
@@ -161,6 +187,7 @@ class EngineSetRecord:
     source_manifest: Mapping[str, str] | None = None
     skipped: Mapping[str, str] = field(default_factory=dict)  # graph -> why it is not in the set
     probe: ProbeRecord | None = None
+    shared_weights: SharedWeightsRecord | None = None
     format_version: int = FORMAT_VERSION
     extra: Mapping[str, object] = field(default_factory=dict)
 
@@ -176,6 +203,7 @@ class EngineSetRecord:
             **dict(self.extra),
             "skipped": dict(self.skipped),
             "probe": None if self.probe is None else self.probe.to_json(),
+            "shared_weights": None if self.shared_weights is None else self.shared_weights.to_json(),
             "engines": {name: rec.to_json() for name, rec in self.engines.items()},
         }
 
@@ -233,8 +261,8 @@ def _check_header(path: Path, data: object) -> None:
 
 
 def _record_from_json(data: Mapping) -> EngineSetRecord:
-    known = {"format", "format_version", "flavour", "trt_version", "targets", "build_options", "source_manifest", "engines", "skipped", "probe"}
-    probe = data.get("probe")
+    known = {"format", "format_version", "flavour", "trt_version", "targets", "build_options", "source_manifest", "engines", "skipped", "probe", "shared_weights"}
+    probe, shared = data.get("probe"), data.get("shared_weights")
     return EngineSetRecord(
         flavour=str(data["flavour"]),
         trt_version=str(data["trt_version"]),
@@ -244,5 +272,6 @@ def _record_from_json(data: Mapping) -> EngineSetRecord:
         source_manifest=data.get("source_manifest"),
         skipped={str(k): str(v) for k, v in data.get("skipped", {}).items()},
         probe=None if probe is None else ProbeRecord.from_json(probe),
+        shared_weights=None if shared is None else SharedWeightsRecord.from_json(shared),
         extra={k: v for k, v in data.items() if k not in known},
     )

@@ -5,9 +5,12 @@
    graphs), every plan exists and hashes to what was recorded, each engine's
    profiles serve the contract's run graphs in the contract's order, the
    bindings recorded at build time equal the contract (names, shapes,
-   dtypes, every profile's ranges), every attention record is one the build
-   makes and the records hash to their recorded digest, and the probe's
-   plan and bindings are there.
+   dtypes, every profile's ranges; the models' with the shared weights), every
+   attention record is one the build makes and the records hash to their
+   recorded digest, the probe's plan and bindings are there, and the shared
+   weights' file (the target's embedding and head, inputs of both model
+   engines: ``engines.shared_weights``) is there, hashes to its record and
+   holds what the models read.
 2. ``load_engine_set`` — needs a TensorRT runtime and a GPU it supports: the
    flavour and version that built the set are the ones loading it, the
    runtime says the plan is valid on this GPU (compute capability, driver;
@@ -42,7 +45,20 @@ from dflash_trt.engines.engine_set import ENGINES_JSON, PROBE_NAME, EngineRecord
 from dflash_trt.engines.flavour import Flavour, runtime_flavour
 from dflash_trt.engines.verdict import Site, check_verdict, run_probe
 from dflash_trt.errors import EngineError
-from dflash_trt.export.contract import GraphSpec, present_of, profiles_of, sampled_only
+from dflash_trt.export.contract import (
+    CTX_TAPS,
+    LOGITS,
+    MODEL_KINDS,
+    SHARED_WEIGHTS,
+    TAPS,
+    GraphSpec,
+    TensorSpec,
+    present_of,
+    profiles_of,
+    sampled_only,
+    shared_weight_specs,
+    with_shared_weights,
+)
 from dflash_trt.export.identity import file_sha256
 from dflash_trt.export.manifest import MANIFEST_FILE
 
@@ -74,6 +90,7 @@ def check_engine_set(directory: Path, contract: Mapping[str, GraphSpec], hash_pl
     record = read_engine_set(directory)
     _check_source_manifest(directory, record)
     _check_engine_names(directory, record, contract)
+    contract = engine_contract(directory, record, contract, hash_plans)
     for name, engine in record.engines.items():
         _check_plan_file(directory, engine, hash_plans)
         _check_profiles(directory, engine, contract[name])
@@ -81,6 +98,37 @@ def check_engine_set(directory: Path, contract: Mapping[str, GraphSpec], hash_pl
         _check_attention(directory, engine)
     _check_probe(directory, record, hash_plans)
     return record
+
+
+def engine_contract(directory: Path, record: EngineSetRecord, contract: Mapping[str, GraphSpec], hash_file: bool = True) -> dict[str, GraphSpec]:
+    """The contract the set's engines have: the models' IO plus the shared weights engines.json
+    records (``contract.with_shared_weights``), once their file and record check out."""
+    models = [name for name in record.engines if contract[name].kind in MODEL_KINDS]
+    shared = record.shared_weights
+    where = f"{directory / ENGINES_JSON}: field 'shared_weights'"
+    if shared is None:
+        if models:
+            raise EngineError(f"{where} is null, yet the set has model engines {models} (they read the shared weights); rebuild the set")
+        return dict(contract)
+    names = tuple(t.name for t in shared.tensors)
+    if names != SHARED_WEIGHTS:
+        raise EngineError(f"{where}: tensors must be {list(SHARED_WEIGHTS)}, got {list(names)}; rebuild the set")
+    problems = [line for name in models for line in shared_problems(contract[name], shared.tensors)]
+    if problems:
+        raise EngineError(f"{where}: {'; '.join(problems)}; rebuild the set")
+    _check_file(directory, shared.file, shared.bytes, shared.sha256 if hash_file else None, "shared weights")
+    return with_shared_weights(contract, shared.tensors)
+
+
+def shared_problems(model: GraphSpec, tensors: tuple[TensorSpec, ...]) -> list[str]:
+    """How recorded shared weights differ from what ``model`` reads: [V, H] and [H, V] of its dtype,
+    V the target's vocabulary (the draft's IO does not name V)."""
+    embedding = tensors[0]
+    dtype = next(s.dtype for s in model.inputs + model.outputs if s.name in (TAPS, CTX_TAPS))
+    vocab = next((s.shape[-1] for s in model.outputs if s.name == LOGITS), embedding.shape[0])
+    hidden = embedding.shape[1] if len(embedding.shape) == 2 else -1
+    want = shared_weight_specs(vocab, hidden, dtype)
+    return [f"{got.name} is {list(got.shape)} {got.dtype}, {model.name} reads {list(w.shape)} {w.dtype}" for got, w in zip(tensors, want) if got != w]
 
 
 def _check_attention(directory: Path, engine: EngineRecord) -> None:
@@ -175,25 +223,25 @@ def _check_engine_names(directory: Path, record: EngineSetRecord, contract: Mapp
 
 
 def _check_plan_file(directory: Path, engine: EngineRecord, hash_plans: bool = True) -> None:
-    path = directory / engine.plan
-    if Path(engine.plan).name != engine.plan:
-        msg = f"engine {engine.name!r}: plan {engine.plan!r} must be a file name inside {directory}"
-        raise EngineError(msg)
+    _check_file(directory, engine.plan, engine.plan_bytes, engine.plan_sha256 if hash_plans else None, f"engine {engine.name!r}: plan")
+
+
+def _check_file(directory: Path, name: str, size: int, sha256: str | None, label: str) -> None:
+    """A file engines.json names: inside ``directory``, there, of its recorded size and (unless
+    ``sha256`` is None: hashed later, as it is read) of its recorded sha256."""
+    path = directory / name
+    if Path(name).name != name:
+        raise EngineError(f"{label} {name!r} must be a file name inside {directory}")
     if not path.is_file():
-        msg = f"engine {engine.name!r}: plan file {engine.plan!r} named in {ENGINES_JSON} is missing from {directory}"
-        raise EngineError(msg)
-    size = path.stat().st_size
-    if size != engine.plan_bytes:
-        msg = f"engine {engine.name!r}: plan {engine.plan!r} has {size} bytes, {ENGINES_JSON} says {engine.plan_bytes}; rebuild the set"
-        raise EngineError(msg)
-    if not hash_plans:
+        raise EngineError(f"{label} file {name!r} named in {ENGINES_JSON} is missing from {directory}")
+    have = path.stat().st_size
+    if have != size:
+        raise EngineError(f"{label} {name!r} has {have} bytes, {ENGINES_JSON} says {size}; rebuild the set")
+    if sha256 is None:
         return
     digest = file_sha256(path)
-    if digest != engine.plan_sha256:
-        msg = (
-            f"engine {engine.name!r}: plan {engine.plan!r} sha256 {digest} differs from "
-            f"{ENGINES_JSON}'s {engine.plan_sha256}: the plan changed after the build; rebuild the set"
-        )
+    if digest != sha256:
+        msg = f"{label} {name!r} sha256 {digest} differs from {ENGINES_JSON}'s {sha256}: the file changed after the build; rebuild the set"
         raise EngineError(msg)
 
 
@@ -211,6 +259,7 @@ def load_engine_set(
     CUDA device). Needs a GPU the plans run on."""
     directory = Path(directory)
     record = check_engine_set(directory, contract, hash_plans=False)  # each plan is hashed as it streams in
+    contract = engine_contract(directory, record, contract, hash_file=False)  # the runtime hashes the shared file as it reads it
     flavour = flavour or runtime_flavour(record)
     check_flavour(record, flavour)
     log = flavour.new_log()

@@ -14,7 +14,8 @@ at a different start per owner, the last one ending at the cache's end,
 ``owner_feeds``: a lower-right diagonal anchored anywhere but at each
 owner's own length shows), runs the engine (execute_async_v3 over CUDA
 buffers bound with set_tensor_address; cache outputs alias their inputs, as
-the runtime binds them) and the exact ONNX graph in ONNX Runtime on the same
+the runtime binds them; the model engines read the set's shared weights)
+and the exact ONNX graph in ONNX Runtime on the same
 feeds (CUDA provider where onnxruntime-gpu is installed: the CPU provider
 cannot run bf16 graphs), and compares every output.
 
@@ -37,12 +38,14 @@ from dflash_trt.engines.command import AUTO
 from dflash_trt.engines.execute import execute
 from dflash_trt.engines.flavour import FLAVOURS, Flavour, load_flavour
 from dflash_trt.engines.load import load_engine_set
+from dflash_trt.engines.shared_weights import read_shared_weights
 from dflash_trt.engines.sources import GraphSource, export_sources
 from dflash_trt.errors import EngineError
 from dflash_trt.export.contract import (
     CTX_COUNT,
     CTX_START,
     CTX_TAPS,
+    MODEL_KINDS,
     ONNX_ELEMENT_TYPES,
     PICKS,
     START,
@@ -122,6 +125,8 @@ def selfcheck(
     flavour = loaded.flavour
     checks: list[OutputCheck] = []
     try:
+        shared = loaded.record.shared_weights
+        weights = read_shared_weights(engines_dir, shared) if shared is not None else {}
         for index, source in enumerate(sources):
             if only and source.name not in only:
                 continue
@@ -129,15 +134,19 @@ def selfcheck(
                 why = loaded.record.skipped.get(source.name, "not in the engine set")
                 checks.append(OutputCheck(source.name, "*", True, f"skipped at build: {why}", skipped=True))
                 continue
-            checks.extend(check_one(flavour, loaded.engines[source.name], source, seed + index, int_range, engines_dir, block))
+            mine = weights if source.io.kind in MODEL_KINDS else {}
+            checks.extend(check_one(flavour, loaded.engines[source.name], source, seed + index, int_range, engines_dir, block, mine))
     finally:
         loaded.close()
     return checks
 
 
-def check_one(flavour: Flavour, engine, source: GraphSource, seed: int, int_range, cache_dir: Path, block: int = 0) -> list[OutputCheck]:
+def check_one(
+    flavour: Flavour, engine, source: GraphSource, seed: int, int_range, cache_dir: Path, block: int = 0, weights: Mapping[str, torch.Tensor] | None = None
+) -> list[OutputCheck]:
     """One engine against its graph at every profile; a run that fails is one failed check, not
-    the end of the selfcheck. Checks of a model engine are named ``engine[run graph]``."""
+    the end of the selfcheck. Checks of a model engine are named ``engine[run graph]``; its
+    engine is fed the set's shared ``weights`` too (the graph holds them)."""
     profiles = profiles_of(source.io)
     checks = []
     for index, profile in enumerate(profiles or (None,)):
@@ -146,7 +155,7 @@ def check_one(flavour: Flavour, engine, source: GraphSource, seed: int, int_rang
         cache_name = source.name if len(profiles) <= 1 else f"{source.name}.{profile.graph}"
         feeds = random_feeds(source.io, seed, int_range, dims, block)
         try:
-            engine_out = execute(flavour, engine, feeds, cache_aliases(source.io), torch.device("cuda"), Path(cache_dir), cache_name, index)
+            engine_out = execute(flavour, engine, feeds | dict(weights or {}), cache_aliases(source.io), torch.device("cuda"), Path(cache_dir), cache_name, index)
             reference = run_reference(source, feeds)
         except EngineError as error:
             checks.append(OutputCheck(label, "*", False, str(error)))

@@ -101,6 +101,15 @@ Semantics (positions are cache slots):
   off, <= min(3840, V)), top_p (>= 1 = off), ``seed`` = the session's 64-bit
   seed as three parts < 2**22, low first (``sampling.seed_parts``).
 
+TensorRT engine sets add two inputs to both models' engines, ``shared_embedding``
+[V, H] M (the rows the token ids gather) and ``shared_head`` [H, V] M (hidden
+rows @ head = logits): the target's embedding and LM head, which the draft
+reads too. TensorRT plans share no weights, so the build lifts them out of
+both networks into one file beside the plans and the runtime binds one device
+copy to every context of both engines (``with_shared_weights``; ``H`` is the
+hidden size, recorded by the build). ONNX Runtime and torch run the exported
+graphs as they are.
+
 Pure data: no torch, no onnx. Dtype names are ``float32``, ``float16``,
 ``bfloat16``, ``int64`` (the names TensorRT and ONNX reports map to).
 """
@@ -109,7 +118,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from dflash_trt.checks import is_int
 
@@ -698,6 +707,22 @@ def export_names(max_owners: int, short: tuple[int, ...] = ()) -> tuple[str, ...
 def export_specs(dims: Dims) -> dict[str, GraphSpec]:
     """Every exported graph's contract, by name, in export order."""
     return {name: graph_spec(dims, name) for name in export_names(dims.max_owners, dims.short_verify)}
+
+
+# Weights both models read, inputs of their TensorRT engines (see the module docstring).
+SHARED_EMBEDDING = "shared_embedding"  # [V, H]: row t is token t's embedding
+SHARED_HEAD = "shared_head"  # [H, V]: hidden @ shared_head = logits
+SHARED_WEIGHTS = (SHARED_EMBEDDING, SHARED_HEAD)
+
+
+def shared_weight_specs(vocab: int, hidden: int, dtype: str) -> tuple[TensorSpec, ...]:
+    """The shared weights of a target of ``vocab`` tokens and ``hidden`` width, in ``SHARED_WEIGHTS`` order."""
+    return TensorSpec(SHARED_EMBEDDING, (vocab, hidden), dtype), TensorSpec(SHARED_HEAD, (hidden, vocab), dtype)
+
+
+def with_shared_weights(specs: Mapping[str, GraphSpec], shared: tuple[TensorSpec, ...]) -> dict[str, GraphSpec]:
+    """Engine-level IO: each model's inputs followed by the shared weights; other graphs unchanged."""
+    return {name: replace(spec, inputs=spec.inputs + tuple(shared)) if spec.kind in MODEL_KINDS else spec for name, spec in specs.items()}
 
 
 def exported_as(name: str) -> str:

@@ -12,6 +12,10 @@ one stream, so ONE device buffer, as large as the largest profile needs, is
 every context's scratch (``SharedScratch``; its bytes per profile in
 ``scratch.needs``). Every plain output gets one device-layer buffer at its
 largest shape for that run graph, bound ONCE, and the pools are allocated.
+The weights both models read (the target's embedding and LM head: inputs
+of both model engines, ``engines.shared_weights``) are read from the set's
+file once, hashed on the way, copied to ONE device buffer each, and bound
+once to every context of both engines.
 A set without the sampled verifiers (greedy-only) loads; ``graph_names``
 says what it runs.
 
@@ -101,6 +105,7 @@ class TensorRTBackend(Backend):
         self.runtime_cache_dir = Path(runtime_cache_dir) if runtime_cache_dir else None
         self.stream = self.pools = self.engine_set = self.scratch = self.constants = None
         self.contexts: dict[str, EngineContext] = {}  # run graph -> its context
+        self.shared: dict[str, object] = {}  # shared weight -> its one device buffer
         try:
             self.engine_set = load_engine_set(self.directory, c.export_specs(self.dims), flavour)
             self._allocate(cuda, cuda_graphs)
@@ -113,12 +118,26 @@ class TensorRTBackend(Backend):
         dtype = torch_dtype(self.dims.dtype)
         self.pools = allocate_pools(pool_shapes(self.dims, self.max_sessions, dtype), self.device, self.stream.device_stream)
         self.constants = RouteConstants(self.dims, self.device)
+        self._upload_shared(cuda)
         flavour, engines = self.engine_set.flavour, self.engine_set.engines
         served = {name: route for name, route in self.routes.items() if route.graph.name in engines}  # greedy-only: no verify_sample_*
         self.scratch = SharedScratch(cuda, {name: scratch_bytes(engines[r.graph.name], r.index) for name, r in served.items()}, self.stream)
         self.fallback = CaptureFallback("the tensorrt backend")
         for name, route in served.items():
             self.contexts[name] = self._open_context(cuda, flavour, engines[route.graph.name], route, cuda_graphs)
+
+    def _upload_shared(self, cuda) -> None:
+        """One device copy of the weights both models' engines read (``engines.shared_weights``),
+        read from its file once and hashed on the way."""
+        from dflash_trt.engines.shared_weights import read_shared_weights
+
+        record = self.engine_set.record.shared_weights
+        if record is None:
+            return
+        with self.stream.scope():
+            for name, tensor in read_shared_weights(self.directory, record).items():
+                self.shared[name] = cuda.DeviceBuffer(tuple(tensor.shape), tensor.dtype, self.stream.device_stream)
+                self.shared[name].as_tensor().copy_(tensor)
 
     def _open_context(self, cuda, flavour, engine, route: Route, cuda_graphs: bool) -> EngineContext:
         """One run graph's context: shared scratch, its profile, CUDA graphs where it has one shape."""
@@ -132,7 +151,11 @@ class TensorRTBackend(Backend):
             where = f"engine {route.graph.name!r} ({name})"
             trt_call(where, "set_optimization_profile_async", context.set_optimization_profile_async, route.index, self.stream.ptr)
         graphs = cuda_graphs and not route.run.dims  # a run graph of one shape
-        return EngineContext(cuda, route, context, cache, self.stream, graphs, self.fallback)
+        return EngineContext(cuda, route, context, cache, self.stream, graphs, self.fallback, self.weights_of(route))
+
+    def weights_of(self, route: Route) -> dict[str, int]:
+        """The shared weights' addresses a run graph's context binds: a model's, every one; others none."""
+        return {name: buffer.ptr for name, buffer in self.shared.items()} if route.graph.kind in c.MODEL_KINDS else {}
 
     # ------------------------------------------------------------------ Backend
 
@@ -172,6 +195,9 @@ class TensorRTBackend(Backend):
         if self.scratch is not None:
             self.scratch.close()
             self.scratch = None
+        for buffer in self.shared.values():
+            buffer.close()
+        self.shared.clear()
         self.constants = None
 
 
@@ -203,7 +229,7 @@ class EngineContext:
     """One run graph's execution context (its engine at its profile), its output buffers and
     (optionally) its CUDA graphs. Names and shapes are the exported graph's."""
 
-    def __init__(self, cuda, route: Route, context, cache, stream, cuda_graphs: bool, fallback=None) -> None:
+    def __init__(self, cuda, route: Route, context, cache, stream, cuda_graphs: bool, fallback=None, weights: Mapping[str, int] | None = None) -> None:
         self.cuda, self.route, self.context, self.cache, self.stream = cuda, route, context, cache, stream
         self.fallback = fallback or CaptureFallback(f"engine {route.graph.name!r}")
         self.where = f"engine {route.graph.name!r} ({route.run.name})"
@@ -212,6 +238,8 @@ class EngineContext:
         self.buffers, self.outputs = self._allocate(plain_outputs(spec))
         for s in plain_outputs(spec):
             self._address(s.name, self.buffers[s.name].ptr)  # bound once: these never move
+        for name, ptr in (weights or {}).items():
+            self._address(name, ptr)  # the shared weights (static inputs): bound once too
         self.input_buffers: dict = {}
         self.static_inputs: dict[str, torch.Tensor] = {}  # non-empty: replay CUDA graphs
         if cuda_graphs:

@@ -23,14 +23,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from dflash_trt.engines.attention import attention_digest, attention_nodes
 from dflash_trt.engines.build import parse_graph, unread_tensors
 from dflash_trt.engines.engine_set import read_engine_set
 from dflash_trt.engines.flavour import load_flavour
-from dflash_trt.engines.load import check_engine_set
+from dflash_trt.engines.load import check_engine_set, engine_contract
 from dflash_trt.engines.sources import GraphSource, export_sources, load_graph
 from dflash_trt.export import contract
+from dflash_trt.export.pair import DEFAULT_PAIR_DIR
 
 import prebuilt
 
@@ -43,6 +45,7 @@ class BuiltSet:
     causal: str
     sources: list[GraphSource]
     out: Path
+    checkpoint: Path  # the target's Hugging Face checkpoint
     error: str = ""  # the build's stderr when some graphs failed
     printed: str = ""  # the build's stdout
 
@@ -59,7 +62,8 @@ def built(request, build_cache) -> BuiltSet:
         sources = prebuilt.mask_sources(build_cache)
     else:
         sources, _manifest = export_sources(prebuilt.export_of(build_cache, label))
-    return BuiltSet(label, dtype, causal, sources, out, (out.parent / prebuilt.ERROR).read_text(), (out.parent / prebuilt.PRINTED).read_text())
+    checkpoint = prebuilt.tiny_pair(build_cache)[0] if label.startswith("tiny") else DEFAULT_PAIR_DIR / "target"
+    return BuiltSet(label, dtype, causal, sources, out, checkpoint, (out.parent / prebuilt.ERROR).read_text(), (out.parent / prebuilt.PRINTED).read_text())
 
 
 def test_every_exported_graph_builds_strictly_with_the_io_of_the_contract(built):
@@ -81,8 +85,10 @@ def check_built_set(built: BuiltSet, specs) -> None:
 
     record = check_engine_set(built.out, specs)  # recorded bindings == contract, plans hash-checked
     assert set(record.engines) == set(specs)
+    check_shared_weights(built, record)
+    engine_specs = engine_contract(built.out, record, specs)  # the models read the shared weights
     for name, engine in record.engines.items():
-        spec = specs[name]
+        spec = engine_specs[name]
         expected = {("input", s.name) for s in spec.inputs} | {("output", s.name) for s in spec.outputs}
         assert {(b.mode, b.name) for b in engine.bindings} == expected
         assert {b.dtype for b in engine.bindings} <= {DTYPES[built.dtype], "float32", "int64"}
@@ -103,6 +109,27 @@ def check_built_set(built: BuiltSet, specs) -> None:
         assert sum(" built in " in line for line in lines) == len(specs) + 1  # the graphs and the probe
         assert any(line.startswith("[probe] built in") for line in lines)
         assert read_engine_set(built.out).source_manifest["file"] == "manifest.json"
+
+
+def check_shared_weights(built: BuiltSet, record) -> None:
+    """The target's embedding and LM head are in the set once, as the shared file, bit for bit the
+    checkpoint's values in the export dtype (the head transposed; a tied pair's head is its
+    embedding); the plans read them as inputs."""
+    from safetensors.torch import load_file
+
+    from dflash_trt.engines.shared_weights import read_shared_weights
+    from dflash_trt.export.torch_dtypes import TORCH_DTYPES
+
+    shared = read_shared_weights(built.out, record.shared_weights)
+    weights = load_file(built.checkpoint / "model.safetensors")
+    dtype = TORCH_DTYPES[contract.DTYPES[built.dtype]]
+    embedding = weights["model.embed_tokens.weight"].to(dtype)
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).to(dtype)
+    assert torch.equal(shared[contract.SHARED_EMBEDDING].view(torch.int16), embedding.view(torch.int16)), built.label
+    assert torch.equal(shared[contract.SHARED_HEAD].view(torch.int16), head.t().contiguous().view(torch.int16)), built.label
+    for name in set(record.engines) & set(contract.MODEL_KINDS):
+        inputs = {b.name for b in record.engines[name].bindings if b.mode == "input"}
+        assert set(contract.SHARED_WEIGHTS) <= inputs, name
 
 
 def check_probe(built: BuiltSet, record) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from dflash_trt.engines.attention import BoundAttention, attention_digest
 from dflash_trt.engines.bindings import TRT_DTYPES, Binding, check_io, input_profiles, io_mismatches
@@ -27,7 +28,18 @@ from dflash_trt.engines.engine_set import (
 from dflash_trt.engines.flavour import Flavour, load_flavour
 from dflash_trt.engines.load import check_engine_set, check_flavour, engine_bindings, load_engine_set
 from dflash_trt.errors import EngineError
-from dflash_trt.export.contract import DimRange, Dims, GraphSpec, TensorSpec, graph_spec, profiles_of
+from dflash_trt.engines.shared_weights import Lifted, write_shared_weights
+from dflash_trt.export.contract import (
+    MODEL_KINDS,
+    DimRange,
+    Dims,
+    GraphSpec,
+    TensorSpec,
+    graph_spec,
+    profiles_of,
+    shared_weight_specs,
+    with_shared_weights,
+)
 from dflash_trt.export.identity import file_sha256
 
 # A tiny pair's contract: one model engine (5 profiles: prefill, verify_n, decode_n) and one static graph.
@@ -41,8 +53,13 @@ VERIFY = graph_spec(DIMS, "target_verify_2")
 CONTRACT = {"prefill": PREFILL, "verify_2": VERIFY}
 
 
+HIDDEN = 16
+SHARED = shared_weight_specs(DIMS.vocab_size, HIDDEN, DIMS.dtype)
+
+
 def bindings_of(io: GraphSpec) -> tuple[Binding, ...]:
-    """What a correct build of ``io`` records."""
+    """What a correct build of ``io`` records (a model's with the shared weights)."""
+    io = with_shared_weights({io.name: io}, SHARED)[io.name]
     inputs = tuple(Binding(s.name, "input", _shape(s), s.dtype, input_profiles(io, s)) for s in io.inputs)
     return inputs + tuple(Binding(s.name, "output", _shape(s), s.dtype) for s in io.outputs)
 
@@ -53,6 +70,8 @@ def _shape(spec: TensorSpec) -> tuple[int, ...]:
 
 def write_set(directory: Path, contract=CONTRACT, flavour="tensorrt_rtx", version="1.7.1.116") -> EngineSetRecord:
     directory.mkdir(parents=True, exist_ok=True)
+    models = any(io.kind in MODEL_KINDS for io in contract.values())
+    shared = write_shared_weights(directory, Lifted({}, shared_tensors())) if models else None
     engines = {}
     for name, io in contract.items():
         plan = directory / f"{name}.plan"
@@ -61,9 +80,14 @@ def write_set(directory: Path, contract=CONTRACT, flavour="tensorrt_rtx", versio
             name, plan.name, file_sha256(plan), plan.stat().st_size, {f"{name}.onnx": "0" * 64}, bindings_of(io), 0.1,
             tuple(p.graph for p in profiles_of(io)),
         )
-    record = EngineSetRecord(flavour, version, ("SM89",), {"workspace_mb": None, "version_compatible": False}, engines)
+    record = EngineSetRecord(flavour, version, ("SM89",), {"workspace_mb": None, "version_compatible": False}, engines, shared_weights=shared)
     write_engine_set(directory, record)
     return record
+
+
+def shared_tensors() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {s.name: torch.randn(s.shape, generator=generator).to(torch.bfloat16) for s in SHARED}
 
 
 def rewrite(directory: Path, edit) -> None:
@@ -186,7 +210,7 @@ def test_set_missing_an_engine_of_the_contract_is_refused(tmp_path):
 @pytest.mark.parametrize(
     ("edit", "expected"),
     [
-        (lambda d: d.update(format_version=99), r"'format_version' must be 3, got 99"),
+        (lambda d: d.update(format_version=99), r"'format_version' must be 4, got 99"),
         (lambda d: d.update(format="something/else"), r"'format' must be 'dflash-trt/engines'"),
         (lambda d: d["engines"]["prefill"].pop("plan_sha256"), r"malformed field \(KeyError: 'plan_sha256'\)"),
     ],
@@ -521,3 +545,37 @@ def test_a_runtime_that_seeks_around_still_gets_the_digest_of_the_whole_plan(tmp
     assert reader.sha256() == hashlib.sha256(data).hexdigest()
     assert reader.catch_up_bytes == len(data) - 150
     reader.close()
+
+
+def test_shared_weights_missing_changed_or_misrecorded_are_refused(tmp_path):
+    """Guards against model engines served with the wrong embedding or head: a set whose record
+    lacks the shared weights, whose shared file changed after the build (hashed at check, and by
+    the runtime as it reads it), or whose record says other shapes or names than the models read."""
+    from dflash_trt.engines.shared_weights import read_shared_weights
+
+    record = write_set(tmp_path)
+    assert [t.name for t in record.shared_weights.tensors] == ["shared_embedding", "shared_head"]
+    tensors = read_shared_weights(tmp_path, record.shared_weights)
+    assert all(torch.equal(tensors[name], t) for name, t in shared_tensors().items())
+    path = tmp_path / record.shared_weights.file
+    original = path.read_bytes()
+    path.write_bytes(original[:-2] + b"\0\0")
+    with pytest.raises(EngineError, match=r"shared weights 'shared_weights.safetensors' sha256 \w+ differs from engines.json's"):
+        check_engine_set(tmp_path, CONTRACT)
+    with pytest.raises(EngineError, match=r"shared_weights.safetensors: sha256 \w+ differs from engines.json's"):
+        read_shared_weights(tmp_path, record.shared_weights)
+    path.write_bytes(original)
+    edits = {
+        "null": (lambda d: d.update(shared_weights=None), r"field 'shared_weights' is null, yet the set has model engines \['prefill'\]"),
+        "order": (lambda d: d["shared_weights"]["tensors"].reverse(), r"tensors must be \['shared_embedding', 'shared_head'\], got \['shared_head', 'shared_embedding'\]"),
+        "vocab": (
+            lambda d: d["shared_weights"]["tensors"][0].update(shape=[99, HIDDEN]),
+            r"shared_embedding is \[99, 16\] bfloat16, target_model reads \[100, 16\] bfloat16",
+        ),
+        "dtype": (lambda d: d["shared_weights"]["tensors"][1].update(dtype="float16"), r"shared_head is \[16, 100\] float16, target_model reads \[16, 100\] bfloat16"),
+    }
+    for edit, expected in edits.values():
+        write_set(tmp_path)
+        rewrite(tmp_path, edit)
+        with pytest.raises(EngineError, match=expected):
+            check_engine_set(tmp_path, CONTRACT)

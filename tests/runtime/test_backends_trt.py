@@ -93,7 +93,8 @@ class FakeContext:
     def set_tensor_address(self, name, ptr):
         self.address_calls += 1
         self.addresses[name] = ptr
-        return name in self.spec.input_names + self.spec.output_names
+        shared = c.SHARED_WEIGHTS if self.spec.kind in c.MODEL_KINDS else ()  # a model engine's IO has them too
+        return name in self.spec.input_names + self.spec.output_names + shared
 
     def set_input_shape(self, name, shape):
         self.shapes[name] = shape
@@ -401,6 +402,7 @@ def _opening_backend():
     backend.stream, backend.runtime_cache_dir = FakeStream(), None
     backend.scratch = SharedScratch(FakeCuda, {name: 64 for name in routes(DIMS)}, FakeStream())
     backend.fallback = CaptureFallback("test")
+    backend.shared = {}
     return backend
 
 
@@ -458,3 +460,30 @@ def test_a_whole_cycle_capture_that_fails_runs_every_program_eagerly_logged_once
     assert programs == keys * 2 and attempts == keys[:1] and not loop.captured and loop.graphs is False
     warnings = [r.getMessage() for r in caplog.records if "CUDA-graph capture" in r.getMessage()]
     assert len(warnings) == 1 and "cycle program for 2 owners at row 0" in warnings[0] and "not permitted" in warnings[0]
+
+
+def test_shared_weights_are_one_device_copy_bound_to_every_model_context(tmp_path):
+    """Bug: a model engine's context left without the shared embedding / head addresses (TensorRT
+    reads garbage weights), each context or engine given its own copy (the memory the shared file
+    exists to save), or a shared file changed after the build uploaded as it is."""
+    from types import SimpleNamespace
+
+    from dflash_trt.engines.shared_weights import Lifted, write_shared_weights
+
+    tensors = {s.name: torch.randn(s.shape) for s in c.shared_weight_specs(DIMS.vocab_size, 5, DIMS.dtype)}
+    record = write_shared_weights(tmp_path, Lifted({}, tensors))
+    backend = _opening_backend()
+    backend.directory = tmp_path
+    backend.engine_set = SimpleNamespace(record=SimpleNamespace(shared_weights=record))
+    backend._upload_shared(FakeCuda)
+    assert list(backend.shared) == list(c.SHARED_WEIGHTS)
+    assert all(torch.equal(backend.shared[name].as_tensor(), t) for name, t in tensors.items())
+    for name, route in routes(DIMS).items():
+        context = backend._open_context(FakeCuda, RecordingFlavour(), None, route, cuda_graphs=False)
+        bound = {n: context.context.addresses.get(n) for n in c.SHARED_WEIGHTS}
+        model = route.graph.kind in c.MODEL_KINDS
+        assert bound == ({n: backend.shared[n].ptr for n in c.SHARED_WEIGHTS} if model else dict.fromkeys(c.SHARED_WEIGHTS)), name
+    (tmp_path / record.file).write_bytes((tmp_path / record.file).read_bytes()[:-1] + b"\0")
+    backend.shared = {}
+    with pytest.raises(EngineError, match="sha256 .* differs from engines.json's .*rebuild the set"):
+        backend._upload_shared(FakeCuda)
