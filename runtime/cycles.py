@@ -82,6 +82,15 @@ def cycle_mode(frontier: int, block: int, max_context: int, drained_rows: int) -
     return DYNAMIC if drained_rows > 0 else STATIC
 
 
+def cycle_modes(frontiers: np.ndarray, block: int, max_context: int, drained_rows: np.ndarray) -> list[str]:
+    """``cycle_mode`` of each owner ([n] arrays), as a list (one array test in the common case: all static)."""
+    target = frontiers + block > max_context
+    dynamic = drained_rows > 0
+    if not target.any() and not dynamic.any():
+        return [STATIC] * len(frontiers)
+    return [TARGET if t else DYNAMIC if d else STATIC for t, d in zip(target.tolist(), dynamic.tolist())]
+
+
 def static_context(draft_positions: Sequence[int], frontiers: Sequence[int], block: int) -> tuple[list[int], list[int]]:
     """(ctx_start, ctx_count) per owner of a static draft_n: the pending rows ``draft_position .. frontier-1``.
 
@@ -143,38 +152,41 @@ def trim_context(frontier: int, draft_position: int, position: int) -> tuple[int
     return draft, position - draft
 
 
-class Verdict(NamedTuple):
-    """What one owner's verdict commits (docs/design.md §1, cycle steps 3–4)."""
+class Verdicts(NamedTuple):
+    """What one launch's verdicts commit, per owner (docs/design.md §1, cycle steps 3–4), as columns."""
 
-    tokens: tuple[int, ...]  # emitted: d_1..d_a then y_a (correction or bonus)
-    accepted: int  # a
-    bonus: bool  # a == P
-    frontier: int  # start + a + 1
-    context_rows: int  # a + 1: taps of verify rows 0..a become the next context
+    tokens: list[list[int]]  # emitted: d_1..d_a then y_a (correction or bonus)
+    accepted: np.ndarray  # [n] a
+    bonus: np.ndarray  # [n] a == P
+    frontier: np.ndarray  # [n] start + a + 1
+    context_rows: np.ndarray  # [n] a + 1: taps of verify rows 0..a become the next context
 
 
 def make_verdicts(
-    proposals: np.ndarray, accepted: np.ndarray, next_token: np.ndarray, starts: Sequence[int], vocab_size: int
-) -> list[Verdict]:
-    """proposals [n, P], accepted [n], next_token [n], starts [n] -> one Verdict per owner.
+    proposals: np.ndarray, accepted: np.ndarray, next_token: np.ndarray, starts: Sequence[int] | np.ndarray, vocab_size: int
+) -> Verdicts:
+    """proposals [n, P], accepted [n], next_token [n], starts [n] -> the owners' ``Verdicts``.
 
     emitted = proposals[:a] + [next] (== choices[:a+1], since an accepted
     proposal equals the target's choice). An out-of-range verdict is a
     device-side fault, not a user error: ValueError (the executor poisons).
-    One range check and one conversion per array (this runs per launch for every owner).
+    Array ops and one slice per owner (this runs per launch for every owner).
     """
-    width = proposals.shape[1]
+    n, width = proposals.shape
     bad = (accepted < 0) | (accepted > width) | (next_token < 0) | (next_token >= vocab_size)
     if bad.any():
         i = int(np.argmax(bad))
         a, token = int(accepted[i]), int(next_token[i])
         msg = f"verdict of owner {i} out of range: accepted {a} (valid [0, {width}]), token {token} (valid [0, {vocab_size - 1}])"
         raise ValueError(msg)
-    rows = proposals.tolist()
-    return [
-        Verdict((*rows[i][:a], token), a, a == width, int(starts[i]) + a + 1, a + 1)
-        for i, (a, token) in enumerate(zip(accepted.tolist(), next_token.tolist()))
-    ]
+    accepted = accepted.astype(np.int64, copy=False)
+    emitted = np.empty((n, width + 1), dtype=np.int64)
+    emitted[:, :width] = proposals
+    emitted[np.arange(n), accepted] = next_token  # row i: d_1..d_a, y_a, then ignored proposals
+    ends = (accepted + 1).tolist()
+    tokens = [row[:end] for row, end in zip(emitted.tolist(), ends)]
+    frontier = np.asarray(starts, dtype=np.int64) + accepted + 1
+    return Verdicts(tokens, accepted, accepted == width, frontier, accepted + 1)
 
 
 def sampling_rows(samplings: Sequence[Sampling], positions: Sequence[int]) -> dict[str, np.ndarray]:

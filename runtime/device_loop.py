@@ -249,6 +249,7 @@ class DeviceLoop:
             # Row-indexed programs read their rows from here (one tensor per padded count, stable addresses).
             self.slots = {n: torch.full((n,), self.scratch or 0, dtype=torch.int64, device=self.device) for n in owner_buckets(max_owners)}
             self.staged_slots = Mirror((self.ring, max_owners), torch.int64, self.device) if self.row_indexed else None
+        self.staged_sampling: list = [None] * self.rows  # per row: the Sampling its columns hold (``stage``)
         self.captured: dict[Key, torch.cuda.CUDAGraph] = {}
         self.fallback = CaptureFallback("the device loop")
         self.memory = torch.cuda.graph_pool_handle() if self.graphs else None
@@ -298,15 +299,23 @@ class DeviceLoop:
     # ------------------------------------------------------------------ staging
 
     def stage(self, rows: list[tuple[int, int, int, int, object]]) -> None:
-        """(row, anchor, frontier, draft, sampling) per owner of this execute -> device (async; inside ``running``)."""
+        """(row, anchor, frontier, draft, sampling) per owner of this execute -> device (async; inside ``running``).
+
+        A row's sampling columns are rebuilt only when its ``Sampling`` is not the one staged there last
+        (a value, never changed in place: the same object means the same columns); nothing else writes them."""
         index = [row for row, *_ in rows]
-        sampling = sampling_rows([s for *_, s in rows], [0] * len(rows))  # the sample graph's feeds, one builder
-        ints, floats = self.ints.array, self.floats.array
+        ints, floats, staged = self.ints.array, self.floats.array, self.staged_sampling
         ints[:TOP_K, index] = np.array([[a, f, d] for _, a, f, d, _ in rows], dtype=np.int64).T
-        ints[TOP_K, index] = sampling[c.TOP_K]
-        self.seeds.array[index] = sampling[c.SEED]
-        floats[TEMPERATURE, index] = sampling[c.TEMPERATURE]
-        floats[TOP_P, index] = sampling[c.TOP_P]
+        fresh = [(row, s) for row, *_, s in rows if staged[row] is not s]
+        if fresh:
+            at = [row for row, _ in fresh]
+            sampling = sampling_rows([s for _, s in fresh], [0] * len(fresh))  # the sample graph's feeds, one builder
+            ints[TOP_K, at] = sampling[c.TOP_K]
+            self.seeds.array[at] = sampling[c.SEED]
+            floats[TEMPERATURE, at] = sampling[c.TEMPERATURE]
+            floats[TOP_P, at] = sampling[c.TOP_P]
+            for row, s in fresh:
+                staged[row] = s
         for mirror in (self.ints, self.seeds, self.floats):
             mirror.upload(self.stream)
 

@@ -60,6 +60,7 @@ import time
 import weakref
 from collections import Counter
 from dataclasses import replace
+from operator import attrgetter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -75,7 +76,7 @@ from dflash_trt.export.sampling import Sampling
 from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.cycles import (
-    block_fits, chunks, cycle_mode, make_verdicts, pack_rows, plan_context, prefill_batches, sampling_rows, trim_context,
+    block_fits, chunks, cycle_modes, make_verdicts, pack_rows, plan_context, prefill_batches, sampling_rows, trim_context,
 )
 from dflash_trt.runtime.device_loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_COLUMN, PROPOSALS_COLUMN, DeviceLoop, Launch, padded
 from dflash_trt.runtime.launches import Group, Lane, LoopShape, run_launches
@@ -86,6 +87,8 @@ from dflash_trt.runtime.stats import DEFAULT_MAX_ROWS, ExecuteRows, StatsLog, st
 from dflash_trt.runtime.timing import make_clock
 
 __all__ = ["Executor", "Input", "Output"]
+
+_ROW = attrgetter("session.row")  # a lane's cache row (the order of a group's lanes)
 
 LOG = logging.getLogger(__name__)
 
@@ -560,6 +563,7 @@ class Executor:
             self._assign(lane)
         stage = [(l.session.row, l.anchor, l.session.frontier, l.session.draft_position, l.session.sampling) for l in lanes]
         self._policed = [lane for lane in lanes if lane.policed]
+        self._sampling = any(lane.session.sampling.temperature > 0 for lane in lanes)  # else no group samples (_pack)
         with self.loop.running():
             self.loop.stage(stage)
             run_launches(lanes, self._pack, self._launch, self._read, self.lag, self._plan_round, self._yield_check(every))
@@ -569,7 +573,7 @@ class Executor:
         should_yield = self._should_yield
         if should_yield is None:
             return None
-        return lambda: should_yield(sum(lane.finished for lane in every))
+        return lambda: should_yield(len(every) - [lane.finish for lane in every].count(None))  # lanes ended so far
 
     def _assign(self, lane: Lane) -> None:
         """The lane's kind for this execute: a drafting session with a block's room is ``policed`` (the
@@ -583,14 +587,17 @@ class Executor:
 
     def _set_kind(self, lane: Lane, kind: str, choice: Choice | None) -> None:
         """The lane's next launch: ``kind``, a cycle verifying the choice's length (P without one)."""
-        B, L = self.dims.block_size, self.dims.max_context
         lane.kind, lane.choice = kind, choice
-        lane.proposals = (choice.proposals if choice is not None and choice.proposals else self.dims.proposals) if kind == CYCLE else 0
-        cycles = 1 if lane.host_taps else self.max_cycles
-        key = (kind, lane.proposals, cycles)  # a handful of shapes, made once (this runs per lane per round)
+        lane.proposals, lane.shape = self._shape(kind, choice, 1 if lane.host_taps else self.max_cycles)
+
+    def _shape(self, kind: str, choice: Choice | None, cycles: int) -> tuple[int, LoopShape]:
+        """A launch of ``kind`` for ``choice``: its verify length and ``LoopShape`` (a handful of shapes, made once)."""
+        proposals = (choice.proposals if choice is not None and choice.proposals else self.dims.proposals) if kind == CYCLE else 0
+        key = (kind, proposals, cycles)
         if (shape := self._shapes.get(key)) is None:
-            shape = self._shapes[key] = LoopShape(lane.proposals + 1, B, L, cycles) if kind == CYCLE else LoopShape(1, 1, L, cycles)
-        lane.shape = shape
+            B, L = self.dims.block_size, self.dims.max_context
+            shape = self._shapes[key] = LoopShape(proposals + 1, B, L, cycles) if kind == CYCLE else LoopShape(1, 1, L, cycles)
+        return proposals, shape
 
     def _plan_round(self, lanes: list[Lane]) -> list[Lane]:
         """One round: the policy's choice for the policed lanes, then per lane what its state allows
@@ -606,18 +613,20 @@ class Executor:
             return lanes
         going = len(policed)  # every policed lane of the execute is in this round: none else can be going
         if going < len(self._policed):
-            going = max(going, sum(not lane.finished and lane.may_launch() or bool(lane.flight) for lane in self._policed))
+            going = max(going, sum(lane.finish is None and lane.may_launch() or bool(lane.flight) for lane in self._policed))
         owners = min(going, self.dims.max_owners)
         choice = self.policy.choose(padded(owners, self.dims.max_owners))
         ready = [lane for lane in lanes if not lane.policed]
+        kind = choice.kind
+        proposals, shape = self._shape(kind, choice, self.max_cycles)  # policed lanes are never host_taps: max_cycles
         for lane in policed:
-            if choice.kind == DECODE and CYCLE in self._kinds(lane):
+            if kind == DECODE and CYCLE in self._kinds(lane):
                 lane.deferred = True
                 continue
-            if choice.kind == DECODE and self._pending(lane) >= self.dims.block_size:
+            if kind == DECODE and self._pending(lane) >= self.dims.block_size:
                 self._set_kind(lane, CYCLE, replace(choice, kind=CYCLE, why=DRAIN))  # charged to the decode round
             else:
-                self._set_kind(lane, choice.kind, choice)
+                lane.kind, lane.choice, lane.proposals, lane.shape = kind, choice, proposals, shape  # _set_kind, made once
             ready.append(lane)
         return ready
 
@@ -632,15 +641,18 @@ class Executor:
     def _pack(self, lanes: list[Lane]) -> list[Group]:
         """One launch's groups: per kind and verify length, ≤ max_owners lanes each, at consecutive rows
         unless the loop is row-indexed."""
-        groups = []
-        for kind, proposals in sorted({(lane.kind, lane.proposals) for lane in lanes}, key=lambda key: (key[0] != CYCLE, -key[1])):
-            members = sorted((lane for lane in lanes if (lane.kind, lane.proposals) == (kind, proposals)), key=lambda lane: lane.session.row)
+        groups, kinds = [], {}
+        for lane in lanes:  # one pass: the lanes by (kind, verify length), in their order
+            kinds.setdefault((lane.kind, lane.proposals), []).append(lane)
+        for kind, proposals in sorted(kinds, key=lambda key: (key[0] != CYCLE, -key[1])):
+            members = sorted(kinds[kind, proposals], key=_ROW)
             if self.loop.row_indexed:
                 runs = [members[i : i + self.dims.max_owners] for i in range(0, len(members), self.dims.max_owners)]
             else:
                 runs = [[members[m] for m in run.members] for run in pack_rows([lane.session.row for lane in members], self.dims.max_owners)]
             for run in runs:
-                groups.append(Group(kind, any(lane.session.sampling.temperature > 0 for lane in run), run, proposals))
+                sampled = self._sampling and any(lane.session.sampling.temperature > 0 for lane in run)
+                groups.append(Group(kind, sampled, run, proposals))
         return groups
 
     def _launch(self, group: Group) -> tuple[Launch, float]:
@@ -661,7 +673,7 @@ class Executor:
         tokens, lanes, accepted = read(group, record, device_ms)
         self._stream(group.lanes)
         accept = getattr(self.policy, "accept", None)
-        if accepted and accept is not None:
+        if len(accepted) and accept is not None:
             accept(group.proposals, accepted)
         choice = next((lane.flight[0].choice for lane in group.lanes if lane.flight[0].choice is not None), None)
         if choice is not None:
@@ -675,48 +687,59 @@ class Executor:
                 self._on_tokens(lane.step.index, lane.tokens[lane.streamed :], lane.finish)
                 lane.streamed = len(lane.tokens)
 
-    def _read_cycle(self, group: Group, record: np.ndarray, device_ms: float) -> tuple[int, int, list[int]]:
+    def _read_cycle(self, group: Group, record: np.ndarray, device_ms: float) -> tuple[int, int, np.ndarray]:
         """The cycle's verdicts applied; returns the tokens it yielded (a + 1 per owner not finished before
-        it), those owners' count and their accepted counts."""
-        P = group.proposals  # verified of the draft's proposals
-        sessions = [lane.session for lane in group.lanes]
+        it), those owners' count and their accepted counts. The verdicts and the stats rows are columns
+        (one array op per launch); the loop over owners only moves sessions and hands lanes their tokens."""
+        P, lanes = group.proposals, group.lanes  # verified of the draft's proposals
+        sessions = [lane.session for lane in lanes]
         starts = [s.frontier for s in sessions]
-        counts = [s.frontier - s.draft_position for s in sessions]
-        accepted, tokens, proposals = record[:, ACCEPTED_COLUMN], record[:, NEXT_COLUMN], record[:, PROPOSALS_COLUMN : PROPOSALS_COLUMN + P]
-        verdicts = make_verdicts(proposals, accepted, tokens, starts, self.dims.vocab_size)
-        rows, live_counts, live_verdicts, choices = [], [], [], []
-        for lane, verdict, count, start in zip(group.lanes, verdicts, counts, starts):
-            s = lane.session
-            mode = cycle_mode(start, self.dims.block_size, self.dims.max_context, s.drained_rows)
-            context_rows = count + s.drained_rows
-            s.draft_position, s.frontier, s.drained_rows = start, verdict.frontier, 0
-            if lane.finished:
+        drafts = [s.draft_position for s in sessions]
+        drained = [s.drained_rows for s in sessions]
+        proposals = record[:, PROPOSALS_COLUMN : PROPOSALS_COLUMN + P]
+        verdicts = make_verdicts(proposals, record[:, ACCEPTED_COLUMN], record[:, NEXT_COLUMN], starts, self.dims.vocab_size)
+        live, emitted, choices = [], [], []
+        for i, (lane, s, start, frontier, tokens) in enumerate(zip(lanes, sessions, starts, verdicts.frontier.tolist(), verdicts.tokens)):
+            s.draft_position, s.frontier, s.drained_rows = start, frontier, 0
+            if lane.finish is not None:
                 # Launched before the lane's finishing cycle was read (lag): its tokens are discarded and
                 # the session rewound after the loop, so it is no cycle of the stats.
                 continue
             before = len(lane.tokens)
-            lane.add(verdict.tokens)
-            rows.append((s, mode, context_rows, start, verdict, len(lane.tokens) - before))
+            lane.add(tokens)
+            live.append(i)
+            emitted.append(len(lane.tokens) - before)
             choices.append(lane.flight[0].choice)
-            live_counts.append(count)
-            live_verdicts.append(verdict)
-        if not rows:
-            return 0, 0, []
-        self.log.cycle_counters(len(rows), P, live_counts, live_verdicts, self.tap_row_bytes)
+        if not live:
+            return 0, 0, verdicts.accepted[:0]
+        everyone = len(live) == len(lanes)
+        keep = slice(None) if everyone else np.array(live)
+        starts_kept, accepted = np.array(starts, dtype=np.int64)[keep], verdicts.accepted[keep]
+        counts = starts_kept - np.array(drafts, dtype=np.int64)[keep]
+        drained_kept = np.array(drained, dtype=np.int64)[keep]
+        modes = cycle_modes(starts_kept, self.dims.block_size, self.dims.max_context, drained_kept)
+        kept_sessions = sessions if everyone else [sessions[i] for i in live]
+        self.log.cycle_counters(len(live), P, int(counts.sum()), accepted, self.tap_row_bytes)
         # One device unit: the draft is not timed apart inside a cycle's graph (the whole cycle is verify_ms).
-        self.log.cycle_rows(rows, P, 0.0, device_ms, owners=len(group.lanes), choices=choices)
-        return sum(len(verdict.tokens) for verdict in live_verdicts), len(live_verdicts), [v.accepted for v in live_verdicts]
+        self.log.cycle_rows(
+            kept_sessions, modes, counts + drained_kept, accepted, emitted, starts_kept, P, 0.0, device_ms, owners=len(lanes), choices=choices
+        )
+        return int(accepted.sum()) + len(live), len(live), accepted
 
     def _read_decode(self, group: Group, record: np.ndarray, device_ms: float) -> tuple[int, int, list[int]]:
         """The step's tokens applied; returns the tokens it yielded (one per lane not finished before it),
         those lanes' count and no acceptances."""
-        live = [lane for lane in group.lanes if not lane.finished]  # a finished lane's read-ahead step is discarded
+        lanes, tokens = group.lanes, record[:, NEXT_COLUMN]
+        bad = (tokens < 0) | (tokens >= self.dims.vocab_size)
+        if bad.any():
+            i = int(np.argmax(bad))
+            msg = f"decoded token of session {lanes[i].session.id} out of range: {int(tokens[i])} (valid [0, {self.dims.vocab_size - 1}])"
+            raise ValueError(msg)
+        live = [lane for lane in lanes if lane.finish is None]  # a finished lane's read-ahead step is discarded
         if live:
-            self.log.decode_rows([lane.session for lane in live], device_ms, len(group.lanes), [lane.flight[0].choice for lane in live])
-        for lane, token in zip(group.lanes, record[:, NEXT_COLUMN]):
-            s, token = lane.session, int(token)
-            if not 0 <= token < self.dims.vocab_size:
-                raise ValueError(f"decoded token of session {s.id} out of range: {token} (valid [0, {self.dims.vocab_size - 1}])")
+            self.log.decode_rows([lane.session for lane in live], device_ms, len(lanes), [lane.flight[0].choice for lane in live])
+        for lane, token in zip(lanes, tokens.tolist()):
+            s = lane.session
             if lane.host_taps:
                 self._commit_taps(s, self.loop.taps_out[s.row : s.row + 1])  # frontier += 1, drains if needed
             elif s.speculate:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from dflash_trt.runtime.sessions import LENGTH, STOP, Session, Step
 
@@ -80,10 +81,10 @@ def take(tokens: Sequence[int], room: int | None, stop: frozenset[int] | set[int
     return tuple(kept), LENGTH if room is not None and len(kept) == room else None
 
 
-@dataclass(frozen=True)
-class Flight:
+class Flight(NamedTuple):
     """One launched, unread program of a lane: its kind, how far it may move the lane (``LoopShape.width``),
-    and why it was chosen (a ``runtime.policy.Choice``; None without a policy)."""
+    and why it was chosen (a ``runtime.policy.Choice``; None without a policy). A tuple: one is made per
+    lane per launch, and a frozen dataclass costs several times more to build."""
 
     kind: str
     width: int
@@ -131,9 +132,10 @@ class Lane:
 
     def add(self, tokens: Sequence[int]) -> None:
         """A read cycle's tokens: keep what room and stop tokens allow (nothing once finished)."""
-        if self.finished:
+        if self.finish is not None:
             return
-        room = self.room
+        budget = self.step.room  # the room property, inlined: this runs per lane per launch
+        room = None if budget is None else budget - len(self.tokens)
         if (room is None or len(tokens) < room) and self.step.stop.isdisjoint(tokens):
             self.tokens += tokens  # the common case, without a look at each token (ints already)
             return
@@ -146,10 +148,11 @@ class Lane:
         return self.first_position + len(self.tokens) - 1
 
     def may_launch(self) -> bool:
-        """One more launch fits and is wanted, judged from what has been read."""
-        flight = self.flight
-        reach = sum(f.width for f in flight) if flight else 0
-        return may_launch(self.session.frontier, len(flight), self.launched, self.room, self.finish is not None, self.shape, reach)
+        """One more launch fits and is wanted, judged from what has been read (asked per lane per round)."""
+        flight, budget = self.flight, self.step.room
+        reach = (flight[0].width if len(flight) == 1 else sum(f.width for f in flight)) if flight else 0
+        room = None if budget is None else budget - len(self.tokens)
+        return may_launch(self.session.frontier, len(flight), self.launched, room, self.finish is not None, self.shape, reach)
 
 
 @dataclass
@@ -190,13 +193,16 @@ def run_launches(
     def start(candidates: Sequence[Lane], may_stop: bool = True) -> None:
         if may_stop and stop is not None and stop():
             return
-        live = [lane for lane in candidates if not lane.finished]
+        live = [lane for lane in candidates if lane.finish is None]
         chosen = live if choose is None or not live else choose(live)
         for group in pack([lane for lane in chosen if lane.may_launch()]):
             queue.append((group, launch(group)))
+            flight = None  # one Flight per (width, choice) run of the group's lanes: they mostly share it
             for lane in group.lanes:
                 lane.launched += 1
-                lane.flight.append(Flight(lane.kind, lane.shape.width, lane.choice))
+                if flight is None or flight.choice is not lane.choice or flight.width != lane.shape.width:
+                    flight = Flight(group.kind, lane.shape.width, lane.choice)
+                lane.flight.append(flight)
 
     start(lanes, may_stop=False)  # the first round always runs: every call makes progress
     waiting: list[Lane] = []  # deferred lanes, read since: they join the next round (one group, not one of their own)

@@ -60,7 +60,10 @@ P, whenever a block fits), the behaviour before this module existed;
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 CYCLE, DECODE = "cycle", "decode"  # the kinds (device_loop's program kinds)
 # Why a lane ran what it ran: the cycle table's ``policy`` column.
@@ -181,15 +184,17 @@ class AdaptivePolicy:
         self.yields.setdefault(key, Ewma(self.alpha)).add(tokens)
         self.lanes.setdefault(key, Ewma(self.alpha)).add(owners if lanes is None else lanes)
 
-    def accept(self, proposals: int, accepted: list[int]) -> None:
-        """One cycle launch verifying ``proposals`` accepted ``accepted`` (one count per owner): the
-        acceptance by draft position, at the positions it verified (1..proposals)."""
-        if not accepted:
+    def accept(self, proposals: int, accepted: Sequence[int] | np.ndarray) -> None:
+        """One cycle launch verifying ``proposals`` accepted ``accepted`` (one count per owner, each in
+        0..proposals): the acceptance by draft position, at the positions it verified (1..proposals)."""
+        if not len(accepted):
             return
         while len(self.reached) < proposals:
             self.reached.append(Ewma(self.accept_alpha, skip=0, least=1))
+        # Owners that reached position i (accepted >= i), every i at once: a histogram's suffix sums.
+        reached = np.cumsum(np.bincount(np.asarray(accepted, dtype=np.int64), minlength=proposals + 1)[::-1])[::-1].tolist()
         for i in range(1, proposals + 1):
-            self.reached[i - 1].add(sum(a >= i for a in accepted) / len(accepted))
+            self.reached[i - 1].add(reached[i] / len(accepted))
 
     def expected(self, proposals: int) -> float | None:
         """E[tokens per owner] of a cycle verifying ``proposals`` from the acceptance seen so far; None

@@ -122,7 +122,7 @@ class SessionTable:
 
     def get(self, session_id, what: str = "session", allow_poisoned: bool = False) -> Session:
         """The open session ``session_id``, or the typed error naming ``what``."""
-        session = self.sessions.get(session_id) if is_int(session_id, numpy=True) else None
+        session = self.sessions.get(session_id) if type(session_id) is int or is_int(session_id, numpy=True) else None
         if session is None:
             msg = f"{what}: unknown or closed session {session_id!r} (open: {sorted(self.sessions)})"
             raise SessionError(msg)
@@ -298,6 +298,8 @@ def token_ids(where: str, tokens, vocab_size: int) -> list[int]:
 
 
 def int_in(name: str, value, low: int, high: int | None, note: str = "") -> int:
+    if type(value) is int and low <= value and (high is None or value <= high):
+        return value  # the common case, without the ABC check (bools are not of type int)
     if not is_int(value, numpy=True) or int(value) < low or (high is not None and int(value) > high):
         valid = f"in [{low}, {high}]" if high is not None else f">= {low}"
         msg = f"{name} must be an int {valid}{' ' + note if note else ''}, got {value!r}"

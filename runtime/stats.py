@@ -39,6 +39,7 @@ counters of docs/design.md §8 as per-call deltas, plus timing.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from array import array
@@ -157,14 +158,20 @@ class ColumnStore:
     def append_rows(self, count: int, shared: Mapping[str, object], **columns: Sequence) -> None:
         """``count`` rows at once: ``shared`` values repeated, ``columns`` one value per row (one
         extend per column instead of one append per value)."""
-        missing = self.schema.keys() - shared.keys() - columns.keys()
-        extra = (shared.keys() | columns.keys()) - self.schema.keys()
-        assert not missing and not extra and not shared.keys() & columns.keys(), f"stats rows: missing {missing}, extra {extra}"
+        # Every column once (one union and one count: this runs per launch); the message only on a fault.
+        assert len(shared) + len(columns) == len(self.schema) and shared.keys() | columns.keys() == self.schema.keys(), (
+            f"stats rows: missing {self.schema.keys() - shared.keys() - columns.keys()}, extra {(shared.keys() | columns.keys()) - self.schema.keys()}, "
+            f"both shared and per row {shared.keys() & columns.keys()}"
+        )
         assert all(len(values) == count for values in columns.values()), f"stats rows: columns of another length than {count}"
         for name, value in shared.items():
             self.columns[name].extend([value] * count)
         for name, values in columns.items():
-            self.columns[name].extend(values)
+            column = self.columns[name]
+            if isinstance(values, np.ndarray) and isinstance(column, array):
+                column.frombytes(values.astype(_NUMPY[column.typecode], copy=False).tobytes())  # one copy, no per-value boxing
+            else:
+                column.extend(values)
 
     def extend(self, other: ColumnStore) -> None:
         for name, values in self.columns.items():
@@ -270,18 +277,21 @@ class StatsLog:
         self.counters[rows_name] += rows
         self.counters[rows_name.replace("rows", "bytes")] += rows * row_bytes
 
-    def cycle_counters(self, n: int, proposals: int, counts: list[int], verdicts: list[Verdict], row_bytes: int) -> None:
+    def cycle_counters(self, n: int, proposals: int, context_rows: int, accepted: np.ndarray, row_bytes: int) -> None:
+        """One cycle launch's counts: ``n`` owners whose tokens were kept, ``context_rows`` new context rows
+        their draft consumed in all, ``accepted`` [n] their accepted counts."""
         k = self.counters
         k["target_verify_calls"] += 1
         k["target_verify_forwards"] += 1
         k["draft_forwards"] += 1
         k["static_draft_forwards"] += 1
-        k["warmed_context_tokens"] += sum(counts)
+        k["warmed_context_tokens"] += context_rows
         k["cycles"] += n
         k["proposed"] += n * proposals
-        k["accepted"] += sum(b.accepted for b in verdicts)
-        k["bonuses"] += sum(b.bonus for b in verdicts)
-        k["rejected"] += sum(not b.bonus for b in verdicts)
+        k["accepted"] += int(accepted.sum())
+        bonuses = int(np.count_nonzero(accepted == proposals))
+        k["bonuses"] += bonuses
+        k["rejected"] += n - bonuses
         self.count("hidden_rows_d2d", n * (proposals + 1), row_bytes)
 
     def _shared(self, owners: int, mode: str, draft_ms: float, verify_ms: float) -> dict:
@@ -293,42 +303,52 @@ class StatsLog:
         return shared | dict(draft_ms=draft_ms, verify_ms=verify_ms, host_ms=host_ms, end_ms=(end - self.origin) * 1000.0)
 
     def cycle_rows(
-        self, rows: list, proposals: int, draft_ms: float, verify_ms: float, owners: int | None = None, choices: Sequence | None = None
+        self, sessions: Sequence[Session], modes: list[str], context_rows, accepted, emitted, positions, proposals: int,
+        draft_ms: float, verify_ms: float, owners: int | None = None, choices: Sequence | None = None,
     ) -> None:
-        """rows: (session, mode, context_rows, start, verdict, delivered) per owner of one call whose tokens
-        reached the caller (``delivered`` of them); ``owners``: the call's owners (default: the rows);
-        ``choices``: per row the policy's ``Choice`` (None: fixed)."""
-        modes = [mode for _, mode, *_ in rows]
-        policy, ratio = self._choices(choices, len(rows), "policy_cycles")
-        self.counters["policy_verified"] += proposals * sum(choice is not None for choice in choices or ())
-        shared = self._shared(owners or len(rows), DYNAMIC if DYNAMIC in modes else STATIC, draft_ms, verify_ms)
+        """One row per owner of one call whose tokens reached the caller, as columns (arrays or lists, one
+        value per session): its ``mode``, the ``context_rows`` its draft consumed, ``accepted``, the tokens
+        ``emitted`` to the caller and the anchor's ``positions``; ``owners``: the call's owners (default:
+        the rows); ``choices``: per row the policy's ``Choice`` (None: fixed)."""
+        count = len(sessions)
+        policy, ratio, chosen = self._choices(choices, count, "policy_cycles")
+        self.counters["policy_verified"] += proposals * chosen
+        shared = self._shared(owners or count, DYNAMIC if DYNAMIC in modes else STATIC, draft_ms, verify_ms)
         del shared["mode"]  # per row
+        accepted = np.asarray(accepted)
         self.staged.append_rows(
-            len(rows),
+            count,
             shared | dict(proposed=proposals),
             mode=modes,
-            session=[s.id for s, *_ in rows],
-            context_rows=[context_rows for _, _, context_rows, *_ in rows],
-            accepted=[verdict.accepted for *_, verdict, _ in rows],
-            bonus=[verdict.bonus for *_, verdict, _ in rows],
-            emitted=[delivered for *_, delivered in rows],
-            position=[start for _, _, _, start, *_ in rows],
-            temperature=[s.sampling.temperature for s, *_ in rows],
+            session=[s.id for s in sessions],
+            context_rows=context_rows,
+            accepted=accepted,
+            bonus=accepted == proposals,
+            emitted=emitted,
+            position=positions,
+            temperature=[s.sampling.temperature for s in sessions],
             policy=policy,
             policy_ratio=ratio,
         )
 
-    def _choices(self, choices: Sequence | None, count: int, counter: str) -> tuple[list[str], list[float]]:
-        """The policy columns of ``count`` rows (``FIXED`` and NaN where no choice was made); the rows
-        the policy chose for are counted in ``counter``."""
-        choices = choices if choices is not None else [None] * count
-        self.counters[counter] += sum(choice is not None for choice in choices)
-        policy = [FIXED if choice is None else choice.why for choice in choices]
-        return policy, [float("nan") if choice is None else float(choice.ratio) for choice in choices]
+    def _choices(self, choices: Sequence | None, count: int, counter: str) -> tuple[list[str], list[float], int]:
+        """The policy columns of ``count`` rows (``FIXED`` and NaN where no choice was made) and how many
+        rows the policy chose for (counted in ``counter``). A launch's lanes mostly share one choice:
+        then the columns are that value repeated."""
+        first = choices[0] if choices else None
+        if not choices or all(choice is first for choice in choices):
+            chosen = count if first is not None else 0
+            policy, ratio = ([FIXED] * count, [math.nan] * count) if first is None else ([first.why] * count, [float(first.ratio)] * count)
+        else:
+            chosen = sum(choice is not None for choice in choices)
+            policy = [FIXED if choice is None else choice.why for choice in choices]
+            ratio = [math.nan if choice is None else float(choice.ratio) for choice in choices]
+        self.counters[counter] += chosen
+        return policy, ratio, chosen
 
     def target_row(self, s: Session, position: int, target_ms: float) -> None:
         """A token the target produced outside verify (after a prompt/replay or in plain decode)."""
-        self._target_tokens([(s, position)], target_ms)
+        self._target_tokens([s], [position], target_ms)
 
     def decode_rows(self, sessions: list[Session], device_ms: float, owners: int | None = None, choices: Sequence | None = None) -> None:
         """One plain decode step (``target_decode_n``) of ``sessions``: a token each, at its frontier + 1.
@@ -336,20 +356,22 @@ class StatsLog:
         ``owners``: the launch's owners (default: the sessions), finished ones whose token is discarded included;
         ``choices``: per session the policy's ``Choice`` (None: fixed)."""
         self.counters["target_decode_steps"] += len(sessions)
-        self._target_tokens([(s, s.frontier) for s in sessions], device_ms, owners, self._choices(choices, len(sessions), "policy_decodes"))
+        policy = self._choices(choices, len(sessions), "policy_decodes")[:2]
+        self._target_tokens(sessions, [s.frontier for s in sessions], device_ms, owners, policy)
 
     def _target_tokens(
-        self, tokens: list[tuple[Session, int]], target_ms: float, owners: int | None = None, policy: tuple[list, list] | None = None
+        self, sessions: list[Session], positions: list[int], target_ms: float, owners: int | None = None, policy: tuple[list, list] | None = None
     ) -> None:
-        """One row per (session, position): a token of the target alone, from one launch of ``target_ms``."""
-        shared = self._shared(owners or len(tokens), TARGET, 0.0, target_ms)
-        why, ratio = policy if policy is not None else ([FIXED] * len(tokens), [float("nan")] * len(tokens))
+        """One row per session (at its position): a token of the target alone, from one launch of ``target_ms``."""
+        count = len(sessions)
+        shared = self._shared(owners or count, TARGET, 0.0, target_ms)
+        why, ratio = policy if policy is not None else ([FIXED] * count, [math.nan] * count)
         self.staged.append_rows(
-            len(tokens),
+            count,
             shared | dict(context_rows=0, proposed=0, accepted=0, bonus=False, emitted=1),
-            session=[s.id for s, _ in tokens],
-            position=[position for _, position in tokens],
-            temperature=[s.sampling.temperature for s, _ in tokens],
+            session=[s.id for s in sessions],
+            position=positions,
+            temperature=[s.sampling.temperature for s in sessions],
             policy=why,
             policy_ratio=ratio,
         )

@@ -152,23 +152,23 @@ class Batcher:
             self.leave(key)
 
     def step(
-        self, keys: Iterable[Hashable] | None = None, on_chunk: Callable[[Chunk], None] | None = None,
+        self, keys: Iterable[Hashable] | None = None, on_chunk: Callable[[Hashable, list[int], str | None], None] | None = None,
         should_yield: Callable[[int], bool] | None = None,
     ) -> list[Chunk]:
         """One execute() over every running request (or only ``keys``: the others wait, their pending
         tokens kept); returns a chunk per request; raises what execute raised (sessions left as they are).
         ``should_yield``: ``Executor.execute_outputs``' (end the execute early for a waiting request).
 
-        ``on_chunk`` receives chunks while the execute runs (``Executor.execute_outputs``' on_tokens; a
-        chunk's finish is set when its tokens end the request); the returned chunk of a request then
-        holds only its tokens not streamed yet.
+        ``on_chunk(key, tokens, finish)`` receives a chunk's fields while the execute runs (``Executor.execute_outputs``'
+        on_tokens, per lane per launch: no ``Chunk`` is built for it; ``finish`` is set when the tokens end the
+        request); the returned chunk of a request then holds only its tokens not streamed yet.
         """
         running = self._admitted() if keys is None else [self.running[key] for key in keys]
         streamed = [0] * len(running)
 
         def stream(index: int, tokens: list[int], finish: str | None) -> None:
             streamed[index] += len(tokens)
-            on_chunk(Chunk(running[index].key, tokens, finish))
+            on_chunk(running[index].key, tokens, finish)
 
         outputs = self.executor.execute_outputs([self._next_input(r) for r in running], stream if on_chunk else None, should_yield)
         chunks = []

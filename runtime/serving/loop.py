@@ -301,16 +301,18 @@ class ServingLoop:
             # Waited for this execute: since it started, or since the request came if later.
             return self.batcher.should_yield(waiting, max(finished, len(ended)), now - max(oldest, started))
 
-        def stream(chunk: Chunk) -> None:
-            if chunk.index in ended:
+        def stream(key, tokens: list[int], finish: str | None) -> None:
+            """A request's tokens as a launch is read (``Batcher.step``'s on_chunk): held, or delivered once
+            ``stream_interval`` passed since its last delivery (or they end it)."""
+            if key in ended:
                 return
-            job, tokens = self._jobs[chunk.index], held.setdefault(chunk.index, [])
-            tokens += chunk.tokens
+            job, kept = self._jobs[key], held.setdefault(key, [])
+            kept += tokens
             last = job.last_delivery
-            if chunk.finish is None and last is not None and time.perf_counter() - last < self.stream_interval:
+            if finish is None and last is not None and time.perf_counter() - last < self.stream_interval:
                 return
-            if self._deliver(job, Chunk(chunk.index, held.pop(chunk.index), chunk.finish), streaming=True):
-                ended.add(chunk.index)
+            if self._deliver(job, Chunk(key, held.pop(key), finish), streaming=True):
+                ended.add(key)
 
         try:
             chunks = self.batcher.step(on_chunk=stream, should_yield=should_yield if self.early_join else None)

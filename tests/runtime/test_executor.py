@@ -631,3 +631,26 @@ def test_early_join_cuts_a_large_batch_only_for_one_in_eight_sessions(tiny):
     small.join("d", Request(prompt(5, 53), 8))
     assert not small.should_yield(1, 0) and small.should_yield(1, 1)  # full: one finishing request suffices
     small.close()
+
+
+def test_a_changed_sampling_reaches_the_row_indexed_loop_between_executes(tiny, oracle):
+    """Guards against the device loop's staged sampling going stale (``DeviceLoop.stage`` rebuilds a row's
+    sampling columns only when its ``Sampling`` differs from the one staged there): a session switched from
+    greedy to sampled (and to another seed) between executes, and a closed session's row taken by a new
+    sampled session, go on exactly as the reference does with their new sampling."""
+    executor, _ = new_executor(tiny, 4, "torch-fast")
+    t = Tracker(executor, oracle)
+    a, b = t.open(), t.open()
+    t.execute([(a, prompt(9, 1), None, True), (b, prompt(7, 2), None, True)])
+    t.execute(t.decode_inputs([a, b]))  # a's row staged greedy
+    t.set_sampling(a, SAMPLED)
+    t.execute(t.decode_inputs([a, b]))
+    t.set_sampling(a, Sampling(temperature=1.1, top_k=7, seed=99))
+    t.execute(t.decode_inputs([a, b]))
+    row = executor.session(b).row
+    t.close(b)
+    c = t.open()
+    assert executor.session(c).row == row  # the freed row, staged for b's greedy sampling
+    t.set_sampling(c, Sampling(temperature=0.9, seed=5))
+    t.execute([(c, prompt(6, 3), None, True)] + t.decode_inputs([a]))
+    t.execute(t.decode_inputs([a, c]))

@@ -11,6 +11,8 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dflash_trt.errors import InputError
 from dflash_trt.export.sampling import Sampling
@@ -549,3 +551,24 @@ def test_policy_choices_reach_the_serving_metrics_and_prometheus(tiny, oracle):
     samples = {s.labels["choice"]: s.value for f in families for s in f.samples if s.name == "dflash_trt_policy_choices_total"}
     assert samples == expected
     assert [s.value for f in families for s in f.samples if s.name == "dflash_trt_policy_verified_proposals_total"] == [verified]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 15), st.lists(st.integers(0, 15), min_size=1, max_size=9)), min_size=1, max_size=6))
+def test_acceptance_by_position_equals_the_count_per_position(launches):
+    """Guards against the histogram form of ``accept`` (suffix sums of the accepted counts) drifting from
+    the rule per position: the share of owners with accepted >= i, for i in 1..k of each launch; an
+    off-by-one would shift the acceptance curve and so every cycle length's expected tokens."""
+    policy = AdaptivePolicy(lengths=LENGTHS)
+    reference = [[] for _ in range(15)]  # per position: the shares seen, in order
+    for k, accepted in launches:
+        accepted = [min(a, k) for a in accepted]
+        policy.accept(k, np.array(accepted))
+        for i in range(1, k + 1):
+            reference[i - 1].append(sum(a >= i for a in accepted) / len(accepted))
+    for i, shares in enumerate(reference):
+        if shares:
+            expected = type(policy.reached[i])(policy.accept_alpha, skip=0, least=1)  # an Ewma fed the same shares
+            for share in shares:
+                expected.add(share)
+            assert policy.reached[i].value == expected.value and policy.reached[i].seen == expected.seen
