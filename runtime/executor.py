@@ -601,7 +601,7 @@ class Executor:
 
     def _plan_round(self, lanes: list[Lane]) -> list[Lane]:
         """One round: the policy's choice for the policed lanes, then per lane what its state allows
-        (``runtime.launches.run_launches``'s ``choose``). The choice is made at the (padded) count of
+        (``runtime.launches.run_launches``'s ``choose``: the lanes returned may launch, ``Lane.may_launch``). The choice is made at the (padded) count of
         the execute's policed lanes still decoding, not of this round's: lanes that fall apart into
         small groups (a drain, a deferral) are then steered back to one kind, and one group.
 
@@ -610,13 +610,21 @@ class Executor:
         unknown until that cycle is read); both rejoin the others' decode steps in a later round."""
         policed = [lane for lane in lanes if lane.policed]
         if not policed:
-            return lanes
+            return [lane for lane in lanes if lane.may_launch()]
         going = len(policed)  # every policed lane of the execute is in this round: none else can be going
+        asked: dict[int, tuple[LoopShape, bool]] = {}  # id(lane) -> (its shape then, may_launch): asked once per lane
         if going < len(self._policed):
-            going = max(going, sum(lane.finish is None and lane.may_launch() or bool(lane.flight) for lane in self._policed))
+            count = 0
+            for lane in self._policed:
+                if lane.finish is None:
+                    asked[id(lane)] = (lane.shape, may := lane.may_launch())
+                    count += may or bool(lane.flight)
+                else:
+                    count += bool(lane.flight)
+            going = max(going, count)
         owners = min(going, self.dims.max_owners)
         choice = self.policy.choose(padded(owners, self.dims.max_owners))
-        ready = [lane for lane in lanes if not lane.policed]
+        ready = [lane for lane in lanes if not lane.policed and lane.may_launch()]
         kind = choice.kind
         proposals, shape = self._shape(kind, choice, self.max_cycles)  # policed lanes are never host_taps: max_cycles
         for lane in policed:
@@ -627,7 +635,9 @@ class Executor:
                 self._set_kind(lane, CYCLE, replace(choice, kind=CYCLE, why=DRAIN))  # charged to the decode round
             else:
                 lane.kind, lane.choice, lane.proposals, lane.shape = kind, choice, proposals, shape  # _set_kind, made once
-            ready.append(lane)
+            answer = asked.get(id(lane))  # the count's answer holds while the lane keeps its shape (nothing else moved)
+            if answer[1] if answer is not None and answer[0] is lane.shape else lane.may_launch():
+                ready.append(lane)
         return ready
 
     @staticmethod

@@ -177,7 +177,8 @@ def run_launches(
     launch after the first round) says to end early: the launches in flight are still read (see the
     module docstring).
 
-    ``choose(lanes)`` -> the lanes of one round that launch now, each one's
+    ``choose(lanes)`` -> the lanes of one round that launch now (those whose
+    ``may_launch`` holds), each one's
     ``kind``, ``shape`` and ``choice`` set for its next launch (a lane it
     leaves out with ``deferred`` set is offered again once its unread launch
     is read, in the next round launched, so deferred lanes rejoin a group
@@ -194,8 +195,11 @@ def run_launches(
         if may_stop and stop is not None and stop():
             return
         live = [lane for lane in candidates if lane.finish is None]
-        chosen = live if choose is None or not live else choose(live)
-        for group in pack([lane for lane in chosen if lane.may_launch()]):
+        if choose is None:
+            chosen = [lane for lane in live if lane.may_launch()]
+        else:
+            chosen = choose(live) if live else []  # asks may_launch itself, under the kinds it sets
+        for group in pack(chosen):
             queue.append((group, launch(group)))
             flight = None  # one Flight per (width, choice) run of the group's lanes: they mostly share it
             for lane in group.lanes:
