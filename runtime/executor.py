@@ -475,8 +475,9 @@ class Executor:
         for step, s, p, token in zip(steps, sessions, prompts, chosen):
             self._commit_prompt(s, p)
             predictions[step.index] = token if step.produce_output else None
-            if step.produce_output:
-                self.log.target_row(s, step.end - 1, ms)
+        rows = [step for step in steps if step.produce_output]  # a target row each, in batch order
+        if rows:
+            self.log.target_rows([step.session for step in rows], [step.end - 1 for step in rows], ms)
         self.clock.release(t0, t1)
         return predictions
 

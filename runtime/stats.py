@@ -350,6 +350,28 @@ class StatsLog:
         """A token the target produced outside verify (after a prompt/replay or in plain decode)."""
         self._target_tokens([s], [position], target_ms)
 
+    def target_rows(self, sessions: Sequence[Session], positions: Sequence[int], target_ms: float) -> None:
+        """``target_row`` for each session in turn (its token at its position, one call of ``target_ms``
+        each: a cycle id each, one owner), the rows made at one instant: the first carries the host time
+        since the previous row, the others none (no time passed between them); one append for them all."""
+        count = len(sessions)
+        end = time.perf_counter()
+        host_ms = max(0.0, (end - self.cycle_started) * 1000.0 - target_ms)
+        self.cycle_started = end
+        first, self.cycle_id = self.cycle_id, self.cycle_id + count
+        shared = dict(batch_id=self.batch_id, owners=1, mode=TARGET, draft_ms=0.0, verify_ms=target_ms, end_ms=(end - self.origin) * 1000.0)
+        self.staged.append_rows(
+            count,
+            shared | dict(context_rows=0, proposed=0, accepted=0, bonus=False, emitted=1),
+            cycle_id=range(first, first + count),
+            host_ms=[host_ms] + [max(0.0, -target_ms)] * (count - 1),
+            session=[s.id for s in sessions],
+            position=positions,
+            temperature=[s.sampling.temperature for s in sessions],
+            policy=[FIXED] * count,
+            policy_ratio=[math.nan] * count,
+        )
+
     def decode_rows(self, sessions: list[Session], device_ms: float, owners: int | None = None, choices: Sequence | None = None) -> None:
         """One plain decode step (``target_decode_n``) of ``sessions``: a token each, at its frontier + 1.
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import polars as pl
 import pytest
 
@@ -52,6 +54,29 @@ def _log_batches(log: StatsLog, sizes: list[int]) -> None:
             log.target_row(session, position, 0.5)
         log.counters["target_decode_steps"] += size
         log.commit(1, size, False)
+
+
+def test_target_rows_in_one_append_equal_one_target_row_per_session():
+    """Guards against the bulk prompt rows of a prefill launch (``target_rows``) sharing one cycle id,
+    misaligning a column, or charging the host time to every row: they must equal ``target_row`` called
+    per session (timing aside), and only their first row may carry host time."""
+    sampled = Session(7, 3)
+    sampled.sampling = replace(sampled.sampling, temperature=0.7)
+    sessions, positions = [Session(4, 1), sampled, Session(9, 0)], [11, 3, 25]
+    one, bulk = StatsLog(), StatsLog()
+    for log in (one, bulk):
+        log.begin()
+        log.target_row(Session(2, 2), 5, 0.25)  # a row before: cycle ids go on from it
+    for s, position in zip(sessions, positions):
+        one.target_row(s, position, 0.0)
+    bulk.target_rows(sessions, positions, 0.0)  # no device time: the first row's host time is > 0
+    for log in (one, bulk):
+        log.commit(4, 4, False)
+    timing = ["host_ms", "end_ms"]
+    expected, got = one.frames()[0], bulk.frames()[0]
+    assert got.drop(timing).equals(expected.drop(timing)), (got, expected)
+    assert got["cycle_id"].to_list() == [0, 1, 2, 3] and got["end_ms"][1:].n_unique() == 1
+    assert got["host_ms"][2:].to_list() == [0.0, 0.0] and got["host_ms"][1] > 0.0
 
 
 def test_bounded_log_drops_whole_oldest_batches_from_both_tables():
