@@ -221,9 +221,47 @@ def validate_batch(table: SessionTable, batch, limits: Limits) -> list[Step]:
         msg = f"batch must be a non-empty list of inputs, got {batch!r:.80}"
         raise InputError(msg)
     cursors: dict[int, int] = {}  # session id -> end of its previous input in this batch
-    steps = [_validate_input(i, _as_input(i, item), table, limits, cursors) for i, item in enumerate(batch)]
+    steps = []
+    for i, item in enumerate(batch):
+        step = _plain_step(i, item, table, limits, cursors) if type(item) is Input else None
+        steps.append(step if step is not None else _validate_input(i, _as_input(i, item), table, limits, cursors))
     _mark_last_and_fast(steps, limits)
     return steps
+
+
+def _plain_step(index: int, item: Input, table: SessionTable, limits: Limits, cursors: dict[int, int]) -> Step | None:
+    """``_validate_input``'s step for the common input (a serving loop's: a list of plain int tokens
+    appended at its session's cursor, no offset, size or position; ``max_new_tokens`` None or an int;
+    ``stop`` a tuple or list of plain ints), checked without building the field names its errors
+    would need; None for any other input, valid or not: ``_validate_input`` checks it and names what
+    is wrong. Mutates nothing but ``cursors``, and only when it returns a step."""
+    session = table.sessions.get(item.session) if type(item.session) is int else None
+    tokens, stop, room, produce = item.tokens, item.stop, item.max_new_tokens, item.produce_output
+    if (
+        session is None
+        or session.poisoned
+        or type(tokens) is not list
+        or not _plain_ids(tokens, limits.vocab_size)
+        or type(stop) not in (tuple, list)
+        or (stop and not _plain_ids(stop, limits.vocab_size))
+        or type(item.offset) is not int
+        or item.offset != 0
+        or item.size is not None
+        or item.position is not None
+        or type(produce) is not bool
+        or (room is not None and (type(room) is not int or room < 1 or not produce))
+    ):
+        return None
+    start = cursors.get(session.id, session.frontier)  # the session's frontier, or its previous input's end
+    if start + len(tokens) > limits.max_context:
+        return None
+    cursors[session.id] = start + len(tokens)
+    return Step(index, session, tokens[:], start, False, produce, room=room, stop=frozenset(stop))
+
+
+def _plain_ids(values: list | tuple, vocab_size: int) -> bool:
+    """A non-empty list or tuple of plain ints (bools are not) in [0, vocab_size), checked at C speed."""
+    return bool(values) and set(map(type, values)) <= {int} and min(values) >= 0 and max(values) < vocab_size
 
 
 def _as_input(index: int, item) -> Input:
@@ -288,7 +326,7 @@ def token_ids(where: str, tokens, vocab_size: int) -> list[int]:
     else:
         msg = f"{where} must be a list, tuple or 1-D integer array of token ids, got {type(tokens).__name__}"
         raise InputError(msg)
-    if set(map(type, values)) <= {int} and (not values or (min(values) >= 0 and max(values) < vocab_size)):
+    if not values or _plain_ids(values, vocab_size):
         return values  # plain ints in range: the common case, checked at C speed (bools are not of type int)
     for j, token in enumerate(values):
         if not is_int(token, numpy=True) or not 0 <= int(token) < vocab_size:
@@ -311,16 +349,21 @@ def _mark_last_and_fast(steps: list[Step], limits: Limits) -> None:
     """``last``: the session's final input; ``fast``: its only input, exactly its pending token, and
     the session drafts with room for a block; ``decode``: its only input, one token, that will not
     seed a cycle (the session does not speculate, or no block fits): a plain decode step."""
-    count: dict[int, int] = {}
-    for step in steps:
-        count[step.session.id] = count.get(step.session.id, 0) + 1
+    ids = [step.session.id for step in steps]
+    count: dict[int, int] | None = None  # None: every session's only input (a serving loop's batch)
+    if len(set(ids)) < len(ids):
+        count = {}
+        for sid in ids:
+            count[sid] = count.get(sid, 0) + 1
     seen: dict[int, int] = {}
-    for step in steps:
-        sid = step.session.id
-        seen[sid] = seen.get(sid, 0) + 1
-        step.last = seen[sid] == count[sid]
+    for step, sid in zip(steps, ids):
+        if count is None:
+            step.last, alone = True, True
+        else:
+            seen[sid] = seen.get(sid, 0) + 1
+            step.last, alone = seen[sid] == count[sid], count[sid] == 1
         s = step.session
-        single = count[sid] == 1 and step.produce_output and len(step.tokens) == 1
+        single = alone and step.produce_output and len(step.tokens) == 1
         drafts = s.speculate and block_fits(step.start, limits.block, limits.max_context)
         step.fast = single and drafts and step.start == s.frontier and s.pending == step.tokens[0]
         step.decode = single and not drafts

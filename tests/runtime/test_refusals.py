@@ -264,3 +264,61 @@ def test_one_sampling_value_is_checked_by_one_routine(tiny):
     executor.set_sampling(session, Sampling(0.7, 5, 0.9, 3))
     assert executor.session(session).sampling == Sampling(0.7, 5, 0.9, 3)
     executor.close()
+
+
+def test_batch_validation_fast_path_agrees_with_the_full_check():
+    """Guards against the plain-input fast path of ``validate_batch`` (``_plain_step``) accepting an
+    input the full check refuses, refusing with another error, or planning another step (start, room,
+    stop, tokens), and against ``last`` / ``fast`` / ``decode`` going wrong when a session repeats:
+    random batches of valid and invalid inputs against the per-input check and a brute-force marking."""
+    import random
+
+    from dflash_trt.runtime import sessions as S
+    from dflash_trt.runtime.ownership import RowAllocator
+
+    limits = S.Limits(vocab_size=50, max_context=24, block=4)
+    table = S.SessionTable(4, RowAllocator(4))
+    fresh, going, poisoned, full = (table.open(speculate) for speculate in (True, True, False, True))
+    going.frontier, going.draft_position, going.pending = 5, 3, 7
+    poisoned.poisoned = True
+    full.frontier = 21
+    sids = [fresh.id, going.id, poisoned.id, full.id, 99, np.int64(going.id), 1.0]
+    token_lists = [[7], [3, 4, 5], [], [True], [60], [-1], (7,), np.array([7]), range(2), [np.int64(7)], [7] * 4]
+    rng = random.Random(0)
+
+    def one() -> Input:
+        fields = dict(session=rng.choice(sids), tokens=rng.choice(token_lists))
+        for name, values in (
+            ("offset", [0, 1, True, np.int64(0)]), ("size", [None, 1, 0]), ("position", [None, 0, 5, 21]),
+            ("produce_output", [True, False, np.bool_(True), 1]), ("max_new_tokens", [None, 1, 9, 0, True, np.int64(3)]),
+            ("stop", [(), (3,), [3, 49], (50,), (True,), {3}, range(1)]),
+        ):
+            if rng.random() < 0.3:
+                fields[name] = rng.choice(values)
+        return Input(**fields)
+
+    def reference(batch):
+        cursors: dict[int, int] = {}
+        steps = [S._validate_input(i, item, table, limits, cursors) for i, item in enumerate(batch)]
+        for step in steps:
+            same = [other for other in steps if other.session is step.session]
+            step.last = same[-1] is step
+            single = len(same) == 1 and step.produce_output and len(step.tokens) == 1
+            drafts = step.session.speculate and step.start + limits.block <= limits.max_context
+            step.fast = single and drafts and step.start == step.session.frontier and step.session.pending == step.tokens[0]
+            step.decode = single and not drafts
+        return steps
+
+    def outcome(check, batch):
+        try:
+            return check(batch)
+        except DFlashError as error:
+            return type(error), str(error)
+
+    plain = 0
+    for _ in range(3000):
+        batch = [one() for _ in range(rng.randint(1, 5))]
+        expected = outcome(reference, batch)
+        assert outcome(lambda b: S.validate_batch(table, b, limits), batch) == expected, batch
+        plain += isinstance(expected, list)
+    assert plain > 100  # enough valid batches to compare plans, not only errors
