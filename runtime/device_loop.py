@@ -298,15 +298,15 @@ class DeviceLoop:
 
     # ------------------------------------------------------------------ staging
 
-    def stage(self, rows: list[tuple[int, int, int, int, object]]) -> None:
-        """(row, anchor, frontier, draft, sampling) per owner of this execute -> device (async; inside ``running``).
+    def stage(self, rows: list[int], anchors: list[int], frontiers: list[int], drafts: list[int], samplings: list) -> None:
+        """Per owner of this execute (columns, one value per owner): its row, anchor, frontier, draft
+        position and sampling -> device (async; inside ``running``).
 
         A row's sampling columns are rebuilt only when its ``Sampling`` is not the one staged there last
         (a value, never changed in place: the same object means the same columns); nothing else writes them."""
-        index = [row for row, *_ in rows]
         ints, floats, staged = self.ints.array, self.floats.array, self.staged_sampling
-        ints[:TOP_K, index] = np.array([[a, f, d] for _, a, f, d, _ in rows], dtype=np.int64).T
-        fresh = [(row, s) for row, *_, s in rows if staged[row] is not s]
+        ints[:TOP_K, rows] = np.array([anchors, frontiers, drafts], dtype=np.int64)  # ANCHOR, FRONTIER, DRAFT
+        fresh = [(row, s) for row, s in zip(rows, samplings) if staged[row] is not s]
         if fresh:
             at = [row for row, _ in fresh]
             sampling = sampling_rows([s for _, s in fresh], [0] * len(fresh))  # the sample graph's feeds, one builder

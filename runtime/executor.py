@@ -562,11 +562,13 @@ class Executor:
             return
         for lane in lanes:
             self._assign(lane)
-        stage = [(l.session.row, l.anchor, l.session.frontier, l.session.draft_position, l.session.sampling) for l in lanes]
+        sessions = [lane.session for lane in lanes]
+        rows, anchors, samplings = [s.row for s in sessions], [lane.anchor for lane in lanes], [s.sampling for s in sessions]
+        frontiers, drafts = [s.frontier for s in sessions], [s.draft_position for s in sessions]
         self._policed = [lane for lane in lanes if lane.policed]
-        self._sampling = any(lane.session.sampling.temperature > 0 for lane in lanes)  # else no group samples (_pack)
+        self._sampling = any(sampling.temperature > 0 for sampling in samplings)  # else no group samples (_pack)
         with self.loop.running():
-            self.loop.stage(stage)
+            self.loop.stage(rows, anchors, frontiers, drafts, samplings)
             run_launches(lanes, self._pack, self._launch, self._read, self.lag, self._plan_round, self._yield_check(every))
 
     def _yield_check(self, every: list[Lane]) -> Callable[[], bool] | None:
