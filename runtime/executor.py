@@ -376,11 +376,12 @@ class Executor:
         lanes = [lane for step in steps if (lane := self._lane(step, predictions)) is not None]
         self._stream(lanes)  # the predictions after the prompts
         self._decode([lane for lane in lanes if lane.decodes], lanes)
-        outputs = [Output([]) for _ in steps]
+        made: list[Output | None] = [None] * len(steps)
         for lane in lanes:
             if lane.session.frontier > lane.keep_until:  # tokens past a stop / the room were discarded
                 self._rewind(lane.session, lane.keep_until)
-            outputs[lane.step.index] = Output(lane.tokens, lane.finish or self._context_full(lane.session))
+            made[lane.step.index] = Output(lane.tokens, lane.finish or self._context_full(lane.session))
+        outputs = [Output([]) if output is None else output for output in made]  # no lane: no output asked
         for step in steps:
             if step.last:
                 # The last emitted token sits AT the new frontier, not yet fed.
@@ -718,10 +719,8 @@ class Executor:
                 # Launched before the lane's finishing cycle was read (lag): its tokens are discarded and
                 # the session rewound after the loop, so it is no cycle of the stats.
                 continue
-            before = len(lane.tokens)
-            lane.add(tokens)
+            emitted.append(lane.add(tokens))
             live.append(i)
-            emitted.append(len(lane.tokens) - before)
             choices.append(lane.flight[0].choice)
         if not live:
             return 0, 0, verdicts.accepted[:0]

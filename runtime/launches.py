@@ -130,17 +130,19 @@ class Lane:
         """Tokens this lane may still return (None: one step, as the seed's executor)."""
         return None if self.step.room is None else self.step.room - len(self.tokens)
 
-    def add(self, tokens: Sequence[int]) -> None:
-        """A read cycle's tokens: keep what room and stop tokens allow (nothing once finished)."""
+    def add(self, tokens: Sequence[int]) -> int:
+        """A read cycle's tokens: keep what room and stop tokens allow (nothing once finished); returns
+        how many were kept."""
         if self.finish is not None:
-            return
+            return 0
         budget = self.step.room  # the room property, inlined: this runs per lane per launch
         room = None if budget is None else budget - len(self.tokens)
         if (room is None or len(tokens) < room) and self.step.stop.isdisjoint(tokens):
             self.tokens += tokens  # the common case, without a look at each token (ints already)
-            return
+            return len(tokens)
         kept, self.finish = take(tokens, room, self.step.stop)
         self.tokens += kept
+        return len(kept)
 
     @property
     def keep_until(self) -> int:
