@@ -605,9 +605,10 @@ class Executor:
 
     def _plan_round(self, lanes: list[Lane]) -> list[Lane]:
         """One round: the policy's choice for the policed lanes, then per lane what its state allows
-        (``runtime.launches.run_launches``'s ``choose``: the lanes returned may launch, ``Lane.may_launch``). The choice is made at the (padded) count of
-        the execute's policed lanes still decoding, not of this round's: lanes that fall apart into
-        small groups (a drain, a deferral) are then steered back to one kind, and one group.
+        (``runtime.launches.run_launches``'s ``choose``: the lanes returned may launch, ``Lane.may_launch``).
+        The choice is made at the (padded) count of the execute's policed lanes still decoding, not of
+        this round's: lanes that fall apart into small groups (a drain, a deferral) are then steered
+        back to one kind, and one group.
 
         On a decode choice, a lane whose pending context rows are full (B) cycles instead (the cycle
         drains them: ``DRAIN``), and a lane with a cycle in flight is deferred (its pending count is
@@ -615,9 +616,10 @@ class Executor:
         policed = [lane for lane in lanes if lane.policed]
         if not policed:
             return [lane for lane in lanes if lane.may_launch()]
-        going = len(policed)  # every policed lane of the execute is in this round: none else can be going
+        going, most = len(policed), self.dims.max_owners  # all the execute's policed lanes here: none else can be going
         asked: dict[int, tuple[LoopShape, bool]] = {}  # id(lane) -> (its shape then, may_launch): asked once per lane
-        if going < len(self._policed):
+        # The count lies in [this round's, the execute's]: needed only when those two fall in different buckets.
+        if going < len(self._policed) and padded(min(going, most), most) < padded(min(len(self._policed), most), most):
             count = 0
             for lane in self._policed:
                 if lane.finish is None:
@@ -626,8 +628,7 @@ class Executor:
                 else:
                     count += bool(lane.flight)
             going = max(going, count)
-        owners = min(going, self.dims.max_owners)
-        choice = self.policy.choose(padded(owners, self.dims.max_owners))
+        choice = self.policy.choose(padded(min(going, most), most))
         ready = [lane for lane in lanes if not lane.policed and lane.may_launch()]
         kind = choice.kind
         proposals, shape = self._shape(kind, choice, self.max_cycles)  # policed lanes are never host_taps: max_cycles
