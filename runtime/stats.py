@@ -165,7 +165,9 @@ class ColumnStore:
         )
         assert all(len(values) == count for values in columns.values()), f"stats rows: columns of another length than {count}"
         for name, value in shared.items():
-            self.columns[name].extend([value] * count)
+            column = self.columns[name]
+            # A typed column repeats one typed value (C speed), not a list of Python objects converted one by one.
+            column.extend(array(column.typecode, [value]) * count if isinstance(column, array) else [value] * count)
         for name, values in columns.items():
             column = self.columns[name]
             if isinstance(values, np.ndarray) and isinstance(column, array):
