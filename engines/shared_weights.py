@@ -148,15 +148,12 @@ def _keep(field, keep) -> None:
 
 def write_shared_weights(out_dir: Path, lifted: Lifted) -> SharedWeightsRecord:
     """``shared_weights.safetensors`` in ``out_dir`` and its record (sha256 of the file as written)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     path = Path(out_dir) / SHARED_WEIGHTS_FILE
-    save_file(lifted.tensors, str(path))
-    data_hash = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 24), b""):
-            data_hash.update(chunk)
-    return SharedWeightsRecord(path.name, data_hash.hexdigest(), path.stat().st_size, lifted.specs)
+    data = save(lifted.tensors)  # in memory: hashed from there, and written with the plans' permissions
+    path.write_bytes(data)
+    return SharedWeightsRecord(path.name, hashlib.sha256(data).hexdigest(), len(data), lifted.specs)
 
 
 def read_shared_weights(directory: Path, record: SharedWeightsRecord) -> dict[str, torch.Tensor]:
