@@ -16,9 +16,10 @@ why each is ``skipped`` (the runtime refuses sampled sessions on it). One
 builder and one timing cache (TensorRT; a file in the output directory)
 serve all graphs. The two models' shared weights (the target's embedding
 and LM head) are lifted out of their graphs before parsing, into one file
-beside the plans (``engines.shared_weights``). The set's semantics probe (``engines.probe``) is exported
-and built the same way, and run where the builder has a GPU that runs the
-plans: a failed probe fails the build (``engines.verdict``).
+beside the plans (``engines.shared_weights``). The set's semantics probe
+(``engines.probe``) is exported and built the same way, and run where the
+builder has a GPU that runs the plans: a failed probe fails the build
+(``engines.verdict``).
 """
 
 from __future__ import annotations

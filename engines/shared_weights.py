@@ -34,6 +34,7 @@ from dflash_trt.engines.sources import GraphSource, load_graph
 from dflash_trt.errors import EngineBuildError, EngineError
 from dflash_trt.export import contract as c
 from dflash_trt.export.contract import ONNX_ELEMENT_TYPES, TensorSpec
+from dflash_trt.export.identity import file_sha256
 from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 
 _DTYPE_NAMES = {element: name for name, element in ONNX_ELEMENT_TYPES.items()}
@@ -148,39 +149,45 @@ def _keep(field, keep) -> None:
 
 def write_shared_weights(out_dir: Path, lifted: Lifted) -> SharedWeightsRecord:
     """``shared_weights.safetensors`` in ``out_dir`` and its record (sha256 of the file as written)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     path = Path(out_dir) / SHARED_WEIGHTS_FILE
-    save_file(lifted.tensors, str(path))
-    data_hash = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 24), b""):
-            data_hash.update(chunk)
-    return SharedWeightsRecord(path.name, data_hash.hexdigest(), path.stat().st_size, lifted.specs)
+    data = save(lifted.tensors)  # in memory: hashed from there, and written with the plans' permissions
+    path.write_bytes(data)
+    return SharedWeightsRecord(path.name, hashlib.sha256(data).hexdigest(), len(data), lifted.specs)
 
 
 def read_shared_weights(directory: Path, record: SharedWeightsRecord) -> dict[str, torch.Tensor]:
-    """The shared tensors as host tensors, read once and hashed on the way; every tensor the
-    record names, with its shape and dtype, and nothing else."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load
+    """The shared tensors as host tensors, every one the record names with its shape and dtype and
+    nothing else. The file is hashed in one streamed read, then parsed by safetensors from the page
+    cache that read filled (``safetensors.torch.load`` of the bytes in memory copies them twice:
+    8 s of 15 for the Qwen3-8B shape's 2.5 GB); a file that changes between the two is refused."""
+    from safetensors import SafetensorError, safe_open
 
     path = Path(directory) / record.file
     try:
-        data = path.read_bytes()
+        before = _version(path)
+        digest = file_sha256(path)
+        with safe_open(str(path), framework="pt") as handle:
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118  (a safe_open handle)
+        changed = _version(path) != before
     except OSError as error:
         raise EngineError(f"{path}: cannot be read ({type(error).__name__}: {error.strerror or error}); rebuild the set") from error
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != record.sha256:
-        raise EngineError(f"{path}: sha256 {digest} differs from engines.json's {record.sha256}: the file changed after the build; rebuild the set")
-    try:
-        tensors = load(data)
     except SafetensorError as error:
         raise EngineError(f"{path}: not a safetensors file ({error}); rebuild the set") from error
+    if digest != record.sha256 or changed:
+        why = "changed while it was read" if changed else f"has sha256 {digest}"
+        raise EngineError(f"{path} {why}, engines.json records sha256 {record.sha256}: the file changed after the build; rebuild the set")
     have = tensor_specs(tensors)
     if sorted(have, key=lambda s: s.name) != sorted(record.tensors, key=lambda s: s.name):
         raise EngineError(f"{path}: holds {[s.to_json() for s in have]}, engines.json records {[s.to_json() for s in record.tensors]}; rebuild the set")
     return {s.name: tensors[s.name] for s in record.tensors}
+
+
+def _version(path: Path) -> tuple[int, ...]:
+    """What changes when a file is replaced or rewritten: device, inode, size, mtime and ctime."""
+    stat = path.stat()
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
 
 
 def _tensor(use: Use, base: Path) -> torch.Tensor:

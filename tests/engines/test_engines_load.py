@@ -562,7 +562,7 @@ def test_shared_weights_missing_changed_or_misrecorded_are_refused(tmp_path):
     path.write_bytes(original[:-2] + b"\0\0")
     with pytest.raises(EngineError, match=r"shared weights 'shared_weights.safetensors' sha256 \w+ differs from engines.json's"):
         check_engine_set(tmp_path, CONTRACT)
-    with pytest.raises(EngineError, match=r"shared_weights.safetensors: sha256 \w+ differs from engines.json's"):
+    with pytest.raises(EngineError, match=r"shared_weights.safetensors has sha256 \w+, engines.json records sha256"):
         read_shared_weights(tmp_path, record.shared_weights)
     path.write_bytes(original)
     edits = {
