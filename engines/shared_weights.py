@@ -34,7 +34,7 @@ from dflash_trt.engines.sources import GraphSource, load_graph
 from dflash_trt.errors import EngineBuildError, EngineError
 from dflash_trt.export import contract as c
 from dflash_trt.export.contract import ONNX_ELEMENT_TYPES, TensorSpec
-from dflash_trt.export.identity import file_sha256
+from dflash_trt.export.identity import file_sha256, file_stamp
 from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 
 _DTYPE_NAMES = {element: name for name, element in ONNX_ELEMENT_TYPES.items()}
@@ -166,11 +166,11 @@ def read_shared_weights(directory: Path, record: SharedWeightsRecord) -> dict[st
 
     path = Path(directory) / record.file
     try:
-        before = _version(path)
+        before = file_stamp(path)
         digest = file_sha256(path)
         with safe_open(str(path), framework="pt") as handle:
             tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118  (a safe_open handle)
-        changed = _version(path) != before
+        changed = file_stamp(path) != before
     except OSError as error:
         raise EngineError(f"{path}: cannot be read ({type(error).__name__}: {error.strerror or error}); rebuild the set") from error
     except SafetensorError as error:
@@ -182,12 +182,6 @@ def read_shared_weights(directory: Path, record: SharedWeightsRecord) -> dict[st
     if sorted(have, key=lambda s: s.name) != sorted(record.tensors, key=lambda s: s.name):
         raise EngineError(f"{path}: holds {[s.to_json() for s in have]}, engines.json records {[s.to_json() for s in record.tensors]}; rebuild the set")
     return {s.name: tensors[s.name] for s in record.tensors}
-
-
-def _version(path: Path) -> tuple[int, ...]:
-    """What changes when a file is replaced or rewritten: device, inode, size, mtime and ctime."""
-    stat = path.stat()
-    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
 
 
 def _tensor(use: Use, base: Path) -> torch.Tensor:

@@ -51,7 +51,8 @@ def default_cache_dir() -> Path:
     return Path(root)
 
 
-def _stamp(path: str) -> list[int]:
+def file_stamp(path: str | Path) -> list[int]:
+    """What changes when a file is replaced or rewritten: device, inode, size, mtime and ctime."""
     st = os.stat(path)
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
@@ -59,7 +60,7 @@ def _stamp(path: str) -> list[int]:
 def verified_sha256(path: str | Path) -> str:
     """``file_sha256(path)``, computed once per version of the file (see the module docstring)."""
     real = os.path.realpath(path)
-    stamp = _stamp(real)
+    stamp = file_stamp(real)
     with _verdicts_lock:
         known = _load_verdicts().get(real)
     if known is not None and known[:5] == stamp:
@@ -68,7 +69,7 @@ def verified_sha256(path: str | Path) -> str:
     # Remembered only if unchanged while read, and not "racy": filesystem timestamps tick coarsely
     # (a jiffy; 2 s on FAT), so a write right after this one could leave the same stamp.
     settled = time.time_ns() - max(stamp[3], stamp[4]) > RACY_SECONDS * 1e9
-    if settled and _stamp(real) == stamp:
+    if settled and file_stamp(real) == stamp:
         with _verdicts_lock:
             _load_verdicts()[real] = [*stamp, digest]
             _save_verdicts()
