@@ -84,11 +84,9 @@ def cycle_mode(frontier: int, block: int, max_context: int, drained_rows: int) -
 
 def cycle_modes(frontiers: np.ndarray, block: int, max_context: int, drained_rows: np.ndarray) -> list[str]:
     """``cycle_mode`` of each owner ([n] arrays), as a list (one array test in the common case: all static)."""
-    target = frontiers + block > max_context
-    dynamic = drained_rows > 0
-    if not target.any() and not dynamic.any():
+    if (frontiers + block <= max_context).all() and not (drained_rows > 0).any():  # every block fits, none drained
         return [STATIC] * len(frontiers)
-    return [TARGET if t else DYNAMIC if d else STATIC for t, d in zip(target.tolist(), dynamic.tolist())]
+    return [cycle_mode(f, block, max_context, d) for f, d in zip(frontiers.tolist(), drained_rows.tolist())]
 
 
 def static_context(draft_positions: Sequence[int], frontiers: Sequence[int], block: int) -> tuple[list[int], list[int]]:
