@@ -97,7 +97,6 @@ def write_like_8b(work: Path) -> tuple[list[Path], object]:
 
 def of_set(directory: Path) -> tuple[list[Path], object, float]:
     """A built set's plans and shared-weights record, and the seconds of its stage-1 checks."""
-    from dflash_trt.engines.engine_set import read_engine_set
     from dflash_trt.engines.load import check_engine_set
     from dflash_trt.export.contract import export_specs
     from dflash_trt.export.manifest import load_manifest
@@ -107,7 +106,7 @@ def of_set(directory: Path) -> tuple[list[Path], object, float]:
     record_ = check_engine_set(directory, export_specs(dims), hash_plans=False)
     checks = time.perf_counter() - started
     engines = [*record_.engines.values(), *([record_.probe.engine] if record_.probe else [])]
-    return [directory / e.plan for e in engines], read_engine_set(directory).shared_weights, checks
+    return [directory / e.plan for e in engines], record_.shared_weights, checks
 
 
 def main() -> int:
