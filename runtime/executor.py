@@ -62,7 +62,7 @@ from collections import Counter
 from dataclasses import replace
 from operator import attrgetter
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -147,6 +147,9 @@ class Executor:
         # A row-indexed backend's pools end with a scratch row (device_loop: padded lanes): the context pool too.
         self.context = ContextPool(rows + backend.row_indexed, dims.block_size, dims.tap_width, TORCH_DTYPES[dims.dtype], self.device)
         self.clock = make_clock(backend)
+        stream = getattr(backend, "stream", None)
+        # Every call runs on the backend's stream (``BackendStream.current``): host values in and out.
+        self._on_stream = stream.current if stream is not None and self.device.type == "cuda" else nullcontext
         if stats_rows is not None and (not isinstance(stats_rows, int) or isinstance(stats_rows, bool) or stats_rows < 1):
             raise InputError(f"stats_rows must be an int >= 1 or None (unbounded), got {stats_rows!r}")
         if stats_age_s is not None and (isinstance(stats_age_s, bool) or not isinstance(stats_age_s, (int, float)) or not stats_age_s > 0):
@@ -183,9 +186,10 @@ class Executor:
 
     @contextmanager
     def _call(self, name: str, count_refusals: bool = True) -> Iterator[None]:
-        """One API call: holds the backend's call guard; typed errors raised here count as refused."""
+        """One API call: holds the backend's call guard and runs on the backend's stream; typed errors raised here
+        count as refused."""
         try:
-            with self.ownership.guard.hold(name):
+            with self.ownership.guard.hold(name), self._on_stream():
                 if self.closed:
                     raise SessionError(f"{name}: this executor is closed")
                 yield

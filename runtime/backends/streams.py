@@ -66,6 +66,14 @@ class BackendStream:
             yield
         caller.wait_stream(self.torch)
 
+    def current(self):
+        """Make ours this thread's current torch stream for the body (no CUDA call: torch's stream context),
+        so every ``scope`` inside it skips its waits. For callers whose work with the backend is host values
+        in and out (the executor: token lists in, token lists out): nothing on their own stream needs
+        ordering with ours, and the two cross-stream waits per ``scope`` (an event made, recorded and waited
+        on each way) are pure host cost at every launch, staging and prefill of a serving round."""
+        return torch.cuda.stream(self.torch)
+
     def hand_over(self, tensors) -> None:
         """Tell torch's allocator that ``tensors`` (made on this stream) are used on the caller's stream.
 

@@ -549,6 +549,31 @@ def test_joining_prompts_replay_prefill_programs_captured_at_start_up(tiny, orac
     assert eager == [] and prefill.fallback.failures == 0 and len(prefill.captured) == len(prefill.shapes)
 
 
+@pytest.mark.gpu
+def test_executor_calls_run_on_the_backends_stream_without_cross_stream_waits(tiny, oracle, monkeypatch):
+    """Guards against every staging, prefill and launch of a serving round bracketing itself with two
+    cross-stream waits (an event made, recorded and waited on each way: ~10% of the serving thread's
+    host time at 16-64 streams): an executor call runs on the backend's stream, so no wait is made during
+    prefills, cycles and decode steps, and the outputs, greedy and sampled, equal the reference's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from dflash_trt.runtime.backends.torch_backend import TorchBackend
+
+    dims = tiny_dims(tiny.target, tiny.draft, tiny.dims.max_context, max_chunk=40)
+    backend = TorchBackend(copy.deepcopy(tiny.target), copy.deepcopy(tiny.draft), dims, 4, device="cuda")
+    executor = Executor(backend, dims, 4)
+    waits = []
+    wait_stream = torch.cuda.Stream.wait_stream
+    monkeypatch.setattr(torch.cuda.Stream, "wait_stream", lambda self, other: (waits.append(other), wait_stream(self, other))[1])
+    t = Tracker(executor, oracle)
+    sessions = [t.open() for _ in range(3)] + [t.open(speculate=False)]
+    t.set_sampling(sessions[1], SAMPLED)
+    t.execute([(s, prompt(n, 40 + s), None, True, {"max_new_tokens": 12}) for s, n in zip(sessions, [5, 21, 9, 13])])
+    t.execute([item + ({"max_new_tokens": 7},) for item in t.decode_inputs(sessions)])
+    assert waits == []
+    assert torch.cuda.current_stream() != backend.stream.torch  # the caller's stream is its own again
+
+
 def test_start_up_prefill_warm_up_touches_no_session_row(tiny, oracle):
     """Guards against the start-up warm-up of batched prefill shapes (run so no kernel compiles while
     serving) writing anywhere but the scratch row: a session opened before it keeps its caches and its
