@@ -102,9 +102,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="end an execute after its current round when a queued request could take a session "
                              "(default; --no-early-join: it waits for the execute's end, up to --max-cycles rounds)")
     parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads for ONNX Runtime / torch")
-    parser.add_argument("--gil-switch-ms", type=positive_float, default=None,
-                        help="the serving process's GIL switch interval in ms (default: Python's, 5): how long its serving "
-                             "thread may wait to take the GIL back after a CUDA call while another thread runs Python")
     parser.add_argument("--front-process", action=argparse.BooleanOptionalAction, default=True,
                         help="the HTTP front in its own process, the serving loop in another (default); --no-front-process: "
                              "one process (the HTTP event loop shares the GIL with the serving loop's thread)")
@@ -330,7 +327,6 @@ def _load(args, text: bool = True, handles=None):
     from dflash_trt.runtime.serving.loop import ServingLoop
 
     names = args.served_model_name or [_model_name(args)]
-    set_switch_interval(getattr(args, "gil_switch_ms", None))
     if args.artifacts is None:
         args.max_sessions = args.max_sessions or DEFAULT_PAIR_SESSIONS
         command.prepare_artifacts(args)
@@ -349,15 +345,6 @@ def _load(args, text: bool = True, handles=None):
     except BaseException:
         backend.close()
         raise
-
-
-def set_switch_interval(ms: float | None) -> None:
-    """``--gil-switch-ms`` (None: Python's default). The serving thread gives the GIL up at every CUDA call
-    (~10 per round: copies, events, graph replays) and, while another thread of its process (the pipe
-    reader, the delivery senders) runs Python, waits for it back until that thread blocks or this interval
-    passes (then the interpreter makes it yield)."""
-    if ms is not None:
-        sys.setswitchinterval(ms / 1000.0)
 
 
 def cap_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
