@@ -59,9 +59,11 @@ eagerly and "pinned" buffers are plain tensors.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -130,6 +132,51 @@ class Mirror:
 
     def upload(self, stream) -> None:
         """host -> device, enqueued on ``stream`` (a device-layer Stream; no host sync)."""
+        if self.pinned is not None:
+            from dflash_trt.runtime.device import copy_async
+
+            copy_async(self.device.data_ptr(), self.pinned.ptr, self.pinned.nbytes, stream)
+
+    def close(self) -> None:
+        if self.pinned is not None:
+            self.pinned.close()
+            self.pinned = None
+
+
+class MirrorPart(NamedTuple):
+    """One tensor of a ``Mirrors`` block: the device view, its host twin, the twin as numpy (same memory)."""
+
+    device: torch.Tensor
+    host: torch.Tensor
+    array: np.ndarray
+
+
+class Mirrors:
+    """Several ``Mirror``s in one block: one device allocation, one pinned twin, ONE async upload for them
+    all. What a launch reads together is staged together: each copy is a CUDA call, and in a busy serving
+    process each one costs the serving thread tens of microseconds of host time.
+
+    ``parts``: name -> (shape, dtype); each part starts 16-byte aligned. On CPU both sides are the same memory.
+    """
+
+    ALIGN = 16
+
+    def __init__(self, device: torch.device, **parts: tuple[tuple[int, ...], torch.dtype]) -> None:
+        offsets, total = {}, 0
+        for name, (shape, dtype) in parts.items():
+            total = -(-total // self.ALIGN) * self.ALIGN
+            offsets[name] = total
+            total += math.prod(shape) * dtype.itemsize
+        self.device = torch.zeros((total,), dtype=torch.uint8, device=device)
+        self.pinned, self.host = host_buffer((total,), torch.uint8, device) if device.type == "cuda" else (None, self.device)
+        self.parts: dict[str, MirrorPart] = {}
+        for name, (shape, dtype) in parts.items():
+            span = slice(offsets[name], offsets[name] + math.prod(shape) * dtype.itemsize)
+            host = self.host[span].view(dtype).view(shape)
+            self.parts[name] = MirrorPart(self.device[span].view(dtype).view(shape), host, host.numpy())
+
+    def upload(self, stream) -> None:
+        """Every part host -> device in one copy, enqueued on ``stream`` (a device-layer Stream; no host sync)."""
         if self.pinned is not None:
             from dflash_trt.runtime.device import copy_async
 
@@ -238,9 +285,11 @@ class DeviceLoop:
         self.ring = 2 * rows + 2
         self.next_entry = 0
         with self.on_stream():
-            self.ints = Mirror((4, self.rows), torch.int64, self.device)
-            self.seeds = Mirror((self.rows, c.SEED_PARTS), torch.int64, self.device)
-            self.floats = Mirror((2, self.rows), torch.float32, self.device)
+            # The per-row state staged once per execute: one block, one upload.
+            self.state = Mirrors(
+                self.device, ints=((4, self.rows), torch.int64), seeds=((self.rows, c.SEED_PARTS), torch.int64), floats=((2, self.rows), torch.float32)
+            )
+            self.ints, self.seeds, self.floats = self.state.parts.values()
             self.floats.device[TOP_P].fill_(1.0)  # the scratch row samples like a greedy session
             self.records = {n: torch.zeros((n, width), dtype=torch.int64, device=self.device) for n in range(1, max_owners + 1)}
             self.reads = host_buffer((self.ring, max_owners, width), torch.int64, self.device)
@@ -316,8 +365,7 @@ class DeviceLoop:
             floats[TOP_P, at] = sampling[c.TOP_P]
             for row, s in fresh:
                 staged[row] = s
-        for mirror in (self.ints, self.seeds, self.floats):
-            mirror.upload(self.stream)
+        self.state.upload(self.stream)
 
     # ------------------------------------------------------------------ launches
 
@@ -482,7 +530,7 @@ class DeviceLoop:
             self.stream.synchronize()  # host sync: pinned memory must outlive the copies into it
         self.captured.clear()
         self.timeline.close()
-        for mirror in (self.ints, self.seeds, self.floats, self.staged_slots):
+        for mirror in (self.state, self.staged_slots):
             if mirror is not None:
                 mirror.close()
         if self.reads[0] is not None:

@@ -34,7 +34,7 @@ from dflash_trt.export import contract as c
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.cycles import sampling_rows
 from dflash_trt.runtime.device import CaptureFallback
-from dflash_trt.runtime.device_loop import DeviceLoop, Mirror, capture_graph, owner_buckets
+from dflash_trt.runtime.device_loop import DeviceLoop, Mirrors, capture_graph, owner_buckets
 from dflash_trt.runtime.sessions import ContextPool
 
 # Tokens per prefill launch (the executor's batches), their padding quantum, and the largest padded
@@ -92,10 +92,11 @@ class PrefillPrograms:
         # Capacity: a batch holds <= PREFILL_TOKENS padded tokens, or one prompt of <= max_chunk padded to the quantum.
         n, tokens = max_sessions, max(PREFILL_TOKENS, -(-self.dims.max_chunk // PREFILL_QUANTUM) * PREFILL_QUANTUM)
         with loop.on_stream():
-            self.tokens = Mirror((tokens,), torch.int64, self.device)
-            self.ints = Mirror((8, n), torch.int64, self.device)
-            self.seeds = Mirror((n, c.SEED_PARTS), torch.int64, self.device)
-            self.floats = Mirror((2, n), torch.float32, self.device)
+            # A launch's inputs: one block, one upload.
+            self.inputs = Mirrors(
+                self.device, tokens=((tokens,), torch.int64), ints=((8, n), torch.int64), seeds=((n, c.SEED_PARTS), torch.int64), floats=((2, n), torch.float32)
+            )
+            self.tokens, self.ints, self.seeds, self.floats = self.inputs.parts.values()
             self.chosen = torch.zeros((n,), dtype=torch.int64, device=self.device)
 
     def prepare(self) -> int:
@@ -195,11 +196,7 @@ class PrefillPrograms:
 
     def _upload(self) -> None:
         """The staged inputs -> device (async on CUDA; inside ``loop.on_stream``)."""
-        for mirror in self._mirrors():
-            mirror.upload(self.loop.stream)
-
-    def _mirrors(self) -> tuple[Mirror, ...]:
-        return self.tokens, self.ints, self.seeds, self.floats
+        self.inputs.upload(self.loop.stream)
 
     def _capture(self, n: int, T: int) -> torch.cuda.CUDAGraph:
         return capture_graph(self.device, self.backend.stream.torch, self.loop.memory, lambda: self._program(n, T, self.drafting))
@@ -235,5 +232,4 @@ class PrefillPrograms:
 
     def close(self) -> None:
         self.captured.clear()
-        for mirror in self._mirrors():
-            mirror.close()
+        self.inputs.close()

@@ -1,0 +1,60 @@
+"""The device loop's staging buffers (runtime/device_loop.py ``Mirrors``): one block, one upload."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_trt.runtime import device
+from dflash_trt.runtime.device_loop import Mirrors
+
+PARTS = {"ints": ((4, 5), torch.int64), "floats": ((2, 5), torch.float32), "seeds": ((5, 3), torch.int64), "odd": ((3,), torch.int16)}
+
+
+def fill(block: Mirrors) -> dict[str, np.ndarray]:
+    """Distinct values in every part, written through the numpy twins; returns what each should hold."""
+    expected = {}
+    for i, (name, part) in enumerate(block.parts.items()):
+        values = (np.arange(part.array.size).reshape(part.array.shape) + 100 * (i + 1)).astype(part.array.dtype)
+        part.array[...] = values
+        expected[name] = values
+    return expected
+
+
+def test_mirror_parts_are_disjoint_aligned_views_of_one_block():
+    """Guards against parts of one staging block overlapping (a write to one row's sampling corrupting
+    another's anchors) or starting misaligned (a view of the wrong bytes): every part has its shape and
+    dtype, starts 16-byte aligned inside the one block, and holds exactly what was written to it, on the
+    device side too (on CPU the same memory)."""
+    block = Mirrors(torch.device("cpu"), **PARTS)
+    expected = fill(block)
+    base = block.device.data_ptr()
+    for name, (shape, dtype) in PARTS.items():
+        part = block.parts[name]
+        assert part.device.shape == shape and part.device.dtype == dtype
+        offset = part.device.data_ptr() - base
+        assert offset % Mirrors.ALIGN == 0 and offset + part.device.numel() * dtype.itemsize <= block.device.numel()
+        np.testing.assert_array_equal(part.device.numpy(), expected[name])
+
+
+@pytest.mark.gpu
+def test_mirror_block_uploads_in_one_copy(monkeypatch):
+    """Guards against a round's staging costing one CUDA copy per tensor (each a host call of tens of
+    microseconds in a busy serving process): a block's upload is one copy, and after it every device
+    part holds its host twin's values."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    block = Mirrors(torch.device("cuda"), **PARTS)
+    expected = fill(block)
+    copies = []
+    copy_async = device.copy_async
+    monkeypatch.setattr(device, "copy_async", lambda *args: (copies.append(args), copy_async(*args))[1])
+    stream = device.Stream()
+    block.upload(stream)
+    stream.synchronize()
+    assert len(copies) == 1
+    for name, part in block.parts.items():
+        np.testing.assert_array_equal(part.device.cpu().numpy(), expected[name])
+    block.close()
+    stream.close()
