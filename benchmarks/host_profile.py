@@ -1,13 +1,21 @@
 """Where a many-session round spends its host time: the executor under continuous batching, profiled.
 
-    python benchmarks/host_profile.py [--sessions 64] [--requests 256] [--max-new-tokens 64] [--no-draft] [--device cuda] [--record]
+    python benchmarks/host_profile.py [--sessions 64] [--requests 256] [--max-new-tokens 64] [--no-draft]
+        [--device cuda] [--timed | --kernels] [--record]
 
 The default pair (bf16 on CUDA, fp32 on the CPU) on the torch backend, ``--sessions`` sessions at once
 (one row-indexed program serves up to that many owners), ``generate.stream`` over ``--requests``
-held-out prompts: a warm-up pass (start-up captures and compiles), then a timed pass under cProfile.
-Prints the device timeline (launches, device-busy and idle milliseconds between launches, from the
-loop's own events), the wall time, tokens/s, and the functions with the most host time of their own;
-ends with one JSON line.
+held-out prompts: a warm-up pass (start-up captures and compiles), then a measured pass. Prints the
+device timeline (launches, device-busy and idle milliseconds between launches, from the loop's own
+events), the wall time and tokens/s, then one of:
+
+- (default) the functions with the most host time of their own, under cProfile (host times inflated);
+- ``--timed``: host microseconds per call of the round's own functions (``ROUND_FUNCTIONS``), timed
+  with ``perf_counter`` around each call, no profiler: what a launch, a read, a prefill cost as they run;
+- ``--kernels`` (CUDA): the device kernels under ``torch.profiler``, as counts and microseconds per
+  launch of the loop (prefill kernels included): how many kernels a cycle or a decode step is made of.
+
+Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ import json
 import pstats
 import sys
 import time
+from collections import defaultdict
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -27,10 +37,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record  # noqa: E402  (benchmarks/record.py: results.jsonl)
 from gpu_e2e import default_pair, dims_of, machine  # noqa: E402
 
+from dflash_trt.runtime import device_loop, executor as executor_module, launches, stats, timing  # noqa: E402
 from dflash_trt.runtime.backends.torch_backend import TorchBackend  # noqa: E402
 from dflash_trt.runtime.executor import Executor  # noqa: E402
 from dflash_trt.runtime.generate import stream  # noqa: E402
 from dflash_trt.runtime.serving.batcher import Request  # noqa: E402
+
+# (class, method) pairs ``--timed`` times: an execute's parts, a launch's and a read's.
+ROUND_FUNCTIONS = [
+    (executor_module.Executor, name)
+    for name in ("_execute", "_target_work", "_prefill_batch", "_decode", "_plan_round", "_pack", "_launch", "_read", "_read_cycle", "_read_decode")
+] + [(device_loop.DeviceLoop, name) for name in ("stage", "launch", "read")] + [
+    (timing.Timeline, "wait"), (stats.StatsLog, "cycle_rows"), (stats.StatsLog, "decode_rows"), (launches.Lane, "add"), (launches.Lane, "may_launch"),
+]
 
 
 def serve(executor: Executor, requests: list[Request], sessions: int) -> tuple[int, float]:
@@ -42,11 +61,54 @@ def serve(executor: Executor, requests: list[Request], sessions: int) -> tuple[i
 
 
 def top_functions(profile: cProfile.Profile, count: int) -> list[dict]:
-    stats = pstats.Stats(profile)
+    stats_ = pstats.Stats(profile)
     rows = []
-    for (path, line, name), (calls, _, own, cumulative, _) in stats.stats.items():
+    for (path, line, name), (calls, _, own, cumulative, _) in stats_.stats.items():
         rows.append({"function": f"{Path(path).name}:{line}:{name}", "calls": calls, "own_s": round(own, 4), "cumulative_s": round(cumulative, 4)})
     return sorted(rows, key=lambda row: -row["own_s"])[:count]
+
+
+@contextmanager
+def timed_calls(functions: list[tuple[type, str]]):
+    """Each (class, method) wrapped with a perf_counter timer for the body; yields {label: [calls, seconds]}."""
+    totals: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    originals = [(owner, name, getattr(owner, name)) for owner, name in functions]
+
+    def wrap(function, label):
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                total = totals[label]
+                total[0] += 1
+                total[1] += time.perf_counter() - started
+        return timed
+
+    for owner, name, function in originals:
+        setattr(owner, name, wrap(function, f"{owner.__name__}.{name}"))
+    try:
+        yield totals
+    finally:
+        for owner, name, function in originals:
+            setattr(owner, name, function)
+
+
+def timed_rows(totals: dict[str, list]) -> list[dict]:
+    rows = [{"function": label, "calls": calls, "us_per_call": round(seconds / calls * 1e6, 1), "total_ms": round(seconds * 1e3, 1)}
+            for label, (calls, seconds) in totals.items() if calls]
+    return sorted(rows, key=lambda row: -row["total_ms"])
+
+
+def kernel_rows(profiler, launches: int) -> list[dict]:
+    """Device kernels (memcpys and host-side events left out) by total time, with counts per loop launch."""
+    rows = []
+    for event in profiler.key_averages():
+        device_us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        if device_us <= 0 or event.key.startswith(("aten::", "Memcpy", "Memset", "cuda")):
+            continue
+        rows.append({"kernel": event.key[:80], "count": event.count, "per_launch": round(event.count / max(launches, 1), 2), "total_us": round(device_us, 1)})
+    return sorted(rows, key=lambda row: -row["total_us"])
 
 
 def main() -> None:
@@ -57,6 +119,9 @@ def main() -> None:
     parser.add_argument("--no-draft", action="store_true", help="plain target decoding (the baseline)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--top", type=int, default=25)
+    how = parser.add_mutually_exclusive_group()
+    how.add_argument("--timed", action="store_true", help="host µs per call of the round's functions, no profiler")
+    how.add_argument("--kernels", action="store_true", help="the device kernels under torch.profiler (CUDA)")
     parser.add_argument("--record", action="store_true", help="append the JSON line to benchmarks/results.jsonl")
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -64,27 +129,42 @@ def main() -> None:
     dims = dims_of(target, draft, args.sessions, dtype)
     backend = TorchBackend(target, draft, dims, args.sessions, device=args.device)
     requests = [Request(prompts[i % len(prompts)], args.max_new_tokens, stop) for i in range(args.requests)]
+    mode = "timed" if args.timed else "kernels" if args.kernels else "cprofile"
     with Executor(backend, max_sessions=args.sessions, speculate=not args.no_draft) as executor:
         serve(executor, requests[: args.sessions * 2], args.sessions)  # warm-up: captures, compiles, allocator
         executor.loop.timeline.reset()
-        profile = cProfile.Profile()
-        profile.enable()
-        tokens, seconds = serve(executor, requests, args.sessions)
-        profile.disable()
+        profile = cProfile.Profile() if mode == "cprofile" else None
+        if mode == "kernels":
+            measuring = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        else:
+            measuring = timed_calls(ROUND_FUNCTIONS) if mode == "timed" else nullcontext()
+        with measuring as measured:
+            if profile is not None:
+                profile.enable()
+            tokens, seconds = serve(executor, requests, args.sessions)
+            if profile is not None:
+                profile.disable()
         timeline = executor.loop.timeline
         result = {
             "name": "host_profile", "date": time.strftime("%Y-%m-%d"), "machine": machine(), "command": " ".join(["python", *sys.argv]),
-            "sessions": args.sessions, "requests": args.requests, "speculate": not args.no_draft, "tokens": tokens,
+            "sessions": args.sessions, "requests": args.requests, "speculate": not args.no_draft, "mode": mode, "tokens": tokens,
             "wall_s": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1), "launches": timeline.launches,
             "device_busy_ms": round(timeline.busy_ms, 1), "device_idle_ms": round(timeline.idle_ms, 1),
-            "top": top_functions(profile, args.top),
         }
+        if mode == "cprofile":
+            result["top"] = top_functions(profile, args.top)
+        elif mode == "timed":
+            result["top"] = timed_rows(measured)
+        else:
+            result["top"] = kernel_rows(measuring, timeline.launches)[: args.top]
     backend.close()
+    note = {"cprofile": " (profiled: host times inflated)", "timed": "", "kernels": " (profiled: device times inflated)"}[mode]
     print(f"{tokens} tokens in {seconds:.2f} s ({result['tokens_per_s']} tok/s); {timeline.launches} launches, "
-          f"device busy {result['device_busy_ms']} ms, idle between launches {result['device_idle_ms']} ms (profiled: host times inflated)")
-    print("| function | calls | own s | cumulative s |\n| --- | --- | --- | --- |")
+          f"device busy {result['device_busy_ms']} ms, idle between launches {result['device_idle_ms']} ms{note}")
+    columns = list(result["top"][0]) if result["top"] else []
+    print("| " + " | ".join(columns) + " |\n|" + " --- |" * len(columns))
     for row in result["top"]:
-        print(f"| {row['function']} | {row['calls']} | {row['own_s']} | {row['cumulative_s']} |")
+        print("| " + " | ".join(str(row[column]) for column in columns) + " |")
     print(json.dumps(result))
     if args.record:
         record.append_rows([result])
