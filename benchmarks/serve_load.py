@@ -33,11 +33,14 @@ of one core, for the HTTP fronts (the server's own process and, with
 serving process and the client processes (Linux /proc; 100 = a process that
 never waited). ``--profile-serving`` also samples the serving process with py-spy over each
 window and prints its serving thread's functions by share of the samples (``thread_profile.py``).
+``--repeats R`` runs every mode's windows R times, the modes interleaved, and ends with each drafting
+mode's median tokens/s against ``off``'s and the spread of the per-repeat ratios (one window pair of a
+build has differed from the next by up to a third on the H200).
 
     python benchmarks/serve_load.py [--clients 8 [1 ...]] [--seconds 30] [--max-tokens 64] [--modes on off]
         [--artifacts DIR] [--backend onnxruntime|torch|tensorrt] [--device cuda] [--serve-args "--max-cycles 4"]
         [--policy adaptive|always] [--modes on always off]
-        [--threads N] [--client-procs P] [--warmup-seconds S] [--server-logs DIR] [--fronts process single] [--profile-serving] [--record]
+        [--threads N] [--client-procs P] [--warmup-seconds S] [--server-logs DIR] [--fronts process single] [--profile-serving] [--repeats R] [--record]
 
 ``--record`` appends one row per mode and client count to
 benchmarks/results.jsonl. The last line printed is one JSON object with
@@ -337,6 +340,10 @@ def main() -> int:
                              "(serve's --fronts N, several front processes, goes in --serve-args)")
     parser.add_argument("--profile-serving", action="store_true",
                         help="sample the serving process with py-spy over each window; print its serving thread's profile")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every mode's windows this many times, the modes interleaved (on, off, on, off, ...; each "
+                             "repeat restarts the servers): windows of one build differ by up to a third, so a ratio from one "
+                             "window pair decides little; the summary gives the medians and the spread of each repeat's ratio")
     parser.add_argument("--record", action="store_true", help="append rows to benchmarks/results.jsonl")
     args = parser.parse_args()
     rows = [json.loads(line) for line in (ROOT / "export" / "default_pair" / "prompts.jsonl").read_text().splitlines() if line.strip()]
@@ -344,12 +351,13 @@ def main() -> int:
     results = {}
     print("| front | mode | clients | requests/s | output tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 / p99 ms | server TTFT / ITL p99 ms | τ | policy cycles / decodes | CPU % front / serving / client |\n"
           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
-    for front, mode in ((front, mode) for front in args.fronts for mode in args.modes):
+    for repeat, front, mode in ((r, front, mode) for r in range(1, args.repeats + 1) for front in args.fronts for mode in args.modes):
         process, base, log = start_server(args, [*FRONTS[front], *MODES[mode]])
         try:
             for clients in args.clients:
                 figures = load(base, args, prompts, clients, server_roles(process.pid, log), args.server_logs if args.profile_serving else None)
-                results[f"{front}_{mode}_{clients}"] = {"front": front, "mode": mode, "clients": clients, **figures}
+                key = f"{front}_{mode}_{clients}" + (f"_r{repeat}" if args.repeats > 1 else "")
+                results[key] = {"front": front, "mode": mode, "clients": clients, "repeat": repeat, **figures}
                 print(f"| {front} | {mode} | {clients} | {figures['requests_per_s']} | {figures['output_tokens_per_s']} | {figures['ttft_p50_ms']} / {figures['ttft_p99_ms']} "
                       f"| {figures['itl_p50_ms']} / {figures['itl_p99_ms']} | {figures['tpot_p50_ms']} / {figures['tpot_p99_ms']} "
                       f"| {figures['server_ttft_p99_ms']} / {figures['server_itl_p99_ms']} | {figures['tau']} "
@@ -361,15 +369,46 @@ def main() -> int:
             process.send_signal(signal.SIGINT)
             process.wait(60)
         print(next((line for line in log.read_text().splitlines() if " serving " in line), "no serving line in the log"), flush=True)
+    ratios = ratio_rows(list(results.values()))
+    if ratios:
+        print("\n| front | mode | clients | windows | median tok/s | off median tok/s | median / off median | per-repeat ratio min – max |\n"
+              "| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for row in ratios:
+            print(f"| {row['front']} | {row['mode']} | {row['clients']} | {row['windows']} | {row['median']} | {row['off_median']} "
+                  f"| {row['ratio']}× | {row['ratio_min']}× – {row['ratio_max']}× |", flush=True)
     summary = {"name": "serve_load", "date": time.strftime("%Y-%m-%d"), "machine": machine(),
                "command": " ".join(["python", "benchmarks/serve_load.py", *sys.argv[1:]]), "seconds": args.seconds, "warmup_seconds": args.warmup_seconds,
                "max_tokens": args.max_tokens, "max_sessions": args.max_sessions, "backend": args.backend, "device": args.device,
-               "policy": args.policy, "runs": results}
+               "policy": args.policy, "repeats": args.repeats, "runs": results, "ratios": ratios}
     if args.record:
         record.append_rows({**{k: v for k, v in summary.items() if k != "runs"}, "name": f"serve_load_{figures['mode']}", **figures}
                            for figures in results.values())
     print(json.dumps(summary))
     return 0
+
+
+def ratio_rows(runs: list[dict]) -> list[dict]:
+    """Each drafting mode's windows against mode ``off``'s, per (front, clients): the median tokens/s of each,
+    the ratio of the medians, and the smallest and largest ratio of one repeat's two windows.
+
+    >>> runs = [dict(front="p", mode=m, clients=4, repeat=r, output_tokens_per_s=t)
+    ...         for m, r, t in [("on", 1, 30.0), ("off", 1, 20.0), ("on", 2, 33.0), ("off", 2, 30.0), ("on", 3, 36.0), ("off", 3, 24.0)]]
+    >>> ratio_rows(runs)
+    [{'front': 'p', 'mode': 'on', 'clients': 4, 'windows': 3, 'median': 33.0, 'off_median': 24.0, 'ratio': 1.375, 'ratio_min': 1.1, 'ratio_max': 1.5}]
+    """
+    rate = {(r["front"], r["mode"], r["clients"], r["repeat"]): r["output_tokens_per_s"] for r in runs}
+    rows = []
+    for front, mode, clients in sorted({(f, m, c) for f, m, c, _ in rate if m != "off"}, key=lambda key: (key[0], key[1], key[2])):
+        repeats = sorted(r for f, m, c, r in rate if (f, m, c) == (front, mode, clients) and (front, "off", clients, r) in rate)
+        if not repeats:
+            continue
+        mine = [rate[front, mode, clients, r] for r in repeats]
+        off = [rate[front, "off", clients, r] for r in repeats]
+        each = [a / b for a, b in zip(mine, off)]
+        rows.append({"front": front, "mode": mode, "clients": clients, "windows": len(repeats), "median": float(np.median(mine)),
+                     "off_median": float(np.median(off)), "ratio": round(float(np.median(mine) / np.median(off)), 3),
+                     "ratio_min": round(min(each), 3), "ratio_max": round(max(each), 3)})
+    return rows
 
 
 def machine() -> str:
