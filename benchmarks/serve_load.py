@@ -35,12 +35,14 @@ never waited). ``--profile-serving`` also samples the serving process with py-sp
 window and prints its serving thread's functions by share of the samples (``thread_profile.py``).
 ``--repeats R`` runs every mode's windows R times, the modes interleaved, and ends with each drafting
 mode's median tokens/s against ``off``'s and the spread of the per-repeat ratios (one window pair of a
-build has differed from the next by up to a third on the H200).
+build has differed from the next by up to a third on the H200). ``--client-cores N`` pins the client
+processes to N whole physical cores and the server to the others (Linux): with the clients on the same
+host, a client thread on the serving thread's core (or its hyperthread) measures their contention.
 
     python benchmarks/serve_load.py [--clients 8 [1 ...]] [--seconds 30] [--max-tokens 64] [--modes on off]
         [--artifacts DIR] [--backend onnxruntime|torch|tensorrt] [--device cuda] [--serve-args "--max-cycles 4"]
         [--policy adaptive|always] [--modes on always off]
-        [--threads N] [--client-procs P] [--warmup-seconds S] [--server-logs DIR] [--fronts process single] [--profile-serving] [--repeats R] [--record]
+        [--threads N] [--client-procs P] [--warmup-seconds S] [--server-logs DIR] [--fronts process single] [--profile-serving] [--repeats R] [--client-cores N] [--record]
 
 ``--record`` appends one row per mode and client count to
 benchmarks/results.jsonl. The last line printed is one JSON object with
@@ -83,6 +85,34 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def cpu_cores() -> dict[int, tuple[int, int]]:
+    """Logical CPU -> (package, core) from Linux sysfs, for the CPUs this process may run on; {} elsewhere."""
+    cores = {}
+    for cpu in sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores[cpu] = (int((topology / "physical_package_id").read_text()), int((topology / "core_id").read_text()))
+        except (OSError, ValueError):
+            return {}
+    return cores
+
+
+def split_cores(cores: dict[int, tuple[int, int]], client_cores: int) -> tuple[set[int], set[int]]:
+    """(server CPUs, client CPUs): the last ``client_cores`` physical cores, every hyperthread of each, for
+    the clients, the rest for the server, so no client shares a core with the server's serving thread.
+
+    >>> cores = {0: (0, 0), 1: (0, 1), 2: (0, 2), 3: (0, 3), 4: (0, 0), 5: (0, 1), 6: (0, 2), 7: (0, 3)}  # 4 cores x 2 threads
+    >>> split_cores(cores, 1)
+    ({0, 1, 2, 4, 5, 6}, {3, 7})
+    """
+    physical = sorted(set(cores.values()))
+    if not 1 <= client_cores < len(physical):
+        raise SystemExit(f"--client-cores must be in [1, {len(physical) - 1}] on this machine ({len(physical)} cores), got {client_cores}")
+    theirs = set(physical[-client_cores:])
+    clients = {cpu for cpu, core in cores.items() if core in theirs}
+    return set(cores) - clients, clients
+
+
 def start_server(args, extra: list[str]) -> tuple[subprocess.Popen, str, Path]:
     port = free_port()
     command = [sys.executable, "-m", "dflash_trt.cli", "serve", "--port", str(port), "--max-sessions", str(args.max_sessions),
@@ -97,7 +127,9 @@ def start_server(args, extra: list[str]) -> tuple[subprocess.Popen, str, Path]:
         command += ["--threads", str(args.threads)]
     args.server_logs.mkdir(parents=True, exist_ok=True)
     log = args.server_logs / f"serve_load_{port}.log"
-    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    server_cpus = getattr(args, "server_cpus", None)  # --client-cores: its processes (fronts, serving) inherit it
+    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                               preexec_fn=(lambda: os.sched_setaffinity(0, server_cpus)) if server_cpus else None)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
@@ -194,6 +226,9 @@ async def clients_part(base: str, model: str, prompts: list[str], indices: list[
 def client_process(conn, base: str, model: str, prompts: list[str], indices: list[int], clients: int, args) -> None:
     """One client process: imports, says ready, gets the window, runs its share of the clients on one event loop."""
     import openai  # noqa: F401  (imported before "ready": the window starts with every process loaded)
+
+    if getattr(args, "client_cpus", None):
+        os.sched_setaffinity(0, args.client_cpus)
 
     conn.send("ready")
     window = conn.recv()
@@ -344,8 +379,12 @@ def main() -> int:
                         help="run every mode's windows this many times, the modes interleaved (on, off, on, off, ...; each "
                              "repeat restarts the servers): windows of one build differ by up to a third, so a ratio from one "
                              "window pair decides little; the summary gives the medians and the spread of each repeat's ratio")
+    parser.add_argument("--client-cores", type=int,
+                        help="pin the client processes to this many whole physical cores (Linux) and the server to the others: "
+                             "on one host, a client on the serving thread's core measures their contention, not the server")
     parser.add_argument("--record", action="store_true", help="append rows to benchmarks/results.jsonl")
     args = parser.parse_args()
+    args.server_cpus, args.client_cpus = split_cores(cpu_cores(), args.client_cores) if args.client_cores else (None, None)
     rows = [json.loads(line) for line in (ROOT / "export" / "default_pair" / "prompts.jsonl").read_text().splitlines() if line.strip()]
     prompts = [row["prompt"][-args.prompt_chars :] for row in rows]
     results = {}
@@ -379,7 +418,8 @@ def main() -> int:
     summary = {"name": "serve_load", "date": time.strftime("%Y-%m-%d"), "machine": machine(),
                "command": " ".join(["python", "benchmarks/serve_load.py", *sys.argv[1:]]), "seconds": args.seconds, "warmup_seconds": args.warmup_seconds,
                "max_tokens": args.max_tokens, "max_sessions": args.max_sessions, "backend": args.backend, "device": args.device,
-               "policy": args.policy, "repeats": args.repeats, "runs": results, "ratios": ratios}
+               "policy": args.policy, "repeats": args.repeats, "client_cores": args.client_cores,
+               "client_cpus": sorted(args.client_cpus) if args.client_cpus else None, "runs": results, "ratios": ratios}
     if args.record:
         record.append_rows({**{k: v for k, v in summary.items() if k != "runs"}, "name": f"serve_load_{figures['mode']}", **figures}
                            for figures in results.values())
