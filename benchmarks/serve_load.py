@@ -129,7 +129,7 @@ def start_server(args, extra: list[str]) -> tuple[subprocess.Popen, str, Path]:
     log = args.server_logs / f"serve_load_{port}.log"
     server_cpus = getattr(args, "server_cpus", None)  # --client-cores: its processes (fronts, serving) inherit it
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                               preexec_fn=(lambda: os.sched_setaffinity(0, server_cpus)) if server_cpus else None)
+                               preexec_fn=(lambda: os.sched_setaffinity(0, server_cpus)) if server_cpus else None)  # noqa: PLW1509  (no threads here)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
