@@ -119,30 +119,6 @@ def describe(key: Key) -> str:
     return f"{key.kind} program for {key.owners} owners{where}" + (f", verifying {key.proposals} proposals" if key.proposals else "")
 
 
-class Mirror:
-    """A device tensor and its host twin (pinned memory on CUDA); the upload is async.
-
-    On CPU both are the same tensor.
-    """
-
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        self.device = torch.zeros(shape, dtype=dtype, device=device)
-        self.pinned, self.host = host_buffer(shape, dtype, device) if device.type == "cuda" else (None, self.device)
-        self.array = self.host.numpy()  # the host twin as numpy (same memory): small writes cost a fraction of torch's
-
-    def upload(self, stream) -> None:
-        """host -> device, enqueued on ``stream`` (a device-layer Stream; no host sync)."""
-        if self.pinned is not None:
-            from dflash_trt.runtime.device import copy_async
-
-            copy_async(self.device.data_ptr(), self.pinned.ptr, self.pinned.nbytes, stream)
-
-    def close(self) -> None:
-        if self.pinned is not None:
-            self.pinned.close()
-            self.pinned = None
-
-
 class MirrorPart(NamedTuple):
     """One tensor of a ``Mirrors`` block: the device view, its host twin, the twin as numpy (same memory)."""
 
@@ -152,9 +128,10 @@ class MirrorPart(NamedTuple):
 
 
 class Mirrors:
-    """Several ``Mirror``s in one block: one device allocation, one pinned twin, ONE async upload for them
-    all. What a launch reads together is staged together: each copy is a CUDA call, and in a busy serving
-    process each one costs the serving thread tens of microseconds of host time.
+    """Device tensors and their host twins (pinned memory on CUDA) in one block: one device allocation, one
+    pinned twin, ONE async upload for them all. What a launch reads together is staged together: each copy
+    is a CUDA call, and in a busy serving process each one costs the serving thread tens of microseconds of
+    host time.
 
     ``parts``: name -> (shape, dtype); each part starts 16-byte aligned. On CPU both sides are the same memory.
     """
@@ -167,25 +144,34 @@ class Mirrors:
             total = -(-total // self.ALIGN) * self.ALIGN
             offsets[name] = total
             total += math.prod(shape) * dtype.itemsize
-        self.device = torch.zeros((total,), dtype=torch.uint8, device=device)
-        self.pinned, self.host = host_buffer((total,), torch.uint8, device) if device.type == "cuda" else (None, self.device)
+        self.block = torch.zeros((total,), dtype=torch.uint8, device=device)
+        self.pinned, self.host_block = host_buffer((total,), torch.uint8, device) if device.type == "cuda" else (None, self.block)
         self.parts: dict[str, MirrorPart] = {}
         for name, (shape, dtype) in parts.items():
             span = slice(offsets[name], offsets[name] + math.prod(shape) * dtype.itemsize)
-            host = self.host[span].view(dtype).view(shape)
-            self.parts[name] = MirrorPart(self.device[span].view(dtype).view(shape), host, host.numpy())
+            host = self.host_block[span].view(dtype).view(shape)
+            self.parts[name] = MirrorPart(self.block[span].view(dtype).view(shape), host, host.numpy())
 
     def upload(self, stream) -> None:
         """Every part host -> device in one copy, enqueued on ``stream`` (a device-layer Stream; no host sync)."""
         if self.pinned is not None:
             from dflash_trt.runtime.device import copy_async
 
-            copy_async(self.device.data_ptr(), self.pinned.ptr, self.pinned.nbytes, stream)
+            copy_async(self.block.data_ptr(), self.pinned.ptr, self.pinned.nbytes, stream)
 
     def close(self) -> None:
         if self.pinned is not None:
             self.pinned.close()
             self.pinned = None
+
+
+class Mirror(Mirrors):
+    """One device tensor and its host twin (pinned memory on CUDA): ``Mirrors`` of a single part, whose
+    views are ``device``, ``host`` and ``array``; ``pinned.ptr`` is the twin's first byte."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(device, value=(shape, dtype))
+        self.device, self.host, self.array = self.parts["value"]
 
 
 def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[object | None, torch.Tensor]:

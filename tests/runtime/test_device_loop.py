@@ -29,12 +29,12 @@ def test_mirror_parts_are_disjoint_aligned_views_of_one_block():
     device side too (on CPU the same memory)."""
     block = Mirrors(torch.device("cpu"), **PARTS)
     expected = fill(block)
-    base = block.device.data_ptr()
+    base = block.block.data_ptr()
     for name, (shape, dtype) in PARTS.items():
         part = block.parts[name]
         assert part.device.shape == shape and part.device.dtype == dtype
         offset = part.device.data_ptr() - base
-        assert offset % Mirrors.ALIGN == 0 and offset + part.device.numel() * dtype.itemsize <= block.device.numel()
+        assert offset % Mirrors.ALIGN == 0 and offset + part.device.numel() * dtype.itemsize <= block.block.numel()
         np.testing.assert_array_equal(part.device.numpy(), expected[name])
 
 
