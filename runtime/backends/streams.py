@@ -9,8 +9,8 @@ feeds (and consume outputs) on whatever torch stream is current, so each
     # on exit: the caller's stream waits for ours
 
 When the caller already runs on the backend's stream (``torch.cuda.stream(
-backend.stream.torch)``, as an executor capturing a whole cycle does), the
-waits are skipped.
+backend.stream.torch)``: ``current``, which the executor enters for every call,
+since it takes and returns host values only), the waits are skipped.
 """
 
 from __future__ import annotations
