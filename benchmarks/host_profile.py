@@ -124,6 +124,8 @@ def main() -> None:
     how.add_argument("--kernels", action="store_true", help="the device kernels under torch.profiler (CUDA)")
     parser.add_argument("--record", action="store_true", help="append the JSON line to benchmarks/results.jsonl")
     args = parser.parse_args()
+    if args.kernels and args.device != "cuda":
+        parser.error(f"--kernels counts device kernels: it needs --device cuda, got --device {args.device}")
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     target, draft, prompts, stop = default_pair(dtype)
     dims = dims_of(target, draft, args.sessions, dtype)
