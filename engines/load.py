@@ -86,7 +86,11 @@ def check_engine_set(directory: Path, contract: Mapping[str, GraphSpec], hash_pl
     """Stage 1 (no TensorRT needed): manifest, plan files (sizes; sha256 unless ``hash_plans`` is
     False: the loader hashes each plan while it streams it into the runtime), recorded IO vs
     contract, attention records."""
-    directory = Path(directory)
+    return _checked_set(Path(directory), contract, hash_plans)[0]
+
+
+def _checked_set(directory: Path, contract: Mapping[str, GraphSpec], hash_plans: bool) -> tuple[EngineSetRecord, dict[str, GraphSpec]]:
+    """``check_engine_set``: the record, and the contract its engines have (``engine_contract``)."""
     record = read_engine_set(directory)
     _check_source_manifest(directory, record)
     _check_engine_names(directory, record, contract)
@@ -97,7 +101,7 @@ def check_engine_set(directory: Path, contract: Mapping[str, GraphSpec], hash_pl
         check_io(name, contract[name], engine.bindings, f"{ENGINES_JSON} (bindings recorded at build)")
         _check_attention(directory, engine)
     _check_probe(directory, record, hash_plans)
-    return record
+    return record, contract
 
 
 def engine_contract(directory: Path, record: EngineSetRecord, contract: Mapping[str, GraphSpec], hash_file: bool = True) -> dict[str, GraphSpec]:
@@ -258,8 +262,8 @@ def load_engine_set(
     this GPU (run now if none is recorded). ``site``: where the probe runs (default: the current
     CUDA device). Needs a GPU the plans run on."""
     directory = Path(directory)
-    record = check_engine_set(directory, contract, hash_plans=False)  # each plan is hashed as it streams in
-    contract = engine_contract(directory, record, contract, hash_file=False)  # the runtime hashes the shared file as it reads it
+    # Each plan is hashed as it streams in, the shared weights' file as the runtime reads it.
+    record, contract = _checked_set(directory, contract, hash_plans=False)
     flavour = flavour or runtime_flavour(record)
     check_flavour(record, flavour)
     log = flavour.new_log()
