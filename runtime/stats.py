@@ -350,18 +350,17 @@ class StatsLog:
 
     def target_row(self, s: Session, position: int, target_ms: float) -> None:
         """A token the target produced outside verify (after a prompt/replay or in plain decode)."""
-        self._target_tokens([s], [position], target_ms)
+        self.target_rows([s], [position], target_ms)
 
     def target_rows(self, sessions: Sequence[Session], positions: Sequence[int], target_ms: float) -> None:
-        """``target_row`` for each session in turn (its token at its position, one call of ``target_ms``
-        each: a cycle id each, one owner), the rows made at one instant: the first carries the host time
-        since the previous row, the others none (no time passed between them); one append for them all."""
+        """Tokens the target produced outside verify, one row per session in turn (its token at its
+        position, one call of ``target_ms`` each: a cycle id each, one owner), made at one instant: the
+        first carries the host time since the previous row, the others none (no time passed between
+        them); one append for them all."""
         count = len(sessions)
-        end = time.perf_counter()
-        host_ms = max(0.0, (end - self.cycle_started) * 1000.0 - target_ms)
-        self.cycle_started = end
-        first, self.cycle_id = self.cycle_id, self.cycle_id + count
-        shared = dict(batch_id=self.batch_id, owners=1, mode=TARGET, draft_ms=0.0, verify_ms=target_ms, end_ms=(end - self.origin) * 1000.0)
+        shared = self._shared(1, TARGET, 0.0, target_ms)  # the first row's id and host time
+        first, host_ms = shared.pop("cycle_id"), shared.pop("host_ms")
+        self.cycle_id += count - 1
         self.staged.append_rows(
             count,
             shared | dict(context_rows=0, proposed=0, accepted=0, bonus=False, emitted=1),
