@@ -125,18 +125,13 @@ class Lane:
     def finished(self) -> bool:
         return self.finish is not None
 
-    @property
-    def room(self) -> int | None:
-        """Tokens this lane may still return (None: one step, as the seed's executor)."""
-        return None if self.step.room is None else self.step.room - len(self.tokens)
-
     def add(self, tokens: Sequence[int]) -> int:
         """A read cycle's tokens: keep what room and stop tokens allow (nothing once finished); returns
         how many were kept."""
         if self.finish is not None:
             return 0
-        budget = self.step.room  # the room property, inlined: this runs per lane per launch
-        room = None if budget is None else budget - len(self.tokens)
+        budget = self.step.room  # the room left, computed inline (this runs per lane per launch): the step's room
+        room = None if budget is None else budget - len(self.tokens)  # minus the tokens kept; None: one step
         if (room is None or len(tokens) < room) and self.step.stop.isdisjoint(tokens):
             self.tokens += tokens  # the common case, without a look at each token (ints already)
             return len(tokens)
