@@ -41,7 +41,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -50,8 +50,8 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import record  # noqa: E402  (results.jsonl)
-from dflash_trt.runtime.kernels.plan import exact_split_k  # noqa: E402  (splits, K per split) of a weight
+import record  # results.jsonl (benchmarks/ is on the path above)
+from dflash_trt.runtime.kernels.plan import exact_split_k  # (splits, K per split) of a weight
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton.jit at import, as here
 TC = 16  # rows of x in one MMA column tile (the MMA's N side); one row is padded to it
@@ -227,7 +227,8 @@ class SwapLinear:
         self.config = config
         self._workspaces: dict[tuple, torch.Tensor] = {}
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, gated: bool = False, out_dtype=None) -> torch.Tensor:
+        """``out_dtype`` float32: the fp32 sums unrounded (the checks: an order change shows in every element)."""
         cfg = self.config
         M, K = x.shape
         N = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -235,7 +236,7 @@ class SwapLinear:
             x = x.clone(memory_format=torch.contiguous_format)  # one x layout (and vectorization) for every call
         splits, width = exact_split_k(K, cfg)
         tiles = column_tiles(M)
-        out = torch.empty((M, N), dtype=weight.dtype, device=x.device)
+        out = torch.empty((M, N), dtype=out_dtype or weight.dtype, device=x.device)
         ws = self._workspace(splits, M, 2 * N if gated else N, x.device) if splits > 1 else out  # unread with one split
         grid = (triton.cdiv(N, cfg.block_n), splits, triton.cdiv(M, tiles * TC))
         _swap_linear_kernel[grid](
@@ -266,7 +267,8 @@ def reference(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> torch.Tenso
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+    bits = torch.int16 if a.element_size() == 2 else torch.int32
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(bits), b.view(bits))
 
 
 # --------------------------------------------------------------------------- the CPU check
@@ -282,28 +284,38 @@ CHECK_CASES = (  # (N, K, gated, config): plain and gated, one split and several
 CHECK_ROWS = 40
 
 
+def row_parts(total: int, device, generator=None) -> list[tuple[torch.Tensor, str]]:
+    """(rows, label) launched alone against one launch on all ``total`` rows: single rows (first, middle, last),
+    three rows, 16 rows off a tile boundary, all of them shuffled, all of them again (a race)."""
+    arange = lambda a, b: torch.arange(a, b, device=device)
+    parts = [(arange(r, r + 1), f"M=1 row {r}") for r in (0, 17, total - 1)]
+    parts += [(arange(5, 8), "M=3 rows 5..7"), (arange(20, 36), "M=16 rows 20..35")]
+    perm = torch.randperm(total, generator=generator).to(device)
+    return parts + [(perm, f"M={total} shuffled"), (arange(0, total), f"M={total} again")]
+
+
+def differing_rows(swap: SwapLinear, x, weight, gated: bool, parts: list, out_dtype=None) -> list[str]:
+    """Labels of ``parts`` whose rows launched alone differ in bits from the same rows of one launch on all of x."""
+    full = swap(x, weight, gated, out_dtype)
+    return [what for rows, what in parts if not same_bits(swap(x[rows].contiguous(), weight, gated, out_dtype), full[rows])]
+
+
 def check_case(N: int, K: int, gated: bool, config: SwapConfig) -> list[str]:
     """Problems of one case (empty: passed): M = 40 within one bf16 rounding of fp32, and the rows of M = 1 / 3 /
-    16 / a shuffled 40 bit-identical to the M = 40 launch's."""
+    16 / a shuffled 40 bit-identical to the M = 40 launch's, in bf16 and as unrounded fp32 sums (a changed
+    summing order shows in most fp32 elements, in few of their bf16 roundings)."""
     generator = torch.Generator().manual_seed(N * K + gated)
     x = torch.randn(CHECK_ROWS, K, generator=generator).to(torch.bfloat16)
     weight = (torch.randn(2 * N if gated else N, K, generator=generator) * 0.05).to(torch.bfloat16)
     swap = SwapLinear(config)
-    full = swap(x, weight, gated)
-    ref = reference(x, weight, gated)
+    full, ref = swap(x, weight, gated), reference(x, weight, gated)
     problems = []
     # fp32 sums in another order, each rounded to bf16 once: within one bf16 ulp (2^-8 relative) plus slack.
-    error = (full.float() - ref).abs() - (2**-7 * ref.abs() + 1e-3)
-    if error.max() > 0:
+    if ((full.float() - ref).abs() - (2**-7 * ref.abs() + 1e-3)).max() > 0:
         problems.append(f"M={CHECK_ROWS} off the fp32 product by {float((full.float() - ref).abs().max()):.3e}")
-    perm = torch.randperm(CHECK_ROWS, generator=generator)
-    parts = [(slice(r, r + 1), f"M=1 row {r}") for r in (0, 17, 39)] + [(slice(5, 8), "M=3 rows 5..7"),
-                                                                       (slice(20, 36), "M=16 rows 20..35")]
-    for rows, what in parts:
-        if not same_bits(swap(x[rows].clone(), weight, gated), full[rows]):
-            problems.append(f"{what} differ from M={CHECK_ROWS}")
-    if not same_bits(swap(x[perm].clone(), weight, gated), full[perm]):
-        problems.append(f"M={CHECK_ROWS} shuffled differs")
+    parts = row_parts(CHECK_ROWS, "cpu", generator)
+    problems += [f"{what} differ (bf16)" for what in differing_rows(swap, x, weight, gated, parts)]
+    problems += [f"{what} differ (fp32 sums)" for what in differing_rows(swap, x, weight, gated, parts, torch.float32)]
     return problems
 
 
@@ -315,7 +327,7 @@ def run_check() -> int:
     for N, K, gated, config in CHECK_CASES:
         problems = check_case(N, K, gated, config)
         failed += bool(problems)
-        verdict = "; ".join(problems) if problems else "ok (near fp32; M=1/3/16/shuffled rows bit-identical to M=40)"
+        verdict = "; ".join(problems) if problems else "ok (near fp32; rows of M=1/3/16/shuffled 40 bit-identical to M=40, bf16 and fp32 sums)"
         print(f"check N={N} K={K} gated={gated} {config.label()}: {verdict}", flush=True)
     print(json.dumps({"name": "exact_swap_check", "cases": len(CHECK_CASES), "failed": failed}))
     return 1 if failed else 0
@@ -471,16 +483,14 @@ def sweep_weight(bench: WeightBench, failed: dict, deadline: float) -> tuple[lis
 
 
 def invariance(bench: WeightBench, swap: SwapLinear) -> dict:
-    """Rows of M = 1 (rows 0, 17, 63), M = 16 (rows 16..31) and a shuffled M = 64 bit-identical to one M = 64
-    launch (and a second M = 64 launch, for a race); max |diff| against F.linear (bf16, cuBLAS) and fp32."""
+    """``row_parts``' rows of M = 64 (single rows, 3, 16, shuffled, again) launched alone against one M = 64
+    launch, in bf16 and as fp32 sums; max |diff| of M = 64 against F.linear (bf16, cuBLAS) and fp32."""
     x, weight, gated = bench.xs[64], bench.weights[0], bench.gated
     with torch.cuda.stream(bench.stream):
+        parts = row_parts(64, "cuda")
+        differ = [f"{what} (bf16)" for what in differing_rows(swap, x, weight, gated, parts)]
+        differ += [f"{what} (fp32 sums)" for what in differing_rows(swap, x, weight, gated, parts, torch.float32)]
         full = swap(x, weight, gated)
-        perm = torch.randperm(64, device="cuda")
-        parts = [(torch.tensor([r], device="cuda"), f"M=1 row {r}") for r in (0, 17, 63)]
-        parts += [(torch.arange(16, 32, device="cuda"), "M=16 rows 16..31"), (perm, "M=64 shuffled"),
-                  (torch.arange(64, device="cuda"), "M=64 again")]
-        differ = [what for rows, what in parts if not same_bits(swap(x[rows].contiguous(), weight, gated), full[rows])]
         linear = torch.nn.functional.linear(x, weight)
         if gated:
             linear = (torch.nn.functional.silu(linear[:, :bench.N].float()) * linear[:, bench.N:].float()).to(torch.bfloat16)
@@ -592,7 +602,7 @@ def finish(report: dict, args, began: float) -> int:
     rows = table_rows(report["results"])
     report["table"] = rows
     report["seconds"] = round(time.perf_counter() - began, 1)
-    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    date = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "exact_swap.json").write_text(json.dumps(report, indent=1, default=str))
     print("\n" + markdown(rows), flush=True)
