@@ -344,7 +344,7 @@ def configs(N: int, K: int, gated: bool) -> tuple[list[SwapConfig], list[str]]:
     candidates = []
     for block_n in (128, 64):
         for block_k in (128, 256, 64):
-            candidates += [SwapConfig(block_n, block_k, s) for s in ((1,) if wide else (1, 2, 4)) if K // (s * block_k) >= 2]
+            candidates += [SwapConfig(block_n, block_k, s) for s in ((1,) if wide else (1, 2, 4)) if s == 1 or K // (s * block_k) >= 2]
     for block_k in (128, 256):
         candidates += [SwapConfig(128, block_k, s, 8) for s in ((1,) if wide else (1, 2))]
     kept, dropped = [], []
@@ -388,7 +388,7 @@ def _compile_job(job) -> str:
         return f"{name} {SwapConfig(*fields).label()} M={M}: {error!r}"[:400]
 
 
-def compile_all(names: list[str]) -> tuple[float, dict]:
+def compile_all(names: list[str], timeout_s: float) -> tuple[float, dict]:
     """Every (weight, config) at M = 1 and 64 (the kernels M = 1 / 16 / 64 launch) compiled in parallel worker
     processes sharing Triton's disk cache; returns (seconds, {(name, config fields): error})."""
     import multiprocessing
@@ -397,7 +397,7 @@ def compile_all(names: list[str]) -> tuple[float, dict]:
     began = time.perf_counter()
     workers = max(1, min(14, (os.cpu_count() or 2) - 2))
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        errors = pool.map(_compile_job, jobs, chunksize=1)
+        errors = pool.map_async(_compile_job, jobs, chunksize=1).get(timeout=timeout_s)  # past it: TimeoutError
     failed = {(n, tuple(f)): e for (n, f, _), e in zip(jobs, errors) if e}
     return time.perf_counter() - began, failed
 
@@ -440,13 +440,15 @@ class WeightBench:
     reps: int
 
     @classmethod
-    def make(cls, name: str, reps: int) -> WeightBench:
+    def make(cls, name: str, reps: int, device: str = "cuda") -> WeightBench:
         N, K, gated = WEIGHTS[name]
-        generator = torch.Generator(device="cuda").manual_seed(N + K)
+        generator = torch.Generator(device=device).manual_seed(N + K)
         rows = 2 * N if gated else N
-        weights = [(torch.randn(rows, K, device="cuda", generator=generator) * 0.02).to(torch.bfloat16)
+        weights = [(torch.randn(rows, K, device=device, generator=generator) * 0.02).to(torch.bfloat16)
                    for _ in range(weight_copies(N, K, gated))]
-        xs = {M: torch.randn(M, K, device="cuda", generator=generator).to(torch.bfloat16) for M in ROWS}
+        xs = {M: torch.randn(M, K, device=device, generator=generator).to(torch.bfloat16) for M in ROWS}
+        if device != "cuda":
+            return cls(name, N, K, gated, weights, xs, None, reps)
         torch.cuda.synchronize()  # made on the default stream, read on the timing stream
         return cls(name, N, K, gated, weights, xs, torch.cuda.Stream(), reps)
 
@@ -486,8 +488,8 @@ def invariance(bench: WeightBench, swap: SwapLinear) -> dict:
     """``row_parts``' rows of M = 64 (single rows, 3, 16, shuffled, again) launched alone against one M = 64
     launch, in bf16 and as fp32 sums; max |diff| of M = 64 against F.linear (bf16, cuBLAS) and fp32."""
     x, weight, gated = bench.xs[64], bench.weights[0], bench.gated
-    with torch.cuda.stream(bench.stream):
-        parts = row_parts(64, "cuda")
+    with torch.cuda.stream(bench.stream):  # None (a CPU rehearsal): no stream
+        parts = row_parts(64, x.device)
         differ = [f"{what} (bf16)" for what in differing_rows(swap, x, weight, gated, parts)]
         differ += [f"{what} (fp32 sums)" for what in differing_rows(swap, x, weight, gated, parts, torch.float32)]
         full = swap(x, weight, gated)
@@ -495,7 +497,8 @@ def invariance(bench: WeightBench, swap: SwapLinear) -> dict:
         if gated:
             linear = (torch.nn.functional.silu(linear[:, :bench.N].float()) * linear[:, bench.N:].float()).to(torch.bfloat16)
         ref = reference(x, weight, gated)
-        bench.stream.synchronize()
+        if bench.stream is not None:
+            bench.stream.synchronize()
     return {"invariant": not differ, "differ": differ, "max_abs_vs_linear": float((full.float() - linear.float()).abs().max()),
             "max_abs_vs_fp32": float((full.float() - ref).abs().max()), "max_abs_ref": float(ref.abs().max())}
 
@@ -514,24 +517,36 @@ def compare(bench: WeightBench) -> dict:
 
 
 def weight_section(name: str, args, failed: dict, deadline: float) -> dict:
-    """One weight: sweep, the best config (least t1 + t16 + t64), its invariance, the comparison."""
+    """One weight: sweep, the best config (least t1 + t16 + t64), its invariance, the comparison; a failing
+    part is recorded in ``errors`` (traceback printed) and the others still run."""
     bench = WeightBench.make(name, args.reps)
+    result = {"weight": name, "N": bench.N, "K": bench.K, "gated": bench.gated, "copies": len(bench.weights),
+              "weight_bytes": bench.weight_bytes(), "errors": {}}
     try:
-        rows, notes = sweep_weight(bench, failed, deadline)
-        result = {"weight": name, "N": bench.N, "K": bench.K, "gated": bench.gated, "copies": len(bench.weights),
-                  "weight_bytes": bench.weight_bytes(), "sweep": rows, "notes": notes}
-        if rows:
-            best = min(rows, key=lambda r: sum(r[f"us_m{M}"] for M in ROWS))
-            result["best"] = best
-            result["best_m1"] = min(rows, key=lambda r: r["us_m1"])
-            result |= invariance(bench, SwapLinear(SwapConfig(*best["config"])))
-            print(f"  {name:8s} BEST {best['label']}: invariant {result['invariant']} {result['differ']}, max |diff| vs "
-                  f"F.linear {result['max_abs_vs_linear']:.3e}, vs fp32 {result['max_abs_vs_fp32']:.3e}", flush=True)
-        result |= compare(bench)
+        result["sweep"], result["notes"] = sweep_weight(bench, failed, deadline)
+        if result["sweep"]:
+            best = min(result["sweep"], key=lambda r: sum(r[f"us_m{M}"] for M in ROWS))
+            result["best"], result["best_m1"] = best, min(result["sweep"], key=lambda r: r["us_m1"])
+            result |= _part(result, "invariance", lambda: invariance(bench, SwapLinear(SwapConfig(*best["config"]))))
+            if "invariant" in result:
+                print(f"  {name:8s} BEST {best['label']}: invariant {result['invariant']} {result['differ']}, max |diff| vs "
+                      f"F.linear {result['max_abs_vs_linear']:.3e}, vs fp32 {result['max_abs_vs_fp32']:.3e}", flush=True)
+        result |= _part(result, "compare", lambda: compare(bench))
         return result
     finally:
-        del bench
+        bench.weights.clear()  # the copies (up to 1.2 GB) freed before the next weight's
+        bench.xs.clear()
         torch.cuda.empty_cache()
+
+
+def _part(result: dict, label: str, run) -> dict:
+    """``run()``'s dict, or {} with the traceback kept in result["errors"][label] (and printed)."""
+    try:
+        return run()
+    except Exception:  # noqa: BLE001 - recorded; the rest of the weight's section runs
+        result["errors"][label] = traceback.format_exc()
+        print(f"  {result['weight']} {label} FAILED:\n{result['errors'][label]}", flush=True)
+        return {}
 
 
 # --------------------------------------------------------------------------- report
@@ -568,6 +583,8 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--check", action="store_true", help="the CPU check (needs TRITON_INTERPRET=1)")
     parser.add_argument("--dry", action="store_true", help="list the configs per weight and exit (no device)")
     parser.add_argument("--seconds", type=float, default=150.0, help="the sweep's timing stops after this long (split over weights)")
+    parser.add_argument("--compile-seconds", type=float, default=150.0,
+                        help="the parallel compile gives up after this long (the sweep then compiles as it goes)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--weights", nargs="+", default=list(WEIGHTS), choices=list(WEIGHTS))
     parser.add_argument("--record", action="store_true", help="append the rows to benchmarks/results.jsonl")
@@ -580,9 +597,9 @@ def run_gpu(args) -> int:
     command = "python benchmarks/exact_swap.py " + " ".join(sys.argv[1:])
     report = {"name": "exact_swap", "machine": machine, "command": command, "results": [], "failures": {}}
     try:
-        seconds, failed = compile_all(args.weights)
+        seconds, failed = compile_all(args.weights, args.compile_seconds)
         print(f"compiled in {seconds:.0f} s ({len(failed)} (weight, config) failed)", flush=True)
-    except Exception:  # noqa: BLE001 - then each config compiles on its first timed call
+    except Exception:  # noqa: BLE001 - then each config compiles on its first timed call (within --seconds)
         failed = {}
         report["failures"]["compile_all"] = traceback.format_exc()
         print(traceback.format_exc(), flush=True)
@@ -591,7 +608,9 @@ def run_gpu(args) -> int:
     for i, name in enumerate(args.weights):
         deadline = start + args.seconds * (i + 1) / len(args.weights)  # an equal share of the cap per weight
         try:
-            report["results"].append(weight_section(name, args, failed, deadline))
+            result = weight_section(name, args, failed, deadline)
+            report["results"].append(result)
+            report["failures"] |= {f"{name} {part}": error for part, error in result["errors"].items()}
         except Exception:  # noqa: BLE001 - recorded; the next weight runs
             report["failures"][name] = traceback.format_exc()
             print(f"{name} FAILED:\n{report['failures'][name]}", flush=True)
