@@ -1,7 +1,7 @@
 """Swapped operands for the exact linear: the weight as the MMA's wide A operand, the rows as its narrow B.
 
-    python benchmarks/exact_swap.py                 # the GPU run: sweep, invariance, comparison (~4 min, H200)
-    python benchmarks/exact_swap.py --seconds 90    # a tighter cap on the sweep's timing
+    python benchmarks/exact_swap.py                 # the GPU run: sweep, invariance, comparison (~3-4 min, H200)
+    python benchmarks/exact_swap.py --seconds 90 --weights qkv o   # a tighter cap on the sweep, some weights
     python benchmarks/exact_swap.py --dry           # the configurations it would sweep, per weight (no device)
     TRITON_INTERPRET=1 python benchmarks/exact_swap.py --check   # the kernel's arithmetic on the CPU
 
@@ -17,18 +17,22 @@ dot, sharing the weight tile), more on the grid; no row count changes an element
 The GPU run, per Qwen3-8B weight (gate|up gated [2 x 12288, 4096], q|k|v [6144, 4096], o [4096, 4096],
 down [4096, 12288], the LM head [151936, 4096]; random bf16, enough copies of the weight that one CUDA
 graph streams >= 256 MiB, past the L2): every configuration (BN, BK, splits, warps; stages by a
-shared-memory rule; at most 22) compiled in worker processes, timed at M = 1, 16 and 64 (CUDA graph,
-median); the one with the least t1 + t16 + t64 is checked for batch invariance (rows of M = 1, 16 and a
-shuffled 64 bit-identical to one M = 64 launch, twice) and against F.linear / an fp32 product, and compared
+shared-memory rule; at most 22) compiled in worker processes (``--compile-seconds``, 120), timed at M = 1,
+16 and 64 (CUDA graph, median; timing stops after ``--seconds``, 120, shared by the weights); the one with
+the least t1 + t16 + t64 is checked for batch invariance (single rows, 3 rows, 16 rows, a shuffled 64 and a
+second 64 bit-identical to the same rows of one M = 64 launch, in bf16 and as unrounded fp32 sums) and
+against F.linear / an fp32 product (max |diff|), and compared
 with ``ExactOps().linear`` and ``TritonOps().linear`` (one-row GEMV at M = 1, cuBLAS above) on the same
 weights. Prints a markdown table (weight, M, µs of each, GB/s of the weight, the config, invariant) and
-ends with one JSON line; ``--record`` appends the rows to benchmarks/results.jsonl; the whole report goes
-to ``$OUT/exact_swap.json`` when ``OUT`` is set. A failing weight is recorded (traceback printed) and the
-run goes on.
+ends with one JSON line (per weight: the best config, its µs, the exact and fast µs, the best config at
+M = 1 alone); ``--record`` appends the rows to benchmarks/results.jsonl; the whole report goes to
+``$OUT/exact_swap.json`` when ``OUT`` is set. A failing config is skipped and said so; a failing weight (or
+part of one) is recorded, its traceback printed, and the run goes on.
 
 ``--check`` (Triton's CPU interpreter, small shapes): the kernel against an fp32 product rounded to bf16
 (within one bf16 rounding), and each row of M = 1 / 3 / 16 / a shuffled 40 bit-identical to one M = 40
-launch, for plain and gated weights, one split and several, K a multiple of the step and not.
+launch (bf16 and fp32 sums), for plain and gated weights, one split and several, K a multiple of the
+step and not.
 """
 
 from __future__ import annotations
@@ -582,8 +586,8 @@ def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="the CPU check (needs TRITON_INTERPRET=1)")
     parser.add_argument("--dry", action="store_true", help="list the configs per weight and exit (no device)")
-    parser.add_argument("--seconds", type=float, default=150.0, help="the sweep's timing stops after this long (split over weights)")
-    parser.add_argument("--compile-seconds", type=float, default=150.0,
+    parser.add_argument("--seconds", type=float, default=120.0, help="the sweep's timing stops after this long (split over weights)")
+    parser.add_argument("--compile-seconds", type=float, default=120.0,
                         help="the parallel compile gives up after this long (the sweep then compiles as it goes)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--weights", nargs="+", default=list(WEIGHTS), choices=list(WEIGHTS))
@@ -632,7 +636,8 @@ def finish(report: dict, args, began: float) -> int:
                "failures": sorted(report["failures"]),
                "best": {r["weight"]: {"config": r["best"]["label"], "invariant": r.get("invariant"),
                                       **{k: v for k, v in r["best"].items() if k.startswith("us_m")},
-                                      **{k: v for k, v in r.items() if k.startswith(("exact_us", "fast_us"))}}
+                                      **{k: v for k, v in r.items() if k.startswith(("exact_us", "fast_us"))},
+                                      "best_m1": [r["best_m1"]["label"], r["best_m1"]["us_m1"]]}
                         for r in report["results"] if r.get("best")}}
     record.finish(summary, args.record)
     return 1 if report["failures"] else 0
