@@ -193,19 +193,23 @@ def _swap_sum_kernel(ws_ptr, WR, o_ptr, stride_om, M, N, GATED: tl.constexpr, SP
 @dataclass(frozen=True)
 class SwapConfig:
     """One weight's tiling: ``block_n`` features per program (the MMA's M side), ``block_k`` K step and
-    ``splits`` (how a row is summed), ``warps``, ``stages`` (0: ``stages_for``'s shared-memory rule)."""
+    ``splits`` (how a row is summed), ``warps``, ``stages`` (0: ``stages_for``'s shared-memory rule).
+    ``wide``: more than 16 rows go in ONE dot of 32 / 64 columns instead of 2 / 4 dots of 16 (the MMA's N
+    side then follows M: whether that keeps the bits is what the GPU run checks)."""
 
     block_n: int
     block_k: int
     splits: int
     warps: int = 4
     stages: int = 0
+    wide: bool = False
 
     def label(self) -> str:
-        return f"BN{self.block_n}/BK{self.block_k}/S{self.splits}/w{self.warps}" + (f"/st{self.stages}" if self.stages else "")
+        return (f"BN{self.block_n}/BK{self.block_k}/S{self.splits}/w{self.warps}" + (f"/st{self.stages}" if self.stages else "")
+                + ("/wide" if self.wide else ""))
 
     def fields(self) -> list:
-        return [self.block_n, self.block_k, self.splits, self.warps, self.stages]
+        return [self.block_n, self.block_k, self.splits, self.warps, self.stages, self.wide]
 
 
 def column_tiles(rows: int) -> int:
@@ -243,9 +247,10 @@ class SwapLinear:
         out = torch.empty((M, N), dtype=out_dtype or weight.dtype, device=x.device)
         ws = self._workspace(splits, M, 2 * N if gated else N, x.device) if splits > 1 else out  # unread with one split
         grid = (triton.cdiv(N, cfg.block_n), splits, triton.cdiv(M, tiles * TC))
+        dots, columns = (1, tiles * TC) if cfg.wide else (tiles, TC)  # per program: dots x columns each
         _swap_linear_kernel[grid](
             x, x.stride(0), weight, weight.stride(0), out, out.stride(0), ws, M, M, N, K, width,
-            GATED=gated, SPLITS=splits, CT=tiles, TC=TC, BN=cfg.block_n, BK=cfg.block_k, INTERP=INTERPRETED,
+            GATED=gated, SPLITS=splits, CT=dots, TC=columns, BN=cfg.block_n, BK=cfg.block_k, INTERP=INTERPRETED,
             num_warps=cfg.warps, num_stages=stages_for(cfg, tiles, gated),
         )
         if splits > 1:
@@ -284,6 +289,8 @@ CHECK_CASES = (  # (N, K, gated, config): plain and gated, one split and several
     (96, 320, False, SwapConfig(128, 128, 2)),
     (48, 256, True, SwapConfig(64, 64, 1)),
     (48, 256, True, SwapConfig(64, 128, 2)),
+    (96, 256, False, SwapConfig(64, 64, 2, wide=True)),
+    (48, 256, True, SwapConfig(64, 64, 1, wide=True)),
 )
 CHECK_ROWS = 40
 
@@ -507,6 +514,16 @@ def invariance(bench: WeightBench, swap: SwapLinear) -> dict:
             "max_abs_vs_fp32": float((full.float() - ref).abs().max()), "max_abs_ref": float(ref.abs().max())}
 
 
+def wide_twin(bench: WeightBench, config: SwapConfig) -> dict:
+    """The best config with one dot of 64 columns at M = 64 (``wide``; M <= 16 is the same kernel): its µs at
+    M = 64 and whether its rows still equal the launches of fewer rows."""
+    swap = SwapLinear(SwapConfig(*config.fields()[:5], wide=True))
+    twin = {"us_m64": round(bench.time(swap, 64), 2)} | invariance(bench, swap)
+    print(f"  {bench.name:8s} wide twin {swap.config.label()}: M=64 {twin['us_m64']:.1f} us, invariant {twin['invariant']} "
+          f"{twin['differ']}", flush=True)
+    return {"wide": twin}
+
+
 def compare(bench: WeightBench) -> dict:
     """µs per call of the current exact kernel and the fast path (GEMV at M = 1, cuBLAS above), per M."""
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
@@ -535,6 +552,7 @@ def weight_section(name: str, args, failed: dict, deadline: float) -> dict:
             if "invariant" in result:
                 print(f"  {name:8s} BEST {best['label']}: invariant {result['invariant']} {result['differ']}, max |diff| vs "
                       f"F.linear {result['max_abs_vs_linear']:.3e}, vs fp32 {result['max_abs_vs_fp32']:.3e}", flush=True)
+            result |= _part(result, "wide", lambda: wide_twin(bench, SwapConfig(*best["config"])))
         result |= _part(result, "compare", lambda: compare(bench))
         return result
     finally:
@@ -637,7 +655,8 @@ def finish(report: dict, args, began: float) -> int:
                "best": {r["weight"]: {"config": r["best"]["label"], "invariant": r.get("invariant"),
                                       **{k: v for k, v in r["best"].items() if k.startswith("us_m")},
                                       **{k: v for k, v in r.items() if k.startswith(("exact_us", "fast_us"))},
-                                      "best_m1": [r["best_m1"]["label"], r["best_m1"]["us_m1"]]}
+                                      "best_m1": [r["best_m1"]["label"], r["best_m1"]["us_m1"]],
+                                      "wide_m64": [r["wide"]["us_m64"], r["wide"]["invariant"]] if r.get("wide") else None}
                         for r in report["results"] if r.get("best")}}
     record.finish(summary, args.record)
     return 1 if report["failures"] else 0
