@@ -553,6 +553,9 @@ def weight_section(name: str, args, failed: dict, deadline: float) -> dict:
                 print(f"  {name:8s} BEST {best['label']}: invariant {result['invariant']} {result['differ']}, max |diff| vs "
                       f"F.linear {result['max_abs_vs_linear']:.3e}, vs fp32 {result['max_abs_vs_fp32']:.3e}", flush=True)
             result |= _part(result, "wide", lambda: wide_twin(bench, SwapConfig(*best["config"])))
+            if result["best_m1"] is not best:  # the fastest at M = 1 alone: is it invariant too
+                check = _part(result, "best_m1", lambda: invariance(bench, SwapLinear(SwapConfig(*result["best_m1"]["config"]))))
+                result["best_m1"] |= {k: check[k] for k in ("invariant", "differ") if k in check}
         result |= _part(result, "compare", lambda: compare(bench))
         return result
     finally:
