@@ -10,12 +10,14 @@ for bit, in bf16 too, so DFlash's output is the target's own plain decoding, tok
 ``linear``          one ``tl.dot`` kernel for every M: rows in 16-row MMA tiles (one row is padded to a
                     tile), K cut into a split count fixed PER WEIGHT (``plan.exact_linear_plan``: from N,
                     K and the processor count, never M; an H200 table from the sweep), each split walked
-                    from its start in steps fixed per weight, fp32 accumulate. One split: RMSNorm, bias,
-                    SiLU·mul, residual and tap are epilogues of that kernel; more: each split's sums go
-                    to an fp32 workspace [splits, rows, N] (allocated once per stream) and a second pass
-                    adds splits 0..S-1 in order, then runs the same epilogues (the norm: rsqrt(mean(x²)
-                    + eps) per row in fp32, the sum of squares taken tile by tile in the K loop, per
-                    split, applied after the product). How the work is spread may follow M
+                    from its start in steps fixed per weight, fp32 accumulate. One split: bias, SiLU·mul,
+                    residual and tap are epilogues of that kernel; more: each split's sums go to an fp32
+                    workspace [splits, rows, N] (allocated once per stream) and a second pass adds splits
+                    0..S-1 in order, then runs the same epilogues. An RMSNorm before the product is its own
+                    row-local pass first (``TritonOps.rms_norm``: one program per row, the whole row in one
+                    block, nothing chosen from M): inside the K loop, as it was, it kept Triton from
+                    pipelining the weight's loads (Qwen3-8B gate|up on an H200: 85.6 µs at M = 1 and
+                    158.9 at M = 64 with it, 49.8 and 55.2 without). How the work is spread may follow M
                     (``plan.exact_linear_launch``: up to four tiles share each weight load, wider feature
                     blocks for many rows, rows per launch that fit the workspace): each tile's dot walks
                     the same K steps whatever M is, so that choice changes speed only.
@@ -86,31 +88,21 @@ def _dot(a, b, acc, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _tile_product(x_ptr, stride_xm, g, rows, k_off, k_ok, M, wt, wut, acc, acc_u, squares, WTYPE: tl.constexpr,
-                  NORM: tl.constexpr, GATED: tl.constexpr, INTERP: tl.constexpr):
-    """One 16-row tile, one K step: acc [TM, BN] += prologue(x) [TM, BK] @ wt [BK, BN] (and the up half)."""
+def _tile_product(x_ptr, stride_xm, rows, k_off, k_ok, M, wt, wut, acc, acc_u, WTYPE: tl.constexpr, GATED: tl.constexpr,
+                  INTERP: tl.constexpr):
+    """One 16-row tile, one K step: acc [TM, BN] += x [TM, BK] @ wt [BK, BN] (and the up half)."""
     mask = (rows < M)[:, None] & k_ok[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + k_off[None, :], mask=mask, other=0.0).to(tl.float32)
-    if NORM:
-        squares += tl.sum(x * x, axis=1)
-        x = x * g[None, :]
-    a = x.to(WTYPE)  # rounded to the weight dtype, like the reference's normed input
+    a = tl.load(x_ptr + rows[:, None] * stride_xm + k_off[None, :], mask=mask, other=0.0).to(WTYPE)
     acc = _dot(a, wt, acc, INTERP)
     if GATED:
         acc_u = _dot(a, wut, acc_u, INTERP)
-    return acc, acc_u, squares
+    return acc, acc_u
 
 
 @triton.jit
-def _tile_epilogue(acc, acc_u, squares, rows, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
-                   t_ptr, stride_tm, NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr,
-                   RESIDUAL: tl.constexpr, TAP: tl.constexpr):
-    """y = residual + act(scale * acc + bias), rounded to the weight dtype, stored (and tapped)."""
-    if NORM:
-        scale = tl.rsqrt(squares / K + eps)  # [TM]: RMSNorm(x) @ W.T == scale * ((x * g) @ W.T)
-        acc = acc * scale[:, None]
-        if GATED:
-            acc_u = acc_u * scale[:, None]
+def _tile_epilogue(acc, acc_u, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm,
+                   GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr):
+    """y = residual + act(acc + bias), rounded to the weight dtype, stored (and tapped)."""
     if BIAS:
         acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -127,24 +119,20 @@ def _tile_epilogue(acc, acc_u, squares, rows, rn, n_ok, M, N, K, eps, w_ptr, b_p
 
 
 @triton.jit
-def _tile_partial(acc, acc_u, squares, local, rn, n_ok, row_ok, ws_ptr, WR, N, s, j, NB, NORM: tl.constexpr,
-                  GATED: tl.constexpr, SPLITS: tl.constexpr):
-    """Split s's fp32 sums into the workspace: [SPLITS, WR, C] products (C = 2N gated: gate | up), then the
-    rows' sums of squares [SPLITS, NB, WR] (feature block j of NB: every block computes the same bits)."""
+def _tile_partial(acc, acc_u, local, rn, n_ok, row_ok, ws_ptr, WR, N, s, GATED: tl.constexpr):
+    """Split s's fp32 sums into the workspace: [SPLITS, WR, C] products (C = 2N gated: gate | up)."""
     C = 2 * N if GATED else N
     mask = row_ok[:, None] & n_ok[None, :]
     part = ws_ptr + s * WR * C + local[:, None] * C + rn[None, :]
     tl.store(part, acc, mask=mask)
     if GATED:
         tl.store(part + N, acc_u, mask=mask)
-    if NORM:
-        tl.store(ws_ptr + SPLITS * WR * C + (s * NB + j) * WR + local, squares, mask=row_ok)
 
 
 @triton.jit
-def _tile_sum(ws_ptr, WR, local, rows, rn, n_ok, j, NB, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr,
-              stride_tm, NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
-              TAP: tl.constexpr, SPLITS: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr):
+def _tile_sum(ws_ptr, WR, local, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm,
+              GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr, SPLITS: tl.constexpr,
+              TM: tl.constexpr, BN: tl.constexpr):
     """The splits' fp32 sums of a [TM, BN] tile added in order 0, 1, .., SPLITS - 1 (elementwise: the same bits
     for any tile), then ``_tile_epilogue``. Loads bypass L1 (".cg"): other programs wrote the workspace."""
     row_ok = rows < M
@@ -152,23 +140,20 @@ def _tile_sum(ws_ptr, WR, local, rows, rn, n_ok, j, NB, M, N, K, eps, w_ptr, b_p
     C = 2 * N if GATED else N
     acc = tl.zeros([TM, BN], dtype=tl.float32)
     acc_u = acc
-    squares = tl.zeros([TM], dtype=tl.float32)
     for s in tl.static_range(SPLITS):
         part = ws_ptr + s * WR * C + local[:, None] * C + rn[None, :]
         acc += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
         if GATED:
             acc_u += tl.load(part + N, mask=mask, other=0.0, cache_modifier=".cg")
-        if NORM:
-            squares += tl.load(ws_ptr + SPLITS * WR * C + (s * NB + j) * WR + local, mask=row_ok, other=0.0, cache_modifier=".cg")
-    _tile_epilogue(acc, acc_u, squares, rows, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
-                   t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
+    _tile_epilogue(acc, acc_u, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm,
+                   GATED, BIAS, RESIDUAL, TAP)
 
 
 @triton.jit(do_not_specialize=["M", "row0", "WR"])  # row counts: one compiled kernel whatever M is
 def _linear_kernel(
-    x_ptr, stride_xm, w_ptr, stride_wn, b_ptr, g_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm, ws_ptr, WR,
-    cnt_ptr, row0, M, N, K, KS, eps,
-    NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
+    x_ptr, stride_xm, w_ptr, stride_wn, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm, ws_ptr, WR,
+    cnt_ptr, row0, M, N, K, KS,
+    GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
     SPLITS: tl.constexpr, FIXUP: tl.constexpr, TILES: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     INTERP: tl.constexpr,
 ):
@@ -186,8 +171,6 @@ def _linear_kernel(
     acc0 = tl.zeros([TM, BN], dtype=tl.float32)
     acc1, acc2, acc3 = acc0, acc0, acc0
     up0, up1, up2, up3 = acc0, acc0, acc0, acc0  # the up halves (GATED)
-    sq0 = tl.zeros([TM], dtype=tl.float32)  # row sums of squares (NORM)
-    sq1, sq2, sq3 = sq0, sq0, sq0
     for k0 in range(s * KS, tl.minimum(s * KS + KS, K), BK):  # KS: a multiple of BK, so only K cuts a step
         k_off = k0 + rk
         k_ok = k_off < K
@@ -197,81 +180,71 @@ def _linear_kernel(
             wut = tl.trans(tl.load(w_ptr + (N + rn)[:, None] * stride_wn + k_off[None, :], mask=w_mask, other=0.0))
         else:
             wut = wt  # unread
-        if NORM:
-            g = tl.load(g_ptr + k_off, mask=k_ok, other=0.0).to(tl.float32)
-        else:
-            g = k_off  # unread
-        acc0, up0, sq0 = _tile_product(x_ptr, stride_xm, g, rows, k_off, k_ok, M, wt, wut, acc0, up0, sq0,
-                                       w_ptr.dtype.element_ty, NORM, GATED, INTERP)
+        wtype = w_ptr.dtype.element_ty
+        acc0, up0 = _tile_product(x_ptr, stride_xm, rows, k_off, k_ok, M, wt, wut, acc0, up0, wtype, GATED, INTERP)
         if TILES > 1:
-            acc1, up1, sq1 = _tile_product(x_ptr, stride_xm, g, rows + TM, k_off, k_ok, M, wt, wut, acc1, up1, sq1,
-                                           w_ptr.dtype.element_ty, NORM, GATED, INTERP)
+            acc1, up1 = _tile_product(x_ptr, stride_xm, rows + TM, k_off, k_ok, M, wt, wut, acc1, up1, wtype, GATED, INTERP)
         if TILES > 2:
-            acc2, up2, sq2 = _tile_product(x_ptr, stride_xm, g, rows + 2 * TM, k_off, k_ok, M, wt, wut, acc2, up2, sq2,
-                                           w_ptr.dtype.element_ty, NORM, GATED, INTERP)
-            acc3, up3, sq3 = _tile_product(x_ptr, stride_xm, g, rows + 3 * TM, k_off, k_ok, M, wt, wut, acc3, up3, sq3,
-                                           w_ptr.dtype.element_ty, NORM, GATED, INTERP)
+            acc2, up2 = _tile_product(x_ptr, stride_xm, rows + 2 * TM, k_off, k_ok, M, wt, wut, acc2, up2, wtype, GATED, INTERP)
+            acc3, up3 = _tile_product(x_ptr, stride_xm, rows + 3 * TM, k_off, k_ok, M, wt, wut, acc3, up3, wtype, GATED, INTERP)
     if SPLITS == 1:
-        _tile_epilogue(acc0, up0, sq0, rows, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
-                       t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
+        _tile_epilogue(acc0, up0, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm,
+                       GATED, BIAS, RESIDUAL, TAP)
         if TILES > 1:
-            _tile_epilogue(acc1, up1, sq1, rows + TM, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
-                           stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
+            _tile_epilogue(acc1, up1, rows + TM, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr,
+                           stride_tm, GATED, BIAS, RESIDUAL, TAP)
         if TILES > 2:
-            _tile_epilogue(acc2, up2, sq2, rows + 2 * TM, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
-                           stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
-            _tile_epilogue(acc3, up3, sq3, rows + 3 * TM, rn, n_ok, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
-                           stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP)
+            _tile_epilogue(acc2, up2, rows + 2 * TM, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
+                           t_ptr, stride_tm, GATED, BIAS, RESIDUAL, TAP)
+            _tile_epilogue(acc3, up3, rows + 3 * TM, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
+                           t_ptr, stride_tm, GATED, BIAS, RESIDUAL, TAP)
     else:
-        j, NB = tl.program_id(1), tl.num_programs(1)
-        _tile_partial(acc0, up0, sq0, local, rn, n_ok, rows < M, ws_ptr, WR, N, s, j, NB, NORM, GATED, SPLITS)
+        _tile_partial(acc0, up0, local, rn, n_ok, rows < M, ws_ptr, WR, N, s, GATED)
         if TILES > 1:
-            _tile_partial(acc1, up1, sq1, local + TM, rn, n_ok, rows + TM < M, ws_ptr, WR, N, s, j, NB, NORM, GATED, SPLITS)
+            _tile_partial(acc1, up1, local + TM, rn, n_ok, rows + TM < M, ws_ptr, WR, N, s, GATED)
         if TILES > 2:
-            _tile_partial(acc2, up2, sq2, local + 2 * TM, rn, n_ok, rows + 2 * TM < M, ws_ptr, WR, N, s, j, NB, NORM, GATED,
-                          SPLITS)
-            _tile_partial(acc3, up3, sq3, local + 3 * TM, rn, n_ok, rows + 3 * TM < M, ws_ptr, WR, N, s, j, NB, NORM, GATED,
-                          SPLITS)
+            _tile_partial(acc2, up2, local + 2 * TM, rn, n_ok, rows + 2 * TM < M, ws_ptr, WR, N, s, GATED)
+            _tile_partial(acc3, up3, local + 3 * TM, rn, n_ok, rows + 3 * TM < M, ws_ptr, WR, N, s, GATED)
         if FIXUP:
-            _fixup(ws_ptr, WR, cnt_ptr, local, rows, rn, n_ok, j, NB, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
-                   stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP, SPLITS, TILES, TM, BN)
+            _fixup(ws_ptr, WR, cnt_ptr, local, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
+                   t_ptr, stride_tm, GATED, BIAS, RESIDUAL, TAP, SPLITS, TILES, TM, BN)
 
 
 @triton.jit
-def _fixup(ws_ptr, WR, cnt_ptr, local, rows, rn, n_ok, j, NB, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
-           t_ptr, stride_tm, NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
-           TAP: tl.constexpr, SPLITS: tl.constexpr, TILES: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr):
+def _fixup(ws_ptr, WR, cnt_ptr, local, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm,
+           GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr, SPLITS: tl.constexpr,
+           TILES: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr):
     """The tile's last split to arrive adds every split's sums. The order of CUTLASS's split-K semaphore: the
     program's stores, a barrier, then one release (acq_rel) count; the last arrival's acquire makes the other
     splits' stores visible to its threads (after the barrier that shares the count)."""
     tl.debug_barrier()
-    tile = tl.program_id(0) * NB + j
+    tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
     if arrived == SPLITS - 1:
-        _tile_sum(ws_ptr, WR, local, rows, rn, n_ok, j, NB, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
-                  t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
+        _tile_sum(ws_ptr, WR, local, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr,
+                  stride_tm, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
         if TILES > 1:
-            _tile_sum(ws_ptr, WR, local + TM, rows + TM, rn, n_ok, j, NB, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
-                      stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
+            _tile_sum(ws_ptr, WR, local + TM, rows + TM, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
+                      t_ptr, stride_tm, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
         if TILES > 2:
-            _tile_sum(ws_ptr, WR, local + 2 * TM, rows + 2 * TM, rn, n_ok, j, NB, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm,
-                      o_ptr, stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
-            _tile_sum(ws_ptr, WR, local + 3 * TM, rows + 3 * TM, rn, n_ok, j, NB, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm,
-                      o_ptr, stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
+            _tile_sum(ws_ptr, WR, local + 2 * TM, rows + 2 * TM, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
+                      stride_om, t_ptr, stride_tm, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
+            _tile_sum(ws_ptr, WR, local + 3 * TM, rows + 3 * TM, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
+                      stride_om, t_ptr, stride_tm, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
         tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch (stream order)
 
 
-@triton.jit(do_not_specialize=["M", "row0", "WR", "NB"])
+@triton.jit(do_not_specialize=["M", "row0", "WR"])
 def _split_sum_kernel(
-    ws_ptr, WR, NB, row0, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm,
-    NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
+    ws_ptr, WR, row0, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm,
+    GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
     SPLITS: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr,
 ):
-    """Program (TM rows from row0, BN features): ``_tile_sum`` (the squares: feature block 0's of the NB)."""
+    """Program (TM rows from row0, BN features): ``_tile_sum``."""
     local = tl.program_id(0) * TM + tl.arange(0, TM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    _tile_sum(ws_ptr, WR, local, row0 + local, rn, rn < N, 0, NB, M, N, K, eps, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
-              stride_om, t_ptr, stride_tm, NORM, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
+    _tile_sum(ws_ptr, WR, local, row0 + local, rn, rn < N, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr,
+              stride_tm, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
 
 
 # --------------------------------------------------------------------------- attention
@@ -412,41 +385,43 @@ class ExactOps(TritonOps):
 
     def linear(self, x, weight, bias=None, norm=None, eps=0.0, gated=False, residual=None, out=None, out_dtype=None, tap=None):
         """``TritonOps.linear``'s contract (y [M, N] = epilogue(prologue(x) @ weight.T)), one kernel for every M
-        (two with split-K: the splits' sums, then their ordered sum and the epilogues)."""
+        (two with split-K: the splits' sums, then their ordered sum and the epilogues); with ``norm``, the
+        row-local RMSNorm pass first."""
         M, K = x.shape
         N = weight.shape[0] // 2 if gated else weight.shape[0]
         if x.stride(1) != 1 or x.stride(0) != K or x.data_ptr() % 16:
             # One layout of the x tile for every call of a weight: Triton vectorizes its load (and so orders
             # the norm's sum of squares) by the pointer's and the row stride's alignment.
             x = x.clone(memory_format=torch.contiguous_format)
+        if norm is not None:
+            x = self.rms_norm(x, norm, eps)  # one program per row: the row's bits whatever M is
         if out is None:
             out = torch.empty((M, N), dtype=out_dtype or weight.dtype, device=x.device)
         plan = self.linear_plan(N, K, gated, weight.element_size(), x.device)
         splits, width = exact_split_k(K, plan)
         tiles, block_n, stages = exact_linear_launch(plan, M, gated, weight.element_size())
         blocks = triton.cdiv(N, block_n)
-        step = M if splits == 1 else exact_workspace_rows(M, splits, 2 * N if gated else N, self.workspace_bytes)  # rows per launch
+        columns = 2 * N if gated else N
+        step = M if splits == 1 else exact_workspace_rows(M, splits, columns, self.workspace_bytes)  # rows per launch
         workspace, counters = weight, weight  # unread with one split
         if splits > 1:
-            workspace = self.buffer("partials", x.device, splits * step * ((2 * N if gated else N) + blocks), torch.float32)
+            workspace = self.buffer("partials", x.device, splits * step * columns, torch.float32)
             counters = self.buffer("counters", x.device, triton.cdiv(step, tiles * EXACT_TILE_M) * blocks, torch.int32)
         residual_t = residual if residual is not None else out
         tap_t = tap if tap is not None else out
         tensors = (weight, bias if bias is not None else weight, residual_t, residual_t.stride(0), out, out.stride(0), tap_t, tap_t.stride(0))
-        flags = dict(NORM=norm is not None, GATED=gated, BIAS=bias is not None, RESIDUAL=residual is not None, TAP=tap is not None,
-                     SPLITS=splits)
+        flags = dict(GATED=gated, BIAS=bias is not None, RESIDUAL=residual is not None, TAP=tap is not None, SPLITS=splits)
         fixup = splits > 1 and plan.fixup
         for row0 in range(0, M, step):
             rows = min(step, M - row0)
             _linear_kernel[(triton.cdiv(rows, tiles * EXACT_TILE_M), blocks, splits)](
-                x, x.stride(0), weight, weight.stride(0), tensors[1], norm if norm is not None else weight, *tensors[2:], workspace,
-                step, counters, row0, row0 + rows, N, K, width, eps, **flags, FIXUP=fixup, TILES=tiles, TM=EXACT_TILE_M, BN=block_n,
-                BK=plan.block_k, INTERP=INTERPRETED, num_warps=plan.warps, num_stages=stages,
+                x, x.stride(0), weight, weight.stride(0), *tensors[1:], workspace, step, counters, row0, row0 + rows, N, K, width,
+                **flags, FIXUP=fixup, TILES=tiles, TM=EXACT_TILE_M, BN=block_n, BK=plan.block_k, INTERP=INTERPRETED,
+                num_warps=plan.warps, num_stages=stages,
             )
             if splits > 1 and not fixup:
                 _split_sum_kernel[(triton.cdiv(rows, EXACT_TILE_M), triton.cdiv(N, EXACT_SUM_BLOCK_N))](
-                    workspace, step, blocks, row0, row0 + rows, N, K, eps, *tensors, **flags, TM=EXACT_TILE_M, BN=EXACT_SUM_BLOCK_N,
-                    num_warps=4,
+                    workspace, step, row0, row0 + rows, N, *tensors, **flags, TM=EXACT_TILE_M, BN=EXACT_SUM_BLOCK_N, num_warps=4,
                 )
         return out
 

@@ -130,10 +130,9 @@ class ExactLinearPlan:
     The rest only says how the work is spread, never how a row is summed: ``block_n`` features per program
     for a few rows (M <= 8: many programs stream the weight), ``block_n_rows`` for more (fewer re-reads of
     x), up to ``tiles`` (1, 2 or 4) 16-row tiles per program sharing each weight load (``exact_row_tiles``;
-    four tiles cost registers: a normed gate|up spills). Each output
-    element is one MMA column's sum over the same K steps whatever the feature block, and the norm's row
-    sums of squares reduce the same [16, block_k] x tile (tests/runtime/test_exact_kernels.py compiles the
-    variants for sm90 and compares their layouts).
+    four tiles cost registers). Each output element is one MMA column's sum over the same K steps whatever
+    the feature block (tests/runtime/test_exact_kernels.py compiles the variants for sm90 and compares their
+    MMA layouts).
     """
 
     block_n: int
@@ -201,9 +200,9 @@ def exact_split_k(in_features: int, plan: ExactLinearPlan) -> tuple[int, int]:
 
 def exact_workspace_rows(rows: int, splits: int, columns: int, budget: int = EXACT_WORKSPACE_BYTES) -> int:
     """Rows of one split-K launch (a multiple of 64, at least 64; at most ``rows`` rounded up to 16): its
-    fp32 partials ([splits, rows, columns] + sums of squares, at most one per column) fit ``budget`` when
-    64 rows do. Longer inputs run as more launches: the same arithmetic per row."""
-    fit = budget // (splits * 2 * columns * 4) // 64 * 64
+    fp32 partials [splits, rows, columns] fit ``budget`` when 64 rows do. Longer inputs run as more
+    launches: the same arithmetic per row."""
+    fit = budget // (splits * columns * 4) // 64 * 64
     return min(max(64, fit), cdiv(rows, EXACT_TILE_M) * EXACT_TILE_M)
 
 

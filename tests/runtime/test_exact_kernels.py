@@ -136,7 +136,7 @@ def test_exact_workspace_rows_fit_the_budget():
     the LM head), or a launch's rows are not whole 16-row tiles."""
     assert exact_workspace_rows(1, 4, 6144) == 16 and exact_workspace_rows(64, 4, 6144) == 64
     rows = exact_workspace_rows(4096, 2, 2 * 12288, budget=64 * 1024**2)
-    assert rows % 64 == 0 and rows * 2 * (2 * 12288 + 12288 // 16) * 4 <= 64 * 1024**2 and rows >= 64
+    assert rows % 64 == 0 and rows * 2 * (2 * 12288) * 4 <= 64 * 1024**2 and rows >= 64
     assert exact_workspace_rows(4096, 8, 151936, budget=1) == 64  # at least 64 rows, whatever the budget
 
 
@@ -161,15 +161,17 @@ def test_exact_linear_launches_sum_every_row_in_one_order(monkeypatch):
     for plan in (ExactLinearPlan(16, 64, 128, 4, 4), ExactLinearPlan(32, 64, 64, 8, 1), ExactLinearPlan(16, 32, 128, 4, 3, 2, True)):
         seen = set()
         for M in ROW_COUNTS + (1000,):
-            linear, total = _Recorder(), _Recorder()
+            linear, total, norms = _Recorder(), _Recorder(), []
             monkeypatch.setattr(exact_ops, "_linear_kernel", linear)
             monkeypatch.setattr(exact_ops, "_split_sum_kernel", total)
+            monkeypatch.setattr(exact_ops.ExactOps, "rms_norm", lambda self, x, weight, eps, norms=norms: norms.append(tuple(x.shape)) or x)
             ops = exact_ops.ExactOps(linear_plans={(256, 4096, True): plan}, workspace_bytes=2 * 1024**2)
             x = torch.zeros(M, 4096, dtype=torch.bfloat16)
             ops.linear(x, torch.zeros(512, 4096, dtype=torch.bfloat16), norm=torch.ones(4096, dtype=torch.bfloat16), gated=True)
+            assert norms == [(M, 4096)]  # the norm pass: once, over every row, before any launch of the product
             starts = []
             for grid, args, kwargs in linear.launches:
-                ws_rows, row0, end, K, width = args[13], args[15], args[16], args[18], args[19]
+                ws_rows, row0, end, K, width = args[12], args[14], args[15], args[17], args[18]
                 assert grid[2] == kwargs["SPLITS"] and end - row0 <= ws_rows and end <= M and K == 4096
                 seen.add((kwargs["SPLITS"], width, kwargs["BK"], kwargs["num_warps"], kwargs["TM"], ws_rows if M == 1 else None))
                 starts.append((row0, end))
@@ -219,8 +221,8 @@ def test_an_exact_ops_object_reports_exact():
 
 # ------------------------------------------------------------------ the kernels, compiled for sm90 (CPU)
 
-LINEAR_ARGS = ("x_ptr", "stride_xm", "w_ptr", "stride_wn", "b_ptr", "g_ptr", "r_ptr", "stride_rm", "o_ptr", "stride_om",
-               "t_ptr", "stride_tm", "ws_ptr", "WR", "cnt_ptr", "row0", "M", "N", "K", "KS", "eps")
+LINEAR_ARGS = ("x_ptr", "stride_xm", "w_ptr", "stride_wn", "b_ptr", "r_ptr", "stride_rm", "o_ptr", "stride_om",
+               "t_ptr", "stride_tm", "ws_ptr", "WR", "cnt_ptr", "row0", "M", "N", "K", "KS")
 
 
 def _ttgir(kernel, args: dict[str, str], aligned: set[str], constexprs: dict, warps: int, stages: int) -> str:
@@ -250,22 +252,21 @@ def _arithmetic(ir: str) -> tuple[tuple, frozenset]:
 @needs_triton
 def test_exact_linear_compiles_to_one_arithmetic_for_every_row_count():
     """Bug: a row count changes the compiled arithmetic of the exact linear: the feature block, the tiles per
-    program or the pipeline stages it picks make Triton reduce the norm's sum of squares in another layout
-    (another order) or pick another MMA instruction (wgmma from 64-row tiles), and the decode step and the
-    verify give a row other bits. Compiled for sm90 here, bf16, the Qwen3-8B weights with a norm prologue."""
+    program or the pipeline stages it picks make Triton reduce in another layout (another order) or pick
+    another MMA instruction (wgmma from 64-row tiles), and the decode step and the verify give a row other
+    bits. Compiled for sm90 here, bf16, the Qwen3-8B weights."""
     from dflash_trt.runtime.kernels.exact_ops import _linear_kernel
 
-    args = {name: "*bf16" if name.endswith("_ptr") else "fp32" if name == "eps" else "i32" for name in LINEAR_ARGS}
+    args = {name: "*bf16" if name.endswith("_ptr") else "i32" for name in LINEAR_ARGS}
     args["ws_ptr"], args["cnt_ptr"] = "*fp32", "*i32"
-    aligned = {name for name in LINEAR_ARGS if name not in ("M", "WR", "row0", "eps")}  # pointers, strides (K, N...), N, K of the 8B weights
+    aligned = {name for name in LINEAR_ARGS if name not in ("M", "WR", "row0")}  # pointers, strides (K, N...), N, K of the 8B weights
     for name in ("qkv", "gate_up", "down"):
         N, K, gated, norm = WEIGHTS_8B[name]
-        plan = exact_linear_plan(N, K, gated, 2)
-        assert plan.splits > 1, plan  # the split variant is what the 8B step runs
+        plan = exact_linear_plan(N, K, gated, 2)  # the table's tiling: split (q|k|v, down) or not (gate|up)
         compiled = {}
         launches = sorted({exact_linear_launch(plan, M, gated, 2) for M in ROW_COUNTS})
         for fixup, (tiles, block_n, stages) in itertools.product((False, True), launches):  # the in-kernel sum: spread only
-            constexprs = dict(NORM=norm, GATED=gated, BIAS=False, RESIDUAL=not norm, TAP=False, SPLITS=plan.splits, FIXUP=fixup,
+            constexprs = dict(GATED=gated, BIAS=False, RESIDUAL=not norm, TAP=False, SPLITS=plan.splits, FIXUP=fixup,
                               TILES=tiles, TM=16, BN=block_n, BK=plan.block_k, INTERP=False)
             try:
                 ir = _ttgir(_linear_kernel, args, aligned, constexprs, plan.warps, stages)
@@ -286,8 +287,8 @@ def test_split_sum_and_attention_kernels_compile_for_sm90():
     from dflash_trt.runtime.kernels import exact_ops, triton_ops
 
     ints = lambda *names: {name: "i32" for name in names}  # noqa: E731
-    sums = {"ws_ptr": "*fp32"} | ints("WR", "NB", "row0", "M", "N", "K") | {"eps": "fp32", "w_ptr": "*bf16", "b_ptr": "*bf16",
-           "r_ptr": "*bf16", "stride_rm": "i32", "o_ptr": "*bf16", "stride_om": "i32", "t_ptr": "*bf16", "stride_tm": "i32"}
+    sums = {"ws_ptr": "*fp32"} | ints("WR", "row0", "M", "N") | {"w_ptr": "*bf16", "b_ptr": "*bf16", "r_ptr": "*bf16",
+           "stride_rm": "i32", "o_ptr": "*bf16", "stride_om": "i32", "t_ptr": "*bf16", "stride_tm": "i32"}
     q = {"q_ptr": "*bf16"} | ints("sq_n", "sq_h", "sq_t") | {"k_ptr": "*bf16", "v_ptr": "*bf16"} | ints("sk_n", "sk_h", "sk_l")
     q |= {"pos_ptr": "*i64", "spos_n": "i32", "len_ptr": "*i64"}
     fast = q | {"o_ptr": "*bf16"} | ints("so_n", "so_h", "so_t") | {"part_ptr": "*fp32", "lse_ptr": "*fp32", "rows_ptr": "*i64"}
@@ -299,7 +300,7 @@ def test_split_sum_and_attention_kernels_compile_for_sm90():
     combine |= {"pos_ptr": "*i64", "spos_n": "i32", "len_ptr": "*i64"} | ints("unit0", "QB", "S", "T", "G", "HKV", "window")
     shape = dict(D=128, BLOCK_Q=16, BLOCK_N=64, CAUSAL=True, WINDOW=True)
     kernels = [
-        (exact_ops._split_sum_kernel, sums, dict(NORM=True, GATED=True, BIAS=True, RESIDUAL=True, TAP=True, SPLITS=4, TM=16, BN=256)),
+        (exact_ops._split_sum_kernel, sums, dict(GATED=True, BIAS=True, RESIDUAL=True, TAP=True, SPLITS=4, TM=16, BN=256)),
         (triton_ops._attention_kernel, fast, dict(D=128, BLOCK_Q=64, BLOCK_N=64, CAUSAL=True, WINDOW=True, SPLIT=True, ROWS=True)),
         (exact_ops._attention_kernel, exact, shape | dict(SPLIT=256, ROWS=True, COMBINE=False, INTERP=False)),
         (exact_ops._attention_kernel, exact, shape | dict(SPLIT=256, ROWS=True, COMBINE=True, INTERP=False)),
@@ -364,8 +365,8 @@ def test_exact_linear_rows_do_not_depend_on_the_batch(interpreted):
 
 def test_exact_split_k_rows_do_not_depend_on_the_batch(interpreted):
     """Bug: with K split in several ranges (per weight), a row's output depends on the row count or the launch it
-    lands in (the splits' partial sums added in another order, a workspace row read by another launch, the
-    norm's per-split sums of squares mixed up between rows), or the split sums compute something else than the
+    lands in (the splits' partial sums added in another order, a workspace row read by another launch), or the
+    split sums compute something else than the
     product: M = 1 / 16 / 64 of 70 rows across 64-row launches, three tilings, every epilogue, against fp32."""
     _passed(interpreted, "split_rows")
 
