@@ -271,8 +271,10 @@ def _attention_kernel(
     first = tl.maximum(s * SPLIT, lo)
     last = tl.minimum((s + 1) * SPLIT, hi)
     live = first < last  # else nothing to do: the combine never reads this split
+    # ... as a vector for masks (a vector & a scalar bool is a mask Triton's interpreter rejects)
+    lives = (tl.zeros([BLOCK_Q], dtype=tl.int32) + first) < last
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + i * sq_n + h[:, None] * sq_h + t[:, None] * sq_t + d[None, :], mask=(row_ok & live)[:, None], other=0.0)
+    q = tl.load(q_ptr + i * sq_n + h[:, None] * sq_h + t[:, None] * sq_t + d[None, :], mask=(row_ok & lives)[:, None], other=0.0)
     if ROWS:  # owner i's cache row is a device input
         kv_row = tl.load(rows_ptr + i) * sk_n + kvh * sk_h
     else:
@@ -301,8 +303,8 @@ def _attention_kernel(
     seen = total > 0
     out = acc / tl.where(seen, total, 1.0)[:, None]
     local = (u * tl.num_programs(1) + s) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    tl.store(part_ptr + local[:, None] * D + d[None, :], out, mask=(local >= 0)[:, None] & live)
-    tl.store(lse_ptr + local, tl.where(seen, top + tl.log(total), float("-inf")), mask=(local >= 0) & live)
+    tl.store(part_ptr + local[:, None] * D + d[None, :], out, mask=((local >= 0) & lives)[:, None])
+    tl.store(lse_ptr + local, tl.where(seen, top + tl.log(total), float("-inf")), mask=(local >= 0) & lives)
     if COMBINE:
         # The order of CUTLASS's split-K semaphore: every thread's stores, a barrier, one acq_rel count; the
         # last arrival's acquire (shared with its threads by the barrier after the count) shows it the others'.

@@ -173,13 +173,14 @@ def _qk_rope_write_kernel(
             limit = tl.load(len_ptr + i)
         else:
             limit = T
-        write = (m % T) < limit
+        # Whether this row is written, as vectors (a vector & a scalar bool is a mask Triton's interpreter rejects).
+        write_half = (tl.zeros_like(half) + m % T) < limit
         slot = cache_row * stride_cn + j * stride_ch + position * stride_cl
-        tl.store(k_ptr + slot + half, y1.to(k_ptr.dtype.element_ty), mask=(half >= 0) & write)
-        tl.store(k_ptr + slot + D // 2 + half, y2.to(k_ptr.dtype.element_ty), mask=(half >= 0) & write)
+        tl.store(k_ptr + slot + half, y1.to(k_ptr.dtype.element_ty), mask=write_half)
+        tl.store(k_ptr + slot + D // 2 + half, y2.to(k_ptr.dtype.element_ty), mask=write_half)
         full = tl.arange(0, D)
         value = tl.load(row + (HQ + HKV + j) * D + full)
-        tl.store(v_ptr + slot + full, value.to(v_ptr.dtype.element_ty), mask=(full >= 0) & write)
+        tl.store(v_ptr + slot + full, value.to(v_ptr.dtype.element_ty), mask=(tl.zeros_like(full) + m % T) < limit)
 
 
 @triton.jit
