@@ -68,7 +68,7 @@ def gemm_times(backends: dict, reps: int) -> list[dict]:
                 norm = torch.ones(K, dtype=torch.bfloat16, device="cuda") + 0.1
                 residual = torch.randn(M, N, device="cuda").to(torch.bfloat16)
                 calls = lambda: [gg._gemm_call(target.ops, name, x, w, norm, residual) for w in weights[name]]  # noqa: E731
-                us = gg._graph_time(stream, calls, reps) / len(weights[name]) * 1e3
+                us = gg.graph_time(stream, calls, reps) / len(weights[name]) * 1e3
                 moved = weights[name][0].numel() * 2
                 results.append({"kernels": label, "gemm": name, "rows": M, "us": round(us, 2), "tbps": round(moved / us / 1e6, 3)})
                 print(f"  {label:5s} {name:8s} M={M:3d}: {us:8.1f} us ({moved / us / 1e6:.2f} TB/s of weights)", flush=True)
@@ -92,7 +92,7 @@ def combine_times(backend, reps: int) -> list[dict]:
         outputs = {}
         for label, ops in variants.items():
             call = lambda: [ops.attention(q, k, v, None, positions, kv_len, True, 0) for k, v in zip(keys, values)]  # noqa: E731
-            us = gg._graph_time(stream, call, reps) / len(keys) * 1e3
+            us = gg.graph_time(stream, call, reps) / len(keys) * 1e3
             with torch.cuda.stream(stream):
                 outputs[label] = ops.attention(q, keys[0], values[0], None, positions, kv_len, True, 0)
             stream.synchronize()

@@ -414,27 +414,10 @@ def compile_all(names: list[str], timeout_s: float) -> tuple[float, dict]:
 
 
 def graph_us(stream, call, weights: list, reps: int) -> float:
-    """µs per call of ``call(w)``: one CUDA graph calls it on each copy of the weight; median of ``reps`` replays."""
-    import statistics
+    """µs per call of ``call(w)``: one CUDA graph calls it on each copy of the weight (``gpu_graphs.graph_time``)."""
+    import gpu_graphs
 
-    with torch.cuda.stream(stream):
-        for w in weights:
-            call(w)  # eager: compiles, allocates workspaces outside the capture
-        stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for w in weights:
-                call(w)
-        times = []
-        for _ in range(reps + 1):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            graph.replay()
-            end.record(stream)
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times[1:]) * 1e3 / len(weights)
+    return gpu_graphs.graph_time(stream, lambda: [call(w) for w in weights], reps) * 1e3 / len(weights)
 
 
 @dataclass

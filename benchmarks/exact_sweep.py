@@ -121,7 +121,7 @@ class Bench:
         ops, (x, norm, residual) = self.ops(name, plan), self.inputs[name]
         xs, rs = x[:M], residual[:M].clone()
         calls = lambda: [gg._gemm_call(ops, name, xs, w, norm, rs) for w in self.weights[name]]  # noqa: E731
-        return gg._graph_time(self.stream, calls, self.reps) / len(self.weights[name]) * 1e3
+        return gg.graph_time(self.stream, calls, self.reps) / len(self.weights[name]) * 1e3
 
     def check(self, name: str, plan) -> str:
         """"" when the rows of M = 1 / 16 / shuffled 64 equal one M = 64 launch's (bits, twice) and M = 64 is within

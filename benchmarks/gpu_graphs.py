@@ -425,7 +425,7 @@ def precompile(jobs) -> float:
     return time.perf_counter() - began
 
 
-def _graph_time(stream, calls, reps: int) -> float:
+def graph_time(stream, calls, reps: int) -> float:
     """ms of one replay of ``calls`` captured as a CUDA graph (median of ``reps``)."""
     import torch
 
@@ -467,12 +467,12 @@ def gemv_sweep(fast, reps: int) -> tuple[list[dict], dict]:
         x = torch.randn(1, K, device="cuda").to(torch.bfloat16)
         norm, residual = torch.ones(K, dtype=torch.bfloat16, device="cuda") + 0.1, torch.randn(1, N, device="cuda").to(torch.bfloat16)
         per_call = weights[name][0].numel() * 2
-        cublas = _graph_time(stream, lambda: [F.linear(x, w) for w in weights[name]], reps) / len(weights[name])
+        cublas = graph_time(stream, lambda: [F.linear(x, w) for w in weights[name]], reps) / len(weights[name])
         results.append({"gemm": name, "plan": "cublas", "us": round(cublas * 1e3, 2), "tbps": round(per_call / cublas / 1e9, 3)})
         timed = []
         for plan in sweep_plans():
             ops = TritonOps(linear_plans={(N, K, gated): plan})
-            ms = _graph_time(stream, lambda: [_gemm_call(ops, name, x, w, norm, residual) for w in weights[name]], reps) / len(weights[name])
+            ms = graph_time(stream, lambda: [_gemm_call(ops, name, x, w, norm, residual) for w in weights[name]], reps) / len(weights[name])
             timed.append((ms, plan))
             results.append({"gemm": name, "plan": list(plan.__dict__.values()), "us": round(ms * 1e3, 2), "tbps": round(per_call / ms / 1e9, 3)})
         ms, plan = min(timed, key=lambda item: item[0])
@@ -498,7 +498,7 @@ def attention_times(backends: dict, contexts, reps: int) -> list[dict]:
                     continue
                 start = torch.full((owners,), context, device="cuda")
                 positions, kv_len = start[:, None] + torch.arange(tokens, device="cuda"), start + tokens
-                ms = _graph_time(stream, lambda: [fast.ops.attention(q, k, v, None, positions, kv_len, True, 0) for k, v in zip(keys, values)], reps) / 36
+                ms = graph_time(stream, lambda: [fast.ops.attention(q, k, v, None, positions, kv_len, True, 0) for k, v in zip(keys, values)], reps) / 36
                 moved = kv_bytes(1, owners, context + tokens)
                 results.append({"pool": label, "tokens": tokens, "owners": owners, "context": context, "us_per_layer": round(ms * 1e3, 2), "tbps": round(moved / ms / 1e9, 3)})
                 print(f"  attention {label:10s} T={tokens:2d} n={owners} ctx={context:5d}: {ms * 1e3:6.1f} us/layer ({moved / ms / 1e9:.2f} TB/s)", flush=True)
