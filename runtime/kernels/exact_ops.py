@@ -180,13 +180,16 @@ def _linear_kernel(
             wut = tl.trans(tl.load(w_ptr + (N + rn)[:, None] * stride_wn + k_off[None, :], mask=w_mask, other=0.0))
         else:
             wut = wt  # unread
-        wtype = w_ptr.dtype.element_ty
-        acc0, up0 = _tile_product(x_ptr, stride_xm, rows, k_off, k_ok, M, wt, wut, acc0, up0, wtype, GATED, INTERP)
+        acc0, up0 = _tile_product(x_ptr, stride_xm, rows, k_off, k_ok, M, wt, wut, acc0, up0, w_ptr.dtype.element_ty, GATED,
+                                  INTERP)
         if TILES > 1:
-            acc1, up1 = _tile_product(x_ptr, stride_xm, rows + TM, k_off, k_ok, M, wt, wut, acc1, up1, wtype, GATED, INTERP)
+            acc1, up1 = _tile_product(x_ptr, stride_xm, rows + TM, k_off, k_ok, M, wt, wut, acc1, up1, w_ptr.dtype.element_ty,
+                                      GATED, INTERP)
         if TILES > 2:
-            acc2, up2 = _tile_product(x_ptr, stride_xm, rows + 2 * TM, k_off, k_ok, M, wt, wut, acc2, up2, wtype, GATED, INTERP)
-            acc3, up3 = _tile_product(x_ptr, stride_xm, rows + 3 * TM, k_off, k_ok, M, wt, wut, acc3, up3, wtype, GATED, INTERP)
+            acc2, up2 = _tile_product(x_ptr, stride_xm, rows + 2 * TM, k_off, k_ok, M, wt, wut, acc2, up2,
+                                      w_ptr.dtype.element_ty, GATED, INTERP)
+            acc3, up3 = _tile_product(x_ptr, stride_xm, rows + 3 * TM, k_off, k_ok, M, wt, wut, acc3, up3,
+                                      w_ptr.dtype.element_ty, GATED, INTERP)
     if SPLITS == 1:
         _tile_epilogue(acc0, up0, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm,
                        GATED, BIAS, RESIDUAL, TAP)
