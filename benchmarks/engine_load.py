@@ -11,10 +11,9 @@ engine itself delivers, and where a launch's time goes (device-busy ms per launc
 events, against the wall per launch: a wall well above the busy time is host-bound).
 
 Kernels choices: ``fast`` (the default on CUDA: cuBLAS for M > 1 with the norm and SiLU·mul as their own
-kernels, a one-row GEMV at M = 1), ``exact`` (``ExactOps``: batch-invariant tiles, the norm, SiLU·mul and
-residual fused in), ``exact-ck`` (``ExactOps(combine_in_kernel=True)``: the attention's splits folded in its
-own launch) and ``tile`` (an experiment, not a product path: the fast kernels with the exact tile kernel
-for every M > 1 linear — fused epilogues instead of cuBLAS and two extra kernels per layer).
+kernels, a one-row GEMV at M = 1), ``exact`` (``ExactOps``: batch-invariant tiles, SiLU·mul and residual
+fused in) and ``exact-ck`` (``ExactOps(combine_in_kernel=True)``: the attention's splits folded in its own
+launch).
 
 Prints one table (median tok/s of the repeats, DFlash / plain, busy and wall ms per launch) and ends with
 one JSON line; ``--record`` appends a row per (kernels, sessions, mode) and the summary to results.jsonl.
@@ -40,22 +39,6 @@ from dflash_trt.runtime.executor import Executor  # noqa: E402
 from dflash_trt.runtime.serving.batcher import Request  # noqa: E402
 
 
-def tile_ops():
-    """The fast kernels with ``ExactOps``' tile kernel for M > 1 (its fused epilogues), fast attention."""
-    from dflash_trt.runtime.kernels.exact_ops import ExactOps
-    from dflash_trt.runtime.kernels.triton_ops import TritonOps
-
-    class TileOps(ExactOps):
-        kind = "fast"
-        attention = TritonOps.attention
-
-        def linear(self, x, weight, *args, **kwargs):
-            one_row = x.shape[0] == 1
-            return (TritonOps.linear if one_row else ExactOps.linear)(self, x, weight, *args, **kwargs)
-
-    return TileOps()
-
-
 def exact_ops(combine_in_kernel: bool):
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
 
@@ -66,7 +49,6 @@ KERNELS = {  # choice -> the backend's kernels= argument (made per backend)
     "fast": lambda: "fast",
     "exact": lambda: exact_ops(False),
     "exact-ck": lambda: exact_ops(True),
-    "tile": tile_ops,
 }
 
 
