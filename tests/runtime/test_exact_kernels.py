@@ -155,7 +155,8 @@ def test_exact_linear_launches_sum_every_row_in_one_order(monkeypatch):
     """Bug: ``ExactOps.linear`` passes the kernel another split count, split width, K step, warp count or
     workspace layout for another row count (M = 1 decode vs 16 x n verify vs a prefill chunk), or its launches
     skip or repeat rows. Every launch of every M must carry the weight's own arithmetic and the row chunks
-    must tile [0, M) in order; the second pass runs exactly when the weight is split."""
+    must tile [0, M) in order; the second pass runs exactly when the weight is split; the norm runs once, over
+    every row, before them (not per launch, not skipped)."""
     from dflash_trt.runtime.kernels import exact_ops
 
     for plan in (ExactLinearPlan(16, 64, 128, 4, 4), ExactLinearPlan(32, 64, 64, 8, 1), ExactLinearPlan(16, 32, 128, 4, 3, 2, True)):
