@@ -283,8 +283,8 @@ def test_exact_linear_compiles_to_one_arithmetic_for_every_row_count():
 @needs_triton
 def test_split_sum_and_attention_kernels_compile_for_sm90():
     """Bug: a kernel the tests only run interpreted no longer compiles for the GPU (the split-K sum pass; the fast
-    and exact attention kernels, which share one query-tile setup; the in-kernel combine with its counter): the
-    first CUDA call of the backend fails."""
+    and exact attention kernels, which share one query-tile setup; the in-kernel combine with its counter; the
+    q/k-norm, RoPE and K/V write with its per-row write masks): the first CUDA call of the backend fails."""
     from dflash_trt.runtime.kernels import exact_ops, triton_ops
 
     ints = lambda *names: {name: "i32" for name in names}  # noqa: E731
@@ -300,7 +300,11 @@ def test_split_sum_and_attention_kernels_compile_for_sm90():
     combine = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "o_ptr": "*bf16"} | ints("so_n", "so_h", "so_t")
     combine |= {"pos_ptr": "*i64", "spos_n": "i32", "len_ptr": "*i64"} | ints("unit0", "QB", "S", "T", "G", "HKV", "window")
     shape = dict(D=128, BLOCK_Q=16, BLOCK_N=64, CAUSAL=True, WINDOW=True)
+    rope = {"qkv_ptr": "*bf16", "stride_m": "i32", "start_ptr": "*i64", "freq_ptr": "*fp32", "qn_ptr": "*bf16", "kn_ptr": "*bf16",
+            "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "rows_ptr": "*i64", "len_ptr": "*i64"}
+    rope |= ints("stride_cn", "stride_ch", "stride_cl", "T", "HQ", "HKV") | {"eps": "fp32"}
     kernels = [
+        (triton_ops._qk_rope_write_kernel, rope, dict(D=128, NORM=True, ROWS=True, LENGTHS=True)),
         (exact_ops._split_sum_kernel, sums, dict(GATED=True, BIAS=True, RESIDUAL=True, TAP=True, SPLITS=4, TM=16, BN=256)),
         (triton_ops._attention_kernel, fast, dict(D=128, BLOCK_Q=64, BLOCK_N=64, CAUSAL=True, WINDOW=True, SPLIT=True, ROWS=True)),
         (exact_ops._attention_kernel, exact, shape | dict(SPLIT=256, ROWS=True, COMBINE=False, INTERP=False)),
