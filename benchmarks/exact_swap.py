@@ -55,9 +55,9 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import record  # results.jsonl (benchmarks/ is on the path above)
+from dflash_trt.runtime.kernels.exact_ops import INTERPRETED, ordered_dot  # the exact kernels' dot (interpreter-aware)
 from dflash_trt.runtime.kernels.plan import exact_split_k  # (splits, K per split) of a weight
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton.jit at import, as here
 TC = 16  # rows of x in one MMA column tile (the MMA's N side); one row is padded to it
 SUM_BN = 128  # features per program of the split sum (elementwise: any tile gives the same bits)
 STAGE_BYTES = 160 * 1024  # shared memory the pipelined K steps may hold (the stage rule)
@@ -77,24 +77,14 @@ STREAM_BYTES = 256 * 1024**2  # weight bytes one timed graph streams, at least (
 
 
 @triton.jit
-def _dot(a, b, acc, INTERP: tl.constexpr):
-    """acc + a @ b (fp32). INTERP (Triton's CPU interpreter, which multiplies bf16 as raw integers): fp32
-    products summed over K in order, per element, as exact_ops' ``_dot``."""
-    if INTERP:
-        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-    else:
-        return tl.dot(a, b, acc, input_precision="ieee")
-
-
-@triton.jit
 def _column_product(x_ptr, stride_xm, cols, k_off, k_ok, M, w, wu, acc, acc_u, GATED: tl.constexpr,
                     INTERP: tl.constexpr):
     """One column tile (TC rows of x), one K step: acc [BN, TC] += w [BN, BK] @ x^T [BK, TC] (and the up half)."""
     mask = (cols < M)[:, None] & k_ok[None, :]
     xt = tl.trans(tl.load(x_ptr + cols[:, None] * stride_xm + k_off[None, :], mask=mask, other=0.0))  # [BK, TC]
-    acc = _dot(w, xt, acc, INTERP)
+    acc = ordered_dot(w, xt, acc, INTERP)
     if GATED:
-        acc_u = _dot(wu, xt, acc_u, INTERP)
+        acc_u = ordered_dot(wu, xt, acc_u, INTERP)
     return acc, acc_u
 
 

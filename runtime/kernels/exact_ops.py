@@ -39,7 +39,7 @@ load, and so orders the reductions over it, by the pointer's alignment). Per lay
 compile (tiles per program, feature block: how work is spread), the same arithmetic in each
 (tests/runtime/test_exact_kernels.py compares their sm90 IR).
 Under Triton's CPU interpreter (``TRITON_INTERPRET=1``, the CPU tests) the dots are written out as fp32
-products summed over K in order (``_dot``): the interpreter multiplies bf16 as raw integers, and numpy's
+products summed over K in order (``ordered_dot``): the interpreter multiplies bf16 as raw integers, and numpy's
 BLAS rounds a row differently by its place in the tile; everything else is the GPU's code.
 """
 
@@ -77,7 +77,7 @@ EXACT_COUNTERS = 1 << 16  # tile / unit counters of the in-kernel sums, at least
 
 
 @triton.jit
-def _dot(a, b, acc, INTERP: tl.constexpr):
+def ordered_dot(a, b, acc, INTERP: tl.constexpr):
     """acc + a @ b (fp32). INTERP (Triton's CPU interpreter): operands widened to fp32 (it multiplies bf16 as
     raw integers) and each element summed over K in order, as a GPU's MMA does: numpy's BLAS rounds a row
     differently by its place in the tile, which the GPU does not."""
@@ -93,9 +93,9 @@ def _tile_product(x_ptr, stride_xm, rows, k_off, k_ok, M, wt, wut, acc, acc_u, W
     """One 16-row tile, one K step: acc [TM, BN] += x [TM, BK] @ wt [BK, BN] (and the up half)."""
     mask = (rows < M)[:, None] & k_ok[None, :]
     a = tl.load(x_ptr + rows[:, None] * stride_xm + k_off[None, :], mask=mask, other=0.0).to(WTYPE)
-    acc = _dot(a, wt, acc, INTERP)
+    acc = ordered_dot(a, wt, acc, INTERP)
     if GATED:
-        acc_u = _dot(a, wut, acc_u, INTERP)
+        acc_u = ordered_dot(a, wut, acc_u, INTERP)
     return acc, acc_u
 
 
@@ -290,7 +290,7 @@ def _attention_kernel(
         inside = slots < last
         k = tl.load(k_ptr + kv_row + slots[:, None] * sk_l + d[None, :], mask=inside[:, None], other=0.0)
         v = tl.load(v_ptr + kv_row + slots[:, None] * sk_l + d[None, :], mask=inside[:, None], other=0.0)
-        scores = _dot(q, tl.trans(k), tl.zeros([BLOCK_Q, BLOCK_N], dtype=tl.float32), INTERP) * scale
+        scores = ordered_dot(q, tl.trans(k), tl.zeros([BLOCK_Q, BLOCK_N], dtype=tl.float32), INTERP) * scale
         visible = inside[None, :] & row_ok[:, None]
         if CAUSAL:
             visible = visible & (slots[None, :] <= pos[:, None])
@@ -301,7 +301,7 @@ def _attention_kernel(
         alpha = tl.exp(top - new_top)  # 1 exactly for a row this step shows nothing
         p = tl.where(visible, tl.exp(scores - new_top[:, None]), 0.0)
         total = total * alpha + tl.sum(p, axis=1)
-        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], INTERP)
+        acc = ordered_dot(p.to(v.dtype), v, acc * alpha[:, None], INTERP)
         top = new_top
     seen = total > 0
     out = acc / tl.where(seen, total, 1.0)[:, None]
