@@ -12,8 +12,8 @@ events, against the wall per launch: a wall well above the busy time is host-bou
 
 Kernels choices: ``fast`` (the default on CUDA: cuBLAS for M > 1 with the norm and SiLU·mul as their own
 kernels, a one-row GEMV at M = 1), ``exact`` (``ExactOps``: batch-invariant tiles, SiLU·mul and residual
-fused in) and ``exact-ck`` (``ExactOps(combine_in_kernel=True)``: the attention's splits folded in its own
-launch).
+fused in, the attention's splits folded in its own launch) and ``exact-2l`` (``ExactOps(combine_in_kernel=False)``:
+the splits folded by a second launch).
 
 Prints one table (median tok/s of the repeats, DFlash / plain, busy and wall ms per launch) and ends with
 one JSON line; ``--record`` appends a row per (kernels, sessions, mode) and the summary to results.jsonl.
@@ -47,8 +47,8 @@ def exact_ops(combine_in_kernel: bool):
 
 KERNELS = {  # choice -> the backend's kernels= argument (made per backend)
     "fast": lambda: "fast",
-    "exact": lambda: exact_ops(False),
-    "exact-ck": lambda: exact_ops(True),
+    "exact": lambda: exact_ops(True),
+    "exact-2l": lambda: exact_ops(False),
 }
 
 

@@ -83,7 +83,7 @@ def combine_times(backend, reps: int) -> list[dict]:
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
 
     results, stream, pool = [], backend.stream.torch, backend.pools["target"]
-    variants = {"second launch": ExactOps(), "in kernel": ExactOps(combine_in_kernel=True)}
+    variants = {"second launch": ExactOps(combine_in_kernel=False), "in kernel": ExactOps(combine_in_kernel=True)}
     for tokens, owners in ((1, 1), (1, 4), (gg.BLOCK, 1), (gg.BLOCK, 4)):
         keys, values = pool.rows(0, owners)
         q = torch.randn(owners, tokens, 32, 128, device="cuda").to(torch.bfloat16).transpose(1, 2)
