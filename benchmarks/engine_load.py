@@ -10,8 +10,8 @@ backend, and for each session count S and mode (DFlash with the default policy, 
 engine itself delivers, and where a launch's time goes (device-busy ms per launch from the loop's own
 events, against the wall per launch: a wall well above the busy time is host-bound).
 
-Kernels choices: ``fast`` (the default on CUDA: cuBLAS for M > 1 with the norm and SiLU·mul as their own
-kernels, a one-row GEMV at M = 1), ``exact`` (``ExactOps``: batch-invariant tiles, SiLU·mul and residual
+Kernels choices: ``fast`` (the default on CUDA in fp32 and fp16: cuBLAS for M > 1 with the norm and SiLU·mul as their own
+kernels, a one-row GEMV at M = 1), ``exact`` (``ExactOps``, the default in bf16: batch-invariant tiles, SiLU·mul and residual
 fused in, the attention's splits folded in its own launch) and ``exact-2l`` (``ExactOps(combine_in_kernel=False)``:
 the splits folded by a second launch).
 

@@ -15,8 +15,8 @@ kernels whose rows don't depend on the batch (the row count, the query count, th
 owners, the cache capacity), so a DFlash verify row and the same position decoded
 alone are the same bits and DFlash's output equals plain decoding in bf16 too
 (CUDA; on the CPU only under Triton's interpreter). "eager" runs
-``export.graph_modules``' reference modules. "auto" (the default) is "fast" on CUDA
-where the pair is supported, else "eager". An ops object
+``export.graph_modules``' reference modules. "auto" (the default) is "exact" on CUDA
+in bf16 and "fast" in other dtypes where the pair is supported, else "eager". An ops object
 (``runtime.kernels.triton_ops.TritonOps(linear_plans=...)``, ``ExactOps(...)``) runs
 the fused graphs with it.
 
@@ -99,7 +99,7 @@ class TorchBackend(Backend):
         self.dims, self.max_sessions = dims, check_sessions(max_sessions)
         check_models(target, draft, dims)
         self.device = select_device(device)
-        self.kernels = choose_kernels(kernels, self.device, target, draft)
+        self.kernels = choose_kernels(kernels, self.device, target, draft, dims.dtype)
         dtype = torch_dtype(dims.dtype)
         self.target = target.to(device=self.device, dtype=dtype).eval()
         self.draft = draft.to(device=self.device, dtype=dtype).eval()
@@ -309,8 +309,10 @@ def check_models(target: TargetModel, draft: DraftModel, dims: Dims) -> None:
         raise EngineError("the models do not match the graph dims: " + "; ".join(wrong))
 
 
-def choose_kernels(kernels, device: torch.device, target: TargetModel, draft: DraftModel) -> str:
-    """"fast", "exact" or "eager" for ``kernels`` in KERNELS ("auto": fast on CUDA when the pair is supported).
+def choose_kernels(kernels, device: torch.device, target: TargetModel, draft: DraftModel, dtype: str) -> str:
+    """"fast", "exact" or "eager" for ``kernels`` in KERNELS. "auto", on CUDA where the pair is supported: "exact"
+    in bf16 (the fast kernels' reduction orders follow the batch, so bf16 DFlash output drifts from plain decoding
+    on some prompts: benchmarks/RESULTS.md "exact by default"), "fast" in other dtypes; elsewhere "eager".
 
     Anything else with a ``linear`` method is an ops object (e.g. ``TritonOps`` with measured GEMV
     plans) for the fused graphs; its ``kind`` attribute names it ("fast" when it has none).
@@ -321,7 +323,9 @@ def choose_kernels(kernels, device: torch.device, target: TargetModel, draft: Dr
         raise EngineError(f"kernels must be one of {list(KERNELS)} or an ops object, got {kernels!r}")
     reason = supported(target, draft)
     if kernels == "auto":
-        return "fast" if device.type == "cuda" and reason is None else "eager"
+        if device.type != "cuda" or reason is not None:
+            return "eager"
+        return "exact" if dtype == "bfloat16" else "fast"
     if kernels in FUSED and reason is not None:
         raise EngineError(f"kernels={kernels!r} cannot run this pair: {reason}")
     if kernels == "exact" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

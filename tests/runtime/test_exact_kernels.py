@@ -203,13 +203,25 @@ def test_exact_kernels_option_is_checked(monkeypatch):
     interpreter (a crash inside Triton instead of a typed error)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(EngineError, match="needs a CUDA device"):
-        choose_kernels("exact", torch.device("cpu"), *_stub_pair())
+        choose_kernels("exact", torch.device("cpu"), *_stub_pair(), "bfloat16")
     with pytest.raises(EngineError, match="head_dim must be a power of two"):
-        choose_kernels("exact", torch.device("cpu"), *_stub_pair(head_dim=12))
+        choose_kernels("exact", torch.device("cpu"), *_stub_pair(head_dim=12), "bfloat16")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert choose_kernels("exact", torch.device("cpu"), *_stub_pair()) == "exact"
-    assert choose_kernels("auto", torch.device("cpu"), *_stub_pair()) == "eager"  # exact is never chosen for you (yet)
-    assert choose_kernels("fast", torch.device("cpu"), *_stub_pair()) == "fast"
+    assert choose_kernels("exact", torch.device("cpu"), *_stub_pair(), "bfloat16") == "exact"
+    assert choose_kernels("auto", torch.device("cpu"), *_stub_pair(), "bfloat16") == "eager"  # the reference modules on the CPU
+    assert choose_kernels("fast", torch.device("cpu"), *_stub_pair(), "bfloat16") == "fast"
+
+
+def test_auto_kernels_are_exact_in_bf16_on_cuda():
+    """Bug: "auto" on CUDA picks the fast kernels in bf16, whose reduction orders follow the batch, so bf16
+    DFlash output silently drifts from plain decoding; or picks the exact ones for fp32 / fp16, where they
+    were never measured; or for a pair the fused kernels cannot run (a crash instead of the eager modules)."""
+    cuda = torch.device("cuda")
+    assert choose_kernels("auto", cuda, *_stub_pair(), "bfloat16") == "exact"
+    assert choose_kernels("auto", cuda, *_stub_pair(), "float32") == "fast"
+    assert choose_kernels("auto", cuda, *_stub_pair(), "float16") == "fast"
+    assert choose_kernels("auto", cuda, *_stub_pair(head_dim=12), "bfloat16") == "eager"
+    assert choose_kernels("fast", cuda, *_stub_pair(), "bfloat16") == "fast"  # asked for: kept
 
 
 @needs_triton
@@ -217,7 +229,7 @@ def test_an_exact_ops_object_reports_exact():
     """Bug: TorchBackend(kernels=ExactOps(...)) reports "fast" (logs and benchmarks mislabel the run)."""
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
 
-    assert choose_kernels(ExactOps(split_slots=128), torch.device("cuda"), *_stub_pair()) == "exact"
+    assert choose_kernels(ExactOps(split_slots=128), torch.device("cuda"), *_stub_pair(), "bfloat16") == "exact"
 
 
 # ------------------------------------------------------------------ the kernels, compiled for sm90 (CPU)
