@@ -13,7 +13,8 @@ FFN 12288, vocab 151936; draft 5 layers, block 16), then, for kernels = "fast" a
   cycle (draft -> verify -> verify_argmax -> verdict on the host) for n = 1 and 4 (gpu_graphs' rows);
 - each GEMM of the step alone over the 36 layers' own weights (CUDA graph) at M = 1, 16 and 64;
 - attention per layer at T = 1 / 16, n = 1 / 4; the exact one with its splits folded by a second launch or
-  in the attention launch (``combine_in_kernel``), and whether both give the same bits;
+  in the attention launch (``combine_in_kernel``), and whether both give the same bits; at tile heights
+  (``block_q``) of 16, 32 and 64;
 - exactness at this shape: the verify rows of owner 0 (n = 1 and n = 4) against the AR step run at the
   same positions on the same cache: how many of the 16 rows have the same logits bits, the same argmax.
 
@@ -78,12 +79,27 @@ def gemm_times(backends: dict, reps: int) -> list[dict]:
 def combine_times(backend, reps: int) -> list[dict]:
     """The exact attention over the 36 layers' caches (context 2048) with its splits folded by a second launch or
     by each unit's last split (``combine_in_kernel``): µs per layer, and whether both give the same bits."""
-    import torch
-
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
 
-    results, stream, pool = [], backend.stream.torch, backend.pools["target"]
     variants = {"second launch": ExactOps(combine_in_kernel=False), "in kernel": ExactOps(combine_in_kernel=True)}
+    return attention_variant_times(backend, reps, "combine", variants, compare=True)
+
+
+def tile_times(backend, reps: int) -> list[dict]:
+    """The exact attention at tile heights (``block_q``: query rows sharing one tile's key loads) of 16, 32 and 64:
+    µs per layer (each height is its own exact kernel: their bits may differ from each other)."""
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+
+    variants = {f"block_q {b}": ExactOps(block_q=b) for b in (16, 32, 64)}
+    return attention_variant_times(backend, reps, "tile", variants, compare=False)
+
+
+def attention_variant_times(backend, reps: int, field: str, variants: dict, compare: bool) -> list[dict]:
+    """µs per layer of each variant's exact attention over the 36 layers' caches at T = 1 / 16 and n = 1 / 4 (CUDA
+    graph); ``compare``: whether the variants give the same bits (on layer 0's cache)."""
+    import torch
+
+    results, stream, pool = [], backend.stream.torch, backend.pools["target"]
     for tokens, owners in ((1, 1), (1, 4), (gg.BLOCK, 1), (gg.BLOCK, 4)):
         keys, values = pool.rows(0, owners)
         q = torch.randn(owners, tokens, 32, 128, device="cuda").to(torch.bfloat16).transpose(1, 2)
@@ -96,11 +112,12 @@ def combine_times(backend, reps: int) -> list[dict]:
             with torch.cuda.stream(stream):
                 outputs[label] = ops.attention(q, keys[0], values[0], None, positions, kv_len, True, 0)
             stream.synchronize()
-            results.append({"combine": label, "tokens": tokens, "owners": owners, "us_per_layer": round(us, 2)})
-            print(f"  exact attention, combine {label:13s} T={tokens:2d} n={owners}: {us:6.1f} us/layer", flush=True)
-        same = torch.equal(*(o.view(torch.int16) for o in outputs.values()))
-        results[-1]["same_bits"] = same
-        print(f"    same bits: {same}", flush=True)
+            results.append({field: label, "tokens": tokens, "owners": owners, "us_per_layer": round(us, 2)})
+            print(f"  exact attention, {field} {label:13s} T={tokens:2d} n={owners}: {us:6.1f} us/layer", flush=True)
+        if compare:
+            same = all(torch.equal(o.view(torch.int16), outputs[label].view(torch.int16)) for o in outputs.values())
+            results[-1]["same_bits"] = same
+            print(f"    same bits: {same}", flush=True)
     return results
 
 
@@ -224,6 +241,7 @@ def main() -> int:
     report.section("gemm_us", lambda: gemm_times(backends, args.reps))
     report.section("attention_us", lambda: gg.attention_times(backends, [CONTEXT], args.reps))
     report.section("combine_us", lambda: combine_times(backends["exact"], args.reps))
+    report.section("tile_us", lambda: tile_times(backends["exact"], args.reps))
     for backend in backends.values():
         backend.close()
     report.data["summary"] = summary(report.data)

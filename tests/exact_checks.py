@@ -151,14 +151,15 @@ def _attention_inputs(generator, device, dtype, n, heads, kv_heads, T, D, L):
     return q, k, v
 
 
-def check_attention_rows(device: str, dtype: torch.dtype, small: bool) -> None:
+def check_attention_rows(device: str, dtype: torch.dtype, small: bool, block_q: int | None = None) -> None:
     """A query's attention is the same bits with 1 or 16 queries per owner, 1 or 3 owners, two capacities,
     the owners' row views or whole pools (any rows), for causal (target), windowed and non-causal (draft) layers;
     and with the splits folded in the attention launch (``combine_in_kernel``) or by a second one, also for
-    owners with no visible slot."""
+    owners with no visible slot. ``block_q``: the tile height (``ExactOps``' default without one)."""
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
 
-    ops, generator = ExactOps(), torch.Generator().manual_seed(12)
+    tile = {} if block_q is None else {"block_q": block_q}
+    ops, generator = ExactOps(**tile), torch.Generator().manual_seed(12)
     cases = [(4, 2, 16, 16, True, 0), (4, 2, 16, 16, False, 0), (5, 1, 64, 16, True, 0), (4, 2, 16, 7, True, 100)]
     if not small:
         cases += [(32, 8, 128, 16, True, 0), (32, 8, 128, 16, False, 0)]
@@ -171,7 +172,7 @@ def check_attention_rows(device: str, dtype: torch.dtype, small: bool) -> None:
         start = torch.tensor([5, 250, L - T - 4], device=device)  # one split; straddling a split edge; three
         positions, kv_len = start[:, None] + torch.arange(T, device=device), start + T
         full = ops.attention(q, k, v, None, positions, kv_len, causal, window)  # [3, Hq, T, D]
-        second = ExactOps(combine_in_kernel=False).attention(q, k, v, None, positions, kv_len, causal, window)
+        second = ExactOps(combine_in_kernel=False, **tile).attention(q, k, v, None, positions, kv_len, causal, window)
         assert_same_bits(full, second, f"{what}: splits folded by the last split vs by a second launch")
         for t in (0, T - 1):  # one query per owner: a decode step (causal: the slots up to its own)
             one_len = start + t + 1 if causal else kv_len
@@ -191,7 +192,7 @@ def check_attention_rows(device: str, dtype: torch.dtype, small: bool) -> None:
     positions = torch.arange(5, device=device)[None, :].repeat(3, 1)
     fused = ops.attention(q, k, v, None, positions, empty, False, 0)
     assert not fused[0].any() and not fused[2].any() and fused[1].abs().sum() > 0
-    assert_same_bits(fused, ExactOps(combine_in_kernel=False).attention(q, k, v, None, positions, empty, False, 0), "no visible slot")
+    assert_same_bits(fused, ExactOps(combine_in_kernel=False, **tile).attention(q, k, v, None, positions, empty, False, 0), "no visible slot")
 
 
 def check_attention_reference(device: str, dtype: torch.dtype) -> None:

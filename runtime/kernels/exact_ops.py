@@ -375,6 +375,8 @@ class ExactOps(TritonOps):
     replacing ``plan.exact_linear_plan``'s (benchmark sweeps); ``partial_bytes``: the fp32 split partials
     one attention launch may hold (more units run as more launches, same arithmetic); ``workspace_bytes``:
     the fp32 split-K partials one linear launch may hold (more rows run as more launches, same arithmetic);
+    ``block_q``: query rows (token x grouped head) of one attention tile, a power of two >= 16 (the rows of a
+    tile share its loads of the keys; the result depends on it, so one backend keeps one value);
     ``combine_in_kernel``: each attention unit's last split folds the splits (no second launch; the same fold,
     so the same bits: H200, Qwen3-8B shape, 16.7 against 19.5 µs per layer at one query, 36.5 against 40.0 at
     4 × 16); ``False`` folds them in a second launch.
@@ -383,8 +385,11 @@ class ExactOps(TritonOps):
     kind = "exact"  # what TorchBackend(kernels=ExactOps(...)) reports as its kernels
 
     def __init__(self, split_slots: int = EXACT_SPLIT_SLOTS, linear_plans: dict | None = None, partial_bytes: int = EXACT_PARTIAL_BYTES,
-                 workspace_bytes: int = EXACT_WORKSPACE_BYTES, combine_in_kernel: bool = True) -> None:
+                 workspace_bytes: int = EXACT_WORKSPACE_BYTES, combine_in_kernel: bool = True, block_q: int = EXACT_BLOCK_Q) -> None:
         super().__init__()
+        if block_q < 16 or block_q & (block_q - 1):
+            raise ValueError(f"block_q must be a power of two >= 16, got {block_q}")
+        self.block_q = block_q
         self.split_slots, self.partial_bytes, self.workspace_bytes = split_slots, partial_bytes, workspace_bytes
         self.combine_in_kernel = combine_in_kernel
         self.exact_plans = dict(linear_plans or {})
@@ -460,13 +465,13 @@ class ExactOps(TritonOps):
         if self.split_slots % block_n:
             raise ValueError(f"split_slots must be a multiple of {block_n} (head_dim {D}), got {self.split_slots}")
         splits = exact_split_count(L, self.split_slots)
-        tiles = triton.cdiv(T * group, EXACT_BLOCK_Q)  # query tiles per (owner, kv head)
+        tiles = triton.cdiv(T * group, self.block_q)  # query tiles per (owner, kv head)
         units = n * kv_heads * tiles
-        per_launch = exact_units_per_launch(units, splits, D, self.partial_bytes)
+        per_launch = exact_units_per_launch(units, splits, D, self.partial_bytes, self.block_q)
         out = torch.empty((n, T, heads, D), dtype=q.dtype, device=q.device)
-        part = torch.empty((per_launch * splits * EXACT_BLOCK_Q, D), dtype=torch.float32, device=q.device)
-        lse = torch.empty((per_launch * splits * EXACT_BLOCK_Q,), dtype=torch.float32, device=q.device)
-        shape = dict(D=D, BLOCK_Q=EXACT_BLOCK_Q, BLOCK_N=block_n, SPLIT=self.split_slots, CAUSAL=causal, WINDOW=window > 0)
+        part = torch.empty((per_launch * splits * self.block_q, D), dtype=torch.float32, device=q.device)
+        lse = torch.empty((per_launch * splits * self.block_q,), dtype=torch.float32, device=q.device)
+        shape = dict(D=D, BLOCK_Q=self.block_q, BLOCK_N=block_n, SPLIT=self.split_slots, CAUSAL=causal, WINDOW=window > 0)
         counters = self.buffer("counters", q.device, per_launch, torch.int32) if self.combine_in_kernel else kv_len
         for unit0 in range(0, units, per_launch):
             count = min(per_launch, units - unit0)

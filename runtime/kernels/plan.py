@@ -107,7 +107,7 @@ def linear_plan(out_features: int, in_features: int, gated: bool, element_bytes:
 # query count, the owner count or the cache capacity, so each row is reduced in one fixed order.
 
 EXACT_TILE_M = 16  # rows of one MMA tile of the exact linear (a single row is padded to it)
-EXACT_BLOCK_Q = 16  # query rows (token x grouped head) of one exact attention tile
+EXACT_BLOCK_Q = 16  # query rows (token x grouped head) of one exact attention tile (they share its key loads)
 EXACT_SPLIT_SLOTS = 256  # key slots of one exact attention split: split s holds slots [256 s, 256 (s + 1))
 EXACT_PARTIAL_BYTES = 256 * 1024**2  # fp32 split partials of one exact attention launch, at most
 
@@ -234,10 +234,10 @@ def exact_split_count(max_context: int, split_slots: int = EXACT_SPLIT_SLOTS) ->
     return cdiv(max_context, split_slots)
 
 
-def exact_units_per_launch(units: int, splits: int, head_dim: int, budget: int = EXACT_PARTIAL_BYTES) -> int:
+def exact_units_per_launch(units: int, splits: int, head_dim: int, budget: int = EXACT_PARTIAL_BYTES, block_q: int = EXACT_BLOCK_Q) -> int:
     """(owner x kv head x query block) units of one exact attention launch whose fp32 partials
-    ([units, splits, EXACT_BLOCK_Q, head_dim] + their log-sum-exps) fit ``budget`` bytes (at least one)."""
-    per_unit = splits * EXACT_BLOCK_Q * (head_dim + 1) * 4
+    ([units, splits, block_q, head_dim] + their log-sum-exps) fit ``budget`` bytes (at least one)."""
+    per_unit = splits * block_q * (head_dim + 1) * 4
     return max(1, min(units, budget // per_unit))
 
 

@@ -426,6 +426,28 @@ def test_exact_kernels_are_batch_invariant_on_cuda(check, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("block_q", [16, 32, 64])
+def test_exact_attention_is_batch_invariant_at_every_tile_height_on_cuda(block_q):
+    """Bug: at a tile height other than the default the rows of a tile share more than the key loads (a row's
+    softmax or its split fold taking another row's range or scale), so the height chosen for speed breaks the
+    invariance: bf16, 1 / 16 queries, 1 / 3 owners, two capacities, every layer kind, bit for bit."""
+    import exact_checks
+
+    exact_checks.check_attention_rows("cuda", torch.bfloat16, small=False, block_q=block_q)
+
+
+@needs_triton
+def test_exact_attention_tile_height_is_checked():
+    """Bug: a tile height Triton cannot tile (not a power of two, below the MMA's 16 rows) fails inside the
+    compiler at the first launch instead of naming the field."""
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+
+    for bad in (0, 8, 48):
+        with pytest.raises(ValueError, match=f"block_q must be a power of two >= 16, got {bad}"):
+            ExactOps(block_q=bad)
+
+
+@gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_exact_kernels_agree_with_the_reference_on_cuda(dtype):
     """Bug: the compiled exact kernels compute something else than the reference layers on the GPU."""
