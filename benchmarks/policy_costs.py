@@ -56,9 +56,9 @@ class Recorded:
     def choose(self, owners: int) -> Choice:
         return self.inner.choose(owners)
 
-    def observe(self, kind: str, owners: int, seconds: float, tokens: int) -> None:
+    def observe(self, kind: str, owners: int, seconds: float, tokens: int, *rest) -> None:
         self.samples.append((kind, owners, seconds, tokens))
-        self.inner.observe(kind, owners, seconds, tokens)
+        self.inner.observe(kind, owners, seconds, tokens, *rest)
 
 
 class Alternate(AdaptivePolicy):

@@ -696,7 +696,8 @@ class Executor:
             accept(group.proposals, accepted)
         choice = next((lane.flight[0].choice for lane in group.lanes if lane.flight[0].choice is not None), None)
         if choice is not None:
-            self.policy.observe(choice.round, choice.owners, launch_s + time.perf_counter() - started, tokens, lanes, choice.proposals)
+            seconds = launch_s + time.perf_counter() - started
+            self.policy.observe(choice.round, choice.owners, seconds, tokens, lanes, choice.proposals, group.kind)
 
     def _stream(self, lanes: Sequence[Lane]) -> None:
         if self._on_tokens is None:

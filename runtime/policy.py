@@ -38,7 +38,9 @@ policy maximizes what callers receive per second. Device time alone
 (benchmarks/RESULTS.md, "policy"). Costs, yields and lanes are kept per
 (round kind, padded lane count, verify length) as EWMAs; the first launch of
 each key is not counted (it warms up: compiles, captures), and a rate is
-known from its second counted launch on.
+known from its second counted launch on. A cost sample counts as at most
+``COST_CLIP`` times its mean so far: one stalled launch cannot make its kind
+look many times dearer for the hundreds of rounds the probes would need.
 
 While a rate at ``n`` is unknown, the policy explores (runs the unknown
 option: the longest cycle first, whose verdicts measure every position, then
@@ -91,13 +93,16 @@ class Choice:
 class Ewma:
     """An exponentially weighted mean that ignores its first ``skip`` samples; the plain mean of the
     samples while there are fewer than 1 / alpha, so early samples are not overweighted; ``known``
-    from ``least`` samples on."""
+    from ``least`` samples on. ``clip``: a sample counts as at most ``clip`` times the mean so far, so one
+    outlier moves the mean by at most ``weight · (clip - 1)`` of it, while a lasting rise is still followed
+    (each sample may raise the mean by that share again)."""
 
     alpha: float
     skip: int = 1
     least: int = 2
     value: float | None = None
     seen: int = 0
+    clip: float | None = None
 
     def add(self, sample: float) -> None:
         self.seen += 1
@@ -105,7 +110,12 @@ class Ewma:
         if counted <= 0:
             return
         weight = max(self.alpha, 1.0 / counted)
+        sample = self.clipped(sample)
         self.value = sample if self.value is None else self.value + weight * (sample - self.value)
+
+    def clipped(self, sample: float) -> float:
+        """``sample`` as ``add`` counts it: at most ``clip`` times the mean so far (as is before a first mean)."""
+        return sample if self.value is None or self.clip is None else min(sample, self.clip * self.value)
 
     @property
     def known(self) -> bool:
@@ -120,6 +130,14 @@ def cycle_ratio(cycle_tokens_per_s: float, decode_tokens_per_s: float) -> float:
     """
     return cycle_tokens_per_s / decode_tokens_per_s
 
+
+# A launch's wall cost counts as at most this many times the mean of launches of its own kind and length
+# at its lane count: a lone stall (a garbage collection, a page fault, a neighbour's burst on the host)
+# inside one launch would otherwise raise its round kind's cost estimate many-fold, and the policy would
+# shun that kind until enough probes, each ``probe_interval`` rounds apart, wore the stall off: hundreds of
+# rounds of the slower kind. Per launch kind, not per round kind: a decode round's drain cycles cost more
+# than its decode steps by nature, and are charged to it in full.
+COST_CLIP = 3.0
 
 PROBE_STEP = 1.25  # each factor of this between the estimate and break-even doubles the probe interval
 PROBE_SPREAD = 8  # ... up to this many times ``probe_every``
@@ -165,6 +183,7 @@ class AdaptivePolicy:
     costs: dict[tuple[str, int, int], Ewma] = field(default_factory=dict)  # (round kind, owners, length) -> seconds per launch
     yields: dict[tuple[str, int, int], Ewma] = field(default_factory=dict)  # ... -> tokens per launch
     lanes: dict[tuple[str, int, int], Ewma] = field(default_factory=dict)  # ... -> lanes served per launch
+    launch_costs: dict[tuple[str, int, int], Ewma] = field(default_factory=dict)  # (LAUNCH kind, owners, length) -> seconds: COST_CLIP's mean
     reached: list[Ewma] = field(default_factory=list)  # [i - 1]: share of verified owner-cycles accepting d_1..d_i
     last: dict[int, Option] = field(default_factory=dict)  # owners -> the option chosen last
     idle: dict[tuple[int, Option], int] = field(default_factory=dict)  # (owners, option) -> rounds since it ran
@@ -175,12 +194,20 @@ class AdaptivePolicy:
         cycles = [(CYCLE, k) for k in reversed(self.lengths)] or [(CYCLE, 0)]
         return [cycles[0], (DECODE, 0), *cycles[1:]]
 
-    def observe(self, kind: str, owners: int, seconds: float, tokens: int, lanes: int | None = None, proposals: int = 0) -> None:
+    def observe(
+        self, kind: str, owners: int, seconds: float, tokens: int, lanes: int | None = None, proposals: int = 0, launch: str | None = None
+    ) -> None:
         """One launch of a round of ``kind`` (a cycle round verifying ``proposals``) at ``owners`` (padded)
         lanes took ``seconds`` of wall time, served ``lanes`` lanes whose tokens were kept (default:
-        ``owners``) and yielded ``tokens`` (0 for one whose tokens were all discarded)."""
+        ``owners``) and yielded ``tokens`` (0 for one whose tokens were all discarded); ``launch``: the
+        launch's own kind (default ``kind``; a decode round's drain cycles are ``CYCLE`` launches verifying
+        ``proposals``), whose mean bounds the sample (``COST_CLIP``)."""
         key = (kind, owners, proposals if kind == CYCLE else 0)
-        self.costs.setdefault(key, Ewma(self.alpha)).add(seconds)
+        launch = launch or kind
+        usual = self.launch_costs.setdefault((launch, owners, proposals if launch == CYCLE else 0), Ewma(self.alpha, clip=COST_CLIP))
+        sample = usual.clipped(seconds) if usual.known else seconds  # bounded once its kind's mean is known
+        usual.add(seconds)
+        self.costs.setdefault(key, Ewma(self.alpha)).add(sample)
         self.yields.setdefault(key, Ewma(self.alpha)).add(tokens)
         self.lanes.setdefault(key, Ewma(self.alpha)).add(owners if lanes is None else lanes)
 
@@ -289,7 +316,9 @@ class AdaptivePolicy:
 class AlwaysCycle:
     """The fixed policy: every drafting lane cycles whenever a block fits."""
 
-    def observe(self, kind: str, owners: int, seconds: float, tokens: int, lanes: int | None = None, proposals: int = 0) -> None:
+    def observe(
+        self, kind: str, owners: int, seconds: float, tokens: int, lanes: int | None = None, proposals: int = 0, launch: str | None = None
+    ) -> None:
         pass
 
     def choose(self, owners: int) -> Choice:

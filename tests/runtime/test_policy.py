@@ -18,7 +18,8 @@ from dflash_trt.errors import InputError
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.policy import (
-    CYCLE, DECODE, DRAIN, ESTIMATE, EXPLORE, FIXED, PROBE, PROBE_SPREAD, AdaptivePolicy, Choice, make_policy as policy_named, probe_interval,
+    CYCLE, DECODE, DRAIN, ESTIMATE, EXPLORE, FIXED, PROBE, PROBE_SPREAD, AdaptivePolicy, Choice, cycle_ratio, make_policy as policy_named,
+    probe_interval,
 )
 from executor_fixtures import DraftReference, RecordingBackend, Tracker, tiny_dims
 
@@ -29,12 +30,12 @@ TINY_ROWS = 8
 
 
 def launches_of(kind: str, lanes: int, accepted: np.ndarray, cycle_s: float, decode_s: float, drains: int = 0):
-    """One round's launches as (seconds, tokens): a cycle of ``lanes`` owners yields a + 1 each; a decode
-    round yields one per lane, plus ``drains`` of its lanes cycling apart (each drain a cycle launch)."""
+    """One round's launches as (seconds, tokens, launch kind): a cycle of ``lanes`` owners yields a + 1 each; a
+    decode round yields one per lane, plus ``drains`` of its lanes cycling apart (each drain a cycle launch)."""
     if kind == CYCLE:
-        return [(cycle_s, int(np.sum(accepted[:lanes] + 1)))]
-    drained = [(cycle_s, int(np.sum(accepted[:drains] + 1)))] if drains else []
-    return [(decode_s, lanes - drains), *drained]
+        return [(cycle_s, int(np.sum(accepted[:lanes] + 1)), CYCLE)]
+    drained = [(cycle_s, int(np.sum(accepted[:drains] + 1)), CYCLE)] if drains else []
+    return [(decode_s, lanes - drains, DECODE), *drained]
 
 
 def brute_force_best(accepted: np.ndarray, lanes: int, cycle_s: float, decode_s: float, drains: int) -> tuple[str, float]:
@@ -42,7 +43,7 @@ def brute_force_best(accepted: np.ndarray, lanes: int, cycle_s: float, decode_s:
     rates = {}
     for kind in (CYCLE, DECODE):
         launches = launches_of(kind, lanes, accepted, cycle_s, decode_s, drains)
-        rates[kind] = sum(t for _, t in launches) / sum(s for s, _ in launches)
+        rates[kind] = sum(t for _, t, _ in launches) / sum(s for s, _, _ in launches)
     return max(rates, key=rates.get), rates[CYCLE] / rates[DECODE]
 
 
@@ -61,8 +62,8 @@ def test_choice_maximizes_tokens_per_second_against_brute_force():
         for kind in (CYCLE, DECODE):
             policy.observe(kind, lanes, 1.0, 0)  # the first launch of each round kind is a warm-up: not counted
             for _ in range(2):  # whole rounds (fewer launches than 1 / alpha: their plain mean)
-                for seconds, tokens in launches_of(kind, lanes, accepted, cycle_s, decode_s, drains):
-                    policy.observe(kind, lanes, seconds, tokens)
+                for seconds, tokens, launch in launches_of(kind, lanes, accepted, cycle_s, decode_s, drains):
+                    policy.observe(kind, lanes, seconds, tokens, launch=launch)
         best, ratio = brute_force_best(accepted, lanes, cycle_s, decode_s, drains)
         if math.isclose(ratio, 1.0, rel_tol=1e-9):
             continue
@@ -267,6 +268,43 @@ def test_probes_are_rarer_the_farther_the_estimate_is_from_break_even():
     assert probe_interval(16, 0.0) == 16 * PROBE_SPREAD
 
 
+def run_rounds(policy: AdaptivePolicy, rounds: int, cycle_s, decode_s: float, lanes: int = 16, tau: float = 2.8) -> list[str]:
+    """``rounds`` rounds of ``policy`` at ``lanes`` lanes against true costs, one launch each: a cycle yields
+    lanes · tau tokens in ``cycle_s(i)`` seconds (its i-th launch), a decode step one token per lane in
+    ``decode_s``. Returns the kinds chosen."""
+    kinds, cycles = [], 0
+    for _ in range(rounds):
+        choice = policy.choose(lanes)
+        if choice.kind == CYCLE:
+            seconds, tokens, cycles = cycle_s(cycles), round(lanes * tau), cycles + 1
+        else:
+            seconds, tokens = decode_s, lanes
+        policy.observe(choice.kind, lanes, seconds, tokens, lanes, choice.proposals)
+        kinds.append(choice.kind)
+    return kinds
+
+
+def test_one_stalled_launch_does_not_turn_the_policy_for_hundreds_of_rounds():
+    """Bug: one cycle launch whose wall time caught a host stall (a garbage collection, a page fault, a burst
+    of a neighbour: 60 ms against 1 ms) raised the cycle's cost estimate ~12-fold; cycles then looked 8x worse
+    than decode steps, were probed only every 128 rounds and each probe wore the stall off by a fifth: over a
+    thousand rounds of plain decoding where cycles deliver 1.68x its tokens per second (brute force below).
+    A lasting rise must still be followed within a few launches."""
+    cycle_s, decode_s, lanes, tau = 1e-3, 6e-4, 16, 2.8
+    assert brute_force_best(np.full(lanes, round(tau) - 1), lanes, cycle_s, decode_s, 0)[0] == CYCLE
+    stall_at = 40  # the 40th cycle launch stalls
+    policy = AdaptivePolicy()
+    kinds = run_rounds(policy, 800, lambda i: 0.060 if i == stall_at else cycle_s, decode_s, lanes, tau)
+    after = kinds[kinds.index(CYCLE) + stall_at + 50 :]  # past the stall (and the exploration)
+    probes = len(after) // probe_interval(policy.probe_every, cycle_ratio(lanes * tau / cycle_s, lanes / decode_s)) + 2
+    assert after.count(DECODE) <= probes, f"{after.count(DECODE)} decode rounds of {len(after)} after one stall"
+    # A lasting rise (cycles now 6 ms: decode steps deliver 3.6x their tokens per second) is followed.
+    policy = AdaptivePolicy()
+    kinds = run_rounds(policy, 200, lambda i: cycle_s if i < 60 else 0.006, decode_s, lanes, tau)
+    risen = [i for i, kind in enumerate(kinds) if kind == CYCLE][60]  # the round of the first dear cycle
+    assert kinds[risen + 1 :][:8].count(CYCLE) <= 3 and kinds[-20:].count(DECODE) >= 18, kinds[risen:]
+
+
 def test_unknown_policy_names_are_refused(tiny):
     """Guards against a typo silently running another policy."""
     with pytest.raises(InputError, match=r"policy must be one of \('adaptive', 'always'\).*'sometimes'"):
@@ -288,7 +326,9 @@ class Scripted:
         kind, length = entry if isinstance(entry := next(self.pattern), tuple) else (entry, 0)
         return Choice(kind, EXPLORE, math.nan, kind, owners, length)
 
-    def observe(self, kind: str, owners: int, seconds: float, tokens: int, lanes: int | None = None, proposals: int = 0) -> None:
+    def observe(
+        self, kind: str, owners: int, seconds: float, tokens: int, lanes: int | None = None, proposals: int = 0, launch: str | None = None
+    ) -> None:
         self.launches.append((kind, owners, seconds, tokens))
 
     def accept(self, proposals: int, accepted: list[int]) -> None:
