@@ -18,8 +18,7 @@ from dflash_trt.errors import InputError
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.policy import (
-    CYCLE, DECODE, DRAIN, ESTIMATE, EXPLORE, FIXED, PROBE, PROBE_SPREAD, AdaptivePolicy, Choice, cycle_ratio, make_policy as policy_named,
-    probe_interval,
+    CYCLE, DECODE, DRAIN, ESTIMATE, EXPLORE, FIXED, PROBE, PROBE_SPREAD, AdaptivePolicy, Choice, cycle_ratio, probe_interval,
 )
 from executor_fixtures import DraftReference, RecordingBackend, Tracker, tiny_dims
 
