@@ -39,8 +39,9 @@ policy maximizes what callers receive per second. Device time alone
 (round kind, padded lane count, verify length) as EWMAs; the first launch of
 each key is not counted (it warms up: compiles, captures), and a rate is
 known from its second counted launch on. A cost sample counts as at most
-``COST_CLIP`` times its mean so far: one stalled launch cannot make its kind
-look many times dearer for the hundreds of rounds the probes would need.
+``COST_CLIP`` times the mean of launches of its own kind and length at that
+lane count: one stalled launch cannot make its round kind look many times
+dearer for the hundreds of rounds the probes would need to wear it off.
 
 While a rate at ``n`` is unknown, the policy explores (runs the unknown
 option: the longest cycle first, whose verdicts measure every position, then
