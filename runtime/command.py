@@ -115,7 +115,7 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser, target_default: Pa
     parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
                         help="torch backend: auto (exact in bf16 on CUDA, fast in other dtypes, eager on the CPU), exact (CUDA: "
                              "rows that do not depend on the batch, so bf16 DFlash output equals plain decoding), fast (CUDA: "
-                             "~15%% more throughput at 16-64 sessions, bf16 output may differ with the batch), eager")
+                             "~15%% more throughput at 16 sessions, bf16 output may differ with the batch), eager")
 
 
 # ---------------------------------------------------------------------- backends
