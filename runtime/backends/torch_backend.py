@@ -53,6 +53,7 @@ record draft → verify → verdict → bookkeeping as one CUDA graph of its own
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from contextlib import nullcontext
@@ -75,7 +76,12 @@ from dflash_trt.runtime.kernels import OPS, fast_path, supported
 from dflash_trt.runtime.kernels.modules import DRAFT_CONTEXT_MANY, PREFILL_MANY
 
 KERNELS = ("auto", "fast", "exact", "eager")
+KERNEL_NOTES = {  # what the start-up line says of the kernels chosen
+    "exact": " (rows independent of the batch: bf16 DFlash output equals plain decoding; kernels='fast' trades that for speed)",
+    "fast": " (bf16 output may differ with the batch; kernels='exact' keeps DFlash equal to plain decoding)",
+}
 FUSED = ("fast", "exact")  # kernels that run the fused graphs of runtime.kernels (row-indexed programs)
+LOG = logging.getLogger(__name__)
 
 
 class TorchBackend(Backend):
@@ -100,6 +106,7 @@ class TorchBackend(Backend):
         check_models(target, draft, dims)
         self.device = select_device(device)
         self.kernels = choose_kernels(kernels, self.device, target, draft, dims.dtype)
+        LOG.info("torch backend on %s, %s, kernels %s%s", self.device, dims.dtype, self.kernels, KERNEL_NOTES.get(self.kernels, ""))
         dtype = torch_dtype(dims.dtype)
         self.target = target.to(device=self.device, dtype=dtype).eval()
         self.draft = draft.to(device=self.device, dtype=dtype).eval()

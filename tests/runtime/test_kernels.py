@@ -240,14 +240,17 @@ def _randomize_norms(model):
     return model
 
 
-def test_kernels_option_is_checked(fast_pair):
+def test_kernels_option_is_checked(fast_pair, caplog):
     """Bug: an unknown kernels value is ignored, or "auto" picks the CPU twin (a check, not a speed path),
-    or "fast" runs a pair its kernels cannot (head_dim not a power of two)."""
+    or "fast" runs a pair its kernels cannot (head_dim not a power of two); or the backend starts without
+    saying which kernels it chose (the default differs by device and dtype)."""
     target_dir, draft_dir, out, dims = fast_pair
     with pytest.raises(EngineError, match="kernels must be one of"):
         TorchBackend.from_checkpoints(target_dir, draft_dir, out, max_sessions=2, kernels="triton")
-    with TorchBackend.from_checkpoints(target_dir, draft_dir, out, max_sessions=2) as backend:
+    with caplog.at_level("INFO", logger="dflash_trt.runtime.backends.torch_backend"), \
+            TorchBackend.from_checkpoints(target_dir, draft_dir, out, max_sessions=2) as backend:
         assert backend.kernels == "eager"  # auto on the CPU
+    assert f"torch backend on cpu, {dims.dtype}, kernels eager" in caplog.text
     target, draft = load_pair(target_dir, draft_dir)
     object.__setattr__(target.config, "head_dim", 12)  # as a checkpoint with head_dim 12 would read
     with pytest.raises(EngineError, match="head_dim must be a power of two"):
