@@ -1,7 +1,8 @@
 """Where a many-session round spends its host time: the executor under continuous batching, profiled.
 
     python benchmarks/host_profile.py [--sessions 64] [--requests 256] [--max-new-tokens 64] [--no-draft]
-        [--device cuda] [--timed | --kernels] [--record]
+        [--device cuda] [--torch-kernels auto|fast|exact|eager] [--timed | --kernels] [--record]
+    python benchmarks/host_profile.py --device cpu --torch-kernels fast --timed   # a GPU round's host work, on a CPU
 
 The default pair (bf16 on CUDA, fp32 on the CPU) on the torch backend, ``--sessions`` sessions at once
 (one row-indexed program serves up to that many owners), ``generate.stream`` over ``--requests``
@@ -118,6 +119,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--no-draft", action="store_true", help="plain target decoding (the baseline)")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--torch-kernels", default="auto", choices=("auto", "fast", "exact", "eager"),
+                        help="the torch backend's kernels (on the CPU, fast runs the kernels' twin as row-indexed programs: "
+                             "launches of every owner, as on a GPU, where the default eager modules pack owners by consecutive rows)")
     parser.add_argument("--top", type=int, default=25)
     how = parser.add_mutually_exclusive_group()
     how.add_argument("--timed", action="store_true", help="host µs per call of the round's functions, no profiler")
@@ -129,7 +133,7 @@ def main() -> None:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     target, draft, prompts, stop = default_pair(dtype)
     dims = dims_of(target, draft, args.sessions, dtype)
-    backend = TorchBackend(target, draft, dims, args.sessions, device=args.device)
+    backend = TorchBackend(target, draft, dims, args.sessions, device=args.device, kernels=args.torch_kernels)
     requests = [Request(prompts[i % len(prompts)], args.max_new_tokens, stop) for i in range(args.requests)]
     mode = "timed" if args.timed else "kernels" if args.kernels else "cprofile"
     with Executor(backend, max_sessions=args.sessions, speculate=not args.no_draft) as executor:
