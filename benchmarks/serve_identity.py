@@ -5,8 +5,8 @@ For each mode (``on``: the server as ``--serve-args`` configure it; ``off``: the
 fresh server (``serve_adversarial.Server``) gets the default pair's ``--prompts`` held-out prompts, first one at
 a time, then ``--concurrency`` at once, non-streaming: greedy, and with ``--sampled`` once more at temperature 1
 with a seed per prompt (the same seeds in every pass). Completions are compared as the server's text (its own
-detokenization of the tokens): each mode alone against itself together (batching), and on against off alone
-(speculation). Prints a table of identical completions per comparison (with the first differing prompts and the
+detokenization of the tokens): each mode alone against itself together (batching), and on against off, alone and
+together (speculation). Prints a table of identical completions per comparison (with the first differing prompts and the
 character where they part) and ends with one JSON line; ``--record`` appends it to benchmarks/results.jsonl.
 
     python benchmarks/serve_identity.py [--prompts 64] [--concurrency 64] [--max-tokens 64] [--sampled]
