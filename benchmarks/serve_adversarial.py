@@ -384,7 +384,14 @@ def commit() -> str:
 
 
 def machine() -> str:
-    return f"{platform.machine()} {os.cpu_count()} CPUs, {platform.processor() or platform.platform()}"
+    """The CPUs and, where ``nvidia-smi`` lists one, the first GPU (a server on CUDA runs there)."""
+    cpus = f"{platform.machine()} {os.cpu_count()} CPUs, {platform.processor() or platform.platform()}"
+    try:
+        gpus = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return cpus
+    names = gpus.stdout.strip().splitlines() if gpus.returncode == 0 else []
+    return f"{names[0]}, {cpus}" if names else cpus
 
 
 def main() -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import shlex
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -108,7 +109,7 @@ def main() -> int:
     for name, row in rows.items():
         print(f"| {name} | {row['identical']} / {row['of']} | {row['differing'] or '-'} |")
     summary = {"name": "serve_identity", "date": time.strftime("%Y-%m-%d"), "commit": sa.commit(), "machine": sa.machine(),
-               "command": " ".join(["python", "benchmarks/serve_identity.py", *sys.argv[1:]]), "prompts": args.prompts,
+               "command": shlex.join(["python", "benchmarks/serve_identity.py", *sys.argv[1:]]), "prompts": args.prompts,
                "concurrency": args.concurrency, "max_tokens": args.max_tokens, "seconds": round(time.perf_counter() - started, 1),
                "comparisons": rows}
     if args.record:
