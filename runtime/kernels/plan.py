@@ -115,6 +115,10 @@ EXACT_PARTIAL_BYTES = 256 * 1024**2  # fp32 split partials of one exact attentio
 EXACT_STAGE_BYTES = 160 * 1024  # shared memory the pipelined K steps of one exact linear program may hold
 EXACT_WORKSPACE_BYTES = 64 * 1024**2  # fp32 split-K partials of one exact linear launch, at most
 EXACT_PROCESSORS = 132  # streaming multiprocessors the default tilings are written for (an H100 / H200 SXM)
+EXACT_NORM_BLOCK = 256  # features per step of the exact norm of a linear's output (its sums' order: fixed)
+# A linear's output rows normed by its own last program per row block (no launch of their own) while that
+# block holds at most this many bytes: past it one program's serial pass costs more than a launch does.
+EXACT_TAIL_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -216,6 +220,12 @@ def exact_linear_launch(plan: ExactLinearPlan, rows: int, gated: bool, element_b
         return tiles, block_n, plan.stages
     stage = ((2 if gated else 1) * block_n + tiles * EXACT_TILE_M) * plan.block_k * element_bytes
     return tiles, block_n, max(2, min(4, EXACT_STAGE_BYTES // stage))
+
+
+def exact_norm_in_tail(rows: int, tiles: int, out_features: int, element_bytes: int) -> bool:
+    """Whether a linear launch of ``rows`` rows, ``tiles`` 16-row tiles per program, norms its output in its
+    last program per row block (else a launch of its own runs the same code): spread only, never the bits."""
+    return min(rows, tiles * EXACT_TILE_M) * out_features * element_bytes <= EXACT_TAIL_BYTES
 
 
 def exact_row_tiles(rows: int, most: int = 4) -> int:
