@@ -118,10 +118,11 @@ def check_split_rows(device: str, dtype: torch.dtype) -> None:
 
 def check_norm_rows(device: str, dtype: torch.dtype) -> None:
     """``linear_then_norm`` (a layer's o / down product handing the next product its normed rows): for
-    M = 1, 5, 16, 33 of 40 rows, at any place, y and the normed rows are the same bits; the norm made by
-    each row block's last program and by a launch of its own are the same bits; y equals ``linear``'s;
-    the normed rows are RMSNorm(g) of y within rounding. Split and unsplit K, one launch and several
-    (a tiny workspace), a row block of one tile and of four; on a GPU also the 8B o shape."""
+    M = 1, 2, 5, 16, 33 of 40 rows, at any place, y and the normed rows are the same bits (a row or two
+    normed by the block's last program, more by a launch of their own); both ways forced for all 40 rows
+    give the same bits; y equals ``linear``'s; the normed rows are RMSNorm(g) of y within rounding. Split
+    and unsplit K, one launch and several (a tiny workspace), a row block of one tile and of four; on a GPU
+    also the 8B o and down shapes."""
     from dflash_trt.runtime.kernels import exact_ops
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
     from dflash_trt.runtime.kernels.plan import ExactLinearPlan
@@ -135,7 +136,7 @@ def check_norm_rows(device: str, dtype: torch.dtype) -> None:
         w, g = _rand(generator, device, dtype, N, K, scale=K**-0.5), _rand(generator, device, dtype, N) + 1
         x, residual = _rand(generator, device, dtype, total, K), _rand(generator, device, dtype, total, N)
 
-        def run(rows, tail=True):
+        def run(rows, tail=None):
             out = residual[rows].clone()
             with _tail(exact_ops, tail):
                 return ops.linear_then_norm(x[rows], w, g, 1e-6, residual=out, out=out)
@@ -145,8 +146,9 @@ def check_norm_rows(device: str, dtype: torch.dtype) -> None:
         plain = residual.clone()
         assert_same_bits(y, ops.linear(x, w, residual=plain, out=plain), f"linear_then_norm {N}x{K} {plan}: y vs linear")
         assert_near(normed, _rms(y, g), dtype, f"normed {N}x{K} {plan} vs RMSNorm of y")
-        assert_same_bits(run(everything, tail=False)[1], normed, f"norm {N}x{K} {plan}: own launch vs the tail")
-        for M in (1, 5, 16, 33):
+        for tail in (True, False):
+            assert_same_bits(run(everything, tail)[1], normed, f"norm {N}x{K} {plan}: forced {'tail' if tail else 'own launch'}")
+        for M in (1, 2, 5, 16, 33):
             rows = torch.randperm(total, generator=generator)[:M].to(device)
             part, part_normed = run(rows)
             assert_same_bits(part, y[rows], f"linear_then_norm y {N}x{K} {plan} {dtype}: M={M} vs M={total}")
@@ -154,14 +156,14 @@ def check_norm_rows(device: str, dtype: torch.dtype) -> None:
 
 
 class _tail:
-    """``plan.exact_norm_in_tail`` as exact_ops sees it, forced off inside (``tail=False``)."""
+    """``plan.exact_norm_in_tail`` as exact_ops sees it, forced to ``tail`` inside (None: the rule)."""
 
-    def __init__(self, module, tail: bool) -> None:
+    def __init__(self, module, tail: bool | None) -> None:
         self.module, self.tail, self.saved = module, tail, module.exact_norm_in_tail
 
     def __enter__(self) -> None:
-        if not self.tail:
-            self.module.exact_norm_in_tail = lambda *args: False
+        if self.tail is not None:
+            self.module.exact_norm_in_tail = lambda rows, tail=self.tail: tail
 
     def __exit__(self, *exc) -> None:
         self.module.exact_norm_in_tail = self.saved

@@ -18,10 +18,10 @@ for bit, in bf16 too, so DFlash's output is the target's own plain decoding, tok
                     block, nothing chosen from M): inside the K loop, as it was, it kept Triton from
                     pipelining the weight's loads (Qwen3-8B gate|up on an H200: 85.6 µs at M = 1 and
                     158.9 at M = 64 with it, 49.8 and 55.2 without). Where the rows come from a product
-                    with a residual (o, down), that product hands them over normed (``linear_then_norm``):
-                    each row block's last program to store norms the block (``_norm_tail``, a counter per
-                    block, the order of the split-K fixup), or for larger blocks a launch of its own runs
-                    the same code (``_norm_kernel``): no launch per norm at decode and verify sizes, the
+                    with a residual (o, down), that product hands them over normed (``linear_then_norm``,
+                    each row summed in one block fixed by its width): for a row or two the block's last
+                    program to store norms them (``_norm_tail``, a counter per block, the order of the
+                    split-K fixup), for more a launch of its own runs the same code (``_norm_kernel``), the
                     same bits either way. How the work is spread may follow M
                     (``plan.exact_linear_launch``: up to four tiles share each weight load, wider feature
                     blocks for many rows, rows per launch that fit the workspace): each tile's dot walks
@@ -58,7 +58,6 @@ import triton.language as tl
 
 from dflash_trt.runtime.kernels.plan import (
     EXACT_BLOCK_Q,
-    EXACT_NORM_BLOCK,
     EXACT_PARTIAL_BYTES,
     EXACT_SPLIT_SLOTS,
     EXACT_TILE_M,
@@ -67,6 +66,7 @@ from dflash_trt.runtime.kernels.plan import (
     exact_attention_block_n,
     exact_linear_launch,
     exact_linear_plan,
+    exact_norm_block,
     exact_norm_in_tail,
     exact_split_count,
     exact_split_k,
@@ -157,46 +157,36 @@ def _tile_sum(ws_ptr, WR, local, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stri
 
 
 @triton.jit
-def _norm_tile(y_ptr, stride_ym, g_ptr, n_ptr, stride_nm, rows, M, N, eps, TM: tl.constexpr, NB: tl.constexpr):
-    """RMSNorm of one 16-row tile of y [M, N] into n: each row's squares summed in NB-feature steps from
-    feature 0 ([TM, NB] tiles: one order whoever runs it), then n = y * rsqrt(mean + eps) * g in fp32, one
-    rounding (``TritonOps.rms_norm``'s formula). Loads bypass L1 (".cg"): other programs wrote y."""
-    row_ok = rows < M
-    squares = tl.zeros([TM], dtype=tl.float32)
-    for n0 in range(0, N, NB):
-        cols = n0 + tl.arange(0, NB)
-        mask = row_ok[:, None] & (cols < N)[None, :]
-        v = tl.load(y_ptr + rows[:, None] * stride_ym + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        squares += tl.sum(v * v, axis=1)
-    scale = tl.rsqrt(squares / N + eps)
-    for n0 in range(0, N, NB):
-        cols = n0 + tl.arange(0, NB)
-        mask = row_ok[:, None] & (cols < N)[None, :]
-        v = tl.load(y_ptr + rows[:, None] * stride_ym + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        g = tl.load(g_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-        tl.store(n_ptr + rows[:, None] * stride_nm + cols[None, :], (v * scale[:, None] * g[None, :]).to(n_ptr.dtype.element_ty),
-                 mask=mask)
+def _norm_row(y_ptr, stride_ym, g_ptr, n_ptr, stride_nm, row, N, eps, NB: tl.constexpr):
+    """RMSNorm of row ``row`` of y [M, N] into n, the whole row in one [NB] block (NB >= N: one load, one
+    sum whose order is the block's, whoever runs it), n = y * rsqrt(mean + eps) * g in fp32, one rounding
+    (``TritonOps.rms_norm``'s formula). The load bypasses L1 (".cg"): other programs wrote y."""
+    cols = tl.arange(0, NB)
+    ok = cols < N
+    v = tl.load(y_ptr + row * stride_ym + cols, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    scale = tl.rsqrt(tl.sum(v * v, axis=0) / N + eps)
+    g = tl.load(g_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(n_ptr + row * stride_nm + cols, (v * scale * g).to(n_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _norm_tail(rcnt_ptr, o_ptr, stride_om, g_ptr, n_ptr, stride_nm, rows, M, N, eps, TILES: tl.constexpr, TM: tl.constexpr,
-               NB: tl.constexpr):
-    """The row block's last program to store its features (a counter per block of TILES x TM rows; the order
-    of ``_fixup``) norms the block's rows, then resets the counter."""
+def _norm_tail(rcnt_ptr, o_ptr, stride_om, g_ptr, n_ptr, stride_nm, first, M, N, eps, ROWS: tl.constexpr, NB: tl.constexpr):
+    """The row block's last program to store its features (a counter per block of ROWS rows from ``first``;
+    the order of ``_fixup``) norms the block's rows, one after another, then resets the counter."""
     tl.debug_barrier()
     block = tl.program_id(0)
     arrived = tl.atomic_add(rcnt_ptr + block, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(1) - 1:
-        for t in tl.static_range(TILES):
-            _norm_tile(o_ptr, stride_om, g_ptr, n_ptr, stride_nm, rows + t * TM, M, N, eps, TM, NB)
+        for row in range(first, tl.minimum(first + ROWS, M)):
+            _norm_row(o_ptr, stride_om, g_ptr, n_ptr, stride_nm, row, N, eps, NB)
         tl.atomic_xchg(rcnt_ptr + block, 0)  # ready for the next launch (stream order)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _norm_kernel(y_ptr, stride_ym, g_ptr, n_ptr, stride_nm, M, N, eps, TM: tl.constexpr, NB: tl.constexpr):
-    """Program (16 rows): ``_norm_tile``, the linear's tail as a launch of its own (the same code, warps and
-    tiles: the same bits)."""
-    _norm_tile(y_ptr, stride_ym, g_ptr, n_ptr, stride_nm, tl.program_id(0) * TM + tl.arange(0, TM), M, N, eps, TM, NB)
+def _norm_kernel(y_ptr, stride_ym, g_ptr, n_ptr, stride_nm, M, N, eps, NB: tl.constexpr):
+    """Program (one row): ``_norm_row``, the linear's tail as a launch of its own (the same code and warps: the
+    same bits)."""
+    _norm_row(y_ptr, stride_ym, g_ptr, n_ptr, stride_nm, tl.program_id(0), N, eps, NB)
 
 
 @triton.jit(do_not_specialize=["M", "row0", "WR"])  # row counts: one compiled kernel whatever M is
@@ -215,6 +205,7 @@ def _linear_kernel(
     last program to store (``_norm_tail``) writes the output's rows through RMSNorm(g) into n as well."""
     local = tl.program_id(0) * (TILES * TM) + tl.arange(0, TM)
     rows = row0 + local
+    first = row0 + tl.program_id(0) * (TILES * TM)  # the program's first row (its block: TILES x TM rows)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     s = tl.program_id(2)
     rk = tl.arange(0, BK)
@@ -253,7 +244,7 @@ def _linear_kernel(
             _tile_epilogue(acc3, up3, rows + 3 * TM, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
                            t_ptr, stride_tm, GATED, BIAS, RESIDUAL, TAP)
         if NORM:
-            _norm_tail(rcnt_ptr, o_ptr, stride_om, g_ptr, n_ptr, stride_nm, rows, M, N, eps, TILES, TM, NB)
+            _norm_tail(rcnt_ptr, o_ptr, stride_om, g_ptr, n_ptr, stride_nm, first, M, N, eps, TILES * TM, NB)
     else:
         _tile_partial(acc0, up0, local, rn, n_ok, rows < M, ws_ptr, WR, N, s, GATED)
         if TILES > 1:
@@ -263,13 +254,13 @@ def _linear_kernel(
             _tile_partial(acc3, up3, local + 3 * TM, rn, n_ok, rows + 3 * TM < M, ws_ptr, WR, N, s, GATED)
         if FIXUP:
             _fixup(ws_ptr, WR, cnt_ptr, local, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
-                   t_ptr, stride_tm, g_ptr, n_ptr, stride_nm, rcnt_ptr, eps, GATED, BIAS, RESIDUAL, TAP, SPLITS, TILES, TM, BN,
-                   NORM, NB)
+                   t_ptr, stride_tm, g_ptr, n_ptr, stride_nm, rcnt_ptr, eps, first, GATED, BIAS, RESIDUAL, TAP, SPLITS, TILES, TM,
+                   BN, NORM, NB)
 
 
 @triton.jit
 def _fixup(ws_ptr, WR, cnt_ptr, local, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm,
-           g_ptr, n_ptr, stride_nm, rcnt_ptr, eps, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
+           g_ptr, n_ptr, stride_nm, rcnt_ptr, eps, first, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
            TAP: tl.constexpr, SPLITS: tl.constexpr, TILES: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, NORM: tl.constexpr,
            NB: tl.constexpr):
     """The tile's last split to arrive adds every split's sums (and, NORM, counts toward ``_norm_tail``). The
@@ -292,7 +283,7 @@ def _fixup(ws_ptr, WR, cnt_ptr, local, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr
                       stride_om, t_ptr, stride_tm, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
         tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch (stream order)
         if NORM:
-            _norm_tail(rcnt_ptr, o_ptr, stride_om, g_ptr, n_ptr, stride_nm, rows, M, N, eps, TILES, TM, NB)
+            _norm_tail(rcnt_ptr, o_ptr, stride_om, g_ptr, n_ptr, stride_nm, first, M, N, eps, TILES * TM, NB)
 
 
 @triton.jit(do_not_specialize=["M", "row0", "WR"])
@@ -459,13 +450,15 @@ class ExactOps(TritonOps):
         row-local RMSNorm pass first."""
         return self._linear(x, weight, bias, norm, eps, gated, residual, out, out_dtype, tap)
 
-    def linear_then_norm(self, x, weight, then, then_eps, **options) -> tuple[torch.Tensor, torch.Tensor]:
+    def linear_then_norm(self, x, weight, then, then_eps, **options) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``linear(x, weight, **options)`` -> (y, RMSNorm(then) of y's rows): what the next layer's product reads
-        (``fused.FastLayers``), made without a launch of its own where the rows fit one program's pass
-        (``plan.exact_norm_in_tail``; not after a split-K sum in a second launch), else by one launch of the same
-        code at the same warps: the same bits either way, for every M."""
-        normed = torch.empty((x.shape[0], weight.shape[0] // 2 if options.get("gated") else weight.shape[0]), dtype=weight.dtype,
-                             device=x.device)
+        (``fused.FastLayers``), made without a launch of its own for a few rows (``plan.exact_norm_in_tail``; not
+        after a split-K sum in a second launch), else by one launch of the same code at the same warps: the same
+        bits either way, for every M. Rows wider than ``plan.EXACT_NORM_FEATURES``: (y, None), the reader norms."""
+        N = weight.shape[0] // 2 if options.get("gated") else weight.shape[0]
+        if exact_norm_block(N) is None:
+            return self.linear(x, weight, **options), None
+        normed = torch.empty((x.shape[0], N), dtype=weight.dtype, device=x.device)
         y = self._linear(x, weight, options.get("bias"), options.get("norm"), options.get("eps", 0.0), options.get("gated", False),
                          options.get("residual"), options.get("out"), options.get("out_dtype"), options.get("tap"), (then, then_eps, normed))
         return y, normed
@@ -498,7 +491,8 @@ class ExactOps(TritonOps):
         flags = dict(GATED=gated, BIAS=bias is not None, RESIDUAL=residual is not None, TAP=tap is not None, SPLITS=splits)
         fixup = splits > 1 and plan.fixup
         g, then_eps, normed = then if then is not None else (weight, 0.0, out)
-        tail = then is not None and (splits == 1 or fixup) and exact_norm_in_tail(min(step, M), tiles, N, out.element_size())
+        tail = then is not None and (splits == 1 or fixup) and exact_norm_in_tail(M)
+        block = exact_norm_block(N) or 1
         row_counters = self.buffer("row_counters", x.device, triton.cdiv(step, tiles * EXACT_TILE_M), torch.int32) if tail else counters
         norm_args = (g, normed, normed.stride(0), row_counters, then_eps)
         for row0 in range(0, M, step):
@@ -506,16 +500,14 @@ class ExactOps(TritonOps):
             _linear_kernel[(triton.cdiv(rows, tiles * EXACT_TILE_M), blocks, splits)](
                 x, x.stride(0), weight, weight.stride(0), *tensors[1:], workspace, step, counters, row0, row0 + rows, N, K, width,
                 *norm_args, **flags, FIXUP=fixup, TILES=tiles, TM=EXACT_TILE_M, BN=block_n, BK=plan.block_k, NORM=tail,
-                NB=EXACT_NORM_BLOCK, INTERP=INTERPRETED, num_warps=plan.warps, num_stages=stages,
+                NB=block, INTERP=INTERPRETED, num_warps=plan.warps, num_stages=stages,
             )
             if splits > 1 and not fixup:
                 _split_sum_kernel[(triton.cdiv(rows, EXACT_TILE_M), triton.cdiv(N, EXACT_SUM_BLOCK_N))](
                     workspace, step, row0, row0 + rows, N, *tensors, **flags, TM=EXACT_TILE_M, BN=EXACT_SUM_BLOCK_N, num_warps=4,
                 )
         if then is not None and not tail:  # the tail's code as a launch of its own, at the linear's warps
-            _norm_kernel[(triton.cdiv(M, EXACT_TILE_M),)](
-                out, out.stride(0), g, normed, normed.stride(0), M, N, then_eps, TM=EXACT_TILE_M, NB=EXACT_NORM_BLOCK, num_warps=plan.warps,
-            )
+            _norm_kernel[(M,)](out, out.stride(0), g, normed, normed.stride(0), M, N, then_eps, NB=block, num_warps=plan.warps)
         return out
 
     def linear_plan(self, N: int, K: int, gated: bool, element_bytes: int, device: torch.device) -> ExactLinearPlan:

@@ -37,6 +37,7 @@ from dflash_trt.runtime.kernels.plan import (
     exact_linear_launch,
     exact_linear_plan,
     exact_linear_rule,
+    exact_norm_block,
     exact_row_tiles,
     exact_split_k,
     exact_split_range,
@@ -310,18 +311,19 @@ def test_exact_norm_tail_compiles_to_the_arithmetic_of_its_own_launch():
     args, aligned = _linear_signature()
     norm_args = {"y_ptr": "*bf16", "stride_ym": "i32", "g_ptr": "*bf16", "n_ptr": "*bf16", "stride_nm": "i32", "M": "i32", "N": "i32",
                  "eps": "fp32"}
+    block = exact_norm_block(4096)
     for name in ("o", "down"):
         N, K, gated, _ = WEIGHTS_8B[name]
         plan = exact_linear_plan(N, K, gated, 2)
         try:
             alone = _arithmetic(_ttgir(_norm_kernel, norm_args, {"y_ptr", "g_ptr", "n_ptr", "stride_ym", "stride_nm", "N"},
-                                       dict(TM=16, NB=256), plan.warps, 2))[0]
+                                       dict(NB=block), plan.warps, 2))[0]
         except Exception as error:  # noqa: BLE001 - a Triton without the NVIDIA backend's compiler
             pytest.skip(f"cannot compile for sm90 here: {error!r}"[:200])
         assert alone, "the norm kernel's sums were not found in its IR"
         for tiles, block_n, stages in sorted({exact_linear_launch(plan, M, gated, 2) for M in ROW_COUNTS}):
             constexprs = dict(GATED=False, BIAS=False, RESIDUAL=True, TAP=name == "down", SPLITS=plan.splits, FIXUP=plan.fixup,
-                              TILES=tiles, TM=16, BN=block_n, BK=plan.block_k, NORM=True, NB=256, INTERP=False)
+                              TILES=tiles, TM=16, BN=block_n, BK=plan.block_k, NORM=True, NB=block, INTERP=False)
             tail = _arithmetic(_ttgir(_linear_kernel, args, aligned, constexprs, plan.warps, stages))[0]
             assert set(tail) == set(alone), (name, tiles, block_n, tail, alone)
 
@@ -468,7 +470,7 @@ def test_exact_kernels_are_batch_invariant_on_cuda(check, dtype):
     Qwen3-8B weight shapes, M = 1 .. 300 rows, 1 / 16 queries, 1 / 3 owners, two capacities, bit for bit."""
     import exact_checks
 
-    if check in ("rope_rows", "split_rows"):
+    if check in ("rope_rows", "split_rows", "norm_rows"):
         getattr(exact_checks, f"check_{check}")("cuda", dtype)
     else:
         getattr(exact_checks, f"check_{check}")("cuda", dtype, small=False)
