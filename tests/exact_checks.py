@@ -116,101 +116,6 @@ def check_split_rows(device: str, dtype: torch.dtype) -> None:
                     assert_same_bits(part_tap, full_tap[rows], f"split linear tap {plan}: M={M}")
 
 
-def check_norm_rows(device: str, dtype: torch.dtype) -> None:
-    """``linear_then_norm`` (a layer's o / down product handing the next product its normed rows): for
-    M = 1, 2, 5, 16, 33 of 40 rows, at any place, y and the normed rows are the same bits (a row or two
-    normed by the block's last program, more by a launch of their own); both ways forced for all 40 rows
-    give the same bits; y equals ``linear``'s; the normed rows are RMSNorm(g) of y within rounding. Split
-    and unsplit K, one launch and several (a tiny workspace), a row block of one tile and of four; on a GPU
-    also the 8B o and down shapes."""
-    from dflash_trt.runtime.kernels import exact_ops
-    from dflash_trt.runtime.kernels.exact_ops import ExactOps
-    from dflash_trt.runtime.kernels.plan import ExactLinearPlan
-
-    generator, total = torch.Generator().manual_seed(21), 40
-    cases = [((300, 64), None), ((96, 64), ExactLinearPlan(16, 32, 32, 4, 2, fixup=True, tiles=1)), ((96, 64), ExactLinearPlan(16, 32, 32, 4, 2))]
-    if device != "cpu":
-        cases += [((4096, 4096), None), ((4096, 12288), None)]  # the 8B o and down products (their table tilings)
-    for (N, K), plan in cases:
-        ops = ExactOps(linear_plans={} if plan is None else {(N, K, False): plan}, workspace_bytes=1 if plan else 64 * 1024**2)
-        w, g = _rand(generator, device, dtype, N, K, scale=K**-0.5), _rand(generator, device, dtype, N) + 1
-        x, residual = _rand(generator, device, dtype, total, K), _rand(generator, device, dtype, total, N)
-
-        def run(rows, tail=None):
-            out = residual[rows].clone()
-            with _tail(exact_ops, tail):
-                return ops.linear_then_norm(x[rows], w, g, 1e-6, residual=out, out=out)
-
-        everything = torch.arange(total, device=device)
-        y, normed = run(everything)
-        plain = residual.clone()
-        assert_same_bits(y, ops.linear(x, w, residual=plain, out=plain), f"linear_then_norm {N}x{K} {plan}: y vs linear")
-        assert_near(normed, _rms(y, g), dtype, f"normed {N}x{K} {plan} vs RMSNorm of y")
-        for tail in (True, False):
-            assert_same_bits(run(everything, tail)[1], normed, f"norm {N}x{K} {plan}: forced {'tail' if tail else 'own launch'}")
-        for M in (1, 2, 5, 16, 33):
-            rows = torch.randperm(total, generator=generator)[:M].to(device)
-            part, part_normed = run(rows)
-            assert_same_bits(part, y[rows], f"linear_then_norm y {N}x{K} {plan} {dtype}: M={M} vs M={total}")
-            assert_same_bits(part_normed, normed[rows], f"normed {N}x{K} {plan} {dtype}: M={M} vs M={total}")
-
-
-class _tail:
-    """``plan.exact_norm_in_tail`` as exact_ops sees it, forced to ``tail`` inside (None: the rule)."""
-
-    def __init__(self, module, tail: bool | None) -> None:
-        self.module, self.tail, self.saved = module, tail, module.exact_norm_in_tail
-
-    def __enter__(self) -> None:
-        if self.tail is not None:
-            self.module.exact_norm_in_tail = lambda rows, tail=self.tail: tail
-
-    def __exit__(self, *exc) -> None:
-        self.module.exact_norm_in_tail = self.saved
-
-
-def _rms(y: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """RMSNorm(g) of y's rows in fp32, rounded once (``TritonOps.rms_norm``'s formula)."""
-    yf = y.float()
-    return (yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + 1e-6) * g.float()).to(y.dtype)
-
-
-def check_exact_target(device: str, dtype: torch.dtype) -> None:
-    """A three-layer target's features and logits through ``FastTarget`` with ``ExactOps`` (each layer's
-    products handing the next their normed rows) against the pure-torch twin (each product norming its
-    own input), within rounding: the hand-off reads the right layer's norm, and the last layer's output
-    stays un-normed for the taps and the head."""
-    import tempfile
-    from pathlib import Path
-
-    import tiny_models
-
-    from dflash_trt.export.target import load_target
-    from dflash_trt.runtime.kernels.exact_ops import ExactOps
-    from dflash_trt.runtime.kernels.fused import FastTarget
-
-    with tempfile.TemporaryDirectory() as tmp:
-        target_dir = tiny_models.write_target(Path(tmp) / "target", num_hidden_layers=3)
-        model = load_target(target_dir, tap_layers=(0, 2), dtype=dtype).to(device)
-    with torch.no_grad():
-        for i, layer in enumerate(model.model.layers):  # norms away from 1, each its own: a swapped one shows
-            layer.input_layernorm.weight.copy_(torch.linspace(0.5, 1.5 + i, layer.input_layernorm.weight.numel()))
-            layer.post_attention_layernorm.weight.copy_(torch.linspace(1.8, 0.6 + i, layer.post_attention_layernorm.weight.numel()))
-    tokens = torch.randint(0, tiny_models.VOCAB, (2, 6), generator=torch.Generator().manual_seed(4)).to(device)
-    start = torch.tensor([0, 3], device=device)
-    results = []
-    for ops in (ExactOps(), TorchOps()):
-        keys, values = model.new_cache(2, 16, device=device)
-        with torch.no_grad():
-            fast = FastTarget(model, ops)
-            x, taps = fast.features(tokens, start, keys, values)
-            results.append((x, taps, fast.head(x)))
-    bound = 1e-4 if dtype == torch.float32 else 5e-2  # bf16: three layers' roundings, each apart (a wrong norm: ~1)
-    for name, got, want in zip(("residual", "taps", "logits"), results[0], results[1]):
-        error = ((got.double() - want.double()).norm() / want.double().norm()).item()
-        assert error <= bound, f"exact target {name} vs the twin ({dtype}): relative error {error:.3e} (at most {bound})"
-
-
 def check_linear_reference(device: str, dtype: torch.dtype) -> None:
     """``linear`` against the pure-torch twin (same formula) and the reference layers (RMSNorm, Linear, SwiGLU)."""
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
@@ -335,8 +240,6 @@ def check_all(device: str, small: bool) -> None:
         check_split_rows(device, dtype)
         check_attention_rows(device, dtype, small)
         check_rope_rows(device, dtype)
-        check_norm_rows(device, dtype)
-        check_exact_target(device, dtype)
         check_linear_reference(device, dtype)
         check_attention_reference(device, dtype)
 

@@ -17,12 +17,7 @@ for bit, in bf16 too, so DFlash's output is the target's own plain decoding, tok
                     row-local pass first (``TritonOps.rms_norm``: one program per row, the whole row in one
                     block, nothing chosen from M): inside the K loop, as it was, it kept Triton from
                     pipelining the weight's loads (Qwen3-8B gate|up on an H200: 85.6 µs at M = 1 and
-                    158.9 at M = 64 with it, 49.8 and 55.2 without). Where the rows come from a product
-                    with a residual (o, down), that product hands them over normed (``linear_then_norm``,
-                    each row summed in one block fixed by its width): for a row or two the block's last
-                    program to store norms them (``_norm_tail``, a counter per block, the order of the
-                    split-K fixup), for more a launch of its own runs the same code (``_norm_kernel``), the
-                    same bits either way. How the work is spread may follow M
+                    158.9 at M = 64 with it, 49.8 and 55.2 without). How the work is spread may follow M
                     (``plan.exact_linear_launch``: up to four tiles share each weight load, wider feature
                     blocks for many rows, rows per launch that fit the workspace): each tile's dot walks
                     the same K steps whatever M is, so that choice changes speed only.
@@ -66,8 +61,6 @@ from dflash_trt.runtime.kernels.plan import (
     exact_attention_block_n,
     exact_linear_launch,
     exact_linear_plan,
-    exact_norm_block,
-    exact_norm_in_tail,
     exact_split_count,
     exact_split_k,
     exact_units_per_launch,
@@ -156,56 +149,21 @@ def _tile_sum(ws_ptr, WR, local, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stri
                    GATED, BIAS, RESIDUAL, TAP)
 
 
-@triton.jit
-def _norm_row(y_ptr, stride_ym, g_ptr, n_ptr, stride_nm, row, N, eps, NB: tl.constexpr):
-    """RMSNorm of row ``row`` of y [M, N] into n, the whole row in one [NB] block (NB >= N: one load, one
-    sum whose order is the block's, whoever runs it), n = y * rsqrt(mean + eps) * g in fp32, one rounding
-    (``TritonOps.rms_norm``'s formula). The load bypasses L1 (".cg"): other programs wrote y."""
-    cols = tl.arange(0, NB)
-    ok = cols < N
-    v = tl.load(y_ptr + row * stride_ym + cols, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-    scale = tl.rsqrt(tl.sum(v * v, axis=0) / N + eps)
-    g = tl.load(g_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(n_ptr + row * stride_nm + cols, (v * scale * g).to(n_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _norm_tail(rcnt_ptr, o_ptr, stride_om, g_ptr, n_ptr, stride_nm, first, M, N, eps, ROWS: tl.constexpr, NB: tl.constexpr):
-    """The row block's last program to store its features (a counter per block of ROWS rows from ``first``;
-    the order of ``_fixup``) norms the block's rows, one after another, then resets the counter."""
-    tl.debug_barrier()
-    block = tl.program_id(0)
-    arrived = tl.atomic_add(rcnt_ptr + block, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(1) - 1:
-        for row in range(first, tl.minimum(first + ROWS, M)):
-            _norm_row(o_ptr, stride_om, g_ptr, n_ptr, stride_nm, row, N, eps, NB)
-        tl.atomic_xchg(rcnt_ptr + block, 0)  # ready for the next launch (stream order)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _norm_kernel(y_ptr, stride_ym, g_ptr, n_ptr, stride_nm, M, N, eps, NB: tl.constexpr):
-    """Program (one row): ``_norm_row``, the linear's tail as a launch of its own (the same code and warps: the
-    same bits)."""
-    _norm_row(y_ptr, stride_ym, g_ptr, n_ptr, stride_nm, tl.program_id(0), N, eps, NB)
-
-
 @triton.jit(do_not_specialize=["M", "row0", "WR"])  # row counts: one compiled kernel whatever M is
 def _linear_kernel(
     x_ptr, stride_xm, w_ptr, stride_wn, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm, ws_ptr, WR,
-    cnt_ptr, row0, M, N, K, KS, g_ptr, n_ptr, stride_nm, rcnt_ptr, eps,
+    cnt_ptr, row0, M, N, K, KS,
     GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
     SPLITS: tl.constexpr, FIXUP: tl.constexpr, TILES: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    NORM: tl.constexpr, NB: tl.constexpr, INTERP: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
     """Program (TILES x TM rows from row0, BN features, K split s = [s KS, s KS + KS)); the row blocks of one
     feature block are neighbours (L2). SPLITS == 1: the epilogues here; else the split's sums go to the
     workspace (rows local to row0), then either ``_split_sum_kernel`` adds them (a second launch) or, FIXUP,
     the tile's last split to arrive (a counter per tile) adds them in the same order 0..SPLITS-1 and resets
-    the counter: which program adds never changes what is added, or in which order. NORM: the row block's
-    last program to store (``_norm_tail``) writes the output's rows through RMSNorm(g) into n as well."""
+    the counter: which program adds never changes what is added, or in which order."""
     local = tl.program_id(0) * (TILES * TM) + tl.arange(0, TM)
     rows = row0 + local
-    first = row0 + tl.program_id(0) * (TILES * TM)  # the program's first row (its block: TILES x TM rows)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     s = tl.program_id(2)
     rk = tl.arange(0, BK)
@@ -243,8 +201,6 @@ def _linear_kernel(
                            t_ptr, stride_tm, GATED, BIAS, RESIDUAL, TAP)
             _tile_epilogue(acc3, up3, rows + 3 * TM, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
                            t_ptr, stride_tm, GATED, BIAS, RESIDUAL, TAP)
-        if NORM:
-            _norm_tail(rcnt_ptr, o_ptr, stride_om, g_ptr, n_ptr, stride_nm, first, M, N, eps, TILES * TM, NB)
     else:
         _tile_partial(acc0, up0, local, rn, n_ok, rows < M, ws_ptr, WR, N, s, GATED)
         if TILES > 1:
@@ -254,19 +210,16 @@ def _linear_kernel(
             _tile_partial(acc3, up3, local + 3 * TM, rn, n_ok, rows + 3 * TM < M, ws_ptr, WR, N, s, GATED)
         if FIXUP:
             _fixup(ws_ptr, WR, cnt_ptr, local, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
-                   t_ptr, stride_tm, g_ptr, n_ptr, stride_nm, rcnt_ptr, eps, first, GATED, BIAS, RESIDUAL, TAP, SPLITS, TILES, TM,
-                   BN, NORM, NB)
+                   t_ptr, stride_tm, GATED, BIAS, RESIDUAL, TAP, SPLITS, TILES, TM, BN)
 
 
 @triton.jit
 def _fixup(ws_ptr, WR, cnt_ptr, local, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm,
-           g_ptr, n_ptr, stride_nm, rcnt_ptr, eps, first, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
-           TAP: tl.constexpr, SPLITS: tl.constexpr, TILES: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, NORM: tl.constexpr,
-           NB: tl.constexpr):
-    """The tile's last split to arrive adds every split's sums (and, NORM, counts toward ``_norm_tail``). The
-    order of CUTLASS's split-K semaphore: the program's stores, a barrier, then one release (acq_rel) count; the
-    last arrival's acquire makes the other splits' stores visible to its threads (after the barrier that shares
-    the count)."""
+           GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr, SPLITS: tl.constexpr,
+           TILES: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr):
+    """The tile's last split to arrive adds every split's sums. The order of CUTLASS's split-K semaphore: the
+    program's stores, a barrier, then one release (acq_rel) count; the last arrival's acquire makes the other
+    splits' stores visible to its threads (after the barrier that shares the count)."""
     tl.debug_barrier()
     tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
@@ -282,8 +235,6 @@ def _fixup(ws_ptr, WR, cnt_ptr, local, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr
             _tile_sum(ws_ptr, WR, local + 3 * TM, rows + 3 * TM, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
                       stride_om, t_ptr, stride_tm, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
         tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch (stream order)
-        if NORM:
-            _norm_tail(rcnt_ptr, o_ptr, stride_om, g_ptr, n_ptr, stride_nm, first, M, N, eps, TILES * TM, NB)
 
 
 @triton.jit(do_not_specialize=["M", "row0", "WR"])
@@ -448,23 +399,6 @@ class ExactOps(TritonOps):
         """``TritonOps.linear``'s contract (y [M, N] = epilogue(prologue(x) @ weight.T)), one kernel for every M
         (two with split-K: the splits' sums, then their ordered sum and the epilogues); with ``norm``, the
         row-local RMSNorm pass first."""
-        return self._linear(x, weight, bias, norm, eps, gated, residual, out, out_dtype, tap)
-
-    def linear_then_norm(self, x, weight, then, then_eps, **options) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``linear(x, weight, **options)`` -> (y, RMSNorm(then) of y's rows): what the next layer's product reads
-        (``fused.FastLayers``), made without a launch of its own for a few rows (``plan.exact_norm_in_tail``; not
-        after a split-K sum in a second launch), else by one launch of the same code at the same warps: the same
-        bits either way, for every M. Rows wider than ``plan.EXACT_NORM_FEATURES``: (y, None), the reader norms."""
-        N = weight.shape[0] // 2 if options.get("gated") else weight.shape[0]
-        if exact_norm_block(N) is None:
-            return self.linear(x, weight, **options), None
-        normed = torch.empty((x.shape[0], N), dtype=weight.dtype, device=x.device)
-        y = self._linear(x, weight, options.get("bias"), options.get("norm"), options.get("eps", 0.0), options.get("gated", False),
-                         options.get("residual"), options.get("out"), options.get("out_dtype"), options.get("tap"), (then, then_eps, normed))
-        return y, normed
-
-    def _linear(self, x, weight, bias, norm, eps, gated, residual, out, out_dtype, tap, then=None):
-        """``linear``; ``then``: (g, eps, normed [M, N]) -> normed = RMSNorm(g) of the output's rows as well."""
         M, K = x.shape
         N = weight.shape[0] // 2 if gated else weight.shape[0]
         if x.stride(1) != 1 or x.stride(0) != K or x.data_ptr() % 16:
@@ -490,24 +424,17 @@ class ExactOps(TritonOps):
         tensors = (weight, bias if bias is not None else weight, residual_t, residual_t.stride(0), out, out.stride(0), tap_t, tap_t.stride(0))
         flags = dict(GATED=gated, BIAS=bias is not None, RESIDUAL=residual is not None, TAP=tap is not None, SPLITS=splits)
         fixup = splits > 1 and plan.fixup
-        g, then_eps, normed = then if then is not None else (weight, 0.0, out)
-        tail = then is not None and (splits == 1 or fixup) and exact_norm_in_tail(M)
-        block = exact_norm_block(N) or 1
-        row_counters = self.buffer("row_counters", x.device, triton.cdiv(step, tiles * EXACT_TILE_M), torch.int32) if tail else counters
-        norm_args = (g, normed, normed.stride(0), row_counters, then_eps)
         for row0 in range(0, M, step):
             rows = min(step, M - row0)
             _linear_kernel[(triton.cdiv(rows, tiles * EXACT_TILE_M), blocks, splits)](
                 x, x.stride(0), weight, weight.stride(0), *tensors[1:], workspace, step, counters, row0, row0 + rows, N, K, width,
-                *norm_args, **flags, FIXUP=fixup, TILES=tiles, TM=EXACT_TILE_M, BN=block_n, BK=plan.block_k, NORM=tail,
-                NB=block, INTERP=INTERPRETED, num_warps=plan.warps, num_stages=stages,
+                **flags, FIXUP=fixup, TILES=tiles, TM=EXACT_TILE_M, BN=block_n, BK=plan.block_k, INTERP=INTERPRETED,
+                num_warps=plan.warps, num_stages=stages,
             )
             if splits > 1 and not fixup:
                 _split_sum_kernel[(triton.cdiv(rows, EXACT_TILE_M), triton.cdiv(N, EXACT_SUM_BLOCK_N))](
                     workspace, step, row0, row0 + rows, N, *tensors, **flags, TM=EXACT_TILE_M, BN=EXACT_SUM_BLOCK_N, num_warps=4,
                 )
-        if then is not None and not tail:  # the tail's code as a launch of its own, at the linear's warps
-            _norm_kernel[(M,)](out, out.stride(0), g, normed, normed.stride(0), M, N, then_eps, NB=block, num_warps=plan.warps)
         return out
 
     def linear_plan(self, N: int, K: int, gated: bool, element_bytes: int, device: torch.device) -> ExactLinearPlan:

@@ -6,9 +6,7 @@ the original parameters at row slices of the fused tensors: the checkpoints
 are unchanged, no byte is held twice, and the reference modules keep working
 on the same model. RMSNorm weights are not folded into the projections: the
 GEMM prologue multiplies by them (the draft reads its K|V projection with
-another norm than its layers' input norm), or, where the ops can
-(``ExactOps.linear_then_norm``), the product that writes a residual hands
-the next one its rows already normed (no launch for the norm).
+another norm than its layers' input norm).
 
 ``FastTarget`` / ``FastDraft`` are the target's and the draft's forward
 passes written against an ops object (``TritonOps`` on CUDA, ``TorchOps``
@@ -121,23 +119,6 @@ def fuse_layer(layer: DecoderLayer) -> FusedLayer:
     )
 
 
-def linear_then_norm(ops, x, weight, norm, eps, **options) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(``ops.linear(x, weight, **options)``, its rows through RMSNorm(norm)) where the ops make both in one
-    launch (``ExactOps.linear_then_norm``: no launch for the norm), else (y, None): the reader norms y in its
-    product's prologue (``normed_linear``)."""
-    hand_off = getattr(ops, "linear_then_norm", None)
-    if hand_off is None or norm is None:
-        return ops.linear(x, weight, **options), None
-    return hand_off(x, weight, norm, eps, **options)
-
-
-def normed_linear(ops, x, normed, weight, norm, eps, **options) -> torch.Tensor:
-    """``ops.linear`` of RMSNorm(norm)(x): over ``normed`` where the writer of x made it, else normed here."""
-    if normed is not None:
-        return ops.linear(normed, weight, **options)
-    return ops.linear(x, weight, norm=norm, eps=eps, **options)
-
-
 def supported(target: TargetModel, draft: DraftModel) -> str | None:
     """Why the fast kernels cannot run this pair (None: they can)."""
     for name, config in (("target", target.config), ("draft", draft.config)):
@@ -155,26 +136,22 @@ class FastLayers:
         self.inv_freq = inv_freq.float()
         self.ops = ops
 
-    def layer(self, index: int, x, start, tokens, positions, kv_len, k_cache, v_cache, tap=None, rows=None, lengths=None,
-              normed=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x [n*T, H] (updated in place) at positions [n, T]; writes K/V at slots start..; returns x and, where
-        the ops make it (``linear_then_norm``), x through the next layer's input norm (else None).
+    def layer(self, index: int, x, start, tokens, positions, kv_len, k_cache, v_cache, tap=None, rows=None, lengths=None) -> torch.Tensor:
+        """x [n*T, H] (updated in place) at positions [n, T]; writes K/V at slots start..; returns x.
 
         ``rows`` None: the caches are the owners' rows; else [n] rows of whole pools (a device input).
-        ``lengths`` [n]: owner i writes K/V of its first lengths[i] rows only (a padded ragged batch).
-        ``normed``: x through this layer's input norm, as the previous layer returned it (or None)."""
+        ``lengths`` [n]: owner i writes K/V of its first lengths[i] rows only (a padded ragged batch)."""
         L, ops = self.layers[index], self.ops
         n = x.shape[0] // tokens
-        qkv = normed_linear(ops, x, normed, L.qkv, L.input_norm, L.eps, bias=L.qkv_bias)
+        qkv = ops.linear(x, L.qkv, bias=L.qkv_bias, norm=L.input_norm, eps=L.eps)
         q = ops.qk_rope_write(
             qkv, start, tokens, L.heads, L.kv_heads, L.head_dim, L.q_norm, L.k_norm, L.eps, self.inv_freq, k_cache, v_cache, rows, lengths
         )  # [n, T, Hq, D]
         attended = ops.attention(q.transpose(1, 2), k_cache, v_cache, rows, positions, kv_len, L.causal, L.window)
         attended = attended.transpose(1, 2).reshape(n * tokens, L.heads * L.head_dim)
-        x, post = linear_then_norm(ops, attended, L.o, L.post_norm, L.eps, bias=L.o_bias, residual=x, out=x)
-        h = normed_linear(ops, x, post, L.gate_up, L.post_norm, L.eps, bias=L.gate_up_bias, gated=True)
-        following = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else None
-        return linear_then_norm(ops, h, L.down, following, L.eps, bias=L.down_bias, residual=x, out=x, tap=tap)
+        x = ops.linear(attended, L.o, bias=L.o_bias, residual=x, out=x)
+        h = ops.linear(x, L.gate_up, bias=L.gate_up_bias, norm=L.post_norm, eps=L.eps, gated=True)
+        return ops.linear(h, L.down, bias=L.down_bias, residual=x, out=x, tap=tap)
 
 
 def _positions(start: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,11 +184,10 @@ class FastTarget:
         x = F.embedding(tokens.reshape(n * T), self.embedding)  # [n*T, H], a fresh tensor updated in place
         taps = x.new_empty(n * T, len(self.taps) * self.hidden)
         last = len(self.stack.layers) - 1
-        normed = None
         for index in range(len(self.stack.layers)):
             slot = self.taps.get(index)
             tap = None if slot is None or index == last else self._tap(taps, slot)
-            x, normed = self.stack.layer(index, x, start, T, positions, kv_len, keys[index], values[index], tap, rows, lengths, normed)
+            x = self.stack.layer(index, x, start, T, positions, kv_len, keys[index], values[index], tap, rows, lengths)
         if last in self.taps:  # the last layer's tap as the reference model defines it (final-normed, with tap_of)
             self._tap(taps, self.taps[last]).copy_(self.tap_of(last, x) if self.tap_of is not None else x)
         return x, taps.view(n, T, -1)
@@ -255,9 +231,8 @@ class FastDraft:
         if config.embedding_scale != 1.0:
             x = x * config.embedding_scale
         positions, kv_len = _positions(start, B)
-        normed = None
         for index in range(len(self.stack.layers)):
-            x, normed = self.stack.layer(index, x, start, B, positions, kv_len, keys[index], values[index], rows=rows, normed=normed)
+            x = self.stack.layer(index, x, start, B, positions, kv_len, keys[index], values[index], rows=rows)
         rows = x.view(n, B, -1)[:, 1 : proposals + 1].reshape(n * proposals, -1)
         logits = self.ops.linear(rows, self.target.lm_head, norm=self.norm, eps=self.eps)  # model dtype
         return logits.view(n, proposals, -1).argmax(dim=-1)

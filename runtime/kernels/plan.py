@@ -115,11 +115,6 @@ EXACT_PARTIAL_BYTES = 256 * 1024**2  # fp32 split partials of one exact attentio
 EXACT_STAGE_BYTES = 160 * 1024  # shared memory the pipelined K steps of one exact linear program may hold
 EXACT_WORKSPACE_BYTES = 64 * 1024**2  # fp32 split-K partials of one exact linear launch, at most
 EXACT_PROCESSORS = 132  # streaming multiprocessors the default tilings are written for (an H100 / H200 SXM)
-EXACT_NORM_FEATURES = 16384  # widest row the exact norm hand-off takes in one block (wider: the reader norms)
-# A linear's output rows normed by its own last program per row block (no launch of their own) while the
-# launch has at most this many rows: that program norms them one after another (~1 µs each on an H200),
-# where a launch of their own runs one program per row for ~3 µs.
-EXACT_TAIL_ROWS = 2
 
 
 @dataclass(frozen=True)
@@ -221,19 +216,6 @@ def exact_linear_launch(plan: ExactLinearPlan, rows: int, gated: bool, element_b
         return tiles, block_n, plan.stages
     stage = ((2 if gated else 1) * block_n + tiles * EXACT_TILE_M) * plan.block_k * element_bytes
     return tiles, block_n, max(2, min(4, EXACT_STAGE_BYTES // stage))
-
-
-def exact_norm_block(out_features: int) -> int | None:
-    """The one block a normed row of the exact hand-off is summed in (a function of the width only), or None
-    past ``EXACT_NORM_FEATURES`` (no hand-off: the reader norms its input)."""
-    block = next_power_of_two(out_features)
-    return block if block <= EXACT_NORM_FEATURES else None
-
-
-def exact_norm_in_tail(rows: int) -> bool:
-    """Whether a linear launch of ``rows`` rows norms its output in its last program per row block (else a
-    launch of its own, one program per row, runs the same code): spread only, never the bits."""
-    return rows <= EXACT_TAIL_ROWS
 
 
 def exact_row_tiles(rows: int, most: int = 4) -> int:
