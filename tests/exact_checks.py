@@ -116,6 +116,42 @@ def check_split_rows(device: str, dtype: torch.dtype) -> None:
                     assert_same_bits(part_tap, full_tap[rows], f"split linear tap {plan}: M={M}")
 
 
+def check_exact_target(device: str, dtype: torch.dtype) -> None:
+    """A three-layer target's features, taps and logits through ``FastTarget`` with ``ExactOps`` against the
+    pure-torch twin, within rounding (every layer's norms its own, away from 1): the exact kernels wired into
+    the forward read each layer's own norm weights and leave the last layer's output un-normed for the taps
+    and the head."""
+    import tempfile
+    from pathlib import Path
+
+    import tiny_models
+
+    from dflash_trt.export.target import load_target
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+    from dflash_trt.runtime.kernels.fused import FastTarget
+
+    with tempfile.TemporaryDirectory() as tmp:
+        target_dir = tiny_models.write_target(Path(tmp) / "target", num_hidden_layers=3)
+        model = load_target(target_dir, tap_layers=(0, 2), dtype=dtype).to(device)
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):  # norms away from 1, each its own: a swapped one shows
+            layer.input_layernorm.weight.copy_(torch.linspace(0.5, 1.5 + i, layer.input_layernorm.weight.numel()))
+            layer.post_attention_layernorm.weight.copy_(torch.linspace(1.8, 0.6 + i, layer.post_attention_layernorm.weight.numel()))
+    tokens = torch.randint(0, tiny_models.VOCAB, (2, 6), generator=torch.Generator().manual_seed(4)).to(device)
+    start = torch.tensor([0, 3], device=device)
+    results = []
+    for ops in (ExactOps(), TorchOps()):
+        keys, values = model.new_cache(2, 16, device=device)
+        with torch.no_grad():
+            fast = FastTarget(model, ops)
+            x, taps = fast.features(tokens, start, keys, values)
+            results.append((x, taps, fast.head(x)))
+    bound = 1e-4 if dtype == torch.float32 else 5e-2  # bf16: three layers' roundings, each apart (a wrong norm: ~1)
+    for name, got, want in zip(("residual", "taps", "logits"), results[0], results[1]):
+        error = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        assert error <= bound, f"exact target {name} vs the twin ({dtype}): relative error {error:.3e} (at most {bound})"
+
+
 def check_linear_reference(device: str, dtype: torch.dtype) -> None:
     """``linear`` against the pure-torch twin (same formula) and the reference layers (RMSNorm, Linear, SwiGLU)."""
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
@@ -240,6 +276,7 @@ def check_all(device: str, small: bool) -> None:
         check_split_rows(device, dtype)
         check_attention_rows(device, dtype, small)
         check_rope_rows(device, dtype)
+        check_exact_target(device, dtype)
         check_linear_reference(device, dtype)
         check_attention_reference(device, dtype)
 

@@ -333,7 +333,7 @@ def test_split_sum_and_attention_kernels_compile_for_sm90():
 
 # ------------------------------------------------------------------ the kernels, interpreted (CPU)
 
-CHECKS = ("linear_rows", "split_rows", "attention_rows", "rope_rows", "linear_reference", "attention_reference")
+CHECKS = ("linear_rows", "split_rows", "attention_rows", "rope_rows", "linear_reference", "attention_reference", "exact_target")
 INTERPRETED = """
 import json, sys, traceback
 sys.path.insert(0, {tests!r})
@@ -386,6 +386,12 @@ def test_exact_split_k_rows_do_not_depend_on_the_batch(interpreted):
     split sums compute something else than the
     product: M = 1 / 16 / 64 of 70 rows across 64-row launches, three tilings, every epilogue, against fp32."""
     _passed(interpreted, "split_rows")
+
+
+def test_the_exact_target_computes_the_twins_forward(interpreted):
+    """Bug: the exact kernels wired into the target's forward read another layer's norm weights (or none), or
+    hand the taps and the head a normed last-layer output: features, taps or logits leave the twin's."""
+    _passed(interpreted, "exact_target")
 
 
 def test_exact_attention_does_not_depend_on_queries_owners_or_capacity(interpreted):
