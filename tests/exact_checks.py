@@ -117,10 +117,10 @@ def check_split_rows(device: str, dtype: torch.dtype) -> None:
 
 
 def check_exact_target(device: str, dtype: torch.dtype) -> None:
-    """A three-layer target's features, taps and logits through ``FastTarget`` with ``ExactOps`` against the
-    pure-torch twin, within rounding (every layer's norms its own, away from 1): the exact kernels wired into
-    the forward read each layer's own norm weights and leave the last layer's output un-normed for the taps
-    and the head."""
+    """A three-layer target's features, taps and logits through ``FastTarget`` with ``ExactOps`` against the same
+    forward on the pure-torch twin, within rounding (each layer's norm weights its own, away from 1): the exact
+    kernels compose into the twin's forward — norms, q/k-norm + RoPE writing the caches the exact attention reads
+    at their strides, residual and tap epilogues, the final norm and fp32 head."""
     import tempfile
     from pathlib import Path
 

@@ -389,8 +389,9 @@ def test_exact_split_k_rows_do_not_depend_on_the_batch(interpreted):
 
 
 def test_the_exact_target_computes_the_twins_forward(interpreted):
-    """Bug: the exact kernels wired into the target's forward read another layer's norm weights (or none), or
-    hand the taps and the head a normed last-layer output: features, taps or logits leave the twin's."""
+    """Bug: the exact kernels, each right alone, do not compose into the target's forward (the attention reading
+    the caches the rope kernel wrote at other strides, a norm or tap epilogue in the wrong place, the head's
+    final norm): features, taps or logits leave the twin's (tested op by op only, such a bug shows first on a GPU)."""
     _passed(interpreted, "exact_target")
 
 
