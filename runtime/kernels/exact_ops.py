@@ -17,7 +17,9 @@ for bit, in bf16 too, so DFlash's output is the target's own plain decoding, tok
                     row-local pass first (``TritonOps.rms_norm``: one program per row, the whole row in one
                     block, nothing chosen from M): inside the K loop, as it was, it kept Triton from
                     pipelining the weight's loads (Qwen3-8B gate|up on an H200: 85.6 µs at M = 1 and
-                    158.9 at M = 64 with it, 49.8 and 55.2 without). How the work is spread may follow M
+                    158.9 at M = 64 with it, 49.8 and 55.2 without); made instead by the previous
+                    product's last program per row block it saved nothing (8B step 4.913 vs 4.918 ms:
+                    benchmarks/RESULTS.md, "a norm hand-off tried and reverted"). How the work is spread may follow M
                     (``plan.exact_linear_launch``: up to four tiles share each weight load, wider feature
                     blocks for many rows, rows per launch that fit the workspace): each tile's dot walks
                     the same K steps whatever M is, so that choice changes speed only.
