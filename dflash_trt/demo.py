@@ -37,7 +37,7 @@ from dflash_trt.runtime import command
 from dflash_trt.runtime.command import check_runnable_export
 from dflash_trt.runtime.executor import Executor
 
-DEMO_MAX_OWNERS = 2  # fewer static graphs: a faster first export, and 4 prompts still pack
+DEMO_MAX_OWNERS = 2  # fewer static graphs: a faster first export, and its 4 sessions still pack
 DEMO_MAX_SESSIONS = 4
 DEMO_MAX_CHUNK = 256
 DEMO_PROMPTS, DEMO_NEW_TOKENS = 8, 128  # dflash-trt bench's workload: the main job shows what the benchmark measures
