@@ -37,8 +37,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
-import platform
 import shlex
 import signal
 import socket
@@ -52,6 +50,7 @@ from pathlib import Path
 import numpy as np
 
 import record  # benchmarks/record.py: results.jsonl
+import serve_load  # machine(): the benchmarks' one name for the machine a server runs on
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "dflash-trt-default-pair"
@@ -384,14 +383,8 @@ def commit() -> str:
 
 
 def machine() -> str:
-    """The CPUs and, where ``nvidia-smi`` lists one, the first GPU (a server on CUDA runs there)."""
-    cpus = f"{platform.machine()} {os.cpu_count()} CPUs, {platform.processor() or platform.platform()}"
-    try:
-        gpus = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return cpus
-    names = gpus.stdout.strip().splitlines() if gpus.returncode == 0 else []
-    return f"{names[0]}, {cpus}" if names else cpus
+    """``serve_load.machine``: the GPU where torch sees one (a server on CUDA runs there), the CPUs."""
+    return serve_load.machine()
 
 
 def main() -> int:
