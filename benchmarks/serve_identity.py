@@ -112,10 +112,7 @@ def main() -> int:
                "command": shlex.join(["python", "benchmarks/serve_identity.py", *sys.argv[1:]]), "prompts": args.prompts,
                "concurrency": args.concurrency, "max_tokens": args.max_tokens, "seconds": round(time.perf_counter() - started, 1),
                "comparisons": rows}
-    if args.record:
-        record.append_rows([summary])
-    print(json.dumps(summary))
-    return 0
+    return record.finish(summary, args.record)
 
 
 if __name__ == "__main__":
