@@ -81,10 +81,10 @@ def compare(left: list[str], right: list[str]) -> dict:
 def comparisons(results: dict[str, dict[str, list[str]]]) -> dict[str, dict]:
     """Batching (each mode alone vs together) and speculation (on vs off, alone and together), per sampling."""
     rows = {}
-    for sampling in sorted({key.split()[0] for key in results["on"]}):
+    for sampling in sorted({key.split()[0] for key in next(iter(results.values()))}):  # every mode ran the same samplings
         for mode in results:
             rows[f"{mode}: alone vs together ({sampling})"] = compare(results[mode][f"{sampling} alone"], results[mode][f"{sampling} together"])
-        if "off" in results:
+        if {"on", "off"} <= results.keys():
             for how in ("alone", "together"):
                 rows[f"on vs off, {how} ({sampling})"] = compare(results["on"][f"{sampling} {how}"], results["off"][f"{sampling} {how}"])
     return rows
