@@ -14,7 +14,8 @@ FFN 12288, vocab 151936; draft 5 layers, block 16), then, for kernels = "fast" a
 - each GEMM of the step alone over the 36 layers' own weights (CUDA graph) at M = 1, 16 and 64;
 - attention per layer at T = 1 / 16, n = 1 / 4; the exact one with its splits folded by a second launch or
   in the attention launch (``combine_in_kernel``), and whether both give the same bits; at tile heights
-  (``block_q``) of 16, 32 and 64;
+  (``block_q``) of 16, 32 and 64; at split windows and inner steps (``SPLITS``; ``--split-slots`` and
+  ``--attention-block-n`` set the exact backend's own);
 - exactness at this shape: the verify rows of owner 0 (n = 1 and n = 4) against the AR step run at the
   same positions on the same cache: how many of the 16 rows have the same logits bits, the same argmax.
 
@@ -48,6 +49,8 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--results", type=Path, default=gg.ROOT / "benchmarks" / "results.jsonl")
     parser.add_argument("--sweep", action="store_true", help="sweep the exact tilings per weight; the best run the timings")
     parser.add_argument("--sweep-seconds", type=float, default=240.0, help="the sweep stops measuring after this long")
+    parser.add_argument("--split-slots", type=int, default=None, help="the exact attention's split window (ExactOps' default without)")
+    parser.add_argument("--attention-block-n", type=int, default=None, help="the exact attention's inner step (ExactOps' default without)")
     return parser.parse_args()
 
 
@@ -92,6 +95,19 @@ def tile_times(backend, reps: int) -> list[dict]:
 
     variants = {f"block_q {b}": ExactOps(block_q=b) for b in (16, 32, 64)}
     return attention_variant_times(backend, reps, "tile", variants, compare=False)
+
+
+SPLITS = ((256, 64), (128, 64), (128, 128), (64, 64))  # (split window, inner step) of the split section
+
+
+def split_times(backend, reps: int) -> list[dict]:
+    """The exact attention at split windows (``split_slots``) and inner steps (``block_n``) of ``SPLITS``: µs per
+    layer (each pair is its own exact kernel: their bits may differ from each other). At one query the splits
+    are the launch's only parallelism (8 kv heads x 8 splits of 256 at context 2048: 64 programs)."""
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+
+    variants = {f"split {w} step {b}": ExactOps(split_slots=w, block_n=b) for w, b in SPLITS}
+    return attention_variant_times(backend, reps, "split", variants, compare=False)
 
 
 def attention_variant_times(backend, reps: int, field: str, variants: dict, compare: bool) -> list[dict]:
@@ -201,7 +217,7 @@ def measure(report, label: str, kernels, target, draft, dims, reps: int):
     return backend
 
 
-def run_sweep(report, fast_backend, args, out_dir):
+def run_sweep(report, fast_backend, args, out_dir, attention: dict):
     """The sweep (exact_sweep.py) over the fast backend's weights; its table saved at once; an ExactOps using it."""
     import torch
 
@@ -215,7 +231,7 @@ def run_sweep(report, fast_backend, args, out_dir):
         (out_dir / "exact_tiles.json").write_text(json.dumps({"machine": report.data["machine"], "table": tiles}, indent=1))
     print("plan.EXACT_TILES lines (fields: block_n, block_n_rows, block_k, warps, splits, stages, fixup, tiles):")
     print(exact_sweep.python_table(best, processors), flush=True)
-    return ExactOps(linear_plans=best)
+    return ExactOps(linear_plans=best, **attention)
 
 
 def main() -> int:
@@ -234,14 +250,16 @@ def main() -> int:
     dims = gg.make_dims(target, draft, MAX_CONTEXT)
     report.data["build_s"] = round(time.perf_counter() - began, 1)
     backends = {"fast": measure(report, "fast", "fast", target, draft, dims, args.reps)}
-    exact = ExactOps()
+    attention = {k: v for k, v in (("split_slots", args.split_slots), ("block_n", args.attention_block_n)) if v is not None}
+    exact = ExactOps(**attention)
     if args.sweep:
-        exact = report.section("sweep", lambda: run_sweep(report, backends["fast"], args, out_dir), keep=False) or exact
+        exact = report.section("sweep", lambda: run_sweep(report, backends["fast"], args, out_dir, attention), keep=False) or exact
     backends["exact"] = measure(report, "exact", exact, target, draft, dims, args.reps)
     report.section("gemm_us", lambda: gemm_times(backends, args.reps))
     report.section("attention_us", lambda: gg.attention_times(backends, [CONTEXT], args.reps))
     report.section("combine_us", lambda: combine_times(backends["exact"], args.reps))
     report.section("tile_us", lambda: tile_times(backends["exact"], args.reps))
+    report.section("split_us", lambda: split_times(backends["exact"], args.reps))
     for backend in backends.values():
         backend.close()
     report.data["summary"] = summary(report.data)

@@ -187,21 +187,20 @@ def _attention_inputs(generator, device, dtype, n, heads, kv_heads, T, D, L):
     return q, k, v
 
 
-def check_attention_rows(device: str, dtype: torch.dtype, small: bool, block_q: int | None = None) -> None:
+def check_attention_rows(device: str, dtype: torch.dtype, small: bool, **tile) -> None:
     """A query's attention is the same bits with 1 or 16 queries per owner, 1 or 3 owners, two capacities,
     the owners' row views or whole pools (any rows), for causal (target), windowed and non-causal (draft) layers;
     and with the splits folded in the attention launch (``combine_in_kernel``) or by a second one, also for
-    owners with no visible slot. ``block_q``: the tile height (``ExactOps``' default without one)."""
+    owners with no visible slot. ``tile``: ``ExactOps``' block_q / split_slots / block_n (its defaults without)."""
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
 
-    tile = {} if block_q is None else {"block_q": block_q}
     ops, generator = ExactOps(**tile), torch.Generator().manual_seed(12)
     cases = [(4, 2, 16, 16, True, 0), (4, 2, 16, 16, False, 0), (5, 1, 64, 16, True, 0), (4, 2, 16, 7, True, 100)]
     if not small:
         cases += [(32, 8, 128, 16, True, 0), (32, 8, 128, 16, False, 0)]
     elif dtype == torch.float32:
         cases = cases[:2]  # the interpreter's time: fp32 checks the target's and the draft's layer kind
-    L, extra = 520, 300  # 3 splits of 256 slots, then 4
+    L, extra = 520, 300  # 3 splits of 256 slots (the default), then 4
     for heads, kv_heads, D, T, causal, window in cases:
         what = f"attention Hq{heads}/{kv_heads} D{D} T{T} causal {causal} window {window} {dtype}"
         q, k, v = _attention_inputs(generator, device, dtype, 3, heads, kv_heads, T, D, L)
@@ -229,6 +228,11 @@ def check_attention_rows(device: str, dtype: torch.dtype, small: bool, block_q: 
     fused = ops.attention(q, k, v, None, positions, empty, False, 0)
     assert not fused[0].any() and not fused[2].any() and fused[1].abs().sum() > 0
     assert_same_bits(fused, ExactOps(combine_in_kernel=False, **tile).attention(q, k, v, None, positions, empty, False, 0), "no visible slot")
+
+
+def check_attention_rows_split(device: str, dtype: torch.dtype) -> None:
+    """``check_attention_rows`` (small) at another split window and inner step: 128 slots in one 128-slot step."""
+    check_attention_rows(device, dtype, True, split_slots=128, block_n=128)
 
 
 def check_attention_reference(device: str, dtype: torch.dtype) -> None:

@@ -308,8 +308,9 @@ def _attention_kernel(
     seen = total > 0
     out = acc / tl.where(seen, total, 1.0)[:, None]
     local = (u * tl.num_programs(1) + s) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    tl.store(part_ptr + local[:, None] * D + d[None, :], out, mask=((local >= 0) & lives)[:, None])
-    tl.store(lse_ptr + local, tl.where(seen, top + tl.log(total), float("-inf")), mask=(local >= 0) & lives)
+    kept = row_ok & lives  # padding rows of the tile (3 of 4 at one query and group 4) store nothing
+    tl.store(part_ptr + local[:, None] * D + d[None, :], out, mask=kept[:, None])
+    tl.store(lse_ptr + local, tl.where(seen, top + tl.log(total), float("-inf")), mask=kept)
     if COMBINE:
         # The order of CUTLASS's split-K semaphore: every thread's stores, a barrier, one acq_rel count; the
         # last arrival's acquire (shared with its threads by the barrier after the count) shows it the others'.
@@ -350,16 +351,16 @@ def _combine_unit(part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, base, i, t, h, row
     s_hi = tl.where(lo < hi, tl.cdiv(hi, SPLIT), s_lo)  # the splits the attention pass wrote
     q = tl.arange(0, BLOCK_Q)
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    for s in range(s_lo, s_hi):
-        best = tl.maximum(best, tl.load(lse_ptr + (base + s) * BLOCK_Q + q, cache_modifier=".cg"))
+    for s in range(s_lo, s_hi):  # padding rows (not row_ok) were not stored: not read either
+        best = tl.maximum(best, tl.load(lse_ptr + (base + s) * BLOCK_Q + q, mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
     best = tl.where(best == float("-inf"), 0.0, best)  # a row no split showed a slot (padding)
     d = tl.arange(0, D)
     acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
     weight_sum = tl.zeros([BLOCK_Q], dtype=tl.float32)
     for s in range(s_lo, s_hi):  # a split that shows a row nothing adds exact zeros to it
         local = (base + s) * BLOCK_Q + q
-        weight = tl.exp(tl.load(lse_ptr + local, cache_modifier=".cg") - best)
-        acc += weight[:, None] * tl.load(part_ptr + local[:, None] * D + d[None, :], cache_modifier=".cg")
+        weight = tl.exp(tl.load(lse_ptr + local, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - best)
+        acc += weight[:, None] * tl.load(part_ptr + local[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
         weight_sum += weight
     out = acc / tl.where(weight_sum > 0, weight_sum, 1.0)[:, None]
     dest = o_ptr + i * so_n + h[:, None] * so_h + t[:, None] * so_t + d[None, :]
@@ -381,17 +382,24 @@ class ExactOps(TritonOps):
     tile share its loads of the keys; the result depends on it, so one backend keeps one value);
     ``combine_in_kernel``: each attention unit's last split folds the splits (no second launch; the same fold,
     so the same bits: H200, Qwen3-8B shape, 16.7 against 19.5 µs per layer at one query, 36.5 against 40.0 at
-    4 × 16); ``False`` folds them in a second launch.
+    4 × 16); ``False`` folds them in a second launch; ``block_n``: key slots per inner step of a split, a power
+    of two >= 16 dividing ``split_slots`` (default ``plan.exact_attention_block_n``; the result depends on it, so
+    one backend keeps one value).
     """
 
     kind = "exact"  # what TorchBackend(kernels=ExactOps(...)) reports as its kernels
 
     def __init__(self, split_slots: int = EXACT_SPLIT_SLOTS, linear_plans: dict | None = None, partial_bytes: int = EXACT_PARTIAL_BYTES,
-                 workspace_bytes: int = EXACT_WORKSPACE_BYTES, combine_in_kernel: bool = True, block_q: int = EXACT_BLOCK_Q) -> None:
+                 workspace_bytes: int = EXACT_WORKSPACE_BYTES, combine_in_kernel: bool = True, block_q: int = EXACT_BLOCK_Q,
+                 block_n: int | None = None) -> None:
         super().__init__()
         if block_q < 16 or block_q & (block_q - 1):
             raise ValueError(f"block_q must be a power of two >= 16, got {block_q}")
-        self.block_q = block_q
+        if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
+            raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+        if block_n is not None and (split_slots < block_n or split_slots % block_n):
+            raise ValueError(f"split_slots must be a positive multiple of block_n ({block_n}), got {split_slots}")
+        self.block_q, self.block_n = block_q, block_n
         self.split_slots, self.partial_bytes, self.workspace_bytes = split_slots, partial_bytes, workspace_bytes
         self.combine_in_kernel = combine_in_kernel
         self.exact_plans = dict(linear_plans or {})
@@ -463,7 +471,7 @@ class ExactOps(TritonOps):
         n, heads, T, D = q.shape
         kv_heads, L = k_cache.shape[1], k_cache.shape[2]
         group = heads // kv_heads
-        block_n = exact_attention_block_n(D)
+        block_n = self.block_n or exact_attention_block_n(D)
         if self.split_slots % block_n:
             raise ValueError(f"split_slots must be a multiple of {block_n} (head_dim {D}), got {self.split_slots}")
         splits = exact_split_count(L, self.split_slots)

@@ -333,7 +333,7 @@ def test_split_sum_and_attention_kernels_compile_for_sm90():
 
 # ------------------------------------------------------------------ the kernels, interpreted (CPU)
 
-CHECKS = ("linear_rows", "split_rows", "attention_rows", "rope_rows", "linear_reference", "attention_reference", "exact_target")
+CHECKS = ("linear_rows", "split_rows", "attention_rows", "attention_rows_split", "rope_rows", "linear_reference", "attention_reference", "exact_target")
 INTERPRETED = """
 import json, sys, traceback
 sys.path.insert(0, {tests!r})
@@ -432,26 +432,42 @@ def test_exact_kernels_are_batch_invariant_on_cuda(check, dtype):
         getattr(exact_checks, f"check_{check}")("cuda", dtype, small=False)
 
 
+ATTENTION_TILES = [{"block_q": 32}, {"block_q": 64}, {"split_slots": 128}, {"split_slots": 128, "block_n": 128}, {"split_slots": 64}]
+
+
 @gpu
-@pytest.mark.parametrize("block_q", [16, 32, 64])
-def test_exact_attention_is_batch_invariant_at_every_tile_height_on_cuda(block_q):
-    """Bug: at a tile height other than the default the rows of a tile share more than the key loads (a row's
-    softmax or its split fold taking another row's range or scale), so the height chosen for speed breaks the
-    invariance: bf16, 1 / 16 queries, 1 / 3 owners, two capacities, every layer kind, bit for bit."""
+@pytest.mark.parametrize("tile", [{}, *ATTENTION_TILES], ids=lambda tile: "-".join(f"{k}{v}" for k, v in tile.items()) or "default")
+def test_exact_attention_is_batch_invariant_at_every_tile_on_cuda(tile):
+    """Bug: at a tile other than the default (height, split window, inner step) the rows of a tile share more
+    than the key loads (a row's softmax or its split fold taking another row's range or scale), so the tile
+    chosen for speed breaks the invariance: bf16, 1 / 16 queries, 1 / 3 owners, two capacities, every layer
+    kind, bit for bit."""
     import exact_checks
 
-    exact_checks.check_attention_rows("cuda", torch.bfloat16, small=False, block_q=block_q)
+    exact_checks.check_attention_rows("cuda", torch.bfloat16, small=False, **tile)
+
+
+def test_exact_attention_at_another_split_is_batch_invariant(interpreted):
+    """Bug: a split window or inner step other than the default (128 slots in one 128-slot step) makes a query's
+    result follow the queries, owners or capacity of its launch, or reads the padding rows' partials."""
+    _passed(interpreted, "attention_rows_split")
 
 
 @needs_triton
-def test_exact_attention_tile_height_is_checked():
-    """Bug: a tile height Triton cannot tile (not a power of two, below the MMA's 16 rows) fails inside the
-    compiler at the first launch instead of naming the field."""
+def test_exact_attention_tile_is_checked():
+    """Bug: a tile Triton cannot tile (a height or step not a power of two, below the MMA's 16 rows) or a
+    split window that is no whole number of steps fails inside the compiler at the first launch instead of
+    naming the field."""
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
 
     for bad in (0, 8, 48):
         with pytest.raises(ValueError, match=f"block_q must be a power of two >= 16, got {bad}"):
             ExactOps(block_q=bad)
+        with pytest.raises(ValueError, match=f"block_n must be a power of two >= 16, got {bad}"):
+            ExactOps(block_n=bad)
+    for slots in (32, 96):
+        with pytest.raises(ValueError, match=f"split_slots must be a positive multiple of block_n \\(64\\), got {slots}"):
+            ExactOps(split_slots=slots, block_n=64)
 
 
 @gpu
