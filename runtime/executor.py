@@ -59,7 +59,7 @@ import secrets
 import time
 import weakref
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -81,7 +81,7 @@ from dflash_trt.runtime.cycles import (
 from dflash_trt.runtime.device_loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_COLUMN, PROPOSALS_COLUMN, DeviceLoop, Launch, padded
 from dflash_trt.runtime.launches import Group, Lane, LoopShape, run_launches
 from dflash_trt.runtime.policy import DRAIN, POLICIES, Choice, make_policy
-from dflash_trt.runtime.prefill import PREFILL_QUANTUM, Prompt, PrefillPrograms
+from dflash_trt.runtime.prefill import PREFILL_QUANTUM, PrefillLaunch, PrefillPrograms, Prompt
 from dflash_trt.runtime.sessions import CONTEXT, ContextPool, Input, Limits, Output, Session, SessionTable, SessionView, Step, int_in, validate_batch
 from dflash_trt.runtime.stats import DEFAULT_MAX_ROWS, ExecuteRows, StatsLog, stats_paths, write_parquet
 from dflash_trt.runtime.timing import make_clock
@@ -89,6 +89,25 @@ from dflash_trt.runtime.timing import make_clock
 __all__ = ["Executor", "Input", "Output"]
 
 _ROW = attrgetter("session.row")  # a lane's cache row (the order of a group's lanes)
+PENDING = object()  # a prediction on the device, not read yet (``Executor._target_work``)
+
+
+@dataclass(eq=False)
+class _Joining:
+    """One batched prefill of an execute: planned (``steps``, ``prompts``, ``width``), then launched
+    (``launched``, its clock marks), then read by ``Executor._join`` into ``lanes`` (step index -> lane)."""
+
+    steps: list[Step]
+    prompts: list[Prompt]
+    width: int
+    lanes: dict[int, Lane] = field(default_factory=dict)
+    launched: PrefillLaunch | None = None
+    t0: object = None
+    t1: object = None
+
+    @property
+    def indices(self) -> set[int]:
+        return {step.index for step in self.steps}
 
 LOG = logging.getLogger(__name__)
 
@@ -167,6 +186,7 @@ class Executor:
         self.closed = False
         self._on_tokens: Callable | None = None
         self._should_yield: Callable[[int], bool] | None = None
+        self._joining: list[_Joining] = []  # prefills launched, their tokens not read yet (``_join``)
         self._shapes: dict[tuple[str, int, int], LoopShape] = {}  # _set_kind's, by (kind, proposals, cycles)
         # Rows go back to the backend even if the executor is dropped without close().
         self._release = weakref.finalize(self, self.table.rows.give_all, self.table.held)
@@ -376,10 +396,16 @@ class Executor:
         for step in steps:
             if step.rewind:
                 self._rewind(step.session, step.start)
-        predictions = self._target_work(steps)
+        predictions, joining = self._target_work(steps)
         lanes = [lane for step in steps if (lane := self._lane(step, predictions)) is not None]
-        self._stream(lanes)  # the predictions after the prompts
-        self._decode([lane for lane in lanes if lane.decodes], lanes)
+        self._stream(lanes)  # the predictions after the prompts run alone (the batched ones: ``_join``)
+        for batch in joining:
+            batch.lanes = {lane.step.index: lane for lane in lanes if lane.step.index in batch.indices}
+        try:
+            self._decode([lane for lane in lanes if lane.decodes], lanes, joining)
+            self._join()
+        finally:
+            self._drop_joining()  # after a failure: prefills launched and never read
         made: list[Output | None] = [None] * len(steps)
         for lane in lanes:
             if lane.session.frontier > lane.keep_until:  # tokens past a stop / the room were discarded
@@ -407,11 +433,18 @@ class Executor:
         prediction = predictions[step.index]
         if prediction is None:
             return None
-        lane = Lane(step, s, prediction, s.frontier)
-        lane.add([prediction])
+        if prediction is PENDING:  # a batched prefill's: on the device as the row's anchor, read by ``_join``
+            lane = Lane(step, s, 0, s.frontier)
+            lane.first_pending = True
+        else:
+            lane = Lane(step, s, prediction, s.frontier)
+            lane.add([prediction])
         drafts = s.speculate and block_fits(s.frontier, self.dims.block_size, self.dims.max_context)
         decodes = step.room is not None and s.frontier + 1 <= self.dims.max_context
-        if not step.last or lane.finished or not (drafts or decodes):
+        # A pending first token may still be a stop token: the lane launches, and what follows it is discarded
+        # (as after any finishing read); a room of one it fills whatever it is.
+        filled = lane.finished or (lane.first_pending and step.room is not None and step.room <= 1)
+        if not step.last or filled or not (drafts or decodes):
             self.log.counters["target_decode_steps"] += step.last
             lane.decodes = False
         return lane
@@ -427,9 +460,11 @@ class Executor:
 
     # ------------------------------------------------------------------ target
 
-    def _target_work(self, steps: list[Step]) -> dict[int, int | None]:
+    def _target_work(self, steps: list[Step]) -> tuple[dict[int, object], list[_Joining]]:
         """Run every prompt/replay step's tokens through the target: the prediction after each (None
-        without produce_output), by step index.
+        without produce_output; ``PENDING`` for a batched prefill's, read later), by step index, and the
+        batched prefills, planned (their sessions' positions moved) but not launched (``_decode`` launches
+        them behind the staging of the loop's state, ``_join`` reads their tokens).
 
         On a row-indexed backend the prompts of fresh contexts (one step of their session in this
         batch, one chunk long, no pending taps) are prefilled together, a few launches per batch
@@ -438,16 +473,18 @@ class Executor:
         targets = [step for step in steps if not (step.fast or step.decode)]
         sessions = Counter(step.session.id for step in targets)
         together = [step for step in targets if self._batchable(step, sessions)]
-        predictions: dict[int, int | None] = {}
+        predictions: dict[int, object] = {}
+        joining: list[_Joining] = []
         if together:  # row-indexed: self.prefill exists
             lengths = [len(step.tokens) for step in together]
             for members, width in prefill_batches(lengths, self.prefill.budget, PREFILL_QUANTUM, self.prefill.launch_tokens, self.prefill.most):
-                predictions |= self._prefill_batch([together[m] for m in members], width)
+                joining.append(self._plan_prefill([together[m] for m in members], width))
+                predictions |= {step.index: PENDING if step.produce_output else None for step in joining[-1].steps}
         batched = {step.index for step in together}
         for step in targets:
             if step.index not in batched:
                 predictions[step.index] = self._target_step(step)
-        return predictions
+        return predictions, joining
 
     def _batchable(self, step: Step, sessions: Counter) -> bool:
         s = step.session
@@ -458,33 +495,64 @@ class Executor:
             and (not s.speculate or s.pending_rows == 0)
         )
 
-    def _prefill_batch(self, steps: list[Step], width: int) -> dict[int, int | None]:
-        """One prefill program for ``steps`` (padded to ``width`` tokens; ``runtime.prefill``): their taps
-        drained and kept, their predictions chosen on the device (one host sync)."""
-        sessions = [step.session for step in steps]
-        t0 = self.clock.mark()
+    def _plan_prefill(self, steps: list[Step], width: int) -> _Joining:
+        """One prefill program for ``steps`` (padded to ``width`` tokens; ``runtime.prefill``), planned: their
+        prompts (taps drained and kept, the token chosen on the device) and their sessions' positions after it."""
         prompts = []
-        for step, s in zip(steps, sessions):
+        for step in steps:
+            s = step.session
             # A fresh context (nothing pending): all but the last B rows drained, those B kept pending.
             plan = plan_context(0, len(step.tokens), self.dims.block_size, self.dims.max_chunk) if s.speculate else None
             drain, keep = (plan.drained, plan.keep[1] - plan.keep[0]) if plan is not None else (0, 0)
             prompts.append(Prompt(step.tokens, s.frontier, s.row, s.draft_position, drain, keep, s.sampling, step.end))
-        chosen = self.prefill.run(prompts, width)  # host sync: the tokens
-        t1 = self.clock.mark()
-        self.log.counters["target_preamble_forwards"] += 1
-        self.log.counters["target_preamble_calls"] += len(steps)
-        if any(p.drain for p in prompts):
-            self.log.counters["draft_forwards"] += 1
-        ms = self.clock.elapsed_ms(t0, t1) / len(steps)  # one launch: its device time shared evenly
-        predictions: dict[int, int | None] = {}
-        for step, s, p, token in zip(steps, sessions, prompts, chosen):
-            self._commit_prompt(s, p)
-            predictions[step.index] = token if step.produce_output else None
-        rows = [step for step in steps if step.produce_output]  # a target row each, in batch order
-        if rows:
-            self.log.target_rows([step.session for step in rows], [step.end - 1 for step in rows], ms)
-        self.clock.release(t0, t1)
-        return predictions
+        for step, p in zip(steps, prompts):
+            self._commit_prompt(step.session, p)
+        return _Joining(steps, prompts, width)
+
+    def _launch_prefills(self, joining: list[_Joining]) -> None:
+        """Launch the planned prefills (no host sync on CUDA); ``_join`` reads them."""
+        offset = 0
+        for batch in joining:
+            batch.t0 = self.clock.mark()
+            batch.launched = self.prefill.launch(batch.prompts, batch.width, offset)
+            batch.t1 = self.clock.mark()
+            offset += len(batch.steps)
+            self._joining.append(batch)
+
+    def _drop_joining(self) -> None:
+        """Forget unread prefills (a failed run: the loop waited for the stream), releasing their events."""
+        joining, self._joining = self._joining, []
+        for batch in joining:
+            if batch.launched.done is not None:
+                batch.launched.done.close()
+            self.clock.release(batch.t0, batch.t1)
+
+    def _join(self) -> None:
+        """Host sync: the launched prefills' tokens -> their lanes (the first token each), the stats and
+        ``on_tokens``. Before any verdict of those lanes is read (``_read``), and at the end of the run."""
+        joining, self._joining = self._joining, []
+        for batch in joining:
+            tokens = self.prefill.read(batch.launched)
+            self.log.counters["target_preamble_forwards"] += 1
+            self.log.counters["target_preamble_calls"] += len(batch.steps)
+            if any(p.drain for p in batch.prompts):
+                self.log.counters["draft_forwards"] += 1
+            ms = self.clock.elapsed_ms(batch.t0, batch.t1) / len(batch.steps)  # one launch: its device time shared evenly
+            rows = [step for step in batch.steps if step.produce_output]  # a target row each, in batch order
+            if rows:
+                self.log.target_rows([step.session for step in rows], [step.end - 1 for step in rows], ms)
+            self.clock.release(batch.t0, batch.t1)
+            lanes = []
+            for step, token in zip(batch.steps, tokens):
+                lane = batch.lanes.get(step.index)
+                if lane is None:
+                    continue
+                lane.first_pending, lane.anchor = False, token
+                lane.add([token])
+                if lane.finished and lane.decodes:  # its first token ended it: what it launched is discarded
+                    self.log.counters["target_decode_steps"] += step.last
+                lanes.append(lane)
+            self._stream(lanes)
 
     def _commit_prompt(self, s: Session, p: Prompt) -> None:
         """A prefilled prompt's positions: ``p.drain`` rows in the draft cache, ``p.keep`` pending."""
@@ -560,10 +628,15 @@ class Executor:
 
     # ------------------------------------------------------------------ the loop
 
-    def _decode(self, lanes: list[Lane], every: list[Lane]) -> None:
+    def _decode(self, lanes: list[Lane], every: list[Lane], joining: Sequence[_Joining] = ()) -> None:
         """Every lane's cycles (drafting sessions with a block's room) or plain decode steps, on the device;
-        ``every``: the call's lanes, those done at their prompts' predictions included (``should_yield``)."""
+        ``every``: the call's lanes, those done at their prompts' predictions included (``should_yield``);
+        ``joining``: the batched prefills, launched after the loop's state is staged (they write their rows'
+        anchors) and before the first round, whose verdicts are read after their tokens (``_join``)."""
         if not lanes:
+            if joining:
+                with self.loop.on_stream():
+                    self._launch_prefills(list(joining))
             return
         for lane in lanes:
             self._assign(lane)
@@ -574,6 +647,7 @@ class Executor:
         self._sampling = any(sampling.temperature > 0 for sampling in samplings)  # else no group samples (_pack)
         with self.loop.running():
             self.loop.stage(rows, anchors, frontiers, drafts, samplings)
+            self._launch_prefills(list(joining))  # stream order: after the staging (their anchors win), before the rounds
             run_launches(lanes, self._pack, self._launch, self._read, self.lag, self._plan_round, self._yield_check(every))
 
     def _yield_check(self, every: list[Lane]) -> Callable[[], bool] | None:
@@ -687,6 +761,8 @@ class Executor:
         acceptance by draft position."""
         launch, launch_s = launched
         started = time.perf_counter()
+        if self._joining:  # launched before this program: their tokens come first (lanes' first tokens)
+            self._join()
         record, device_ms = self.loop.read(launch)
         read = self._read_cycle if group.kind == CYCLE else self._read_decode
         tokens, lanes, accepted = read(group, record, device_ms)

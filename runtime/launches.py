@@ -114,6 +114,7 @@ class Lane:
     streamed: int = 0  # of ``tokens``, handed to the execute's on_tokens already
     finish: str | None = None  # STOP / LENGTH once finished
     decodes: bool = True  # the loop runs it (False: its prompt's prediction was all it gets this call)
+    first_pending: bool = False  # its first token (a batched prefill's) is on the device, not read yet
     launched: int = 0  # launches this execute
     flight: deque = field(default_factory=deque)  # [Flight] launched, not read yet, oldest first
 
@@ -148,7 +149,7 @@ class Lane:
         """One more launch fits and is wanted, judged from what has been read (asked per lane per round)."""
         flight, budget = self.flight, self.step.room
         reach = (flight[0].width if len(flight) == 1 else sum(f.width for f in flight)) if flight else 0
-        room = None if budget is None else budget - len(self.tokens)
+        room = None if budget is None else budget - len(self.tokens) - self.first_pending
         return may_launch(self.session.frontier, len(flight), self.launched, room, self.finish is not None, self.shape, reach)
 
 

@@ -9,9 +9,12 @@ A prefill program for ``n`` prompts padded to ``T`` tokens (owner i's first ``le
    session that does not draft) into the draft cache at ``draft_start[i]..``;
 3. pending context: the context pool's row ``slot[i]`` becomes taps[i, drain[i] : drain[i] + keep[i]],
    zero past ``keep[i]`` (what ``ContextPool.store`` does, as one gather);
-4. ``sample``: each prompt's token AT ``position[i]`` (its end), by its own sampling.
+4. ``sample``: each prompt's token AT ``position[i]`` (its end), by its own sampling; it is also the
+   device loop's anchor of row ``slot[i]`` (the token its next cycle or decode step feeds).
 
-Only the tokens come back to the host (one host sync). On CUDA with graphs the program is captured at
+Only the tokens come back to the host, asynchronously (``launch`` queues their copy into pinned memory,
+``read`` waits for it): the executor launches the loop's first round behind the prefill and reads the
+tokens with its first verdict, so the device never waits for the host between the two. On CUDA with graphs the program is captured at
 start-up for every padded shape (``shapes``): owner counts padded to ``owner_buckets(max_sessions)``,
 token counts to ``widths`` (PREFILL_QUANTUM · 2^k, and max_chunk), ``n · T <= CAPTURE_TOKENS``; padded
 lanes point at the scratch row (one token, nothing drained or kept: writes nobody reads). A batch beyond
@@ -34,7 +37,7 @@ from dflash_trt.export import contract as c
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.cycles import sampling_rows
 from dflash_trt.runtime.device import CaptureFallback
-from dflash_trt.runtime.device_loop import DeviceLoop, Mirrors, capture_graph, owner_buckets
+from dflash_trt.runtime.device_loop import ANCHOR, DeviceLoop, Mirror, Mirrors, capture_graph, owner_buckets
 from dflash_trt.runtime.sessions import ContextPool
 
 # Tokens per prefill launch (the executor's batches), their padding quantum, and the largest padded
@@ -44,6 +47,16 @@ PREFILL_TOKENS, PREFILL_QUANTUM, CAPTURE_TOKENS = 4096, 32, 2048
 
 START, LENGTH, SLOT, DRAFT_START, DRAIN, KEEP, TOP_K, POSITION = range(8)  # rows of the int inputs
 TEMPERATURE, TOP_P = range(2)  # rows of the float inputs
+
+
+@dataclass(frozen=True)
+class PrefillLaunch:
+    """One launched prefill program: its prompts' tokens land at ``offset`` of the host buffer once ``done``
+    (a device event; None where the program ran synchronously: CPU)."""
+
+    offset: int
+    count: int
+    done: object
 
 
 @dataclass(frozen=True)
@@ -98,6 +111,8 @@ class PrefillPrograms:
             )
             self.tokens, self.ints, self.seeds, self.floats = self.inputs.parts.values()
             self.chosen = torch.zeros((n,), dtype=torch.int64, device=self.device)
+            # The tokens as the host reads them: one slot per session, so an execute's launches never share one.
+            self.chosen_host = Mirror((max_sessions,), torch.int64, self.device)
 
     def prepare(self) -> int:
         """Capture the program at every padded shape now (start-up), each run on the scratch row only,
@@ -126,7 +141,13 @@ class PrefillPrograms:
     def run(self, prompts: Sequence[Prompt], width: int) -> list[int]:
         """Prefill ``prompts`` (each at most ``width`` tokens) in one launch -> each prompt's token.
         Host sync: the tokens."""
+        return self.read(self.launch(prompts, width))
+
+    def launch(self, prompts: Sequence[Prompt], width: int, offset: int = 0) -> PrefillLaunch:
+        """Prefill ``prompts`` (each at most ``width`` tokens) in one launch; their tokens become the loop's
+        anchors of their rows and are copied to host slots ``offset..`` (``read``). No host sync on CUDA."""
         n = len(prompts)
+        assert offset + n <= self.chosen_host.array.shape[0], (offset, n)
         drafting = any(p.drain or p.keep for p in prompts) or self.drafting
         owners, T = self._padded(n, width) if self.pad else (n, width)
         graph = self.captured.get((owners, T, drafting))
@@ -139,7 +160,27 @@ class PrefillPrograms:
             else:
                 with torch.no_grad():
                     self._program(owners, T, drafting)
-            return self.chosen[:n].tolist()  # host sync: the tokens
+            return PrefillLaunch(offset, n, self._download(offset, n))
+
+    def read(self, launched: PrefillLaunch) -> list[int]:
+        """Host sync (the launch's copy): its prompts' tokens."""
+        if launched.done is not None:
+            launched.done.synchronize()
+            launched.done.close()
+        return self.chosen_host.array[launched.offset : launched.offset + launched.count].tolist()
+
+    def _download(self, offset: int, n: int):
+        """chosen[:n] -> host slots offset.. (async on CUDA: pinned memory, then an event) -> the event, or None."""
+        host = self.chosen_host
+        if host.pinned is None:
+            host.device[offset : offset + n].copy_(self.chosen[:n])  # the same memory as the host's view
+            return None
+        from dflash_trt.runtime import device
+
+        device.copy_async(host.pinned.ptr + offset * 8, self.chosen.data_ptr(), n * 8, self.loop.stream)
+        done = device.Event(timing=False)
+        done.record(self.loop.stream)
+        return done
 
     @property
     def budget(self) -> int:
@@ -219,6 +260,7 @@ class PrefillPrograms:
             c.POSITION: ints[POSITION],
         }
         self.chosen[:n].copy_(self.backend.run(c.SAMPLE, feeds, 0)[c.TOKEN])
+        self.loop.ints.device[ANCHOR].index_copy_(0, slots, self.chosen[:n])  # padded lanes: the scratch row's
 
     def _keep(self, taps: torch.Tensor, drain: torch.Tensor, keep: torch.Tensor, slots: torch.Tensor) -> None:
         """Context pool row slots[i] = taps[i, drain[i] : drain[i] + keep[i]], zero past keep[i] (taps [n, T, W])."""
@@ -233,3 +275,4 @@ class PrefillPrograms:
     def close(self) -> None:
         self.captured.clear()
         self.inputs.close()
+        self.chosen_host.close()

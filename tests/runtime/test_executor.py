@@ -511,13 +511,43 @@ def test_a_large_join_is_split_into_launches_that_fit(tiny, oracle, pad):
     prefill = executor.prefill
     prefill.pad = pad  # padded: as where the shapes are captured (CUDA graphs)
     assert prefill.most == 32 and (40, 64) not in prefill.shapes and 40 * 64 > CAPTURE_TOKENS
-    launched, run = [], prefill.run
-    prefill.run = lambda prompts, width: launched.append(prefill._padded(len(prompts), width) if pad else (len(prompts), width)) or run(prompts, width)
+    launched, launch = [], prefill.launch
+    prefill.launch = lambda prompts, width, offset=0: launched.append(prefill._padded(len(prompts), width) if pad else (len(prompts), width)) or launch(prompts, width, offset)
     t = Tracker(executor, oracle)
     sessions = [t.open() for _ in range(40)]
     t.execute([(s, prompt(33 + s % 28, 80 + s), None, True, {"max_new_tokens": 3}) for s in sessions])
     assert sorted(n for n, _ in launched) == [8, 32], launched
     assert not pad or all(shape in prefill.shapes for shape in launched), launched
+
+
+def test_a_joining_prompts_first_token_read_after_its_launch_ends_it_losslessly(tiny, oracle):
+    """Guards against mishandling a batched prefill's token, which stays on the device as its row's anchor
+    and reaches the host with the first verdict after the loop has launched: a prompt whose first token
+    is a stop token, or whose room is one token, returns exactly that token (the cycle its lane launched
+    meanwhile discarded, the session rewound) and its next calls continue as the reference does; the
+    others' first tokens feed their cycles and stream before their cycles' tokens."""
+    dims = tiny_dims(tiny.target, tiny.draft, tiny.dims.max_context, max_chunk=64)  # every prompt one chunk: batched
+    executor = Executor(tiny.torch_backend(dims, 6, kernels="fast"), dims, 6)
+    assert executor.prefill is not None  # row-indexed: prompts are prefilled together, their tokens read late
+    t = Tracker(executor, oracle)
+    sessions = [t.open() for _ in range(4)] + [t.open(speculate=False)]
+    t.set_sampling(sessions[2], SAMPLED)
+    prompts = {s: prompt(9 + 7 * s, 300 + s) for s in sessions}
+    first = {s: oracle.continuation(prompts[s], t.sampling[s])[0] for s in sessions}
+    extras = {sessions[0]: {"max_new_tokens": 12, "stop": [first[sessions[0]]]}, sessions[1]: {"max_new_tokens": 1},
+              sessions[2]: {"max_new_tokens": 12}, sessions[3]: {"max_new_tokens": 12},
+              sessions[4]: {"max_new_tokens": 12, "stop": [first[sessions[4]]]}}
+    out = t.execute([(s, prompts[s], None, True, extras[s]) for s in sessions])  # checked against the reference
+    assert [len(o) for o in out[:2]] == [1, 1] and out[4] == [first[sessions[4]]], out
+    assert all(len(o) > 1 for o in out[2:4]), out  # cycles ran on the device-side anchors
+    for _ in range(3):  # the sessions cut at their first token go on from it
+        t.execute([item + ({"max_new_tokens": 6},) for item in t.decode_inputs(sessions)])
+    streamed: dict[int, list[list[int]]] = {}
+    batch = [Input(t.open(), prompt(12, 9), max_new_tokens=20)]
+    outputs = executor.execute_outputs(batch, on_tokens=lambda i, tokens, finish: streamed.setdefault(i, []).append(list(tokens)))
+    got = outputs[0].tokens
+    assert len(got) > 2 and got == oracle.continuation(prompt(12, 9))[: len(got)], got
+    assert streamed[0][0] == got[:1] and sum(streamed[0], []) == got, streamed  # the prompt's token first, alone
 
 
 @pytest.mark.gpu
