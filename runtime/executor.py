@@ -760,9 +760,9 @@ class Executor:
         (``runtime.policy``: why wall time, why per round), and a cycle's acceptances to its
         acceptance by draft position."""
         launch, launch_s = launched
+        if self._joining:  # launched before this program: their tokens come first (lanes' first tokens); the
+            self._join()  # wait is the prefill's, not charged to this launch's cost
         started = time.perf_counter()
-        if self._joining:  # launched before this program: their tokens come first (lanes' first tokens)
-            self._join()
         record, device_ms = self.loop.read(launch)
         read = self._read_cycle if group.kind == CYCLE else self._read_decode
         tokens, lanes, accepted = read(group, record, device_ms)
