@@ -44,6 +44,7 @@ from dflash_trt.runtime.sessions import ContextPool
 # launch captured as a CUDA graph: above it a launch's compute outweighs its ~100 kernel launches, and
 # padding it to a captured shape would cost more than it saves.
 PREFILL_TOKENS, PREFILL_QUANTUM, CAPTURE_TOKENS = 4096, 32, 2048
+STAGING = 4  # launches whose inputs may wait on the stream at once (pinned copies reused round-robin)
 
 START, LENGTH, SLOT, DRAFT_START, DRAIN, KEEP, TOP_K, POSITION = range(8)  # rows of the int inputs
 TEMPERATURE, TOP_P = range(2)  # rows of the float inputs
@@ -110,6 +111,7 @@ class PrefillPrograms:
                 self.device, tokens=((tokens,), torch.int64), ints=((8, n), torch.int64), seeds=((n, c.SEED_PARTS), torch.int64), floats=((2, n), torch.float32)
             )
             self.tokens, self.ints, self.seeds, self.floats = self.inputs.parts.values()
+            self.staging = Staging(self.inputs, STAGING)
             self.chosen = torch.zeros((n,), dtype=torch.int64, device=self.device)
             # The tokens as the host reads them: one slot per session, so an execute's launches never share one.
             self.chosen_host = Mirror((max_sessions,), torch.int64, self.device)
@@ -237,7 +239,7 @@ class PrefillPrograms:
 
     def _upload(self) -> None:
         """The staged inputs -> device (async on CUDA; inside ``loop.on_stream``)."""
-        self.inputs.upload(self.loop.stream)
+        self.staging.upload(self.loop.stream)
 
     def _capture(self, n: int, T: int) -> torch.cuda.CUDAGraph:
         return capture_graph(self.device, self.backend.stream.torch, self.loop.memory, lambda: self._program(n, T, self.drafting))
@@ -274,5 +276,50 @@ class PrefillPrograms:
 
     def close(self) -> None:
         self.captured.clear()
+        self.staging.close()
         self.inputs.close()
         self.chosen_host.close()
+
+
+class Staging:
+    """Uploads of a ``Mirrors`` block whose host side is rewritten before earlier uploads ran.
+
+    An async copy reads its pinned source when the stream reaches it, not when it is queued: launches
+    queued back to back (the prefills of one execute, no host sync between them) would each upload the
+    last one's inputs. Each upload therefore copies the host twin into the next of ``depth`` pinned
+    buffers and queues the copy from there; a buffer is rewritten only after its previous copy ran (its
+    event), a wait that needs ``depth`` launches queued ahead. On CPU the twin is the device memory: nothing
+    to do."""
+
+    def __init__(self, mirrors: Mirrors, depth: int) -> None:
+        self.mirrors, self.next = mirrors, 0
+        self.buffers, self.events = [], [None] * depth
+        if mirrors.pinned is not None:
+            from dflash_trt.runtime.device import PinnedBuffer
+
+            self.buffers = [PinnedBuffer((mirrors.pinned.nbytes,), torch.uint8) for _ in range(depth)]
+        self.twin, self.arrays = mirrors.host_block.numpy(), [buffer.numpy() for buffer in self.buffers]
+
+    def upload(self, stream) -> None:
+        """The host twin -> device, queued on ``stream`` from a pinned copy no queued upload still reads."""
+        if not self.buffers:
+            return
+        from dflash_trt.runtime import device
+
+        k, self.next = self.next, (self.next + 1) % len(self.buffers)
+        if self.events[k] is not None:
+            self.events[k].synchronize()  # host wait: only with ``depth`` uploads queued ahead of this one
+        else:
+            self.events[k] = device.Event(timing=False)
+        source = self.buffers[k]
+        self.arrays[k][:] = self.twin
+        device.copy_async(self.mirrors.block.data_ptr(), source.ptr, source.nbytes, stream)
+        self.events[k].record(stream)
+
+    def close(self) -> None:
+        for event in self.events:
+            if event is not None:
+                event.close()
+        for buffer in self.buffers:
+            buffer.close()
+        self.buffers, self.events = [], [None] * len(self.events)

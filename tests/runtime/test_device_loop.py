@@ -58,3 +58,30 @@ def test_mirror_block_uploads_in_one_copy(monkeypatch):
         np.testing.assert_array_equal(part.device.cpu().numpy(), expected[name])
     block.close()
     stream.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth", [1, 2])
+def test_uploads_queued_back_to_back_each_deliver_their_own_inputs(depth):
+    """Guards against launches queued without a host sync between them (an execute's batched prefills)
+    reading the last launch's inputs: an async copy reads pinned memory when the stream reaches it, so
+    rewriting the host twin for launch 3 while launches 1 and 2 still wait would hand them launch 3's
+    tokens. Held behind a long kernel, each of three uploads is seen by the clone queued after it, also
+    when the ring is shallower than the queue (its oldest copy is waited for)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from dflash_trt.runtime.prefill import Staging
+
+    block = Mirrors(torch.device("cuda"), values=((1024,), torch.int64))
+    staging, stream, seen = Staging(block, depth), device.Stream(), []
+    with torch.cuda.stream(stream.torch_stream()):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: every upload below is queued before any runs
+        for launch in range(3):
+            block.parts["values"].array[:] = launch
+            staging.upload(stream)
+            seen.append(block.parts["values"].device.clone())
+    stream.synchronize()
+    assert [int(v.unique().item()) if v.unique().numel() == 1 else None for v in seen] == [0, 1, 2]
+    staging.close()
+    block.close()
+    stream.close()
