@@ -273,18 +273,6 @@ def check_rope_rows(device: str, dtype: torch.dtype) -> None:
                 assert_same_bits(single[i, :, slot], cache[i, :, slot], f"rope k/v: 1 vs {T} rows (row {t})")
 
 
-def check_all(device: str, small: bool) -> None:
-    """Every kernel check, fp32 and bf16."""
-    for dtype in (torch.float32, torch.bfloat16):
-        check_linear_rows(device, dtype, small)
-        check_split_rows(device, dtype)
-        check_attention_rows(device, dtype, small)
-        check_rope_rows(device, dtype)
-        check_exact_target(device, dtype)
-        check_linear_reference(device, dtype)
-        check_attention_reference(device, dtype)
-
-
 def serve_both(backend, requests, sessions: int) -> dict:
     """Tokens of ``requests`` (``serving.batcher.Request``) served ``sessions`` at a time (continuous
     batching) through one backend, by plain decoding (``speculate=False``) and by DFlash:
