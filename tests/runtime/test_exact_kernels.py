@@ -449,7 +449,8 @@ def test_exact_attention_is_batch_invariant_at_every_tile_on_cuda(tile):
 
 def test_exact_attention_at_another_split_is_batch_invariant(interpreted):
     """Bug: a split window or inner step other than the default (128 slots in one 128-slot step) makes a query's
-    result follow the queries, owners or capacity of its launch, or reads the padding rows' partials."""
+    result follow the queries, owners or capacity of its launch (the combine folding another split range, a
+    step that starts at a relative slot), both fold paths alike."""
     _passed(interpreted, "attention_rows_split")
 
 
