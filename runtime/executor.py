@@ -95,7 +95,8 @@ PENDING = object()  # a prediction on the device, not read yet (``Executor._targ
 @dataclass(eq=False)
 class _Joining:
     """One batched prefill of an execute: planned (``steps``, ``prompts``, ``width``), then launched
-    (``launched``, its clock marks), then read by ``Executor._join`` into ``lanes`` (step index -> lane)."""
+    (``launched``, its clock marks), then read by ``Executor._join`` into ``lanes`` (the execute's lanes
+    by step index; its steps without a lane have none)."""
 
     steps: list[Step]
     prompts: list[Prompt]
@@ -104,10 +105,6 @@ class _Joining:
     launched: PrefillLaunch | None = None
     t0: object = None
     t1: object = None
-
-    @property
-    def indices(self) -> set[int]:
-        return {step.index for step in self.steps}
 
 LOG = logging.getLogger(__name__)
 
@@ -399,8 +396,9 @@ class Executor:
         predictions, joining = self._target_work(steps)
         lanes = [lane for step in steps if (lane := self._lane(step, predictions)) is not None]
         self._stream(lanes)  # the predictions after the prompts run alone (the batched ones: ``_join``)
+        by_step = {lane.step.index: lane for lane in lanes}
         for batch in joining:
-            batch.lanes = {lane.step.index: lane for lane in lanes if lane.step.index in batch.indices}
+            batch.lanes = by_step
         try:
             self._decode([lane for lane in lanes if lane.decodes], lanes, joining)
             self._join()
@@ -509,7 +507,7 @@ class Executor:
             self._commit_prompt(step.session, p)
         return _Joining(steps, prompts, width)
 
-    def _launch_prefills(self, joining: list[_Joining]) -> None:
+    def _launch_prefills(self, joining: Sequence[_Joining]) -> None:
         """Launch the planned prefills (no host sync on CUDA); ``_join`` reads them."""
         offset = 0
         for batch in joining:
@@ -636,7 +634,7 @@ class Executor:
         if not lanes:
             if joining:
                 with self.loop.on_stream():
-                    self._launch_prefills(list(joining))
+                    self._launch_prefills(joining)
             return
         for lane in lanes:
             self._assign(lane)
@@ -647,7 +645,7 @@ class Executor:
         self._sampling = any(sampling.temperature > 0 for sampling in samplings)  # else no group samples (_pack)
         with self.loop.running():
             self.loop.stage(rows, anchors, frontiers, drafts, samplings)
-            self._launch_prefills(list(joining))  # stream order: after the staging (their anchors win), before the rounds
+            self._launch_prefills(joining)  # stream order: after the staging (their anchors win), before the rounds
             run_launches(lanes, self._pack, self._launch, self._read, self.lag, self._plan_round, self._yield_check(every))
 
     def _yield_check(self, every: list[Lane]) -> Callable[[], bool] | None:

@@ -140,11 +140,6 @@ class PrefillPrograms:
             self._upload()
             self._program(n, T, self.drafting)
 
-    def run(self, prompts: Sequence[Prompt], width: int) -> list[int]:
-        """Prefill ``prompts`` (each at most ``width`` tokens) in one launch -> each prompt's token.
-        Host sync: the tokens."""
-        return self.read(self.launch(prompts, width))
-
     def launch(self, prompts: Sequence[Prompt], width: int, offset: int = 0) -> PrefillLaunch:
         """Prefill ``prompts`` (each at most ``width`` tokens) in one launch; their tokens become the loop's
         anchors of their rows and are copied to host slots ``offset..`` (``read``). No host sync on CUDA."""
