@@ -346,25 +346,57 @@ def _combine_kernel(
 def _combine_unit(part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, base, i, t, h, row_ok, lo, hi,
                   D: tl.constexpr, BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr):
     """A unit's live splits (partials at rows (base + s) * BLOCK_Q ..) folded in increasing order, weights
-    exp(lse - max lse), stored to its rows. Loads bypass L1 (".cg"): other programs wrote the partials."""
+    exp(lse - max lse), stored to its rows. Loads bypass L1 (".cg"): other programs wrote the partials.
+    The loads of four splits are issued before any of them is used: a loop that loads one split and adds
+    it before loading the next waits one L2 round trip per split (8 at context 2048, twice: the maxima,
+    then the fold). The additions stay one split at a time in increasing order (the same bits)."""
     s_lo = lo // SPLIT
     s_hi = tl.where(lo < hi, tl.cdiv(hi, SPLIT), s_lo)  # the splits the attention pass wrote
     q = tl.arange(0, BLOCK_Q)
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    for s in range(s_lo, s_hi):  # padding rows (not row_ok) were not stored: not read either
-        best = tl.maximum(best, tl.load(lse_ptr + (base + s) * BLOCK_Q + q, mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
+    for s in range(s_lo, s_hi, 4):  # four splits a step; padding rows (not row_ok) were not stored: not read either
+        l0, l1 = _split_lse(lse_ptr, base, s, s_hi, q, row_ok, BLOCK_Q), _split_lse(lse_ptr, base, s + 1, s_hi, q, row_ok, BLOCK_Q)
+        l2, l3 = _split_lse(lse_ptr, base, s + 2, s_hi, q, row_ok, BLOCK_Q), _split_lse(lse_ptr, base, s + 3, s_hi, q, row_ok, BLOCK_Q)
+        best = tl.maximum(tl.maximum(tl.maximum(tl.maximum(best, l0), l1), l2), l3)  # exact in any order
     best = tl.where(best == float("-inf"), 0.0, best)  # a row no split showed a slot (padding)
     d = tl.arange(0, D)
     acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
     weight_sum = tl.zeros([BLOCK_Q], dtype=tl.float32)
-    for s in range(s_lo, s_hi):  # a split that shows a row nothing adds exact zeros to it
-        local = (base + s) * BLOCK_Q + q
-        weight = tl.exp(tl.load(lse_ptr + local, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - best)
-        acc += weight[:, None] * tl.load(part_ptr + local[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-        weight_sum += weight
+    for s in range(s_lo, s_hi, 4):  # a split that shows a row nothing adds exact zeros to it
+        l0, p0 = _split_lse(lse_ptr, base, s, s_hi, q, row_ok, BLOCK_Q), _split_part(part_ptr, base, s, s_hi, q, d, row_ok, D, BLOCK_Q)
+        l1, p1 = _split_lse(lse_ptr, base, s + 1, s_hi, q, row_ok, BLOCK_Q), _split_part(part_ptr, base, s + 1, s_hi, q, d, row_ok, D, BLOCK_Q)
+        l2, p2 = _split_lse(lse_ptr, base, s + 2, s_hi, q, row_ok, BLOCK_Q), _split_part(part_ptr, base, s + 2, s_hi, q, d, row_ok, D, BLOCK_Q)
+        l3, p3 = _split_lse(lse_ptr, base, s + 3, s_hi, q, row_ok, BLOCK_Q), _split_part(part_ptr, base, s + 3, s_hi, q, d, row_ok, D, BLOCK_Q)
+        acc, weight_sum = _fold_split(acc, weight_sum, l0, p0, best, (q * 0 + s) < s_hi)
+        acc, weight_sum = _fold_split(acc, weight_sum, l1, p1, best, (q * 0 + s + 1) < s_hi)
+        acc, weight_sum = _fold_split(acc, weight_sum, l2, p2, best, (q * 0 + s + 2) < s_hi)
+        acc, weight_sum = _fold_split(acc, weight_sum, l3, p3, best, (q * 0 + s + 3) < s_hi)
     out = acc / tl.where(weight_sum > 0, weight_sum, 1.0)[:, None]
     dest = o_ptr + i * so_n + h[:, None] * so_h + t[:, None] * so_t + d[None, :]
     tl.store(dest, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _split_lse(lse_ptr, base, s, s_hi, q, row_ok, BLOCK_Q: tl.constexpr):
+    """Split s's log-sum-exps [BLOCK_Q] (-inf for padding rows and past the splits written)."""
+    written = (q * 0 + s) < s_hi  # as a vector (a vector & a scalar bool is a mask Triton's interpreter rejects)
+    return tl.load(lse_ptr + (base + s) * BLOCK_Q + q, mask=row_ok & written, other=float("-inf"), cache_modifier=".cg")
+
+
+@triton.jit
+def _split_part(part_ptr, base, s, s_hi, q, d, row_ok, D: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """Split s's partial outputs [BLOCK_Q, D] (zeros for padding rows and past the splits written)."""
+    local = (base + s) * BLOCK_Q + q
+    written = (q * 0 + s) < s_hi
+    return tl.load(part_ptr + local[:, None] * D + d[None, :], mask=(row_ok & written)[:, None], other=0.0, cache_modifier=".cg")
+
+
+@triton.jit
+def _fold_split(acc, weight_sum, lse, part, best, live):
+    """One split added to the fold (the arithmetic of every split, in the caller's order); ``live`` [BLOCK_Q]
+    False past the last split: nothing added."""
+    weight = tl.exp(lse - best)
+    return tl.where(live[:, None], acc + weight[:, None] * part, acc), tl.where(live, weight_sum + weight, weight_sum)
 
 
 # --------------------------------------------------------------------------- ops
