@@ -3,6 +3,8 @@
     python benchmarks/exact_kernels.py              # ~2 min on an H200
     python benchmarks/exact_kernels.py --sweep      # + the exact linear's tile sweep (exact_sweep.py), whose
                                                     #   winners then run the timings; ~5 min
+    python benchmarks/exact_kernels.py --sections gemm   # the graph rows and one kernel section only
+    DFLASH_TRT_PDL=0 python benchmarks/exact_kernels.py  # every launch plain (no programmatic dependent launch)
     bash benchmarks/run_exact_sweep.sh              # the sweep run, then the gpu tests (one device call, <= 8 min)
 
 Builds gpu_graphs.py's random bf16 pair on the device (target 36 layers, hidden 4096, 32/8 heads x 128,
@@ -41,6 +43,7 @@ import exact_sweep  # noqa: E402  (the exact linear's tile sweep)
 import gpu_graphs as gg  # noqa: E402  (the pair, feeds, AR step, cycle and timing helpers)
 
 CONTEXT, MAX_CONTEXT, OWNER_COUNTS, ROWS = 2048, 4096, (1, 4), (1, 16, 64)
+SECTIONS = ("gemm", "attention", "combine", "tile", "split")  # the kernel sections after the graph rows
 
 
 def arguments() -> argparse.Namespace:
@@ -51,7 +54,12 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--sweep-seconds", type=float, default=240.0, help="the sweep stops measuring after this long")
     parser.add_argument("--split-slots", type=int, default=None, help="the exact attention's split window (ExactOps' default without)")
     parser.add_argument("--attention-block-n", type=int, default=None, help="the exact attention's inner step (ExactOps' default without)")
-    return parser.parse_args()
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {','.join(SECTIONS)} (the graph rows always run)")
+    args = parser.parse_args()
+    unknown = set(args.sections.split(",")) - set(SECTIONS)
+    if unknown:
+        parser.error(f"--sections: {sorted(unknown)} not among {list(SECTIONS)}")
+    return args
 
 
 # ---------------------------------------------------------------------- sections
@@ -242,9 +250,13 @@ def main() -> int:
 
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     report = gg.Report(out_dir / "exact_kernels.json" if out_dir else None)
+    from dflash_trt.runtime.kernels.triton_ops import pdl_default
+
     machine = f"{torch.cuda.get_device_name()} (torch {torch.__version__}, triton {__import__('triton').__version__})"
     command = "python benchmarks/exact_kernels.py " + " ".join(sys.argv[1:])
-    report.data |= {"machine": machine, "command": command}
+    pdl = pdl_default(torch.device("cuda"))  # launches overlap their predecessor's end (DFLASH_TRT_PDL=0: off)
+    report.data |= {"machine": machine, "command": command, "pdl": pdl}
+    print(f"programmatic dependent launch: {'on' if pdl else 'off'}", flush=True)
     began = time.perf_counter()
     target, draft = gg.build_pair(torch.device("cuda"))
     dims = gg.make_dims(target, draft, MAX_CONTEXT)
@@ -255,11 +267,15 @@ def main() -> int:
     if args.sweep:
         exact = report.section("sweep", lambda: run_sweep(report, backends["fast"], args, out_dir, attention), keep=False) or exact
     backends["exact"] = measure(report, "exact", exact, target, draft, dims, args.reps)
-    report.section("gemm_us", lambda: gemm_times(backends, args.reps))
-    report.section("attention_us", lambda: gg.attention_times(backends, [CONTEXT], args.reps))
-    report.section("combine_us", lambda: combine_times(backends["exact"], args.reps))
-    report.section("tile_us", lambda: tile_times(backends["exact"], args.reps))
-    report.section("split_us", lambda: split_times(backends["exact"], args.reps))
+    sections = {
+        "gemm": lambda: gemm_times(backends, args.reps),
+        "attention": lambda: gg.attention_times(backends, [CONTEXT], args.reps),
+        "combine": lambda: combine_times(backends["exact"], args.reps),
+        "tile": lambda: tile_times(backends["exact"], args.reps),
+        "split": lambda: split_times(backends["exact"], args.reps),
+    }
+    for name in args.sections.split(","):
+        report.section(f"{name}_us", sections[name])
     for backend in backends.values():
         backend.close()
     report.data["summary"] = summary(report.data)
@@ -267,7 +283,7 @@ def main() -> int:
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     with args.results.open("a") as f:
         for r in report.data.get("graph_rows") or []:
-            f.write(json.dumps({"name": "exact_kernels", "date": date, "machine": machine, "command": command, **r}) + "\n")
+            f.write(json.dumps({"name": "exact_kernels", "date": date, "machine": machine, "command": command, "pdl": pdl, **r}) + "\n")
     if report.path is not None:
         report.path.write_text(json.dumps(report.data, indent=1, default=str))
     print("\n" + table(report.data))

@@ -170,7 +170,8 @@ def case(name: str, models, dtype, sessions: int, options, write):
             ar, ar_tokens = run_mode(backend, requests, sessions, False, max_cycles)
             dflash, dflash_tokens = run_mode(backend, requests, sessions, True, max_cycles, options.policy)
             identical = sum(a == b for a, b in zip(ar_tokens, dflash_tokens))
-            write(row(name, sessions, temperature, ar, dflash, identical, count, max_cycles) | {"kernels": backend.kernels, "policy": options.policy})
+            write(row(name, sessions, temperature, ar, dflash, identical, count, max_cycles)
+                  | {"kernels": backend.kernels, "policy": options.policy, "pdl": pdl_on(backend.device)})
     finally:
         backend.close()
 
@@ -201,6 +202,15 @@ def row(name, sessions, temperature, ar, dflash, identical, prompts, max_cycles)
         "ar": ar,
         "dflash": dflash,
     }
+
+
+def pdl_on(device: torch.device) -> bool:
+    """Whether the backend's kernels overlap their launches (programmatic dependent launch; CUDA only)."""
+    if device.type != "cuda":
+        return False
+    from dflash_trt.runtime.kernels.triton_ops import pdl_default
+
+    return pdl_default(device)
 
 
 def machine() -> str:

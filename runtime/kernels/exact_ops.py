@@ -68,7 +68,7 @@ from dflash_trt.runtime.kernels.plan import (
     exact_units_per_launch,
     exact_workspace_rows,
 )
-from dflash_trt.runtime.kernels.triton_ops import MASKED, TritonOps, query_tile
+from dflash_trt.runtime.kernels.triton_ops import MASKED, TritonOps, enter, query_tile
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton.jit at import, as here
 EXACT_SUM_BLOCK_N = 256  # features per program of the split-K sum (elementwise: any tile gives the same bits)
@@ -157,13 +157,14 @@ def _linear_kernel(
     cnt_ptr, row0, M, N, K, KS,
     GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
     SPLITS: tl.constexpr, FIXUP: tl.constexpr, TILES: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    INTERP: tl.constexpr,
+    INTERP: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (TILES x TM rows from row0, BN features, K split s = [s KS, s KS + KS)); the row blocks of one
     feature block are neighbours (L2). SPLITS == 1: the epilogues here; else the split's sums go to the
     workspace (rows local to row0), then either ``_split_sum_kernel`` adds them (a second launch) or, FIXUP,
     the tile's last split to arrive (a counter per tile) adds them in the same order 0..SPLITS-1 and resets
     the counter: which program adds never changes what is added, or in which order."""
+    enter(PDL)
     local = tl.program_id(0) * (TILES * TM) + tl.arange(0, TM)
     rows = row0 + local
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -243,9 +244,10 @@ def _fixup(ws_ptr, WR, cnt_ptr, local, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr
 def _split_sum_kernel(
     ws_ptr, WR, row0, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm,
     GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
-    SPLITS: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr,
+    SPLITS: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (TM rows from row0, BN features): ``_tile_sum``."""
+    enter(PDL)
     local = tl.program_id(0) * TM + tl.arange(0, TM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     _tile_sum(ws_ptr, WR, local, row0 + local, rn, rn < N, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr,
@@ -261,10 +263,12 @@ def _attention_kernel(
     o_ptr, so_n, so_h, so_t, cnt_ptr, unit0, QB, T, G, HKV, window, scale,
     D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, ROWS: tl.constexpr, COMBINE: tl.constexpr, INTERP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (unit = owner x kv head x query tile, split s): online softmax over the split's slots.
     COMBINE: the unit's last live split to finish (a counter per unit) runs ``_combine_unit``, else
     ``_combine_kernel`` does (a second launch): the same fold in the same order either way."""
+    enter(PDL)
     u = tl.program_id(0)
     s = tl.program_id(1)
     nh = (unit0 + u) // QB
@@ -331,9 +335,10 @@ def _attention_kernel(
 def _combine_kernel(
     part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, pos_ptr, spos_n, len_ptr, unit0, QB, S, T, G, HKV, window,
     D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (unit): ``_combine_unit`` over the tile's rows and slot range (as the attention pass saw them)."""
+    enter(PDL)
     u = tl.program_id(0)
     nh = (unit0 + u) // QB
     qb = (unit0 + u) % QB
@@ -416,15 +421,15 @@ class ExactOps(TritonOps):
     so the same bits: H200, Qwen3-8B shape, 16.7 against 19.5 µs per layer at one query, 36.5 against 40.0 at
     4 × 16); ``False`` folds them in a second launch; ``block_n``: key slots per inner step of a split, a power
     of two >= 16 dividing ``split_slots`` (default ``plan.exact_attention_block_n``; the result depends on it, so
-    one backend keeps one value).
+    one backend keeps one value); ``pdl``: ``TritonOps``' (launch overlap only: the same arithmetic).
     """
 
     kind = "exact"  # what TorchBackend(kernels=ExactOps(...)) reports as its kernels
 
     def __init__(self, split_slots: int = EXACT_SPLIT_SLOTS, linear_plans: dict | None = None, partial_bytes: int = EXACT_PARTIAL_BYTES,
                  workspace_bytes: int = EXACT_WORKSPACE_BYTES, combine_in_kernel: bool = True, block_q: int = EXACT_BLOCK_Q,
-                 block_n: int | None = None) -> None:
-        super().__init__()
+                 block_n: int | None = None, pdl: bool | None = None) -> None:
+        super().__init__(pdl=pdl)
         if block_q < 16 or block_q & (block_q - 1):
             raise ValueError(f"block_q must be a power of two >= 16, got {block_q}")
         if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
@@ -471,11 +476,12 @@ class ExactOps(TritonOps):
             _linear_kernel[(triton.cdiv(rows, tiles * EXACT_TILE_M), blocks, splits)](
                 x, x.stride(0), weight, weight.stride(0), *tensors[1:], workspace, step, counters, row0, row0 + rows, N, K, width,
                 **flags, FIXUP=fixup, TILES=tiles, TM=EXACT_TILE_M, BN=block_n, BK=plan.block_k, INTERP=INTERPRETED,
-                num_warps=plan.warps, num_stages=stages,
+                num_warps=plan.warps, num_stages=stages, **self.launch(x.device),
             )
             if splits > 1 and not fixup:
                 _split_sum_kernel[(triton.cdiv(rows, EXACT_TILE_M), triton.cdiv(N, EXACT_SUM_BLOCK_N))](
                     workspace, step, row0, row0 + rows, N, *tensors, **flags, TM=EXACT_TILE_M, BN=EXACT_SUM_BLOCK_N, num_warps=4,
+                    **self.launch(x.device),
                 )
         return out
 
@@ -522,11 +528,11 @@ class ExactOps(TritonOps):
                 k_cache.stride(2), q_positions, q_positions.stride(0), kv_len, part, lse,
                 rows if rows is not None else kv_len, out, out.stride(0), out.stride(2), out.stride(1), counters, unit0, tiles, T,
                 group, kv_heads, window, D**-0.5, ROWS=rows is not None, COMBINE=self.combine_in_kernel, INTERP=INTERPRETED,
-                num_warps=4, num_stages=2, **shape,
+                num_warps=4, num_stages=2, **shape, **self.launch(q.device),
             )
             if not self.combine_in_kernel:
                 _combine_kernel[(count,)](
                     part, lse, out, out.stride(0), out.stride(2), out.stride(1), q_positions, q_positions.stride(0), kv_len,
-                    unit0, tiles, splits, T, group, kv_heads, window, num_warps=4, **shape,
+                    unit0, tiles, splits, T, group, kv_heads, window, num_warps=4, **shape, **self.launch(q.device),
                 )
         return out.transpose(1, 2)

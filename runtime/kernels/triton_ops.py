@@ -25,6 +25,8 @@ fp32 dots run in IEEE fp32 (no TF32), so fp32 models give the CPU's tokens.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -33,16 +35,49 @@ import triton.language as tl
 from dflash_trt.export.layers import EagerKernels
 from dflash_trt.runtime.kernels.plan import attention_plan, linear_plan
 
+try:  # programmatic dependent launch (sm90+): Triton's grid dependency control
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without it: every launch stays plain
+    gdc_launch_dependents = gdc_wait = None
+
 MASKED = tl.constexpr(-1.0e30)  # score of an invisible slot (finite: a row with no visible slot yet stays NaN-free)
+
+
+def pdl_capable(device: torch.device) -> bool:
+    """Whether launches on ``device`` can overlap their predecessor's end: sm90+, a Triton with ``launch_pdl``,
+    not the CPU interpreter."""
+    if device.type != "cuda" or gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def pdl_default(device: torch.device) -> bool:
+    """Whether ops left to choose (``pdl=None``) overlap launches: where capable, unless ``DFLASH_TRT_PDL=0``."""
+    return os.environ.get("DFLASH_TRT_PDL", "1") != "0" and pdl_capable(device)
+
+
+@triton.jit
+def enter(PDL: tl.constexpr):
+    """Every kernel's first statement. PDL (the launch has ``launch_pdl``): wait until the launch before this one
+    has finished and its writes are visible — before any load or store of this program — then let the next launch
+    start (its programs wait here in turn). Its start-up then overlaps this launch instead of following its end;
+    what each program computes, and in which order, does not change. Stream order stays transitive: a launch
+    waits for its predecessor, which waited for its own."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, stride_wn, b_ptr, g_ptr, r_ptr, o_ptr, t_ptr, N, K, eps,
     NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
-    EVEN_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EARLY_SUM: tl.constexpr,
+    EVEN_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EARLY_SUM: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """y[n] for BN features of one row; GATED: rows n of W are gates, rows N + n ups."""
+    enter(PDL)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     n_ok = rn < N
@@ -102,8 +137,9 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, stride_xm, g_ptr, y_ptr, stride_ym, K, eps, BK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, stride_xm, g_ptr, y_ptr, stride_ym, K, eps, BK: tl.constexpr, PDL: tl.constexpr = False):
     """One row: y = x * rsqrt(mean(x^2) + eps) * g (fp32 math, one rounding)."""
+    enter(PDL)
     m = tl.program_id(0)
     rk = tl.arange(0, BK)
     ok = rk < K
@@ -114,8 +150,9 @@ def _rms_norm_kernel(x_ptr, stride_xm, g_ptr, y_ptr, stride_ym, K, eps, BK: tl.c
 
 
 @triton.jit
-def _silu_mul_kernel(h_ptr, stride_hm, y_ptr, stride_ym, N, BN: tl.constexpr):
+def _silu_mul_kernel(h_ptr, stride_hm, y_ptr, stride_ym, N, BN: tl.constexpr, PDL: tl.constexpr = False):
     """y[m, n] = silu(h[m, n]) * h[m, N + n] (h = [gate | up] of a row)."""
+    enter(PDL)
     m = tl.program_id(0)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     ok = rn < N
@@ -138,12 +175,13 @@ def _rms_rope(x1, x2, w_ptr, half, cos, sin, eps, D: tl.constexpr, NORM: tl.cons
 def _qk_rope_write_kernel(
     qkv_ptr, stride_m, start_ptr, freq_ptr, qn_ptr, kn_ptr, q_ptr, k_ptr, v_ptr, rows_ptr, len_ptr,
     stride_cn, stride_ch, stride_cl, T, HQ, HKV, eps,
-    D: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr, LENGTHS: tl.constexpr,
+    D: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr, LENGTHS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (row m, head h): h < HQ -> Q head h; else K/V head h - HQ into its cache slot.
 
     ROWS: owner i's cache row is ``rows[i]`` (a device input); else row i of the caches.
     LENGTHS: owner i writes only its first ``lengths[i]`` rows (the rest pad a ragged batch)."""
+    enter(PDL)
     m = tl.program_id(0)
     h = tl.program_id(1)
     i = m // T
@@ -208,9 +246,10 @@ def _attention_kernel(
     q_ptr, sq_n, sq_h, sq_t, k_ptr, v_ptr, sk_n, sk_h, sk_l, pos_ptr, spos_n, len_ptr,
     o_ptr, so_n, so_h, so_t, part_ptr, lse_ptr, rows_ptr, T, G, HKV, window, scale,
     D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (split s, owner x kv head, query block): online softmax over its slice of valid slots."""
+    enter(PDL)
     s = tl.program_id(0)
     nh = tl.program_id(1)
     qb = tl.program_id(2)
@@ -265,12 +304,14 @@ def _attention_kernel(
 def _combine_kernel(
     part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, T, G, HKV,
     D: tl.constexpr, BLOCK_Q: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, ROWS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (owner x kv head, query block, ROWS-row slice): the splits' outputs weighted by exp(lse - max lse).
 
     SPLITS is static: the loops unroll, so every split's loads are issued at once (latency, not bytes,
     is what a short combine pays); row slices spread the partials' bytes over more processors.
     """
+    enter(PDL)
     nh = tl.program_id(0)
     qb = tl.program_id(1)
     programs = tl.num_programs(0) * tl.num_programs(1)
@@ -302,13 +343,27 @@ class TritonOps(EagerKernels):
     """The fast kernels on CUDA tensors. Also a ``Kernels`` object (``attention`` over valid slots).
 
     ``splits`` forces the attention split count; ``linear_plans`` maps (N, K, gated) to the
-    ``LinearPlan`` of a one-row GEMV, replacing ``plan.linear_plan``'s choice (benchmark sweeps).
+    ``LinearPlan`` of a one-row GEMV, replacing ``plan.linear_plan``'s choice (benchmark sweeps); ``pdl``:
+    launch with programmatic dependent launch (each kernel's start overlaps the previous launch's end;
+    ``enter``), None: ``pdl_default``.
     """
 
-    def __init__(self, splits: int | None = None, linear_plans: dict | None = None) -> None:
+    def __init__(self, splits: int | None = None, linear_plans: dict | None = None, pdl: bool | None = None) -> None:
         self.splits = splits
         self.linear_plans = dict(linear_plans or {})
+        self.pdl = pdl
         self._processors: dict[int, int] = {}
+        self._launch: dict[str, dict] = {}
+
+    def launch(self, device: torch.device) -> dict:
+        """Launch arguments every kernel of these ops takes: ``PDL`` (its ``enter``) and, when on, ``launch_pdl``."""
+        key = str(device)
+        if key not in self._launch:
+            on = pdl_default(device) if self.pdl is None else bool(self.pdl)
+            if on and not pdl_capable(device):
+                raise ValueError(f"pdl: programmatic dependent launch needs an sm90+ CUDA device and a Triton with launch_pdl, got {device}")
+            self._launch[key] = {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+        return self._launch[key]
 
     def processors(self, device: torch.device) -> int:
         if device.type != "cuda":
@@ -338,7 +393,7 @@ class TritonOps(EagerKernels):
             residual if residual is not None else out, out, tap if tap is not None else out, N, K, eps,
             NORM=norm is not None, GATED=gated, BIAS=bias is not None, RESIDUAL=residual is not None,
             TAP=tap is not None, EVEN_K=K % plan.block_k == 0, BN=plan.block_n, BK=plan.block_k,
-            EARLY_SUM=plan.early_sum, num_warps=plan.warps,
+            EARLY_SUM=plan.early_sum, num_warps=plan.warps, **self.launch(x.device),
         )
         return out
 
@@ -366,14 +421,16 @@ class TritonOps(EagerKernels):
         """RMSNorm of each row of x [M, K] (unit inner stride), one pass."""
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         block = triton.next_power_of_2(x.shape[1])
-        _rms_norm_kernel[(x.shape[0],)](x, x.stride(0), weight, y, y.stride(0), x.shape[1], eps, BK=block, num_warps=4 if block <= 4096 else 8)
+        _rms_norm_kernel[(x.shape[0],)](
+            x, x.stride(0), weight, y, y.stride(0), x.shape[1], eps, BK=block, num_warps=4 if block <= 4096 else 8, **self.launch(x.device)
+        )
         return y
 
     def silu_mul(self, h: torch.Tensor) -> torch.Tensor:
         """h [M, 2N] = [gate | up] -> silu(gate) * up [M, N]."""
         M, N = h.shape[0], h.shape[1] // 2
         y = torch.empty((M, N), dtype=h.dtype, device=h.device)
-        _silu_mul_kernel[(M, triton.cdiv(N, 1024))](h, h.stride(0), y, y.stride(0), N, BN=1024, num_warps=4)
+        _silu_mul_kernel[(M, triton.cdiv(N, 1024))](h, h.stride(0), y, y.stride(0), N, BN=1024, num_warps=4, **self.launch(h.device))
         return y
 
     def qk_rope_write(
@@ -391,7 +448,7 @@ class TritonOps(EagerKernels):
             qkv, qkv.stride(0), start, inv_freq, q_weight, k_norm if norm else inv_freq,
             q, k_cache, v_cache, rows if rows is not None else start, lengths if lengths is not None else start,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tokens, heads, kv_heads, eps, D=head_dim, NORM=norm,
-            ROWS=rows is not None, LENGTHS=lengths is not None, num_warps=1 if head_dim <= 64 else 2,
+            ROWS=rows is not None, LENGTHS=lengths is not None, num_warps=1 if head_dim <= 64 else 2, **self.launch(qkv.device),
         )
         return q if heads else None
 
@@ -417,12 +474,12 @@ class TritonOps(EagerKernels):
             k_cache.stride(2), q_positions, q_positions.stride(0), kv_len, out, out.stride(0), out.stride(2),
             out.stride(1), part, lse, rows if rows is not None else kv_len, T, group, kv_heads, window, D**-0.5, D=D,
             BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n, CAUSAL=causal, WINDOW=window > 0, SPLIT=split, ROWS=rows is not None,
-            num_warps=4, num_stages=2,
+            num_warps=4, num_stages=2, **self.launch(q.device),
         )
         if split:
             _combine_kernel[(n * kv_heads, plan.query_blocks, plan.block_q // 16)](
                 part, lse, out, out.stride(0), out.stride(2), out.stride(1), T, group, kv_heads,
                 D=D, BLOCK_Q=plan.block_q, SPLITS=plan.splits, SPLITS_P2=triton.next_power_of_2(plan.splits), ROWS=16,
-                num_warps=4,
+                num_warps=4, **self.launch(q.device),
             )
         return out.transpose(1, 2)

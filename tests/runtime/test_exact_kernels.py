@@ -280,7 +280,7 @@ def test_exact_linear_compiles_to_one_arithmetic_for_every_row_count():
         launches = sorted({exact_linear_launch(plan, M, gated, 2) for M in ROW_COUNTS})
         for fixup, (tiles, block_n, stages) in itertools.product((False, True), launches):  # the in-kernel sum: spread only
             constexprs = dict(GATED=gated, BIAS=False, RESIDUAL=not norm, TAP=False, SPLITS=plan.splits, FIXUP=fixup,
-                              TILES=tiles, TM=16, BN=block_n, BK=plan.block_k, INTERP=False)
+                              TILES=tiles, TM=16, BN=block_n, BK=plan.block_k, INTERP=False, PDL=False)
             try:
                 ir = _ttgir(_linear_kernel, args, aligned, constexprs, plan.warps, stages)
             except Exception as error:  # noqa: BLE001 - a Triton without the NVIDIA backend's compiler
@@ -292,14 +292,12 @@ def test_exact_linear_compiles_to_one_arithmetic_for_every_row_count():
         assert all("versionMajor = 2" in m and "instrShape = [16, 8]" in m for _, ms in compiled.values() for m in ms), compiled
 
 
-@needs_triton
-def test_split_sum_and_attention_kernels_compile_for_sm90():
-    """Bug: a kernel the tests only run interpreted no longer compiles for the GPU (the split-K sum pass; the fast
-    and exact attention kernels, which share one query-tile setup; the in-kernel combine with its counter; the
-    q/k-norm, RoPE and K/V write with its per-row write masks): the first CUDA call of the backend fails."""
+def _launched_kernels() -> list[tuple]:
+    """(kernel, argument types, constexprs) of every kernel the fast and exact ops launch (PDL left out)."""
     from dflash_trt.runtime.kernels import exact_ops, triton_ops
 
     ints = lambda *names: {name: "i32" for name in names}  # noqa: E731
+    linear = {name: "*bf16" if name.endswith("_ptr") else "i32" for name in LINEAR_ARGS} | {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}
     sums = {"ws_ptr": "*fp32"} | ints("WR", "row0", "M", "N") | {"w_ptr": "*bf16", "b_ptr": "*bf16", "r_ptr": "*bf16",
            "stride_rm": "i32", "o_ptr": "*bf16", "stride_om": "i32", "t_ptr": "*bf16", "stride_tm": "i32"}
     q = {"q_ptr": "*bf16"} | ints("sq_n", "sq_h", "sq_t") | {"k_ptr": "*bf16", "v_ptr": "*bf16"} | ints("sk_n", "sk_h", "sk_l")
@@ -311,24 +309,78 @@ def test_split_sum_and_attention_kernels_compile_for_sm90():
     exact |= {"scale": "fp32"}
     combine = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "o_ptr": "*bf16"} | ints("so_n", "so_h", "so_t")
     combine |= {"pos_ptr": "*i64", "spos_n": "i32", "len_ptr": "*i64"} | ints("unit0", "QB", "S", "T", "G", "HKV", "window")
+    fast_combine = {"part_ptr": "*fp32", "lse_ptr": "*fp32", "o_ptr": "*bf16"} | ints("so_n", "so_h", "so_t", "T", "G", "HKV")
     shape = dict(D=128, BLOCK_Q=16, BLOCK_N=64, CAUSAL=True, WINDOW=True)
     rope = {"qkv_ptr": "*bf16", "stride_m": "i32", "start_ptr": "*i64", "freq_ptr": "*fp32", "qn_ptr": "*bf16", "kn_ptr": "*bf16",
             "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "rows_ptr": "*i64", "len_ptr": "*i64"}
     rope |= ints("stride_cn", "stride_ch", "stride_cl", "T", "HQ", "HKV") | {"eps": "fp32"}
-    kernels = [
-        (triton_ops._qk_rope_write_kernel, rope, dict(D=128, NORM=True, ROWS=True, LENGTHS=True)),
+    gemv = {"x_ptr": "*bf16", "w_ptr": "*bf16", "stride_wn": "i32", "b_ptr": "*bf16", "g_ptr": "*bf16", "r_ptr": "*bf16",
+            "o_ptr": "*bf16", "t_ptr": "*bf16"} | ints("N", "K") | {"eps": "fp32"}
+    norm = {"x_ptr": "*bf16", "stride_xm": "i32", "g_ptr": "*bf16", "y_ptr": "*bf16", "stride_ym": "i32", "K": "i32", "eps": "fp32"}
+    silu = {"h_ptr": "*bf16", "stride_hm": "i32", "y_ptr": "*bf16", "stride_ym": "i32", "N": "i32"}
+    return [
+        (exact_ops._linear_kernel, linear, dict(GATED=True, BIAS=True, RESIDUAL=True, TAP=True, SPLITS=2, FIXUP=True, TILES=2, TM=16,
+                                                BN=64, BK=128, INTERP=False)),
         (exact_ops._split_sum_kernel, sums, dict(GATED=True, BIAS=True, RESIDUAL=True, TAP=True, SPLITS=4, TM=16, BN=256)),
-        (triton_ops._attention_kernel, fast, dict(D=128, BLOCK_Q=64, BLOCK_N=64, CAUSAL=True, WINDOW=True, SPLIT=True, ROWS=True)),
         (exact_ops._attention_kernel, exact, shape | dict(SPLIT=256, ROWS=True, COMBINE=False, INTERP=False)),
         (exact_ops._attention_kernel, exact, shape | dict(SPLIT=256, ROWS=True, COMBINE=True, INTERP=False)),
         (exact_ops._combine_kernel, combine, shape | dict(SPLIT=256)),
+        (triton_ops._qk_rope_write_kernel, rope, dict(D=128, NORM=True, ROWS=True, LENGTHS=True)),
+        (triton_ops._attention_kernel, fast, dict(D=128, BLOCK_Q=64, BLOCK_N=64, CAUSAL=True, WINDOW=True, SPLIT=True, ROWS=True)),
+        (triton_ops._combine_kernel, fast_combine, dict(D=128, BLOCK_Q=64, SPLITS=5, SPLITS_P2=8, ROWS=16)),
+        (triton_ops._gemv_kernel, gemv, dict(NORM=True, GATED=True, BIAS=True, RESIDUAL=True, TAP=True, EVEN_K=True, BN=16, BK=512,
+                                             EARLY_SUM=False)),
+        (triton_ops._rms_norm_kernel, norm, dict(BK=4096)),
+        (triton_ops._silu_mul_kernel, silu, dict(BN=1024)),
     ]
-    for kernel, args, constexprs in kernels:
+
+
+@needs_triton
+def test_split_sum_and_attention_kernels_compile_for_sm90():
+    """Bug: a kernel the tests only run interpreted no longer compiles for the GPU (the split-K sum pass; the fast
+    and exact attention kernels, which share one query-tile setup; the in-kernel combine with its counter; the
+    q/k-norm, RoPE and K/V write with its per-row write masks): the first CUDA call of the backend fails."""
+    for kernel, args, constexprs in _launched_kernels():
         try:
-            ir = _ttgir(kernel, args, set(), constexprs, 4, 2)
+            ir = _ttgir(kernel, args, set(), constexprs | {"PDL": False}, 4, 2)
         except ImportError as error:  # a Triton without the NVIDIA backend's compiler
             pytest.skip(f"cannot compile for sm90 here: {error!r}"[:200])
         assert "tt.func" in ir, kernel
+
+
+@needs_triton
+def test_a_kernel_launched_overlapping_waits_for_its_predecessor_before_any_memory_access():
+    """Bug: a kernel launched with programmatic dependent launch (``launch_pdl``: it may start while the launch
+    before it still runs) loads its inputs, or stores over a buffer its predecessor still reads, before
+    ``griddepcontrol.wait``: it reads stale activations or the previous layer's half-written outputs, a race no
+    CPU test sees. Every launched kernel, compiled for sm90 with PDL, must wait before its first global load,
+    store or atomic, and compute exactly what it computes without PDL (the same reductions and MMAs)."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dflash_trt.runtime.kernels import triton_ops
+
+    if triton_ops.gdc_wait is None:
+        pytest.skip("this Triton has no grid dependency control")
+    memory = re.compile(r"^\s*(@%p\d+\s+)?(ld\.global|st\.global|atom\.|red\.|cp\.async)")
+    for kernel, args, constexprs in _launched_kernels():
+        ptx = {}
+        for pdl in (False, True):
+            source = ASTSource(fn=kernel, signature=args | {k: "constexpr" for k in constexprs | {"PDL": pdl}},
+                               constexprs=constexprs | {"PDL": pdl})
+            try:
+                compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+            except ImportError as error:  # a Triton without the NVIDIA backend's compiler
+                pytest.skip(f"cannot compile for sm90 here: {error!r}"[:200])
+            ptx[pdl] = compiled.asm["ptx"].splitlines()
+            assert _arithmetic(compiled.asm["ttgir"]) == _arithmetic(_ttgir(kernel, args, set(), constexprs | {"PDL": False}, 4, 2)), kernel
+        first_access = next(i for i, line in enumerate(ptx[True]) if memory.match(line))
+        waits = [i for i, line in enumerate(ptx[True]) if "griddepcontrol.wait" in line]
+        assert waits and waits[0] < first_access, (kernel.fn.__name__, waits, ptx[True][first_access])
+        assert not any("griddepcontrol" in line for line in ptx[False]), kernel.fn.__name__
 
 
 # ------------------------------------------------------------------ the kernels, interpreted (CPU)
@@ -481,15 +533,15 @@ def test_exact_kernels_agree_with_the_reference_on_cuda(dtype):
     exact_checks.check_attention_reference("cuda", dtype)
 
 
-def _bf16_backend(target_dir, draft_dir, sessions: int, max_context: int, max_chunk: int):
-    """The pair in bf16 on CUDA with kernels="exact", ``sessions`` cache rows, up to ``sessions`` owners per launch."""
+def _bf16_backend(target_dir, draft_dir, sessions: int, max_context: int, max_chunk: int, kernels="exact"):
+    """The pair in bf16 on CUDA with ``kernels`` (exact), ``sessions`` cache rows, up to ``sessions`` owners per launch."""
     from dflash_trt.export.exporter import ExportOptions, contract_dims
     from dflash_trt.export.pair import load_pair
     from dflash_trt.runtime.backends.torch_backend import TorchBackend
 
     target, draft = load_pair(target_dir, draft_dir, dtype=torch.bfloat16)
     options = ExportOptions(max_owners=sessions, max_context=max_context, max_chunk=max_chunk, proposals=draft.config.block_size - 1, dtype="bf16")
-    return TorchBackend(target, draft, contract_dims(target, draft, options), sessions, device="cuda", kernels="exact")
+    return TorchBackend(target, draft, contract_dims(target, draft, options), sessions, device="cuda", kernels=kernels)
 
 
 def _assert_identical(outputs: dict, requests, what: str) -> None:
@@ -515,6 +567,46 @@ def test_dflash_equals_plain_decoding_in_bf16_on_the_tiny_pair(exported_pair, se
     _assert_identical(outputs, requests, f"tiny pair, {sessions} sessions")
 
 
+def _default_pair_requests(count: int, new_tokens: int) -> list:
+    """``count`` held-out prompts of the default pair (the last 160 tokens), greedy and top-p sampled (fixed seeds)."""
+    from dflash_trt.export.pair import DEFAULT_PAIR_DIR
+    from dflash_trt.export.sampling import Sampling
+    from dflash_trt.export.tokenizer import Tokenizer
+    from dflash_trt.runtime.serving.batcher import Request
+
+    tokenizer = Tokenizer.from_dir(DEFAULT_PAIR_DIR / "target")
+    rows = [json.loads(line) for line in (DEFAULT_PAIR_DIR / "prompts.jsonl").read_text().splitlines() if line.strip()]
+    prompts = [tokenizer.encode(row["prompt"])[-160:] for row in rows[:count]]
+    stop = tuple(tokenizer.stop_ids)
+    requests = [Request(p, new_tokens, stop, Sampling(0.0, 0, 1.0, 7 + i)) for i, p in enumerate(prompts)]
+    return requests + [Request(p, new_tokens, stop, Sampling(0.8, 0, 0.95, 100 + i)) for i, p in enumerate(prompts)]
+
+
+@gpu
+def test_overlapped_launches_give_the_tokens_of_plain_launches():
+    """Bug: with programmatic dependent launch (a kernel's start overlapping the end of the launch before it) some
+    kernel touches memory before ``griddepcontrol.wait`` — reading activations its predecessor has not written yet,
+    or overwriting a buffer its predecessor still reads — or a captured graph loses a dependency: tokens change, or
+    change from run to run. The default pair in bf16 at 16 sessions, DFlash and plain decoding, greedy and sampled:
+    the exact kernels launched overlapping give every token of the same kernels launched plainly."""
+    import exact_checks
+
+    from dflash_trt.export.pair import DEFAULT_PAIR_DIR
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+    from dflash_trt.runtime.kernels.triton_ops import pdl_capable
+
+    if not pdl_capable(torch.device("cuda")):
+        pytest.skip("needs an sm90+ GPU and a Triton with launch_pdl")
+    requests = _default_pair_requests(16, 64)
+    outputs = {}
+    for pdl in (False, True):
+        with _bf16_backend(DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft", 16, 1024, 256, ExactOps(pdl=pdl)) as backend:
+            outputs[pdl] = exact_checks.serve_both(backend, requests, 16)
+    for mode in ("plain", "dflash"):
+        for i, (plain, overlapped) in enumerate(zip(outputs[False][mode], outputs[True][mode])):
+            assert plain == overlapped, f"{mode}, request {i}: overlapped launches differ at {exact_checks.first_difference(plain, overlapped)}"
+
+
 @gpu
 def test_dflash_equals_plain_decoding_in_bf16_on_the_default_pair():
     """Bug: on the shipped pair in bf16 (kernels="exact"), DFlash's output differs from plain decoding's for some
@@ -523,16 +615,8 @@ def test_dflash_equals_plain_decoding_in_bf16_on_the_default_pair():
     import exact_checks
 
     from dflash_trt.export.pair import DEFAULT_PAIR_DIR
-    from dflash_trt.export.tokenizer import Tokenizer
-    from dflash_trt.export.sampling import Sampling
-    from dflash_trt.runtime.serving.batcher import Request
 
-    tokenizer = Tokenizer.from_dir(DEFAULT_PAIR_DIR / "target")
-    rows = [json.loads(line) for line in (DEFAULT_PAIR_DIR / "prompts.jsonl").read_text().splitlines() if line.strip()]
-    prompts = [tokenizer.encode(row["prompt"])[-160:] for row in rows[:16]]
-    stop = tuple(tokenizer.stop_ids)
-    requests = [Request(p, 96, stop, Sampling(0.0, 0, 1.0, 7 + i)) for i, p in enumerate(prompts)]
-    requests += [Request(p, 96, stop, Sampling(0.8, 0, 0.95, 100 + i)) for i, p in enumerate(prompts)]  # top-p sampling
+    requests = _default_pair_requests(16, 96)
     alone = None
     for sessions in (1, 4, 16):
         with _bf16_backend(DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft", sessions, 1024, 256) as backend:

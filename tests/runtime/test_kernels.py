@@ -270,6 +270,27 @@ def test_triton_interpreter_equals_the_twin():
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
 
 
+@pytest.mark.skipif(not TRITON, reason="needs triton (it ships with the CUDA builds of torch)")
+def test_overlapped_launches_are_asked_for_only_where_they_run(monkeypatch):
+    """Bug: ops asked to overlap launches (``pdl=True``) on a device that cannot (the CPU, Triton's interpreter)
+    launch anyway — Triton fails deep in its launcher, or the interpreter meets an instruction it lacks —
+    instead of a typed error naming the field; or ops left to choose turn overlap on there, or keep it on when
+    ``DFLASH_TRT_PDL=0`` asks for plain launches."""
+    from dflash_trt.runtime.kernels import triton_ops
+    from dflash_trt.runtime.kernels.triton_ops import TritonOps
+
+    cpu = torch.device("cpu")
+    assert TritonOps().launch(cpu) == {"PDL": False}
+    assert TritonOps(pdl=False).launch(cpu) == {"PDL": False}
+    with pytest.raises(ValueError, match="pdl: programmatic dependent launch needs an sm90\\+ CUDA device .* got cpu"):
+        TritonOps(pdl=True).launch(cpu)
+    monkeypatch.setattr(triton_ops, "pdl_capable", lambda device: True)  # as on an H100 / H200
+    assert TritonOps().launch(cpu) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setenv("DFLASH_TRT_PDL", "0")
+    assert TritonOps().launch(cpu) == {"PDL": False}
+    assert TritonOps(pdl=True).launch(cpu) == {"PDL": True, "launch_pdl": True}  # asked for, and capable: kept
+
+
 # ------------------------------------------------------------------ GPU
 
 
