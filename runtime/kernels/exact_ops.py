@@ -68,7 +68,7 @@ from dflash_trt.runtime.kernels.plan import (
     exact_units_per_launch,
     exact_workspace_rows,
 )
-from dflash_trt.runtime.kernels.triton_ops import MASKED, TritonOps, enter, query_tile
+from dflash_trt.runtime.kernels.triton_ops import MASKED, TritonOps, enter, query_tile, release
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton.jit at import, as here
 EXACT_SUM_BLOCK_N = 256  # features per program of the split-K sum (elementwise: any tile gives the same bits)
@@ -157,7 +157,7 @@ def _linear_kernel(
     cnt_ptr, row0, M, N, K, KS,
     GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
     SPLITS: tl.constexpr, FIXUP: tl.constexpr, TILES: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    INTERP: tl.constexpr, PDL: tl.constexpr = False,
+    INTERP: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """Program (TILES x TM rows from row0, BN features, K split s = [s KS, s KS + KS)); the row blocks of one
     feature block are neighbours (L2). SPLITS == 1: the epilogues here; else the split's sums go to the
@@ -193,6 +193,7 @@ def _linear_kernel(
                                       w_ptr.dtype.element_ty, GATED, INTERP)
             acc3, up3 = _tile_product(x_ptr, stride_xm, rows + 3 * TM, k_off, k_ok, M, wt, wut, acc3, up3,
                                       w_ptr.dtype.element_ty, GATED, INTERP)
+    release(PDL)
     if SPLITS == 1:
         _tile_epilogue(acc0, up0, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm,
                        GATED, BIAS, RESIDUAL, TAP)
@@ -244,10 +245,11 @@ def _fixup(ws_ptr, WR, cnt_ptr, local, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr
 def _split_sum_kernel(
     ws_ptr, WR, row0, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm,
     GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
-    SPLITS: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr = False,
+    SPLITS: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """Program (TM rows from row0, BN features): ``_tile_sum``."""
     enter(PDL)
+    release(PDL)
     local = tl.program_id(0) * TM + tl.arange(0, TM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     _tile_sum(ws_ptr, WR, local, row0 + local, rn, rn < N, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr,
@@ -263,7 +265,7 @@ def _attention_kernel(
     o_ptr, so_n, so_h, so_t, cnt_ptr, unit0, QB, T, G, HKV, window, scale,
     D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, ROWS: tl.constexpr, COMBINE: tl.constexpr, INTERP: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """Program (unit = owner x kv head x query tile, split s): online softmax over the split's slots.
     COMBINE: the unit's last live split to finish (a counter per unit) runs ``_combine_unit``, else
@@ -309,6 +311,7 @@ def _attention_kernel(
         total = total * alpha + tl.sum(p, axis=1)
         acc = ordered_dot(p.to(v.dtype), v, acc * alpha[:, None], INTERP)
         top = new_top
+    release(PDL)
     seen = total > 0
     out = acc / tl.where(seen, total, 1.0)[:, None]
     local = (u * tl.num_programs(1) + s) * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -335,10 +338,11 @@ def _attention_kernel(
 def _combine_kernel(
     part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, pos_ptr, spos_n, len_ptr, unit0, QB, S, T, G, HKV, window,
     D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr = False,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """Program (unit): ``_combine_unit`` over the tile's rows and slot range (as the attention pass saw them)."""
     enter(PDL)
+    release(PDL)
     u = tl.program_id(0)
     nh = (unit0 + u) // QB
     qb = (unit0 + u) % QB

@@ -53,6 +53,10 @@ def pdl_capable(device: torch.device) -> bool:
     return "launch_pdl" in CUDAOptions.__dataclass_fields__ and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+PDL_MODES = {"entry": 1, "late": 2, "wait": 3}
+PDL_MODE = "entry"  # where the next launch may start: at entry, after the main loop, at the end
+
+
 def pdl_default(device: torch.device) -> bool:
     """Whether ops left to choose (``pdl=None``) overlap launches: where capable, unless ``DFLASH_TRT_PDL=0``."""
     return os.environ.get("DFLASH_TRT_PDL", "1") != "0" and pdl_capable(device)
@@ -60,13 +64,22 @@ def pdl_default(device: torch.device) -> bool:
 
 @triton.jit
 def enter(PDL: tl.constexpr):
-    """Every kernel's first statement. PDL (the launch has ``launch_pdl``): wait until the launch before this one
-    has finished and its writes are visible — before any load or store of this program — then let the next launch
-    start (its programs wait here in turn). Its start-up then overlaps this launch instead of following its end;
-    what each program computes, and in which order, does not change. Stream order stays transitive: a launch
-    waits for its predecessor, which waited for its own."""
-    if PDL:
+    """Every kernel's first statement. PDL > 0 (the launch has ``launch_pdl``): wait until the launch before this
+    one has finished and its writes are visible — before any load or store of this program. PDL_ENTRY: then let
+    the next launch start (its programs wait here in turn). Its start-up then overlaps this launch instead of
+    following its end; what each program computes, and in which order, does not change. Stream order stays
+    transitive: a launch waits for its predecessor, which waited for its own."""
+    if PDL > 0:
         gdc_wait()
+    if PDL == 1:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def release(PDL: tl.constexpr):
+    """PDL_LATE: let the next launch start from here (after a kernel's main loop: its programs, placed while this
+    launch's programs end, no longer crowd the processors that happened to finish first)."""
+    if PDL == 2:
         gdc_launch_dependents()
 
 
@@ -74,7 +87,7 @@ def enter(PDL: tl.constexpr):
 def _gemv_kernel(
     x_ptr, w_ptr, stride_wn, b_ptr, g_ptr, r_ptr, o_ptr, t_ptr, N, K, eps,
     NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
-    EVEN_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EARLY_SUM: tl.constexpr, PDL: tl.constexpr = False,
+    EVEN_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EARLY_SUM: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """y[n] for BN features of one row; GATED: rows n of W are gates, rows N + n ups."""
     enter(PDL)
@@ -113,6 +126,7 @@ def _gemv_kernel(
                 acc2_u += wu.to(tl.float32) * x[None, :]
         w_ptrs += BK
         u_ptrs += BK
+    release(PDL)
     if not EARLY_SUM:
         acc = tl.sum(acc2, axis=1)
         if GATED:
@@ -137,20 +151,21 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, stride_xm, g_ptr, y_ptr, stride_ym, K, eps, BK: tl.constexpr, PDL: tl.constexpr = False):
+def _rms_norm_kernel(x_ptr, stride_xm, g_ptr, y_ptr, stride_ym, K, eps, BK: tl.constexpr, PDL: tl.constexpr = 0):
     """One row: y = x * rsqrt(mean(x^2) + eps) * g (fp32 math, one rounding)."""
     enter(PDL)
     m = tl.program_id(0)
     rk = tl.arange(0, BK)
     ok = rk < K
     x = tl.load(x_ptr + m * stride_xm + rk, mask=ok, other=0.0).to(tl.float32)
+    release(PDL)
     scale = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
     y = x * scale * tl.load(g_ptr + rk, mask=ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * stride_ym + rk, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _silu_mul_kernel(h_ptr, stride_hm, y_ptr, stride_ym, N, BN: tl.constexpr, PDL: tl.constexpr = False):
+def _silu_mul_kernel(h_ptr, stride_hm, y_ptr, stride_ym, N, BN: tl.constexpr, PDL: tl.constexpr = 0):
     """y[m, n] = silu(h[m, n]) * h[m, N + n] (h = [gate | up] of a row)."""
     enter(PDL)
     m = tl.program_id(0)
@@ -158,6 +173,7 @@ def _silu_mul_kernel(h_ptr, stride_hm, y_ptr, stride_ym, N, BN: tl.constexpr, PD
     ok = rn < N
     gate = tl.load(h_ptr + m * stride_hm + rn, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(h_ptr + m * stride_hm + N + rn, mask=ok, other=0.0).to(tl.float32)
+    release(PDL)
     tl.store(y_ptr + m * stride_ym + rn, (gate * tl.sigmoid(gate) * up).to(y_ptr.dtype.element_ty), mask=ok)
 
 
@@ -175,13 +191,14 @@ def _rms_rope(x1, x2, w_ptr, half, cos, sin, eps, D: tl.constexpr, NORM: tl.cons
 def _qk_rope_write_kernel(
     qkv_ptr, stride_m, start_ptr, freq_ptr, qn_ptr, kn_ptr, q_ptr, k_ptr, v_ptr, rows_ptr, len_ptr,
     stride_cn, stride_ch, stride_cl, T, HQ, HKV, eps,
-    D: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr, LENGTHS: tl.constexpr, PDL: tl.constexpr = False,
+    D: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr, LENGTHS: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """Program (row m, head h): h < HQ -> Q head h; else K/V head h - HQ into its cache slot.
 
     ROWS: owner i's cache row is ``rows[i]`` (a device input); else row i of the caches.
     LENGTHS: owner i writes only its first ``lengths[i]`` rows (the rest pad a ragged batch)."""
     enter(PDL)
+    release(PDL)
     m = tl.program_id(0)
     h = tl.program_id(1)
     i = m // T
@@ -246,7 +263,7 @@ def _attention_kernel(
     q_ptr, sq_n, sq_h, sq_t, k_ptr, v_ptr, sk_n, sk_h, sk_l, pos_ptr, spos_n, len_ptr,
     o_ptr, so_n, so_h, so_t, part_ptr, lse_ptr, rows_ptr, T, G, HKV, window, scale,
     D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """Program (split s, owner x kv head, query block): online softmax over its slice of valid slots."""
     enter(PDL)
@@ -288,6 +305,7 @@ def _attention_kernel(
         total = total * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         top = new_top
+    release(PDL)
     seen = total > 0
     out = acc / tl.where(seen, total, 1.0)[:, None]
     if SPLIT:
@@ -304,7 +322,7 @@ def _attention_kernel(
 def _combine_kernel(
     part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, T, G, HKV,
     D: tl.constexpr, BLOCK_Q: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, ROWS: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """Program (owner x kv head, query block, ROWS-row slice): the splits' outputs weighted by exp(lse - max lse).
 
@@ -312,6 +330,7 @@ def _combine_kernel(
     is what a short combine pays); row slices spread the partials' bytes over more processors.
     """
     enter(PDL)
+    release(PDL)
     nh = tl.program_id(0)
     qb = tl.program_id(1)
     programs = tl.num_programs(0) * tl.num_programs(1)
@@ -359,10 +378,11 @@ class TritonOps(EagerKernels):
         """Launch arguments every kernel of these ops takes: ``PDL`` (its ``enter``) and, when on, ``launch_pdl``."""
         key = str(device)
         if key not in self._launch:
-            on = pdl_default(device) if self.pdl is None else bool(self.pdl)
-            if on and not pdl_capable(device):
+            pdl = pdl_default(device) if self.pdl is None else self.pdl
+            mode = PDL_MODES[PDL_MODE if pdl is True else pdl] if pdl else 0
+            if mode and not pdl_capable(device):
                 raise ValueError(f"pdl: programmatic dependent launch needs an sm90+ CUDA device and a Triton with launch_pdl, got {device}")
-            self._launch[key] = {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+            self._launch[key] = {"PDL": mode, "launch_pdl": True} if mode else {"PDL": 0}
         return self._launch[key]
 
     def processors(self, device: torch.device) -> int:

@@ -367,20 +367,22 @@ def test_a_kernel_launched_overlapping_waits_for_its_predecessor_before_any_memo
         pytest.skip("this Triton has no grid dependency control")
     memory = re.compile(r"^\s*(@%p\d+\s+)?(ld\.global|st\.global|atom\.|red\.|cp\.async)")
     for kernel, args, constexprs in _launched_kernels():
-        ptx = {}
-        for pdl in (False, True):
-            source = ASTSource(fn=kernel, signature=args | {k: "constexpr" for k in constexprs | {"PDL": pdl}},
-                               constexprs=constexprs | {"PDL": pdl})
+        plain = _arithmetic(_ttgir(kernel, args, set(), constexprs | {"PDL": 0}, 4, 2))
+        for mode in (0, *triton_ops.PDL_MODES.values()):
+            source = ASTSource(fn=kernel, signature=args | {k: "constexpr" for k in constexprs | {"PDL": mode}},
+                               constexprs=constexprs | {"PDL": mode})
             try:
                 compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
             except ImportError as error:  # a Triton without the NVIDIA backend's compiler
                 pytest.skip(f"cannot compile for sm90 here: {error!r}"[:200])
-            ptx[pdl] = compiled.asm["ptx"].splitlines()
-            assert _arithmetic(compiled.asm["ttgir"]) == _arithmetic(_ttgir(kernel, args, set(), constexprs | {"PDL": False}, 4, 2)), kernel
-        first_access = next(i for i, line in enumerate(ptx[True]) if memory.match(line))
-        waits = [i for i, line in enumerate(ptx[True]) if "griddepcontrol.wait" in line]
-        assert waits and waits[0] < first_access, (kernel.fn.__name__, waits, ptx[True][first_access])
-        assert not any("griddepcontrol" in line for line in ptx[False]), kernel.fn.__name__
+            assert _arithmetic(compiled.asm["ttgir"]) == plain, (kernel.fn.__name__, mode)
+            ptx = compiled.asm["ptx"].splitlines()
+            waits = [i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line]
+            if mode == 0:
+                assert not any("griddepcontrol" in line for line in ptx), kernel.fn.__name__
+                continue
+            first_access = next(i for i, line in enumerate(ptx) if memory.match(line))
+            assert waits and waits[0] < first_access, (kernel.fn.__name__, mode, waits, ptx[first_access])
 
 
 # ------------------------------------------------------------------ the kernels, interpreted (CPU)
