@@ -54,8 +54,8 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--sweep-seconds", type=float, default=240.0, help="the sweep stops measuring after this long")
     parser.add_argument("--split-slots", type=int, default=None, help="the exact attention's split window (ExactOps' default without)")
     parser.add_argument("--attention-block-n", type=int, default=None, help="the exact attention's inner step (ExactOps' default without)")
-    parser.add_argument("--pdl", choices=("auto", "off", "entry", "late", "wait"), default="auto",
-                        help="programmatic dependent launch: where the next launch may start (auto: the ops' default)")
+    parser.add_argument("--pdl", choices=("auto", "off", "on"), default="auto",
+                        help="programmatic dependent launch (auto: the ops' default, DFLASH_TRT_PDL=0 turns it off)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {','.join(SECTIONS)} (the graph rows always run)")
     args = parser.parse_args()
     unknown = set(args.sections.split(",")) - set(SECTIONS)
@@ -252,14 +252,14 @@ def main() -> int:
 
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     report = gg.Report(out_dir / "exact_kernels.json" if out_dir else None)
-    from dflash_trt.runtime.kernels.triton_ops import PDL_MODE, TritonOps, pdl_default
+    from dflash_trt.runtime.kernels.triton_ops import TritonOps, pdl_default
 
     machine = f"{torch.cuda.get_device_name()} (torch {torch.__version__}, triton {__import__('triton').__version__})"
     command = "python benchmarks/exact_kernels.py " + " ".join(sys.argv[1:])
-    chosen = {"auto": None, "off": False}.get(args.pdl, args.pdl)
-    pdl = (PDL_MODE if pdl_default(torch.device("cuda")) else "off") if chosen is None else (chosen or "off")
+    chosen = {"auto": None, "off": False, "on": True}[args.pdl]
+    pdl = pdl_default(torch.device("cuda")) if chosen is None else chosen
     report.data |= {"machine": machine, "command": command, "pdl": pdl}
-    print(f"programmatic dependent launch: {pdl}", flush=True)
+    print(f"programmatic dependent launch: {'on' if pdl else 'off'}", flush=True)
     began = time.perf_counter()
     target, draft = gg.build_pair(torch.device("cuda"))
     dims = gg.make_dims(target, draft, MAX_CONTEXT)

@@ -157,7 +157,7 @@ def _linear_kernel(
     cnt_ptr, row0, M, N, K, KS,
     GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
     SPLITS: tl.constexpr, FIXUP: tl.constexpr, TILES: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    INTERP: tl.constexpr, PDL: tl.constexpr = 0,
+    INTERP: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (TILES x TM rows from row0, BN features, K split s = [s KS, s KS + KS)); the row blocks of one
     feature block are neighbours (L2). SPLITS == 1: the epilogues here; else the split's sums go to the
@@ -245,7 +245,7 @@ def _fixup(ws_ptr, WR, cnt_ptr, local, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr
 def _split_sum_kernel(
     ws_ptr, WR, row0, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm,
     GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
-    SPLITS: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr = 0,
+    SPLITS: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (TM rows from row0, BN features): ``_tile_sum``."""
     enter(PDL)
@@ -265,7 +265,7 @@ def _attention_kernel(
     o_ptr, so_n, so_h, so_t, cnt_ptr, unit0, QB, T, G, HKV, window, scale,
     D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, ROWS: tl.constexpr, COMBINE: tl.constexpr, INTERP: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     """Program (unit = owner x kv head x query tile, split s): online softmax over the split's slots.
     COMBINE: the unit's last live split to finish (a counter per unit) runs ``_combine_unit``, else
@@ -338,7 +338,7 @@ def _attention_kernel(
 def _combine_kernel(
     part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, pos_ptr, spos_n, len_ptr, unit0, QB, S, T, G, HKV, window,
     D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr = 0,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (unit): ``_combine_unit`` over the tile's rows and slot range (as the attention pass saw them)."""
     enter(PDL)

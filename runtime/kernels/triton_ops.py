@@ -53,10 +53,6 @@ def pdl_capable(device: torch.device) -> bool:
     return "launch_pdl" in CUDAOptions.__dataclass_fields__ and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-PDL_MODES = {"entry": 1, "late": 2, "wait": 3}
-PDL_MODE = "entry"  # where the next launch may start: at entry, after the main loop, at the end
-
-
 def pdl_default(device: torch.device) -> bool:
     """Whether ops left to choose (``pdl=None``) overlap launches: where capable, unless ``DFLASH_TRT_PDL=0``."""
     return os.environ.get("DFLASH_TRT_PDL", "1") != "0" and pdl_capable(device)
@@ -64,22 +60,21 @@ def pdl_default(device: torch.device) -> bool:
 
 @triton.jit
 def enter(PDL: tl.constexpr):
-    """Every kernel's first statement. PDL > 0 (the launch has ``launch_pdl``): wait until the launch before this
-    one has finished and its writes are visible — before any load or store of this program. PDL_ENTRY: then let
-    the next launch start (its programs wait here in turn). Its start-up then overlaps this launch instead of
-    following its end; what each program computes, and in which order, does not change. Stream order stays
-    transitive: a launch waits for its predecessor, which waited for its own."""
-    if PDL > 0:
+    """Every kernel's first statement. PDL (the launch has ``launch_pdl``): wait until the launch before this one
+    has finished and its writes are visible, before any load or store of this program. What each program
+    computes, and in which order, does not change; stream order stays transitive (a launch waits for its
+    predecessor, which waited for its own)."""
+    if PDL:
         gdc_wait()
-    if PDL == 1:
-        gdc_launch_dependents()
 
 
 @triton.jit
 def release(PDL: tl.constexpr):
-    """PDL_LATE: let the next launch start from here (after a kernel's main loop: its programs, placed while this
-    launch's programs end, no longer crowd the processors that happened to finish first)."""
-    if PDL == 2:
+    """PDL: let the next launch start (its programs wait in its ``enter``), placed after a kernel's main loop, so
+    the next launch's start-up overlaps this one's last work instead of following its end. At entry instead, the
+    next launch's programs were placed while this one's still ran, crowding the processors that happened to be
+    free first: the exact down projection took 35 instead of 28 µs (H200, benchmarks/RESULTS.md)."""
+    if PDL:
         gdc_launch_dependents()
 
 
@@ -87,7 +82,7 @@ def release(PDL: tl.constexpr):
 def _gemv_kernel(
     x_ptr, w_ptr, stride_wn, b_ptr, g_ptr, r_ptr, o_ptr, t_ptr, N, K, eps,
     NORM: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
-    EVEN_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EARLY_SUM: tl.constexpr, PDL: tl.constexpr = 0,
+    EVEN_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EARLY_SUM: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """y[n] for BN features of one row; GATED: rows n of W are gates, rows N + n ups."""
     enter(PDL)
@@ -151,7 +146,7 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, stride_xm, g_ptr, y_ptr, stride_ym, K, eps, BK: tl.constexpr, PDL: tl.constexpr = 0):
+def _rms_norm_kernel(x_ptr, stride_xm, g_ptr, y_ptr, stride_ym, K, eps, BK: tl.constexpr, PDL: tl.constexpr = False):
     """One row: y = x * rsqrt(mean(x^2) + eps) * g (fp32 math, one rounding)."""
     enter(PDL)
     m = tl.program_id(0)
@@ -165,7 +160,7 @@ def _rms_norm_kernel(x_ptr, stride_xm, g_ptr, y_ptr, stride_ym, K, eps, BK: tl.c
 
 
 @triton.jit
-def _silu_mul_kernel(h_ptr, stride_hm, y_ptr, stride_ym, N, BN: tl.constexpr, PDL: tl.constexpr = 0):
+def _silu_mul_kernel(h_ptr, stride_hm, y_ptr, stride_ym, N, BN: tl.constexpr, PDL: tl.constexpr = False):
     """y[m, n] = silu(h[m, n]) * h[m, N + n] (h = [gate | up] of a row)."""
     enter(PDL)
     m = tl.program_id(0)
@@ -191,7 +186,7 @@ def _rms_rope(x1, x2, w_ptr, half, cos, sin, eps, D: tl.constexpr, NORM: tl.cons
 def _qk_rope_write_kernel(
     qkv_ptr, stride_m, start_ptr, freq_ptr, qn_ptr, kn_ptr, q_ptr, k_ptr, v_ptr, rows_ptr, len_ptr,
     stride_cn, stride_ch, stride_cl, T, HQ, HKV, eps,
-    D: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr, LENGTHS: tl.constexpr, PDL: tl.constexpr = 0,
+    D: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr, LENGTHS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (row m, head h): h < HQ -> Q head h; else K/V head h - HQ into its cache slot.
 
@@ -263,7 +258,7 @@ def _attention_kernel(
     q_ptr, sq_n, sq_h, sq_t, k_ptr, v_ptr, sk_n, sk_h, sk_l, pos_ptr, spos_n, len_ptr,
     o_ptr, so_n, so_h, so_t, part_ptr, lse_ptr, rows_ptr, T, G, HKV, window, scale,
     D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = 0,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (split s, owner x kv head, query block): online softmax over its slice of valid slots."""
     enter(PDL)
@@ -322,7 +317,7 @@ def _attention_kernel(
 def _combine_kernel(
     part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, T, G, HKV,
     D: tl.constexpr, BLOCK_Q: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, ROWS: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     """Program (owner x kv head, query block, ROWS-row slice): the splits' outputs weighted by exp(lse - max lse).
 
@@ -378,11 +373,10 @@ class TritonOps(EagerKernels):
         """Launch arguments every kernel of these ops takes: ``PDL`` (its ``enter``) and, when on, ``launch_pdl``."""
         key = str(device)
         if key not in self._launch:
-            pdl = pdl_default(device) if self.pdl is None else self.pdl
-            mode = PDL_MODES[PDL_MODE if pdl is True else pdl] if pdl else 0
-            if mode and not pdl_capable(device):
+            on = pdl_default(device) if self.pdl is None else bool(self.pdl)
+            if on and not pdl_capable(device):
                 raise ValueError(f"pdl: programmatic dependent launch needs an sm90+ CUDA device and a Triton with launch_pdl, got {device}")
-            self._launch[key] = {"PDL": mode, "launch_pdl": True} if mode else {"PDL": 0}
+            self._launch[key] = {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
         return self._launch[key]
 
     def processors(self, device: torch.device) -> int:

@@ -367,8 +367,8 @@ def test_a_kernel_launched_overlapping_waits_for_its_predecessor_before_any_memo
         pytest.skip("this Triton has no grid dependency control")
     memory = re.compile(r"^\s*(@%p\d+\s+)?(ld\.global|st\.global|atom\.|red\.|cp\.async)")
     for kernel, args, constexprs in _launched_kernels():
-        plain = _arithmetic(_ttgir(kernel, args, set(), constexprs | {"PDL": 0}, 4, 2))
-        for mode in (0, *triton_ops.PDL_MODES.values()):
+        plain = _arithmetic(_ttgir(kernel, args, set(), constexprs | {"PDL": False}, 4, 2))
+        for mode in (False, True):
             source = ASTSource(fn=kernel, signature=args | {k: "constexpr" for k in constexprs | {"PDL": mode}},
                                constexprs=constexprs | {"PDL": mode})
             try:
@@ -378,11 +378,12 @@ def test_a_kernel_launched_overlapping_waits_for_its_predecessor_before_any_memo
             assert _arithmetic(compiled.asm["ttgir"]) == plain, (kernel.fn.__name__, mode)
             ptx = compiled.asm["ptx"].splitlines()
             waits = [i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line]
-            if mode == 0:
+            if not mode:
                 assert not any("griddepcontrol" in line for line in ptx), kernel.fn.__name__
                 continue
             first_access = next(i for i, line in enumerate(ptx) if memory.match(line))
-            assert waits and waits[0] < first_access, (kernel.fn.__name__, mode, waits, ptx[first_access])
+            assert waits and waits[0] < first_access, (kernel.fn.__name__, waits, ptx[first_access])
+            assert any("griddepcontrol.launch_dependents" in line for line in ptx), kernel.fn.__name__  # else no overlap
 
 
 # ------------------------------------------------------------------ the kernels, interpreted (CPU)

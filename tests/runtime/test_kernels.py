@@ -280,15 +280,15 @@ def test_overlapped_launches_are_asked_for_only_where_they_run(monkeypatch):
     from dflash_trt.runtime.kernels.triton_ops import TritonOps
 
     cpu = torch.device("cpu")
-    assert TritonOps().launch(cpu) == {"PDL": 0}
-    assert TritonOps(pdl=False).launch(cpu) == {"PDL": 0}
+    assert TritonOps().launch(cpu) == {"PDL": False}
+    assert TritonOps(pdl=False).launch(cpu) == {"PDL": False}
     with pytest.raises(ValueError, match="pdl: programmatic dependent launch needs an sm90\\+ CUDA device .* got cpu"):
         TritonOps(pdl=True).launch(cpu)
     monkeypatch.setattr(triton_ops, "pdl_capable", lambda device: True)  # as on an H100 / H200
-    on = {"PDL": triton_ops.PDL_MODES[triton_ops.PDL_MODE], "launch_pdl": True}
+    on = {"PDL": True, "launch_pdl": True}
     assert TritonOps().launch(cpu) == on
     monkeypatch.setenv("DFLASH_TRT_PDL", "0")
-    assert TritonOps().launch(cpu) == {"PDL": 0}
+    assert TritonOps().launch(cpu) == {"PDL": False}
     assert TritonOps(pdl=True).launch(cpu) == on  # asked for, and capable: kept
 
 
