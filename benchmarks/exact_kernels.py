@@ -4,7 +4,7 @@
     python benchmarks/exact_kernels.py --sweep      # + the exact linear's tile sweep (exact_sweep.py), whose
                                                     #   winners then run the timings; ~5 min
     python benchmarks/exact_kernels.py --sections gemm   # the graph rows and one kernel section only
-    DFLASH_TRT_PDL=0 python benchmarks/exact_kernels.py  # every launch plain (no programmatic dependent launch)
+    python benchmarks/exact_kernels.py --pdl on      # every kernel's start overlapping its predecessor's end
     bash benchmarks/run_exact_sweep.sh              # the sweep run, then the gpu tests (one device call, <= 8 min)
 
 Builds gpu_graphs.py's random bf16 pair on the device (target 36 layers, hidden 4096, 32/8 heads x 128,
@@ -55,7 +55,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--split-slots", type=int, default=None, help="the exact attention's split window (ExactOps' default without)")
     parser.add_argument("--attention-block-n", type=int, default=None, help="the exact attention's inner step (ExactOps' default without)")
     parser.add_argument("--pdl", choices=("auto", "off", "on"), default="auto",
-                        help="programmatic dependent launch (auto: the ops' default, DFLASH_TRT_PDL=0 turns it off)")
+                        help="programmatic dependent launch (auto: the ops' default: off unless DFLASH_TRT_PDL=1)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {','.join(SECTIONS)} (the graph rows always run)")
     args = parser.parse_args()
     unknown = set(args.sections.split(",")) - set(SECTIONS)
