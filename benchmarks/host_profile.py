@@ -1,8 +1,9 @@
 """Where a many-session round spends its host time: the executor under continuous batching, profiled.
 
     python benchmarks/host_profile.py [--sessions 64] [--requests 256] [--max-new-tokens 64] [--no-draft]
-        [--device cuda] [--torch-kernels auto|fast|exact|eager] [--timed | --kernels] [--record]
+        [--device cuda] [--torch-kernels auto|fast|exact|eager] [--timed | --kernels | --boundaries] [--record]
     python benchmarks/host_profile.py --device cpu --torch-kernels fast --timed   # a GPU round's host work, on a CPU
+    python benchmarks/host_profile.py --sessions 1 --requests 12 --max-new-tokens 128 --boundaries   # execute gaps
 
 The default pair (bf16 on CUDA, fp32 on the CPU) on the torch backend, ``--sessions`` sessions at once
 (one row-indexed program serves up to that many owners), ``generate.stream`` over ``--requests``
@@ -14,7 +15,11 @@ events), the wall time and tokens/s, then one of:
 - ``--timed``: host microseconds per call of the round's own functions (``ROUND_FUNCTIONS``), timed
   with ``perf_counter`` around each call, no profiler: what a launch, a read, a prefill cost as they run;
 - ``--kernels`` (CUDA): the device kernels under ``torch.profiler``, as counts and microseconds per
-  launch of the loop (prefill kernels included): how many kernels a cycle or a decode step is made of.
+  launch of the loop (prefill kernels included): how many kernels a cycle or a decode step is made of;
+- ``--boundaries``: the host time around execute boundaries, where nothing is queued on the device (medians
+  of ``perf_counter`` marks): the execute's last read after its wait for the device, from that read to the
+  execute's end, from one execute's end to the next one's start, from an execute's start to its first
+  launch. Their sum is about what the device idles per boundary.
 
 Ends with one JSON line.
 """
@@ -25,6 +30,7 @@ import argparse
 import cProfile
 import json
 import pstats
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -95,6 +101,58 @@ def timed_calls(functions: list[tuple[type, str]]):
             setattr(owner, name, function)
 
 
+@contextmanager
+def boundary_marks():
+    """``(tag, perf_counter)`` marks at the entry (``<``) and exit (``>``) of ``Executor._execute`` (X),
+    ``DeviceLoop.launch`` (L), ``Executor._read`` (R) and its wait, ``DeviceLoop.read`` (W); yields the list."""
+    marks: list[tuple[str, float]] = []
+    wrapped = [(executor_module.Executor, "_execute", "X"), (device_loop.DeviceLoop, "launch", "L"),
+               (executor_module.Executor, "_read", "R"), (device_loop.DeviceLoop, "read", "W")]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in wrapped]
+
+    def wrap(function, tag):
+        def marked(*args, **kwargs):
+            marks.append((tag + "<", time.perf_counter()))
+            try:
+                return function(*args, **kwargs)
+            finally:
+                marks.append((tag + ">", time.perf_counter()))
+        return marked
+
+    for (owner, name, function), (_, _, tag) in zip(originals, wrapped):
+        setattr(owner, name, wrap(function, tag))
+    try:
+        yield marks
+    finally:
+        for owner, name, function in originals:
+            setattr(owner, name, function)
+
+
+def boundary_rows(marks: list[tuple[str, float]]) -> list[dict]:
+    """Medians (µs) of the execute-boundary spans in ``boundary_marks``' marks (executes with a launch only)."""
+    spans: dict[str, list[float]] = defaultdict(list)
+    previous_end = start = launched = waited = read_end = processing = None
+    for tag, t in marks:
+        if tag == "X<":
+            if previous_end is not None:
+                spans["previous execute's end -> this one's start"].append(t - previous_end)
+            start, launched, read_end = t, False, None
+        elif tag == "L<" and not launched:
+            launched = True
+            spans["execute's start -> its first launch"].append(t - start)
+        elif tag == "W>":
+            waited = t
+        elif tag == "R>":
+            read_end, processing = t, t - waited
+        elif tag == "X>":
+            previous_end = t
+            if launched and read_end is not None:
+                spans["last read, after its wait"].append(processing)
+                spans["last read's end -> execute's end"].append(t - read_end)
+    return [{"span": name, "count": len(values), "median_us": round(statistics.median(values) * 1e6, 1)}
+            for name, values in spans.items() if values]
+
+
 def timed_rows(totals: dict[str, list]) -> list[dict]:
     rows = [{"function": label, "calls": calls, "us_per_call": round(seconds / calls * 1e6, 1), "total_ms": round(seconds * 1e3, 1)}
             for label, (calls, seconds) in totals.items() if calls]
@@ -126,6 +184,7 @@ def main() -> None:
     how = parser.add_mutually_exclusive_group()
     how.add_argument("--timed", action="store_true", help="host µs per call of the round's functions, no profiler")
     how.add_argument("--kernels", action="store_true", help="the device kernels under torch.profiler (CUDA)")
+    how.add_argument("--boundaries", action="store_true", help="host µs around execute boundaries (nothing queued on the device)")
     parser.add_argument("--record", action="store_true", help="append the JSON line to benchmarks/results.jsonl")
     args = parser.parse_args()
     if args.kernels and args.device != "cuda":
@@ -135,7 +194,7 @@ def main() -> None:
     dims = dims_of(target, draft, args.sessions, dtype)
     backend = TorchBackend(target, draft, dims, args.sessions, device=args.device, kernels=args.torch_kernels)
     requests = [Request(prompts[i % len(prompts)], args.max_new_tokens, stop) for i in range(args.requests)]
-    mode = "timed" if args.timed else "kernels" if args.kernels else "cprofile"
+    mode = "timed" if args.timed else "kernels" if args.kernels else "boundaries" if args.boundaries else "cprofile"
     with Executor(backend, max_sessions=args.sessions, speculate=not args.no_draft) as executor:
         serve(executor, requests[: args.sessions * 2], args.sessions)  # warm-up: captures, compiles, allocator
         executor.loop.timeline.reset()
@@ -143,7 +202,7 @@ def main() -> None:
         if mode == "kernels":
             measuring = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
         else:
-            measuring = timed_calls(ROUND_FUNCTIONS) if mode == "timed" else nullcontext()
+            measuring = {"timed": timed_calls(ROUND_FUNCTIONS), "boundaries": boundary_marks()}.get(mode, nullcontext())
         with measuring as measured:
             if profile is not None:
                 profile.enable()
@@ -161,10 +220,12 @@ def main() -> None:
             result["top"] = top_functions(profile, args.top)
         elif mode == "timed":
             result["top"] = timed_rows(measured)
+        elif mode == "boundaries":
+            result["top"] = boundary_rows(measured)
         else:
             result["top"] = kernel_rows(measuring, timeline.launches)[: args.top]
     backend.close()
-    note = {"cprofile": " (profiled: host times inflated)", "timed": "", "kernels": " (profiled: device times inflated)"}[mode]
+    note = {"cprofile": " (profiled: host times inflated)", "timed": "", "boundaries": "", "kernels": " (profiled: device times inflated)"}[mode]
     print(f"{tokens} tokens in {seconds:.2f} s ({result['tokens_per_s']} tok/s); {timeline.launches} launches, "
           f"device busy {result['device_busy_ms']} ms, idle between launches {result['device_idle_ms']} ms{note}")
     columns = list(result["top"][0]) if result["top"] else []
