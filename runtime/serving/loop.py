@@ -21,7 +21,9 @@ mixes new prompts with the speculative fast path.
   a free session will take at the next gap does not wait: with
   ``max_queue=0`` a request is accepted exactly when a session is free.
 - Cancel: a queued request leaves at once; a running one at the next gap
-  between execute() calls (its session is closed there).
+  between execute() calls (its session is closed there), which the running
+  execute brings forward to the end of its current round (so does a stop
+  string found while it streams): no lane decodes for a request that is gone.
 - Failure isolation: an execute() that fails poisons the sessions of that
   batch (``Executor``); the loop closes them and replays each of those
   requests ALONE (its prompt + the tokens it already received, same seed:
@@ -121,6 +123,7 @@ class ServingLoop:
         self._next_id = 0
         self._accepting = True
         self._stopping: str | None = None  # "drain" or "cancel"
+        self._dropping = False  # a running request was cancelled since the last gap
         self._fatal: BaseException | None = None
         self._thread = threading.Thread(target=self._serve, name="dflash-trt-serving", daemon=True)
         self._thread.start()
@@ -193,6 +196,7 @@ class ServingLoop:
                 self._queue.remove(queued)
             elif handle.id in self._jobs:
                 self._jobs[handle.id].cancelled = finish
+                self._dropping = True  # the running execute ends after its round (``_step``'s should_yield)
                 self._cond.notify_all()
         if queued is not None:
             self._finish(queued, [], finish)
@@ -216,6 +220,7 @@ class ServingLoop:
             self._accepting = False
             if self._stopping != "cancel":
                 self._stopping = "drain" if drain else "cancel"
+            self._dropping = self._dropping or not drain  # cancelling: the running execute ends after its round
             self._cond.notify_all()
         self._thread.join(timeout)
         return not self._thread.is_alive()
@@ -252,6 +257,7 @@ class ServingLoop:
                 for job in self._jobs.values():
                     job.cancelled = job.cancelled or CANCELLED
             leaving = [job for job in self._jobs.values() if job.cancelled]
+            self._dropping = False  # the cancelled leave at this gap
             dropped = [job for job in self._queue if job.cancelled]
             self._queue = deque(job for job in self._queue if not job.cancelled)
             room = 0 if self._suspects else min(len(self._queue), self.batcher.room + len(leaving))  # replays first
@@ -285,19 +291,28 @@ class ServingLoop:
 
     def _step(self) -> None:
         ended: set = set()  # requests that ended while the execute streamed: their sessions close after it
+        orphaned: list = []  # of those, the ones whose lanes the executor still runs (cut at a stop string)
         held: dict = {}  # tokens read but not handed out yet (at most stream_interval old)
         started = time.perf_counter()
 
         def should_yield(finished: int) -> bool:
-            """End the execute early when queued requests could take sessions at the gap (free ones, or
-            those of requests that ended during it: ``Batcher.should_yield``, for a share of the batch's
-            worth of them or the oldest after ``JOIN_WAIT_S``): their first tokens then wait a round or
-            a few, not the rest of the execute. ``ended`` counts every request the
-            executor ended (a chunk with a finish is delivered at once) and those cut at a stop string."""
+            """End the execute after this round when one of its requests no longer wants tokens (cancelled,
+            or cut at a stop string while the executor still decodes it: its lane would run for nobody
+            until the execute's end, up to ``max_cycles`` launches); and, with early join, when queued
+            requests could take sessions at the gap (free ones, or those of requests that ended during
+            it: ``Batcher.should_yield``, for a share of the batch's worth of them or the oldest after
+            ``JOIN_WAIT_S``): their first tokens then wait a round or a few, not the rest of the execute.
+            ``ended`` counts every request the executor ended (a chunk with a finish is delivered at
+            once) and those cut at a stop string."""
             now = time.perf_counter()
             with self._cond:
                 waiting = len(self._queue)
                 oldest = self._queue[0].submitted if waiting else now
+                dropping = self._dropping
+            if dropping or orphaned:
+                return True
+            if not self.early_join:
+                return False
             # Waited for this execute: since it started, or since the request came if later.
             return self.batcher.should_yield(waiting, max(finished, len(ended)), now - max(oldest, started))
 
@@ -313,9 +328,11 @@ class ServingLoop:
                 return
             if self._deliver(job, Chunk(key, held.pop(key), finish), streaming=True):
                 ended.add(key)
+                if finish is None:  # cut at a stop string: the executor still decodes it
+                    orphaned.append(key)
 
         try:
-            chunks = self.batcher.step(on_chunk=stream, should_yield=should_yield if self.early_join else None)
+            chunks = self.batcher.step(on_chunk=stream, should_yield=should_yield)
         except Exception as error:
             failed = [self._jobs[key] for key in list(self.batcher.running)]
             for job in failed:

@@ -129,6 +129,51 @@ def test_cancel_queued_now_running_at_the_next_gap(tiny, oracle):
     serving.close()
 
 
+def test_a_cancel_ends_the_running_execute_after_its_round(tiny, oracle):
+    """Guards against a cancelled request decoding for nobody until its execute's end: with 32 cycles per execute
+    its lane kept launching cycle after cycle after the cancel (device time its neighbours lose, its session held
+    as long), and close(drain=False) waited for the same. The execute ends after the round the cancel came in;
+    the tokens delivered are still the reference's prefix."""
+    for close in (False, True):
+        backend = GatedBackend(tiny.ort)
+        serving = ServingLoop(Executor(backend, tiny.dims, 4, max_cycles=32), max_running=1)
+        backend.gate.clear()
+        running = serving.submit([5, 6, 7], 40)
+        assert backend.entered.wait(30)  # held in the execute's first graph (the prefill)
+        if close:
+            serving.close(drain=False, timeout=0)
+        else:
+            running.cancel()
+        backend.gate.set()
+        result = running.result(30)
+        serving.close()  # the execute ended: every launch counted
+        expected, _ = reference(oracle, [5, 6, 7], 40)
+        assert result.finish == CANCELLED and result.tokens == expected[: len(result.tokens)]
+        assert backend.counts.get(c.DRAFT, 0) <= 2, (close, backend.counts)  # one round, and a launch read ahead
+        assert serving.executor.sessions() == []
+
+
+def test_a_stop_string_ends_the_running_execute_after_its_round(tiny, oracle):
+    """Guards against a request cut at a stop string while its execute streams decoding on for nobody until
+    the execute's end (its lane still launching, up to max_cycles cycles): the execute ends after the round
+    the stop string was found in, so its cycles are those up to the stop and at most one read ahead."""
+    tokenizer = CharTokenizer()
+    prompt = "def f(x):"
+    tokens, _ = reference(oracle, tokenizer.encode(prompt), 40)
+    text = tokenizer.decode(tokens)
+    stop = text[6:9]
+    drafts = {}
+    for stops in ([], [stop]):
+        backend = GatedBackend(tiny.ort)
+        serving = ServingLoop(Executor(backend, tiny.dims, 4, max_cycles=32), tokenizer=tokenizer, stream_interval=0.0)
+        completion = serving.submit(prompt, 40, stop=stops).result(30)  # returns as the stop string streams
+        serving.close()  # the execute ended: every launch counted
+        drafts[bool(stops)] = backend.counts.get(c.DRAFT, 0)
+        assert completion.tokens == tokens[: len(completion.tokens)]
+    cut = text.index(stop) + len(stop)  # tokens (characters) up to the stop string's end
+    assert drafts[True] <= cut + 2 < drafts[False], drafts  # a cycle yields >= 1 token: <= cut cycles, + the read-ahead
+
+
 def test_queue_full_refuses_and_loses_no_accepted_request(tiny, oracle):
     """Guards against an unbounded queue (no backpressure), a refusal that still queues the request,
     and accepted requests lost or changed when the queue was full."""
