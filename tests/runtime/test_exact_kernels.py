@@ -367,23 +367,22 @@ def test_a_kernel_launched_overlapping_waits_for_its_predecessor_before_any_memo
         pytest.skip("this Triton has no grid dependency control")
     memory = re.compile(r"^\s*(@%p\d+\s+)?(ld\.global|st\.global|atom\.|red\.|cp\.async)")
     for kernel, args, constexprs in _launched_kernels():
-        plain = _arithmetic(_ttgir(kernel, args, set(), constexprs | {"PDL": False}, 4, 2))
+        compiled = {}
         for mode in (False, True):
             source = ASTSource(fn=kernel, signature=args | {k: "constexpr" for k in constexprs | {"PDL": mode}},
                                constexprs=constexprs | {"PDL": mode})
             try:
-                compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+                compiled[mode] = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
             except ImportError as error:  # a Triton without the NVIDIA backend's compiler
                 pytest.skip(f"cannot compile for sm90 here: {error!r}"[:200])
-            assert _arithmetic(compiled.asm["ttgir"]) == plain, (kernel.fn.__name__, mode)
-            ptx = compiled.asm["ptx"].splitlines()
-            waits = [i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line]
-            if not mode:
-                assert not any("griddepcontrol" in line for line in ptx), kernel.fn.__name__
-                continue
-            first_access = next(i for i, line in enumerate(ptx) if memory.match(line))
-            assert waits and waits[0] < first_access, (kernel.fn.__name__, waits, ptx[first_access])
-            assert any("griddepcontrol.launch_dependents" in line for line in ptx), kernel.fn.__name__  # else no overlap
+        name = kernel.fn.__name__
+        assert _arithmetic(compiled[True].asm["ttgir"]) == _arithmetic(compiled[False].asm["ttgir"]), name
+        assert not any("griddepcontrol" in line for line in compiled[False].asm["ptx"].splitlines()), name
+        ptx = compiled[True].asm["ptx"].splitlines()
+        waits = [i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line]
+        first_access = next(i for i, line in enumerate(ptx) if memory.match(line))
+        assert waits and waits[0] < first_access, (name, waits, ptx[first_access])
+        assert any("griddepcontrol.launch_dependents" in line for line in ptx), name  # else no overlap
 
 
 # ------------------------------------------------------------------ the kernels, interpreted (CPU)
