@@ -21,7 +21,8 @@ for bit, in bf16 too, so DFlash's output is the target's own plain decoding, tok
                     product's last program per row block it saved nothing (8B step 4.913 vs 4.918 ms:
                     benchmarks/RESULTS.md, "a norm hand-off tried and reverted"). How the work is spread may follow M
                     (``plan.exact_linear_launch``: up to four tiles share each weight load, wider feature
-                    blocks for many rows, rows per launch that fit the workspace): each tile's dot walks
+                    blocks for many rows, fewer tiles and narrower blocks where a small weight would leave
+                    most processors idle, rows per launch that fit the workspace): each tile's dot walks
                     the same K steps whatever M is, so that choice changes speed only.
 ``attention``       keys split at a fixed size (``EXACT_SPLIT_SLOTS``): split s covers slots
                     [256 s, 256 s + 256) of the valid range, walked in BLOCK_N steps at absolute slots;
@@ -462,7 +463,7 @@ class ExactOps(TritonOps):
             out = torch.empty((M, N), dtype=out_dtype or weight.dtype, device=x.device)
         plan = self.linear_plan(N, K, gated, weight.element_size(), x.device)
         splits, width = exact_split_k(K, plan)
-        tiles, block_n, stages = exact_linear_launch(plan, M, gated, weight.element_size())
+        tiles, block_n, stages = exact_linear_launch(plan, M, gated, weight.element_size(), N, self.processors(x.device))
         blocks = triton.cdiv(N, block_n)
         columns = 2 * N if gated else N
         step = M if splits == 1 else exact_workspace_rows(M, splits, columns, self.workspace_bytes)  # rows per launch

@@ -207,15 +207,39 @@ def exact_workspace_rows(rows: int, splits: int, columns: int, budget: int = EXA
     return min(max(64, fit), cdiv(rows, EXACT_TILE_M) * EXACT_TILE_M)
 
 
-def exact_linear_launch(plan: ExactLinearPlan, rows: int, gated: bool, element_bytes: int) -> tuple[int, int, int]:
+def exact_linear_launch(plan: ExactLinearPlan, rows: int, gated: bool, element_bytes: int, out_features: int | None = None,
+                        processors: int = EXACT_PROCESSORS) -> tuple[int, int, int]:
     """(16-row tiles per program, features per program, pipeline stages) for ``rows`` rows: spread only
-    (the stages: the plan's, else as many as fit ``EXACT_STAGE_BYTES``, 2 to 4)."""
+    (the stages: the plan's, else as many as fit ``EXACT_STAGE_BYTES``, 2 to 4).
+
+    With ``out_features``, a small weight under many rows is spread wider: while the launch has fewer
+    programs than ``processors`` / 2, fewer tiles share a weight load (4 -> 2 -> 1), then the few-row feature
+    block. A tiny model's verify (N = 320..896, 256 rows) otherwise runs as 20..60 programs of four tiles each,
+    most processors idle; the Qwen3-8B weights have enough programs already and keep their spread."""
     tiles = exact_row_tiles(rows, plan.tiles)
     block_n = plan.block_n if rows <= EXACT_TILE_M // 2 else plan.block_n_rows
+    if out_features is not None:
+        tiles, block_n = exact_wider_spread(plan, rows, tiles, block_n, out_features, processors)
     if plan.stages:
         return tiles, block_n, plan.stages
     stage = ((2 if gated else 1) * block_n + tiles * EXACT_TILE_M) * plan.block_k * element_bytes
     return tiles, block_n, max(2, min(4, EXACT_STAGE_BYTES // stage))
+
+
+def exact_wider_spread(plan: ExactLinearPlan, rows: int, tiles: int, block_n: int, out_features: int, processors: int) -> tuple[int, int]:
+    """``exact_linear_launch``'s widening: (tiles, feature block) with at least ``processors`` / 2 programs where
+    the plan's spread has fewer (how work is spread: a row's sums are the same)."""
+    def programs(t: int, bn: int) -> int:
+        return cdiv(rows, t * EXACT_TILE_M) * cdiv(out_features, bn) * plan.splits
+
+    while programs(tiles, block_n) * 2 < processors:
+        if tiles > 1:
+            tiles //= 2
+        elif block_n > plan.block_n:
+            block_n = plan.block_n
+        else:
+            break
+    return tiles, block_n
 
 
 def exact_row_tiles(rows: int, most: int = 4) -> int:

@@ -76,7 +76,11 @@ WEIGHTS_8B = {  # name: (N, K, gated, norm prologue) of the Qwen3-8B step
     "qkv": (6144, 4096, False, True), "o": (4096, 4096, False, False), "gate_up": (12288, 4096, True, True),
     "down": (4096, 12288, False, False), "lm_head": (151936, 4096, False, True),
 }
-ROW_COUNTS = (1, 4, 5, 16, 17, 33, 64, 300)  # decode (1..n owners), verify (16 x n), prefill chunks
+WEIGHTS_DEFAULT_PAIR = {  # the embedded default pair's target (hidden 320, FFN 896, 5 / 1 heads x 64, vocab 8192)
+    "qkv": (448, 320, False, True), "o": (320, 320, False, False), "gate_up": (896, 320, True, True),
+    "down": (320, 896, False, False), "lm_head": (8192, 320, False, True),
+}
+ROW_COUNTS = (1, 4, 5, 16, 17, 33, 64, 240, 256, 300)  # decode (1..n owners), verify (16 x n), draft (15 x n), prefill chunks
 
 
 def test_exact_launches_follow_the_rows_only_in_how_work_is_spread():
@@ -94,9 +98,35 @@ def test_exact_launches_follow_the_rows_only_in_how_work_is_spread():
                 stage = ((2 if gated else 1) * block_n + 16 * tiles) * plan.block_k * dtype_bytes
                 assert 2 <= stages <= 4 and (stages == 2 or stages * stage <= EXACT_STAGE_BYTES)
     assert [exact_row_tiles(m) for m in (1, 5, 16, 17, 32, 33, 64, 1000)] == [1, 1, 1, 2, 2, 4, 4, 4]
+    for N, K, gated, _ in WEIGHTS_8B.values():  # enough programs already: the widening leaves the 8B spread as it was
+        plan = exact_linear_plan(N, K, gated, 2)
+        assert all(exact_linear_launch(plan, M, gated, 2, N, 132) == exact_linear_launch(plan, M, gated, 2)
+                   for M in ROW_COUNTS), N
     assert [exact_row_tiles(m, 2) for m in (1, 17, 64)] == [1, 2, 2] and exact_row_tiles(64, 1) == 1
     assert exact_linear_launch(ExactLinearPlan(32, 64, 128, 4, tiles=2), 64, True, 2)[0] == 2
     assert exact_linear_launch(ExactLinearPlan(32, 64, 128, 4, 2, 3), 64, True, 2)[2] == 3  # a table's stages win
+
+
+def test_a_small_weight_under_many_rows_is_spread_over_the_processors():
+    """Bug: a small weight under many rows runs as a few programs of four tiles each (the default pair's verify at
+    16 owners: 256 rows of q|k|v as 28 programs on 132 processors), so the exact cycle's linears take twice
+    cuBLAS's time; or the widening leaves the spread's bounds (1, 2 or 4 tiles, the plan's two feature blocks).
+    Checked against the first spread, in the order tiles 4 -> 2 -> 1 then the few-row block, found by brute force
+    with at least half as many programs as processors."""
+    processors = 132
+    for N, K, gated, _ in WEIGHTS_DEFAULT_PAIR.values():
+        plan = exact_linear_plan(N, K, gated, 2)
+        for M in ROW_COUNTS:
+            base = exact_linear_launch(plan, M, gated, 2)
+            order = [(t, base[1]) for t in (4, 2, 1) if t <= base[0]] + [(1, plan.block_n)]
+            programs = lambda t, bn: -(-M // (16 * t)) * -(-N // bn) * plan.splits  # noqa: E731
+            expected = next((c for c in order if 2 * programs(*c) >= processors), order[-1])
+            tiles, block_n, stages = exact_linear_launch(plan, M, gated, 2, N, processors)
+            assert (tiles, block_n) == expected, (N, K, M)
+            stage = ((2 if gated else 1) * block_n + 16 * tiles) * plan.block_k * 2
+            assert 2 <= stages <= 4 and (stages == 2 or stages * stage <= EXACT_STAGE_BYTES)
+    qkv = exact_linear_plan(448, 320, False, 2)
+    assert exact_linear_launch(qkv, 256, False, 2)[:2] == (4, 64) and exact_linear_launch(qkv, 256, False, 2, 448, 132)[:2] == (1, 64)
 
 
 def test_exact_split_k_is_fixed_per_weight_and_covers_k():
@@ -267,18 +297,21 @@ def test_exact_linear_compiles_to_one_arithmetic_for_every_row_count():
     """Bug: a row count changes the compiled arithmetic of the exact linear: the feature block, the tiles per
     program or the pipeline stages it picks make Triton reduce in another layout (another order) or pick
     another MMA instruction (wgmma from 64-row tiles), and the decode step and the verify give a row other
-    bits. Compiled for sm90 here, bf16, the Qwen3-8B weights."""
+    bits. Compiled for sm90 here, bf16, the Qwen3-8B weights and the default pair's (whose many-row launches are
+    spread wider: fewer tiles, the few-row feature block)."""
     from dflash_trt.runtime.kernels.exact_ops import _linear_kernel
 
     args = {name: "*bf16" if name.endswith("_ptr") else "i32" for name in LINEAR_ARGS}
     args["ws_ptr"], args["cnt_ptr"] = "*fp32", "*i32"
     aligned = {name for name in LINEAR_ARGS if name not in ("M", "WR", "row0")}  # pointers, strides (K, N...), N, K of the 8B weights
-    for name in ("qkv", "gate_up", "down"):
-        N, K, gated, norm = WEIGHTS_8B[name]
-        plan = exact_linear_plan(N, K, gated, 2)  # the table's tiling: split (q|k|v, down) or not (gate|up)
+    weights = [WEIGHTS_8B[name] for name in ("qkv", "gate_up", "down")] + list(WEIGHTS_DEFAULT_PAIR.values())
+    for N, K, gated, norm in weights:  # the 8B table's tilings: split (q|k|v, down) or not (gate|up); the rule's
+        name = (N, K, gated)
+        plan = exact_linear_plan(N, K, gated, 2)
         compiled = {}
-        launches = sorted({exact_linear_launch(plan, M, gated, 2) for M in ROW_COUNTS})
-        for fixup, (tiles, block_n, stages) in itertools.product((False, True), launches):  # the in-kernel sum: spread only
+        launches = sorted({exact_linear_launch(plan, M, gated, 2, N, processors) for M in ROW_COUNTS for processors in (4, 132)})
+        fixups = (False, True) if plan.splits > 1 else (False,)
+        for fixup, (tiles, block_n, stages) in itertools.product(fixups, launches):  # the in-kernel sum: spread only
             constexprs = dict(GATED=gated, BIAS=False, RESIDUAL=not norm, TAP=False, SPLITS=plan.splits, FIXUP=fixup,
                               TILES=tiles, TM=16, BN=block_n, BK=plan.block_k, INTERP=False, PDL=False)
             try:

@@ -1,0 +1,130 @@
+"""How the exact linear spreads a small weight's many rows over the processors, measured per spread.
+
+    python benchmarks/exact_spread.py [--reps 20] [--rows 1,16,240,256] [--record]
+
+The default pair's target weights (q|k|v 448 x 320, o 320 x 320, gate|up 2 x 896 x 320, down 320 x 896, the
+LM head 8192 x 320; bf16, random) at the row counts of a decode step (1, 16 owners) and of a cycle at 16
+owners (240 draft rows, 256 verify rows). For each weight and row count: µs per call (each call with its
+epilogue: the norm pass for q|k|v, gate|up and the LM head, the residual for o and down; 50 calls captured in
+one CUDA graph, the weight resident in L2 as in a tiny model's run) of
+
+- ``exact``: ``ExactOps().linear`` as the product runs it (``plan.exact_linear_launch`` with the widening);
+- ``plan``: the plan's spread without the widening (what ran before it);
+- ``t{tiles}/bn{block}``: every spread of the exact kernel (tiles per program 1, 2, 4; the plan's two feature
+  blocks): the same bits, other speeds;
+- ``fast``: ``TritonOps().linear`` (cuBLAS for more than one row, the fused GEMV for one).
+
+Prints a table and ends with one JSON line (``--record`` appends it to benchmarks/results.jsonl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import datetime, timezone, UTC
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_graphs as gg  # noqa: E402  (graph_time)
+import record  # noqa: E402  (benchmarks/record.py: results.jsonl)
+from gpu_e2e import machine  # noqa: E402
+
+from dflash_trt.runtime.kernels import plan as plan_module  # noqa: E402
+from dflash_trt.runtime.kernels.exact_ops import ExactOps  # noqa: E402
+from dflash_trt.runtime.kernels.triton_ops import TritonOps  # noqa: E402
+
+# name: (N, K, gated, norm before, residual after) of the default pair's target
+WEIGHTS = {
+    "qkv": (448, 320, False, True, False), "o": (320, 320, False, False, True), "gate_up": (896, 320, True, True, False),
+    "down": (320, 896, False, False, True), "lm_head": (8192, 320, False, True, False),
+}
+CALLS = 50  # calls per captured graph
+
+
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--rows", default="1,16,240,256", help="comma-separated row counts")
+    parser.add_argument("--record", action="store_true", help="append the JSON line to benchmarks/results.jsonl")
+    return parser.parse_args()
+
+
+def spread_fixed(tiles: int, block_n: int):
+    """A stand-in for ``plan.exact_wider_spread`` that returns one spread (``None``: the plan's, unwidened)."""
+    def chosen(plan, rows, plan_tiles, plan_block_n, out_features, processors):
+        if tiles is None:
+            return plan_tiles, plan_block_n
+        return min(tiles, plan_tiles), block_n
+    return chosen
+
+
+def call_time(ops, name: str, M: int, stream, reps: int) -> float:
+    """µs per call of ``ops.linear`` on ``name`` with M rows (a CUDA graph of ``CALLS`` calls)."""
+    N, K, gated, normed, residual = WEIGHTS[name]
+    weight = (torch.randn((2 * N if gated else N), K, device="cuda") * K**-0.5).to(torch.bfloat16)
+    x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    norm = torch.ones(K, dtype=torch.bfloat16, device="cuda") + 0.1
+    res = torch.randn(M, N, device="cuda").to(torch.bfloat16)
+    out_dtype = torch.float32 if name == "lm_head" else None
+
+    def calls():
+        for _ in range(CALLS):
+            ops.linear(x, weight, norm=norm if normed else None, eps=1e-6, gated=gated, residual=res if residual else None,
+                       out_dtype=out_dtype)
+    return gg.graph_time(stream, calls, reps) / CALLS * 1e3
+
+
+def measure(rows: list[int], reps: int) -> list[dict]:
+    stream = torch.cuda.Stream()
+    exact, fast = ExactOps(), TritonOps()
+    processors = exact.processors(torch.device("cuda"))
+    widen = plan_module.exact_wider_spread
+    results = []
+    for name, (N, K, gated, *_) in WEIGHTS.items():
+        plan = plan_module.exact_linear_plan(N, K, gated, 2, processors)
+        for M in rows:
+            row = {"weight": name, "rows": M}
+            chosen = plan_module.exact_linear_launch(plan, M, gated, 2, N, processors)
+            row["spread"] = f"t{chosen[0]}/bn{chosen[1]}"
+            row["exact"] = call_time(exact, name, M, stream, reps)
+            variants = {"plan": (None, None)} | {f"t{t}/bn{bn}": (t, bn) for t in (4, 2, 1) for bn in sorted({plan.block_n, plan.block_n_rows})}
+            try:
+                for label, (tiles, block_n) in variants.items():
+                    plan_module.exact_wider_spread = spread_fixed(tiles, block_n)
+                    row[label] = call_time(exact, name, M, stream, reps)
+            finally:
+                plan_module.exact_wider_spread = widen
+            row["fast"] = call_time(fast, name, M, stream, reps)
+            results.append({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
+            print(results[-1], flush=True)
+    return results
+
+
+def table(results: list[dict]) -> str:
+    columns = list(dict.fromkeys(key for row in results for key in row))
+    lines = ["| " + " | ".join(columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
+    lines += ["| " + " | ".join(str(row.get(c, "")) for c in columns) + " |" for row in results]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    args = arguments()
+    if not torch.cuda.is_available():
+        print("exact_spread needs a CUDA GPU", file=sys.stderr)
+        return 1
+    results = measure([int(m) for m in args.rows.split(",")], args.reps)
+    print(table(results))
+    many = [row for row in results if row["rows"] > 16]
+    summary = {
+        "name": "exact_spread", "date": datetime.now(UTC).strftime("%Y-%m-%d"), "machine": machine(),
+        "command": "python benchmarks/exact_spread.py " + " ".join(sys.argv[1:]), "rows": results,
+        "many_rows_us": {key: round(sum(row[key] for row in many), 2) for key in ("exact", "plan", "fast")},
+    }
+    return record.finish(summary, args.record)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
