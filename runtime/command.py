@@ -40,7 +40,7 @@ from pathlib import Path
 from dflash_trt.cli import check_sampling_flags, nonnegative_int, positive_int
 from dflash_trt.errors import InputError, TokenizerError, UsageError
 from dflash_trt.export.contract import DTYPES
-from dflash_trt.runtime.executor import Executor
+from dflash_trt.runtime.executor import DEFAULT_MAX_CYCLES, Executor
 from dflash_trt.runtime.generate import collect, stream
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.serving.batcher import Completion, Request
@@ -90,7 +90,8 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=nonnegative_int, default=0, help="prompt i samples with seed + i")
     parser.add_argument("--max-sessions", type=positive_int, help="sessions at once (default: the artifacts' max_sessions)")
     parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads for ONNX Runtime / torch")
-    parser.add_argument("--max-cycles", type=positive_int, default=8, help="cycles per session per execute call (default 8)")
+    parser.add_argument("--max-cycles", type=positive_int, default=DEFAULT_MAX_CYCLES,
+                        help=f"cycles per session per execute call (default {DEFAULT_MAX_CYCLES})")
 
 
 def add_policy_argument(parser: argparse.ArgumentParser) -> None:

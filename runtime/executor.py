@@ -107,6 +107,11 @@ class _Joining:
     t1: object = None
 
 LOG = logging.getLogger(__name__)
+# Rounds one execute may run per owner group. Each execute boundary costs host work with nothing queued on
+# the device (~0.5 ms on an H200's host), so more rounds per execute pay it less often; cancels, stop strings
+# and queued requests that could join end an execute after its round (the serving loop's should_yield),
+# so a larger cap delays none of them. benchmarks/RESULTS.md: 8 -> 32 rounds, H200, default pair.
+DEFAULT_MAX_CYCLES = 32
 
 class Executor:
     """Sessions and batched DFlash cycles over one backend (see the module docstring).
@@ -125,7 +130,7 @@ class Executor:
         max_sessions: int | None = None,
         stats_rows: int | None = DEFAULT_MAX_ROWS,
         speculate: bool = True,
-        max_cycles: int = 8,
+        max_cycles: int = DEFAULT_MAX_CYCLES,
         lag: bool = True,
         cycle_graphs: bool = True,
         stats_age_s: float | None = None,

@@ -93,7 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                 "chat_template.jinja or tokenizer_config.json; the default pair ships one)")
     command.add_checkpoint_arguments(parser, target_default=pair / "target")  # --target --draft --cache --device --dtype --max-owners
     parser.add_argument("--max-sessions", type=positive_int, help=f"requests decoding at once (default: the artifacts' max_sessions; {DEFAULT_PAIR_SESSIONS} for the default pair)")
-    parser.add_argument("--max-cycles", type=positive_int, default=8, help="cycles per request per execute (default 8)")
+    parser.add_argument("--max-cycles", type=positive_int, default=command.DEFAULT_MAX_CYCLES,
+                        help=f"cycles per request per execute (default {command.DEFAULT_MAX_CYCLES})")
     parser.add_argument("--stream-interval-ms", type=nonnegative_int, default=20,
                         help="a stream's tokens are sent as cycles are read, at most this often per request (default 20; 0: after every cycle)")
     parser.add_argument("--no-draft", action="store_true", help="plain target decoding (no speculation): the autoregressive baseline")

@@ -30,7 +30,7 @@ def expected(oracle: Oracle, request: Request) -> tuple[list[int], str]:
 def test_stream_with_joins_and_leaves_matches_reference(tiny, oracle):
     """Guards against continuous batching changing outputs (sessions joining while others decode,
     leaving at stop / length / context), and against finish reasons or truncation off by one."""
-    executor = Executor(tiny.ort, max_sessions=3)
+    executor = Executor(tiny.ort, max_sessions=3, max_cycles=8)  # a chunk comes while three sessions are open
     prompts = [tiny.prompts[0], tiny.prompts[1], tiny.prompts[2], [5, 6, 7], list(range(10, 40)), [9] * 12, [44]]
     stop_of_first = oracle.continuation(tiny.prompts[0])[6]  # a token the first continuation reaches
     requests = [
@@ -62,7 +62,7 @@ def test_stream_with_joins_and_leaves_matches_reference(tiny, oracle):
 
 def test_stream_closes_sessions_when_abandoned(tiny):
     """Guards against leaking cache rows when the caller stops iterating early."""
-    executor = Executor(tiny.ort, max_sessions=2)
+    executor = Executor(tiny.ort, max_sessions=2, max_cycles=2)  # the first chunk comes before a request ends
     chunks = stream(executor, [Request([1, 2, 3], 20), Request([4, 5], 20), Request([6], 20)])
     next(chunks)
     assert len(executor.sessions()) == 2
