@@ -45,7 +45,7 @@ from dflash_trt.export.contract import Dims
 from dflash_trt.export.pair import DEFAULT_PAIR_DIR, load_pair
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.backends.torch_backend import TorchBackend
-from dflash_trt.runtime.executor import Executor
+from dflash_trt.runtime.executor import DEFAULT_MAX_CYCLES, Executor
 from dflash_trt.runtime.generate import stream
 from dflash_trt.runtime.serving.batcher import Request
 
@@ -231,7 +231,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="default pair only, 1 and 16 sessions, T=0")
     parser.add_argument("--pairs", default="default,8b", help="comma-separated: default, 8b")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")))
-    parser.add_argument("--max-cycles", type=int, default=8)
+    parser.add_argument("--max-cycles", type=int, default=DEFAULT_MAX_CYCLES, help=f"rounds per execute (default {DEFAULT_MAX_CYCLES}, the executor's)")
     parser.add_argument("--policy", choices=("adaptive", "always"), default="adaptive",
                         help="the DFlash mode's speculation policy (runtime.policy; default adaptive, as dflash-trt serve)")
     parser.add_argument("--device", default="cuda")
