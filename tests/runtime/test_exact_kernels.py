@@ -443,7 +443,7 @@ print("RESULTS " + json.dumps(results))
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
-    """Every kernel check of exact_checks, fp32 and bf16, under Triton's interpreter (one process, ~45 s on a 2-core box)."""
+    """Every kernel check of exact_checks, fp32 and bf16, under Triton's interpreter (one process: 45 s to 5 min on a 2-core box, by how fast the box is)."""
     if not TRITON:
         pytest.skip("needs triton (it ships with the CUDA builds of torch)")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
