@@ -76,29 +76,42 @@ def top_functions(profile: cProfile.Profile, count: int) -> list[dict]:
 
 
 @contextmanager
+def wrapped(methods: list[tuple[type, str]], wrapper):
+    """Each (class, method) replaced by ``wrapper(function, owner, name)`` inside the block, restored after."""
+    originals = [(owner, name, getattr(owner, name)) for owner, name in methods]
+    for owner, name, function in originals:
+        setattr(owner, name, wrapper(function, owner, name))
+    try:
+        yield
+    finally:
+        for owner, name, function in originals:
+            setattr(owner, name, function)
+
+
+@contextmanager
 def timed_calls(functions: list[tuple[type, str]]):
     """Each (class, method) wrapped with a perf_counter timer for the body; yields {label: [calls, seconds]}."""
     totals: dict[str, list] = defaultdict(lambda: [0, 0.0])
-    originals = [(owner, name, getattr(owner, name)) for owner, name in functions]
 
-    def wrap(function, label):
+    def wrap(function, owner, name):
+        total = totals[f"{owner.__name__}.{name}"]
+
         def timed(*args, **kwargs):
             started = time.perf_counter()
             try:
                 return function(*args, **kwargs)
             finally:
-                total = totals[label]
                 total[0] += 1
                 total[1] += time.perf_counter() - started
         return timed
 
-    for owner, name, function in originals:
-        setattr(owner, name, wrap(function, f"{owner.__name__}.{name}"))
-    try:
+    with wrapped(functions, wrap):
         yield totals
-    finally:
-        for owner, name, function in originals:
-            setattr(owner, name, function)
+
+
+# (class, method) -> the tag of its marks in ``boundary_marks``
+BOUNDARY_TAGS = {(executor_module.Executor, "_execute"): "X", (device_loop.DeviceLoop, "launch"): "L",
+                 (executor_module.Executor, "_read"): "R", (device_loop.DeviceLoop, "read"): "W"}
 
 
 @contextmanager
@@ -106,11 +119,10 @@ def boundary_marks():
     """``(tag, perf_counter)`` marks at the entry (``<``) and exit (``>``) of ``Executor._execute`` (X),
     ``DeviceLoop.launch`` (L), ``Executor._read`` (R) and its wait, ``DeviceLoop.read`` (W); yields the list."""
     marks: list[tuple[str, float]] = []
-    wrapped = [(executor_module.Executor, "_execute", "X"), (device_loop.DeviceLoop, "launch", "L"),
-               (executor_module.Executor, "_read", "R"), (device_loop.DeviceLoop, "read", "W")]
-    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in wrapped]
 
-    def wrap(function, tag):
+    def wrap(function, owner, name):
+        tag = BOUNDARY_TAGS[owner, name]
+
         def marked(*args, **kwargs):
             marks.append((tag + "<", time.perf_counter()))
             try:
@@ -119,13 +131,8 @@ def boundary_marks():
                 marks.append((tag + ">", time.perf_counter()))
         return marked
 
-    for (owner, name, function), (_, _, tag) in zip(originals, wrapped):
-        setattr(owner, name, wrap(function, tag))
-    try:
+    with wrapped(list(BOUNDARY_TAGS), wrap):
         yield marks
-    finally:
-        for owner, name, function in originals:
-            setattr(owner, name, function)
 
 
 def boundary_rows(marks: list[tuple[str, float]]) -> list[dict]:
@@ -202,7 +209,7 @@ def main() -> None:
         if mode == "kernels":
             measuring = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
         else:
-            measuring = {"timed": timed_calls(ROUND_FUNCTIONS), "boundaries": boundary_marks()}.get(mode, nullcontext())
+            measuring = timed_calls(ROUND_FUNCTIONS) if mode == "timed" else boundary_marks() if mode == "boundaries" else nullcontext()
         with measuring as measured:
             if profile is not None:
                 profile.enable()
