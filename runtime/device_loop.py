@@ -79,6 +79,7 @@ CYCLE, DECODE = "cycle", "decode"  # program kinds
 ANCHOR, FRONTIER, DRAFT, TOP_K = range(4)  # rows of the int state
 TEMPERATURE, TOP_P = range(2)  # rows of the float state
 ACCEPTED_COLUMN, NEXT_COLUMN, PROPOSALS_COLUMN = 0, 1, 2  # columns of the record
+STAGING_DEPTH = 4  # ``stage_more`` uploads that may wait on the stream at once (``Staging``)
 
 
 def owner_buckets(max_owners: int) -> tuple[int, ...]:
@@ -172,6 +173,50 @@ class Mirror(Mirrors):
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(device, value=(shape, dtype))
         self.device, self.host, self.array = self.parts["value"]
+
+
+class Staging:
+    """Uploads of a ``Mirrors`` block whose host side is rewritten before earlier uploads ran.
+
+    An async copy reads its pinned source when the stream reaches it, not when it is queued: launches
+    queued back to back (the prefills of one execute, no host sync between them) would each upload the
+    last one's inputs. Each upload therefore copies the host twin into the next of ``depth`` pinned
+    buffers and queues the copy from there; a buffer is rewritten only after its previous copy ran (its
+    event), a wait that needs ``depth`` launches queued ahead. On CPU the twin is the device memory: nothing
+    to do."""
+
+    def __init__(self, mirrors: Mirrors, depth: int) -> None:
+        self.mirrors, self.next = mirrors, 0
+        self.buffers, self.events = [], [None] * depth
+        if mirrors.pinned is not None:
+            from dflash_trt.runtime.device import PinnedBuffer
+
+            self.buffers = [PinnedBuffer((mirrors.pinned.nbytes,), torch.uint8) for _ in range(depth)]
+        self.twin, self.arrays = mirrors.host_block.numpy(), [buffer.numpy() for buffer in self.buffers]
+
+    def upload(self, stream) -> None:
+        """The host twin -> device, queued on ``stream`` from a pinned copy no queued upload still reads."""
+        if not self.buffers:
+            return
+        from dflash_trt.runtime import device
+
+        k, self.next = self.next, (self.next + 1) % len(self.buffers)
+        if self.events[k] is not None:
+            self.events[k].synchronize()  # host wait: only with ``depth`` uploads queued ahead of this one
+        else:
+            self.events[k] = device.Event(timing=False)
+        source = self.buffers[k]
+        self.arrays[k][:] = self.twin
+        device.copy_async(self.mirrors.block.data_ptr(), source.ptr, source.nbytes, stream)
+        self.events[k].record(stream)
+
+    def close(self) -> None:
+        for event in self.events:
+            if event is not None:
+                event.close()
+        for buffer in self.buffers:
+            buffer.close()
+        self.buffers, self.events = [], [None] * len(self.events)
 
 
 def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[object | None, torch.Tensor]:
@@ -284,6 +329,12 @@ class DeviceLoop:
             # Row-indexed programs read their rows from here (one tensor per padded count, stable addresses).
             self.slots = {n: torch.full((n,), self.scratch or 0, dtype=torch.int64, device=self.device) for n in owner_buckets(max_owners)}
             self.staged_slots = Mirror((self.ring, max_owners), torch.int64, self.device) if self.row_indexed else None
+            # Owners joining a running execute (``stage_more``): their rows and columns, scattered on the device.
+            self.joining = Mirrors(
+                self.device, rows=((self.rows,), torch.int64), ints=((4, self.rows), torch.int64),
+                seeds=((self.rows, c.SEED_PARTS), torch.int64), floats=((2, self.rows), torch.float32),
+            )
+            self.joining_staging = Staging(self.joining, STAGING_DEPTH)
         self.staged_sampling: list = [None] * self.rows  # per row: the Sampling its columns hold (``stage``)
         self.captured: dict[Key, torch.cuda.CUDAGraph] = {}
         self.fallback = CaptureFallback("the device loop")
@@ -352,6 +403,29 @@ class DeviceLoop:
             for row, s in fresh:
                 staged[row] = s
         self.state.upload(self.stream)
+
+    def stage_more(self, rows: list[int], anchors: list[int], frontiers: list[int], drafts: list[int], samplings: list) -> None:
+        """``stage`` for owners joining a running execute (inside ``running``, stream-ordered before their
+        first launch). The state block cannot go up whole: the device's columns of the owners running are
+        ahead of the host's. These owners' columns go up in a block of their own and are scattered into the
+        state on the device (a few small kernels). The host's twin of the state keeps its old sampling
+        columns for these rows, so the next ``stage`` rebuilds theirs."""
+        n, joining = len(rows), self.joining.parts
+        joining["rows"].array[:n] = rows
+        ints = joining["ints"].array
+        ints[:TOP_K, :n] = np.array([anchors, frontiers, drafts], dtype=np.int64)  # ANCHOR, FRONTIER, DRAFT
+        sampling = sampling_rows(samplings, [0] * n)
+        ints[TOP_K, :n] = sampling[c.TOP_K]
+        joining["seeds"].array[:n] = sampling[c.SEED]
+        joining["floats"].array[TEMPERATURE, :n] = sampling[c.TEMPERATURE]
+        joining["floats"].array[TOP_P, :n] = sampling[c.TOP_P]
+        for row in rows:
+            self.staged_sampling[row] = None
+        self.joining_staging.upload(self.stream)
+        at = joining["rows"].device[:n]
+        self.ints.device.index_copy_(1, at, joining["ints"].device[:, :n])
+        self.seeds.device.index_copy_(0, at, joining["seeds"].device[:n])
+        self.floats.device.index_copy_(1, at, joining["floats"].device[:, :n])
 
     # ------------------------------------------------------------------ launches
 
@@ -516,7 +590,8 @@ class DeviceLoop:
             self.stream.synchronize()  # host sync: pinned memory must outlive the copies into it
         self.captured.clear()
         self.timeline.close()
-        for mirror in (self.state, self.staged_slots):
+        self.joining_staging.close()
+        for mirror in (self.state, self.staged_slots, self.joining):
             if mirror is not None:
                 mirror.close()
         if self.reads[0] is not None:

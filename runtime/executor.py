@@ -64,6 +64,7 @@ from operator import attrgetter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import polars as pl
@@ -72,7 +73,7 @@ import torch
 from dflash_trt.checks import is_int
 from dflash_trt.errors import BusyError, DFlashError, EngineError, InputError, PoisonedError, SamplingError, SessionError
 from dflash_trt.export import contract as c
-from dflash_trt.export.sampling import Sampling
+from dflash_trt.export.sampling import GREEDY, Sampling
 from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.cycles import (
@@ -86,7 +87,7 @@ from dflash_trt.runtime.sessions import CONTEXT, ContextPool, Input, Limits, Out
 from dflash_trt.runtime.stats import DEFAULT_MAX_ROWS, ExecuteRows, StatsLog, stats_paths, write_parquet
 from dflash_trt.runtime.timing import make_clock
 
-__all__ = ["Executor", "Input", "Output"]
+__all__ = ["Admission", "Executor", "Input", "Output"]
 
 _ROW = attrgetter("session.row")  # a lane's cache row (the order of a group's lanes)
 PENDING = object()  # a prediction on the device, not read yet (``Executor._target_work``)
@@ -106,12 +107,44 @@ class _Joining:
     t0: object = None
     t1: object = None
 
+
+@dataclass(eq=False)
+class _CallState:
+    """One execute's inputs as they grow: its steps (the batch's, then the admitted ones': ``_admit_lanes``),
+    every lane, the inputs numbered so far (refused admissions too), the sessions admissions opened and
+    the errors of refused ones, by input index, and the call's rounds as last seen."""
+
+    steps: list[Step]
+    lanes: list[Lane]
+    inputs: int
+    opened: dict[int, int] = field(default_factory=dict)  # input index -> the session an admission opened
+    refused: dict[int, DFlashError] = field(default_factory=dict)
+    rounds: int = 0
+
+
+class Admission(NamedTuple):
+    """A request joining a running execute (``Executor.execute_outputs``' ``admit``): the prompt of a new
+    session, its limits (``Input``'s ``max_new_tokens`` and ``stop``), its sampling and whether it drafts
+    (None: the executor's default). The executor opens the session; the output names it."""
+
+    tokens: list[int]
+    max_new_tokens: int | None = None
+    stop: Sequence[int] = ()
+    sampling: Sampling = GREEDY
+    speculate: bool | None = None
+
+
 LOG = logging.getLogger(__name__)
 # Rounds one execute may run per owner group. Each execute boundary costs host work with nothing queued on
 # the device (~0.5 ms on an H200's host), so more rounds per execute pay it less often; cancels, stop strings
 # and queued requests that could join end an execute after its round (the serving loop's should_yield),
 # so a larger cap delays none of them. benchmarks/RESULTS.md: 8 -> 32 rounds, H200, default pair.
 DEFAULT_MAX_CYCLES = 32
+
+def _target_tokens(steps: list[Step]) -> int:
+    """The target tokens an execute's inputs fed (its stats row): every input's but the pending-decode ones'."""
+    return sum(len(step.tokens) for step in steps if not step.fast)
+
 
 class Executor:
     """Sessions and batched DFlash cycles over one backend (see the module docstring).
@@ -189,6 +222,8 @@ class Executor:
         self._on_tokens: Callable | None = None
         self._should_yield: Callable[[int], bool] | None = None
         self._joining: list[_Joining] = []  # prefills launched, their tokens not read yet (``_join``)
+        self._admit: Callable[[], Sequence[Admission]] | None = None
+        self._call_state: _CallState | None = None  # the running execute's inputs and lanes (``_run``)
         self._shapes: dict[tuple[str, int, int], LoopShape] = {}  # _set_kind's, by (kind, proposals, cycles)
         # Rows go back to the backend even if the executor is dropped without close().
         self._release = weakref.finalize(self, self.table.rows.give_all, self.table.held)
@@ -344,7 +379,8 @@ class Executor:
         return [output.tokens for output in self.execute_outputs(batch)]
 
     def execute_outputs(
-        self, batch: Sequence[Input | dict], on_tokens: Callable | None = None, should_yield: Callable[[int], bool] | None = None
+        self, batch: Sequence[Input | dict], on_tokens: Callable | None = None, should_yield: Callable[[int], bool] | None = None,
+        admit: Callable[[], Sequence[Admission]] | None = None,
     ) -> list[Output]:
         """``execute``, returning per input its new tokens and why they ended (``Output.finish``).
 
@@ -358,13 +394,31 @@ class Executor:
         the call's inputs have ended (STOP / LENGTH) so far, ends the call early when True (a server
         with a request waiting for the gap between calls): the launches in flight are read and
         returned; the sessions go on at the next call, with the same tokens.
+
+        ``admit()``, asked after ``should_yield`` (a server: requests that arrived while the call runs),
+        returns ``Admission``s joining the running call, so they need not wait for its end: each opens a
+        session and is checked alone (a refused one opens none and runs nothing: its output's ``error``
+        says why), then they are prefilled together between two rounds and decode with the call's lanes
+        from the next round. Their outputs follow the batch's, in the order admitted, each naming its
+        session (``Output.session``); ``on_tokens`` numbers them so. If the call fails, the sessions it
+        opened are closed (the others poisoned, as ever). The call
+        still ends within ``max_cycles`` rounds: an admitted lane runs the rounds left (none is asked for
+        once fewer than two are). Where prompts are prefilled one by one (a backend that binds row ranges)
+        an admitted prompt waits for the device: ``admits_cheaply`` says which it is.
         """
         with self._call("execute", count_refusals=False):
-            self._on_tokens, self._should_yield = on_tokens, should_yield
+            self._on_tokens, self._should_yield, self._admit = on_tokens, should_yield, admit
             try:
                 return self._execute(batch)
             finally:
-                self._on_tokens = self._should_yield = None
+                self._on_tokens = self._should_yield = self._admit = None
+                self._call_state = None
+
+    @property
+    def admits_cheaply(self) -> bool:
+        """Admitted prompts are prefilled together on the device with no host wait (``execute_outputs``'
+        ``admit``): a row-indexed backend (the torch fast path). Elsewhere each waits for the device."""
+        return self.loop.row_indexed
 
     def _execute(self, batch: Sequence[Input | dict]) -> list[Output]:
         try:
@@ -373,12 +427,12 @@ class Executor:
             self.log.refuse("execute")  # no execute row, batch_id unchanged: nothing ran
             raise
         self.log.begin()
-        target_tokens = sum(len(s.tokens) for s in steps if not s.fast)
         try:
-            outputs = self._run(steps)
+            outputs = self._run(steps)  # appends the admitted inputs' steps to ``steps``
         except BaseException as error:
             self._poison(steps)
-            self.log.fail(len(steps), target_tokens)  # the batch's cycle rows and counts are dropped
+            self._close_opened()  # admitted sessions the caller never learned of
+            self.log.fail(len(steps), _target_tokens(steps))  # the batch's cycle rows and counts are dropped
             if not isinstance(error, Exception):
                 raise
             ids = sorted({s.session.id for s in steps})
@@ -386,8 +440,13 @@ class Executor:
             raise PoisonedError(msg) from error
         fast = all(s.fast for s in steps)
         self.log.counters["pending_decode_batches"] += fast
-        self.log.commit(len(steps), target_tokens, fast)
+        self.log.commit(len(steps), _target_tokens(steps), fast)
         return outputs
+
+    def _close_opened(self) -> None:
+        call = self._call_state
+        for session in call.opened.values() if call is not None else ():
+            self.table.close(session)
 
     def _poison(self, steps: list[Step]) -> None:
         for step in steps:
@@ -398,28 +457,39 @@ class Executor:
         for step in steps:
             if step.rewind:
                 self._rewind(step.session, step.start)
-        predictions, joining = self._target_work(steps)
-        lanes = [lane for step in steps if (lane := self._lane(step, predictions)) is not None]
-        self._stream(lanes)  # the predictions after the prompts run alone (the batched ones: ``_join``)
-        by_step = {lane.step.index: lane for lane in lanes}
-        for batch in joining:
-            batch.lanes = by_step
+        lanes, joining = self._lanes_of(steps)
+        call = self._call_state = _CallState(steps, lanes, len(steps))
         try:
             self._decode([lane for lane in lanes if lane.decodes], lanes, joining)
             self._join()
         finally:
             self._drop_joining()  # after a failure: prefills launched and never read
-        made: list[Output | None] = [None] * len(steps)
-        for lane in lanes:
+        made: list[Output | None] = [None] * call.inputs
+        for lane in lanes:  # the batch's and the admitted inputs'
             if lane.session.frontier > lane.keep_until:  # tokens past a stop / the room were discarded
                 self._rewind(lane.session, lane.keep_until)
             made[lane.step.index] = Output(lane.tokens, lane.finish or self._context_full(lane.session))
+        for index, error in call.refused.items():
+            made[index] = Output([], error=error)
+        for index, session in call.opened.items():
+            made[index] = replace(made[index] or Output([]), session=session)
         outputs = [Output([]) if output is None else output for output in made]  # no lane: no output asked
         for step in steps:
             if step.last:
                 # The last emitted token sits AT the new frontier, not yet fed.
                 step.session.pending = outputs[step.index].tokens[-1] if outputs[step.index].tokens else None
         return outputs
+
+    def _lanes_of(self, steps: list[Step]) -> tuple[list[Lane], list[_Joining]]:
+        """The steps' target work (``_target_work``) and their lanes, each handed its batched prefill's; the
+        predictions of the prompts run alone go to ``on_tokens`` (the batched ones' at ``_join``)."""
+        predictions, joining = self._target_work(steps)
+        lanes = [lane for step in steps if (lane := self._lane(step, predictions)) is not None]
+        self._stream(lanes)
+        by_step = {lane.step.index: lane for lane in lanes}
+        for batch in joining:
+            batch.lanes = by_step
+        return lanes, joining
 
     def _context_full(self, s: Session) -> str | None:
         """CONTEXT when the session's next token would sit at max_context (its pending token cannot be fed)."""
@@ -513,8 +583,9 @@ class Executor:
         return _Joining(steps, prompts, width)
 
     def _launch_prefills(self, joining: Sequence[_Joining]) -> None:
-        """Launch the planned prefills (no host sync on CUDA); ``_join`` reads them."""
-        offset = 0
+        """Launch the planned prefills (no host sync on CUDA); ``_join`` reads them (all at once: the host
+        slots of those still unread come first)."""
+        offset = sum(len(batch.steps) for batch in self._joining)
         for batch in joining:
             batch.t0 = self.clock.mark()
             batch.launched = self.prefill.launch(batch.prompts, batch.width, offset)
@@ -646,12 +717,83 @@ class Executor:
         sessions = [lane.session for lane in lanes]
         rows, anchors, samplings = [s.row for s in sessions], [lane.anchor for lane in lanes], [s.sampling for s in sessions]
         frontiers, drafts = [s.frontier for s in sessions], [s.draft_position for s in sessions]
-        self._policed = [lane for lane in lanes if lane.policed]
+        self._policed = [lane for lane in lanes if lane.policed]  # admitted ones join (``_admit_lanes``)
         self._sampling = any(sampling.temperature > 0 for sampling in samplings)  # else no group samples (_pack)
+        admit = self._admit_lanes if self._admit is not None else None
         with self.loop.running():
             self.loop.stage(rows, anchors, frontiers, drafts, samplings)
             self._launch_prefills(joining)  # stream order: after the staging (their anchors win), before the rounds
-            run_launches(lanes, self._pack, self._launch, self._read, self.lag, self._plan_round, self._yield_check(every))
+            run_launches(lanes, self._pack, self._launch, self._read, self.lag, self._plan_round, self._yield_check(every), admit)
+
+    def _admit_lanes(self, candidates: Sequence[Lane]) -> list[Lane]:
+        """``run_launches``' admit: the caller's admissions, checked (``_admitted_steps``), their target work
+        planned, their rows staged and their prefills launched (stream order: ahead of the round they join);
+        returns their lanes that decode. None is asked for once the call's rounds leave fewer than two."""
+        call = self._call_state
+        if candidates:  # the call's rounds so far, read off a lane launching now (lanes of one launch go together)
+            call.rounds = candidates[0].launched + candidates[0].spent
+        if call.rounds + 2 > self.max_cycles:
+            return []
+        steps = self._admitted_steps(self._admit())
+        if not steps:
+            return []
+        call.steps += steps
+        lanes, joining = self._lanes_of(steps)
+        call.lanes += lanes
+        decoding = [lane for lane in lanes if lane.decodes]
+        for lane in decoding:
+            self._assign(lane)
+            lane.spent = call.rounds
+        sessions = [lane.session for lane in decoding]
+        if sessions:
+            self._policed += [lane for lane in decoding if lane.policed]
+            self._sampling = self._sampling or any(s.sampling.temperature > 0 for s in sessions)
+            anchors, samplings = [lane.anchor for lane in decoding], [s.sampling for s in sessions]
+            self.loop.stage_more([s.row for s in sessions], anchors, [s.frontier for s in sessions], [s.draft_position for s in sessions], samplings)
+        self._launch_prefills(joining)  # after the staging (their anchors win)
+        return decoding
+
+    def _admitted_steps(self, admitted: Sequence[Admission]) -> list[Step]:
+        """The admissions that may join, as steps numbered after the call's inputs, each in a session opened
+        for it; a refused one is recorded (``_CallState.refused``) and leaves nothing behind."""
+        call, steps = self._call_state, []
+        for admission in admitted:
+            index, call.inputs = call.inputs, call.inputs + 1
+            try:
+                step = self._admission(admission, index)
+            except DFlashError as error:
+                self.log.refuse("execute.admit")
+                call.refused[index] = error
+                continue
+            call.opened[index] = step.session.id
+            steps.append(step)
+        return steps
+
+    def _admission(self, admission: Admission, index: int) -> Step:
+        """One admission's step, in a session opened for it with its sampling; InputError / SessionError /
+        SamplingError naming ``admit[index]``'s field when it cannot join (the refusals ``validate_batch``,
+        ``open_session`` and ``set_sampling`` make), with no session left open."""
+        where = f"admit[{index}]"
+        if not isinstance(admission, Admission):
+            raise InputError(f"{where} must be an Admission, got {type(admission).__name__}")
+        sampling = admission.sampling
+        if not isinstance(sampling, Sampling):
+            raise SamplingError(f"{where}.sampling must be a Sampling, got {type(sampling).__name__}")
+        try:
+            sampling = sampling.check(self.dims.vocab_size)
+            if sampling.temperature > 0:
+                self._require_sampled_graphs(sampling.temperature)
+            self.table.room("session")
+            s = self.table.open(self.speculate if admission.speculate is None else bool(admission.speculate))
+        except DFlashError as error:
+            raise type(error)(f"{where}: {error}", param=error.param, code=error.code) from error
+        try:
+            (step,) = validate_batch(self.table, [Input(s.id, admission.tokens, max_new_tokens=admission.max_new_tokens, stop=admission.stop)], self.limits)
+        except DFlashError as error:
+            self.table.close(s.id)
+            raise type(error)(f"{where}: {error}", param=error.param, code=error.code) from error
+        s.sampling, step.index = sampling, index
+        return step
 
     def _yield_check(self, every: list[Lane]) -> Callable[[], bool] | None:
         """``run_launches``' stop: the caller's ``should_yield`` with the count of lanes ended so far."""

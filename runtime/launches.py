@@ -41,7 +41,8 @@ class LoopShape:
 
 
 def may_launch(
-    frontier: int, in_flight: int, launched: int, room: int | None, finished: bool, shape: LoopShape, reach: int | None = None
+    frontier: int, in_flight: int, launched: int, room: int | None, finished: bool, shape: LoopShape, reach: int | None = None,
+    spent: int = 0,
 ) -> bool:
     """May one more cycle be launched for an owner whose last READ frontier is ``frontier``?
 
@@ -50,9 +51,10 @@ def may_launch(
     only). The new cycle starts at most ``reach`` past the frontier (default
     ``in_flight * width``; the sum of the unread launches' widths when their
     kinds differ) and must fit the cache; each unread cycle yields at least
-    one token.
+    one token. ``spent``: rounds the execute ran before the owner joined it (``run_launches``' admit):
+    they count against ``max_cycles``, so an execute ends within max_cycles rounds whoever joins it.
     """
-    if finished or launched >= shape.max_cycles:
+    if finished or launched + spent >= shape.max_cycles:
         return False
     if room is None:
         return launched == 0
@@ -116,6 +118,7 @@ class Lane:
     decodes: bool = True  # the loop runs it (False: its prompt's prediction was all it gets this call)
     first_pending: bool = False  # its first token (a batched prefill's) is on the device, not read yet
     launched: int = 0  # launches this execute
+    spent: int = 0  # rounds the execute had run when the lane joined it (``run_launches``' admit)
     flight: deque = field(default_factory=deque)  # [Flight] launched, not read yet, oldest first
 
     @property
@@ -150,7 +153,7 @@ class Lane:
         flight, budget = self.flight, self.step.room
         reach = (flight[0].width if len(flight) == 1 else sum(f.width for f in flight)) if flight else 0
         room = None if budget is None else budget - len(self.tokens) - self.first_pending
-        return may_launch(self.session.frontier, len(flight), self.launched, room, self.finish is not None, self.shape, reach)
+        return may_launch(self.session.frontier, len(flight), self.launched, room, self.finish is not None, self.shape, reach, self.spent)
 
 
 @dataclass
@@ -169,11 +172,12 @@ class Group:
 
 def run_launches(
     lanes: Sequence[Lane], pack: Callable, launch: Callable, read: Callable, lag: bool, choose: Callable | None = None,
-    stop: Callable[[], bool] | None = None,
+    stop: Callable[[], bool] | None = None, admit: Callable[[Sequence[Lane]], Sequence[Lane]] | None = None,
 ) -> None:
     """Launch and read every lane's cycles until none may launch, or until ``stop()`` (asked before each
     launch after the first round) says to end early: the launches in flight are still read (see the
-    module docstring).
+    module docstring). ``admit(candidates)``, asked next (unless stopping), returns lanes joining the
+    running loop: they launch with this launch's candidates, and are read and relaunched like the others.
 
     ``choose(lanes)`` -> the lanes of one round that launch now (those whose
     ``may_launch`` holds), each one's
@@ -192,6 +196,8 @@ def run_launches(
     def start(candidates: Sequence[Lane], may_stop: bool = True) -> None:
         if may_stop and stop is not None and stop():
             return
+        if may_stop and admit is not None and (joined := admit(candidates)):
+            candidates = [*candidates, *joined]
         live = [lane for lane in candidates if lane.finish is None]
         if choose is None:
             chosen = [lane for lane in live if lane.may_launch()]

@@ -37,7 +37,7 @@ from dflash_trt.export import contract as c
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.cycles import sampling_rows
 from dflash_trt.runtime.device import CaptureFallback
-from dflash_trt.runtime.device_loop import ANCHOR, DeviceLoop, Mirror, Mirrors, capture_graph, owner_buckets
+from dflash_trt.runtime.device_loop import ANCHOR, DeviceLoop, Mirror, Mirrors, Staging, capture_graph, owner_buckets
 from dflash_trt.runtime.sessions import ContextPool
 
 # Tokens per prefill launch (the executor's batches), their padding quantum, and the largest padded
@@ -274,47 +274,3 @@ class PrefillPrograms:
         self.staging.close()
         self.inputs.close()
         self.chosen_host.close()
-
-
-class Staging:
-    """Uploads of a ``Mirrors`` block whose host side is rewritten before earlier uploads ran.
-
-    An async copy reads its pinned source when the stream reaches it, not when it is queued: launches
-    queued back to back (the prefills of one execute, no host sync between them) would each upload the
-    last one's inputs. Each upload therefore copies the host twin into the next of ``depth`` pinned
-    buffers and queues the copy from there; a buffer is rewritten only after its previous copy ran (its
-    event), a wait that needs ``depth`` launches queued ahead. On CPU the twin is the device memory: nothing
-    to do."""
-
-    def __init__(self, mirrors: Mirrors, depth: int) -> None:
-        self.mirrors, self.next = mirrors, 0
-        self.buffers, self.events = [], [None] * depth
-        if mirrors.pinned is not None:
-            from dflash_trt.runtime.device import PinnedBuffer
-
-            self.buffers = [PinnedBuffer((mirrors.pinned.nbytes,), torch.uint8) for _ in range(depth)]
-        self.twin, self.arrays = mirrors.host_block.numpy(), [buffer.numpy() for buffer in self.buffers]
-
-    def upload(self, stream) -> None:
-        """The host twin -> device, queued on ``stream`` from a pinned copy no queued upload still reads."""
-        if not self.buffers:
-            return
-        from dflash_trt.runtime import device
-
-        k, self.next = self.next, (self.next + 1) % len(self.buffers)
-        if self.events[k] is not None:
-            self.events[k].synchronize()  # host wait: only with ``depth`` uploads queued ahead of this one
-        else:
-            self.events[k] = device.Event(timing=False)
-        source = self.buffers[k]
-        self.arrays[k][:] = self.twin
-        device.copy_async(self.mirrors.block.data_ptr(), source.ptr, source.nbytes, stream)
-        self.events[k].record(stream)
-
-    def close(self) -> None:
-        for event in self.events:
-            if event is not None:
-                event.close()
-        for buffer in self.buffers:
-            buffer.close()
-        self.buffers, self.events = [], [None] * len(self.events)

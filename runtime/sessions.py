@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from dflash_trt.checks import is_int
-from dflash_trt.errors import InputError, PoisonedError, SessionError
+from dflash_trt.errors import DFlashError, InputError, PoisonedError, SessionError
 from dflash_trt.export.sampling import GREEDY, SEED_LIMIT, Sampling, check_seed  # noqa: F401  (re-exported)
 from dflash_trt.runtime.cycles import block_fits
 from dflash_trt.runtime.ownership import RowAllocator
@@ -146,11 +146,16 @@ class Output:
 
     ``finish``: ``STOP`` (its last token is one of the input's ``stop``),
     ``LENGTH`` (``max_new_tokens`` reached), ``CONTEXT`` (the session's next
-    token would sit at ``max_context``), or None (it may continue).
+    token would sit at ``max_context``), or None (it may continue). For an
+    input admitted into a running execute (``Executor.execute_outputs``' admit):
+    ``session``, the session opened for it, or ``error``, why it was refused
+    (it opened none and ran nothing).
     """
 
     tokens: list[int]
     finish: str | None = None
+    error: DFlashError | None = None
+    session: int | None = None
 
 
 @dataclass(frozen=True)

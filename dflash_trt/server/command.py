@@ -102,6 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--early-join", action=argparse.BooleanOptionalAction, default=True,
                         help="end an execute after its current round when a queued request could take a session "
                              "(default; --no-early-join: it waits for the execute's end, up to --max-cycles rounds)")
+    parser.add_argument("--join-running", action=argparse.BooleanOptionalAction, default=True,
+                        help="a request that arrives while an execute runs joins it at its next round when a session is free "
+                             "(default; --no-join-running: it joins between executes)")
     parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads for ONNX Runtime / torch")
     parser.add_argument("--front-process", action=argparse.BooleanOptionalAction, default=True,
                         help="the HTTP front in its own process, the serving loop in another (default); --no-front-process: "
@@ -341,7 +344,7 @@ def _load(args, text: bool = True, handles=None):
             tokenizer.chars_per_token  # noqa: B018  (computed once now, not on the first request)
         serving = ServingLoop(executor, tokenizer if text else None, max_queue=args.max_queue, stop_ids=stop_ids,
                               stream_interval=args.stream_interval_ms / 1000, handles=handles or RequestHandle,
-                              early_join=getattr(args, "early_join", True))
+                              early_join=getattr(args, "early_join", True), join_running=getattr(args, "join_running", True))
         return serving, backend, names
     except BaseException:
         backend.close()

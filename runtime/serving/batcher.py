@@ -15,13 +15,14 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from dflash_trt.checks import is_int
-from dflash_trt.errors import InputError, SamplingError
+from dflash_trt.errors import DFlashError, InputError, SamplingError
 from dflash_trt.export.sampling import GREEDY, Sampling
-from dflash_trt.runtime.executor import Executor
+from dflash_trt.runtime.executor import Admission, Executor
 from dflash_trt.runtime.sessions import CONTEXT, LENGTH, STOP, Input, token_ids  # noqa: F401  (finish reasons, re-exported)
 
 
 
+ADMIT_TOKENS_PER_ROUND = 2048  # prompt tokens joining a running step per round at most (the first prompt always goes)
 PREFILL_TOKENS_PER_STEP = 8192  # prompt tokens one step takes at most (the first prompt always goes)
 JOIN_SHARE = 8  # early join: a step ends once 1 / JOIN_SHARE of its sessions' worth of queued requests can join
 JOIN_WAIT_S = 0.02  # ... or once the oldest queued request (with a session for it) waited this long
@@ -39,11 +40,13 @@ class Request:
 
 @dataclass(frozen=True)
 class Chunk:
-    """New tokens of request ``index`` (the key it joined with); ``finish`` is set on its last chunk."""
+    """New tokens of request ``index`` (the key it joined with); ``finish`` is set on its last chunk;
+    ``error``: why a request admitted into a running step could not run (it left; nothing ran)."""
 
     index: Hashable
     tokens: list[int]
     finish: str | None = None
+    error: DFlashError | None = None
 
 
 @dataclass
@@ -57,7 +60,7 @@ class Completion:
 class _Running:
     key: Hashable
     request: Request
-    session: int
+    session: int | None  # None while it joins a running step (the executor opens it: ``Batcher.step``'s admit)
     produced: int = 0
     joined: bool = True  # the next input is the prompt (then the pending token)
     pending: int | None = None  # the last token returned: the session's pending token, fed next
@@ -107,6 +110,7 @@ class Batcher:
     ``prefill_tokens`` caps the prompt tokens one step takes (at least one
     prompt): joined requests past it wait for the next step, so a burst of
     joining prompts costs the running requests a bounded prefill per step.
+    Requests may also join a step while it runs (``step``'s ``admit``).
     """
 
     def __init__(self, executor: Executor, max_running: int | None = None, prefill_tokens: int = PREFILL_TOKENS_PER_STEP) -> None:
@@ -145,7 +149,9 @@ class Batcher:
         self.running[key] = _Running(key, request, session)
 
     def leave(self, key: Hashable) -> None:
-        self.executor.close_session(self.running.pop(key).session)
+        session = self.running.pop(key).session
+        if session is not None:  # None: admitted into a step that failed (the executor closed what it opened)
+            self.executor.close_session(session)
 
     def close(self) -> None:
         for key in list(self.running):
@@ -153,7 +159,7 @@ class Batcher:
 
     def step(
         self, keys: Iterable[Hashable] | None = None, on_chunk: Callable[[Hashable, list[int], str | None], None] | None = None,
-        should_yield: Callable[[int], bool] | None = None,
+        should_yield: Callable[[int], bool] | None = None, admit: Callable[[int], Sequence[tuple[Hashable, Request]]] | None = None,
     ) -> list[Chunk]:
         """One execute() over every running request (or only ``keys``: the others wait, their pending
         tokens kept); returns a chunk per request; raises what execute raised (sessions left as they are).
@@ -162,6 +168,11 @@ class Batcher:
         ``on_chunk(key, tokens, finish)`` receives a chunk's fields while the execute runs (``Executor.execute_outputs``'
         on_tokens, per lane per launch: no ``Chunk`` is built for it; ``finish`` is set when the tokens end the
         request); the returned chunk of a request then holds only its tokens not streamed yet.
+
+        ``admit(limit)``, asked while the execute runs (``Executor.execute_outputs``' admit, while sessions
+        are free), returns up to ``limit`` (``room``) (key, request) pairs joining it: the executor opens their
+        sessions, they decode from its next round and get their chunks with the others (a refused one:
+        its ``error``; it left).
         """
         running = self._admitted() if keys is None else [self.running[key] for key in keys]
         streamed = [0] * len(running)
@@ -170,14 +181,25 @@ class Batcher:
             streamed[index] += len(tokens)
             on_chunk(running[index].key, tokens, finish)
 
-        outputs = self.executor.execute_outputs([self._next_input(r) for r in running], stream if on_chunk else None, should_yield)
+        def admitting() -> list[Admission]:
+            admissions = []
+            for key, request in admit(self.room) if self.room else ():
+                running.append(r := _Running(key, request, None, joined=False))
+                self.running[key] = r
+                streamed.append(0)
+                admissions.append(Admission(list(request.prompt), request.max_new_tokens, request.stop, request.sampling))
+            return admissions
+
+        batch = [self._next_input(r) for r in running]
+        outputs = self.executor.execute_outputs(batch, stream if on_chunk else None, should_yield, admitting if admit is not None else None)
         chunks = []
         for r, output, sent in zip(running, outputs, streamed):
+            r.session = output.session if r.session is None else r.session  # an admitted request's, opened by the executor
             r.produced += len(output.tokens)
             r.pending = output.tokens[-1] if output.tokens else r.pending
-            if output.finish is not None:
+            if output.finish is not None or output.error is not None:
                 self.leave(r.key)
-            chunks.append(Chunk(r.key, output.tokens[sent:], output.finish))
+            chunks.append(Chunk(r.key, output.tokens[sent:], output.finish, output.error))
         return chunks
 
     def _admitted(self) -> list[_Running]:

@@ -52,7 +52,7 @@ from dflash_trt.checks import is_int
 from dflash_trt.errors import DFlashError, ServingClosedError, InputError, QueueFullError, TokenizerError
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor
-from dflash_trt.runtime.serving.batcher import LENGTH, STOP, Batcher, Chunk, Completion, Request, check_request
+from dflash_trt.runtime.serving.batcher import ADMIT_TOKENS_PER_ROUND, LENGTH, STOP, Batcher, Chunk, Completion, Request, check_request
 from dflash_trt.runtime.serving.handle import CANCELLED, Delta, RequestHandle
 from dflash_trt.runtime.serving.metrics import ServingMetrics, MetricsRecorder
 from dflash_trt.runtime.serving.text import TextStream, detokenize, stop_strings
@@ -96,6 +96,7 @@ class ServingLoop:
         stream_interval: float = DEFAULT_STREAM_INTERVAL,
         handles: Callable[..., RequestHandle] = RequestHandle,
         early_join: bool = True,
+        join_running: bool = True,
     ) -> None:
         """``stream_interval``: seconds between two deliveries of one request while an execute runs
         (its tokens are handed out as launches are read, at most this often; its first token and its
@@ -103,6 +104,8 @@ class ServingLoop:
         ``early_join``: end an execute after its current round when a queued request could take a
         session at the gap (``Executor.execute_outputs``' ``should_yield``), so a joining request waits
         about one round for its session rather than the rest of the execute (up to ``max_cycles``).
+        ``join_running``: a request that arrives while an execute runs joins it at its next round
+        (``Executor.execute_outputs``' ``admit``) when a session is free: no execute ends for it.
         ``handles(request_id, prompt, cancel)`` makes each request's handle (a ``RequestHandle``
         subclass sees every delivery on the loop's thread: ``server.serving_process`` forwards them)."""
         if not is_int(max_queue) or max_queue < 0:
@@ -112,7 +115,7 @@ class ServingLoop:
         self.stop_ids = tuple(stop_ids if stop_ids is not None else tokenizer.stop_ids if tokenizer is not None else ())
         self.batcher = Batcher(executor, max_running)  # the loop thread's alone
         self.stream_interval = float(stream_interval)
-        self.early_join = bool(early_join)
+        self.early_join, self.join_running = bool(early_join), bool(join_running)
         self.recorder = MetricsRecorder()
         self._handles = handles
         self._executes = ExecuteCursor(executor)
@@ -306,8 +309,9 @@ class ServingLoop:
             once) and those cut at a stop string."""
             now = time.perf_counter()
             with self._cond:
-                waiting = len(self._queue)
-                oldest = self._queue[0].submitted if waiting else now
+                # Requests that will join the running execute (a free session each) need no gap.
+                waiting = max(0, len(self._queue) - admissible())
+                oldest = self._queue[-waiting].submitted if waiting else now
                 dropping = self._dropping
             if dropping or orphaned:
                 return True
@@ -315,6 +319,27 @@ class ServingLoop:
                 return False
             # Waited for this execute: since it started, or since the request came if later.
             return self.batcher.should_yield(waiting, max(finished, len(ended)), now - max(oldest, started))
+
+        def admissible() -> int:
+            return self.batcher.room if self.join_running and self._stopping != "cancel" else 0
+
+        def admit(limit: int) -> list[tuple[int, Request]]:
+            """Queued requests joining the running execute (``Batcher.step``'s admit): up to ``limit``
+            (the free sessions), oldest first, while their prompts fit ADMIT_TOKENS_PER_ROUND (the first
+            always: a round's streams wait for one bounded prefill); none once the loop cancels what it
+            accepted."""
+            taken, budget = [], ADMIT_TOKENS_PER_ROUND
+            with self._cond:
+                if self._stopping == "cancel":
+                    return []
+                while self._queue and len(taken) < limit and (not taken or len(self._queue[0].request.prompt) <= budget):
+                    budget -= len(self._queue[0].request.prompt)
+                    taken.append(self._queue.popleft())
+                self._jobs.update((job.handle.id, job) for job in taken)  # a cancel from now on flags them
+            now = time.perf_counter()
+            for job in taken:
+                self.recorder.joined(now - job.submitted)
+            return [(job.handle.id, job.request) for job in taken]
 
         def stream(key, tokens: list[int], finish: str | None) -> None:
             """A request's tokens as a launch is read (``Batcher.step``'s on_chunk): held, or delivered once
@@ -332,7 +357,7 @@ class ServingLoop:
                     orphaned.append(key)
 
         try:
-            chunks = self.batcher.step(on_chunk=stream, should_yield=should_yield)
+            chunks = self.batcher.step(on_chunk=stream, should_yield=should_yield, admit=admit if self.join_running else None)
         except Exception as error:
             failed = [self._jobs[key] for key in list(self.batcher.running)]
             for job in failed:
@@ -349,7 +374,9 @@ class ServingLoop:
         self._record_executes()
         for chunk in chunks:
             tokens = held.pop(chunk.index, []) + chunk.tokens
-            if chunk.index in ended:
+            if chunk.error is not None:  # admitted, refused by the executor: it ran nothing (its session closed)
+                self._fail([self._jobs[chunk.index]], chunk.error)
+            elif chunk.index in ended:
                 if chunk.index in self.batcher.running:
                     self.batcher.leave(chunk.index)
             elif tokens or chunk.finish is not None:

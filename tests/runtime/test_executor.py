@@ -14,7 +14,7 @@ from dflash_trt.errors import InputError, PoisonedError, SamplingError, SessionE
 from dflash_trt.export import contract as c
 from dflash_trt.export.reference import ReferenceDecoder
 from dflash_trt.export.sampling import Sampling
-from dflash_trt.runtime.executor import Executor, Input
+from dflash_trt.runtime.executor import Admission, Executor, Input
 from dflash_trt.runtime.stats import CYCLE_SCHEMA, EXECUTE_SCHEMA, stats_paths
 from executor_fixtures import RecordingBackend, DraftReference, Tiny, Tracker, tiny_dims
 
@@ -709,3 +709,73 @@ def test_a_changed_sampling_reaches_the_row_indexed_loop_between_executes(tiny, 
     t.set_sampling(c, Sampling(temperature=0.9, seed=5))
     t.execute([(c, prompt(6, 3), None, True)] + t.decode_inputs([a]))
     t.execute(t.decode_inputs([a, c]))
+
+
+@pytest.mark.parametrize("backend", ["torch-fast", "onnxruntime", pytest.param("torch-cuda", marks=pytest.mark.gpu)])
+def test_requests_admitted_into_a_running_execute_decode_as_alone(tiny, oracle, backend):
+    """Guards against a request that arrives while an execute runs having to wait for its end (a server's
+    joining request: an execute boundary each time, the device idle through it), and against admission
+    that changes any output: prompts admitted at later rounds (greedy and sampled, drafting and plain,
+    two at once) return the reference's continuation, as do the running ones; their outputs follow the
+    batch's in admission order, name the sessions opened for them and stream under those indices; a
+    refused admission (a bad token, no session left) opens nothing, changes nothing and says why; the
+    call ends within max_cycles rounds; the next call goes on from the admitted sessions' tokens.
+    Row-bound backends prefill each admitted prompt alone, with the same outputs."""
+    if backend == "torch-cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    executor, _ = new_executor(tiny, 5, backend)
+    executor.max_cycles = 10
+    assert executor.admits_cheaply == (backend != "onnxruntime")  # CUDA: captured prefill, staged rows, no host wait
+    running = [executor.open_session() for _ in range(2)]
+    prompts = [prompt(6 + 3 * i, 700 + i) for i in range(5)]  # the running two, then the admitted three
+    samplings = [Sampling(), Sampling(), Sampling(), SAMPLED, Sampling()]
+    waves = {2: [Admission(prompts[2], 30), Admission(prompts[3], 30, sampling=SAMPLED)],
+             5: [Admission([5, 10**9], 30),  # bad token: refused
+                 Admission(prompts[4], 30, speculate=False),
+                 Admission(prompts[0], 30)]}  # the fifth session: none left
+    asked, streamed = [0], {}
+
+    def admit():
+        asked[0] += 1
+        return waves.get(asked[0], [])
+
+    batch = [Input(s, prompts[i], max_new_tokens=60) for i, s in enumerate(running)]
+    outputs = executor.execute_outputs(batch, lambda i, tokens, finish: streamed.setdefault(i, []).extend(tokens), admit=admit)
+    order = [0, 1, 2, 3, None, 4, None]  # output -> prompt (None: refused)
+    assert len(outputs) == len(order)
+    assert isinstance(outputs[4].error, InputError) and "admit[4]" in str(outputs[4].error) and outputs[4].tokens == []
+    assert isinstance(outputs[6].error, SessionError) and "admit[6]" in str(outputs[6].error) and outputs[6].session is None
+    opened = [outputs[i].session for i in (2, 3, 5)]
+    assert executor.sessions() == sorted(running + opened)  # the refused left nothing open
+    assert not executor.session(opened[2]).speculate and executor.session(opened[1]).sampling == SAMPLED
+    for i, p in enumerate(order):
+        if p is None:
+            continue
+        got = outputs[i].tokens
+        assert 1 <= len(got) and got == oracle.continuation(prompts[p], samplings[p])[: len(got)], (i, got)
+        assert streamed[i] == got
+    assert len(outputs[2].tokens) > 1 and len(outputs[5].tokens) > 1  # admitted lanes ran rounds in the call
+    # A row per launch of a session, and one for its prompt's token (the plain session's decode steps are target rows too).
+    launches = {s: n - 1 for s, n in executor.cycle_stats().group_by("session").len().iter_rows()}
+    assert max(launches.values()) <= executor.max_cycles
+    assert launches[opened[0]] <= executor.max_cycles - 1 and launches[opened[2]] <= executor.max_cycles - 2  # joined late
+    assert executor.refused_calls().get("execute.admit") == 2
+    sessions = running + opened
+    nxt = executor.execute_outputs([Input(s, [outputs[i].tokens[-1]], max_new_tokens=12) for s, i in zip(sessions, (0, 1, 2, 3, 5))])
+    for p, i, out in zip((0, 1, 2, 3, 4), (0, 1, 2, 3, 5), nxt):
+        whole = outputs[i].tokens + out.tokens
+        assert whole == oracle.continuation(prompts[p], samplings[p])[: len(whole)], (i, whole)
+
+
+def test_a_failed_execute_closes_the_sessions_its_admissions_opened(tiny):
+    """Guards against a failure after an admission leaking the session opened for it (the caller never
+    learned its id, so nobody could close it: a cache row lost per failure): the call's own sessions
+    are poisoned as ever, the admitted one is closed."""
+    executor, recording = new_executor(tiny, 4, "torch-fast")
+    executor.max_cycles = 10
+    session = executor.open_session()
+    admitted = iter([[], [Admission(prompt(7, 3), 20)]])
+    recording.fail_on = (c.DRAFT, 4)  # after the admission (asked before the 2nd and 3rd launches)
+    with pytest.raises(PoisonedError):
+        executor.execute_outputs([Input(session, prompt(9, 2), max_new_tokens=40)], admit=lambda: next(admitted, []))
+    assert executor.sessions() == [session] and executor.session(session).poisoned

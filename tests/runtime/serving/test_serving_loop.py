@@ -443,3 +443,44 @@ def test_tokens_stream_after_each_launch_not_each_execute(tiny, oracle):
         deliveries[interval] = len(deltas)
     assert deliveries[0.0] > executes  # several deliveries inside one execute
     assert deliveries[60.0] <= executes + 1  # the first token at once, then one per execute
+
+
+class EveryRunGated(GatedBackend):
+    """``GatedBackend`` whose row-indexed runs (the torch fast path's programs) wait at the gate too."""
+
+    def run_at(self, graph, feeds, slots):
+        if not self.gate.is_set():
+            self.entered.set()
+            assert self.gate.wait(30), "gate never opened"
+        return super().run_at(graph, feeds, slots)
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch-fast"])
+def test_requests_arriving_during_an_execute_join_it_at_its_next_round(tiny, oracle, backend):
+    """Guards against a request that arrives while an execute runs waiting for that execute's end (or
+    ending it early: an execute boundary per arrival, host work with the device idle at many streams),
+    and against joining changing any output: with ``join_running`` the requests submitted while the
+    first request's execute is held join that same execute (its stats row counts their inputs) and every
+    output, greedy and sampled, equals the reference; without it they join at the gap after it."""
+    from executor_fixtures import tiny_dims
+
+    dims = tiny.dims if backend == "onnxruntime" else tiny_dims(tiny.target, tiny.draft, tiny.dims.max_context)
+    later = [([9, 4, 11, 3], 12, Sampling()), ([7, 7, 2], 12, Sampling(temperature=0.8, top_k=20, seed=3))]
+    for join in (True, False):
+        inner = tiny.ort if backend == "onnxruntime" else tiny.torch_backend(dims, TINY_ROWS, "fast")
+        gated = EveryRunGated(inner)
+        serving = ServingLoop(Executor(gated, dims, TINY_ROWS, max_cycles=16), join_running=join)
+        gated.gate.clear()
+        first = serving.submit([5, 6, 7], 40)
+        assert gated.entered.wait(30)  # held inside the first execute
+        handles = [submit(serving, *request) for request in later]
+        gated.gate.set()
+        assert (first.result(30).tokens, first.result().finish) == reference(oracle, [5, 6, 7], 40)
+        for (prompt, max_new, sampling), handle in zip(later, handles):
+            assert (handle.result(30).tokens, handle.result().finish) == reference(oracle, prompt, max_new, sampling=sampling)
+        serving.close()
+        inputs = serving.executor.execute_stats()["inputs"].to_list()
+        assert inputs[0] == (3 if join else 1), (join, inputs)
+        assert serving.executor.sessions() == []
+        if inner is not tiny.ort:
+            inner.close()
