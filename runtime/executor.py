@@ -104,6 +104,7 @@ class _Joining:
     width: int
     lanes: dict[int, Lane] = field(default_factory=dict)
     launched: PrefillLaunch | None = None
+    after: int = 0  # the loop's launches made before it (``Executor._read`` joins it before reading a later one)
     t0: object = None
     t1: object = None
 
@@ -222,6 +223,7 @@ class Executor:
         self._on_tokens: Callable | None = None
         self._should_yield: Callable[[int], bool] | None = None
         self._joining: list[_Joining] = []  # prefills launched, their tokens not read yet (``_join``)
+        self._launches = 0  # the loop's launches so far (``_launch``: each one's sequence number)
         self._admit: Callable[[], Sequence[Admission]] | None = None
         self._call_state: _CallState | None = None  # the running execute's inputs and lanes (``_run``)
         self._shapes: dict[tuple[str, int, int], LoopShape] = {}  # _set_kind's, by (kind, proposals, cycles)
@@ -587,6 +589,7 @@ class Executor:
         slots of those still unread come first)."""
         offset = sum(len(batch.steps) for batch in self._joining)
         for batch in joining:
+            batch.after = self._launches
             batch.t0 = self.clock.mark()
             batch.launched = self.prefill.launch(batch.prompts, batch.width, offset)
             batch.t1 = self.clock.mark()
@@ -728,11 +731,13 @@ class Executor:
     def _admit_lanes(self, candidates: Sequence[Lane]) -> list[Lane]:
         """``run_launches``' admit: the caller's admissions, checked (``_admitted_steps``), their target work
         planned, their rows staged and their prefills launched (stream order: ahead of the round they join);
-        returns their lanes that decode. None is asked for once the call's rounds leave fewer than two."""
+        returns their lanes that decode."""
         call = self._call_state
         if candidates:  # the call's rounds so far, read off a lane launching now (lanes of one launch go together)
             call.rounds = candidates[0].launched + candidates[0].spent
-        if call.rounds + 2 > self.max_cycles:
+        # None once the rounds left are too few, or when no lane decodes on (the call is ending: a request
+        # waits for its end, ~a launch, and starts the next call with the whole max_cycles).
+        if call.rounds + 2 > self.max_cycles or all(lane.finish is not None for lane in candidates):
             return []
         steps = self._admitted_steps(self._admit())
         if not steps:
@@ -893,20 +898,24 @@ class Executor:
                 groups.append(Group(kind, sampled, run, proposals))
         return groups
 
-    def _launch(self, group: Group) -> tuple[Launch, float]:
-        """The group's program, launched; with the host seconds the launch call took (part of its cost)."""
-        started = time.perf_counter()
-        return self.loop.launch(group.kind, group.sampled, group.rows, group.proposals), time.perf_counter() - started
+    def _launch(self, group: Group) -> tuple[Launch, float, int]:
+        """The group's program, launched; with the host seconds the launch call took (part of its cost)
+        and its sequence number."""
+        started, self._launches = time.perf_counter(), self._launches + 1
+        return self.loop.launch(group.kind, group.sampled, group.rows, group.proposals), time.perf_counter() - started, self._launches - 1
 
-    def _read(self, group: Group, launched: tuple[Launch, float]) -> None:
+    def _read(self, group: Group, launched: tuple[Launch, float, int]) -> None:
         """Host sync (the launch's event): apply its verdict to the sessions, lanes and stats; hand
         the lanes' new tokens to ``on_tokens``. The launch's wall cost (launch call, wait, this
         work) and the tokens it yielded go to the policy, charged to the round that chose it
         (``runtime.policy``: why wall time, why per round), and a cycle's acceptances to its
         acceptance by draft position."""
-        launch, launch_s = launched
-        if self._joining:  # launched before this program: their tokens come first (lanes' first tokens); the
-            self._join()  # wait is the prefill's, not charged to this launch's cost
+        launch, launch_s, sequence = launched
+        # Prefills launched before this program: their tokens come first (its lanes' first tokens; the wait is
+        # the prefill's, not charged to this launch). One launched after it (an admission) is not waited for:
+        # it runs behind this program on the stream, and its lanes are in later launches only.
+        if self._joining and sequence >= self._joining[0].after:
+            self._join()
         started = time.perf_counter()
         record, device_ms = self.loop.read(launch)
         read = self._read_cycle if group.kind == CYCLE else self._read_decode

@@ -326,17 +326,20 @@ class ServingLoop:
         def admit(limit: int) -> list[tuple[int, Request]]:
             """Queued requests joining the running execute (``Batcher.step``'s admit): up to ``limit``
             (the free sessions), oldest first, while their prompts fit ADMIT_TOKENS_PER_ROUND (the first
-            always: a round's streams wait for one bounded prefill); none once the loop cancels what it
-            accepted."""
-            taken, budget = [], ADMIT_TOKENS_PER_ROUND
+            always: a round's streams wait for one bounded prefill); as the gap's early join would take
+            them (``Batcher.should_yield``: a share of the running requests' worth, or the oldest after
+            JOIN_WAIT_S), so prompts are prefilled a batch at a time, not one launch per round; none once
+            the loop cancels what it accepted."""
+            taken, budget, now = [], ADMIT_TOKENS_PER_ROUND, time.perf_counter()
             with self._cond:
-                if self._stopping == "cancel":
+                if self._stopping == "cancel" or not self._queue:
+                    return []
+                if not self.batcher.should_yield(len(self._queue), 0, now - self._queue[0].submitted):
                     return []
                 while self._queue and len(taken) < limit and (not taken or len(self._queue[0].request.prompt) <= budget):
                     budget -= len(self._queue[0].request.prompt)
                     taken.append(self._queue.popleft())
                 self._jobs.update((job.handle.id, job) for job in taken)  # a cancel from now on flags them
-            now = time.perf_counter()
             for job in taken:
                 self.recorder.joined(now - job.submitted)
             return [(job.handle.id, job.request) for job in taken]
