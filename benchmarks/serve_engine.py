@@ -1,0 +1,142 @@
+"""The serving loop alone under load: closed-loop clients on threads, no HTTP, requests joining at the gap or mid-execute.
+
+    python benchmarks/serve_engine.py [--clients 16 64] [--seconds 6] [--max-new-tokens 64] [--max-sessions 128]
+        [--joins gap running] [--modes on off] [--device cuda] [--record]
+
+The default pair (bf16 on CUDA, fp32 on the CPU) on the torch backend, one ``ServingLoop`` per (mode,
+join): DFlash (the default policy) or plain decoding, with queued requests joining between executes
+(``gap``: ``join_running=False``, the early join) or the running execute (``running``). ``--clients``
+threads each submit a held-out prompt (token ids), wait for its completion and submit the next, for a
+warm-up of ``--seconds`` / 2, then a window of ``--seconds``. What the engine and its serving loop
+deliver without the HTTP fronts, and how its launches are shaped: per row tokens/s (completed requests'
+tokens over the window), requests/s, executes/s, loop launches per second, owners per launch (cycle-table
+rows per launch: lanes that ran in it), the launches' padded owner counts' mean, TTFT p50 / p99 (the
+loop's own), and the serving thread's CPU share.
+
+Prints one table and ends with one JSON line; ``--record`` appends a row per (mode, join, clients).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import record  # noqa: E402  (benchmarks/record.py: results.jsonl)
+from gpu_e2e import default_pair, dims_of, machine  # noqa: E402
+
+from dflash_trt.runtime.backends.torch_backend import TorchBackend  # noqa: E402
+from dflash_trt.runtime.device_loop import padded  # noqa: E402
+from dflash_trt.runtime.executor import Executor  # noqa: E402
+from dflash_trt.runtime.serving.loop import ServingLoop  # noqa: E402
+from dflash_trt.runtime.serving.metrics import MetricsRecorder  # noqa: E402
+
+
+def clients_for(serving: ServingLoop, prompts: list[list[int]], clients: int, seconds: float, max_new: int) -> tuple[int, int]:
+    """``clients`` threads submitting back to back for ``seconds``: (tokens, requests) of those that completed."""
+    stop_at, done = time.perf_counter() + seconds, [[0, 0] for _ in range(clients)]
+
+    def client(index: int) -> None:
+        n = index
+        while time.perf_counter() < stop_at:
+            tokens = serving.submit(prompts[n % len(prompts)], max_new).result(120).tokens
+            if time.perf_counter() <= stop_at:
+                done[index][0] += len(tokens)
+                done[index][1] += 1
+            n += clients
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sum(d[0] for d in done), sum(d[1] for d in done)
+
+
+def thread_cpu_s(thread: threading.Thread) -> float:
+    """CPU seconds of a Python thread so far (Linux), 0.0 where unknown."""
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    except (AttributeError, OSError, TypeError):
+        return 0.0
+
+
+def measure(executor: Executor, prompts: list[list[int]], clients: int, args, join_running: bool) -> dict:
+    serving = ServingLoop(executor, max_running=args.max_sessions, join_running=join_running)
+    try:
+        clients_for(serving, prompts, clients, args.seconds / 2, args.max_new_tokens)  # warm-up: captures, allocator
+        executor.clear_stats()
+        serving.recorder = MetricsRecorder()  # the window's latencies only
+        cpu, started = thread_cpu_s(serving._thread), time.perf_counter()
+        tokens, requests = clients_for(serving, prompts, clients, args.seconds, args.max_new_tokens)
+        wall = time.perf_counter() - started
+        cpu = thread_cpu_s(serving._thread) - cpu
+        metrics = serving.metrics()
+    finally:
+        serving.close()
+    cycles = executor.cycle_stats()
+    loop_rows = cycles.filter(cycles["mode"] != "target") if executor.speculate else cycles
+    launches = loop_rows["cycle_id"].n_unique()
+    owners = loop_rows.group_by("cycle_id").len()["len"]
+    most = executor.dims.max_owners
+    return {
+        "tok_s": round(tokens / wall), "requests_per_s": round(requests / wall, 1), "executes_per_s": round(executor.execute_stats().height / wall, 1),
+        "launches_per_s": round(launches / wall), "owners_per_launch": round(loop_rows.height / max(launches, 1), 2),
+        "padded_owners": round(sum(padded(min(int(n), most), most) for n in owners) / max(launches, 1), 2),
+        "ttft_p50_ms": round(metrics.ttft_s.p50 * 1e3, 2), "ttft_p99_ms": round(metrics.ttft_s.p99 * 1e3, 2),
+        "serving_cpu_pct": round(100 * cpu / wall, 1),
+    }
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    target, draft, prompts, _ = default_pair(dtype)
+    dims = dims_of(target, draft, args.max_sessions, dtype)
+    backend = TorchBackend(target, draft, dims, args.max_sessions, device=args.device)
+    rows = []
+    try:
+        for mode in args.modes:
+            with Executor(backend, max_sessions=args.max_sessions, speculate=mode == "on") as executor:
+                for clients in args.clients:
+                    for join in args.joins:
+                        row = {"mode": mode, "join": join, "clients": clients, **measure(executor, prompts, clients, args, join == "running")}
+                        rows.append(row)
+                        print(row, flush=True)
+    finally:
+        backend.close()
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--seconds", type=float, default=6.0)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-sessions", type=int, default=128)
+    parser.add_argument("--joins", nargs="+", choices=("gap", "running"), default=["gap", "running"])
+    parser.add_argument("--modes", nargs="+", choices=("on", "off"), default=["on", "off"])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--record", action="store_true", help="append the rows to benchmarks/results.jsonl")
+    args = parser.parse_args()
+    if min(args.clients) < 1 or max(args.clients) > args.max_sessions or args.seconds <= 0:
+        parser.error(f"--clients must lie in [1, --max-sessions {args.max_sessions}] and --seconds > 0, got {args.clients}, {args.seconds}")
+    rows = run(args)
+    print("| mode | join | clients | tok/s | requests/s | executes/s | launches/s | owners / launch | padded owners | TTFT p50 / p99 ms | serving CPU % |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['mode']} | {r['join']} | {r['clients']} | {r['tok_s']:,} | {r['requests_per_s']} | {r['executes_per_s']} | {r['launches_per_s']:,} "
+              f"| {r['owners_per_launch']} | {r['padded_owners']} | {r['ttft_p50_ms']} / {r['ttft_p99_ms']} | {r['serving_cpu_pct']} |")
+    meta = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "command": " ".join(["python", *sys.argv])}
+    if args.record:
+        record.append_rows([{"name": "serve_engine", **meta, "seconds": args.seconds, "max_new_tokens": args.max_new_tokens, **row} for row in rows])
+    return record.finish({"name": "serve_engine_summary", **meta, "rows": rows}, args.record)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
