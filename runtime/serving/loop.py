@@ -98,9 +98,9 @@ class ServingLoop:
         early_join: bool = True,
         join_running: bool = True,
     ) -> None:
-        """``stream_interval``: seconds between two deliveries of one request while an execute runs
-        (its tokens are handed out as launches are read, at most this often; its first token and its
-        end at once): the gap a client sees is bounded without a delivery per launch per request.
+        """``stream_interval``: seconds between two deliveries of the running requests' tokens while an
+        execute runs (every request's tokens read since go out together, this often; a request's first
+        token and its end at once): the gap a client sees is bounded without a delivery per launch per request.
         ``early_join``: end an execute after its current round when a queued request could take a
         session at the gap (``Executor.execute_outputs``' ``should_yield``), so a joining request waits
         about one round for its session rather than the rest of the execute (up to ``max_cycles``).
@@ -295,7 +295,7 @@ class ServingLoop:
     def _step(self) -> None:
         ended: set = set()  # requests that ended while the execute streamed: their sessions close after it
         orphaned: list = []  # of those, the ones whose lanes the executor still runs (cut at a stop string)
-        held: dict = {}  # tokens read but not handed out yet (at most stream_interval old)
+        held: dict = {}  # tokens read but not handed out yet (until the next tick: at most stream_interval old)
         started = time.perf_counter()
 
         def should_yield(finished: int) -> bool:
@@ -344,16 +344,28 @@ class ServingLoop:
                 self.recorder.joined(now - job.submitted)
             return [(job.handle.id, job.request) for job in taken]
 
+        tick = [started + self.stream_interval]  # when every request's held tokens go out next
+
         def stream(key, tokens: list[int], finish: str | None) -> None:
-            """A request's tokens as a launch is read (``Batcher.step``'s on_chunk): held, or delivered once
-            ``stream_interval`` passed since its last delivery (or they end it)."""
+            """A request's tokens as a launch is read (``Batcher.step``'s on_chunk): delivered at once when
+            they are its first or end it, else held until the next tick, every ``stream_interval``, when
+            every request's held tokens go out together: deliveries come in one burst per tick, so an HTTP
+            front gets one message per tick, not one per round (each a wake-up, a pickle and a send on
+            threads that share the serving loop's GIL)."""
             if key in ended:
                 return
             job, kept = self._jobs[key], held.setdefault(key, [])
             kept += tokens
-            last = job.last_delivery
-            if finish is None and last is not None and time.perf_counter() - last < self.stream_interval:
+            if finish is not None or job.last_delivery is None:
+                deliver(job, key, finish)
                 return
+            now = time.perf_counter()
+            if now >= tick[0]:
+                tick[0] = now + self.stream_interval
+                for waiting in list(held):
+                    deliver(self._jobs[waiting], waiting, None)
+
+        def deliver(job: _Job, key, finish: str | None) -> None:
             if self._deliver(job, Chunk(key, held.pop(key), finish), streaming=True):
                 ended.add(key)
                 if finish is None:  # cut at a stop string: the executor still decodes it
