@@ -12,6 +12,9 @@ API (docs/design.md §5):
   prompt/replay input, then the tokens of one speculative cycle (emitted
   d_1..d_a, y_a) — or, with ``max_new_tokens``, of as many cycles as fit
   (``max_cycles`` per call), cut at the room and the first stop token.
+  ``execute_outputs(batch, on_tokens, should_yield, admit)`` streams them,
+  may end early, and takes new prompts into the running call (``Admission``:
+  a session opened for each, prefilled between two rounds).
 - ``preferred_batch_tokens``: the largest prefill chunk.
 
 One execute():
@@ -403,10 +406,11 @@ class Executor:
         says why), then they are prefilled together between two rounds and decode with the call's lanes
         from the next round. Their outputs follow the batch's, in the order admitted, each naming its
         session (``Output.session``); ``on_tokens`` numbers them so. If the call fails, the sessions it
-        opened are closed (the others poisoned, as ever). The call
-        still ends within ``max_cycles`` rounds: an admitted lane runs the rounds left (none is asked for
-        once fewer than two are). Where prompts are prefilled one by one (a backend that binds row ranges)
-        an admitted prompt waits for the device: ``admits_cheaply`` says which it is.
+        opened are closed (the others poisoned, as ever). The call still ends within ``max_cycles``
+        rounds: an admitted lane runs the rounds left; ``admit`` is not asked once fewer than two are
+        left, nor once every lane of the call has ended (its end is a launch away). Where prompts are
+        prefilled one by one (a backend that binds row ranges) an admitted prompt waits for the device:
+        ``admits_cheaply`` says which it is.
         """
         with self._call("execute", count_refusals=False):
             self._on_tokens, self._should_yield, self._admit = on_tokens, should_yield, admit
@@ -437,7 +441,7 @@ class Executor:
             self.log.fail(len(steps), _target_tokens(steps))  # the batch's cycle rows and counts are dropped
             if not isinstance(error, Exception):
                 raise
-            ids = sorted({s.session.id for s in steps})
+            ids = sorted({s.session.id for s in steps} - set(self._call_state.opened.values() if self._call_state else ()))
             msg = f"execute failed after mutating sessions {ids}; they are poisoned (close them): {type(error).__name__}: {error}"
             raise PoisonedError(msg) from error
         fast = all(s.fast for s in steps)

@@ -484,3 +484,46 @@ def test_requests_arriving_during_an_execute_join_it_at_its_next_round(tiny, ora
         assert serving.executor.sessions() == []
         if inner is not tiny.ort:
             inner.close()
+
+
+def test_held_tokens_of_every_request_go_out_on_one_tick(tiny, oracle, monkeypatch):
+    """Guards against each request keeping its own delivery timer while an execute streams (requests that
+    joined at different rounds then delivered in different rounds: with an HTTP front, one message per
+    round rather than per tick, each a wake-up, pickle and send on threads sharing the serving loop's
+    GIL; at 64 streams that cost the server a fifth of its throughput once executes ran long): a request
+    admitted mid-execute delivers its held tokens on the same ticks as the one already running, its first
+    token and its end at once, and both outputs equal the reference. Time is a fake clock advanced by
+    each graph run, so which round a tick falls in is fixed."""
+    from types import SimpleNamespace
+
+    from dflash_trt.runtime.serving import loop as loop_module
+    from dflash_trt.runtime.serving.handle import RequestHandle
+
+    clock = [0.0]
+    monkeypatch.setattr(loop_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    class Ticking(RecordingBackend):
+        def run(self, graph, feeds, first_row):
+            clock[0] += 1.0
+            return super().run(graph, feeds, first_row)
+
+    deliveries: dict[int, list[tuple[float, bool]]] = {}  # request -> (fake time, ended) per delivery
+    later: list = []
+
+    class Recorded(RequestHandle):
+        def _push(self, delta):
+            deliveries.setdefault(self.id, []).append((clock[0], delta.finish is not None))
+            if self.id == 0 and len(deliveries[0]) == 1:  # the first request streams: the second arrives now
+                later.append(serving.submit([9, 4, 11, 3], 30))
+            super()._push(delta)
+
+    serving = ServingLoop(Executor(Ticking(tiny.ort), tiny.dims, 4, max_cycles=32), stream_interval=10.0, handles=Recorded)
+    first = serving.submit([5, 6, 7], 40)
+    assert (first.result(30).tokens, first.result().finish) == reference(oracle, [5, 6, 7], 40)
+    assert (later[0].result(30).tokens, later[0].result().finish) == reference(oracle, [9, 4, 11, 3], 30)
+    serving.close()
+    assert serving.executor.execute_stats()["inputs"].to_list()[0] == 2  # the second joined the running execute
+    ended = {request: max(t for t, _ in times) for request, times in deliveries.items()}
+    ticks_of_first = {t for t, done in deliveries[0][1:] if not done}
+    middle = [t for t, done in deliveries[1][1:] if not done and t < ended[0]]  # while the first still streams
+    assert middle and all(t in ticks_of_first for t in middle), (deliveries, middle)
