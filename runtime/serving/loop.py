@@ -14,7 +14,10 @@ executor. Callers only touch a bounded queue and their request handles:
 Continuous batching is ``serving.batcher.Batcher`` (the same code ``generate()``
 runs): between two execute() calls finished and cancelled requests leave and
 queued ones join; running requests feed only their pending token, so a call
-mixes new prompts with the speculative fast path.
+mixes new prompts with the speculative fast path. A request that arrives while
+an execute runs joins it at a later round when a session is free
+(``join_running``: the executor opens its session and prefills it between two
+rounds), so executes need not end for arrivals.
 
 - Backpressure: at most ``max_queue`` requests wait for a session; ``submit``
   raises ``QueueFullError`` beyond that (nothing is queued). A request that
