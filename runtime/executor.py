@@ -752,7 +752,8 @@ class Executor:
         decoding = [lane for lane in lanes if lane.decodes]
         for lane in decoding:
             self._assign(lane)
-            lane.spent = call.rounds
+            if not lane.host_taps:  # a host_taps lane runs one launch per call, whenever it joins
+                lane.spent = call.rounds
         sessions = [lane.session for lane in decoding]
         if sessions:
             self._policed += [lane for lane in decoding if lane.policed]

@@ -779,3 +779,19 @@ def test_a_failed_execute_closes_the_sessions_its_admissions_opened(tiny):
     with pytest.raises(PoisonedError):
         executor.execute_outputs([Input(session, prompt(9, 2), max_new_tokens=40)], admit=lambda: next(admitted, []))
     assert executor.sessions() == [session] and executor.session(session).poisoned
+
+
+def test_an_admitted_prompt_near_the_contexts_end_gets_its_decode_step(tiny, oracle):
+    """Guards against an admitted drafting session without a block's room (it decodes one step per call, its
+    taps committed by the host) being charged the call's rounds against that one step: it returned only its
+    prompt's prediction, however early it joined. It gets the prediction and one decode step, the
+    reference's, like the same prompt in a batch of its own."""
+    executor, _ = new_executor(tiny, 4, "torch-fast")
+    executor.max_cycles = 10
+    B, L = executor.dims.block_size, executor.dims.max_context
+    session = executor.open_session()
+    near_end = prompt(L - B + 1, 31)  # frontier + B > max_context: no block fits
+    admitted = iter([[], [Admission(near_end, 5)]])
+    outputs = executor.execute_outputs([Input(session, prompt(9, 30), max_new_tokens=40)], admit=lambda: next(admitted, []))
+    alone = executor.execute_outputs([Input(executor.open_session(), near_end, max_new_tokens=5)])[0].tokens
+    assert len(alone) == 2 and outputs[1].tokens == alone == oracle.continuation(near_end)[:2], (outputs[1], alone)
