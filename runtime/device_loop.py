@@ -53,7 +53,9 @@ Row-indexed state (``R`` = pool rows, int64 unless said):
 ``R`` counts the scratch row on row-indexed backends. The host stages
 anchor/frontier/draft/sampling once per execute (pinned
 memory, one async copy per tensor group); within an execute the device
-state runs ahead of what the host has read. On CPU the same code runs
+state runs ahead of what the host has read, so owners joining a running
+execute are staged on their own (``stage_more``: their columns only,
+scattered on the device). On CPU the same code runs
 eagerly and "pinned" buffers are plain tensors.
 """
 
