@@ -527,3 +527,31 @@ def test_held_tokens_of_every_request_go_out_on_one_tick(tiny, oracle, monkeypat
     ticks_of_first = {t for t, done in deliveries[0][1:] if not done}
     middle = [t for t, done in deliveries[1][1:] if not done and t < ended[0]]  # while the first still streams
     assert middle and all(t in ticks_of_first for t in middle), (deliveries, middle)
+
+
+def test_a_request_admitted_mid_execute_can_be_cancelled_there(tiny, oracle):
+    """Guards against a request that joined a running execute being unknown at the next gap (its session is
+    opened by the executor inside the call; the batcher learns it from the call's outputs): cancelled while
+    that execute streams, it ends CANCELLED with a prefix of the reference, its session is closed at the
+    gap, and the request it joined finishes as the reference."""
+    from dflash_trt.runtime.serving.handle import RequestHandle
+
+    later: list = []
+
+    class Hooked(RequestHandle):
+        def _push(self, delta):
+            super()._push(delta)
+            if self.id == 0 and not later:  # the first request streams: the second arrives now
+                later.append(serving.submit([9, 4, 11, 3], 30))
+            elif self.id == 1 and len(self._deltas) == 1:  # the second's first token: cancel it inside the execute
+                self.cancel()
+
+    serving = ServingLoop(Executor(RecordingBackend(tiny.ort), tiny.dims, 4, max_cycles=32), stream_interval=0.0, handles=Hooked)
+    first = serving.submit([5, 6, 7], 40)
+    assert (first.result(30).tokens, first.result().finish) == reference(oracle, [5, 6, 7], 40)
+    cancelled = later[0].result(30)
+    expected, _ = reference(oracle, [9, 4, 11, 3], 30)
+    assert cancelled.finish == CANCELLED and 1 <= len(cancelled.tokens) < 30 and cancelled.tokens == expected[: len(cancelled.tokens)]
+    serving.close()  # the loop's thread ended: the executor is free to ask
+    assert serving.executor.execute_stats()["inputs"].to_list()[0] == 2  # it had joined the running execute
+    assert serving.executor.sessions() == []
