@@ -221,6 +221,16 @@ class Staging:
         self.buffers, self.events = [], [None] * len(self.events)
 
 
+def put_sampling(ints: np.ndarray, seeds: np.ndarray, floats: np.ndarray, at, samplings: list) -> None:
+    """Owners' sampling columns into a state block's host arrays (ints [4, R], seeds [R, S], floats [2, R]) at
+    columns ``at`` (rows, or a slice), from the sample graph's feeds (``cycles.sampling_rows``: one builder)."""
+    sampling = sampling_rows(samplings, [0] * len(samplings))
+    ints[TOP_K, at] = sampling[c.TOP_K]
+    seeds[at] = sampling[c.SEED]
+    floats[TEMPERATURE, at] = sampling[c.TEMPERATURE]
+    floats[TOP_P, at] = sampling[c.TOP_P]
+
+
 def host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[object | None, torch.Tensor]:
     """(owner, CPU tensor view): page-locked memory of the device layer for CUDA, a plain tensor for CPU."""
     if device.type != "cuda":
@@ -396,12 +406,7 @@ class DeviceLoop:
         ints[:TOP_K, rows] = np.array([anchors, frontiers, drafts], dtype=np.int64)  # ANCHOR, FRONTIER, DRAFT
         fresh = [(row, s) for row, s in zip(rows, samplings) if staged[row] is not s]
         if fresh:
-            at = [row for row, _ in fresh]
-            sampling = sampling_rows([s for _, s in fresh], [0] * len(fresh))  # the sample graph's feeds, one builder
-            ints[TOP_K, at] = sampling[c.TOP_K]
-            self.seeds.array[at] = sampling[c.SEED]
-            floats[TEMPERATURE, at] = sampling[c.TEMPERATURE]
-            floats[TOP_P, at] = sampling[c.TOP_P]
+            put_sampling(ints, self.seeds.array, floats, [row for row, _ in fresh], [s for _, s in fresh])
             for row, s in fresh:
                 staged[row] = s
         self.state.upload(self.stream)
@@ -416,11 +421,7 @@ class DeviceLoop:
         joining["rows"].array[:n] = rows
         ints = joining["ints"].array
         ints[:TOP_K, :n] = np.array([anchors, frontiers, drafts], dtype=np.int64)  # ANCHOR, FRONTIER, DRAFT
-        sampling = sampling_rows(samplings, [0] * n)
-        ints[TOP_K, :n] = sampling[c.TOP_K]
-        joining["seeds"].array[:n] = sampling[c.SEED]
-        joining["floats"].array[TEMPERATURE, :n] = sampling[c.TEMPERATURE]
-        joining["floats"].array[TOP_P, :n] = sampling[c.TOP_P]
+        put_sampling(ints, joining["seeds"].array, joining["floats"].array, slice(0, n), samplings)
         for row in rows:
             self.staged_sampling[row] = None
         self.joining_staging.upload(self.stream)

@@ -114,16 +114,20 @@ class _Joining:
 
 @dataclass(eq=False)
 class _CallState:
-    """One execute's inputs as they grow: its steps (the batch's, then the admitted ones': ``_admit_lanes``),
-    every lane, the inputs numbered so far (refused admissions too), the sessions admissions opened and
-    the errors of refused ones, by input index, and the call's rounds as last seen."""
+    """One execute's inputs as they grow: its steps (the batch's, then the admitted ones': ``_admitted_steps``),
+    every lane, the sessions admissions opened and the errors of refused ones, by input index, and the
+    call's rounds as last seen."""
 
     steps: list[Step]
     lanes: list[Lane]
-    inputs: int
     opened: dict[int, int] = field(default_factory=dict)  # input index -> the session an admission opened
     refused: dict[int, DFlashError] = field(default_factory=dict)
     rounds: int = 0
+
+    @property
+    def inputs(self) -> int:
+        """The inputs numbered so far: the batch's and every admission's, refused ones too."""
+        return len(self.steps) + len(self.refused)
 
 
 class Admission(NamedTuple):
@@ -464,7 +468,7 @@ class Executor:
             if step.rewind:
                 self._rewind(step.session, step.start)
         lanes, joining = self._lanes_of(steps)
-        call = self._call_state = _CallState(steps, lanes, len(steps))
+        call = self._call_state = _CallState(steps, lanes)
         try:
             self._decode([lane for lane in lanes if lane.decodes], lanes, joining)
             self._join()
@@ -746,7 +750,6 @@ class Executor:
         steps = self._admitted_steps(self._admit())
         if not steps:
             return []
-        call.steps += steps
         lanes, joining = self._lanes_of(steps)
         call.lanes += lanes
         decoding = [lane for lane in lanes if lane.decodes]
@@ -768,7 +771,7 @@ class Executor:
         for it; a refused one is recorded (``_CallState.refused``) and leaves nothing behind."""
         call, steps = self._call_state, []
         for admission in admitted:
-            index, call.inputs = call.inputs, call.inputs + 1
+            index = call.inputs + len(steps)
             try:
                 step = self._admission(admission, index)
             except DFlashError as error:
@@ -777,6 +780,7 @@ class Executor:
                 continue
             call.opened[index] = step.session.id
             steps.append(step)
+        call.steps += steps
         return steps
 
     def _admission(self, admission: Admission, index: int) -> Step:

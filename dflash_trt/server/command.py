@@ -96,7 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-cycles", type=positive_int, default=command.DEFAULT_MAX_CYCLES,
                         help=f"cycles per request per execute (default {command.DEFAULT_MAX_CYCLES})")
     parser.add_argument("--stream-interval-ms", type=nonnegative_int, default=20,
-                        help="a stream's tokens are sent as cycles are read, at most this often per request (default 20; 0: after every cycle)")
+                        help="while an execute runs, the running requests' tokens read since go out together this often "
+                             "(a request's first token and its end at once; default 20; 0: after every round)")
     parser.add_argument("--no-draft", action="store_true", help="plain target decoding (no speculation): the autoregressive baseline")
     command.add_policy_argument(parser)
     parser.add_argument("--early-join", action=argparse.BooleanOptionalAction, default=True,
