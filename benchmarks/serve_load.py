@@ -32,7 +32,8 @@ of one core, for the HTTP fronts (the server's own process and, with
 ``serve --fronts N``, the others; with ``--fronts single`` everything), the
 serving process and the client processes (Linux /proc; 100 = a process that
 never waited). ``--profile-serving`` also samples the serving process with py-spy over each
-window and prints its serving thread's functions by share of the samples (``thread_profile.py``).
+window and prints its serving thread's functions by share of the samples (``thread_profile.py``);
+``--profile-serving gil`` samples only the GIL's holder: each thread's share of it and where it goes.
 ``--repeats R`` runs every mode's windows R times, the modes interleaved, and ends with each drafting
 mode's median tokens/s against ``off``'s and the spread of the per-repeat ratios (one window pair of a
 build has differed from the next by up to a third on the H200). ``--client-cores N`` pins the client
@@ -42,7 +43,7 @@ host, a client thread on the serving thread's core (or its hyperthread) measures
     python benchmarks/serve_load.py [--clients 8 [1 ...]] [--seconds 30] [--max-tokens 64] [--modes on off]
         [--artifacts DIR] [--backend onnxruntime|torch|tensorrt] [--device cuda] [--serve-args "--max-cycles 4"]
         [--policy adaptive|always] [--modes on always off]
-        [--threads N] [--client-procs P] [--warmup-seconds S] [--server-logs DIR] [--fronts process single] [--profile-serving] [--repeats R] [--client-cores N] [--record]
+        [--threads N] [--client-procs P] [--warmup-seconds S] [--server-logs DIR] [--fronts process single] [--profile-serving [thread|gil]] [--repeats R] [--client-cores N] [--record]
 
 ``--record`` appends one row per mode and client count to
 benchmarks/results.jsonl. The last line printed is one JSON object with
@@ -305,14 +306,14 @@ def load(base: str, args, prompts: list[str], clients: int, roles: dict[str, lis
     spy = None
     if profile is not None and roles["serving"]:  # the serving thread sampled over the window
         raw = profile / f"serving_profile_{roles['serving'][0]}_{clients}.raw"
-        spy = (thread_profile.record(roles["serving"][0], args.seconds, raw), raw)
+        spy = (thread_profile.record(roles["serving"][0], args.seconds, raw, gil=args.profile_serving == "gil"), raw)
     time.sleep(max(0.0, window[1] - time.time()))
     shares = cpu_shares(pids, cpu_before, args.seconds)
     after = server_metrics(base)
     records = [pipe.recv() for pipe in pipes]
     for worker in workers:
         worker.join(60)
-    profiled = {} if spy is None else {"serving_profile": thread_profile.finish(*spy, top=40)}
+    profiled = {} if spy is None else {"serving_profile": thread_profile.finish(*spy, top=40, gil=args.profile_serving == "gil")}
     return figures(records, before, after, window[1] - window[0]) | shares | profiled
 
 
@@ -373,8 +374,9 @@ def main() -> int:
     parser.add_argument("--fronts", nargs="+", choices=tuple(FRONTS), default=["process"],
                         help="process: the HTTP front in its own process (serve's default); single: --no-front-process "
                              "(serve's --fronts N, several front processes, goes in --serve-args)")
-    parser.add_argument("--profile-serving", action="store_true",
-                        help="sample the serving process with py-spy over each window; print its serving thread's profile")
+    parser.add_argument("--profile-serving", nargs="?", const="thread", choices=("thread", "gil"),
+                        help="sample the serving process with py-spy over each window; print its serving thread's profile "
+                             "(thread, the default) or every thread's share of the GIL and where it goes (gil)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run every mode's windows this many times, the modes interleaved (on, off, on, off, ...; each "
                              "repeat restarts the servers): windows of one build differ by up to a third, so a ratio from one "

@@ -4,10 +4,12 @@
 (``record --format raw --threads --idle``: every thread's stack, waiting ones included, ``--nonblocking``
 so the process is never paused) and prints the serving thread's functions by inclusive share (the
 samples with the function anywhere on the stack) and own share (the samples where it is the innermost
-frame; C code shows as its Python caller). py-spy is a tool of its own (``pip install py-spy``); on
+frame; C code shows as its Python caller). ``--profile-serving gil`` samples only the thread holding the
+GIL (``--gil``) and prints each thread's share of it and the functions over all threads: where a process
+whose threads share one GIL spends it. py-spy is a tool of its own (``pip install py-spy``); on
 Linux it needs ptrace rights over the process (root, or ``kernel.yama.ptrace_scope`` 0).
 
-    python benchmarks/thread_profile.py RAW_FILE [--thread dflash-trt-serving] [--top 15]
+    python benchmarks/thread_profile.py RAW_FILE [--thread dflash-trt-serving | --gil] [--top 15]
 """
 
 from __future__ import annotations
@@ -63,22 +65,53 @@ def profile(raw: str, thread: str = SERVING_THREAD, top: int = 40) -> dict:
     return {"thread": thread, "samples": samples, "inclusive": shares(inclusive), "own": shares(own)}
 
 
-def record(pid: int, seconds: float, out: Path, rate: int = 200) -> subprocess.Popen:
-    """Start py-spy sampling process ``pid`` for ``seconds`` into ``out`` (raw); returns the py-spy process."""
+def gil_profile(raw: str, top: int = 40) -> dict:
+    """py-spy raw samples taken with ``--gil`` (only the thread holding the GIL, at each sample) -> who holds
+    the process's GIL: each thread's share of the samples, and the ``top`` functions by inclusive and own
+    share over every thread (a process whose threads share one GIL is bound by their sum, not by one thread).
+
+    >>> raw = "thread (7): dflash-trt-serving;run (a.py:1);read (b.py:2) 3\\nthread (8): sender;send (c.py:1) 1\\n"
+    >>> p = gil_profile(raw, top=2)
+    >>> p["samples"], p["threads"], p["own"]
+    (4, [['dflash-trt-serving', 75.0], ['sender', 25.0]], [['read (b.py)', 75.0], ['send (c.py)', 25.0]])
+    """
+    names: Counter = Counter()
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if count.isdigit() and ";" in stack:
+            names[stack.split(";", 1)[0].split(": ", 1)[-1]] += int(count)
+    merged = [profile(raw, name, top) for name in names]
+    samples = sum(names.values())
+    inclusive: Counter = Counter()
+    own: Counter = Counter()
+    for part in merged:
+        for counter, key in ((inclusive, "inclusive"), (own, "own")):
+            for name, share in part[key]:
+                counter[name] += share * part["samples"] / 100.0
+
+    def shares(counter: Counter) -> list[list]:
+        return [[name, round(100.0 * n / samples, 1)] for name, n in counter.most_common(top)] if samples else []
+
+    return {"thread": "GIL holder", "samples": samples, "threads": shares(names), "inclusive": shares(inclusive), "own": shares(own)}
+
+
+def record(pid: int, seconds: float, out: Path, rate: int = 200, gil: bool = False) -> subprocess.Popen:
+    """Start py-spy sampling process ``pid`` for ``seconds`` into ``out`` (raw); returns the py-spy process.
+    ``gil``: sample only the thread holding the GIL (``gil_profile``), else every thread, idle ones too."""
     spy = shutil.which("py-spy")
     if spy is None:
         raise SystemExit("--profile-serving needs py-spy on PATH (pip install py-spy)")
     command = [spy, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", str(rate),
-               "--format", "raw", "--threads", "--idle", "--nonblocking", "--output", str(out)]
+               "--format", "raw", "--threads", *(["--gil"] if gil else ["--idle"]), "--nonblocking", "--output", str(out)]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def finish(spy: subprocess.Popen, out: Path, top: int) -> dict:
+def finish(spy: subprocess.Popen, out: Path, top: int, gil: bool = False) -> dict:
     """Wait for ``record``'s py-spy and read its samples; a py-spy failure is reported, not raised."""
     _, errors = spy.communicate(timeout=120)
     if spy.returncode != 0 or not out.exists():
         return {"error": (errors or "").strip().splitlines()[-1:] or [f"py-spy exited {spy.returncode}"]}
-    return profile(out.read_text(), top=top)
+    return gil_profile(out.read_text(), top=top) if gil else profile(out.read_text(), top=top)
 
 
 def table(result: dict, rows: int = 15) -> str:
@@ -88,6 +121,8 @@ def table(result: dict, rows: int = 15) -> str:
         return f"thread profile: py-spy failed: {result['error']}"
     own = dict(map(tuple, result["own"]))
     lines = [f"{result['thread']} thread, {result['samples']} py-spy samples:", "| function | inclusive % | own % |", "| --- | --- | --- |"]
+    if "threads" in result:
+        lines.insert(0, "threads: " + "; ".join(f"{name} {share}%" for name, share in result["threads"]))
     lines += [f"| {name} | {share} | {own.get(name, '')} |" for name, share in [r for r in result["inclusive"] if r[1] < 99.0][:rows]]
     lines.append("own: " + "; ".join(f"{name} {share}%" for name, share in result["own"][:8]))
     return "\n".join(lines)
@@ -97,9 +132,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("raw", type=Path, help="py-spy record --format raw --threads output")
     parser.add_argument("--thread", default=SERVING_THREAD)
+    parser.add_argument("--gil", action="store_true", help="the samples were taken with --gil: every thread's share of the GIL")
     parser.add_argument("--top", type=int, default=15, help="rows of the inclusive table")
     args = parser.parse_args()
-    print(table(profile(args.raw.read_text(), args.thread), args.top))
+    raw = args.raw.read_text()
+    print(table(gil_profile(raw, 40) if args.gil else profile(raw, args.thread), args.top))
     return 0
 
 
