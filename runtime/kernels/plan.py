@@ -213,9 +213,10 @@ def exact_linear_launch(plan: ExactLinearPlan, rows: int, gated: bool, element_b
     (the stages: the plan's, else as many as fit ``EXACT_STAGE_BYTES``, 2 to 4).
 
     With ``out_features``, a small weight under many rows is spread wider: while the launch has fewer
-    programs than ``processors`` / 2, fewer tiles share a weight load (4 -> 2 -> 1), then the few-row feature
-    block. A tiny model's verify (N = 320..896, 256 rows) otherwise runs as 20..60 programs of four tiles each,
-    most processors idle; the Qwen3-8B weights have enough programs already and keep their spread."""
+    programs than three quarters of the ``processors``, fewer tiles share a weight load (4 -> 2 -> 1), then,
+    below half of them, the few-row feature block. A tiny model's verify (N = 320..896, 256 rows) otherwise runs
+    as 20..60 programs of four tiles each, most processors idle; the Qwen3-8B weights have enough programs
+    already and keep their spread."""
     tiles = exact_row_tiles(rows, plan.tiles)
     block_n = plan.block_n if rows <= EXACT_TILE_M // 2 else plan.block_n_rows
     if out_features is not None:
@@ -227,18 +228,18 @@ def exact_linear_launch(plan: ExactLinearPlan, rows: int, gated: bool, element_b
 
 
 def exact_wider_spread(plan: ExactLinearPlan, rows: int, tiles: int, block_n: int, out_features: int, processors: int) -> tuple[int, int]:
-    """``exact_linear_launch``'s widening: (tiles, feature block) with at least ``processors`` / 2 programs where
-    the plan's spread has fewer (how work is spread: a row's sums are the same)."""
+    """``exact_linear_launch``'s widening: (tiles, feature block) where the plan's spread leaves processors idle
+    (how work is spread: a row's sums are the same). Fewer tiles per program until the launch has 3/4 of
+    ``processors`` programs; then the few-row feature block, if it still has fewer than half. Measured on the
+    default pair's weights (benchmarks/RESULTS.md, exact_spread): at 512..1024 rows o and down ran 16..24%
+    faster with two tiles per program than with four (80 programs); narrower feature blocks only pay below half."""
     def programs(t: int, bn: int) -> int:
         return cdiv(rows, t * EXACT_TILE_M) * cdiv(out_features, bn) * plan.splits
 
-    while programs(tiles, block_n) * 2 < processors:
-        if tiles > 1:
-            tiles //= 2
-        elif block_n > plan.block_n:
-            block_n = plan.block_n
-        else:
-            break
+    while tiles > 1 and programs(tiles, block_n) * 4 < processors * 3:
+        tiles //= 2
+    if programs(tiles, block_n) * 2 < processors and block_n > plan.block_n:
+        block_n = plan.block_n
     return tiles, block_n
 
 

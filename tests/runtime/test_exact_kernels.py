@@ -111,16 +111,18 @@ def test_a_small_weight_under_many_rows_is_spread_over_the_processors():
     """Bug: a small weight under many rows runs as a few programs of four tiles each (the default pair's verify at
     16 owners: 256 rows of q|k|v as 28 programs on 132 processors), so the exact cycle's linears take twice
     cuBLAS's time; or the widening leaves the spread's bounds (1, 2 or 4 tiles, the plan's two feature blocks).
-    Checked against the first spread, in the order tiles 4 -> 2 -> 1 then the few-row block, found by brute force
-    with at least half as many programs as processors."""
+    Checked against the first spread found by brute force, in the order tiles 4 -> 2 -> 1, with at least 3/4 as
+    many programs as processors, then the few-row block where one tile per program still has fewer than half."""
     processors = 132
     for N, K, gated, _ in WEIGHTS_DEFAULT_PAIR.values():
         plan = exact_linear_plan(N, K, gated, 2)
-        for M in ROW_COUNTS:
+        for M in (*ROW_COUNTS, 512, 960, 1024, 2048):
             base = exact_linear_launch(plan, M, gated, 2)
-            order = [(t, base[1]) for t in (4, 2, 1) if t <= base[0]] + [(1, plan.block_n)]
             programs = lambda t, bn: -(-M // (16 * t)) * -(-N // bn) * plan.splits  # noqa: E731
-            expected = next((c for c in order if 2 * programs(*c) >= processors), order[-1])
+            tiles_order = [(t, base[1]) for t in (4, 2, 1) if t <= base[0]]
+            expected = next((c for c in tiles_order if 4 * programs(*c) >= 3 * processors), tiles_order[-1])
+            if expected[0] == 1 and 2 * programs(*expected) < processors:
+                expected = (1, plan.block_n)
             tiles, block_n, stages = exact_linear_launch(plan, M, gated, 2, N, processors)
             assert (tiles, block_n) == expected, (N, K, M)
             stage = ((2 if gated else 1) * block_n + 16 * tiles) * plan.block_k * 2
