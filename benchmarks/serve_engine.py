@@ -75,10 +75,10 @@ def measure(executor: Executor, prompts: list[list[int]], clients: int, args, jo
         clients_for(serving, prompts, clients, args.seconds / 2, args.max_new_tokens)  # warm-up: captures, allocator
         executor.clear_stats()
         serving.recorder = MetricsRecorder()  # the window's latencies only
-        cpu, started = thread_cpu_s(serving._thread), time.perf_counter()
+        cpu, started = thread_cpu_s(serving.thread), time.perf_counter()
         tokens, requests = clients_for(serving, prompts, clients, args.seconds, args.max_new_tokens)
         wall = time.perf_counter() - started
-        cpu = thread_cpu_s(serving._thread) - cpu
+        cpu = thread_cpu_s(serving.thread) - cpu
         metrics = serving.metrics()
     finally:
         serving.close()

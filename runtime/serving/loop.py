@@ -214,6 +214,11 @@ class ServingLoop:
         return self.recorder.snapshot(running, queued)
 
     @property
+    def thread(self) -> threading.Thread:
+        """The serving loop's thread (the only one that calls the executor): for profilers and CPU-time readers."""
+        return self._thread
+
+    @property
     def healthy(self) -> bool:
         """The serving loop is alive (it stops only after close() or an internal error)."""
         return self._thread.is_alive() and self._fatal is None
