@@ -34,6 +34,7 @@ import multiprocessing.connection
 import os
 import signal
 import threading
+from collections import deque
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.serving.handle import CANCELLED, Delta, RequestHandle
@@ -86,12 +87,15 @@ class Outbox:
 
 class ForwardingHandle(RequestHandle):
     """A request's handle in the serving process: every delivery also goes to the outbox under the
-    front's ``key``; it forgets its deltas (the front keeps them), only its tokens stay (a replay needs them)."""
+    front's ``key``; it forgets its deltas (the front keeps them), only its tokens stay (a replay needs them).
+    ``done``: appended ``name`` once it finished or failed (``ServingProcess`` forgets it then)."""
 
-    def __init__(self, outbox: Outbox, key: int, request_id: int, prompt: list[int], cancel) -> None:
+    def __init__(self, outbox: Outbox, key: int, request_id: int, prompt: list[int], cancel, done: deque | None = None,
+                 name: object = None) -> None:
         super().__init__(request_id, prompt, cancel)
         self.key, self.outbox = key, outbox
         self._received: list[int] = []
+        self._finished, self._name = done, name
 
     @property
     def tokens(self) -> list[int]:
@@ -105,9 +109,18 @@ class ForwardingHandle(RequestHandle):
         self._received += delta.tokens
         self.outbox.put((self.key, delta.tokens, delta.finish))
 
+    def _complete(self, completion) -> None:
+        super()._complete(completion)
+        self._forget()
+
     def _fail(self, error: BaseException) -> None:
         self.outbox.fail(self.key, wire.WireError.of(error))
         super()._fail(error)
+        self._forget()
+
+    def _forget(self) -> None:
+        if self._finished is not None:
+            self._finished.append(self._name)  # deque.append: safe from any thread
 
 
 class Front:
@@ -142,13 +155,14 @@ class ServingProcess:
         self.fronts = [Front(i, conn) for i, conn in enumerate(conns)]
         self.serving = None
         self.handles: dict[tuple[int, int], ForwardingHandle] = {}  # the main thread's alone
+        self._finished: deque[tuple[int, int]] = deque()  # handles' names as they finish (any thread appends)
         self._submitting: tuple[int, int] | None = None  # the (front, key) ``handle`` names (one submit at a time)
         self._dispatch = {wire.Submit: self._submit, wire.Cancel: self._cancel, wire.Close: self._close, wire.MetricsQuery: self._metrics}
 
     def handle(self, request_id: int, prompt: list[int], cancel) -> ForwardingHandle:
         """``ServingLoop(handles=...)``: the handle of the request being submitted."""
         index, key = self._submitting
-        handle = ForwardingHandle(self.fronts[index].outbox, key, request_id, prompt, cancel)
+        handle = ForwardingHandle(self.fronts[index].outbox, key, request_id, prompt, cancel, self._finished, (index, key))
         self.handles[(index, key)] = handle
         return handle
 
@@ -223,9 +237,13 @@ class ServingProcess:
 
     def _forget_finished(self) -> None:
         """Drop the handles of finished requests (bounded: done at every submit, so the map holds at
-        most the open requests plus those finished since the last submit)."""
-        for key in [key for key, handle in self.handles.items() if handle.done]:
-            del self.handles[key]
+        most the open requests plus those finished since the last submit). Each finished handle names
+        itself once (``ForwardingHandle._forget``): the work is per finished request, not a scan of every
+        open one per submit (at 128 open requests and ~900 submits a second, ~10^5 checks a second on the
+        serving process's GIL)."""
+        finished = self._finished
+        while finished:
+            self.handles.pop(finished.popleft(), None)  # a cancel may have dropped it already
 
 
 def main(conns, args, logging_config: dict) -> None:

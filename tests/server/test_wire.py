@@ -197,6 +197,29 @@ def test_refusals_and_cancels_reach_across_the_pipe(tiny):
     client.stop()
 
 
+def test_the_serving_process_forgets_finished_requests_at_the_next_submit(tiny):
+    """Guards against the serving process's request map growing with every request served (a handle kept
+    per finished request) or losing an open one: after finished, failed and cancelled requests the next
+    submit leaves the map holding the open requests only (and at most the last one finished, whose handle
+    may complete just after its tokens were sent)."""
+    side = ThreadProcess(tiny, stream_interval=0.02)
+    client = side.client()
+    for n in range(6):
+        assert client.submit([5, 6, n], 3).result(TIMEOUT_S).finish == "length"
+    with pytest.raises(SamplingError):
+        client.submit([1], 4, top_p=0.0)  # refused: no handle is kept for it
+    long = client.submit([5, 6, 7], 60)
+    next(iter(long))
+    long.cancel()
+    assert long.result(TIMEOUT_S).finish == CANCELLED
+    running = client.submit([7, 7], 60)  # the eighth submit the serving process accepted (keys 0..7 but the refused)
+    next(iter(running))
+    open_key = max(side.side.handles)
+    assert open_key[1] == 8 and set(side.side.handles) <= {(0, 7), open_key} and not side.side.handles[open_key].done
+    assert running.result(TIMEOUT_S).finish == "length"
+    client.stop()
+
+
 def test_the_serving_process_dying_fails_open_requests_and_reports_it(tiny):
     """Guards against a dead serving process leaving clients hanging on requests that will never end, a
     server that still reports healthy, or new requests accepted into a closed pipe: every open request
