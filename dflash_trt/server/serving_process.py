@@ -88,14 +88,14 @@ class Outbox:
 class ForwardingHandle(RequestHandle):
     """A request's handle in the serving process: every delivery also goes to the outbox under the
     front's ``key``; it forgets its deltas (the front keeps them), only its tokens stay (a replay needs them).
-    ``done``: appended ``name`` once it finished or failed (``ServingProcess`` forgets it then)."""
+    ``finished``: where it appends ``name`` once it finished or failed (``ServingProcess`` forgets it then)."""
 
-    def __init__(self, outbox: Outbox, key: int, request_id: int, prompt: list[int], cancel, done: deque | None = None,
+    def __init__(self, outbox: Outbox, key: int, request_id: int, prompt: list[int], cancel, finished: deque | None = None,
                  name: object = None) -> None:
         super().__init__(request_id, prompt, cancel)
         self.key, self.outbox = key, outbox
         self._received: list[int] = []
-        self._finished, self._name = done, name
+        self._finished, self._name = finished, name
 
     @property
     def tokens(self) -> list[int]:

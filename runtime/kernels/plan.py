@@ -231,8 +231,8 @@ def exact_wider_spread(plan: ExactLinearPlan, rows: int, tiles: int, block_n: in
     """``exact_linear_launch``'s widening: (tiles, feature block) where the plan's spread leaves processors idle
     (how work is spread: a row's sums are the same). Fewer tiles per program until the launch has 3/4 of
     ``processors`` programs; then the few-row feature block, if it still has fewer than half. Measured on the
-    default pair's weights (benchmarks/RESULTS.md, exact_spread): at 512..1024 rows o and down ran 16..24%
-    faster with two tiles per program than with four (80 programs); narrower feature blocks only pay below half."""
+    default pair's weights (benchmarks/RESULTS.md, exact_spread): at 1,024 rows o and down ran 16% and 21%
+    faster with two tiles per program (160 programs) than with four (80); narrower feature blocks only pay below half."""
     def programs(t: int, bn: int) -> int:
         return cdiv(rows, t * EXACT_TILE_M) * cdiv(out_features, bn) * plan.splits
 
