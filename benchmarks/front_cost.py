@@ -94,7 +94,7 @@ class StandIn:
             return
         self.queue.append(((front, message.key), message.max_new_tokens, time.perf_counter()))
         self.recorder.count("submitted")
-        self.conns[front].send(wire.Accepted(message.key))
+        self.conns[front].send(wire.Deliveries((), (), (message.key,)))  # accepted (serve batches these with tokens)
 
     def _cancel(self, message, front: int) -> None:
         job = self.running.pop((front, message.key), None)

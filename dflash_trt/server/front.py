@@ -86,8 +86,7 @@ class ServingClient:
         self._next = 0
         self._died: ServingClosedError | None = None
         self._stopping = False
-        self._dispatch = {wire.Deliveries: self._deliveries, wire.Accepted: self._answer, wire.Refused: self._answer,
-                          wire.MetricsReply: self._answer}
+        self._dispatch = {wire.Deliveries: self._deliveries, wire.Refused: self._answer, wire.MetricsReply: self._answer}
         self._receiver = threading.Thread(target=self._receive, name="dflash-trt-front-receiver", daemon=True)
         self._receiver.start()
 
@@ -202,13 +201,21 @@ class ServingClient:
         self._die()
 
     def _answer(self, message) -> None:
-        kind = wire.MetricsQuery if isinstance(message, wire.MetricsReply) else wire.Submit
+        """A ``Refused`` or ``MetricsReply``: the answer its caller waits for."""
+        if isinstance(message, wire.MetricsReply):
+            self._resolve((wire.MetricsQuery, message.seq), message)
+        else:
+            self._resolve((wire.Submit, message.key), message)
+
+    def _resolve(self, key: tuple, value) -> None:
         with self._lock:
-            answer = self._answers.get((kind, message.seq if kind is wire.MetricsQuery else message.key))
+            answer = self._answers.get(key)
         if answer is not None and not answer.done():
-            answer.set_result(message)
+            answer.set_result(value)
 
     def _deliveries(self, message: wire.Deliveries) -> None:
+        for key in message.accepted:  # before the items: a request's first tokens may come in the message that accepts it
+            self._resolve((wire.Submit, key), None)
         for key, tokens, finish in message.items:
             with self._lock:
                 job = self._jobs.get(key)

@@ -6,11 +6,12 @@ for the GIL behind HTTP parsing, tokenizing, detokenizing or SSE work. The
 messages are ``server.wire``'s.
 
 Threads here: the main thread reads the pipes, one per HTTP front (submits,
-cancels, closes, metrics queries), and answers each submit at once on its
-front's pipe (``Accepted`` / ``Refused``); the serving loop's thread runs the
-executor and hands tokens to the requests' handles (``ForwardingHandle``: each
-delivery also goes to its front's outbox); one sender thread per front sends
-what its outbox holds as one ``Deliveries`` message. The loop thread releases
+cancels, closes, metrics queries), refuses a submit at once on its front's pipe
+(``Refused``) or puts its key in that front's outbox (accepted); the serving
+loop's thread runs the executor and hands tokens to the requests' handles
+(``ForwardingHandle``: each delivery also goes to its front's outbox); one sender
+thread per front sends what its outbox holds as one ``Deliveries`` message (the
+acceptances with the tokens: no pickle and send per submit on the main thread). The loop thread releases
 the GIL at its next device wait right after a round's deliveries, so a sender
 sends a round (or several) per message, never one message per token or per
 request. With ``serve --fronts N`` the first front owns the process; another
@@ -48,13 +49,21 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class Outbox:
-    """Deliveries and failures not sent yet (the loop thread puts, the sender thread takes all at once)."""
+    """Acceptances, deliveries and failures not sent yet (the main and loop threads put, the sender thread
+    takes all at once)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._items: list[wire.Item] = []
         self._failures: list[tuple[int, wire.WireError]] = []
+        self._accepted: list[int] = []
         self._closed = False
+
+    def accept(self, key: int) -> None:
+        with self._cond:
+            if not self._closed:
+                self._accepted.append(key)
+                self._cond.notify()
 
     def put(self, item: wire.Item) -> None:
         with self._cond:
@@ -71,12 +80,12 @@ class Outbox:
     def take(self) -> wire.Deliveries | None:
         """Everything put so far as one message (waits for something); None once closed and empty."""
         with self._cond:
-            while not (self._items or self._failures or self._closed):
+            while not (self._items or self._failures or self._accepted or self._closed):
                 self._cond.wait()
-            if not (self._items or self._failures):
+            if not (self._items or self._failures or self._accepted):
                 return None
-            message = wire.Deliveries(tuple(self._items), tuple(self._failures))
-            self._items, self._failures = [], []
+            message = wire.Deliveries(tuple(self._items), tuple(self._failures), tuple(self._accepted))
+            self._items, self._failures, self._accepted = [], [], []
             return message
 
     def close(self) -> None:
@@ -222,7 +231,7 @@ class ServingProcess:
         except DFlashError as error:
             self.send(wire.Refused(message.key, wire.WireError.of(error)), front)
             return
-        self.send(wire.Accepted(message.key), front)
+        self.fronts[front].outbox.accept(message.key)  # the answer rides with the front's next deliveries
 
     def _cancel(self, message: wire.Cancel, front: int) -> None:
         handle = self.handles.pop((front, message.key), None)

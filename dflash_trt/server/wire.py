@@ -8,10 +8,15 @@ one of the frozen dataclasses below, pickled by the pipe.
     front ──> serving process                   serving process ──> front
     -------------------------                   -------------------------
     Submit(key, prompt ids, max, sampling)      Ready(what the front needs to know) | LoadFailed(WireError), once
-    Cancel(key, finish)                         Accepted(key) | Refused(key, WireError)   (one per Submit)
-    Close(drain)      (SIGTERM: drain/cancel)   Deliveries(items, failures): every request's new tokens of
-    MetricsQuery(seq)                                 one delivery round (or more), in one message
-    Exit()            (then it exits)           MetricsReply(seq, ServingMetrics)
+    Cancel(key, finish)                         Refused(key, WireError)   (a Submit not taken)
+    Close(drain)      (SIGTERM: drain/cancel)   Deliveries(items, failures, accepted): the Submits taken and
+    MetricsQuery(seq)                                 every request's new tokens of one delivery round (or
+    Exit()            (then it exits)                 more), in one message
+                                                MetricsReply(seq, ServingMetrics)
+
+Every Submit is answered once: ``Refused`` at once, or its key in a ``Deliveries``' ``accepted``
+(the front reads those before the message's items: a request's tokens may come in the message
+that accepts it, or, when the serving loop is quick, in the one before).
 
 ``key`` is the front's id of a request (the serving loop keeps its own handle ids).
 A request's tokens travel as ids; the front detokenizes them (stop strings
@@ -118,11 +123,6 @@ class LoadFailed:
 
 
 @dataclass(frozen=True)
-class Accepted:
-    key: int
-
-
-@dataclass(frozen=True)
 class Refused:
     key: int
     error: WireError
@@ -131,10 +131,12 @@ class Refused:
 @dataclass(frozen=True)
 class Deliveries:
     """New tokens of every request that got some since the last message (finish set on a request's last
-    item), and the requests that failed (each fails with its error)."""
+    item), the requests that failed (each fails with its error), and the keys of the Submits taken since
+    the last message (their answer: one send per message, not one per request)."""
 
     items: tuple[Item, ...]
     failures: tuple[tuple[int, WireError], ...] = ()
+    accepted: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -57,22 +57,25 @@ def test_every_message_crosses_the_pipe_unchanged():
     messages = [wire.Submit(3, [5, 6], 7, Sampling(0.8, 4, 0.9, 11), (0, 2)), wire.Submit(4, [1], 1, Sampling()),
                 wire.Cancel(3, CANCELLED), wire.Cancel(3, STOP), wire.Close(True), wire.MetricsQuery(9), wire.Exit(),
                 wire.Ready(True, 16, 1024, 32000, "/x/export", 123), wire.LoadFailed(wire.WireError("EngineError", "no plan")),
-                wire.Accepted(3), wire.Refused(3, wire.WireError("QueueFullError", "full")),
-                wire.Deliveries(((3, [1, 2, 3], None), (4, [9], "length")), ((5, wire.WireError("PoisonedError", "bad")),))]
+                wire.Refused(3, wire.WireError("QueueFullError", "full")),
+                wire.Deliveries(((3, [1, 2, 3], None), (4, [9], "length")), ((5, wire.WireError("PoisonedError", "bad")),), (6, 7))]
     for message in messages:
         assert crossed(message) == message
 
 
 def test_the_outbox_sends_what_a_round_delivered_as_one_message():
     """Guards against a message per token or per request (64 streams would cost 64 pipe writes and
-    pickles per round on the serving process's GIL): everything put before a take is one message,
-    in order; a take waits for something; a closed, empty outbox ends the sender."""
+    pickles per round on the serving process's GIL; an answer per submit as many more): everything put
+    before a take is one message, in order, the acceptances with the tokens; a take waits for something;
+    a closed, empty outbox ends the sender."""
     outbox = Outbox()
     for key in range(64):
+        outbox.accept(100 + key)
         outbox.put((key, [key, key + 1], None))
     outbox.fail(70, wire.WireError("PoisonedError", "bad"))
     message = outbox.take()
     assert [item[0] for item in message.items] == list(range(64)) and message.failures == ((70, wire.WireError("PoisonedError", "bad")),)
+    assert message.accepted == tuple(range(100, 164))
     taken = []
     taker = threading.Thread(target=lambda: taken.append(outbox.take()))
     taker.start()
@@ -81,6 +84,8 @@ def test_the_outbox_sends_what_a_round_delivered_as_one_message():
     outbox.put((1, [2], "stop"))
     taker.join(TIMEOUT_S)
     assert taken == [wire.Deliveries(((1, [2], "stop"),))]
+    outbox.accept(9)  # an acceptance alone is a message too (the submitter waits for it)
+    assert outbox.take() == wire.Deliveries((), (), (9,))
     outbox.close()
     assert outbox.take() is None
 
@@ -149,7 +154,8 @@ def test_the_front_over_a_pipe_answers_as_the_in_process_loop(tiny):
     """Guards against the process split changing any output: greedy and seeded requests at once, their
     streamed deltas, text and stop strings (detokenized and matched on the front, the request then ended
     in the serving loop as completed, not cancelled) equal what the in-process ServingLoop returns; the
-    tokens of a round travel in one message, not one per request."""
+    tokens of a round travel in one message, not one per request, and the submits' acceptances with them
+    (each submit answered once, none by a message of its own)."""
     tokenizer = CharTokenizer()
     prompt = tokenizer.encode("def f(x):")
     with ServingLoop(Executor(tiny.ort, tiny.dims, 4), tokenizer, stream_interval=0.0) as here:
@@ -165,6 +171,8 @@ def test_the_front_over_a_pipe_answers_as_the_in_process_loop(tiny):
     deliveries = [m for m in side.sent if isinstance(m, wire.Deliveries)]
     items = sum(len(m.items) for m in deliveries)
     assert len(deliveries) < items and max(len({key for key, *_ in m.items}) for m in deliveries) > 1
+    assert sorted(key for m in deliveries for key in m.accepted) == list(range(len(REQUESTS) + len(text_requests)))
+    assert {type(m) for m in side.sent} == {wire.Ready, wire.Deliveries}
     deadline = time.monotonic() + TIMEOUT_S
     while (metrics := client.metrics()).running and time.monotonic() < deadline:  # the stop ends it at the next gap
         time.sleep(0.01)
