@@ -11,10 +11,10 @@ cancels, closes, metrics queries), refuses a submit at once on its front's pipe
 loop's thread runs the executor and hands tokens to the requests' handles
 (``ForwardingHandle``: each delivery also goes to its front's outbox); one sender
 thread per front sends what its outbox holds as one ``Deliveries`` message (the
-acceptances with the tokens: no pickle and send per submit on the main thread). The loop thread releases
-the GIL at its next device wait right after a round's deliveries, so a sender
-sends a round (or several) per message, never one message per token or per
-request. With ``serve --fronts N`` the first front owns the process; another
+acceptances with the tokens: no pickle and send per submit on the main thread).
+The loop thread releases the GIL at its next device wait right after a round's
+deliveries, so a sender sends a round (or several) per message, never one
+message per token or per request. With ``serve --fronts N`` the first front owns the process; another
 front's pipe closing (its process ended) cancels that front's requests only.
 
 The process ignores SIGINT / SIGTERM: the front owns the shutdown (a signal
