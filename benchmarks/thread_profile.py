@@ -44,25 +44,9 @@ def profile(raw: str, thread: str = SERVING_THREAD, top: int = 40) -> dict:
     >>> p["samples"], p["inclusive"], p["own"]
     (4, [['run (a.py)', 100.0], ['read (b.py)', 75.0]], [['read (b.py)', 75.0], ['run (a.py)', 25.0]])
     """
-    inclusive: Counter = Counter()
-    own: Counter = Counter()
-    samples = 0
-    for line in raw.splitlines():
-        stack, _, count = line.rpartition(" ")
-        frames = stack.split(";")
-        if not count.isdigit() or len(frames) < 2 or frames[0].split(": ", 1)[-1] != thread:
-            continue
-        n = int(count)
-        samples += n
-        names = [frame_name(frame) for frame in frames[1:]]
-        own[names[-1]] += n
-        for name in set(names):
-            inclusive[name] += n
-
-    def shares(counter: Counter) -> list[list]:
-        return [[name, round(100.0 * n / samples, 1)] for name, n in counter.most_common(top)] if samples else []
-
-    return {"thread": thread, "samples": samples, "inclusive": shares(inclusive), "own": shares(own)}
+    result = _shares(raw, top, thread)
+    del result["threads"]  # one thread: its share is all of them
+    return {"thread": thread} | result
 
 
 def gil_profile(raw: str, top: int = 40) -> dict:
@@ -75,24 +59,33 @@ def gil_profile(raw: str, top: int = 40) -> dict:
     >>> p["samples"], p["threads"], p["own"]
     (4, [['dflash-trt-serving', 75.0], ['sender', 25.0]], [['read (b.py)', 75.0], ['send (c.py)', 25.0]])
     """
-    names: Counter = Counter()
-    for line in raw.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if count.isdigit() and ";" in stack:
-            names[stack.split(";", 1)[0].split(": ", 1)[-1]] += int(count)
-    merged = [profile(raw, name, top) for name in names]
-    samples = sum(names.values())
+    return _shares(raw, top) | {"thread": "GIL holder"}
+
+
+def _shares(raw: str, top: int, thread: str | None = None) -> dict:
+    """One pass over the samples of the threads named ``thread`` (None: every thread): their count, and the
+    ``top`` threads, functions by inclusive share and functions by own share (%)."""
+    threads: Counter = Counter()
     inclusive: Counter = Counter()
     own: Counter = Counter()
-    for part in merged:
-        for counter, key in ((inclusive, "inclusive"), (own, "own")):
-            for name, share in part[key]:
-                counter[name] += share * part["samples"] / 100.0
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        name = frames[0].split(": ", 1)[-1]
+        if not count.isdigit() or len(frames) < 2 or thread not in (None, name):
+            continue
+        n = int(count)
+        threads[name] += n
+        names = [frame_name(frame) for frame in frames[1:]]
+        own[names[-1]] += n
+        for function in set(names):
+            inclusive[function] += n
+    samples = sum(threads.values())
 
     def shares(counter: Counter) -> list[list]:
-        return [[name, round(100.0 * n / samples, 1)] for name, n in counter.most_common(top)] if samples else []
+        return [[key, round(100.0 * n / samples, 1)] for key, n in counter.most_common(top)] if samples else []
 
-    return {"thread": "GIL holder", "samples": samples, "threads": shares(names), "inclusive": shares(inclusive), "own": shares(own)}
+    return {"samples": samples, "threads": shares(threads), "inclusive": shares(inclusive), "own": shares(own)}
 
 
 def record(pid: int, seconds: float, out: Path, rate: int = 200, gil: bool = False) -> subprocess.Popen:
