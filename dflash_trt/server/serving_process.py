@@ -60,21 +60,18 @@ class Outbox:
         self._closed = False
 
     def accept(self, key: int) -> None:
-        with self._cond:
-            if not self._closed:
-                self._accepted.append(key)
-                self._cond.notify()
+        self._add(self._accepted, key)
 
     def put(self, item: wire.Item) -> None:
-        with self._cond:
-            if not self._closed:  # closed: its front is gone (nothing would send it)
-                self._items.append(item)
-                self._cond.notify()
+        self._add(self._items, item)
 
     def fail(self, key: int, error: wire.WireError) -> None:
+        self._add(self._failures, (key, error))
+
+    def _add(self, into: list, value) -> None:
         with self._cond:
-            if not self._closed:
-                self._failures.append((key, error))
+            if not self._closed:  # closed: its front is gone (nothing would send it)
+                into.append(value)
                 self._cond.notify()
 
     def take(self) -> wire.Deliveries | None:

@@ -207,7 +207,7 @@ def test_refusals_and_cancels_reach_across_the_pipe(tiny):
 
 def test_the_serving_process_forgets_finished_requests_at_the_next_submit(tiny):
     """Guards against the serving process's request map growing with every request served (a handle kept
-    per finished request) or losing an open one: after finished, failed and cancelled requests the next
+    per finished request) or losing an open one: after finished, refused and cancelled requests the next
     submit leaves the map holding the open requests only (and at most the last one finished, whose handle
     may complete just after its tokens were sent)."""
     side = ThreadProcess(tiny, stream_interval=0.02)
@@ -220,7 +220,7 @@ def test_the_serving_process_forgets_finished_requests_at_the_next_submit(tiny):
     next(iter(long))
     long.cancel()
     assert long.result(TIMEOUT_S).finish == CANCELLED
-    running = client.submit([7, 7], 60)  # the eighth submit the serving process accepted (keys 0..7 but the refused)
+    running = client.submit([7, 7], 60)  # key 8: keys 0-5 finished, 6 was refused, 7 cancelled
     next(iter(running))
     open_key = max(side.side.handles)
     assert open_key[1] == 8 and set(side.side.handles) <= {(0, 7), open_key} and not side.side.handles[open_key].done
