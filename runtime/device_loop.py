@@ -31,9 +31,14 @@ How a program finds its owners' rows depends on the backend:
 - the others bind ``n`` consecutive rows ``first .. first+n-1``: one program
   per (kind, sampled, n, first), captured on first use.
 
-A launch ends with an async copy of the owners' verdict record (accepted,
-next token, proposals) into a pinned host ring entry and an event; ``read``
-waits for that event only. Nothing else in a launch synchronizes the host, so
+A program may run its kind several times back to back (``Key.rounds``, at
+most ``most_rounds``: 1, or ``AUTO_ROUNDS`` when programs are captured and
+row-indexed), each round reading the state the last one left: the host then
+plans, launches and reads once per ``rounds`` rounds (``runtime.launches``).
+
+A launch ends with an async copy of the owners' verdict records (accepted,
+next token, proposals; one per round) into a pinned host ring entry and an
+event; ``read`` waits for that event only. Nothing else in a launch synchronizes the host, so
 the executor can launch cycle k+1 before reading cycle k
 (``runtime.launches``).
 
@@ -47,7 +52,7 @@ Row-indexed state (``R`` = pool rows, int64 unless said):
 | top_k | [R] | sampling |
 | seed | [R, 3] | sampling (``sampling.seed_parts``); a choice's noise is keyed by its position, read on the device |
 | temperature, top_p | [R] float32 | sampling |
-| record | [n, P+2] per owner count n | per launch: accepted, next token, proposals d_1..d_P |
+| record | [rounds, n, P+2] per owner count n | per launch and round: accepted, next token, proposals d_1..d_P |
 | taps_out | [R, W] model dtype | a decode step's taps (committed by the host for drafting sessions whose pending rows are full) |
 
 ``R`` counts the scratch row on row-indexed backends. The host stages
@@ -82,6 +87,9 @@ ANCHOR, FRONTIER, DRAFT, TOP_K = range(4)  # rows of the int state
 TEMPERATURE, TOP_P = range(2)  # rows of the float state
 ACCEPTED_COLUMN, NEXT_COLUMN, PROPOSALS_COLUMN = 0, 1, 2  # columns of the record
 STAGING_DEPTH = 4  # ``stage_more`` uploads that may wait on the stream at once (``Staging``)
+# Rounds per launch where programs are captured and row-indexed (``most_rounds``): the serving loop's host work per
+# launch is paid once per two rounds. benchmarks/RESULTS.md, "Rounds per launch".
+AUTO_ROUNDS = 2
 
 
 def owner_buckets(max_owners: int) -> tuple[int, ...]:
@@ -105,21 +113,24 @@ def padded(owners: int, max_owners: int) -> int:
 
 @dataclass(frozen=True)
 class Key:
-    """One program -> one CUDA graph: (kind, sampled, n, first row, verify length); ``first`` is None when
-    the rows are a device input (row-indexed backends; ``n`` is then a padded count); ``proposals``: the
-    proposals a cycle verifies (one of ``Dims.verify_proposals``; 0 for a decode step)."""
+    """One program -> one CUDA graph: (kind, sampled, n, first row, verify length, rounds); ``first`` is None
+    when the rows are a device input (row-indexed backends; ``n`` is then a padded count); ``proposals``: the
+    proposals a cycle verifies (one of ``Dims.verify_proposals``; 0 for a decode step); ``rounds``: how many
+    times the program runs its kind, each round after the last."""
 
     kind: str
     sampled: bool
     owners: int
     first: int | None
     proposals: int = 0
+    rounds: int = 1
 
 
 def describe(key: Key) -> str:
     """A program, for messages: its kind, owner count, (row-bound) first row and (a cycle's) verify length."""
     where = "" if key.first is None else f" at row {key.first}"
-    return f"{key.kind} program for {key.owners} owners{where}" + (f", verifying {key.proposals} proposals" if key.proposals else "")
+    verifying = f", verifying {key.proposals} proposals" if key.proposals else ""
+    return f"{key.kind} program for {key.owners} owners{where}{verifying}" + (f", {key.rounds} rounds" if key.rounds > 1 else "")
 
 
 class MirrorPart(NamedTuple):
@@ -312,9 +323,10 @@ class RowSlots:
 class DeviceLoop:
     """Per-row device state, staging and the programs of one executor (see the module docstring)."""
 
-    def __init__(self, backend: Backend, dims: c.Dims, context: ContextPool, rows: int, graphs: bool) -> None:
+    def __init__(self, backend: Backend, dims: c.Dims, context: ContextPool, rows: int, graphs: bool, rounds: int | None = None) -> None:
         """``rows``: the sessions' rows (a scratch row follows on row-indexed backends: the context pool
-        and the backend's pools hold it); ``graphs``: capture programs where capturable."""
+        and the backend's pools hold it); ``graphs``: capture programs where capturable; ``rounds``: the
+        most rounds a launch runs (``most_rounds``; None: ``AUTO_ROUNDS`` for captured row-indexed programs, else 1)."""
         self.backend, self.dims, self.context = backend, dims, context
         self.device = backend.device
         self.row_indexed = bool(getattr(backend, "row_indexed", False))
@@ -323,7 +335,8 @@ class DeviceLoop:
         stream = getattr(backend, "stream", None)
         self.stream = stream.device_stream if stream is not None and self.device.type == "cuda" else None
         self.graphs = bool(graphs and backend.capturable and self.stream is not None)
-        width, max_owners = dims.proposals + 2, dims.max_owners
+        self.most_rounds = rounds if rounds is not None else AUTO_ROUNDS if self.graphs and self.row_indexed else 1
+        width, max_owners, most = dims.proposals + 2, dims.max_owners, self.most_rounds
         # At most two launches per session are unread at once (the one read, the next): ring entries never collide.
         self.ring = 2 * rows + 2
         self.next_entry = 0
@@ -334,8 +347,9 @@ class DeviceLoop:
             )
             self.ints, self.seeds, self.floats = self.state.parts.values()
             self.floats.device[TOP_P].fill_(1.0)  # the scratch row samples like a greedy session
-            self.records = {n: torch.zeros((n, width), dtype=torch.int64, device=self.device) for n in range(1, max_owners + 1)}
-            self.reads = host_buffer((self.ring, max_owners, width), torch.int64, self.device)
+            self.records = {n: torch.zeros((most, n, width), dtype=torch.int64, device=self.device) for n in range(1, max_owners + 1)}
+            # Per ring entry, one launch's records [rounds, n, P+2] (n: its padded owner count) from the first element.
+            self.reads = host_buffer((self.ring, most * max_owners * width), torch.int64, self.device)
             self.read_rows = self.reads[1].numpy()  # the same memory as numpy: a read copies without a torch op
             self.taps_out = torch.zeros((self.rows, dims.tap_width), dtype=context.taps.dtype, device=self.device)
             # Row-indexed programs read their rows from here (one tensor per padded count, stable addresses).
@@ -380,7 +394,8 @@ class DeviceLoop:
         if not self.row_indexed:
             return []
         programs = [(CYCLE, k) for k in self.dims.verify_proposals] + [(DECODE, 0)]
-        return [Key(kind, s, n, None, k) for kind, k in programs for s in sampled for n in owner_buckets(self.dims.max_owners)]
+        rounds, buckets = sorted({1, self.most_rounds}), owner_buckets(self.dims.max_owners)
+        return [Key(kind, s, n, None, k, r) for kind, k in programs for s in sampled for n in buckets for r in rounds]
 
     def prepare(self, keys: list[Key]) -> None:
         """Capture ``keys`` now (start-up), each run on the scratch row only: no capture, and no kernel
@@ -432,16 +447,17 @@ class DeviceLoop:
 
     # ------------------------------------------------------------------ launches
 
-    def launch(self, kind: str, sampled: bool, rows: list[int], proposals: int = 0) -> Launch:
+    def launch(self, kind: str, sampled: bool, rows: list[int], proposals: int = 0, rounds: int = 1) -> Launch:
         """Run one program over the owners at ``rows`` (consecutive on row-bound backends), a cycle
-        verifying ``proposals`` (default P; 0 for a decode step): replay its graph (capturing first if
-        new), then queue its record's copy to the host (inside ``running``). No host sync, except
-        around a capture (first use, row-bound backends only)."""
+        verifying ``proposals`` (default P; 0 for a decode step), ``rounds`` times (1 or ``most_rounds``):
+        replay its graph (capturing first if new), then queue its records' copy to the host (inside
+        ``running``). No host sync, except around a capture (first use, row-bound backends only)."""
         if kind == CYCLE and not proposals:
             proposals = self.dims.proposals
         assert kind == DECODE and not proposals or proposals in self.dims.verify_proposals, (kind, proposals)
+        assert rounds in (1, self.most_rounds), (rounds, self.most_rounds)
         entry, self.next_entry = self.next_entry, (self.next_entry + 1) % self.ring
-        key = self._key(kind, sampled, rows, entry, proposals)
+        key = self._key(kind, sampled, rows, entry, proposals, rounds)
         started = self.timeline.mark()
         graph = self.captured.get(key)
         if graph is not None:
@@ -455,11 +471,11 @@ class DeviceLoop:
         self._download(key, len(rows), entry)
         return Launch(key, len(rows), entry, started, self.timeline.mark())
 
-    def _key(self, kind: str, sampled: bool, rows: list[int], entry: int, proposals: int) -> Key:
+    def _key(self, kind: str, sampled: bool, rows: list[int], entry: int, proposals: int, rounds: int) -> Key:
         """The program of these rows; on row-indexed backends also enqueues the upload of its slots."""
         if not self.row_indexed:
             assert rows == list(range(rows[0], rows[0] + len(rows))), f"rows must be consecutive, got {rows}"
-            return Key(kind, sampled, len(rows), rows[0], proposals)
+            return Key(kind, sampled, len(rows), rows[0], proposals, rounds)
         n = padded(len(rows), self.dims.max_owners)
         staged = self.staged_slots.array[entry]
         staged[: len(rows)] = rows
@@ -470,25 +486,28 @@ class DeviceLoop:
             from dflash_trt.runtime.device import copy_async
 
             copy_async(self.slots[n].data_ptr(), self.staged_slots.pinned.ptr + entry * staged.nbytes, n * 8, self.stream)
-        return Key(kind, sampled, n, None, proposals)
+        return Key(kind, sampled, n, None, proposals, rounds)
 
     def read(self, launch: Launch) -> tuple[np.ndarray, float]:
-        """Host sync (the launch's end event): its live owners' record rows [n, P+2] and its device ms."""
+        """Host sync (the launch's end event): its live owners' records [rounds, n, P+2] and its device ms."""
         self.timeline.wait(launch)
-        record = self.read_rows[launch.entry, : launch.owners].copy()
-        return record, self.timeline.account(launch)
+        key, width = launch.key, self.dims.proposals + 2
+        entry = self.read_rows[launch.entry, : key.rounds * key.owners * width].reshape(key.rounds, key.owners, width)
+        return entry[:, : launch.owners].copy(), self.timeline.account(launch)
 
     def _download(self, key: Key, owners: int, entry: int) -> None:
-        """The live owners' record rows -> host ring entry ``entry`` (async on CUDA: pinned memory, no host sync)."""
+        """The launch's records [rounds, n, P+2] -> host ring entry ``entry`` (async on CUDA: pinned memory, no host
+        sync), in one copy: up to the last round's last live owner (the padded lanes' rows of earlier rounds ride along)."""
         pinned, host = self.reads
-        record = self.records[key.owners]
+        records = self.records[key.owners][: key.rounds]  # [rounds, n, P+2], contiguous
+        rows = (key.rounds - 1) * key.owners + owners
         if pinned is None:
-            host[entry, :owners] = record[:owners]
+            host[entry, : rows * records.shape[2]] = records.reshape(-1)[: rows * records.shape[2]]
             return
         from dflash_trt.runtime.device import copy_async
 
-        row = record.shape[1] * record.element_size()
-        copy_async(pinned.ptr + entry * host[0].numel() * record.element_size(), record.data_ptr(), owners * row, self.stream)
+        row = records.shape[2] * records.element_size()
+        copy_async(pinned.ptr + entry * host[0].numel() * records.element_size(), records.data_ptr(), rows * row, self.stream)
 
     def _capture(self, key: Key) -> torch.cuda.CUDAGraph:
         return capture_graph(self.device, self.backend.stream.torch, self.memory, lambda: self._program(key))
@@ -505,14 +524,16 @@ class DeviceLoop:
 
     def _program(self, key: Key) -> None:
         rows = RowRange(key.first, key.owners) if key.first is not None else RowSlots(self.slots[key.owners])
+        run = self._cycle if key.kind == CYCLE else self._decode
         with torch.no_grad():
-            (self._cycle if key.kind == CYCLE else self._decode)(key, rows)
-            if self.row_indexed:
-                self.ints.device[:, self.scratch] = 0  # padded lanes' state: back to an empty row
+            for record in self.records[key.owners][: key.rounds]:
+                run(key, rows, record)
+                if self.row_indexed:
+                    self.ints.device[:, self.scratch] = 0  # padded lanes' state: back to an empty row
 
-    def _cycle(self, key: Key, rows: RowRange | RowSlots) -> None:
+    def _cycle(self, key: Key, rows: RowRange | RowSlots, record: torch.Tensor) -> None:
         """draft_n → target_verify_n (the first k = ``key.proposals`` proposals) → taps → verdict →
-        anchors/positions, all on the device."""
+        anchors/positions, all on the device; the verdict into ``record`` [n, P+2]."""
         n, k = rows.n, key.proposals or self.dims.proposals
         anchor, start = rows.take(self.ints.device[ANCHOR]), rows.take(self.ints.device[FRONTIER])
         ctx_start = rows.take(self.ints.device[DRAFT])
@@ -531,12 +552,12 @@ class DeviceLoop:
             feeds |= self._sampling(rows, start)
         verdict = rows.run(self.backend, c.verify_graph(self.dims, kind, n, k), feeds)
         accepted, token = verdict[c.ACCEPTED], verdict[c.NEXT_TOKEN]
-        self.records[n][:, PROPOSALS_COLUMN:].copy_(proposals)
+        record[:, PROPOSALS_COLUMN:].copy_(proposals)
         rows.put(self.ints.device[DRAFT], start)  # the draft now holds the context before this cycle's anchor
-        self._advance(rows, start, accepted, token)
+        self._advance(rows, start, accepted, token, record)
 
-    def _decode(self, key: Key, rows: RowRange | RowSlots) -> None:
-        """target_decode_n → the target's token → anchors/positions, all on the device."""
+    def _decode(self, key: Key, rows: RowRange | RowSlots, record: torch.Tensor) -> None:
+        """target_decode_n → the target's token → anchors/positions, all on the device; the token into ``record``."""
         n = rows.n
         anchor, start = rows.take(self.ints.device[ANCHOR]), rows.take(self.ints.device[FRONTIER])
         out = rows.run(self.backend, c.graph_name(c.TARGET_DECODE, n), {c.TOKENS: anchor.view(n, 1), c.START: start})
@@ -547,7 +568,7 @@ class DeviceLoop:
             token = logits.argmax(dim=-1)  # the sampler's choice at temperature 0
         rows.put(self.taps_out, out[c.TAPS][:, 0])
         self._keep_tap(rows, start, out[c.TAPS][:, 0])
-        self._advance(rows, start, torch.zeros_like(token), token)
+        self._advance(rows, start, torch.zeros_like(token), token, record)
 
     def _keep_tap(self, rows: RowRange | RowSlots, start: torch.Tensor, tap: torch.Tensor) -> None:
         """A decode step's tap [n, W] becomes pending context: row ``start - draft`` (the owner's pending
@@ -562,9 +583,8 @@ class DeviceLoop:
         kept = torch.where((pending < B)[:, None], tap.to(flat.dtype), flat.index_select(0, index))
         flat.index_copy_(0, index, kept)
 
-    def _advance(self, rows: RowRange | RowSlots, start: torch.Tensor, accepted: torch.Tensor, token: torch.Tensor) -> None:
+    def _advance(self, rows: RowRange | RowSlots, start: torch.Tensor, accepted: torch.Tensor, token: torch.Tensor, record: torch.Tensor) -> None:
         """Record the verdict; frontier = start + accepted + 1; anchor = token."""
-        record = self.records[rows.n]
         record[:, ACCEPTED_COLUMN].copy_(accepted)
         record[:, NEXT_COLUMN].copy_(token)
         rows.put(self.ints.device[FRONTIER], start + accepted + 1)

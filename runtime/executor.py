@@ -148,6 +148,7 @@ LOG = logging.getLogger(__name__)
 # and queued requests that could join end an execute after its round (the serving loop's should_yield),
 # so a larger cap delays none of them. benchmarks/RESULTS.md: 8 -> 32 rounds, H200, default pair.
 DEFAULT_MAX_CYCLES = 32
+MAX_LAUNCH_ROUNDS = 8  # rounds one launch may run (``launch_rounds``): each is captured in every program's graph
 
 def _target_tokens(steps: list[Step]) -> int:
     """The target tokens an execute's inputs fed (its stats row): every input's but the pending-decode ones'."""
@@ -176,6 +177,7 @@ class Executor:
         cycle_graphs: bool = True,
         stats_age_s: float | None = None,
         policy: str | object = "always",
+        launch_rounds: int | None = None,
     ) -> None:
         """``dims`` and ``max_sessions`` default to the backend's (its contract dims and pool rows);
         ``stats_rows`` bounds each stats table in memory (None: unbounded; see ``drain_stats``),
@@ -193,6 +195,9 @@ class Executor:
         sessions from measured costs and acceptance; ``always`` cycles whenever
         a block fits (or any object with ``runtime.policy.AdaptivePolicy``'s
         ``choose`` / ``observe``). Greedy output is the same under any policy.
+        ``launch_rounds``: the most rounds (cycles or decode steps) one launch runs back to back on the
+        device, read at once (None: ``device_loop.AUTO_ROUNDS`` where programs are captured and
+        row-indexed, else 1); outputs and tokens per call are the same whatever it is.
         """
         dims = dims if dims is not None else backend.dims
         self.ownership = backend.ownership()
@@ -223,7 +228,9 @@ class Executor:
         if isinstance(policy, str) and policy not in POLICIES:
             raise InputError(f"policy must be one of {POLICIES} (or a policy object), got {policy!r}")
         self.policy = make_policy(policy, dims.verify_proposals) if isinstance(policy, str) else policy
-        self.loop = DeviceLoop(backend, dims, self.context, rows, cycle_graphs)
+        if launch_rounds is not None and (not is_int(launch_rounds) or not 1 <= launch_rounds <= MAX_LAUNCH_ROUNDS):
+            raise InputError(f"launch_rounds must be an int in [1, {MAX_LAUNCH_ROUNDS}] or None (automatic), got {launch_rounds!r}")
+        self.loop = DeviceLoop(backend, dims, self.context, rows, cycle_graphs, launch_rounds)
         self.prefill = PrefillPrograms(self.loop, self.context, max_sessions, self.speculate) if self.loop.row_indexed else None
         self._prepare_programs()
         self.closed = False
@@ -888,30 +895,46 @@ class Executor:
 
     def _pending(self, lane: Lane) -> int:
         """The lane's pending context rows once its unread launches (decode steps only) are read."""
-        return lane.session.frontier - lane.session.draft_position + self._kinds(lane).count(DECODE)
+        return lane.session.frontier - lane.session.draft_position + sum(f.rounds for f in lane.flight if f.kind == DECODE)
+
+    def _rounds(self, lane: Lane) -> int:
+        """The rounds the lane's next launch runs (``Lane.most_rounds``); a drafting lane's decode steps only
+        while each keeps its tap on the device (pending rows below B), a host_taps lane's one step."""
+        most = self.loop.most_rounds
+        if most == 1 or lane.host_taps:
+            return 1
+        rounds = lane.most_rounds(most)
+        if rounds > 1 and lane.kind == DECODE and lane.session.speculate and self._pending(lane) + rounds > self.dims.block_size:
+            return 1
+        return rounds
 
     def _pack(self, lanes: list[Lane]) -> list[Group]:
-        """One launch's groups: per kind and verify length, ≤ max_owners lanes each, at consecutive rows
-        unless the loop is row-indexed."""
+        """One launch's groups: per kind, verify length and rounds (each lane's set: ``_rounds``), ≤ max_owners
+        lanes each, at consecutive rows unless the loop is row-indexed."""
         groups, kinds = [], {}
-        for lane in lanes:  # one pass: the lanes by (kind, verify length), in their order
-            kinds.setdefault((lane.kind, lane.proposals), []).append(lane)
-        for kind, proposals in sorted(kinds, key=lambda key: (key[0] != CYCLE, -key[1])):
-            members = sorted(kinds[kind, proposals], key=_ROW)
+        for lane in lanes:  # one pass: the lanes by (kind, verify length, rounds), in their order
+            lane.rounds = self._rounds(lane)
+            kinds.setdefault((lane.kind, lane.proposals, lane.rounds), []).append(lane)
+        for kind, proposals, rounds in sorted(kinds, key=lambda key: (key[0] != CYCLE, -key[1], -key[2])):
+            members = sorted(kinds[kind, proposals, rounds], key=_ROW)
             if self.loop.row_indexed:
                 runs = [members[i : i + self.dims.max_owners] for i in range(0, len(members), self.dims.max_owners)]
             else:
                 runs = [[members[m] for m in run.members] for run in pack_rows([lane.session.row for lane in members], self.dims.max_owners)]
             for run in runs:
                 sampled = self._sampling and any(lane.session.sampling.temperature > 0 for lane in run)
-                groups.append(Group(kind, sampled, run, proposals))
+                groups.append(Group(kind, sampled, run, proposals, rounds))
         return groups
 
     def _launch(self, group: Group) -> tuple[Launch, float, int]:
         """The group's program, launched; with the host seconds the launch call took (part of its cost)
         and its sequence number."""
         started, self._launches = time.perf_counter(), self._launches + 1
-        return self.loop.launch(group.kind, group.sampled, group.rows, group.proposals), time.perf_counter() - started, self._launches - 1
+        counters = self.log.counters
+        counters["loop_launches"] += 1
+        counters["loop_rounds"] += group.rounds
+        launch = self.loop.launch(group.kind, group.sampled, group.rows, group.proposals, group.rounds)
+        return launch, time.perf_counter() - started, self._launches - 1
 
     def _read(self, group: Group, launched: tuple[Launch, float, int]) -> None:
         """Host sync (the launch's event): apply its verdict to the sessions, lanes and stats; hand
@@ -926,17 +949,20 @@ class Executor:
         if self._joining and sequence >= self._joining[0].after:
             self._join()
         started = time.perf_counter()
-        record, device_ms = self.loop.read(launch)
-        read = self._read_cycle if group.kind == CYCLE else self._read_decode
-        tokens, lanes, accepted = read(group, record, device_ms)
-        self._stream(group.lanes)
+        records, device_ms = self.loop.read(launch)  # [rounds, owners, P+2]
+        read, rounds = (self._read_cycle if group.kind == CYCLE else self._read_decode), len(records)
+        tokens = lanes = 0
         accept = getattr(self.policy, "accept", None)
-        if len(accepted) and accept is not None:
-            accept(group.proposals, accepted)
+        for record in records:  # each round's verdicts in turn: a lane finished in one discards the later ones'
+            yielded, live, accepted = read(group, record, device_ms / rounds)
+            tokens, lanes = tokens + yielded, lanes + live
+            if len(accepted) and accept is not None:
+                accept(group.proposals, accepted)
+        self._stream(group.lanes)
         choice = next((lane.flight[0].choice for lane in group.lanes if lane.flight[0].choice is not None), None)
-        if choice is not None:
+        if choice is not None:  # per round: the policy compares rounds of either kind, whatever a launch runs
             seconds = launch_s + time.perf_counter() - started
-            self.policy.observe(choice.round, choice.owners, seconds, tokens, lanes, choice.proposals, group.kind)
+            self.policy.observe(choice.round, choice.owners, seconds / rounds, tokens / rounds, lanes / rounds, choice.proposals, group.kind)
 
     def _stream(self, lanes: Sequence[Lane]) -> None:
         if self._on_tokens is None:

@@ -17,6 +17,18 @@ cycle is in flight has that cycle's tokens discarded, and the executor
 rewinds the session to its last kept token (``Lane.keep_until``). Without
 ``lag`` every cycle is read before the lane's next one starts; the outputs
 are the same.
+
+A launch may run several *rounds* (``Lane.rounds``, set by ``pack``: its
+program runs its kind that many times back to back on the device, one read
+applying each round's verdict in turn). The host's work per launch (the
+round's plan, the launch, the read's wait and streaming) is then paid once
+per ``rounds`` rounds; ``launch_rounds`` says how many a lane's next launch
+may run without writing past the cache, running past ``max_cycles`` or
+running a round whose token could not be kept. Rounds count against
+``max_cycles`` and ``launched`` as launches of one round do, so how many
+tokens an input gets from one execute does not depend on the rounds per
+launch; a lane that finishes inside a launch has its later rounds' tokens
+discarded like a read-ahead launch's.
 """
 
 from __future__ import annotations
@@ -63,6 +75,23 @@ def may_launch(
     return fits and room > in_flight
 
 
+def launch_rounds(frontier: int, least: int, reach: int, launched: int, room: int | None, shape: LoopShape, most: int) -> int:
+    """How many rounds (``most``, else 1) the next launch of a lane that ``may_launch`` runs.
+
+    ``least``: tokens its unread launches yield at least (one per round), ``reach``: how far they may
+    move it, ``launched``: rounds launched (and spent) this execute, ``room`` as in ``may_launch``. All
+    ``most`` rounds run only when each one's start fits the cache in the worst case, they stay within
+    ``max_cycles``, and the room takes a token from each (else a round would surely be discarded).
+
+    >>> launch_rounds(0, 0, 0, 0, 10, LoopShape(4, 8, 40, 32), 2), launch_rounds(0, 0, 0, 0, 1, LoopShape(4, 8, 40, 32), 2)
+    (2, 1)
+    """
+    if most == 1 or room is None:
+        return 1
+    fits = frontier + reach + (most - 1) * shape.width + shape.need <= shape.max_context
+    return most if fits and launched + most <= shape.max_cycles and room - least >= most else 1
+
+
 def take(tokens: Sequence[int], room: int | None, stop: frozenset[int] | set[int]) -> tuple[tuple[int, ...], str | None]:
     """The prefix of ``tokens`` an owner keeps, and why it finished (None: it has not).
 
@@ -89,8 +118,9 @@ class Flight(NamedTuple):
     lane per launch, and a frozen dataclass costs several times more to build."""
 
     kind: str
-    width: int
+    width: int  # of all its rounds
     choice: object = None
+    rounds: int = 1
 
 
 @dataclass
@@ -117,7 +147,8 @@ class Lane:
     finish: str | None = None  # STOP / LENGTH once finished
     decodes: bool = True  # the loop runs it (False: its prompt's prediction was all it gets this call)
     first_pending: bool = False  # its first token (a batched prefill's) is on the device, not read yet
-    launched: int = 0  # launches this execute
+    launched: int = 0  # rounds launched this execute
+    rounds: int = 1  # its next launch's rounds (``pack`` sets it: ``launch_rounds``)
     spent: int = 0  # rounds the execute had run when the lane joined it (``run_launches``' admit)
     flight: deque = field(default_factory=deque)  # [Flight] launched, not read yet, oldest first
 
@@ -148,12 +179,30 @@ class Lane:
         """Position of the last kept token: the session's frontier once extra tokens are discarded."""
         return self.first_position + len(self.tokens) - 1
 
+    def _unread(self) -> tuple[int, int]:
+        """(tokens its unread launches yield at least, how far they may move it)."""
+        flight = self.flight
+        if not flight:
+            return 0, 0
+        if len(flight) == 1:
+            return flight[0].rounds, flight[0].width
+        return sum(f.rounds for f in flight), sum(f.width for f in flight)
+
+    def _room(self) -> int | None:
+        budget = self.step.room
+        return None if budget is None else budget - len(self.tokens) - self.first_pending
+
     def may_launch(self) -> bool:
         """One more launch fits and is wanted, judged from what has been read (asked per lane per round)."""
-        flight, budget = self.flight, self.step.room
-        reach = (flight[0].width if len(flight) == 1 else sum(f.width for f in flight)) if flight else 0
-        room = None if budget is None else budget - len(self.tokens) - self.first_pending
-        return may_launch(self.session.frontier, len(flight), self.launched, room, self.finish is not None, self.shape, reach, self.spent)
+        least, reach = self._unread()
+        return may_launch(self.session.frontier, least, self.launched, self._room(), self.finish is not None, self.shape, reach, self.spent)
+
+    def most_rounds(self, most: int) -> int:
+        """The rounds its next launch may run (``launch_rounds``), ``most`` at best; asked of a lane that may launch."""
+        if most == 1:
+            return 1
+        least, reach = self._unread()
+        return launch_rounds(self.session.frontier, least, reach, self.launched + self.spent, self._room(), self.shape, most)
 
 
 @dataclass
@@ -164,6 +213,7 @@ class Group:
     sampled: bool
     lanes: list[Lane]
     proposals: int = 0  # the cycle's verify length; 0 for a decode step
+    rounds: int = 1  # its lanes' ``rounds``: the program runs its kind that many times
 
     @property
     def rows(self) -> list[int]:
@@ -185,7 +235,8 @@ def run_launches(
     leaves out with ``deferred`` set is offered again once its unread launch
     is read, in the next round launched, so deferred lanes rejoin a group
     instead of launching alone; default: every lane keeps its kind);
-    ``pack(lanes)`` -> the groups one launch each serves (lanes of one kind and verify length);
+    ``pack(lanes)`` -> the groups one launch each serves (lanes of one kind, verify length and rounds,
+    each lane's ``rounds`` set);
     ``launch(group)`` enqueues one program and returns its handle;
     ``read(group, handle)`` waits for it and applies its verdict to the lanes
     (the launch read is ``lane.flight[0]`` while it runs).
@@ -205,11 +256,11 @@ def run_launches(
             chosen = choose(live) if live else []  # asks may_launch itself, under the kinds it sets
         for group in pack(chosen):
             queue.append((group, launch(group)))
-            flight = None  # one Flight per (width, choice) run of the group's lanes: they mostly share it
+            flight, rounds = None, group.rounds  # one Flight per (width, choice) run of the group's lanes: they mostly share it
             for lane in group.lanes:
-                lane.launched += 1
-                if flight is None or flight.choice is not lane.choice or flight.width != lane.shape.width:
-                    flight = Flight(group.kind, lane.shape.width, lane.choice)
+                lane.launched += rounds
+                if flight is None or flight.choice is not lane.choice or flight.width != lane.shape.width * rounds:
+                    flight = Flight(group.kind, lane.shape.width * rounds, lane.choice, rounds)
                 lane.flight.append(flight)
 
     start(lanes, may_stop=False)  # the first round always runs: every call makes progress

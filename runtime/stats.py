@@ -58,7 +58,9 @@ if TYPE_CHECKING:
     from dflash_trt.runtime.cycles import Verdict
     from dflash_trt.runtime.sessions import Session
 
-SCHEMA_VERSION = 3  # 2: the cycle table's policy and policy_ratio; the policy_* counters; 3: proposed is the cycle's verify length (not always P)
+# 2: the cycle table's policy and policy_ratio; the policy_* counters; 3: proposed is the cycle's verify length (not always P);
+# 4: the loop_launches / loop_rounds counters
+SCHEMA_VERSION = 4
 STATIC, DYNAMIC, TARGET = "static", "dynamic", "target"  # the values of the cycle table's ``mode``
 TAU_LENGTH = "accepted + 1"  # τ = mean of this over speculative rows (``analysis.acceptance.TAU``)
 
@@ -108,6 +110,8 @@ COUNTERS = (
     "policy_cycles",  # launches of drafting lanes the policy ran as cycles (per owner)
     "policy_decodes",  # ... and as plain decode steps
     "policy_verified",  # proposals those cycles verified (Σ of their verify lengths k, per owner)
+    "loop_launches",  # programs the device loop launched (cycles and decode steps of owner groups)
+    "loop_rounds",  # ... and the rounds they ran (a launch runs 1 or ``launch_rounds``)
 )
 
 EXECUTE_SCHEMA: dict[str, pl.DataType] = {

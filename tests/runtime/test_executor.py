@@ -21,11 +21,16 @@ from executor_fixtures import RecordingBackend, DraftReference, Tiny, Tracker, t
 SAMPLED = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=1234)
 
 
-def new_executor(tiny: Tiny, max_sessions: int = 16, backend: str = "onnxruntime") -> tuple[Executor, RecordingBackend]:
+def new_executor(
+    tiny: Tiny, max_sessions: int = 16, backend: str = "onnxruntime", rounds: int | None = None
+) -> tuple[Executor, RecordingBackend]:
     """An executor over the shared ONNX Runtime backend, or over a torch backend with small chunks;
-    ``-cuda`` variants run the same graphs on the GPU (torch with CUDA graphs, ORT's CUDA provider)."""
+    ``-cuda`` variants run the same graphs on the GPU (torch with CUDA graphs, ORT's CUDA provider);
+    ``-rounds`` variants launch up to 3 rounds at once (``launch_rounds``; default: the executor's own)."""
+    rounds = 3 if backend.endswith("-rounds") else rounds
+    backend = backend.removesuffix("-rounds")
     if backend == "onnxruntime":
-        return Executor(recording := RecordingBackend(tiny.ort), tiny.dims, max_sessions), recording
+        return Executor(recording := RecordingBackend(tiny.ort), tiny.dims, max_sessions, launch_rounds=rounds), recording
     if backend == "onnxruntime-cuda":
         from dflash_trt.runtime.backends.ort_backend import OrtBackend
 
@@ -39,9 +44,10 @@ def new_executor(tiny: Tiny, max_sessions: int = 16, backend: str = "onnxruntime
 
         # The backend moves its modules to the GPU: give it copies, the CPU oracle keeps the originals.
         torch_cuda = TorchBackend(copy.deepcopy(tiny.target), copy.deepcopy(tiny.draft), dims, max_sessions, device="cuda")
-        return Executor(recording := RecordingBackend(torch_cuda), dims, max_sessions), recording
+        return Executor(recording := RecordingBackend(torch_cuda), dims, max_sessions, launch_rounds=rounds), recording
     kernels = "fast" if backend == "torch-fast" else "auto"  # fast: the kernels' CPU twin, row-indexed programs
-    return Executor(recording := RecordingBackend(tiny.torch_backend(dims, max_sessions, kernels)), dims, max_sessions), recording
+    recording = RecordingBackend(tiny.torch_backend(dims, max_sessions, kernels))
+    return Executor(recording, dims, max_sessions, launch_rounds=rounds), recording
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -49,11 +55,14 @@ def prompt(length: int, seed: int) -> list[int]:
 
 
 def check_proposals(tiny, tracker: Tracker, backend: RecordingBackend, seen: int) -> int:
-    """Every draft call's real proposals equal the reference draft's for that sequence and anchor."""
+    """Every draft call's real proposals equal the reference draft's for that sequence and anchor (but a
+    call past the tokens returned: a round of a launch whose earlier round finished its lane, discarded)."""
     rows = {tracker.executor.session(s).row: s for s in tracker.seq}
     references: dict[int, DraftReference] = {}
     for row, start, anchor, proposals in backend.drafts[seen:]:
         sequence = tracker.seq[rows[row]]
+        if start >= len(sequence):
+            continue
         assert sequence[start] == anchor
         if row not in references:
             references[row] = DraftReference(tiny.target, tiny.draft, sequence)
@@ -247,9 +256,10 @@ def default_pair_case():
     return target, draft, lambda: TorchBackend(target, draft, dims, 1), prompts, 64
 
 
-def lagged_run(backend, prompt_ids: list[int], budget: int, lag: bool):
-    """One session to ``budget`` tokens through budgeted executes (≤ 8 cycles each): (tokens, cycles, executes, launches)."""
-    with Executor(backend, max_sessions=1, max_cycles=8, lag=lag) as executor:
+def lagged_run(backend, prompt_ids: list[int], budget: int, lag: bool, rounds: int = 1):
+    """One session to ``budget`` tokens through budgeted executes (≤ 8 cycles each, ``rounds`` per launch at
+    most): (tokens, cycles, executes, launches)."""
+    with Executor(backend, max_sessions=1, max_cycles=8, lag=lag, launch_rounds=rounds) as executor:
         s = executor.open_session()
         returned = executor.execute([Input(s, prompt_ids, max_new_tokens=budget)])[0]
         while len(returned) < budget:
@@ -263,7 +273,9 @@ def test_lag_on_and_off_log_the_same_rows_and_tau_as_the_reference(tiny, case):
     after its tokens were discarded: its session had filled its budget with the cycle before, so the
     caller never saw them (the default pair, 64 new tokens: 13 rows, 73 emitted for 64 returned). With
     lag on and off the cycle rows (timing aside) must be the same, Σ emitted the tokens returned, and the
-    speculative rows' acceptances and τ the reference decoder's; lag on must really have launched more."""
+    speculative rows' acceptances and τ the reference decoder's; lag on must really have launched more.
+    And with three rounds per launch: the same rows (one per round read, none for rounds discarded
+    after the budget was filled) from fewer launches."""
     if case == "default-pair-torch":
         target, draft, backend, prompts, budget = default_pair_case()
     else:  # seed 5, 10 tokens: a discarded read-ahead cycle on the tiny pair
@@ -273,26 +285,28 @@ def test_lag_on_and_off_log_the_same_rows_and_tau_as_the_reference(tiny, case):
         reference = ReferenceDecoder(target, draft, max_context=256 if case.startswith("default") else tiny.dims.max_context)
         expected = reference.generate_dflash(p, budget)
         rows, launches = {}, {}
-        for lag in (True, False):
-            returned, cycles, executes, launches[lag] = lagged_run(backend(), p, budget, lag)
+        for lag, rounds in ((True, 1), (False, 1), (True, 3)):
+            returned, cycles, executes, launches[lag, rounds] = lagged_run(backend(), p, budget, lag, rounds)
             spec = cycles.filter(pl.col("mode") != "target")
             assert returned == expected.tokens
             assert cycles["emitted"].sum() == len(returned) == budget
             assert spec["accepted"].to_list() == expected.accepted
             assert (spec["accepted"] + 1).mean() == pytest.approx(expected.tau)
             assert executes["cycles"].sum() == spec.height and executes["accepted"].sum() == spec["accepted"].sum()
-            rows[lag] = cycles.drop("draft_ms", "verify_ms", "host_ms", "end_ms")
-        assert rows[True].equals(rows[False])
-        extra_launches += launches[True] - launches[False]
+            rows[lag, rounds] = cycles.drop("draft_ms", "verify_ms", "host_ms", "end_ms")
+        assert rows[True, 1].equals(rows[False, 1]) and rows[True, 3].equals(rows[False, 1])
+        extra_launches += launches[True, 1] - launches[False, 1]
+        assert launches[True, 3] < launches[False, 1]  # rounds ran several to a launch
     assert extra_launches > 0  # the read-ahead cycle really ran, and was left out
 
 
-@pytest.mark.parametrize("backend", ["onnxruntime", "torch", "torch-fast"])
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch", "torch-fast", "torch-fast-rounds", "onnxruntime-rounds"])
 def test_budgeted_executes_cut_rewind_and_continue_losslessly(tiny, oracle, backend):
     """Guards against a wrong rewind after a multi-cycle execute discards tokens past a stop token or
-    max_new_tokens (a cycle in flight when the stop was read): the next calls must continue from the
-    last returned token with the reference's output, for drafting and plain-decoding sessions sharing
-    batches, greedy and sampled, through the context end (plain decode of a drafting session)."""
+    max_new_tokens (a cycle in flight when the stop was read, or a later round of the same launch): the
+    next calls must continue from the last returned token with the reference's output, for drafting and
+    plain-decoding sessions sharing batches, greedy and sampled, through the context end (plain decode
+    of a drafting session)."""
     executor, backend = new_executor(tiny, 6, backend)
     executor.max_cycles = 5
     t = Tracker(executor, oracle)
@@ -317,6 +331,10 @@ def test_budgeted_executes_cut_rewind_and_continue_losslessly(tiny, oracle, back
     plain_rows = stats.filter(pl.col("session").is_in(plain))
     assert set(plain_rows["mode"]) == {"target"} and set(stats.filter(pl.col("session").is_in(drafting))["mode"]) >= {"static", "target"}
     assert not [d for d in backend.drafts if d[0] in {executor.session(s).row for s in plain}]
+    executes = executor.execute_stats()
+    assert executes["loop_launches"].sum() == executor.loop.timeline.launches
+    several = executes["loop_rounds"].sum() > executes["loop_launches"].sum()
+    assert several == (executor.loop.most_rounds > 1)  # launches really ran several rounds where allowed, never otherwise
 
 
 def snapshot(executor: Executor) -> list:
@@ -422,14 +440,14 @@ def test_failure_poisons_the_batch_sessions_only(tiny, oracle):
     t.execute(t.decode_inputs([fresh, bystander]))
 
 
-@pytest.mark.parametrize("backend", ["onnxruntime", "torch", "torch-fast"])
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch", "torch-fast", "torch-fast-rounds"])
 def test_tokens_per_call_do_not_depend_on_batching(tiny, oracle, backend):
     """Guards against a lane's budget being cut by its neighbours: an execute stopped a group's cycles
     as soon as one lane was done, so a session given max_new_tokens=20 returned its 20 tokens alone but
     7 beside a one-step input on the next row. Each lane now launches until its own room, stop or
     max_cycles end it."""
     executor, _ = new_executor(tiny, 6, backend)
-    assert executor.loop.row_indexed == (backend == "torch-fast")  # one program per padded count, any rows
+    assert executor.loop.row_indexed == backend.startswith("torch-fast")  # one program per padded count, any rows
     executor.max_cycles = 8
     text = prompt(9, 1)
     gc.collect()  # executors of earlier tests give their rows of the shared backend back: the next rows are neighbours
@@ -723,7 +741,7 @@ def test_requests_admitted_into_a_running_execute_decode_as_alone(tiny, oracle, 
     Row-bound backends prefill each admitted prompt alone, with the same outputs."""
     if backend == "torch-cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    executor, _ = new_executor(tiny, 5, backend)
+    executor, _ = new_executor(tiny, 5, backend, rounds=1)  # one round per launch: admit is asked at the rounds the waves name
     executor.max_cycles = 10
     assert executor.admits_cheaply == (backend != "onnxruntime")  # CUDA: captured prefill, staged rows, no host wait
     running = [executor.open_session() for _ in range(2)]

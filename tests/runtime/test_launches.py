@@ -137,3 +137,64 @@ def test_a_stop_request_ends_the_call_after_its_round_and_reads_what_is_in_fligh
     device = FakeDevice()
     run_launches(lanes := [fake_lane(0, 20), fake_lane(1, 20)], device.pack, device.launch, device.read, lag, stop=lambda: False)
     assert all(lane.launched == SHAPE.max_cycles for lane in lanes)  # never asked to stop: every round runs
+
+
+# ------------------------------------------------------------------ several rounds per launch
+
+from dflash_trt.runtime.launches import launch_rounds  # noqa: E402
+
+
+def test_launch_rounds_runs_several_only_where_each_round_fits_and_is_wanted():
+    """Guards against a launch of several rounds whose later rounds could write past the cache (each
+    round's start judged in the worst case), run past max_cycles, or run where the room cannot take a
+    token from each (a round surely discarded); and against refusing rounds where all of them fit."""
+    shape = LoopShape(width=4, need=8, max_context=40, max_cycles=6)
+    assert launch_rounds(0, 0, 0, 0, 10, shape, 3) == 3
+    assert launch_rounds(24, 0, 0, 0, 10, shape, 3) == 3  # the last round starts at <= 32: 32 + 8 <= 40
+    assert launch_rounds(25, 0, 0, 0, 10, shape, 3) == 1
+    assert launch_rounds(20, 2, 4, 2, 10, shape, 3) == 3  # 20 + 4 in flight + 8 + 8 <= 40
+    assert launch_rounds(21, 2, 4, 2, 10, shape, 3) == 1
+    assert launch_rounds(0, 0, 0, 3, 10, shape, 3) == 3 and launch_rounds(0, 0, 0, 4, 10, shape, 3) == 1  # max_cycles
+    assert launch_rounds(0, 2, 8, 0, 5, shape, 3) == 3 and launch_rounds(0, 2, 8, 0, 4, shape, 3) == 1  # room after in-flight
+    assert launch_rounds(0, 0, 0, 0, None, shape, 3) == 1  # one step only
+    assert launch_rounds(0, 0, 0, 0, 10, shape, 1) == 1
+
+
+class RoundsDevice(FakeDevice):
+    """A ``FakeDevice`` whose launches run each lane's ``rounds`` (at most ``most``), ``per_launch`` tokens a round."""
+
+    def __init__(self, most: int) -> None:
+        super().__init__(per_launch=2)
+        self.most = most
+
+    def pack(self, lanes):
+        for lane in lanes:
+            lane.rounds = lane.most_rounds(self.most)
+        groups = []
+        for rounds in sorted({lane.rounds for lane in lanes}):
+            for group in super().pack([lane for lane in lanes if lane.rounds == rounds]):
+                group.rounds = rounds
+                groups.append(group)
+        return groups
+
+    def read(self, group, handle):
+        for _ in range(group.rounds):
+            super().read(group, handle)
+        self.log[-group.rounds :] = [("read", tuple(group.rows))]
+
+
+@pytest.mark.parametrize("lag", [True, False])
+def test_several_rounds_per_launch_return_the_tokens_of_one_round_launches(lag):
+    """Guards against tokens per call that depend on the rounds per launch (rounds counted as launches
+    against max_cycles and room) and against a lane's unread rounds left out of its worst-case reach."""
+    results = {}
+    for most in (1, 3):
+        device = RoundsDevice(most)
+        lanes = [fake_lane(0, 20), fake_lane(1, None), fake_lane(2, 5), fake_lane(3, 40, frontier=10)]
+        run_launches(lanes, device.pack, device.launch, device.read, lag)
+        results[most] = [(lane.tokens, lane.finish, lane.launched, lane.session.frontier) for lane in lanes]
+        launches = len([entry for entry in device.log if entry[0] == "launch"])
+        assert all(lane.in_flight == 0 for lane in lanes)
+        results[most, "launches"] = launches
+    assert results[1] == results[3]
+    assert results[3, "launches"] < results[1, "launches"]
