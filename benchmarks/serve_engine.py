@@ -10,7 +10,7 @@ threads each submit a held-out prompt (token ids), wait for its completion and s
 warm-up of ``--seconds`` / 2, then a window of ``--seconds``. What the engine and its serving loop
 deliver without the HTTP fronts, and how its launches are shaped: per row tokens/s (completed requests'
 tokens over the window), requests/s, executes/s, loop launches per second and the rounds each ran
-(``--launch-rounds``: the executor's most per launch, default its own), owners per round (cycle-table
+(``--launch-rounds``: the executor's most per launch, default 1), owners per round (cycle-table
 rows per round: lanes that ran in it), the rounds' padded owner counts' mean, device ms per loop
 launch and the device's busy share of the window (loop launches only: the joining prompts' prefills
 are not timed), TTFT p50 / p99 (the loop's own), and the serving thread's CPU share.
@@ -129,7 +129,7 @@ def main() -> int:
     parser.add_argument("--modes", nargs="+", choices=("on", "off"), default=["on", "off"])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--kernels", default="auto", help="the torch backend's kernels (auto, exact, fast, ...)")
-    parser.add_argument("--launch-rounds", type=int, nargs="+", default=[None], help="the executor's launch_rounds, each in turn (default: its own)")
+    parser.add_argument("--launch-rounds", type=int, nargs="+", default=[1], help="the executor's launch_rounds, each in turn (default 1)")
     parser.add_argument("--record", action="store_true", help="append the rows to benchmarks/results.jsonl")
     args = parser.parse_args()
     if min(args.clients) < 1 or max(args.clients) > args.max_sessions or args.seconds <= 0:

@@ -31,10 +31,10 @@ How a program finds its owners' rows depends on the backend:
 - the others bind ``n`` consecutive rows ``first .. first+n-1``: one program
   per (kind, sampled, n, first), captured on first use.
 
-A program may run its kind several times back to back (``Key.rounds``, at
-most ``most_rounds``: 1, or ``AUTO_ROUNDS`` when programs are captured and
-row-indexed), each round reading the state the last one left: the host then
-plans, launches and reads once per ``rounds`` rounds (``runtime.launches``).
+A program may run its kind several times back to back (``Key.rounds``: 1 or
+``most_rounds``), each round reading the state the last one left: the host
+then plans, launches and reads once per ``rounds`` rounds
+(``runtime.launches``).
 
 A launch ends with an async copy of the owners' verdict records (accepted,
 next token, proposals; one per round) into a pinned host ring entry and an
@@ -87,9 +87,6 @@ ANCHOR, FRONTIER, DRAFT, TOP_K = range(4)  # rows of the int state
 TEMPERATURE, TOP_P = range(2)  # rows of the float state
 ACCEPTED_COLUMN, NEXT_COLUMN, PROPOSALS_COLUMN = 0, 1, 2  # columns of the record
 STAGING_DEPTH = 4  # ``stage_more`` uploads that may wait on the stream at once (``Staging``)
-# Rounds per launch where programs are captured and row-indexed (``most_rounds``): the serving loop's host work per
-# launch is paid once per two rounds. benchmarks/RESULTS.md, "Rounds per launch".
-AUTO_ROUNDS = 2
 
 
 def owner_buckets(max_owners: int) -> tuple[int, ...]:
@@ -323,10 +320,10 @@ class RowSlots:
 class DeviceLoop:
     """Per-row device state, staging and the programs of one executor (see the module docstring)."""
 
-    def __init__(self, backend: Backend, dims: c.Dims, context: ContextPool, rows: int, graphs: bool, rounds: int | None = None) -> None:
+    def __init__(self, backend: Backend, dims: c.Dims, context: ContextPool, rows: int, graphs: bool, rounds: int = 1) -> None:
         """``rows``: the sessions' rows (a scratch row follows on row-indexed backends: the context pool
         and the backend's pools hold it); ``graphs``: capture programs where capturable; ``rounds``: the
-        most rounds a launch runs (``most_rounds``; None: ``AUTO_ROUNDS`` for captured row-indexed programs, else 1)."""
+        most rounds a launch runs (``most_rounds``)."""
         self.backend, self.dims, self.context = backend, dims, context
         self.device = backend.device
         self.row_indexed = bool(getattr(backend, "row_indexed", False))
@@ -335,7 +332,7 @@ class DeviceLoop:
         stream = getattr(backend, "stream", None)
         self.stream = stream.device_stream if stream is not None and self.device.type == "cuda" else None
         self.graphs = bool(graphs and backend.capturable and self.stream is not None)
-        self.most_rounds = rounds if rounds is not None else AUTO_ROUNDS if self.graphs and self.row_indexed else 1
+        self.most_rounds = rounds
         width, max_owners, most = dims.proposals + 2, dims.max_owners, self.most_rounds
         # At most two launches per session are unread at once (the one read, the next): ring entries never collide.
         self.ring = 2 * rows + 2

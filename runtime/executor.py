@@ -177,7 +177,7 @@ class Executor:
         cycle_graphs: bool = True,
         stats_age_s: float | None = None,
         policy: str | object = "always",
-        launch_rounds: int | None = None,
+        launch_rounds: int = 1,
     ) -> None:
         """``dims`` and ``max_sessions`` default to the backend's (its contract dims and pool rows);
         ``stats_rows`` bounds each stats table in memory (None: unbounded; see ``drain_stats``),
@@ -196,8 +196,9 @@ class Executor:
         a block fits (or any object with ``runtime.policy.AdaptivePolicy``'s
         ``choose`` / ``observe``). Greedy output is the same under any policy.
         ``launch_rounds``: the most rounds (cycles or decode steps) one launch runs back to back on the
-        device, read at once (None: ``device_loop.AUTO_ROUNDS`` where programs are captured and
-        row-indexed, else 1); outputs and tokens per call are the same whatever it is.
+        device, read at once; outputs and tokens per call are the same whatever it is. More than one
+        has not paid on the H200 (benchmarks/RESULTS.md, "Several rounds per launch"): the host's work
+        grows with the lanes' rounds, not the launches, and a joining request waits for a longer launch.
         """
         dims = dims if dims is not None else backend.dims
         self.ownership = backend.ownership()
@@ -228,8 +229,8 @@ class Executor:
         if isinstance(policy, str) and policy not in POLICIES:
             raise InputError(f"policy must be one of {POLICIES} (or a policy object), got {policy!r}")
         self.policy = make_policy(policy, dims.verify_proposals) if isinstance(policy, str) else policy
-        if launch_rounds is not None and (not is_int(launch_rounds) or not 1 <= launch_rounds <= MAX_LAUNCH_ROUNDS):
-            raise InputError(f"launch_rounds must be an int in [1, {MAX_LAUNCH_ROUNDS}] or None (automatic), got {launch_rounds!r}")
+        if not is_int(launch_rounds) or not 1 <= launch_rounds <= MAX_LAUNCH_ROUNDS:
+            raise InputError(f"launch_rounds must be an int in [1, {MAX_LAUNCH_ROUNDS}], got {launch_rounds!r}")
         self.loop = DeviceLoop(backend, dims, self.context, rows, cycle_graphs, launch_rounds)
         self.prefill = PrefillPrograms(self.loop, self.context, max_sessions, self.speculate) if self.loop.row_indexed else None
         self._prepare_programs()

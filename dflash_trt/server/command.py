@@ -95,9 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-sessions", type=positive_int, help=f"requests decoding at once (default: the artifacts' max_sessions; {DEFAULT_PAIR_SESSIONS} for the default pair)")
     parser.add_argument("--max-cycles", type=positive_int, default=command.DEFAULT_MAX_CYCLES,
                         help=f"cycles per request per execute (default {command.DEFAULT_MAX_CYCLES})")
-    parser.add_argument("--launch-rounds", type=int, choices=range(1, command.MAX_LAUNCH_ROUNDS + 1), metavar=f"1..{command.MAX_LAUNCH_ROUNDS}",
-                        help="rounds one launch runs back to back on the device, read at once: less host work per round, "
-                             "more discarded when a request ends inside one (default: 2 with captured CUDA programs, else 1)")
+    parser.add_argument("--launch-rounds", type=int, default=1, choices=range(1, command.MAX_LAUNCH_ROUNDS + 1),
+                        metavar=f"1..{command.MAX_LAUNCH_ROUNDS}",
+                        help="rounds one launch runs back to back on the device, read at once: fewer launches, more work "
+                             "discarded when a request ends inside one, joining requests wait longer (default 1)")
     parser.add_argument("--stream-interval-ms", type=nonnegative_int, default=20,
                         help="while an execute runs, the running requests' tokens read since go out together this often "
                              "(a request's first token and its end at once; default 20; 0: after every round)")
@@ -343,7 +344,7 @@ def _load(args, text: bool = True, handles=None):
     try:
         executor = Executor(backend, max_sessions=args.max_sessions, speculate=not args.no_draft, max_cycles=args.max_cycles,
                             stats_rows=args.stats_rows, stats_age_s=args.stats_age, policy=args.policy,
-                            launch_rounds=getattr(args, "launch_rounds", None))
+                            launch_rounds=getattr(args, "launch_rounds", 1))
         stop_ids = tokenizer.stop_ids if tokenizer is not None else command.manifest_stops(args.artifacts)
         if tokenizer is not None and text:
             tokenizer.chars_per_token  # noqa: B018  (computed once now, not on the first request)

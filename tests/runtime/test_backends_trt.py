@@ -440,7 +440,7 @@ def test_a_whole_cycle_capture_that_fails_runs_every_program_eagerly_logged_once
 
     loop = DeviceLoop.__new__(DeviceLoop)
     loop.graphs, loop.captured, loop.fallback = True, {}, CaptureFallback("the device loop")
-    loop.row_indexed, loop.next_entry, loop.ring = False, 0, 4
+    loop.row_indexed, loop.next_entry, loop.ring, loop.most_rounds = False, 0, 4, 1
     loop.dims = SimpleNamespace(proposals=7, verify_proposals=(3, 7))  # a cycle launched without a length verifies P
     loop.backend = SimpleNamespace(plain_runs=contextlib.nullcontext)
     loop.timeline = SimpleNamespace(mark=lambda: 0.0)

@@ -22,11 +22,11 @@ SAMPLED = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=1234)
 
 
 def new_executor(
-    tiny: Tiny, max_sessions: int = 16, backend: str = "onnxruntime", rounds: int | None = None
+    tiny: Tiny, max_sessions: int = 16, backend: str = "onnxruntime", rounds: int = 1
 ) -> tuple[Executor, RecordingBackend]:
     """An executor over the shared ONNX Runtime backend, or over a torch backend with small chunks;
     ``-cuda`` variants run the same graphs on the GPU (torch with CUDA graphs, ORT's CUDA provider);
-    ``-rounds`` variants launch up to 3 rounds at once (``launch_rounds``; default: the executor's own)."""
+    ``-rounds`` variants launch up to 3 rounds at once (``launch_rounds``)."""
     rounds = 3 if backend.endswith("-rounds") else rounds
     backend = backend.removesuffix("-rounds")
     if backend == "onnxruntime":
@@ -741,7 +741,7 @@ def test_requests_admitted_into_a_running_execute_decode_as_alone(tiny, oracle, 
     Row-bound backends prefill each admitted prompt alone, with the same outputs."""
     if backend == "torch-cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    executor, _ = new_executor(tiny, 5, backend, rounds=1)  # one round per launch: admit is asked at the rounds the waves name
+    executor, _ = new_executor(tiny, 5, backend)
     executor.max_cycles = 10
     assert executor.admits_cheaply == (backend != "onnxruntime")  # CUDA: captured prefill, staged rows, no host wait
     running = [executor.open_session() for _ in range(2)]
