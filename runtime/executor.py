@@ -236,6 +236,7 @@ class Executor:
         self._prepare_programs()
         self.closed = False
         self._on_tokens: Callable | None = None
+        self._stream_interval = self._next_tick = 0.0  # ``execute_outputs``' delivery tick, and when it is next due
         self._should_yield: Callable[[int], bool] | None = None
         self._joining: list[_Joining] = []  # prefills launched, their tokens not read yet (``_join``)
         self._launches = 0  # the loop's launches so far (``_launch``: each one's sequence number)
@@ -397,7 +398,7 @@ class Executor:
 
     def execute_outputs(
         self, batch: Sequence[Input | dict], on_tokens: Callable | None = None, should_yield: Callable[[int], bool] | None = None,
-        admit: Callable[[], Sequence[Admission]] | None = None,
+        admit: Callable[[], Sequence[Admission]] | None = None, stream_interval: float = 0.0,
     ) -> list[Output]:
         """``execute``, returning per input its new tokens and why they ended (``Output.finish``).
 
@@ -405,7 +406,11 @@ class Executor:
         ``index``'s tokens as soon as they are final (after each launch's verdict is read; ``finish``:
         STOP / LENGTH once they end it, else None — CONTEXT is known only in the outputs), so a server
         can stream them before the call returns; the outputs still hold every token. The callback
-        must not call into the executor (it is busy).
+        must not call into the executor (it is busy). With ``stream_interval`` > 0 (seconds) only an
+        input's first tokens (a prompt's: not a pending token's continuation) and those that end it go
+        out at once; the others are held and every input's go out together at the first read
+        ``stream_interval`` after the last such delivery (a server's delivery tick: one callback per
+        input per tick, not per launch); what is held when the call ends is in the outputs only.
 
         ``should_yield(finished)``, asked before each launch after the first round with how many of
         the call's inputs have ended (STOP / LENGTH) so far, ends the call early when True (a server
@@ -424,8 +429,11 @@ class Executor:
         prefilled one by one (a backend that binds row ranges) an admitted prompt waits for the device:
         ``admits_cheaply`` says which it is.
         """
+        if not isinstance(stream_interval, (int, float)) or isinstance(stream_interval, bool) or not stream_interval >= 0:
+            raise InputError(f"stream_interval must be a number of seconds >= 0, got {stream_interval!r}")
         with self._call("execute", count_refusals=False):
             self._on_tokens, self._should_yield, self._admit = on_tokens, should_yield, admit
+            self._stream_interval, self._next_tick = float(stream_interval), time.perf_counter() + stream_interval
             try:
                 return self._execute(batch)
             finally:
@@ -520,7 +528,7 @@ class Executor:
         if step.fast or step.decode:
             self.log.counters["pending_decode_owners"] += step.fast
             s.pending = None
-            return Lane(step, s, step.tokens[0], step.start + 1)
+            return Lane(step, s, step.tokens[0], step.start + 1, continues=True)
         prediction = predictions[step.index]
         if prediction is None:
             return None
@@ -966,12 +974,23 @@ class Executor:
             self.policy.observe(choice.round, choice.owners, seconds / rounds, tokens / rounds, lanes / rounds, choice.proposals, group.kind)
 
     def _stream(self, lanes: Sequence[Lane]) -> None:
-        if self._on_tokens is None:
+        """The lanes' new tokens to ``on_tokens``: all of them, or on a delivery tick (``execute_outputs``'
+        ``stream_interval``) the first and the last of an input at once and every lane's held ones at the tick."""
+        on_tokens = self._on_tokens
+        if on_tokens is None:
             return
+        due = True
+        if self._stream_interval > 0:
+            now = time.perf_counter()
+            due = now >= self._next_tick
+            if due:  # every lane of the call hands over what it holds, not only those just read
+                self._next_tick = now + self._stream_interval
+                lanes = lanes if self._call_state is None else self._call_state.lanes  # None: the call's first lanes
         for lane in lanes:
-            if len(lane.tokens) > lane.streamed:
-                self._on_tokens(lane.step.index, lane.tokens[lane.streamed :], lane.finish)
-                lane.streamed = len(lane.tokens)
+            tokens, sent = lane.tokens, lane.streamed
+            if len(tokens) > sent and (due or lane.finish is not None or not (sent or lane.continues)):
+                on_tokens(lane.step.index, tokens[sent:], lane.finish)
+                lane.streamed = len(tokens)
 
     def _read_cycle(self, group: Group, record: np.ndarray, device_ms: float) -> tuple[int, int, np.ndarray]:
         """The cycle's verdicts applied; returns the tokens it yielded (a + 1 per owner not finished before

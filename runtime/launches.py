@@ -147,6 +147,7 @@ class Lane:
     finish: str | None = None  # STOP / LENGTH once finished
     decodes: bool = True  # the loop runs it (False: its prompt's prediction was all it gets this call)
     first_pending: bool = False  # its first token (a batched prefill's) is on the device, not read yet
+    continues: bool = False  # its input decodes on from a pending token: its first tokens continue an output under way
     launched: int = 0  # rounds launched this execute
     rounds: int = 1  # its next launch's rounds (``pack`` sets it: ``launch_rounds``)
     spent: int = 0  # rounds the execute had run when the lane joined it (``run_launches``' admit)

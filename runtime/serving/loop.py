@@ -303,7 +303,6 @@ class ServingLoop:
     def _step(self) -> None:
         ended: set = set()  # requests that ended while the execute streamed: their sessions close after it
         orphaned: list = []  # of those, the ones whose lanes the executor still runs (cut at a stop string)
-        held: dict = {}  # tokens read but not handed out yet (until the next tick: at most stream_interval old)
         started = time.perf_counter()
 
         def should_yield(finished: int) -> bool:
@@ -352,35 +351,22 @@ class ServingLoop:
                 self.recorder.joined(now - job.submitted)
             return [(job.handle.id, job.request) for job in taken]
 
-        tick = [started + self.stream_interval]  # when every request's held tokens go out next
-
         def stream(key, tokens: list[int], finish: str | None) -> None:
-            """A request's tokens as a launch is read (``Batcher.step``'s on_chunk): delivered at once when
-            they are its first or end it, else held until the next tick, every ``stream_interval``, when
-            every request's held tokens go out together: deliveries come in one burst per tick, so an HTTP
-            front gets one message per tick, not one per round (each a wake-up, a pickle and a send on
-            threads that share the serving loop's GIL)."""
+            """A request's tokens while the execute runs (``Batcher.step``'s on_chunk): its first ones and
+            those that end it as soon as they are read, the others every ``stream_interval``, every
+            request's together (the executor holds them: ``Executor.execute_outputs``' stream_interval), so
+            deliveries come in one burst per tick and an HTTP front gets one message per tick, not one per
+            round (each a wake-up, a pickle and a send on threads that share the serving loop's GIL)."""
             if key in ended:
                 return
-            job, kept = self._jobs[key], held.setdefault(key, [])
-            kept += tokens
-            if finish is not None or job.last_delivery is None:
-                deliver(job, key, finish)
-                return
-            now = time.perf_counter()
-            if now >= tick[0]:
-                tick[0] = now + self.stream_interval
-                for waiting in list(held):
-                    deliver(self._jobs[waiting], waiting, None)
-
-        def deliver(job: _Job, key, finish: str | None) -> None:
-            if self._deliver(job, Chunk(key, held.pop(key), finish), streaming=True):
+            if self._deliver(self._jobs[key], Chunk(key, tokens, finish), streaming=True):
                 ended.add(key)
                 if finish is None:  # cut at a stop string: the executor still decodes it
                     orphaned.append(key)
 
         try:
-            chunks = self.batcher.step(on_chunk=stream, should_yield=should_yield, admit=admit if self.join_running else None)
+            chunks = self.batcher.step(on_chunk=stream, should_yield=should_yield, admit=admit if self.join_running else None,
+                                       stream_interval=self.stream_interval)
         except Exception as error:
             failed = [self._jobs[key] for key in list(self.batcher.running)]
             for job in failed:
@@ -396,7 +382,7 @@ class ServingLoop:
             return
         self._record_executes()
         for chunk in chunks:
-            tokens = held.pop(chunk.index, []) + chunk.tokens
+            tokens = chunk.tokens
             if chunk.error is not None:  # admitted, refused by the executor: it ran nothing (its session closed)
                 self._fail([self._jobs[chunk.index]], chunk.error)
             elif chunk.index in ended:

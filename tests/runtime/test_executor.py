@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import itertools
 
 import numpy as np
 import polars as pl
@@ -490,6 +491,50 @@ def test_outputs_say_why_they_ended(tiny, oracle):
     # Tokens at positions L-3 .. L: the last one can never be fed (its K/V would need slot L).
     assert len(outputs[2].tokens) == 4 and outputs[2].finish == "context"
     assert outputs[3].finish is None and outputs[3].tokens == expected[: len(outputs[3].tokens)]
+
+
+def test_a_delivery_tick_holds_middle_tokens_and_loses_none(tiny, oracle, monkeypatch):
+    """Guards against a serving loop paying a callback per lane per launch for tokens it only hands out
+    every tick (the executor held nothing: three calls deep per lane and round on the serving thread),
+    and against a tick that drops, repeats or reorders tokens: with ``stream_interval`` a prompt's first
+    tokens and an input's last go out at once, a continuing input's first ones wait, every lane's held
+    tokens go out together on each tick (one callback per lane per tick), and the streamed tokens followed
+    by each output's unstreamed rest are the reference's. Time is a fake clock advanced by each graph run."""
+    from types import SimpleNamespace
+
+    from dflash_trt.runtime import executor as executor_module
+
+    clock = [0.0]
+    monkeypatch.setattr(executor_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    class Ticking(RecordingBackend):
+        def run(self, graph, feeds, first_row):
+            clock[0] += 1.0
+            return super().run(graph, feeds, first_row)
+
+    executor = Executor(Ticking(tiny.ort), tiny.dims, 3, max_cycles=12)
+    with pytest.raises(InputError, match=r"stream_interval must be a number of seconds >= 0, got -1"):
+        executor.execute_outputs([Input(executor.open_session(), [5])], lambda *a: None, stream_interval=-1)
+    texts = [prompt(5, 31), prompt(9, 32)]
+    sessions = [executor.open_session() for _ in texts]
+    first = executor.execute_outputs([Input(s, t, max_new_tokens=4) for s, t in zip(sessions, texts)])
+    calls: list[tuple[float, int, list[int], str | None]] = []
+    started = clock[0]
+    inputs = [Input(s, [out.tokens[-1]], max_new_tokens=5 + 3 * i) for i, (s, out) in enumerate(zip(sessions, first))]
+    outputs = executor.execute_outputs(inputs, lambda i, tokens, finish: calls.append((clock[0], i, list(tokens), finish)), stream_interval=5.0)
+    for i, (text, out) in enumerate(zip(texts, outputs)):
+        streamed = [token for _, j, tokens, _ in calls if j == i for token in tokens]
+        assert out.tokens[: len(streamed)] == streamed  # streamed ones first, then the rest in the output only
+        assert first[i].tokens + out.tokens == oracle.continuation(text)[: 4 + len(out.tokens)]
+        assert [finish for _, j, _, finish in calls if j == i][-1:] in ([], [None], [out.finish])
+    times = sorted({t for t, _, _, finish in calls if finish is None})
+    assert times and all(b - a >= 5.0 for a, b in itertools.pairwise(times))  # held tokens go out a tick apart at most once
+    for t in times:
+        lanes = [i for at, i, _, finish in calls if at == t and finish is None]
+        assert len(lanes) == len(set(lanes))  # one callback per lane per tick
+    assert times[0] >= started + 5.0  # continuing inputs' first tokens waited for the first tick
+    assert [finish for *_, finish in calls if finish is not None] == ["length", "length"]  # each end at once, tick or not
+    executor.close()
 
 
 @pytest.mark.parametrize("pad", [False, True], ids=["exact-shape", "padded-shape"])

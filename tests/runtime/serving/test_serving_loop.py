@@ -496,11 +496,13 @@ def test_held_tokens_of_every_request_go_out_on_one_tick(tiny, oracle, monkeypat
     each graph run, so which round a tick falls in is fixed."""
     from types import SimpleNamespace
 
+    from dflash_trt.runtime import executor as executor_module
     from dflash_trt.runtime.serving import loop as loop_module
     from dflash_trt.runtime.serving.handle import RequestHandle
 
     clock = [0.0]
-    monkeypatch.setattr(loop_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    for module in (loop_module, executor_module):  # the loop's clock, and the executor's, which holds the tokens
+        monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
 
     class Ticking(RecordingBackend):
         def run(self, graph, feeds, first_row):

@@ -1,0 +1,192 @@
+"""The serving loop's host work per lane and round, and per request, on the CPU: the device's part taken out.
+
+    python benchmarks/host_cost.py [--clients 64] [--seconds 6] [--modes on off] [--tau 2.8] [--max-new-tokens 64]
+        [--profile 25] [--profile-out STEM] [--record]
+
+What a serving thread spends in Python between launches decides the engine's throughput once the device is
+fast (benchmarks/RESULTS.md: at 64 streams on the H200 the device is busy a half or less). This measures it
+without a GPU: a tiny random pair on the torch backend (fast kernels' CPU twin, row-indexed programs) under a
+``ServingLoop`` with ``--clients`` closed-loop client threads (``serve_engine.clients_for``), with the loop's
+programs replaced by a stand-in that writes each round's verdicts at once: a cycle accepts a ~ Geometric
+proposals (mean τ - 1, ``--tau``), a decode step one token (requests have no stop tokens). The
+joining prompts' batched prefills run for real (tiny) and their time, like the stand-in's, is taken out.
+So the serving thread's CPU time left is host work only: planning, launching, reading, stats, streaming,
+admissions. Per row: lane-rounds (cycle-table rows) and requests in the window, host µs per lane-round and
+per request (the same host time over either count), tokens per lane-round, the serving thread's CPU share.
+``--profile N`` prints the serving thread's N largest functions by own time (cProfile, which inflates them);
+``--profile-out STEM`` writes its whole profile to STEM.MODE.pstats (``python -m pstats``).
+
+Prints one table and ends with one JSON line; ``--record`` appends a row per mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import record  # noqa: E402  (benchmarks/record.py: results.jsonl)
+from serve_engine import clients_for, thread_cpu_s  # noqa: E402
+
+from dflash_trt.export.config import DraftConfig, RopeConfig, TargetConfig  # noqa: E402
+from dflash_trt.export.draft import DraftModel  # noqa: E402
+from dflash_trt.export.exporter import ExportOptions, contract_dims  # noqa: E402
+from dflash_trt.export.target import TargetModel  # noqa: E402
+from dflash_trt.runtime import device_loop  # noqa: E402
+from dflash_trt.runtime.backends.torch_backend import TorchBackend  # noqa: E402
+from dflash_trt.runtime.executor import Executor  # noqa: E402
+from dflash_trt.runtime.prefill import PrefillPrograms  # noqa: E402
+from dflash_trt.runtime.serving.loop import ServingLoop  # noqa: E402
+
+VOCAB = 512  # the tiny pair's vocabulary (requests run without stop tokens: each returns --max-new-tokens)
+PROMPT_TOKENS = 64
+
+
+def tiny_pair(sessions: int):
+    """A random 2-layer target and 1-layer draft (hidden 64, blocks of 16) and their dims for ``sessions`` owners."""
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
+                  rms_norm_eps=1e-6, rope=RopeConfig(theta=1e4), attention_bias=False, mlp_bias=False, qk_norm=True)
+    torch.manual_seed(0)
+    target = TargetModel(TargetConfig(num_layers=2, windows=(0, 0), max_position_embeddings=256, **common), (0, 1)).eval()
+    draft = DraftModel(DraftConfig(num_layers=1, windows=(0,), block_size=16, num_target_layers=2, target_layer_ids=(0, 1),
+                                   mask_token_id=VOCAB - 1, **common)).eval()
+    options = ExportOptions(max_owners=sessions, max_context=256, max_chunk=128, proposals=15, dtype="fp32")
+    return target, draft, contract_dims(target, draft, options)
+
+
+class DeviceClock:
+    """The seconds the serving thread spent in the stand-in programs and the real prefills (taken out of its CPU)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def timed(self, run):
+        def wrapper(*args, **kwargs):
+            started = time.thread_time()
+            try:
+                return run(*args, **kwargs)
+            finally:
+                self.seconds += time.thread_time() - started
+
+        return wrapper
+
+
+def stand_in_program(tau: float, generator: torch.Generator):
+    """``DeviceLoop._program``'s stand-in: each round's record [n, P+2] written at once (see the module docstring)."""
+    keep = 1 - 1 / tau  # Geometric acceptance: P(a >= i) = keep ** i, E[a + 1] ≈ tau while P is long
+
+    def program(self, key) -> None:
+        for verdicts in self.records[key.owners][: key.rounds]:
+            n, width = verdicts.shape
+            verdicts[:, device_loop.PROPOSALS_COLUMN :] = torch.randint(1, VOCAB - 1, (n, width - 2), generator=generator)
+            verdicts[:, device_loop.NEXT_COLUMN] = torch.randint(1, VOCAB - 1, (n,), generator=generator)
+            if key.kind == device_loop.CYCLE:
+                runs = (torch.rand((n, key.proposals), generator=generator) < keep).int().cumprod(dim=1)
+                verdicts[:, device_loop.ACCEPTED_COLUMN] = runs.sum(dim=1)
+            else:
+                verdicts[:, device_loop.ACCEPTED_COLUMN] = 0
+
+    return program
+
+
+def measure(mode: str, args) -> dict:
+    target, draft, dims = tiny_pair(args.clients)
+    backend = TorchBackend(target, draft, dims, args.clients, device="cpu", kernels="fast")
+    clock = DeviceClock()
+    real_program, real_prefill = device_loop.DeviceLoop._program, PrefillPrograms.launch
+    device_loop.DeviceLoop._program = clock.timed(stand_in_program(args.tau, torch.Generator().manual_seed(0)))
+    PrefillPrograms.launch = clock.timed(real_prefill)
+    prompts = torch.randint(1, VOCAB - 1, (64, PROMPT_TOKENS), generator=torch.Generator().manual_seed(1)).tolist()
+    profile = cProfile.Profile() if args.profile or args.profile_out else None
+    try:
+        executor = Executor(backend, max_sessions=args.clients, speculate=mode == "on", policy=args.policy)
+        serving = ServingLoop(executor, max_running=args.clients, stop_ids=())
+        try:
+            clients_for(serving, prompts, args.clients, args.seconds / 2, args.max_new_tokens)  # warm-up
+            executor.clear_stats()
+            if profile is not None:
+                profile_thread(serving, profile)
+            clock.seconds, cpu, started = 0.0, thread_cpu_s(serving.thread), time.perf_counter()
+            tokens, requests = clients_for(serving, prompts, args.clients, args.seconds, args.max_new_tokens)
+            wall, cpu = time.perf_counter() - started, thread_cpu_s(serving.thread) - cpu
+        finally:
+            serving.close()
+            executor.close()
+    finally:
+        device_loop.DeviceLoop._program, PrefillPrograms.launch = real_program, real_prefill
+        backend.close()
+    rows = executor.cycle_stats().height
+    host = cpu - clock.seconds
+    row = {
+        "mode": mode, "clients": args.clients, "tau_asked": args.tau, "requests": requests, "lane_rounds": rows,
+        "tokens_per_lane_round": round(tokens / max(rows, 1), 2), "host_us_per_lane_round": round(1e6 * host / max(rows, 1), 2),
+        "host_us_per_request": round(1e6 * host / max(requests, 1), 1), "device_stand_in_s": round(clock.seconds, 3),
+        "serving_cpu_pct": round(100 * cpu / wall, 1), "tok_s": round(tokens / wall),
+    }
+    if profile is not None and args.profile_out:
+        profile.dump_stats(f"{args.profile_out}.{mode}.pstats")
+    if profile is not None and args.profile:
+        row["profile"] = top_functions(profile, args.profile)
+    return row
+
+
+def profile_thread(serving: ServingLoop, profile: cProfile.Profile) -> None:
+    """Profile the serving loop's thread from its next execute on (``sys.setprofile`` reaches the calling thread only)."""
+    step = serving._step  # one execute and its deliveries
+
+    def profiled() -> None:
+        profile.enable()
+        try:
+            step()
+        finally:
+            profile.disable()
+
+    serving._step = profiled
+
+
+def top_functions(profile: cProfile.Profile, count: int) -> str:
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(count)
+    return out.getvalue()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=6.0)
+    parser.add_argument("--modes", nargs="+", choices=("on", "off"), default=["on", "off"])
+    parser.add_argument("--tau", type=float, default=2.8, help="the stand-in's mean tokens per cycle (> 1)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--policy", default="adaptive")
+    parser.add_argument("--profile", type=int, default=0, help="print the serving thread's N largest functions (cProfile)")
+    parser.add_argument("--profile-out", help="write the serving thread's profile to PROFILE_OUT.MODE.pstats")
+    parser.add_argument("--record", action="store_true", help="append the rows to benchmarks/results.jsonl")
+    args = parser.parse_args()
+    if args.clients < 1 or args.seconds <= 0 or args.tau <= 1:
+        parser.error(f"--clients >= 1, --seconds > 0 and --tau > 1, got {args.clients}, {args.seconds}, {args.tau}")
+    torch.set_num_threads(1)
+    rows = [measure(mode, args) for mode in args.modes]
+    print("| mode | clients | requests | lane-rounds | tokens / lane-round | host µs / lane-round | host µs / request | serving CPU % | tok/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['mode']} | {r['clients']} | {r['requests']} | {r['lane_rounds']} | {r['tokens_per_lane_round']} | {r['host_us_per_lane_round']} "
+              f"| {r['host_us_per_request']} | {r['serving_cpu_pct']} | {r['tok_s']:,} |")
+    for r in rows:
+        if "profile" in r:
+            print(f"\n{r['mode']}:\n{r.pop('profile')}")
+    meta = {"date": time.strftime("%Y-%m-%d"), "machine": "CPU", "command": " ".join(["python", *sys.argv])}
+    if args.record:
+        record.append_rows([{"name": "host_cost", **meta, "seconds": args.seconds, "max_new_tokens": args.max_new_tokens, **row} for row in rows])
+    return record.finish({"name": "host_cost_summary", **meta, "rows": rows}, args.record)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
