@@ -7,11 +7,10 @@ What a serving thread spends in Python between launches decides the engine's thr
 fast (benchmarks/RESULTS.md: at 64 streams on the H200 the device is busy a half or less). This measures it
 without a GPU: a tiny random pair on the torch backend (fast kernels' CPU twin, row-indexed programs) under a
 ``ServingLoop`` with ``--clients`` closed-loop client threads (``serve_engine.clients_for``), with the loop's
-programs replaced by a stand-in that writes each round's verdicts at once: a cycle accepts a ~ Geometric
-proposals (mean τ - 1, ``--tau``), a decode step one token (requests have no stop tokens). The
-joining prompts' batched prefills run for real (tiny) and their time, like the stand-in's, is taken out.
-So the serving thread's CPU time left is host work only: planning, launching, reading, stats, streaming,
-admissions. Per row: lane-rounds (cycle-table rows) and requests in the window, host µs per lane-round and
+programs and its batched prefills' programs replaced by stand-ins that write their results at once: a
+cycle accepts a ~ Geometric proposals (mean τ - 1, ``--tau``), a decode step and a prefill choose one token
+each (requests have no stop tokens). The stand-ins' time (small) is taken out, so the serving thread's CPU
+time left is host work only: planning, staging, launching, reading, stats, streaming, admissions. Per row: lane-rounds (cycle-table rows) and requests in the window, host µs per lane-round and
 per request (the same host time over either count), tokens per lane-round, the serving thread's CPU share.
 ``--profile N`` prints the serving thread's N largest functions by own time (cProfile, which inflates them);
 ``--profile-out STEM`` writes its whole profile to STEM.MODE.pstats (``python -m pstats``).
@@ -63,7 +62,7 @@ def tiny_pair(sessions: int):
 
 
 class DeviceClock:
-    """The seconds the serving thread spent in the stand-in programs and the real prefills (taken out of its CPU)."""
+    """The seconds the serving thread spent in the stand-in programs (taken out of its CPU)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -77,6 +76,15 @@ class DeviceClock:
                 self.seconds += time.thread_time() - started
 
         return wrapper
+
+
+def stand_in_prefill(generator: torch.Generator):
+    """``PrefillPrograms._program``'s stand-in: the n prompts' first tokens, chosen at once."""
+
+    def program(self, n: int, T: int, drafting: bool) -> None:
+        self.chosen[:n] = torch.randint(1, VOCAB - 1, (n,), generator=generator)
+
+    return program
 
 
 def stand_in_program(tau: float, generator: torch.Generator):
@@ -101,9 +109,9 @@ def measure(mode: str, args) -> dict:
     target, draft, dims = tiny_pair(args.clients)
     backend = TorchBackend(target, draft, dims, args.clients, device="cpu", kernels="fast")
     clock = DeviceClock()
-    real_program, real_prefill = device_loop.DeviceLoop._program, PrefillPrograms.launch
+    real_program, real_prefill = device_loop.DeviceLoop._program, PrefillPrograms._program
     device_loop.DeviceLoop._program = clock.timed(stand_in_program(args.tau, torch.Generator().manual_seed(0)))
-    PrefillPrograms.launch = clock.timed(real_prefill)
+    PrefillPrograms._program = clock.timed(stand_in_prefill(torch.Generator().manual_seed(2)))
     prompts = torch.randint(1, VOCAB - 1, (64, PROMPT_TOKENS), generator=torch.Generator().manual_seed(1)).tolist()
     profile = cProfile.Profile() if args.profile or args.profile_out else None
     try:
@@ -121,7 +129,7 @@ def measure(mode: str, args) -> dict:
             serving.close()
             executor.close()
     finally:
-        device_loop.DeviceLoop._program, PrefillPrograms.launch = real_program, real_prefill
+        device_loop.DeviceLoop._program, PrefillPrograms._program = real_program, real_prefill
         backend.close()
     rows = executor.cycle_stats().height
     host = cpu - clock.seconds
