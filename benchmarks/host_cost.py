@@ -10,8 +10,10 @@ without a GPU: a tiny random pair on the torch backend (fast kernels' CPU twin, 
 programs and its batched prefills' programs replaced by stand-ins that write their results at once: a
 cycle accepts a ~ Geometric proposals (mean τ - 1, ``--tau``), a decode step and a prefill choose one token
 each (requests have no stop tokens). The stand-ins' time (small) is taken out, so the serving thread's CPU
-time left is host work only: planning, staging, launching, reading, stats, streaming, admissions. Per row: lane-rounds (cycle-table rows) and requests in the window, host µs per lane-round and
-per request (the same host time over either count), tokens per lane-round, the serving thread's CPU share.
+time left is host work only: planning, staging, launching, reading, stats, streaming, admissions. Per
+row: lane-rounds (cycle-table rows) and requests in the window, lanes per launch, host µs per lane-round
+and per request (the same host time over either count), tokens per lane-round, the serving thread's CPU
+share. The client threads share the serving thread's GIL, as a serving process's pipe and sender threads do.
 ``--profile N`` prints the serving thread's N largest functions by own time (cProfile, which inflates them);
 ``--profile-out STEM`` writes its whole profile to STEM.MODE.pstats (``python -m pstats``).
 
@@ -131,11 +133,11 @@ def measure(mode: str, args) -> dict:
     finally:
         device_loop.DeviceLoop._program, PrefillPrograms._program = real_program, real_prefill
         backend.close()
-    rows = executor.cycle_stats().height
+    rows, executes = executor.cycle_stats().height, executor.execute_stats()
     host = cpu - clock.seconds
     row = {
         "mode": mode, "clients": args.clients, "tau_asked": args.tau, "requests": requests, "lane_rounds": rows,
-        "tokens_per_lane_round": round(tokens / max(rows, 1), 2), "host_us_per_lane_round": round(1e6 * host / max(rows, 1), 2),
+        "tokens_per_lane_round": round(tokens / max(rows, 1), 2), "lanes_per_launch": round(rows / max(int(executes["loop_launches"].sum()), 1), 2), "host_us_per_lane_round": round(1e6 * host / max(rows, 1), 2),
         "host_us_per_request": round(1e6 * host / max(requests, 1), 1), "device_stand_in_s": round(clock.seconds, 3),
         "serving_cpu_pct": round(100 * cpu / wall, 1), "tok_s": round(tokens / wall),
     }
@@ -182,10 +184,10 @@ def main() -> int:
         parser.error(f"--clients >= 1, --seconds > 0 and --tau > 1, got {args.clients}, {args.seconds}, {args.tau}")
     torch.set_num_threads(1)
     rows = [measure(mode, args) for mode in args.modes]
-    print("| mode | clients | requests | lane-rounds | tokens / lane-round | host µs / lane-round | host µs / request | serving CPU % | tok/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| mode | clients | requests | lane-rounds | lanes / launch | tokens / lane-round | host µs / lane-round | host µs / request | serving CPU % | tok/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['mode']} | {r['clients']} | {r['requests']} | {r['lane_rounds']} | {r['tokens_per_lane_round']} | {r['host_us_per_lane_round']} "
+        print(f"| {r['mode']} | {r['clients']} | {r['requests']} | {r['lane_rounds']} | {r['lanes_per_launch']} | {r['tokens_per_lane_round']} | {r['host_us_per_lane_round']} "
               f"| {r['host_us_per_request']} | {r['serving_cpu_pct']} | {r['tok_s']:,} |")
     for r in rows:
         if "profile" in r:
