@@ -1,7 +1,7 @@
 """The serving loop's host work per lane and round, and per request, on the CPU: the device's part taken out.
 
     python benchmarks/host_cost.py [--clients 64] [--seconds 6] [--modes on off] [--tau 2.8] [--max-new-tokens 64]
-        [--profile 25] [--profile-out STEM] [--record]
+        [--stream-interval-ms 20] [--profile 25] [--profile-out STEM] [--record]
 
 What a serving thread spends in Python between launches decides the engine's throughput once the device is
 fast (benchmarks/RESULTS.md: at 64 streams on the H200 the device is busy a half or less). This measures it
@@ -13,7 +13,8 @@ each (requests have no stop tokens). The stand-ins' time (small) is taken out, s
 time left is host work only: planning, staging, launching, reading, stats, streaming, admissions. Per
 row: lane-rounds (cycle-table rows) and requests in the window, lanes per launch, host µs per lane-round
 and per request (the same host time over either count), tokens per lane-round, the serving thread's CPU
-share. The client threads share the serving thread's GIL, as a serving process's pipe and sender threads do.
+share, and the gaps between a request's deliveries (the loop's own ITL, ``--stream-interval-ms`` apart at
+best; default the server's). The client threads share the serving thread's GIL, as a serving process's pipe and sender threads do.
 ``--profile N`` prints the serving thread's N largest functions by own time (cProfile, which inflates them);
 ``--profile-out STEM`` writes its whole profile to STEM.MODE.pstats (``python -m pstats``).
 
@@ -45,7 +46,8 @@ from dflash_trt.runtime import device_loop  # noqa: E402
 from dflash_trt.runtime.backends.torch_backend import TorchBackend  # noqa: E402
 from dflash_trt.runtime.executor import Executor  # noqa: E402
 from dflash_trt.runtime.prefill import PrefillPrograms  # noqa: E402
-from dflash_trt.runtime.serving.loop import ServingLoop  # noqa: E402
+from dflash_trt.runtime.serving.loop import DEFAULT_STREAM_INTERVAL, ServingLoop  # noqa: E402
+from dflash_trt.runtime.serving.metrics import MetricsRecorder  # noqa: E402
 
 VOCAB = 512  # the tiny pair's vocabulary (requests run without stop tokens: each returns --max-new-tokens)
 PROMPT_TOKENS = 64
@@ -118,15 +120,17 @@ def measure(mode: str, args) -> dict:
     profile = cProfile.Profile() if args.profile or args.profile_out else None
     try:
         executor = Executor(backend, max_sessions=args.clients, speculate=mode == "on", policy=args.policy)
-        serving = ServingLoop(executor, max_running=args.clients, stop_ids=())
+        serving = ServingLoop(executor, max_running=args.clients, stop_ids=(), stream_interval=args.stream_interval_ms / 1000)
         try:
             clients_for(serving, prompts, args.clients, args.seconds / 2, args.max_new_tokens)  # warm-up
             executor.clear_stats()
             if profile is not None:
                 profile_thread(serving, profile)
+            serving.recorder = MetricsRecorder()  # the window's latencies only
             clock.seconds, cpu, started = 0.0, thread_cpu_s(serving.thread), time.perf_counter()
             tokens, requests = clients_for(serving, prompts, args.clients, args.seconds, args.max_new_tokens)
             wall, cpu = time.perf_counter() - started, thread_cpu_s(serving.thread) - cpu
+            metrics = serving.metrics()
         finally:
             serving.close()
             executor.close()
@@ -140,6 +144,7 @@ def measure(mode: str, args) -> dict:
         "tokens_per_lane_round": round(tokens / max(rows, 1), 2), "lanes_per_launch": round(rows / max(int(executes["loop_launches"].sum()), 1), 2), "host_us_per_lane_round": round(1e6 * host / max(rows, 1), 2),
         "host_us_per_request": round(1e6 * host / max(requests, 1), 1), "device_stand_in_s": round(clock.seconds, 3),
         "serving_cpu_pct": round(100 * cpu / wall, 1), "tok_s": round(tokens / wall),
+        "itl_p50_ms": round(metrics.itl_s.p50 * 1e3, 2), "itl_p99_ms": round(metrics.itl_s.p99 * 1e3, 2),
     }
     if profile is not None and args.profile_out:
         profile.dump_stats(f"{args.profile_out}.{mode}.pstats")
@@ -176,6 +181,7 @@ def main() -> int:
     parser.add_argument("--tau", type=float, default=2.8, help="the stand-in's mean tokens per cycle (> 1)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--policy", default="adaptive")
+    parser.add_argument("--stream-interval-ms", type=float, default=DEFAULT_STREAM_INTERVAL * 1000, help="the serving loop's delivery tick")
     parser.add_argument("--profile", type=int, default=0, help="print the serving thread's N largest functions (cProfile)")
     parser.add_argument("--profile-out", help="write the serving thread's profile to PROFILE_OUT.MODE.pstats")
     parser.add_argument("--record", action="store_true", help="append the rows to benchmarks/results.jsonl")
@@ -184,11 +190,12 @@ def main() -> int:
         parser.error(f"--clients >= 1, --seconds > 0 and --tau > 1, got {args.clients}, {args.seconds}, {args.tau}")
     torch.set_num_threads(1)
     rows = [measure(mode, args) for mode in args.modes]
-    print("| mode | clients | requests | lane-rounds | lanes / launch | tokens / lane-round | host µs / lane-round | host µs / request | serving CPU % | tok/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| mode | clients | requests | lane-rounds | lanes / launch | tokens / lane-round | host µs / lane-round | host µs / request | serving CPU % "
+          "| tok/s | ITL p50 / p99 ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['mode']} | {r['clients']} | {r['requests']} | {r['lane_rounds']} | {r['lanes_per_launch']} | {r['tokens_per_lane_round']} | {r['host_us_per_lane_round']} "
-              f"| {r['host_us_per_request']} | {r['serving_cpu_pct']} | {r['tok_s']:,} |")
+              f"| {r['host_us_per_request']} | {r['serving_cpu_pct']} | {r['tok_s']:,} | {r['itl_p50_ms']} / {r['itl_p99_ms']} |")
     for r in rows:
         if "profile" in r:
             print(f"\n{r['mode']}:\n{r.pop('profile')}")
