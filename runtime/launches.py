@@ -28,7 +28,9 @@ running a round whose token could not be kept. Rounds count against
 ``max_cycles`` and ``launched`` as launches of one round do, so how many
 tokens an input gets from one execute does not depend on the rounds per
 launch; a lane that finishes inside a launch has its later rounds' tokens
-discarded like a read-ahead launch's.
+discarded like a read-ahead launch's. (On the H200 more than one round per
+launch did not pay: the host's work there follows the lanes' rounds, not the
+launches; the executor's default is one.)
 """
 
 from __future__ import annotations
@@ -58,12 +60,12 @@ def may_launch(
 ) -> bool:
     """May one more cycle be launched for an owner whose last READ frontier is ``frontier``?
 
-    ``in_flight`` cycles are launched but unread, ``launched`` in all this
+    ``in_flight`` rounds are launched but unread, ``launched`` in all this
     execute. ``room``: tokens the owner may still return (None: one cycle
     only). The new cycle starts at most ``reach`` past the frontier (default
     ``in_flight * width``; the sum of the unread launches' widths when their
-    kinds differ) and must fit the cache; each unread cycle yields at least
-    one token. ``spent``: rounds the execute ran before the owner joined it (``run_launches``' admit):
+    kinds or rounds differ) and must fit the cache; each unread round yields at
+    least one token. ``spent``: rounds the execute ran before the owner joined it (``run_launches``' admit):
     they count against ``max_cycles``, so an execute ends within max_cycles rounds whoever joins it.
     """
     if finished or launched + spent >= shape.max_cycles:
