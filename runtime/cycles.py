@@ -204,6 +204,12 @@ def sampling_rows(samplings: Sequence[Sampling], positions: Sequence[int]) -> di
     }
 
 
+def sampling_row(s: Sampling) -> tuple[int, tuple[int, int, int], float, float]:
+    """One owner's ``sampling_rows`` values (top_k, seed parts, temperature, top_p), as the same types reach
+    the arrays: int64 and float32 columns take them as ``sampling_rows``' arrays hold them."""
+    return int(s.top_k), seed_parts(s.seed), float(s.temperature), float(s.top_p)
+
+
 def pick_row(free: Sequence[int], used: Sequence[int]) -> int:
     """The free row that best keeps sessions packable: most used neighbours, then lowest.
 

@@ -85,3 +85,33 @@ def test_uploads_queued_back_to_back_each_deliver_their_own_inputs(depth):
     staging.close()
     block.close()
     stream.close()
+
+
+@pytest.mark.parametrize("count", [1, 2, 4, 5, 9])
+@pytest.mark.parametrize("as_slice", [False, True])
+def test_sampling_columns_are_the_sample_graphs_feeds_for_few_rows_and_many(count, as_slice):
+    """Guards against the few-owner shortcut of ``put_sampling`` (single values, for a request joining a
+    running execute) staging columns other than the sample graph's feeds (``sampling_rows``: a float32
+    rounding, a seed's parts, an int's width): at any count, by rows or by a slice, every column holds
+    exactly ``sampling_rows``' values and no other column changes."""
+    from dflash_trt.export.sampling import Sampling
+    from dflash_trt.runtime.cycles import sampling_rows
+    from dflash_trt.runtime.device_loop import TEMPERATURE, TOP_K, TOP_P, put_sampling
+
+    generator = np.random.default_rng(count)
+    samplings = [
+        Sampling(float(generator.uniform(0.01, 3.0)) if i % 3 else 0.0, int(generator.integers(0, 50)), float(generator.uniform(0.05, 1.0)),
+                 int(generator.integers(0, 2**63)) * 2 + i % 2)
+        for i in range(count)
+    ]
+    R = 12
+    ints, seeds, floats = np.full((4, R), -7, np.int64), np.full((R, 3), -7, np.int64), np.full((2, R), -7.0, np.float32)
+    rows = slice(0, count) if as_slice else [R - 1 - 2 * i for i in range(count)] if count <= 6 else list(range(count))[::-1]
+    put_sampling(ints, seeds, floats, rows, samplings)
+    feeds = sampling_rows(samplings, [0] * count)
+    at = list(range(count)) if as_slice else rows
+    assert ints[TOP_K, at].tolist() == feeds["top_k"].tolist()
+    assert seeds[at].tolist() == feeds["seed"].tolist()
+    assert floats[TEMPERATURE, at].tobytes() == feeds["temperature"].tobytes() and floats[TOP_P, at].tobytes() == feeds["top_p"].tobytes()
+    untouched = [r for r in range(R) if r not in set(at)]
+    assert (ints[:, untouched] == -7).all() and (ints[:TOP_K, :] == -7).all() and (seeds[untouched] == -7).all() and (floats[:, untouched] == -7).all()
