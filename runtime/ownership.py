@@ -39,14 +39,12 @@ class RowAllocator:
         self.used: set[int] = set()
 
     def take(self) -> int:
-        free = [row for row in range(self.rows) if row not in self.used]
-        if not free:
+        if len(self.used) >= self.rows:
             gc.collect()  # executors dropped without close() give their rows back when collected
-            free = [row for row in range(self.rows) if row not in self.used]
-        if not free:
+        if len(self.used) >= self.rows:
             msg = f"every cache row of the backend is in use ({self.rows} rows); close a session first"
             raise SessionError(msg)
-        row = pick_row(free, sorted(self.used))
+        row = pick_row(self.rows, self.used)
         self.used.add(row)
         return row
 

@@ -153,12 +153,26 @@ def test_sampling_rows_split_the_seed_and_keep_the_positions():
 
 
 def test_pick_row_keeps_runs_consecutive():
-    """Guards against fragmenting the pool (scattered rows force one graph call per owner)."""
-    assert pick_row([0, 1, 2, 3], []) == 0
-    assert pick_row([3, 4, 7], [0, 1, 2, 5, 6]) == 3  # each extends a run: lowest
-    assert pick_row([3, 7, 8], [0, 1, 2, 4, 5, 6]) == 3  # fills a one-row gap: two runs become one
-    assert pick_row([9, 12], [10, 11]) == 9  # extends a run, lowest first
-    assert pick_row([20, 30], [0]) == 20
+    """Guards against fragmenting the pool (scattered rows force one graph call per owner), and against the
+    set-based choice (no pass over every row) choosing another row than the rule's brute force: most used
+    neighbours, then lowest, over every used set of 7 rows and random ones of 129."""
+    assert pick_row(4, set()) == 0
+    assert pick_row(8, {0, 1, 2, 5, 6}) == 3  # each extends a run: lowest
+    assert pick_row(9, {0, 1, 2, 4, 5, 6}) == 3  # fills a one-row gap: two runs become one
+    assert pick_row(13, {10, 11}) == 9  # extends a run, lowest first
+    assert pick_row(31, {0}) == 1 and pick_row(31, {30}) == 29
+
+    def brute(rows: int, used: set[int]) -> int:
+        free = [row for row in range(rows) if row not in used]
+        return min(free, key=lambda row: (-((row - 1 in used) + (row + 1 in used)), row))
+
+    for mask in range(2**7 - 1):  # every used set of 7 rows but the full one
+        used = {row for row in range(7) if mask >> row & 1}
+        assert pick_row(7, used) == brute(7, used), used
+    generator = np.random.default_rng(0)
+    for _ in range(300):
+        used = set(generator.choice(129, size=int(generator.integers(1, 129)), replace=False).tolist())
+        assert pick_row(129, used) == brute(129, used), sorted(used)
 
 
 def test_prefill_batches_respect_the_token_budget_and_pad_to_neighbours():
