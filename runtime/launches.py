@@ -202,8 +202,6 @@ class Lane:
 
     def most_rounds(self, most: int) -> int:
         """The rounds its next launch may run (``launch_rounds``), ``most`` at best; asked of a lane that may launch."""
-        if most == 1:
-            return 1
         least, reach = self._unread()
         return launch_rounds(self.session.frontier, least, reach, self.launched + self.spent, self._room(), self.shape, most)
 
