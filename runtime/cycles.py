@@ -82,11 +82,11 @@ def cycle_mode(frontier: int, block: int, max_context: int, drained_rows: int) -
     return DYNAMIC if drained_rows > 0 else STATIC
 
 
-def cycle_modes(frontiers: np.ndarray, block: int, max_context: int, drained_rows: np.ndarray) -> list[str]:
-    """``cycle_mode`` of each owner ([n] arrays), as a list (one array test in the common case: all static)."""
-    if (frontiers + block <= max_context).all() and not (drained_rows > 0).any():  # every block fits, none drained
+def cycle_modes(frontiers: Sequence[int], block: int, max_context: int, drained_rows: Sequence[int]) -> list[str]:
+    """``cycle_mode`` of each owner, as a list (two scans in the common case: every block fits, none drained)."""
+    if frontiers and max(frontiers) + block <= max_context and not any(drained_rows):
         return [STATIC] * len(frontiers)
-    return [cycle_mode(f, block, max_context, d) for f, d in zip(frontiers.tolist(), drained_rows.tolist())]
+    return [cycle_mode(f, block, max_context, d) for f, d in zip(frontiers, drained_rows)]
 
 
 def static_context(draft_positions: Sequence[int], frontiers: Sequence[int], block: int) -> tuple[list[int], list[int]]:
@@ -151,40 +151,35 @@ def trim_context(frontier: int, draft_position: int, position: int) -> tuple[int
 
 
 class Verdicts(NamedTuple):
-    """What one launch's verdicts commit, per owner (docs/design.md §1, cycle steps 3–4), as columns."""
+    """What one launch's verdicts commit, per owner (docs/design.md §1, cycle steps 3–4), as lists."""
 
     tokens: list[list[int]]  # emitted: d_1..d_a then y_a (correction or bonus)
-    accepted: np.ndarray  # [n] a
-    bonus: np.ndarray  # [n] a == P
-    frontier: np.ndarray  # [n] start + a + 1
-    context_rows: np.ndarray  # [n] a + 1: taps of verify rows 0..a become the next context
+    accepted: list[int]  # a
+    frontier: list[int]  # start + a + 1 (the taps of verify rows 0..a become the next context)
 
 
 def make_verdicts(
-    proposals: np.ndarray, accepted: np.ndarray, next_token: np.ndarray, starts: Sequence[int] | np.ndarray, vocab_size: int
+    proposals: np.ndarray, accepted: np.ndarray, next_token: np.ndarray, starts: Sequence[int], vocab_size: int
 ) -> Verdicts:
     """proposals [n, P], accepted [n], next_token [n], starts [n] -> the owners' ``Verdicts``.
 
     emitted = proposals[:a] + [next] (== choices[:a+1], since an accepted
     proposal equals the target's choice). An out-of-range verdict is a
     device-side fault, not a user error: ValueError (the executor poisons).
-    Array ops and one slice per owner (this runs per launch for every owner).
+    Lists, not arrays: this runs per launch for every owner, and each owner's
+    tokens end up a list anyway (three conversions, then one cut per owner of its own row).
     """
-    n, width = proposals.shape
-    bad = (accepted < 0) | (accepted > width) | (next_token < 0) | (next_token >= vocab_size)
-    if bad.any():
-        i = int(np.argmax(bad))
-        a, token = int(accepted[i]), int(next_token[i])
-        msg = f"verdict of owner {i} out of range: accepted {a} (valid [0, {width}]), token {token} (valid [0, {vocab_size - 1}])"
+    width = proposals.shape[1]
+    accepted, next_token = accepted.tolist(), next_token.tolist()
+    if accepted and (min(accepted) < 0 or max(accepted) > width or min(next_token) < 0 or max(next_token) >= vocab_size):
+        i = next(i for i, (a, t) in enumerate(zip(accepted, next_token)) if not (0 <= a <= width and 0 <= t < vocab_size))
+        msg = f"verdict of owner {i} out of range: accepted {accepted[i]} (valid [0, {width}]), token {next_token[i]} (valid [0, {vocab_size - 1}])"
         raise ValueError(msg)
-    accepted = accepted.astype(np.int64, copy=False)
-    emitted = np.empty((n, width + 1), dtype=np.int64)
-    emitted[:, :width] = proposals
-    emitted[np.arange(n), accepted] = next_token  # row i: d_1..d_a, y_a, then ignored proposals
-    ends = (accepted + 1).tolist()
-    tokens = [row[:end] for row, end in zip(emitted.tolist(), ends)]
-    frontier = np.asarray(starts, dtype=np.int64) + accepted + 1
-    return Verdicts(tokens, accepted, accepted == width, frontier, accepted + 1)
+    tokens = proposals.tolist()
+    for row, a, token in zip(tokens, accepted, next_token):  # row i: d_1..d_a, then y_a
+        del row[a:]
+        row.append(token)
+    return Verdicts(tokens, accepted, [start + a + 1 for start, a in zip(starts, accepted)])
 
 
 def sampling_rows(samplings: Sequence[Sampling], positions: Sequence[int]) -> dict[str, np.ndarray]:

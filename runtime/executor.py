@@ -993,42 +993,38 @@ class Executor:
                 on_tokens(lane.step.index, tokens[sent:], lane.finish)
                 lane.streamed = len(tokens)
 
-    def _read_cycle(self, group: Group, record: np.ndarray, device_ms: float) -> tuple[int, int, np.ndarray]:
+    def _read_cycle(self, group: Group, record: np.ndarray, device_ms: float) -> tuple[int, int, list[int]]:
         """The cycle's verdicts applied; returns the tokens it yielded (a + 1 per owner not finished before
-        it), those owners' count and their accepted counts. The verdicts and the stats rows are columns
-        (one array op per launch); the loop over owners only moves sessions and hands lanes their tokens."""
+        it), those owners' count and their accepted counts. One pass over the owners moves the sessions,
+        hands the lanes their tokens and gathers the stats rows' columns as lists (at a launch's few dozen
+        owners, lists cost less than array operations)."""
         P, lanes = group.proposals, group.lanes  # verified of the draft's proposals
-        sessions = [lane.session for lane in lanes]
-        starts = [s.frontier for s in sessions]
-        drafts = [s.draft_position for s in sessions]
-        drained = [s.drained_rows for s in sessions]
-        proposals = record[:, PROPOSALS_COLUMN : PROPOSALS_COLUMN + P]
-        verdicts = make_verdicts(proposals, record[:, ACCEPTED_COLUMN], record[:, NEXT_COLUMN], starts, self.dims.vocab_size)
-        live, emitted, choices = [], [], []
-        for i, (lane, s, start, frontier, tokens) in enumerate(zip(lanes, sessions, starts, verdicts.frontier.tolist(), verdicts.tokens)):
+        starts = [lane.session.frontier for lane in lanes]
+        verdicts = make_verdicts(record[:, PROPOSALS_COLUMN : PROPOSALS_COLUMN + P], record[:, ACCEPTED_COLUMN], record[:, NEXT_COLUMN], starts, self.dims.vocab_size)
+        kept, emitted, choices, accepted, positions, pending, drained = [], [], [], [], [], [], []
+        for lane, start, frontier, tokens, a in zip(lanes, starts, verdicts.frontier, verdicts.tokens, verdicts.accepted):
+            s = lane.session
+            owed, rows = start - s.draft_position, s.drained_rows  # the context rows its draft consumed: pending, drained
             s.draft_position, s.frontier, s.drained_rows = start, frontier, 0
             if lane.finish is not None:
                 # Launched before the lane's finishing cycle was read (lag): its tokens are discarded and
                 # the session rewound after the loop, so it is no cycle of the stats.
                 continue
             emitted.append(lane.add(tokens))
-            live.append(i)
             choices.append(lane.flight[0].choice)
-        if not live:
-            return 0, 0, verdicts.accepted[:0]
-        everyone = len(live) == len(lanes)
-        keep = slice(None) if everyone else np.array(live)
-        starts_kept, accepted = np.array(starts, dtype=np.int64)[keep], verdicts.accepted[keep]
-        counts = starts_kept - np.array(drafts, dtype=np.int64)[keep]
-        drained_kept = np.array(drained, dtype=np.int64)[keep]
-        modes = cycle_modes(starts_kept, self.dims.block_size, self.dims.max_context, drained_kept)
-        kept_sessions = sessions if everyone else [sessions[i] for i in live]
-        self.log.cycle_counters(len(live), P, int(counts.sum()), accepted, self.tap_row_bytes)
+            kept.append(s)
+            accepted.append(a)
+            positions.append(start)
+            pending.append(owed)
+            drained.append(rows)
+        if not kept:
+            return 0, 0, []
+        modes = cycle_modes(positions, self.dims.block_size, self.dims.max_context, drained)
+        self.log.cycle_counters(len(kept), P, sum(pending), accepted, self.tap_row_bytes)
         # One device unit: the draft is not timed apart inside a cycle's graph (the whole cycle is verify_ms).
-        self.log.cycle_rows(
-            kept_sessions, modes, counts + drained_kept, accepted, emitted, starts_kept, P, 0.0, device_ms, owners=len(lanes), choices=choices
-        )
-        return int(accepted.sum()) + len(live), len(live), accepted
+        context_rows = [owed + rows for owed, rows in zip(pending, drained)]
+        self.log.cycle_rows(kept, modes, context_rows, accepted, emitted, positions, P, 0.0, device_ms, owners=len(lanes), choices=choices)
+        return sum(accepted) + len(kept), len(kept), accepted
 
     def _read_decode(self, group: Group, record: np.ndarray, device_ms: float) -> tuple[int, int, list[int]]:
         """The step's tokens applied; returns the tokens it yielded (one per lane not finished before it),

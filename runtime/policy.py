@@ -188,6 +188,9 @@ class AdaptivePolicy:
     reached: list[Ewma] = field(default_factory=list)  # [i - 1]: share of verified owner-cycles accepting d_1..d_i
     last: dict[int, Option] = field(default_factory=dict)  # owners -> the option chosen last
     idle: dict[tuple[int, Option], int] = field(default_factory=dict)  # (owners, option) -> rounds since it ran
+    # The leading known positions' acceptance values, until the next ``accept``: ``expected`` is asked for
+    # every cycle length at every round's choice.
+    _known: list[float] | None = field(default=None, repr=False, compare=False)
 
     def options(self) -> list[Option]:
         """Every option, in exploration order: the longest cycle first (its verdicts measure acceptance
@@ -219,17 +222,27 @@ class AdaptivePolicy:
             return
         while len(self.reached) < proposals:
             self.reached.append(Ewma(self.accept_alpha, skip=0, least=1))
-        # Owners that reached position i (accepted >= i), every i at once: a histogram's suffix sums.
-        reached = np.cumsum(np.bincount(np.asarray(accepted, dtype=np.int64), minlength=proposals + 1)[::-1])[::-1].tolist()
+        # Owners that reached position i (accepted >= i), every i in one pass: a histogram's suffix sums
+        # (in Python: a launch has a few dozen owners and ≤ 15 positions, below what array calls cost).
+        counts = [0] * (proposals + 1)
+        for a in accepted:
+            counts[a] += 1
+        self._known = None
+        owners = reached = len(accepted)
         for i in range(1, proposals + 1):
-            self.reached[i - 1].add(reached[i] / len(accepted))
+            reached -= counts[i - 1]  # owners with a >= i
+            self.reached[i - 1].add(reached / owners)
 
     def expected(self, proposals: int) -> float | None:
         """E[tokens per owner] of a cycle verifying ``proposals`` from the acceptance seen so far; None
         until every position 1..proposals has been verified."""
-        if not proposals or len(self.reached) < proposals or not all(r.known for r in self.reached[:proposals]):
-            return None
-        return expected_tokens([r.value for r in self.reached], proposals)
+        if self._known is None:
+            self._known = []
+            for r in self.reached:
+                if not r.known:
+                    break
+                self._known.append(r.value)
+        return expected_tokens(self._known, proposals) if 0 < proposals <= len(self._known) else None
 
     def rate(self, kind: str, owners: int, proposals: int = 0) -> float | None:
         """Tokens per second of rounds of ``kind`` (cycles verifying ``proposals``) at ``owners``; None

@@ -55,7 +55,6 @@ import polars as pl
 from dflash_trt.runtime.policy import FIXED
 
 if TYPE_CHECKING:
-    from dflash_trt.runtime.cycles import Verdict
     from dflash_trt.runtime.sessions import Session
 
 # 2: the cycle table's policy and policy_ratio; the policy_* counters; 3: proposed is the cycle's verify length (not always P);
@@ -283,7 +282,7 @@ class StatsLog:
         self.counters[rows_name] += rows
         self.counters[rows_name.replace("rows", "bytes")] += rows * row_bytes
 
-    def cycle_counters(self, n: int, proposals: int, context_rows: int, accepted: np.ndarray, row_bytes: int) -> None:
+    def cycle_counters(self, n: int, proposals: int, context_rows: int, accepted: list[int], row_bytes: int) -> None:
         """One cycle launch's counts: ``n`` owners whose tokens were kept, ``context_rows`` new context rows
         their draft consumed in all, ``accepted`` [n] their accepted counts."""
         k = self.counters
@@ -294,8 +293,8 @@ class StatsLog:
         k["warmed_context_tokens"] += context_rows
         k["cycles"] += n
         k["proposed"] += n * proposals
-        k["accepted"] += int(accepted.sum())
-        bonuses = int(np.count_nonzero(accepted == proposals))
+        k["accepted"] += sum(accepted)
+        bonuses = accepted.count(proposals)
         k["bonuses"] += bonuses
         k["rejected"] += n - bonuses
         self.count("hidden_rows_d2d", n * (proposals + 1), row_bytes)
@@ -321,7 +320,6 @@ class StatsLog:
         self.counters["policy_verified"] += proposals * chosen
         shared = self._shared(owners or count, DYNAMIC if DYNAMIC in modes else STATIC, draft_ms, verify_ms)
         del shared["mode"]  # per row
-        accepted = np.asarray(accepted)
         self.staged.append_rows(
             count,
             shared | dict(proposed=proposals),
@@ -329,7 +327,7 @@ class StatsLog:
             session=[s.id for s in sessions],
             context_rows=context_rows,
             accepted=accepted,
-            bonus=accepted == proposals,
+            bonus=[a == proposals for a in accepted],
             emitted=emitted,
             position=positions,
             temperature=[s.sampling.temperature for s in sessions],
