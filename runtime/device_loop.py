@@ -66,6 +66,7 @@ eagerly and "pinned" buffers are plain tensors.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -102,8 +103,9 @@ def owner_buckets(max_owners: int) -> tuple[int, ...]:
     return (*buckets, max_owners)
 
 
+@functools.cache
 def padded(owners: int, max_owners: int) -> int:
-    """The smallest bucket holding ``owners`` lanes."""
+    """The smallest bucket holding ``owners`` lanes (cached: asked a few times per launch, of a few values)."""
     assert 1 <= owners <= max_owners, (owners, max_owners)
     return next(b for b in owner_buckets(max_owners) if b >= owners)
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from itertools import chain, repeat
 from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Mapping, Sequence
@@ -158,29 +159,17 @@ class ColumnStore:
         for name, value in row.items():
             self.columns[name].append(value)
 
-    def append_rows(self, count: int, shared: Mapping[str, object], **columns: Sequence) -> None:
-        """``count`` rows at once: ``shared`` values repeated, ``columns`` one value per row (one
-        extend per column instead of one append per value)."""
-        # Every column once (one union and one count: this runs per launch); the message only on a fault.
-        assert len(shared) + len(columns) == len(self.schema) and shared.keys() | columns.keys() == self.schema.keys(), (
-            f"stats rows: missing {self.schema.keys() - shared.keys() - columns.keys()}, extra {(shared.keys() | columns.keys()) - self.schema.keys()}, "
-            f"both shared and per row {shared.keys() & columns.keys()}"
-        )
-        assert all(len(values) == count for values in columns.values()), f"stats rows: columns of another length than {count}"
-        for name, value in shared.items():
-            column = self.columns[name]
-            # A typed column repeats one typed value (C speed), not a list of Python objects converted one by one.
-            column.extend(array(column.typecode, [value]) * count if isinstance(column, array) else [value] * count)
-        for name, values in columns.items():
-            column = self.columns[name]
-            if isinstance(values, np.ndarray) and isinstance(column, array):
-                column.frombytes(values.astype(_NUMPY[column.typecode], copy=False).tobytes())  # one copy, no per-value boxing
-            else:
-                column.extend(values)
-
-    def extend(self, other: ColumnStore) -> None:
-        for name, values in self.columns.items():
-            values.extend(other.columns[name])
+    def extend_rows(self, staged: StagedRows) -> None:
+        """The rows ``staged`` holds, appended in bulk: one extend per column over all of its appends. Every
+        column is built before any is appended to, so a value its column cannot hold (an internal fault)
+        raises with the table as it was."""
+        batches = staged.batches
+        built = {}
+        for name, column in self.columns.items():
+            values = chain.from_iterable(repeat(shared[name], count) if name in shared else columns[name] for count, shared, columns in batches)
+            built[name] = array(column.typecode, values) if isinstance(column, array) else list(values)
+        for name, values in built.items():
+            self.columns[name].extend(values)
 
     def drop_first(self, count: int) -> None:
         for values in self.columns.values():
@@ -197,6 +186,35 @@ class ColumnStore:
     def clear(self) -> None:
         for values in self.columns.values():
             del values[:]
+
+
+class StagedRows:
+    """The running execute's cycle rows as they were appended (a launch's rows per ``append_rows``): they
+    land in the cycle table only when the execute succeeds (``ColumnStore.extend_rows``, in bulk), so a
+    launch pays for one tuple, not for a pass over every column."""
+
+    def __init__(self, schema: Mapping[str, pl.DataType]) -> None:
+        self.names = frozenset(schema)
+        self.batches: list[tuple[int, Mapping[str, object], dict[str, Sequence]]] = []
+
+    def append_rows(self, count: int, shared: Mapping[str, object], **columns: Sequence) -> None:
+        """``count`` rows: ``shared`` values repeated, ``columns`` one value per row (lists, ranges or arrays)."""
+        # Every column once (one union and one count: this runs per launch); the message only on a fault.
+        assert len(shared) + len(columns) == len(self.names) and shared.keys() | columns.keys() == self.names, (
+            f"stats rows: missing {self.names - shared.keys() - columns.keys()}, extra {(shared.keys() | columns.keys()) - self.names}, "
+            f"both shared and per row {shared.keys() & columns.keys()}"
+        )
+        assert all(len(values) == count for values in columns.values()), f"stats rows: columns of another length than {count}"
+        for name, values in columns.items():
+            if isinstance(values, np.ndarray):  # plain values: a typed column takes them as they are
+                columns[name] = values.tolist()
+        self.batches.append((count, shared, columns))
+
+    def __len__(self) -> int:
+        return sum(count for count, _, _ in self.batches)
+
+    def clear(self) -> None:
+        self.batches = []
 
 
 def write_parquet(frame: pl.DataFrame, path: str | Path, kind: str) -> Path:
@@ -254,7 +272,7 @@ class StatsLog:
     def __init__(self, max_rows: int | None = DEFAULT_MAX_ROWS, max_age_s: float | None = None) -> None:
         self.cycles = ColumnStore(CYCLE_SCHEMA)
         self.executes = ColumnStore(EXECUTE_SCHEMA)
-        self.staged = ColumnStore(CYCLE_SCHEMA)  # the running batch's cycle rows
+        self.staged = StagedRows(CYCLE_SCHEMA)  # the running batch's cycle rows
         self.max_rows, self.max_age_s = max_rows, max_age_s
         self.origin = time.perf_counter()
         self.batch_id = 0
@@ -404,7 +422,7 @@ class StatsLog:
     def commit(self, inputs: int, target_tokens: int, pending_decode: bool) -> None:
         """The batch succeeded: its cycle rows and one execute row land."""
         with self.lock:
-            self.cycles.extend(self.staged)
+            self.cycles.extend_rows(self.staged)
             self._end_execute(inputs, target_tokens, pending_decode, True)
         self.staged.clear()
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
+import numpy as np
 import polars as pl
 import pytest
 
@@ -12,7 +14,7 @@ from dflash_trt.analysis.load import scan_run
 from dflash_trt.errors import InputError, PoisonedError
 from dflash_trt.runtime.executor import Executor, Input
 from dflash_trt.runtime.sessions import Session
-from dflash_trt.runtime.stats import COUNTERS, StatsLog
+from dflash_trt.runtime.stats import COUNTERS, CYCLE_SCHEMA, ColumnStore, StagedRows, StatsLog
 from executor_fixtures import RecordingBackend
 
 
@@ -77,6 +79,36 @@ def test_target_rows_in_one_append_equal_one_target_row_per_session():
     assert got.drop(timing).equals(expected.drop(timing)), (got, expected)
     assert got["cycle_id"].to_list() == [0, 1, 2, 3] and got["end_ms"][1:].n_unique() == 1
     assert got["host_ms"][2:].to_list() == [0.0, 0.0] and got["host_ms"][1] > 0.0
+
+
+def test_staged_rows_land_as_the_same_rows_appended_one_by_one():
+    """Guards against the bulk landing of a running execute's rows (``StagedRows`` -> ``ColumnStore.extend_rows``)
+    shifting a column against the others, repeating a shared value the wrong number of times or mistyping a
+    value: the table must equal the rows appended one at a time, and a value no column can hold must raise
+    with the table unchanged."""
+    launches = [  # (count, shared, per-row columns) as the stats log appends them: lists, ranges and arrays
+        (2, dict(batch_id=0, owners=3, mode="static", draft_ms=0.0, verify_ms=0.5, host_ms=0.1, end_ms=1.0, proposed=7),
+         dict(cycle_id=[0, 0], session=[4, 9], context_rows=[3, 1], accepted=np.array([2, 7]), bonus=[False, True], emitted=[3, 8],
+              position=[10, 40], temperature=[0.0, 0.7], policy=["estimate", "estimate"], policy_ratio=[1.5, 1.5])),
+        (3, dict(batch_id=0, owners=3, mode="target", context_rows=0, proposed=0, accepted=0, bonus=False, emitted=1, draft_ms=0.0,
+                 verify_ms=0.2, end_ms=2.0),
+         dict(cycle_id=range(1, 4), host_ms=[0.3, 0.0, 0.0], session=[4, 9, 2], position=[13, 48, 5], temperature=[0.0, 0.7, 0.0],
+              policy=["fixed"] * 3, policy_ratio=[math.nan] * 3)),
+    ]
+    one, staged, bulk = ColumnStore(CYCLE_SCHEMA), StagedRows(CYCLE_SCHEMA), ColumnStore(CYCLE_SCHEMA)
+    for count, shared, columns in launches:
+        for i in range(count):
+            one.append(**shared, **{name: list(values)[i] for name, values in columns.items()})
+        staged.append_rows(count, shared, **columns)
+    assert len(staged) == 5
+    bulk.extend_rows(staged)
+    assert bulk.frame().equals(one.frame(), null_equal=True), (bulk.frame(), one.frame())
+    bad = StagedRows(CYCLE_SCHEMA)
+    count, shared, columns = launches[0]
+    bad.append_rows(count, shared, **(columns | dict(position=[10, None])))
+    with pytest.raises(TypeError):
+        bulk.extend_rows(bad)
+    assert bulk.frame().equals(one.frame(), null_equal=True)
 
 
 def test_bounded_log_drops_whole_oldest_batches_from_both_tables():
