@@ -81,34 +81,41 @@ def test_target_rows_in_one_append_equal_one_target_row_per_session():
     assert got["host_ms"][2:].to_list() == [0.0, 0.0] and got["host_ms"][1] > 0.0
 
 
-def test_staged_rows_land_as_the_same_rows_appended_one_by_one():
-    """Guards against the bulk landing of a running execute's rows (``StagedRows`` -> ``ColumnStore.extend_rows``)
-    shifting a column against the others, repeating a shared value the wrong number of times or mistyping a
-    value: the table must equal the rows appended one at a time, and a value no column can hold must raise
-    with the table unchanged."""
-    launches = [  # (count, shared, per-row columns) as the stats log appends them: lists, ranges and arrays
-        (2, dict(batch_id=0, owners=3, mode="static", draft_ms=0.0, verify_ms=0.5, host_ms=0.1, end_ms=1.0, proposed=7),
-         dict(cycle_id=[0, 0], session=[4, 9], context_rows=[3, 1], accepted=np.array([2, 7]), bonus=[False, True], emitted=[3, 8],
+def _launches(batch_id: int, cycle_id: int) -> list[tuple[int, dict, dict]]:
+    """A cycle launch's and a prefill's rows of one execute as the stats log appends them: lists, ranges and arrays."""
+    return [
+        (2, dict(batch_id=batch_id, owners=3, mode="static", draft_ms=0.0, verify_ms=0.5, host_ms=0.1, end_ms=1.0, proposed=7),
+         dict(cycle_id=[cycle_id] * 2, session=[4, 9], context_rows=[3, 1], accepted=np.array([2, 7]), bonus=[False, True], emitted=[3, 8],
               position=[10, 40], temperature=[0.0, 0.7], policy=["estimate", "estimate"], policy_ratio=[1.5, 1.5])),
-        (3, dict(batch_id=0, owners=3, mode="target", context_rows=0, proposed=0, accepted=0, bonus=False, emitted=1, draft_ms=0.0,
+        (3, dict(batch_id=batch_id, owners=3, mode="target", context_rows=0, proposed=0, accepted=0, bonus=False, emitted=1, draft_ms=0.0,
                  verify_ms=0.2, end_ms=2.0),
-         dict(cycle_id=range(1, 4), host_ms=[0.3, 0.0, 0.0], session=[4, 9, 2], position=[13, 48, 5], temperature=[0.0, 0.7, 0.0],
-              policy=["fixed"] * 3, policy_ratio=[math.nan] * 3)),
+         dict(cycle_id=range(cycle_id + 1, cycle_id + 4), host_ms=[0.3, 0.0, 0.0], session=[4, 9, 2], position=[13, 48, 5],
+              temperature=[0.0, 0.7, 0.0], policy=["fixed"] * 3, policy_ratio=[math.nan] * 3)),
     ]
-    one, staged, bulk = ColumnStore(CYCLE_SCHEMA), StagedRows(CYCLE_SCHEMA), ColumnStore(CYCLE_SCHEMA)
-    for count, shared, columns in launches:
-        for i in range(count):
-            one.append(**shared, **{name: list(values)[i] for name, values in columns.items()})
-        staged.append_rows(count, shared, **columns)
-    assert len(staged) == 5
-    bulk.extend_rows(staged)
-    assert bulk.frame().equals(one.frame(), null_equal=True), (bulk.frame(), one.frame())
-    bad = StagedRows(CYCLE_SCHEMA)
-    count, shared, columns = launches[0]
-    bad.append_rows(count, shared, **(columns | dict(position=[10, None])))
-    with pytest.raises(TypeError):
-        bulk.extend_rows(bad)
-    assert bulk.frame().equals(one.frame(), null_equal=True)
+
+
+def test_landed_rows_equal_the_same_rows_appended_one_by_one():
+    """Guards against the bulk landing of an execute's rows (``StagedRows`` kept as appended, built into the
+    columns when the table is read) shifting a column against the others, repeating a shared value the
+    wrong number of times, mistyping a value or losing order across executes, and against dropping old
+    batches (a bounded log) cutting a landed execute apart: the table must equal the rows appended one at
+    a time, before and after a drop, whether the rows were built or still as landed."""
+    one, bulk = ColumnStore(CYCLE_SCHEMA), ColumnStore(CYCLE_SCHEMA)
+    for batch_id in range(4):
+        staged = StagedRows(CYCLE_SCHEMA)
+        for count, shared, columns in _launches(batch_id, 10 * batch_id):
+            for i in range(count):
+                one.append(**shared, **{name: list(values)[i] for name, values in columns.items()})
+            staged.append_rows(count, shared, **columns)
+        assert len(staged) == 5
+        bulk.land(staged, batch_id)
+        if batch_id == 1:  # read once: batches 0-1 built, 2-3 landed
+            assert bulk.frame().equals(one.frame(), null_equal=True)
+    assert len(bulk) == len(one) == 20
+    for cutoff in (0, 2):  # within the built rows, then past them into the landed ones
+        kept = one.frame().filter(pl.col("batch_id") > cutoff)
+        assert bulk.drop_through(cutoff) == 5 * (cutoff + 1 if cutoff == 0 else 2) and len(bulk) == kept.height
+        assert bulk.frame().equals(kept, null_equal=True), (bulk.frame(), kept)
 
 
 def test_bounded_log_drops_whole_oldest_batches_from_both_tables():
