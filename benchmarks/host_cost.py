@@ -119,7 +119,7 @@ def measure(mode: str, args) -> dict:
     prompts = torch.randint(1, VOCAB - 1, (64, PROMPT_TOKENS), generator=torch.Generator().manual_seed(1)).tolist()
     profile = cProfile.Profile() if args.profile or args.profile_out else None
     try:
-        executor = Executor(backend, max_sessions=args.clients, speculate=mode == "on", policy=args.policy)
+        executor = Executor(backend, max_sessions=args.clients, speculate=mode == "on", policy=args.policy, launch_rounds=args.launch_rounds)
         serving = ServingLoop(executor, max_running=args.clients, stop_ids=(), stream_interval=args.stream_interval_ms / 1000)
         try:
             clients_for(serving, prompts, args.clients, args.seconds / 2, args.max_new_tokens)  # warm-up
@@ -181,6 +181,7 @@ def main() -> int:
     parser.add_argument("--tau", type=float, default=2.8, help="the stand-in's mean tokens per cycle (> 1)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--policy", default="adaptive")
+    parser.add_argument("--launch-rounds", type=int, default=1, help="the executor's rounds per launch (default 1)")
     parser.add_argument("--stream-interval-ms", type=float, default=DEFAULT_STREAM_INTERVAL * 1000, help="the serving loop's delivery tick")
     parser.add_argument("--profile", type=int, default=0, help="print the serving thread's N largest functions (cProfile)")
     parser.add_argument("--profile-out", help="write the serving thread's profile to PROFILE_OUT.MODE.pstats")
