@@ -1,7 +1,7 @@
 """The serving loop's host work per lane and round, and per request, on the CPU: the device's part taken out.
 
     python benchmarks/host_cost.py [--clients 64] [--seconds 6] [--modes on off] [--tau 2.8] [--max-new-tokens 64]
-        [--stream-interval-ms 20] [--profile 25] [--profile-out STEM] [--record]
+        [--stream-interval-ms 20] [--launch-rounds 1] [--profile 25] [--profile-out STEM] [--record]
 
 What a serving thread spends in Python between launches decides the engine's throughput once the device is
 fast (benchmarks/RESULTS.md: at 64 streams on the H200 the device is busy a half or less). This measures it
@@ -140,7 +140,7 @@ def measure(mode: str, args) -> dict:
     rows, executes = executor.cycle_stats().height, executor.execute_stats()
     host = cpu - clock.seconds
     row = {
-        "mode": mode, "clients": args.clients, "tau_asked": args.tau, "requests": requests, "lane_rounds": rows,
+        "mode": mode, "clients": args.clients, "tau_asked": args.tau, "launch_rounds": args.launch_rounds, "requests": requests, "lane_rounds": rows,
         "tokens_per_lane_round": round(tokens / max(rows, 1), 2), "lanes_per_launch": round(rows / max(int(executes["loop_launches"].sum()), 1), 2), "host_us_per_lane_round": round(1e6 * host / max(rows, 1), 2),
         "host_us_per_request": round(1e6 * host / max(requests, 1), 1), "device_stand_in_s": round(clock.seconds, 3),
         "serving_cpu_pct": round(100 * cpu / wall, 1), "tok_s": round(tokens / wall),
