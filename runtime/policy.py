@@ -111,8 +111,13 @@ class Ewma:
         if counted <= 0:
             return
         weight = max(self.alpha, 1.0 / counted)
-        sample = self.clipped(sample)
-        self.value = sample if self.value is None else self.value + weight * (sample - self.value)
+        value = self.value
+        if value is None:
+            self.value = sample
+        else:  # ``clipped``, inline: this runs a dozen times per round
+            if self.clip is not None:
+                sample = min(sample, self.clip * value)
+            self.value = value + weight * (sample - value)
 
     def clipped(self, sample: float) -> float:
         """``sample`` as ``add`` counts it: at most ``clip`` times the mean so far (as is before a first mean)."""
@@ -191,12 +196,16 @@ class AdaptivePolicy:
     # The leading known positions' acceptance values, until the next ``accept``: ``expected`` is asked for
     # every cycle length at every round's choice.
     _known: list[float] | None = field(default=None, repr=False, compare=False)
+    _options: tuple[tuple[int, ...] | None, tuple[Option, ...]] = field(default=(None, ()), repr=False, compare=False)  # (lengths, options())
 
-    def options(self) -> list[Option]:
+    def options(self) -> tuple[Option, ...]:
         """Every option, in exploration order: the longest cycle first (its verdicts measure acceptance
-        at every position), then decode, then the shorter cycles."""
-        cycles = [(CYCLE, k) for k in reversed(self.lengths)] or [(CYCLE, 0)]
-        return [cycles[0], (DECODE, 0), *cycles[1:]]
+        at every position), then decode, then the shorter cycles (made once per ``lengths``: asked
+        several times per round)."""
+        if self._options[0] is not self.lengths:
+            cycles = [(CYCLE, k) for k in reversed(self.lengths)] or [(CYCLE, 0)]
+            self._options = (self.lengths, (cycles[0], (DECODE, 0), *cycles[1:]))
+        return self._options[1]
 
     def observe(
         self, kind: str, owners: int, seconds: float, tokens: int, lanes: int | None = None, proposals: int = 0, launch: str | None = None
@@ -261,8 +270,12 @@ class AdaptivePolicy:
     def _cycle_cost(self, owners: int, proposals: int) -> float:
         """A k-cycle's cost per launch, never below a shorter length's: the same draft and a superset of
         the verify rows cost no less, so a noisy low sample cannot make a longer verify look cheaper."""
-        known = [self.costs[(CYCLE, owners, k)] for k in self.lengths if k <= proposals and (CYCLE, owners, k) in self.costs]
-        return max([cost.value for cost in known if cost.known] + [self.costs[(CYCLE, owners, proposals)].value])
+        costs = self.costs
+        most = costs[(CYCLE, owners, proposals)].value
+        for k in self.lengths:
+            if k < proposals and (cost := costs.get((CYCLE, owners, k))) is not None and cost.known and cost.value > most:
+                most = cost.value
+        return most
 
     def ratio(self, owners: int) -> float | None:
         """The best cycle length's tokens per second over decode rounds' at ``owners``; None while any
