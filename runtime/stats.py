@@ -42,8 +42,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import deque
-from itertools import chain, repeat
 from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Mapping, Sequence
@@ -147,66 +145,49 @@ def _numpy(values: array) -> np.ndarray:
 
 
 class ColumnStore:
-    """Column-wise accumulator for one table; rows append as dicts of scalars, or land as a succeeded
-    execute's staged rows (``land``), kept as they were appended until the table is read (``columns``)."""
+    """Column-wise accumulator for one table; rows append as dicts of scalars."""
 
     def __init__(self, schema: Mapping[str, pl.DataType]) -> None:
         self.schema = dict(schema)
-        self._columns: dict[str, array | list] = {name: _column(dtype) for name, dtype in self.schema.items()}
-        self._landed: deque[tuple[int, int, list]] = deque()  # (batch id, rows, appends), oldest first: not in the columns yet
-        self._landed_rows = 0
-
-    @property
-    def columns(self) -> dict[str, array | list]:
-        """The table's columns, the landed rows built into them first."""
-        self._settle()
-        return self._columns
+        self.columns: dict[str, array | list] = {name: _column(dtype) for name, dtype in self.schema.items()}
 
     def append(self, **row) -> None:
         missing = self.schema.keys() - row.keys()
         extra = row.keys() - self.schema.keys()
         assert not missing and not extra, f"stats row: missing {missing}, extra {extra}"
-        for name, value in self.columns.items():
-            value.append(row[name])
+        for name, value in row.items():
+            self.columns[name].append(value)
 
-    def land(self, staged: StagedRows, batch_id: int) -> None:
-        """``staged``'s rows (every one of batch ``batch_id``), kept as appended: the serving thread pays a
-        tuple per execute; whoever reads the table builds the columns (``_settle``)."""
-        rows = len(staged)
-        if rows:
-            self._landed.append((batch_id, rows, staged.batches))
-            self._landed_rows += rows
+    def append_rows(self, count: int, shared: Mapping[str, object], **columns: Sequence) -> None:
+        """``count`` rows at once: ``shared`` values repeated, ``columns`` one value per row (one
+        extend per column instead of one append per value)."""
+        # Every column once (one union and one count: this runs per launch); the message only on a fault.
+        assert len(shared) + len(columns) == len(self.schema) and shared.keys() | columns.keys() == self.schema.keys(), (
+            f"stats rows: missing {self.schema.keys() - shared.keys() - columns.keys()}, extra {(shared.keys() | columns.keys()) - self.schema.keys()}, "
+            f"both shared and per row {shared.keys() & columns.keys()}"
+        )
+        assert all(len(values) == count for values in columns.values()), f"stats rows: columns of another length than {count}"
+        for name, value in shared.items():
+            column = self.columns[name]
+            # A typed column repeats one typed value (C speed), not a list of Python objects converted one by one.
+            column.extend(array(column.typecode, [value]) * count if isinstance(column, array) else [value] * count)
+        for name, values in columns.items():
+            column = self.columns[name]
+            if isinstance(values, np.ndarray) and isinstance(column, array):
+                column.frombytes(values.astype(_NUMPY[column.typecode], copy=False).tobytes())  # one copy, no per-value boxing
+            else:
+                column.extend(values)
 
-    def _settle(self) -> None:
-        """The landed rows into the columns, in bulk: one extend per column over all of their appends. Every
-        column is built before any is appended to, so a value its column cannot hold (an internal fault)
-        raises with the table as it was."""
-        if not self._landed:
-            return
-        appends = [append for _, _, batches in self._landed for append in batches]
-        built = {}
-        for name, column in self._columns.items():
-            values = chain.from_iterable(repeat(shared[name], count) if name in shared else columns[name] for count, shared, columns in appends)
-            built[name] = array(column.typecode, values) if isinstance(column, array) else list(values)
-        for name, values in built.items():
-            self._columns[name].extend(values)
-        self._landed.clear()
-        self._landed_rows = 0
+    def extend(self, other: ColumnStore) -> None:
+        for name, values in self.columns.items():
+            values.extend(other.columns[name])
 
-    def drop_through(self, batch_id: int) -> int:
-        """Drop the rows of the batches numbered ``batch_id`` or less (batch ids never decrease along the
-        table); returns how many. Landed batches go whole, unbuilt, once the built rows before them are gone."""
-        columns = self._columns
-        count = bisect_right(columns["batch_id"], batch_id)
-        for values in columns.values():
+    def drop_first(self, count: int) -> None:
+        for values in self.columns.values():
             del values[:count]
-        while self._landed and not len(columns["batch_id"]) and self._landed[0][0] <= batch_id:
-            count += (rows := self._landed.popleft()[1])
-            self._landed_rows -= rows
-        return count
 
     def __len__(self) -> int:
-        return len(self._columns["batch_id"]) + self._landed_rows
+        return len(next(iter(self.columns.values()), []))
 
     def frame(self) -> pl.DataFrame:
         """A copy of the rows as a DataFrame (the store keeps growing independently)."""
@@ -214,39 +195,8 @@ class ColumnStore:
         return pl.DataFrame(data, schema=self.schema)
 
     def clear(self) -> None:
-        for values in self._columns.values():
+        for values in self.columns.values():
             del values[:]
-        self._landed.clear()
-        self._landed_rows = 0
-
-
-class StagedRows:
-    """The running execute's cycle rows as they were appended (a launch's rows per ``append_rows``): they
-    land in the cycle table only when the execute succeeds (``ColumnStore.land``, built in bulk when the table
-    is read), so a launch pays for one tuple, not for a pass over every column."""
-
-    def __init__(self, schema: Mapping[str, pl.DataType]) -> None:
-        self.names = frozenset(schema)
-        self.batches: list[tuple[int, Mapping[str, object], dict[str, Sequence]]] = []
-
-    def append_rows(self, count: int, shared: Mapping[str, object], **columns: Sequence) -> None:
-        """``count`` rows: ``shared`` values repeated, ``columns`` one value per row (lists, ranges or arrays)."""
-        # Every column once (one union and one count: this runs per launch); the message only on a fault.
-        assert len(shared) + len(columns) == len(self.names) and shared.keys() | columns.keys() == self.names, (
-            f"stats rows: missing {self.names - shared.keys() - columns.keys()}, extra {(shared.keys() | columns.keys()) - self.names}, "
-            f"both shared and per row {shared.keys() & columns.keys()}"
-        )
-        assert all(len(values) == count for values in columns.values()), f"stats rows: columns of another length than {count}"
-        for name, values in columns.items():
-            if isinstance(values, np.ndarray):  # plain values: a typed column takes them as they are
-                columns[name] = values.tolist()
-        self.batches.append((count, shared, columns))
-
-    def __len__(self) -> int:
-        return sum(count for count, _, _ in self.batches)
-
-    def clear(self) -> None:
-        self.batches = []
 
 
 def write_parquet(frame: pl.DataFrame, path: str | Path, kind: str) -> Path:
@@ -304,7 +254,7 @@ class StatsLog:
     def __init__(self, max_rows: int | None = DEFAULT_MAX_ROWS, max_age_s: float | None = None) -> None:
         self.cycles = ColumnStore(CYCLE_SCHEMA)
         self.executes = ColumnStore(EXECUTE_SCHEMA)
-        self.staged = StagedRows(CYCLE_SCHEMA)  # the running batch's cycle rows
+        self.staged = ColumnStore(CYCLE_SCHEMA)  # the running batch's cycle rows
         self.max_rows, self.max_age_s = max_rows, max_age_s
         self.origin = time.perf_counter()
         self.batch_id = 0
@@ -454,7 +404,7 @@ class StatsLog:
     def commit(self, inputs: int, target_tokens: int, pending_decode: bool) -> None:
         """The batch succeeded: its cycle rows and one execute row land."""
         with self.lock:
-            self.cycles.land(self.staged, self.batch_id)
+            self.cycles.extend(self.staged)
             self._end_execute(inputs, target_tokens, pending_decode, True)
         self.staged.clear()
 
@@ -502,7 +452,9 @@ class StatsLog:
     def _drop_through(self, cutoff: int) -> None:
         """Drop every row of the batches with batch_id <= ``cutoff`` from both tables, counted in ``dropped``."""
         for name, table in (("cycles", self.cycles), ("executes", self.executes)):
-            self.dropped[name] += table.drop_through(cutoff)
+            count = bisect_right(table.columns["batch_id"], cutoff)  # batch ids never decrease
+            table.drop_first(count)
+            self.dropped[name] += count
 
     def execute_rows(self, since: int | None, columns: Sequence[str]) -> ExecuteRows:
         """Copies of ``columns`` of the execute rows with ``batch_id >= since`` (None: no rows), and the

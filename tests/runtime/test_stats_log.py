@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
-import numpy as np
 import polars as pl
 import pytest
 
@@ -14,7 +12,7 @@ from dflash_trt.analysis.load import scan_run
 from dflash_trt.errors import InputError, PoisonedError
 from dflash_trt.runtime.executor import Executor, Input
 from dflash_trt.runtime.sessions import Session
-from dflash_trt.runtime.stats import COUNTERS, CYCLE_SCHEMA, ColumnStore, StagedRows, StatsLog
+from dflash_trt.runtime.stats import COUNTERS, StatsLog
 from executor_fixtures import RecordingBackend
 
 
@@ -79,46 +77,6 @@ def test_target_rows_in_one_append_equal_one_target_row_per_session():
     assert got.drop(timing).equals(expected.drop(timing)), (got, expected)
     assert got["cycle_id"].to_list() == [0, 1, 2, 3] and got["end_ms"][1:].n_unique() == 1
     assert got["host_ms"][2:].to_list() == [0.0, 0.0] and got["host_ms"][1] > 0.0
-
-
-def _launches(batch_id: int, cycle_id: int) -> list[tuple[int, dict, dict]]:
-    """A cycle launch's and a prefill's rows of one execute as the stats log appends them: lists, ranges and arrays."""
-    return [
-        (2, dict(batch_id=batch_id, owners=3, mode="static", draft_ms=0.0, verify_ms=0.5, host_ms=0.1, end_ms=1.0, proposed=7),
-         dict(cycle_id=[cycle_id] * 2, session=[4, 9], context_rows=[3, 1], accepted=np.array([2, 7]), bonus=[False, True], emitted=[3, 8],
-              position=[10, 40], temperature=[0.0, 0.7], policy=["estimate", "estimate"], policy_ratio=[1.5, 1.5])),
-        (3, dict(batch_id=batch_id, owners=3, mode="target", context_rows=0, proposed=0, accepted=0, bonus=False, emitted=1, draft_ms=0.0,
-                 verify_ms=0.2, end_ms=2.0),
-         dict(cycle_id=range(cycle_id + 1, cycle_id + 4), host_ms=[0.3, 0.0, 0.0], session=[4, 9, 2], position=[13, 48, 5],
-              temperature=[0.0, 0.7, 0.0], policy=["fixed"] * 3, policy_ratio=[math.nan] * 3)),
-    ]
-
-
-def test_landed_rows_equal_the_same_rows_appended_one_by_one():
-    """Guards against the bulk landing of an execute's rows (``StagedRows`` kept as appended, built into the
-    columns when the table is read) shifting a column against the others, repeating a shared value the
-    wrong number of times, mistyping a value or losing order across executes, and against dropping old
-    batches (a bounded log) cutting a landed execute apart: the table must equal the rows appended one at
-    a time, before and after a drop, whether the rows were built or still as landed."""
-    one = ColumnStore(CYCLE_SCHEMA)
-    for batch_id in range(4):
-        for count, shared, columns in _launches(batch_id, 10 * batch_id):
-            for i in range(count):
-                one.append(**shared, **{name: list(values)[i] for name, values in columns.items()})
-    for cutoff in (None, 0, 2):  # no drop, a drop within the built rows, one past them into the landed ones
-        bulk = ColumnStore(CYCLE_SCHEMA)
-        for batch_id in range(4):
-            staged = StagedRows(CYCLE_SCHEMA)
-            for count, shared, columns in _launches(batch_id, 10 * batch_id):
-                staged.append_rows(count, shared, **columns)
-            assert len(staged) == 5
-            bulk.land(staged, batch_id)
-            if batch_id == 1:  # read once: batches 0-1 built, 2-3 landed
-                assert bulk.frame().equals(one.frame().filter(pl.col("batch_id") <= 1), null_equal=True)
-        kept = one.frame().filter(pl.col("batch_id") > (-1 if cutoff is None else cutoff))
-        if cutoff is not None:
-            assert bulk.drop_through(cutoff) == 20 - kept.height
-        assert len(bulk) == kept.height and bulk.frame().equals(kept, null_equal=True), (cutoff, bulk.frame(), kept)
 
 
 def test_bounded_log_drops_whole_oldest_batches_from_both_tables():
