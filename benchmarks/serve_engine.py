@@ -1,7 +1,8 @@
 """The serving loop alone under load: closed-loop clients on threads, no HTTP, requests joining at the gap or mid-execute.
 
     python benchmarks/serve_engine.py [--clients 16 64] [--seconds 6] [--max-new-tokens 64] [--max-sessions 128]
-        [--joins gap running] [--modes on off] [--device cuda] [--kernels auto] [--launch-rounds 1 2] [--record]
+        [--joins gap running] [--modes on off] [--device cuda] [--kernels auto] [--launch-rounds 1 2] [--lag 1 2]
+        [--record]
 
 The default pair (bf16 on CUDA, fp32 on the CPU) on the torch backend, one ``ServingLoop`` per (mode,
 join): DFlash (the default policy) or plain decoding, with queued requests joining between executes
@@ -10,7 +11,8 @@ threads each submit a held-out prompt (token ids), wait for its completion and s
 warm-up of ``--seconds`` / 2, then a window of ``--seconds``. What the engine and its serving loop
 deliver without the HTTP fronts, and how its launches are shaped: per row tokens/s (completed requests'
 tokens over the window), requests/s, executes/s, loop launches per second and the rounds each ran
-(``--launch-rounds``: the executor's most per launch, default 1), owners per round (cycle-table
+(``--launch-rounds``: the executor's most per launch, default 1; ``--lag``: the launches each lane keeps
+queued beyond the one read, default 1, adjacent windows per mode), owners per round (cycle-table
 rows per round: lanes that ran in it), the rounds' padded owner counts' mean, device ms per loop
 launch and the device's busy share of the window (loop launches only: the joining prompts' prefills
 are not timed), TTFT p50 / p99 (the loop's own), and the serving thread's CPU share.
@@ -90,7 +92,7 @@ def measure(executor: Executor, prompts: list[list[int]], clients: int, args, jo
     device_ms = loop_rows.group_by("cycle_id").agg(pl.col("verify_ms").first())["verify_ms"].sum()  # a round's share of its launch, once
     launches, most = int(executes["loop_launches"].sum()), executor.dims.max_owners
     return {
-        "launch_rounds": executor.loop.most_rounds, "rounds_per_launch": round(int(executes["loop_rounds"].sum()) / max(launches, 1), 2),
+        "launch_rounds": executor.loop.most_rounds, "lag": executor.lag, "rounds_per_launch": round(int(executes["loop_rounds"].sum()) / max(launches, 1), 2),
         "tok_s": round(tokens / wall), "requests_per_s": round(requests / wall, 1), "executes_per_s": round(executes.height / wall, 1),
         "launches_per_s": round(launches / wall), "owners_per_launch": round(loop_rows.height / max(rounds, 1), 2),
         "padded_owners": round(sum(padded(min(int(n), most), most) for n in owners) / max(rounds, 1), 2),
@@ -107,8 +109,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     backend = TorchBackend(target, draft, dims, args.max_sessions, device=args.device, kernels=args.kernels)
     rows = []
     try:
-        for launch_rounds, mode in [(r, m) for r in args.launch_rounds for m in args.modes]:
-            with Executor(backend, max_sessions=args.max_sessions, speculate=mode == "on", launch_rounds=launch_rounds) as executor:
+        for launch_rounds, mode, lag in [(r, m, lag) for r in args.launch_rounds for m in args.modes for lag in args.lag]:
+            with Executor(backend, max_sessions=args.max_sessions, speculate=mode == "on", launch_rounds=launch_rounds, lag=lag) as executor:
                 for clients in args.clients:
                     for join in args.joins:
                         row = {"mode": mode, "join": join, "clients": clients, "kernels": backend.kernels, **measure(executor, prompts, clients, args, join == "running")}
@@ -130,16 +132,17 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--kernels", default="auto", help="the torch backend's kernels (auto, exact, fast, ...)")
     parser.add_argument("--launch-rounds", type=int, nargs="+", default=[1], help="the executor's launch_rounds, each in turn (default 1)")
+    parser.add_argument("--lag", type=int, nargs="+", default=[1], help="the executor's lag, each in turn per mode (default 1)")
     parser.add_argument("--record", action="store_true", help="append the rows to benchmarks/results.jsonl")
     args = parser.parse_args()
     if min(args.clients) < 1 or max(args.clients) > args.max_sessions or args.seconds <= 0:
         parser.error(f"--clients must lie in [1, --max-sessions {args.max_sessions}] and --seconds > 0, got {args.clients}, {args.seconds}")
     rows = run(args)
-    print("| mode | join | clients | rounds / launch (most) | tok/s | requests/s | executes/s | launches/s | owners / round | padded owners "
+    print("| mode | lag | join | clients | rounds / launch (most) | tok/s | requests/s | executes/s | launches/s | owners / round | padded owners "
           "| device ms / launch | device busy % | TTFT p50 / p99 ms | serving CPU % |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['mode']} | {r['join']} | {r['clients']} | {r['rounds_per_launch']} ({r['launch_rounds']}) | {r['tok_s']:,} | {r['requests_per_s']} "
+        print(f"| {r['mode']} | {r['lag']} | {r['join']} | {r['clients']} | {r['rounds_per_launch']} ({r['launch_rounds']}) | {r['tok_s']:,} | {r['requests_per_s']} "
               f"| {r['executes_per_s']} | {r['launches_per_s']:,} "
               f"| {r['owners_per_launch']} | {r['padded_owners']} | {r['device_ms_per_launch']} | {r['device_busy_pct']} | {r['ttft_p50_ms']} / {r['ttft_p99_ms']} | {r['serving_cpu_pct']} |")
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "command": " ".join(["python", *sys.argv])}

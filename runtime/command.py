@@ -40,7 +40,7 @@ from pathlib import Path
 from dflash_trt.cli import check_sampling_flags, nonnegative_int, positive_int
 from dflash_trt.errors import InputError, TokenizerError, UsageError
 from dflash_trt.export.contract import DTYPES
-from dflash_trt.runtime.executor import DEFAULT_MAX_CYCLES, MAX_LAUNCH_ROUNDS, Executor  # noqa: F401  (MAX_LAUNCH_ROUNDS: for serve's flags)
+from dflash_trt.runtime.executor import DEFAULT_MAX_CYCLES, MAX_LAG, MAX_LAUNCH_ROUNDS, Executor  # noqa: F401  (MAX_LAG, MAX_LAUNCH_ROUNDS: for serve's flags)
 from dflash_trt.runtime.generate import collect, stream
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.serving.batcher import Completion, Request

@@ -333,10 +333,11 @@ class RowSlots:
 class DeviceLoop:
     """Per-row device state, staging and the programs of one executor (see the module docstring)."""
 
-    def __init__(self, backend: Backend, dims: c.Dims, context: ContextPool, rows: int, graphs: bool, rounds: int = 1) -> None:
+    def __init__(self, backend: Backend, dims: c.Dims, context: ContextPool, rows: int, graphs: bool, rounds: int = 1, lag: int = 1) -> None:
         """``rows``: the sessions' rows (a scratch row follows on row-indexed backends: the context pool
         and the backend's pools hold it); ``graphs``: capture programs where capturable; ``rounds``: the
-        most rounds a launch runs (``most_rounds``)."""
+        most rounds a launch runs (``most_rounds``); ``lag``: the launches a session keeps queued beyond
+        the one read (``runtime.launches``)."""
         self.backend, self.dims, self.context = backend, dims, context
         self.device = backend.device
         self.row_indexed = bool(getattr(backend, "row_indexed", False))
@@ -347,8 +348,8 @@ class DeviceLoop:
         self.graphs = bool(graphs and backend.capturable and self.stream is not None)
         self.most_rounds = rounds
         width, max_owners, most = dims.proposals + 2, dims.max_owners, self.most_rounds
-        # At most two launches per session are unread at once (the one read, the next): ring entries never collide.
-        self.ring = 2 * rows + 2
+        # At most lag + 1 launches per session are unread at once (the one read, the lag queued): ring entries never collide.
+        self.ring = (lag + 1) * rows + 2
         self.next_entry = 0
         with self.on_stream():
             # The per-row state staged once per execute: one block, one upload.

@@ -149,6 +149,7 @@ LOG = logging.getLogger(__name__)
 # and queued requests that could join end an execute after its round (the serving loop's should_yield),
 # so a larger cap delays none of them. benchmarks/RESULTS.md: 8 -> 32 rounds, H200, default pair.
 DEFAULT_MAX_CYCLES = 32
+MAX_LAG = 3  # launches a lane may keep queued beyond the one read (``lag``): each adds a ring entry per row
 MAX_LAUNCH_ROUNDS = 8  # rounds one launch may run (``launch_rounds``): each is captured in every program's graph
 
 def _target_tokens(steps: list[Step]) -> int:
@@ -174,7 +175,7 @@ class Executor:
         stats_rows: int | None = DEFAULT_MAX_ROWS,
         speculate: bool = True,
         max_cycles: int = DEFAULT_MAX_CYCLES,
-        lag: bool = True,
+        lag: int = 1,
         cycle_graphs: bool = True,
         stats_age_s: float | None = None,
         policy: str | object = "always",
@@ -188,8 +189,9 @@ class Executor:
         the autoregressive baseline through the same runtime; per session:
         ``open_session(speculate=...)``). ``max_cycles``: cycles (or decode
         steps) one execute may run per owner group for inputs with
-        ``max_new_tokens``. ``lag``: launch a group's next cycle before reading
-        the current one (the outputs are the same either way).
+        ``max_new_tokens``. ``lag``: launches a lane keeps queued beyond the one
+        being read, 0 to ``MAX_LAG`` (0: read each before the next; True / False: 1 / 0); the outputs are
+        the same whatever it is (``runtime.launches``).
         ``cycle_graphs``: capture each cycle as one CUDA graph where the
         backend allows it (``Backend.capturable``). ``policy`` (``runtime.policy``):
         ``adaptive`` picks a cycle or a plain decode step per round for drafting
@@ -226,13 +228,15 @@ class Executor:
         self.log = StatsLog(stats_rows, stats_age_s)
         if not is_int(max_cycles) or max_cycles < 1:
             raise InputError(f"max_cycles must be an int >= 1, got {max_cycles!r}")
-        self.speculate, self.max_cycles, self.lag = bool(speculate), max_cycles, bool(lag)
+        if not (is_int(lag) or isinstance(lag, bool)) or not 0 <= lag <= MAX_LAG:
+            raise InputError(f"lag must be an int in [0, {MAX_LAG}] (or a bool), got {lag!r}")
+        self.speculate, self.max_cycles, self.lag = bool(speculate), max_cycles, int(lag)
         if isinstance(policy, str) and policy not in POLICIES:
             raise InputError(f"policy must be one of {POLICIES} (or a policy object), got {policy!r}")
         self.policy = make_policy(policy, dims.verify_proposals) if isinstance(policy, str) else policy
         if not is_int(launch_rounds) or not 1 <= launch_rounds <= MAX_LAUNCH_ROUNDS:
             raise InputError(f"launch_rounds must be an int in [1, {MAX_LAUNCH_ROUNDS}], got {launch_rounds!r}")
-        self.loop = DeviceLoop(backend, dims, self.context, rows, cycle_graphs, launch_rounds)
+        self.loop = DeviceLoop(backend, dims, self.context, rows, cycle_graphs, launch_rounds, self.lag)
         self.prefill = PrefillPrograms(self.loop, self.context, max_sessions, self.speculate) if self.loop.row_indexed else None
         self._prepare_programs()
         self.closed = False

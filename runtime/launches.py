@@ -8,6 +8,11 @@ for each launch in order: launches the NEXT cycle of that group's lanes that
 may go on (when ``lag``), then reads this one's verdict, so the device is
 already busy with cycle k+1 while the host turns cycle k into tokens.
 
+``lag`` launches a lane may keep beyond the one being read: 0 reads every
+launch before the next, 1 (the default) keeps the device one launch ahead,
+2 keeps two (the host's uneven rounds, an admission's or a delivery tick's,
+then eat into a queued launch instead of leaving the device idle).
+
 Launching is decided per lane, from what has been read (``may_launch``:
 room, stops, the cache's end in the worst case of the cycle still in
 flight): a lane that finishes leaves its group and the others go on, re-packed
@@ -222,7 +227,7 @@ class Group:
 
 
 def run_launches(
-    lanes: Sequence[Lane], pack: Callable, launch: Callable, read: Callable, lag: bool, choose: Callable | None = None,
+    lanes: Sequence[Lane], pack: Callable, launch: Callable, read: Callable, lag: int, choose: Callable | None = None,
     stop: Callable[[], bool] | None = None, admit: Callable[[Sequence[Lane]], Sequence[Lane]] | None = None,
 ) -> None:
     """Launch and read every lane's cycles until none may launch, or until ``stop()`` (asked before each
@@ -241,13 +246,16 @@ def run_launches(
     ``launch(group)`` enqueues one program and returns its handle;
     ``read(group, handle)`` waits for it and applies its verdict to the lanes
     (the launch read is ``lane.flight[0]`` while it runs).
-    Reads happen in launch order.
+    Reads happen in launch order. ``lag`` (0, 1, 2, ..): before a launch is read, its lanes are launched
+    again until each has that many launches unread beyond it (as ``may_launch`` allows).
     """
     queue: deque = deque()
 
-    def start(candidates: Sequence[Lane], may_stop: bool = True) -> None:
+    def start(candidates: Sequence[Lane], may_stop: bool = True) -> bool:
+        """One round for ``candidates`` (and, unless ``may_stop`` is False, the lanes ``admit`` adds);
+        False when ``stop()`` ended the loop instead."""
         if may_stop and stop is not None and stop():
-            return
+            return False
         if may_stop and admit is not None and (joined := admit(candidates)):
             candidates = [*candidates, *joined]
         live = [lane for lane in candidates if lane.finish is None]
@@ -263,14 +271,20 @@ def run_launches(
                 if flight is None or flight.choice is not lane.choice or flight.width != lane.shape.width * rounds:
                     flight = Flight(group.kind, lane.shape.width * rounds, lane.choice, rounds)
                 lane.flight.append(flight)
+        return True
 
     start(lanes, may_stop=False)  # the first round always runs: every call makes progress
     waiting: list[Lane] = []  # deferred lanes, read since: they join the next round (one group, not one of their own)
     while queue:
         group, handle = queue.popleft()
         if lag:
-            start([*group.lanes, *waiting])
+            going = start([*group.lanes, *waiting])
             waiting = []
+            for _ in range(lag - 1 if going else 0):  # deeper: top the group's lanes up to ``lag`` beyond this launch
+                short = [lane for lane in group.lanes if len(lane.flight) <= lag and lane.finish is None and not lane.deferred]
+                if not short:
+                    break
+                start(short, may_stop=False)
         read(group, handle)
         for lane in group.lanes:
             lane.flight.popleft()

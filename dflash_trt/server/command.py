@@ -99,6 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar=f"1..{command.MAX_LAUNCH_ROUNDS}",
                         help="rounds one launch runs back to back on the device, read at once: fewer launches, more work "
                              "discarded when a request ends inside one, joining requests wait longer (default 1)")
+    parser.add_argument("--lag", type=int, default=1, choices=range(command.MAX_LAG + 1), metavar=f"0..{command.MAX_LAG}",
+                        help="launches each request keeps queued on the device beyond the one being read: more keeps the "
+                             "device busy through uneven host rounds, and discards more work when a request ends (default 1)")
     parser.add_argument("--stream-interval-ms", type=nonnegative_int, default=20,
                         help="while an execute runs, the running requests' tokens read since go out together this often "
                              "(a request's first token and its end at once; default 20; 0: after every round)")
@@ -344,7 +347,7 @@ def _load(args, text: bool = True, handles=None):
     try:
         executor = Executor(backend, max_sessions=args.max_sessions, speculate=not args.no_draft, max_cycles=args.max_cycles,
                             stats_rows=args.stats_rows, stats_age_s=args.stats_age, policy=args.policy,
-                            launch_rounds=getattr(args, "launch_rounds", 1))
+                            launch_rounds=getattr(args, "launch_rounds", 1), lag=getattr(args, "lag", 1))
         stop_ids = tokenizer.stop_ids if tokenizer is not None else command.manifest_stops(args.artifacts)
         if tokenizer is not None and text:
             tokenizer.chars_per_token  # noqa: B018  (computed once now, not on the first request)

@@ -27,11 +27,14 @@ def new_executor(
 ) -> tuple[Executor, RecordingBackend]:
     """An executor over the shared ONNX Runtime backend, or over a torch backend with small chunks;
     ``-cuda`` variants run the same graphs on the GPU (torch with CUDA graphs, ORT's CUDA provider);
-    ``-rounds`` variants launch up to 3 rounds at once (``launch_rounds``)."""
+    ``-rounds`` variants launch up to 3 rounds at once (``launch_rounds``), ``-lag2`` variants keep two
+    launches queued beyond the one read (``lag``)."""
+    lag = 2 if backend.endswith("-lag2") else 1
+    backend = backend.removesuffix("-lag2")
     rounds = 3 if backend.endswith("-rounds") else rounds
     backend = backend.removesuffix("-rounds")
     if backend == "onnxruntime":
-        return Executor(recording := RecordingBackend(tiny.ort), tiny.dims, max_sessions, launch_rounds=rounds), recording
+        return Executor(recording := RecordingBackend(tiny.ort), tiny.dims, max_sessions, launch_rounds=rounds, lag=lag), recording
     if backend == "onnxruntime-cuda":
         from dflash_trt.runtime.backends.ort_backend import OrtBackend
 
@@ -48,7 +51,7 @@ def new_executor(
         return Executor(recording := RecordingBackend(torch_cuda), dims, max_sessions, launch_rounds=rounds), recording
     kernels = "fast" if backend == "torch-fast" else "auto"  # fast: the kernels' CPU twin, row-indexed programs
     recording = RecordingBackend(tiny.torch_backend(dims, max_sessions, kernels))
-    return Executor(recording, dims, max_sessions, launch_rounds=rounds), recording
+    return Executor(recording, dims, max_sessions, launch_rounds=rounds, lag=lag), recording
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -257,7 +260,7 @@ def default_pair_case():
     return target, draft, lambda: TorchBackend(target, draft, dims, 1), prompts, 64
 
 
-def lagged_run(backend, prompt_ids: list[int], budget: int, lag: bool, rounds: int = 1):
+def lagged_run(backend, prompt_ids: list[int], budget: int, lag: int, rounds: int = 1):
     """One session to ``budget`` tokens through budgeted executes (≤ 8 cycles each, ``rounds`` per launch at
     most): (tokens, cycles, executes, launches)."""
     with Executor(backend, max_sessions=1, max_cycles=8, lag=lag, launch_rounds=rounds) as executor:
@@ -276,7 +279,8 @@ def test_lag_on_and_off_log_the_same_rows_and_tau_as_the_reference(tiny, case):
     lag on and off the cycle rows (timing aside) must be the same, Σ emitted the tokens returned, and the
     speculative rows' acceptances and τ the reference decoder's; lag on must really have launched more.
     And with three rounds per launch: the same rows (one per round read, none for rounds discarded
-    after the budget was filled) from fewer launches."""
+    after the budget was filled) from fewer launches; with two launches queued (lag 2): the same rows, and
+    no fewer launches than lag 1."""
     if case == "default-pair-torch":
         target, draft, backend, prompts, budget = default_pair_case()
     else:  # seed 5, 10 tokens: a discarded read-ahead cycle on the tiny pair
@@ -286,7 +290,7 @@ def test_lag_on_and_off_log_the_same_rows_and_tau_as_the_reference(tiny, case):
         reference = ReferenceDecoder(target, draft, max_context=256 if case.startswith("default") else tiny.dims.max_context)
         expected = reference.generate_dflash(p, budget)
         rows, launches = {}, {}
-        for lag, rounds in ((True, 1), (False, 1), (True, 3)):
+        for lag, rounds in ((True, 1), (False, 1), (True, 3), (2, 1)):
             returned, cycles, executes, launches[lag, rounds] = lagged_run(backend(), p, budget, lag, rounds)
             spec = cycles.filter(pl.col("mode") != "target")
             assert returned == expected.tokens
@@ -295,13 +299,14 @@ def test_lag_on_and_off_log_the_same_rows_and_tau_as_the_reference(tiny, case):
             assert (spec["accepted"] + 1).mean() == pytest.approx(expected.tau)
             assert executes["cycles"].sum() == spec.height and executes["accepted"].sum() == spec["accepted"].sum()
             rows[lag, rounds] = cycles.drop("draft_ms", "verify_ms", "host_ms", "end_ms")
-        assert rows[True, 1].equals(rows[False, 1]) and rows[True, 3].equals(rows[False, 1])
+        assert rows[True, 1].equals(rows[False, 1]) and rows[True, 3].equals(rows[False, 1]) and rows[2, 1].equals(rows[False, 1])
         extra_launches += launches[True, 1] - launches[False, 1]
+        assert launches[2, 1] >= launches[True, 1]
         assert launches[True, 3] < launches[False, 1]  # rounds ran several to a launch
     assert extra_launches > 0  # the read-ahead cycle really ran, and was left out
 
 
-@pytest.mark.parametrize("backend", ["onnxruntime", "torch", "torch-fast", "torch-fast-rounds", "onnxruntime-rounds"])
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch", "torch-fast", "torch-fast-rounds", "onnxruntime-rounds", "torch-fast-lag2", "onnxruntime-lag2"])
 def test_budgeted_executes_cut_rewind_and_continue_losslessly(tiny, oracle, backend):
     """Guards against a wrong rewind after a multi-cycle execute discards tokens past a stop token or
     max_new_tokens (a cycle in flight when the stop was read, or a later round of the same launch): the

@@ -104,6 +104,19 @@ def test_lag_keeps_one_launch_in_flight_per_lane():
     assert device.in_flight_peak == 2 and lane.launched == SHAPE.max_cycles
 
 
+@pytest.mark.parametrize("lag", [2, 3])
+def test_a_deeper_lag_keeps_that_many_launches_queued_per_lane(lag):
+    """Guards against ``lag`` > 1 acting as 1 (the device still idles through a slow host round) and
+    against a lane holding more than lag + 1 unread launches (the ring sized for lag + 1 per row would
+    reuse an entry still unread); the lane still runs exactly max_cycles launches."""
+    device = FakeDevice(per_launch=1)
+    lane = fake_lane(0, 20)
+    lane.shape = LoopShape(width=4, need=8, max_context=400, max_cycles=12)
+    run_launches([lane], device.pack, device.launch, device.read, lag=lag)
+    assert [event for event, _ in device.log[: lag + 2]] == ["launch"] * (lag + 1) + ["read"]
+    assert device.in_flight_peak == lag + 1 and lane.launched == 12 and lane.tokens == list(range(12))
+
+
 def test_a_lane_stops_before_the_cache_end_even_with_a_launch_in_flight():
     """Guards against launching a cycle that could write past max_context while the previous one is unread."""
     device = FakeDevice(per_launch=4)  # each cycle moves the frontier by width = 4
