@@ -246,8 +246,10 @@ def run_launches(
     ``launch(group)`` enqueues one program and returns its handle;
     ``read(group, handle)`` waits for it and applies its verdict to the lanes
     (the launch read is ``lane.flight[0]`` while it runs).
-    Reads happen in launch order. ``lag`` (0, 1, 2, ..): before a launch is read, its lanes are launched
-    again until each has that many launches unread beyond it (as ``may_launch`` allows).
+    Reads happen in launch order. ``lag`` (0, 1, 2, ..): before a launch is read, the next round is
+    launched for its lanes (lag 1), or for every lane of the execute with fewer than ``lag`` launches
+    unread beyond its next read (lag > 1: all of them in one round, so lanes that joined late keep the
+    others' groups), as ``may_launch`` allows.
     """
     queue: deque = deque()
 
@@ -258,6 +260,8 @@ def run_launches(
             return False
         if may_stop and admit is not None and (joined := admit(candidates)):
             candidates = [*candidates, *joined]
+            if lag > 1:
+                every.extend(joined)
         live = [lane for lane in candidates if lane.finish is None]
         if choose is None:
             chosen = [lane for lane in live if lane.may_launch()]
@@ -273,18 +277,26 @@ def run_launches(
                 lane.flight.append(flight)
         return True
 
+    every = list(lanes)  # lag > 1: the execute's lanes still decoding, joined ones added (``start``)
+
+    def short() -> list[Lane]:
+        """lag > 1: every live lane with fewer than lag launches beyond its next read, as one round: a
+        lane that joined or skipped a round launches with the others, never in a group of its own."""
+        every[:] = [lane for lane in every if lane.finish is None]
+        return [lane for lane in every if len(lane.flight) <= lag and not lane.deferred]
+
     start(lanes, may_stop=False)  # the first round always runs: every call makes progress
+    for _ in range(lag - 1):  # lag > 1: the first rounds queued back to back
+        start(short(), may_stop=False)
     waiting: list[Lane] = []  # deferred lanes, read since: they join the next round (one group, not one of their own)
     while queue:
         group, handle = queue.popleft()
-        if lag:
-            going = start([*group.lanes, *waiting])
+        if lag > 1:
+            start(short())
+            waiting = []  # read deferred lanes are among short()'s
+        elif lag:
+            start([*group.lanes, *waiting])
             waiting = []
-            for _ in range(lag - 1 if going else 0):  # deeper: top the group's lanes up to ``lag`` beyond this launch
-                short = [lane for lane in group.lanes if len(lane.flight) <= lag and lane.finish is None and not lane.deferred]
-                if not short:
-                    break
-                start(short, may_stop=False)
         read(group, handle)
         for lane in group.lanes:
             lane.flight.popleft()
@@ -296,5 +308,5 @@ def run_launches(
                 lane.deferred = False
                 waiting.append(lane)
         if not queue:  # nothing else in flight: no round to join
-            start(waiting)
+            start(waiting if lag == 1 else short())
             waiting = []

@@ -117,6 +117,33 @@ def test_a_deeper_lag_keeps_that_many_launches_queued_per_lane(lag):
     assert device.in_flight_peak == lag + 1 and lane.launched == 12 and lane.tokens == list(range(12))
 
 
+@pytest.mark.parametrize("lag", [1, 2, 3])
+def test_a_lane_joining_a_running_loop_launches_with_the_others_at_any_lag(lag):
+    """Guards against a deeper lag splitting the lanes into groups of their own (a lane that joined tops
+    itself up alone, then stays a launch out of phase: twice the launches, half the owners each, measured on
+    the H200 as a quarter fewer tokens per second) and against a joined lane running fewer rounds than the
+    others. Lanes 0-2 start, lane 3 joins at the second round: every launch from then on holds all of
+    them, each lane keeps at most lag + 1 launches unread and runs max_cycles."""
+    device = FakeDevice(per_launch=1)
+    shape = LoopShape(width=4, need=8, max_context=400, max_cycles=10)
+    lanes = [fake_lane(row, 40) for row in range(3)]
+    joining = fake_lane(3, 40)
+    for lane in (*lanes, joining):
+        lane.shape = shape
+    asked = []
+
+    def admit(candidates):
+        asked.append(len(asked))
+        return [joining] if len(asked) == 1 else []
+
+    run_launches(lanes, device.pack, device.launch, device.read, lag=lag, admit=admit)
+    launches = [rows for event, rows in device.log if event == "launch"]
+    joined = launches.index((0, 1, 2, 3))
+    assert all(rows == (0, 1, 2, 3) for rows in launches[joined : joined + 10 - lag])  # one group while all run
+    assert all(lane.launched == 10 and len(lane.tokens) == 10 for lane in (*lanes, joining))
+    assert device.in_flight_peak == lag + 1
+
+
 def test_a_lane_stops_before_the_cache_end_even_with_a_launch_in_flight():
     """Guards against launching a cycle that could write past max_context while the previous one is unread."""
     device = FakeDevice(per_launch=4)  # each cycle moves the frontier by width = 4
