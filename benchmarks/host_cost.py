@@ -1,7 +1,8 @@
 """The serving loop's host work per lane and round, and per request, on the CPU: the device's part taken out.
 
     python benchmarks/host_cost.py [--clients 64] [--seconds 6] [--modes on off] [--tau 2.8] [--max-new-tokens 64]
-        [--stream-interval-ms 20] [--launch-rounds 1] [--profile 25] [--profile-out STEM] [--record]
+        [--stream-interval-ms 20] [--launch-rounds 1] [--lag 1] [--device-us 390 230 7.5] [--profile 25]
+        [--profile-out STEM] [--record]
 
 What a serving thread spends in Python between launches decides the engine's throughput once the device is
 fast (benchmarks/RESULTS.md: at 64 streams on the H200 the device is busy a half or less). This measures it
@@ -10,7 +11,11 @@ without a GPU: a tiny random pair on the torch backend (fast kernels' CPU twin, 
 programs and its batched prefills' programs replaced by stand-ins that write their results at once: a
 cycle accepts a ~ Geometric proposals (mean τ - 1, ``--tau``), a decode step and a prefill choose one token
 each (requests have no stop tokens). The stand-ins' time (small) is taken out, so the serving thread's CPU
-time left is host work only: planning, staging, launching, reading, stats, streaming, admissions. Per
+time left is host work only: planning, staging, launching, reading, stats, streaming, admissions.
+``--device-us CYCLE DECODE OWNER`` gives the stand-in device a queue: a launch ends CYCLE (or DECODE) + OWNER ×
+its padded owners µs per round after the later of its launch and the previous launch's end, and a read sleeps
+until its launch has ended (the GIL free, as in a CUDA event wait); a prefill adds CYCLE µs. The device's busy share
+and how the host's rounds overlap it then show, as on a GPU (``--lag``: launches queued per lane). Per
 row: lane-rounds (cycle-table rows) and requests in the window, lanes per launch, host µs per lane-round
 and per request (the same host time over either count), tokens per lane-round, the serving thread's CPU
 share, and the gaps between a request's deliveries (the loop's own ITL, ``--stream-interval-ms`` apart at
@@ -65,6 +70,51 @@ def tiny_pair(sessions: int):
     return target, draft, contract_dims(target, draft, options)
 
 
+class DeviceQueue:
+    """The stand-in device's time (``--device-us``): when each launch ends, and a read's wait for it."""
+
+    def __init__(self, cycle_us: float, decode_us: float, owner_us: float) -> None:
+        self.cycle, self.decode, self.owner = cycle_us / 1e6, decode_us / 1e6, owner_us / 1e6
+        self.end, self.busy, self.ends = 0.0, 0.0, {}
+
+    def queue(self, seconds: float) -> float:
+        """Work of ``seconds`` queued now: the time it ends."""
+        self.end = max(time.perf_counter(), self.end) + seconds
+        self.busy += seconds
+        return self.end
+
+    def launched(self, launch) -> None:
+        key = launch.key
+        self.ends[launch.entry] = self.queue(((self.cycle if key.kind == device_loop.CYCLE else self.decode) + self.owner * key.owners) * key.rounds)
+
+    def wait(self, launch) -> None:
+        """Sleep until the launch has ended (the last 0.2 ms in short sleeps: a plain sleep overshoots)."""
+        end = self.ends.pop(launch.entry)
+        while (left := end - time.perf_counter()) > 0:
+            time.sleep(left - 2e-4 if left > 4e-4 else 0)
+
+
+def with_device(queue: DeviceQueue):
+    """``DeviceLoop.launch`` / ``read`` and ``PrefillPrograms._program`` wrapped to run on ``queue``'s clock (the
+    caller puts them back)."""
+    launch, read, prefill = device_loop.DeviceLoop.launch, device_loop.DeviceLoop.read, PrefillPrograms._program
+
+    def timed_launch(self, *args, **kwargs):
+        launched = launch(self, *args, **kwargs)
+        queue.launched(launched)
+        return launched
+
+    def timed_read(self, launched):
+        queue.wait(launched)
+        return read(self, launched)
+
+    def timed_prefill(self, *args, **kwargs):
+        queue.queue(queue.cycle)
+        return prefill(self, *args, **kwargs)
+
+    device_loop.DeviceLoop.launch, device_loop.DeviceLoop.read, PrefillPrograms._program = timed_launch, timed_read, timed_prefill
+
+
 class DeviceClock:
     """The seconds the serving thread spent in the stand-in programs (taken out of its CPU)."""
 
@@ -116,10 +166,14 @@ def measure(mode: str, args) -> dict:
     real_program, real_prefill = device_loop.DeviceLoop._program, PrefillPrograms._program
     device_loop.DeviceLoop._program = clock.timed(stand_in_program(args.tau, torch.Generator().manual_seed(0)))
     PrefillPrograms._program = clock.timed(stand_in_prefill(torch.Generator().manual_seed(2)))
+    real_launch, real_read = device_loop.DeviceLoop.launch, device_loop.DeviceLoop.read
+    device = DeviceQueue(*args.device_us) if args.device_us else None
+    if device is not None:
+        with_device(device)
     prompts = torch.randint(1, VOCAB - 1, (64, PROMPT_TOKENS), generator=torch.Generator().manual_seed(1)).tolist()
     profile = cProfile.Profile() if args.profile or args.profile_out else None
     try:
-        executor = Executor(backend, max_sessions=args.clients, speculate=mode == "on", policy=args.policy, launch_rounds=args.launch_rounds)
+        executor = Executor(backend, max_sessions=args.clients, speculate=mode == "on", policy=args.policy, launch_rounds=args.launch_rounds, lag=args.lag)
         serving = ServingLoop(executor, max_running=args.clients, stop_ids=(), stream_interval=args.stream_interval_ms / 1000)
         try:
             clients_for(serving, prompts, args.clients, args.seconds / 2, args.max_new_tokens)  # warm-up
@@ -128,19 +182,23 @@ def measure(mode: str, args) -> dict:
                 profile_thread(serving, profile)
             serving.recorder = MetricsRecorder()  # the window's latencies only
             clock.seconds, cpu, started = 0.0, thread_cpu_s(serving.thread), time.perf_counter()
+            busy = device.busy if device is not None else 0.0
             tokens, requests = clients_for(serving, prompts, args.clients, args.seconds, args.max_new_tokens)
             wall, cpu = time.perf_counter() - started, thread_cpu_s(serving.thread) - cpu
+            busy = device.busy - busy if device is not None else None
             metrics = serving.metrics()
         finally:
             serving.close()
             executor.close()
     finally:
         device_loop.DeviceLoop._program, PrefillPrograms._program = real_program, real_prefill
+        device_loop.DeviceLoop.launch, device_loop.DeviceLoop.read = real_launch, real_read
         backend.close()
     rows, executes = executor.cycle_stats().height, executor.execute_stats()
     host = cpu - clock.seconds
     row = {
-        "mode": mode, "clients": args.clients, "tau_asked": args.tau, "launch_rounds": args.launch_rounds, "requests": requests, "lane_rounds": rows,
+        "mode": mode, "clients": args.clients, "tau_asked": args.tau, "launch_rounds": args.launch_rounds, "lag": args.lag,
+        "device_us": args.device_us, "device_busy_pct": None if busy is None else round(100 * busy / wall, 1), "requests": requests, "lane_rounds": rows,
         "tokens_per_lane_round": round(tokens / max(rows, 1), 2), "lanes_per_launch": round(rows / max(int(executes["loop_launches"].sum()), 1), 2), "host_us_per_lane_round": round(1e6 * host / max(rows, 1), 2),
         "host_us_per_request": round(1e6 * host / max(requests, 1), 1), "device_stand_in_s": round(clock.seconds, 3),
         "serving_cpu_pct": round(100 * cpu / wall, 1), "tok_s": round(tokens / wall),
@@ -182,6 +240,9 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--policy", default="adaptive")
     parser.add_argument("--launch-rounds", type=int, default=1, help="the executor's rounds per launch (default 1)")
+    parser.add_argument("--lag", type=int, default=1, help="the executor's launches queued per lane beyond the one read (default 1)")
+    parser.add_argument("--device-us", type=float, nargs=3, metavar=("CYCLE", "DECODE", "OWNER"),
+                        help="a stand-in device queue: µs per cycle and per decode step, plus per padded owner (default: none)")
     parser.add_argument("--stream-interval-ms", type=float, default=DEFAULT_STREAM_INTERVAL * 1000, help="the serving loop's delivery tick")
     parser.add_argument("--profile", type=int, default=0, help="print the serving thread's N largest functions (cProfile)")
     parser.add_argument("--profile-out", help="write the serving thread's profile to PROFILE_OUT.MODE.pstats")
@@ -191,12 +252,12 @@ def main() -> int:
         parser.error(f"--clients >= 1, --seconds > 0 and --tau > 1, got {args.clients}, {args.seconds}, {args.tau}")
     torch.set_num_threads(1)
     rows = [measure(mode, args) for mode in args.modes]
-    print("| mode | clients | requests | lane-rounds | lanes / launch | tokens / lane-round | host µs / lane-round | host µs / request | serving CPU % "
-          "| tok/s | ITL p50 / p99 ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| mode | clients | lag | requests | lane-rounds | lanes / launch | tokens / lane-round | host µs / lane-round | host µs / request | serving CPU % "
+          "| device busy % | tok/s | ITL p50 / p99 ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['mode']} | {r['clients']} | {r['requests']} | {r['lane_rounds']} | {r['lanes_per_launch']} | {r['tokens_per_lane_round']} | {r['host_us_per_lane_round']} "
-              f"| {r['host_us_per_request']} | {r['serving_cpu_pct']} | {r['tok_s']:,} | {r['itl_p50_ms']} / {r['itl_p99_ms']} |")
+        print(f"| {r['mode']} | {r['clients']} | {r['lag']} | {r['requests']} | {r['lane_rounds']} | {r['lanes_per_launch']} | {r['tokens_per_lane_round']} | {r['host_us_per_lane_round']} "
+              f"| {r['host_us_per_request']} | {r['serving_cpu_pct']} | {r['device_busy_pct']} | {r['tok_s']:,} | {r['itl_p50_ms']} / {r['itl_p99_ms']} |")
     for r in rows:
         if "profile" in r:
             print(f"\n{r['mode']}:\n{r.pop('profile')}")

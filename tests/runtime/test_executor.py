@@ -779,7 +779,7 @@ def test_a_changed_sampling_reaches_the_row_indexed_loop_between_executes(tiny, 
     t.execute(t.decode_inputs([a, c]))
 
 
-@pytest.mark.parametrize("backend", ["torch-fast", "onnxruntime", pytest.param("torch-cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("backend", ["torch-fast", "onnxruntime", "torch-fast-lag2", pytest.param("torch-cuda", marks=pytest.mark.gpu)])
 def test_requests_admitted_into_a_running_execute_decode_as_alone(tiny, oracle, backend):
     """Guards against a request that arrives while an execute runs having to wait for its end (a server's
     joining request: an execute boundary each time, the device idle through it), and against admission
@@ -788,7 +788,8 @@ def test_requests_admitted_into_a_running_execute_decode_as_alone(tiny, oracle, 
     batch's in admission order, name the sessions opened for them and stream under those indices; a
     refused admission (a bad token, no session left) opens nothing, changes nothing and says why; the
     call ends within max_cycles rounds; the next call goes on from the admitted sessions' tokens.
-    Row-bound backends prefill each admitted prompt alone, with the same outputs."""
+    Row-bound backends prefill each admitted prompt alone, with the same outputs; with two launches
+    queued per lane (lag 2) the admitted lanes join the running ones' rounds with the same outputs."""
     if backend == "torch-cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     executor, _ = new_executor(tiny, 5, backend)
