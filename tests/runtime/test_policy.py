@@ -310,6 +310,20 @@ def test_unknown_policy_names_are_refused(tiny):
         Executor(tiny.ort, tiny.dims, 2, policy="sometimes")
 
 
+@pytest.mark.parametrize(("option", "value", "words"), [
+    ("lag", 4, r"lag must be an int in \[0, 3\] \(or a bool\), got 4"),
+    ("lag", -1, r"lag must be an int in \[0, 3\] \(or a bool\), got -1"),
+    ("lag", 1.5, r"lag must be an int in \[0, 3\] \(or a bool\), got 1.5"),
+    ("launch_rounds", 0, r"launch_rounds must be an int in \[1, 8\], got 0"),
+])
+def test_out_of_range_loop_options_are_refused(tiny, option, value, words):
+    """Guards against a launch depth or rounds per launch outside what the executor offers accepted silently (a
+    fractional lag truncated, a negative one read as no lag), with a typed error naming the option, its range
+    and the value seen."""
+    with pytest.raises(InputError, match=words):
+        Executor(tiny.ort, tiny.dims, 2, **{option: value})
+
+
 # ------------------------------------------------------------------ the executor under a policy
 
 
