@@ -70,6 +70,23 @@ def tiny_pair(sessions: int):
     return target, draft, contract_dims(target, draft, options)
 
 
+class DeviceClock:
+    """The seconds the serving thread spent in the stand-in programs (taken out of its CPU)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def timed(self, run):
+        def wrapper(*args, **kwargs):
+            started = time.thread_time()
+            try:
+                return run(*args, **kwargs)
+            finally:
+                self.seconds += time.thread_time() - started
+
+        return wrapper
+
+
 class DeviceQueue:
     """The stand-in device's time (``--device-us``): when each launch ends, and a read's wait for it."""
 
@@ -94,10 +111,11 @@ class DeviceQueue:
             time.sleep(left - 2e-4 if left > 4e-4 else 0)
 
 
-def with_device(queue: DeviceQueue):
+def with_device(queue: DeviceQueue, clock: DeviceClock):
     """``DeviceLoop.launch`` / ``read`` and ``PrefillPrograms._program`` wrapped to run on ``queue``'s clock (the
-    caller puts them back)."""
+    caller puts them back); the CPU a read's wait spends goes to ``clock`` (taken out of the host's)."""
     launch, read, prefill = device_loop.DeviceLoop.launch, device_loop.DeviceLoop.read, PrefillPrograms._program
+    wait = clock.timed(queue.wait)
 
     def timed_launch(self, *args, **kwargs):
         launched = launch(self, *args, **kwargs)
@@ -105,7 +123,7 @@ def with_device(queue: DeviceQueue):
         return launched
 
     def timed_read(self, launched):
-        queue.wait(launched)
+        wait(launched)
         return read(self, launched)
 
     def timed_prefill(self, *args, **kwargs):
@@ -113,23 +131,6 @@ def with_device(queue: DeviceQueue):
         return prefill(self, *args, **kwargs)
 
     device_loop.DeviceLoop.launch, device_loop.DeviceLoop.read, PrefillPrograms._program = timed_launch, timed_read, timed_prefill
-
-
-class DeviceClock:
-    """The seconds the serving thread spent in the stand-in programs (taken out of its CPU)."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-
-    def timed(self, run):
-        def wrapper(*args, **kwargs):
-            started = time.thread_time()
-            try:
-                return run(*args, **kwargs)
-            finally:
-                self.seconds += time.thread_time() - started
-
-        return wrapper
 
 
 def stand_in_prefill(generator: torch.Generator):
@@ -169,7 +170,7 @@ def measure(mode: str, args) -> dict:
     real_launch, real_read = device_loop.DeviceLoop.launch, device_loop.DeviceLoop.read
     device = DeviceQueue(*args.device_us) if args.device_us else None
     if device is not None:
-        with_device(device)
+        with_device(device, clock)
     prompts = torch.randint(1, VOCAB - 1, (64, PROMPT_TOKENS), generator=torch.Generator().manual_seed(1)).tolist()
     profile = cProfile.Profile() if args.profile or args.profile_out else None
     try:

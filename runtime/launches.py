@@ -253,11 +253,11 @@ def run_launches(
     """
     queue: deque = deque()
 
-    def start(candidates: Sequence[Lane], may_stop: bool = True) -> bool:
-        """One round for ``candidates`` (and, unless ``may_stop`` is False, the lanes ``admit`` adds);
-        False when ``stop()`` ended the loop instead."""
+    def start(candidates: Sequence[Lane], may_stop: bool = True) -> None:
+        """One round for ``candidates`` and, unless ``may_stop`` is False, the lanes ``admit`` adds (none
+        once ``stop()`` says to end)."""
         if may_stop and stop is not None and stop():
-            return False
+            return
         if may_stop and admit is not None and (joined := admit(candidates)):
             candidates = [*candidates, *joined]
             if lag > 1:
@@ -275,7 +275,6 @@ def run_launches(
                 if flight is None or flight.choice is not lane.choice or flight.width != lane.shape.width * rounds:
                     flight = Flight(group.kind, lane.shape.width * rounds, lane.choice, rounds)
                 lane.flight.append(flight)
-        return True
 
     every = list(lanes)  # lag > 1: the execute's lanes still decoding, joined ones added (``start``)
 
