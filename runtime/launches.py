@@ -291,8 +291,7 @@ def run_launches(
     while queue:
         group, handle = queue.popleft()
         if lag > 1:
-            start(short())
-            waiting = []  # read deferred lanes are among short()'s
+            start(short())  # read deferred lanes are among short()'s
         elif lag:
             start([*group.lanes, *waiting])
             waiting = []
@@ -305,7 +304,8 @@ def run_launches(
         for lane in group.lanes:
             if lane.deferred and not lane.flight:
                 lane.deferred = False
-                waiting.append(lane)
+                if lag == 1:
+                    waiting.append(lane)
         if not queue:  # nothing else in flight: no round to join
             start(waiting if lag == 1 else short())
             waiting = []
