@@ -212,6 +212,28 @@ def test_greedy_only_artifacts_refuse_sampled_sessions_and_serve_greedy_ones(tin
     assert len(t.seq[s]) > 9 + 3
 
 
+def test_sampled_sessions_do_not_rebuild_the_graph_list_per_request(tiny, oracle, monkeypatch):
+    """Guards against each sampled session's check for the sampled verifiers asking the backend for its list of
+    every graph name once per verifier it wants (max_owners x verify lengths lists, each rebuilt: 0.2 s per
+    sampled request at 64 owners, on the serving thread): once the executor is built it never asks again, and
+    sampled sessions, set one by one or admitted into a running call, still give the reference's tokens."""
+    executor, recording = new_executor(tiny, 4, "torch-fast")
+    asked = []
+    monkeypatch.setattr(RecordingBackend, "graph_names", property(lambda self: asked.append(1) or self.inner.graph_names))
+    t = Tracker(executor, oracle)
+    sessions = [t.open() for _ in range(2)]
+    for i, s in enumerate(sessions):
+        t.set_sampling(s, Sampling(temperature=0.8, top_k=20, seed=11 + i))
+    t.execute([(s, prompt(7 + i, 5 + i), None, True) for i, s in enumerate(sessions)])
+    t.execute(t.decode_inputs(sessions))
+    joining = Sampling(temperature=0.7, seed=5)
+    admitted = iter([[], [Admission(prompt(6, 3), 8, sampling=joining)]])
+    outputs = executor.execute_outputs([Input(executor.open_session(), prompt(9, 8), max_new_tokens=12)], admit=lambda: next(admitted, []))
+    got = outputs[1].tokens
+    assert got and got == oracle.continuation(prompt(6, 3), joining)[: len(got)]
+    assert not asked, f"the backend's graph list was asked for {len(asked)} times while serving"
+
+
 def test_stats_count_every_token_and_tau_matches_reference(tiny, tmp_path):
     """Guards against dropped or duplicated stats rows and a τ that drifts from the reference's
     acceptance (including plain-decode steps near the context end, which must not count in τ)."""
