@@ -6,7 +6,7 @@ exported to the cache as ``dflash-trt demo`` does, unless ``--artifacts``;
 official openai client, asyncio, spread over ``--client-procs`` processes so
 the clients' own parsing does not become the bottleneck) that each send
 streaming completions back to back: a prompt from the default pair's held-out
-code prompts, ``--max-tokens`` new tokens, greedy. The clients first load the
+code prompts, ``--max-tokens`` new tokens, greedy (``--temperature`` > 0: sampled). The clients first load the
 server for ``--warmup-seconds`` (CUDA graph captures, allocator growth),
 then the window of ``--seconds`` is measured. Requests still running when
 the window ends are cancelled (disconnect): they do not count as requests,
@@ -189,7 +189,7 @@ async def client_loop(client, model: str, prompts: list[str], index: int, client
         prompt = prompts[n % len(prompts)]
         n += clients
         started, events, finished, usage = time.time(), [], False, None
-        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens, temperature=0, stream=True,
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens, temperature=args.temperature, stream=True,
                                                  stream_options={"include_usage": True})
         try:
             async for event in stream:
@@ -360,6 +360,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=30.0, help="measured window per client count")
     parser.add_argument("--warmup-seconds", type=float, default=5.0, help="full load before each window (not measured)")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="the requests' temperature (default 0: greedy; > 0 samples)")
     parser.add_argument("--max-sessions", type=int, default=16)
     parser.add_argument("--modes", nargs="+", choices=tuple(MODES), default=["on", "off"])
     parser.add_argument("--policy", choices=("adaptive", "always"), default="adaptive", help="the server's --policy in mode on (default adaptive)")
@@ -419,7 +420,7 @@ def main() -> int:
                   f"| {row['ratio']}× | {row['ratio_min']}× – {row['ratio_max']}× |", flush=True)
     summary = {"name": "serve_load", "date": time.strftime("%Y-%m-%d"), "machine": machine(),
                "command": " ".join(["python", "benchmarks/serve_load.py", *sys.argv[1:]]), "seconds": args.seconds, "warmup_seconds": args.warmup_seconds,
-               "max_tokens": args.max_tokens, "max_sessions": args.max_sessions, "backend": args.backend, "device": args.device,
+               "max_tokens": args.max_tokens, "temperature": args.temperature, "max_sessions": args.max_sessions, "backend": args.backend, "device": args.device,
                "policy": args.policy, "repeats": args.repeats, "client_cores": args.client_cores,
                "client_cpus": sorted(args.client_cpus) if args.client_cpus else None, "runs": results, "ratios": ratios}
     if args.record:
