@@ -23,7 +23,7 @@ best; default the server's). The client threads share the serving thread's GIL, 
 ``--profile N`` prints the serving thread's N largest functions by own time (cProfile, which inflates them);
 ``--profile-out STEM`` writes its whole profile to STEM.MODE.pstats (``python -m pstats``).
 
-Prints one table and ends with one JSON line; ``--record`` appends a row per mode.
+Per row also the policy's choices in the window (drafting lanes' launches run as cycles / decode steps). Prints one table and ends with one JSON line; ``--record`` appends a row per mode.
 """
 
 from __future__ import annotations
@@ -204,6 +204,7 @@ def measure(mode: str, args) -> dict:
         "host_us_per_request": round(1e6 * host / max(requests, 1), 1), "device_stand_in_s": round(clock.seconds, 3),
         "serving_cpu_pct": round(100 * cpu / wall, 1), "tok_s": round(tokens / wall),
         "itl_p50_ms": round(metrics.itl_s.p50 * 1e3, 2), "itl_p99_ms": round(metrics.itl_s.p99 * 1e3, 2),
+        "policy_cycles": int(executes["policy_cycles"].sum()), "policy_decodes": int(executes["policy_decodes"].sum()),
     }
     if profile is not None and args.profile_out:
         profile.dump_stats(f"{args.profile_out}.{mode}.pstats")
@@ -254,11 +255,12 @@ def main() -> int:
     torch.set_num_threads(1)
     rows = [measure(mode, args) for mode in args.modes]
     print("| mode | clients | lag | requests | lane-rounds | lanes / launch | tokens / lane-round | host µs / lane-round | host µs / request | serving CPU % "
-          "| device busy % | tok/s | ITL p50 / p99 ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| device busy % | tok/s | ITL p50 / p99 ms | policy cycles / decodes |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['mode']} | {r['clients']} | {r['lag']} | {r['requests']} | {r['lane_rounds']} | {r['lanes_per_launch']} | {r['tokens_per_lane_round']} | {r['host_us_per_lane_round']} "
-              f"| {r['host_us_per_request']} | {r['serving_cpu_pct']} | {r['device_busy_pct']} | {r['tok_s']:,} | {r['itl_p50_ms']} / {r['itl_p99_ms']} |")
+              f"| {r['host_us_per_request']} | {r['serving_cpu_pct']} | {r['device_busy_pct']} | {r['tok_s']:,} | {r['itl_p50_ms']} / {r['itl_p99_ms']} "
+              f"| {r['policy_cycles']} / {r['policy_decodes']} |")
     for r in rows:
         if "profile" in r:
             print(f"\n{r['mode']}:\n{r.pop('profile')}")
