@@ -12,8 +12,10 @@ warm-up of ``--seconds`` / 2, then a window of ``--seconds``. What the engine an
 deliver without the HTTP fronts, and how its launches are shaped: per row tokens/s (completed requests'
 tokens over the window), requests/s, executes/s, loop launches per second and the rounds each ran
 (``--launch-rounds``: the executor's most per launch, default 1; ``--lag``: the launches each lane keeps
-queued beyond the one read, default 1, adjacent windows per mode), owners per round (cycle-table
-rows per round: lanes that ran in it), the rounds' padded owner counts' mean, device ms per loop
+queued beyond the one read, default 1, adjacent windows per mode), owners per round (lanes per loop round:
+the executes' cycle and decode-step lane counts over their rounds), the rounds' padded owner counts' mean
+(from the cycle table: DFlash's cycle rounds; in plain decoding every target row's round, each request's first
+token, read with its prefill, counting as a round of one), device ms per loop
 launch and the device's busy share of the window (loop launches only: the joining prompts' prefills
 are not timed), TTFT p50 / p99 (the loop's own), and the serving thread's CPU share.
 
@@ -28,7 +30,6 @@ import threading
 import time
 from pathlib import Path
 
-import polars as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -77,6 +78,7 @@ def measure(executor: Executor, prompts: list[list[int]], clients: int, args, jo
     try:
         clients_for(serving, prompts, clients, args.seconds / 2, args.max_new_tokens)  # warm-up: captures, allocator
         executor.clear_stats()
+        executor.loop.timeline.reset()  # the window's loop launches only
         serving.recorder = MetricsRecorder()  # the window's latencies only
         cpu, started = thread_cpu_s(serving.thread), time.perf_counter()
         tokens, requests = clients_for(serving, prompts, clients, args.seconds, args.max_new_tokens)
@@ -89,12 +91,15 @@ def measure(executor: Executor, prompts: list[list[int]], clients: int, args, jo
     loop_rows = cycles.filter(cycles["mode"] != "target") if executor.speculate else cycles
     rounds = loop_rows["cycle_id"].n_unique()  # one cycle id per round read (a launch of several rounds: several)
     owners = loop_rows.group_by("cycle_id").len()["len"]
-    device_ms = loop_rows.group_by("cycle_id").agg(pl.col("verify_ms").first())["verify_ms"].sum()  # a round's share of its launch, once
+    device_ms = executor.loop.timeline.busy_ms  # the loop's launches (cycles and decode steps), from its own events
     launches, most = int(executes["loop_launches"].sum()), executor.dims.max_owners
+    # Lanes per loop round from the executes' counters: the cycle table also holds a row per request for its
+    # first token (a round id of its own), which would halve plain decoding's figure.
+    lane_rounds, loop_rounds = int(executes["cycles"].sum() + executes["target_decode_steps"].sum()), int(executes["loop_rounds"].sum())
     return {
         "launch_rounds": executor.loop.most_rounds, "lag": executor.lag, "rounds_per_launch": round(int(executes["loop_rounds"].sum()) / max(launches, 1), 2),
         "tok_s": round(tokens / wall), "requests_per_s": round(requests / wall, 1), "executes_per_s": round(executes.height / wall, 1),
-        "launches_per_s": round(launches / wall), "owners_per_launch": round(loop_rows.height / max(rounds, 1), 2),
+        "launches_per_s": round(launches / wall), "owners_per_launch": round(lane_rounds / max(loop_rounds, 1), 2),
         "padded_owners": round(sum(padded(min(int(n), most), most) for n in owners) / max(rounds, 1), 2),
         "device_ms_per_launch": round(device_ms / max(launches, 1), 3), "device_busy_pct": round(100 * device_ms / 1e3 / wall, 1),
         "ttft_p50_ms": round(metrics.ttft_s.p50 * 1e3, 2), "ttft_p99_ms": round(metrics.ttft_s.p99 * 1e3, 2),
