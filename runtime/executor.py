@@ -877,9 +877,11 @@ class Executor:
         this round's: lanes that fall apart into small groups (a drain, a deferral) are then steered
         back to one kind, and one group.
 
-        On a decode choice, a lane whose pending context rows are full (B) cycles instead (the cycle
-        drains them: ``DRAIN``), and a lane with a cycle in flight is deferred (its pending count is
-        unknown until that cycle is read); both rejoin the others' decode steps in a later round."""
+        On a decode choice, a lane with a cycle in flight is deferred (its pending count is unknown until
+        that cycle is read; it rejoins the others' decode steps in a later round), and when a lane's
+        pending context rows are full (B) the whole round cycles instead (the cycle drains them: ``DRAIN``,
+        charged to the decode round): one launch, where a drain of that lane alone beside the others'
+        decode step would add a launch each time a lane fills, and lanes fill at different rounds."""
         policed = [lane for lane in lanes if lane.policed]
         if not policed:
             return [lane for lane in lanes if lane.may_launch()]
@@ -897,16 +899,15 @@ class Executor:
             going = max(going, count)
         choice = self.policy.choose(padded(min(going, most), most))
         ready = [lane for lane in lanes if not lane.policed and lane.may_launch()]
+        if choice.kind == DECODE and any(self._pending(lane) >= self.dims.block_size for lane in policed if CYCLE not in self._kinds(lane)):
+            choice = replace(choice, kind=CYCLE, why=DRAIN)  # the round drains every lane; its drains fall due together from now on
         kind = choice.kind
         proposals, shape = self._shape(kind, choice, self.max_cycles)  # policed lanes are never host_taps: max_cycles
         for lane in policed:
             if kind == DECODE and CYCLE in self._kinds(lane):
                 lane.deferred = True
                 continue
-            if kind == DECODE and self._pending(lane) >= self.dims.block_size:
-                self._set_kind(lane, CYCLE, replace(choice, kind=CYCLE, why=DRAIN))  # charged to the decode round
-            else:
-                lane.kind, lane.choice, lane.proposals, lane.shape = kind, choice, proposals, shape  # _set_kind, made once
+            lane.kind, lane.choice, lane.proposals, lane.shape = kind, choice, proposals, shape  # _set_kind, made once
             answer = asked.get(id(lane))  # the count's answer holds while the lane keeps its shape (nothing else moved)
             if answer[1] if answer is not None and answer[0] is lane.shape else lane.may_launch():
                 ready.append(lane)

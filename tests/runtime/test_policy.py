@@ -557,6 +557,27 @@ def test_choices_are_stats_columns_and_counters(tiny, oracle):
     always.close()
 
 
+def test_a_full_pending_context_drains_the_whole_round_in_one_launch(tiny, oracle):
+    """Guards against a lane whose pending context rows are full draining apart, in a launch of its own beside
+    the others' decode step: lanes fill at different rounds, so under decode choices nearly every round ran
+    two launches (10 of 16 lanes per launch on the host proxy at tau 1.6, DFlash at 0.56x plain decoding).
+    The round drains every lane in one launch instead: each execute runs exactly as many launches as its
+    busiest lane ran rounds, the drains happened, and the outputs are the reference's."""
+    policy = make_policy("decode", tiny.dims.verify_proposals)
+    executor, _ = policy_executor(tiny, "torch-fast", policy)  # row-indexed: one launch serves any rows
+    executor.lag = False  # every launch read before the next: launches and rounds are the same count
+    t = Tracker(executor, oracle)
+    sessions = [t.open() for _ in range(4)]
+    workload(t, t.execute, sessions, 14)  # prompts of 1, 5, 9, 17 tokens: pending rows fill at different rounds
+    cycles, executes = executor.cycle_stats(), executor.execute_stats()
+    assert (cycles["policy"] == DRAIN).sum() > 0
+    rounds = cycles.filter(pl.col("batch_id") > cycles["batch_id"].min())  # after the prompts' execute: loop launches only
+    busiest = rounds.group_by(["batch_id", "session"]).len().group_by("batch_id").agg(pl.col("len").max())
+    launched = executes.select("batch_id", "loop_launches").join(busiest, on="batch_id")
+    assert launched.height > 5 and (launched["loop_launches"] == launched["len"]).all(), launched
+    executor.close()
+
+
 def test_every_launch_is_charged_to_the_round_that_chose_it(tiny, oracle):
     """Guards against a decode round whose forced drains are charged to cycle rounds (decoding would then
     look cheaper than it is, and cycling dearer): under a decode-only policy every launch of a drafting
