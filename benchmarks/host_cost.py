@@ -23,7 +23,8 @@ best; default the server's). The client threads share the serving thread's GIL, 
 ``--profile N`` prints the serving thread's N largest functions by own time (cProfile, which inflates them);
 ``--profile-out STEM`` writes its whole profile to STEM.MODE.pstats (``python -m pstats``).
 
-Per row also the policy's choices in the window (drafting lanes' launches run as cycles / decode steps). Prints one table and ends with one JSON line; ``--record`` appends a row per mode.
+Per row also the policy's choices in the window (drafting lanes' launches run as cycles / decode steps).
+Prints one table and ends with one JSON line; ``--record`` appends a row per mode.
 """
 
 from __future__ import annotations

@@ -217,7 +217,7 @@ def test_sampled_sessions_do_not_rebuild_the_graph_list_per_request(tiny, oracle
     every graph name once per verifier it wants (max_owners x verify lengths lists, each rebuilt: 0.2 s per
     sampled request at 64 owners, on the serving thread): once the executor is built it never asks again, and
     sampled sessions, set one by one or admitted into a running call, still give the reference's tokens."""
-    executor, recording = new_executor(tiny, 4, "torch-fast")
+    executor, _ = new_executor(tiny, 4, "torch-fast")
     asked = []
     monkeypatch.setattr(RecordingBackend, "graph_names", property(lambda self: asked.append(1) or self.inner.graph_names))
     t = Tracker(executor, oracle)
