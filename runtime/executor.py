@@ -877,11 +877,7 @@ class Executor:
         this round's: lanes that fall apart into small groups (a drain, a deferral) are then steered
         back to one kind, and one group.
 
-        On a decode choice, a lane with a cycle in flight is deferred (its pending count is unknown until
-        that cycle is read; it rejoins the others' decode steps in a later round), and when a lane's
-        pending context rows are full (B) the whole round cycles instead (the cycle drains them: ``DRAIN``,
-        charged to the decode round): one launch, where a drain of that lane alone beside the others'
-        decode step would add a launch each time a lane fills, and lanes fill at different rounds."""
+        A decode choice: ``_decode_round``."""
         policed = [lane for lane in lanes if lane.policed]
         if not policed:
             return [lane for lane in lanes if lane.may_launch()]
@@ -899,15 +895,49 @@ class Executor:
             going = max(going, count)
         choice = self.policy.choose(padded(min(going, most), most))
         ready = [lane for lane in lanes if not lane.policed and lane.may_launch()]
-        if choice.kind == DECODE and any(self._pending(lane) >= self.dims.block_size for lane in policed if CYCLE not in self._kinds(lane)):
-            choice = replace(choice, kind=CYCLE, why=DRAIN)  # the round drains every lane; its drains fall due together from now on
-        kind = choice.kind
-        proposals, shape = self._shape(kind, choice, self.max_cycles)  # policed lanes are never host_taps: max_cycles
+        if choice.kind == DECODE:
+            return ready + self._decode_round(policed, choice, asked)
+        proposals, shape = self._shape(CYCLE, choice, self.max_cycles)  # policed lanes are never host_taps: max_cycles
         for lane in policed:
-            if kind == DECODE and CYCLE in self._kinds(lane):
+            lane.kind, lane.choice, lane.proposals, lane.shape = CYCLE, choice, proposals, shape  # _set_kind, made once
+            answer = asked.get(id(lane))  # the count's answer holds while the lane keeps its shape (nothing else moved)
+            if answer[1] if answer is not None and answer[0] is lane.shape else lane.may_launch():
+                ready.append(lane)
+        return ready
+
+    def _decode_round(self, policed: list[Lane], choice: Choice, asked: dict[int, tuple[LoopShape, bool]]) -> list[Lane]:
+        """The policed lanes of a decode round that launch (``_plan_round``; ``asked``: its may_launch answers).
+
+        A lane whose pending context rows are full (B) must cycle (the cycle drains them: ``DRAIN``, charged
+        to the decode round). When such a drain can launch, the whole round drains: every lane that can
+        cycle does, in one launch, where a drain apart beside the others' decode step would add a launch
+        each time a lane fills (lanes fill at different rounds); from then on their drains fall due
+        together. A lane no cycle fits (the context's end) decodes as before. Otherwise a lane with a
+        cycle in flight is deferred (its pending count is unknown until that cycle is read; it rejoins the
+        others' decode steps in a later round), and the others decode."""
+        drain = replace(choice, kind=CYCLE, why=DRAIN)
+        cycle_proposals, cycle_shape = self._shape(CYCLE, drain, self.max_cycles)
+        proposals, shape = self._shape(DECODE, choice, self.max_cycles)
+        full = {id(lane) for lane in policed if CYCLE not in self._kinds(lane) and self._pending(lane) >= self.dims.block_size}
+        ready, draining = [], False
+        for lane in policed:  # the full lanes first: whether one of them drains decides the round
+            if id(lane) in full:
+                lane.kind, lane.choice, lane.proposals, lane.shape = CYCLE, drain, cycle_proposals, cycle_shape
+                if lane.may_launch():
+                    ready.append(lane)
+                    draining = True
+        for lane in policed:
+            if id(lane) in full:
+                continue
+            if draining:
+                lane.kind, lane.choice, lane.proposals, lane.shape = CYCLE, drain, cycle_proposals, cycle_shape
+                if lane.may_launch():
+                    ready.append(lane)
+                    continue
+            if CYCLE in self._kinds(lane):
                 lane.deferred = True
                 continue
-            lane.kind, lane.choice, lane.proposals, lane.shape = kind, choice, proposals, shape  # _set_kind, made once
+            lane.kind, lane.choice, lane.proposals, lane.shape = DECODE, choice, proposals, shape  # _set_kind, made once
             answer = asked.get(id(lane))  # the count's answer holds while the lane keeps its shape (nothing else moved)
             if answer[1] if answer is not None and answer[0] is lane.shape else lane.may_launch():
                 ready.append(lane)
