@@ -97,7 +97,7 @@ def measure(executor: Executor, prompts: list[list[int]], clients: int, args, jo
     # first token (a round id of its own), which would halve plain decoding's figure.
     lane_rounds, loop_rounds = int(executes["cycles"].sum() + executes["target_decode_steps"].sum()), int(executes["loop_rounds"].sum())
     return {
-        "launch_rounds": executor.loop.most_rounds, "lag": executor.lag, "rounds_per_launch": round(int(executes["loop_rounds"].sum()) / max(launches, 1), 2),
+        "launch_rounds": executor.loop.most_rounds, "lag": executor.lag, "rounds_per_launch": round(loop_rounds / max(launches, 1), 2),
         "tok_s": round(tokens / wall), "requests_per_s": round(requests / wall, 1), "executes_per_s": round(executes.height / wall, 1),
         "launches_per_s": round(launches / wall), "owners_per_launch": round(lane_rounds / max(loop_rounds, 1), 2),
         "padded_owners": round(sum(padded(min(int(n), most), most) for n in owners) / max(rounds, 1), 2),

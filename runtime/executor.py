@@ -900,10 +900,16 @@ class Executor:
         proposals, shape = self._shape(CYCLE, choice, self.max_cycles)  # policed lanes are never host_taps: max_cycles
         for lane in policed:
             lane.kind, lane.choice, lane.proposals, lane.shape = CYCLE, choice, proposals, shape  # _set_kind, made once
-            answer = asked.get(id(lane))  # the count's answer holds while the lane keeps its shape (nothing else moved)
-            if answer[1] if answer is not None and answer[0] is lane.shape else lane.may_launch():
+            if self._may_launch(lane, asked):
                 ready.append(lane)
         return ready
+
+    @staticmethod
+    def _may_launch(lane: Lane, asked: dict[int, tuple[LoopShape, bool]]) -> bool:
+        """``lane.may_launch()``, or ``_plan_round``'s count's answer while the lane keeps the shape it was asked
+        under (nothing else moved since)."""
+        answer = asked.get(id(lane))
+        return answer[1] if answer is not None and answer[0] is lane.shape else lane.may_launch()
 
     def _decode_round(self, policed: list[Lane], choice: Choice, asked: dict[int, tuple[LoopShape, bool]]) -> list[Lane]:
         """The policed lanes of a decode round that launch (``_plan_round``; ``asked``: its may_launch answers).
@@ -918,7 +924,8 @@ class Executor:
         drain = replace(choice, kind=CYCLE, why=DRAIN)
         cycle_proposals, cycle_shape = self._shape(CYCLE, drain, self.max_cycles)
         proposals, shape = self._shape(DECODE, choice, self.max_cycles)
-        full = {id(lane) for lane in policed if CYCLE not in self._kinds(lane) and self._pending(lane) >= self.dims.block_size}
+        cycling = {id(lane) for lane in policed if CYCLE in self._kinds(lane)}
+        full = {id(lane) for lane in policed if id(lane) not in cycling and self._pending(lane) >= self.dims.block_size}
         ready, draining = [], False
         for lane in policed:  # the full lanes first: whether one of them drains decides the round
             if id(lane) in full:
@@ -934,12 +941,11 @@ class Executor:
                 if lane.may_launch():
                     ready.append(lane)
                     continue
-            if CYCLE in self._kinds(lane):
+            if id(lane) in cycling:
                 lane.deferred = True
                 continue
             lane.kind, lane.choice, lane.proposals, lane.shape = DECODE, choice, proposals, shape  # _set_kind, made once
-            answer = asked.get(id(lane))  # the count's answer holds while the lane keeps its shape (nothing else moved)
-            if answer[1] if answer is not None and answer[0] is lane.shape else lane.may_launch():
+            if self._may_launch(lane, asked):
                 ready.append(lane)
         return ready
 

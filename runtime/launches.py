@@ -276,7 +276,7 @@ def run_launches(
                     flight = Flight(group.kind, lane.shape.width * rounds, lane.choice, rounds)
                 lane.flight.append(flight)
 
-    every = list(lanes)  # lag > 1: the execute's lanes still decoding, joined ones added (``start``)
+    every = list(lanes) if lag > 1 else []  # lag > 1: the execute's lanes still decoding, joined ones added (``start``)
 
     def short() -> list[Lane]:
         """lag > 1: every live lane with fewer than lag launches beyond its next read, as one round: a
