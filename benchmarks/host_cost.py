@@ -162,8 +162,9 @@ def stand_in_program(tau: float, generator: torch.Generator):
 
 
 def measure(mode: str, args) -> dict:
-    target, draft, dims = tiny_pair(args.clients)
-    backend = TorchBackend(target, draft, dims, args.clients, device="cpu", kernels="fast")
+    sessions = args.max_sessions or args.clients  # the server's --max-sessions: spare sessions let requests join a running execute
+    target, draft, dims = tiny_pair(sessions)
+    backend = TorchBackend(target, draft, dims, sessions, device="cpu", kernels="fast")
     clock = DeviceClock()
     real_program, real_prefill = device_loop.DeviceLoop._program, PrefillPrograms._program
     device_loop.DeviceLoop._program = clock.timed(stand_in_program(args.tau, torch.Generator().manual_seed(0)))
@@ -175,8 +176,8 @@ def measure(mode: str, args) -> dict:
     prompts = torch.randint(1, VOCAB - 1, (64, PROMPT_TOKENS), generator=torch.Generator().manual_seed(1)).tolist()
     profile = cProfile.Profile() if args.profile or args.profile_out else None
     try:
-        executor = Executor(backend, max_sessions=args.clients, speculate=mode == "on", policy=args.policy, launch_rounds=args.launch_rounds, lag=args.lag)
-        serving = ServingLoop(executor, max_running=args.clients, stop_ids=(), stream_interval=args.stream_interval_ms / 1000)
+        executor = Executor(backend, max_sessions=sessions, speculate=mode == "on", policy=args.policy, launch_rounds=args.launch_rounds, lag=args.lag)
+        serving = ServingLoop(executor, max_running=sessions, stop_ids=(), stream_interval=args.stream_interval_ms / 1000)
         try:
             clients_for(serving, prompts, args.clients, args.seconds / 2, args.max_new_tokens)  # warm-up
             executor.clear_stats()
@@ -199,7 +200,7 @@ def measure(mode: str, args) -> dict:
     rows, executes = executor.cycle_stats().height, executor.execute_stats()
     host = cpu - clock.seconds
     row = {
-        "mode": mode, "clients": args.clients, "tau_asked": args.tau, "launch_rounds": args.launch_rounds, "lag": args.lag,
+        "mode": mode, "clients": args.clients, "max_sessions": sessions, "tau_asked": args.tau, "launch_rounds": args.launch_rounds, "lag": args.lag,
         "device_us": args.device_us, "device_busy_pct": None if busy is None else round(100 * busy / wall, 1), "requests": requests, "lane_rounds": rows,
         "tokens_per_lane_round": round(tokens / max(rows, 1), 2), "lanes_per_launch": round(rows / max(int(executes["loop_launches"].sum()), 1), 2), "host_us_per_lane_round": round(1e6 * host / max(rows, 1), 2),
         "host_us_per_request": round(1e6 * host / max(requests, 1), 1), "device_stand_in_s": round(clock.seconds, 3),
@@ -237,6 +238,8 @@ def top_functions(profile: cProfile.Profile, count: int) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--max-sessions", type=int, default=0,
+                        help="the executor's sessions (default: --clients); more leave requests room to join a running execute, as the server's")
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--modes", nargs="+", choices=("on", "off"), default=["on", "off"])
     parser.add_argument("--tau", type=float, default=2.8, help="the stand-in's mean tokens per cycle (> 1)")
@@ -251,8 +254,9 @@ def main() -> int:
     parser.add_argument("--profile-out", help="write the serving thread's profile to PROFILE_OUT.MODE.pstats")
     parser.add_argument("--record", action="store_true", help="append the rows to benchmarks/results.jsonl")
     args = parser.parse_args()
-    if args.clients < 1 or args.seconds <= 0 or args.tau <= 1:
-        parser.error(f"--clients >= 1, --seconds > 0 and --tau > 1, got {args.clients}, {args.seconds}, {args.tau}")
+    if args.clients < 1 or args.seconds <= 0 or args.tau <= 1 or (args.max_sessions and args.max_sessions < args.clients):
+        parser.error(f"--clients >= 1, --max-sessions 0 or >= --clients, --seconds > 0 and --tau > 1, got {args.clients}, "
+                     f"{args.max_sessions}, {args.seconds}, {args.tau}")
     torch.set_num_threads(1)
     rows = [measure(mode, args) for mode in args.modes]
     print("| mode | clients | lag | requests | lane-rounds | lanes / launch | tokens / lane-round | host µs / lane-round | host µs / request | serving CPU % "
