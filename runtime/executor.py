@@ -875,13 +875,16 @@ class Executor:
         (``runtime.launches.run_launches``'s ``choose``: the lanes returned may launch, ``Lane.may_launch``).
         The choice is made at the (padded) count of the execute's policed lanes still decoding, not of
         this round's: lanes that fall apart into small groups (a drain, a deferral) are then steered
-        back to one kind, and one group.
+        back to one kind, and one group; the round's lanes that decode whatever the choice count too.
 
         A decode choice: ``_decode_round``."""
         policed = [lane for lane in lanes if lane.policed]
         if not policed:
             return [lane for lane in lanes if lane.may_launch()]
-        going, most = len(policed), self.dims.max_owners  # all the execute's policed lanes here: none else can be going
+        ready = [lane for lane in lanes if not lane.policed and lane.may_launch()]
+        # Lanes that decode whatever the choice (drafting stopped, no block's room, plain sessions) share a
+        # decode round's launch: the round's count includes them.
+        going, most = len(policed) + len(ready), self.dims.max_owners
         asked: dict[int, tuple[LoopShape, bool]] = {}  # id(lane) -> (its shape then, may_launch): asked once per lane
         # The count lies in [this round's, the execute's]: needed only when those two fall in different buckets.
         if going < len(self._policed) and padded(min(going, most), most) < padded(min(len(self._policed), most), most):
@@ -894,7 +897,6 @@ class Executor:
                     count += bool(lane.flight)
             going = max(going, count)
         choice = self.policy.choose(padded(min(going, most), most))
-        ready = [lane for lane in lanes if not lane.policed and lane.may_launch()]
         if choice.kind == DECODE:
             return ready + self._decode_round(policed, choice, asked)
         proposals, shape = self._shape(CYCLE, choice, self.max_cycles)  # policed lanes are never host_taps: max_cycles
@@ -927,6 +929,13 @@ class Executor:
         cycling = {id(lane) for lane in policed if CYCLE in self._kinds(lane)}
         full = {id(lane) for lane in policed if id(lane) not in cycling and self._pending(lane) >= self.dims.block_size}
         ready, draining = [], False
+        if full and choice.stop:  # cycling loses by estimate: the full lanes stop drafting instead of draining
+            for lane in policed:
+                if id(lane) in full:
+                    self._stop_drafting(lane)
+                    if lane.may_launch():
+                        ready.append(lane)
+            policed, full = [lane for lane in policed if lane.policed], set()
         for lane in policed:  # the full lanes first: whether one of them drains decides the round
             if id(lane) in full:
                 lane.kind, lane.choice, lane.proposals, lane.shape = CYCLE, drain, cycle_proposals, cycle_shape
@@ -948,6 +957,17 @@ class Executor:
             if self._may_launch(lane, asked):
                 ready.append(lane)
         return ready
+
+    def _stop_drafting(self, lane: Lane) -> None:
+        """The lane's session drafts no more (``Choice.stop``): it decodes as a ``speculate=False`` session
+        does from here on, its pending taps dropped (nothing will read them; on the device its pending
+        count stays full, so its steps keep those rows unchanged), so no drain cycle ever falls due again.
+        Its tokens are the same (only which program computes a token changes)."""
+        s = lane.session
+        s.speculate, s.draft_position = False, s.frontier  # an unread decode step's read moves both (``_read_decode``)
+        lane.policed = False
+        self._set_kind(lane, DECODE, None)
+        self.log.counters["drafting_stopped"] += 1
 
     @staticmethod
     def _kinds(lane: Lane) -> list[str]:

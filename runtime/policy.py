@@ -78,9 +78,10 @@ POLICIES = ("adaptive", "always")  # ``Executor(policy=...)``, ``--policy``
 class Choice:
     """What a lane runs and why: ``kind``; ``why`` (``ESTIMATE``, ``EXPLORE``, ``PROBE``, ``FIXED``, or
     ``DRAIN`` from the executor); the estimated ratio at the decision (NaN while a rate is unknown); the
-    round it belongs to (its kind and padded lane count), which its launch's cost is charged to; and
+    round it belongs to (its kind and padded lane count), which its launch's cost is charged to;
     ``proposals``, the verify length of a cycle (of a decode round: the length its drain cycles use;
-    0: the executor's P)."""
+    0: the executor's P); and ``stop``: a decode round chosen by estimate with cycling losing, whose lanes
+    stop drafting for good where their drain falls due instead of draining (``AdaptivePolicy.stop_drafting``)."""
 
     kind: str
     why: str
@@ -88,6 +89,7 @@ class Choice:
     round: str = ""
     owners: int = 0
     proposals: int = 0
+    stop: bool = False  # see the docstring
 
 
 @dataclass
@@ -186,6 +188,7 @@ class AdaptivePolicy:
     probe_every: int = 16  # rounds at one lane count between probes of the losing kind, near break-even
     lengths: tuple[int, ...] = ()  # the verify lengths offered (ascending, the last P); (): one, the executor's
     accept_alpha: float = 0.02  # EWMA weight of a new cycle launch in the acceptance by draft position
+    stop_drafting: bool = True  # decode chosen by estimate, cycling losing: ``Choice.stop``
     costs: dict[tuple[str, int, int], Ewma] = field(default_factory=dict)  # (round kind, owners, length) -> seconds per launch
     yields: dict[tuple[str, int, int], Ewma] = field(default_factory=dict)  # ... -> tokens per launch
     lanes: dict[tuple[str, int, int], Ewma] = field(default_factory=dict)  # ... -> lanes served per launch
@@ -303,7 +306,8 @@ class AdaptivePolicy:
         probe = self._due(owners, chosen, values)
         kind, k = probe or chosen
         length = k if kind == CYCLE else self._drain_length(owners)
-        return Choice(kind, PROBE if probe else ESTIMATE, ratio, kind, owners, length)
+        stop = self.stop_drafting and probe is None and kind == DECODE and ratio < 1.0
+        return Choice(kind, PROBE if probe else ESTIMATE, ratio, kind, owners, length, stop)
 
     def _keep_or_switch(self, owners: int, values: dict[Option, float]) -> Option:
         """Hysteresis: the best option, unless the previous one is within ``margin`` (in ratio units) of it."""

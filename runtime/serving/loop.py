@@ -493,18 +493,19 @@ class ExecuteCursor:
     rows dropped or drained by someone else before this read are not counted.
     """
 
-    COLUMNS = ("cycles", "accepted", "ok", "policy_cycles", "policy_decodes", "policy_verified")
+    COLUMNS = ("cycles", "accepted", "ok", "policy_cycles", "policy_decodes", "policy_verified", "drafting_stopped")
 
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
         self.next_batch = executor.execute_rows(None, ()).next_batch
 
-    def read(self) -> tuple[int, int, int, int, dict[str, int], int]:
+    def read(self) -> tuple[int, int, int, int, dict[str, int], int, int]:
         """(owner-cycles, accepted proposals, executes, failed executes, the policy's choices by kind, the
-        proposals its cycles verified) since the last read."""
+        proposals its cycles verified, the sessions that stopped drafting) since the last read."""
         rows = self.executor.execute_rows(self.next_batch, self.COLUMNS)
         self.next_batch = rows.next_batch
         columns = rows.columns
         choices = {"cycle": sum(columns["policy_cycles"]), "decode": sum(columns["policy_decodes"])}
         executes, failed = len(columns["ok"]), sum(not ok for ok in columns["ok"])
-        return sum(columns["cycles"]), sum(columns["accepted"]), executes, failed, choices, sum(columns["policy_verified"])
+        verified, stopped = sum(columns["policy_verified"]), sum(columns["drafting_stopped"])
+        return sum(columns["cycles"]), sum(columns["accepted"]), executes, failed, choices, verified, stopped

@@ -123,6 +123,7 @@ class ServingMetrics:
     failed_executes: int
     policy_choices: dict[str, int]  # "cycle" / "decode" -> drafting lanes' launches of that kind, since start
     policy_verified: int  # proposals the policy's cycles verified (Σ verify length k per owner): / policy_choices["cycle"] = mean k
+    drafting_stopped: int  # sessions that stopped drafting for good: the policy's decode estimate, cycling losing (``Choice.stop``)
     uptime_s: float
     queue_wait_s: Percentiles  # over the recent window
     ttft_s: Percentiles
@@ -152,6 +153,7 @@ class MetricsRecorder:
         self.executor_totals = dict.fromkeys(("cycles", "accepted", "executes", "failed_executes"), 0)
         self.policy_choices = {"cycle": 0, "decode": 0}
         self.policy_verified = 0
+        self.drafting_stopped = 0
         self.latencies = {name: _Latency() for name in LATENCIES}
         self.deliveries: deque[list] = deque()  # [bucket start, tokens] within RATE_WINDOW_S
 
@@ -183,7 +185,8 @@ class MetricsRecorder:
             self.latencies["e2e_s"].observe(time.perf_counter(), latency_s)
 
     def executed(
-        self, cycles: int, accepted: int, executes: int, failed: int, choices: dict[str, int] | None = None, verified: int = 0
+        self, cycles: int, accepted: int, executes: int, failed: int, choices: dict[str, int] | None = None, verified: int = 0,
+        stopped: int = 0,
     ) -> None:
         with self.lock:
             totals = self.executor_totals
@@ -194,6 +197,7 @@ class MetricsRecorder:
             for kind, count in (choices or {}).items():
                 self.policy_choices[kind] += count
             self.policy_verified += verified
+            self.drafting_stopped += stopped
 
     def snapshot(self, running: int, queued: int) -> ServingMetrics:
         now = time.perf_counter()
@@ -202,6 +206,7 @@ class MetricsRecorder:
             window = min(RATE_WINDOW_S, now - self.started)
             rate = sum(n for _, n in self.deliveries) / window if window > 0 else 0.0
             totals, counts, choices, verified = dict(self.executor_totals), dict(self.counts), dict(self.policy_choices), self.policy_verified
+            stopped = self.drafting_stopped
             recent = {name: latency.recent(now) for name, latency in self.latencies.items()}
             histograms = {name: latency.histogram() for name, latency in self.latencies.items()}
         cycles = totals["cycles"]
@@ -216,6 +221,7 @@ class MetricsRecorder:
             failed_executes=totals["failed_executes"],
             policy_choices=choices,
             policy_verified=verified,
+            drafting_stopped=stopped,
             uptime_s=now - self.started,
             **{name: percentiles(samples) for name, samples in recent.items()},
             histograms=histograms,

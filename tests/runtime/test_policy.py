@@ -232,6 +232,28 @@ def test_hysteresis_keeps_the_choice_inside_the_margin_and_switches_outside():
         assert choice.kind == kind and choice.ratio == pytest.approx(ratio), (ratio, choice)
 
 
+def test_only_a_decode_estimate_with_cycling_losing_stops_drafting():
+    """Guards against lanes that stop drafting for good on a choice that does not say cycling loses: a
+    decode kept by hysteresis while cycles are ahead (ratio in (1, 1 + margin]), an exploration, a probe
+    of decode, or a policy built with ``stop_drafting=False``. Only a decode by estimate with the best
+    cycle's ratio below 1 carries ``stop``."""
+    policy = known(margin=0.05, probe_every=10**9)
+    seen = []
+    for ratio in (0.96, 1.04, 1.08, 0.98, 0.90):
+        set_decode_rate(policy, ratio)
+        choice = policy.choose(1)
+        seen.append((choice.kind, choice.stop))
+    assert seen == [(DECODE, True), (DECODE, False), (CYCLE, False), (CYCLE, False), (DECODE, True)]
+    assert not AdaptivePolicy().choose(1).stop  # nothing known: an exploration
+    probing = known(margin=0.0, probe_every=1)
+    set_decode_rate(probing, 1.5)  # cycles chosen: decode is probed every other round
+    choices = [probing.choose(1) for _ in range(6)]
+    assert any(c.kind == DECODE and c.why == PROBE for c in choices) and not any(c.stop for c in choices)
+    keeping = known(stop_drafting=False)
+    set_decode_rate(keeping, 0.5)
+    assert keeping.choose(1).kind == DECODE and not keeping.choose(1).stop
+
+
 def test_the_losing_kind_is_probed_so_a_stale_estimate_recovers():
     """Guards against a losing kind that is never run again: its rate is then frozen at its old value and
     the policy cannot notice when the load changes. Every ``probe_interval`` rounds the loser runs once; as
@@ -327,8 +349,11 @@ def test_out_of_range_loop_options_are_refused(tiny, option, value, words):
 # ------------------------------------------------------------------ the executor under a policy
 
 
+STOP = "stop"  # a Scripted entry: a decode round whose full lanes stop drafting (``Choice.stop``)
+
+
 class Scripted:
-    """A policy forced to a fixed pattern, one entry per round (``choose``): a kind, or (CYCLE, verify length)."""
+    """A policy forced to a fixed pattern, one entry per round (``choose``): a kind, (CYCLE, verify length) or STOP."""
 
     def __init__(self, pattern: list) -> None:
         self.pattern = itertools.cycle(pattern)
@@ -336,7 +361,9 @@ class Scripted:
         self.lengths: list[int] = []  # the verify length of every cycle launch read
 
     def choose(self, owners: int) -> Choice:
-        kind, length = entry if isinstance(entry := next(self.pattern), tuple) else (entry, 0)
+        if (entry := next(self.pattern)) == STOP:  # decode by estimate, cycling losing: full lanes stop drafting
+            return Choice(DECODE, ESTIMATE, 0.5, DECODE, owners, 0, stop=True)
+        kind, length = entry if isinstance(entry, tuple) else (entry, 0)
         return Choice(kind, EXPLORE, math.nan, kind, owners, length)
 
     def observe(
@@ -355,6 +382,8 @@ def make_policy(name: str, lengths: tuple[int, ...]):
     patterns = {
         "alternate": [CYCLE, DECODE],
         "decode": [DECODE],
+        "stopping": [CYCLE, CYCLE, *[STOP] * 40],  # pending rows fill under the decode rounds
+        "lengths, then stopping": [(CYCLE, lengths[0]), (CYCLE, lengths[1]), DECODE, *[STOP] * 30],
         "mixed": [DECODE, DECODE, CYCLE, DECODE, CYCLE, CYCLE],
         "lengths": [(CYCLE, lengths[0]), (CYCLE, lengths[0]), DECODE, (CYCLE, lengths[-1]), (CYCLE, lengths[0]), DECODE, DECODE],
     }
@@ -578,6 +607,31 @@ def test_a_full_pending_context_drains_the_whole_round_in_one_launch(tiny, oracl
     executor.close()
 
 
+def test_lanes_stop_drafting_where_their_drain_falls_due_when_cycling_loses(tiny, oracle):
+    """Guards against DFlash-mode decoding that stays dearer than plain decoding when cycling loses: a
+    lane under decode choices must still cycle once every B steps to drain its pending context (13% of
+    lane-rounds were such drains on the host proxy at tau 1.6, DFlash 0.90x plain decoding even when decoding
+    alone). Under decode choices marked ``stop`` a lane whose drain falls due stops drafting instead:
+    no drain ever runs, each stopped session is counted once and decodes as a plain session from then on
+    (no cycle of it afterwards, even when a later round chooses cycles), and every output is the
+    reference's."""
+    policy = make_policy("stopping", tiny.dims.verify_proposals)
+    executor, _ = policy_executor(tiny, "torch-fast", policy)
+    t = Tracker(executor, oracle)
+    sessions = [t.open() for _ in range(4)]
+    workload(t, t.execute, sessions, 14)
+    cycles, executes = executor.cycle_stats(), executor.execute_stats()
+    stopped = [s for s in sessions if not executor.session(s).speculate]
+    assert len(stopped) >= 2 and int(executes["drafting_stopped"].sum()) == len(stopped)
+    assert (cycles["policy"] == DRAIN).sum() == 0
+    B = tiny.dims.block_size
+    for s in stopped:  # its last cycle came before B decode steps in a row: then it stopped, and never cycled again
+        rows = cycles.filter(pl.col("session") == s).sort("cycle_id")
+        last_cycle = rows.with_row_index().filter(pl.col("mode") != "target")["index"].max()
+        assert rows.height - 1 - last_cycle >= B, (s, rows.select("cycle_id", "mode", "policy"))
+    executor.close()
+
+
 def test_every_launch_is_charged_to_the_round_that_chose_it(tiny, oracle):
     """Guards against a decode round whose forced drains are charged to cycle rounds (decoding would then
     look cheaper than it is, and cycling dearer): under a decode-only policy every launch of a drafting
@@ -599,19 +653,20 @@ def test_every_launch_is_charged_to_the_round_that_chose_it(tiny, oracle):
 def test_policy_choices_reach_the_serving_metrics_and_prometheus(tiny, oracle):
     """Guards against choices the operator cannot see: the serving loop's metrics and the server's
     /metrics family dflash_trt_policy_choices_total{choice} must count the drafting lanes' launches
-    by kind, and dflash_trt_policy_verified_proposals_total the proposals their cycles verified (Σ k
-    of a policy forced through lengths 3 and 7), as the executor's stats count them."""
+    by kind, dflash_trt_policy_verified_proposals_total the proposals their cycles verified (Σ k
+    of a policy forced through lengths 3 and 7), and dflash_trt_drafting_stopped_total the sessions
+    that stopped drafting, as the executor's stats count them."""
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
     from dflash_trt.runtime.serving.loop import ServingLoop
     from dflash_trt.server.prometheus import ServingCollector
 
-    executor = Executor(RecordingBackend(tiny.ort), tiny.dims, 4, policy=make_policy("lengths", tiny.dims.verify_proposals))
+    executor = Executor(RecordingBackend(tiny.ort), tiny.dims, 4, policy=make_policy("lengths, then stopping", tiny.dims.verify_proposals))
     serving = ServingLoop(executor)
     for prompt in ([5, 6, 7], [9, 10, 11, 12, 13]):
-        tokens = serving.submit(prompt, 20).result(60).tokens
-        assert tokens == oracle.continuation(prompt)[:20]
+        tokens = serving.submit(prompt, 40).result(60).tokens
+        assert tokens == oracle.continuation(prompt)[:40]
     serving.close()  # joins the loop: every execute row is recorded
     executes = executor.execute_stats()
     expected = {"cycle": int(executes["policy_cycles"].sum()), "decode": int(executes["policy_decodes"].sum())}
@@ -625,6 +680,9 @@ def test_policy_choices_reach_the_serving_metrics_and_prometheus(tiny, oracle):
     samples = {s.labels["choice"]: s.value for f in families for s in f.samples if s.name == "dflash_trt_policy_choices_total"}
     assert samples == expected
     assert [s.value for f in families for s in f.samples if s.name == "dflash_trt_policy_verified_proposals_total"] == [verified]
+    stopped = int(executes["drafting_stopped"].sum())
+    assert serving.metrics().drafting_stopped == stopped > 0
+    assert [s.value for f in families for s in f.samples if s.name == "dflash_trt_drafting_stopped_total"] == [stopped]
 
 
 @settings(max_examples=40, deadline=None)
