@@ -71,7 +71,7 @@ import numpy as np
 CYCLE, DECODE = "cycle", "decode"  # the kinds (device_loop's program kinds)
 # Why a lane ran what it ran: the cycle table's ``policy`` column.
 ESTIMATE, EXPLORE, PROBE, DRAIN, FIXED = "estimate", "explore", "probe", "drain", "fixed"
-POLICIES = ("adaptive", "always")  # ``Executor(policy=...)``, ``--policy``
+POLICIES = ("adaptive", "always", "adaptive-stop")  # ``Executor(policy=...)``, ``--policy``
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,7 @@ class AdaptivePolicy:
     probe_every: int = 16  # rounds at one lane count between probes of the losing kind, near break-even
     lengths: tuple[int, ...] = ()  # the verify lengths offered (ascending, the last P); (): one, the executor's
     accept_alpha: float = 0.02  # EWMA weight of a new cycle launch in the acceptance by draft position
-    stop_drafting: bool = True  # decode chosen by estimate, cycling losing: ``Choice.stop``
+    stop_drafting: bool = False  # decode chosen by estimate, cycling losing: ``Choice.stop`` (``adaptive-stop``)
     costs: dict[tuple[str, int, int], Ewma] = field(default_factory=dict)  # (round kind, owners, length) -> seconds per launch
     yields: dict[tuple[str, int, int], Ewma] = field(default_factory=dict)  # ... -> tokens per launch
     lanes: dict[tuple[str, int, int], Ewma] = field(default_factory=dict)  # ... -> lanes served per launch
@@ -358,5 +358,9 @@ class AlwaysCycle:
 
 def make_policy(name: str, lengths: tuple[int, ...] = ()) -> AdaptivePolicy | AlwaysCycle:
     """The policy named ``name`` (one of ``POLICIES``); ``lengths``: the verify lengths it may choose
-    among (``Dims.verify_proposals``; ``always`` cycles at P)."""
-    return AdaptivePolicy(lengths=tuple(lengths)) if name == "adaptive" else AlwaysCycle()
+    among (``Dims.verify_proposals``; ``always`` cycles at P). ``adaptive-stop`` is ``adaptive`` whose
+    decode estimates with cycling losing also stop drafting (``Choice.stop``): a session that stops never
+    drafts again, so an early or passing estimate costs it its speedup for good."""
+    if name == "always":
+        return AlwaysCycle()
+    return AdaptivePolicy(lengths=tuple(lengths), stop_drafting=name == "adaptive-stop")

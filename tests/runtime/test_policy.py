@@ -20,6 +20,7 @@ from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.policy import (
     CYCLE, DECODE, DRAIN, ESTIMATE, EXPLORE, FIXED, PROBE, PROBE_SPREAD, AdaptivePolicy, Choice, cycle_ratio, probe_interval,
 )
+from dflash_trt.runtime.policy import make_policy as policy_named
 from executor_fixtures import DraftReference, RecordingBackend, Tracker, tiny_dims
 
 TINY_ROWS = 8
@@ -235,23 +236,24 @@ def test_hysteresis_keeps_the_choice_inside_the_margin_and_switches_outside():
 def test_only_a_decode_estimate_with_cycling_losing_stops_drafting():
     """Guards against lanes that stop drafting for good on a choice that does not say cycling loses: a
     decode kept by hysteresis while cycles are ahead (ratio in (1, 1 + margin]), an exploration, a probe
-    of decode, or a policy built with ``stop_drafting=False``. Only a decode by estimate with the best
-    cycle's ratio below 1 carries ``stop``."""
-    policy = known(margin=0.05, probe_every=10**9)
+    of decode, or ``adaptive`` (only ``adaptive-stop`` stops drafting). Only a decode by estimate with
+    the best cycle's ratio below 1 carries ``stop``."""
+    policy = known(margin=0.05, probe_every=10**9, stop_drafting=True)
     seen = []
     for ratio in (0.96, 1.04, 1.08, 0.98, 0.90):
         set_decode_rate(policy, ratio)
         choice = policy.choose(1)
         seen.append((choice.kind, choice.stop))
     assert seen == [(DECODE, True), (DECODE, False), (CYCLE, False), (CYCLE, False), (DECODE, True)]
-    assert not AdaptivePolicy().choose(1).stop  # nothing known: an exploration
-    probing = known(margin=0.0, probe_every=1)
+    assert not AdaptivePolicy(stop_drafting=True).choose(1).stop  # nothing known: an exploration
+    probing = known(margin=0.0, probe_every=1, stop_drafting=True)
     set_decode_rate(probing, 1.5)  # cycles chosen: decode is probed every other round
     choices = [probing.choose(1) for _ in range(6)]
     assert any(c.kind == DECODE and c.why == PROBE for c in choices) and not any(c.stop for c in choices)
-    keeping = known(stop_drafting=False)
+    keeping = known()  # ``adaptive``: drafting is never stopped
     set_decode_rate(keeping, 0.5)
     assert keeping.choose(1).kind == DECODE and not keeping.choose(1).stop
+    assert policy_named("adaptive-stop").stop_drafting and not policy_named("adaptive").stop_drafting
 
 
 def test_the_losing_kind_is_probed_so_a_stale_estimate_recovers():
