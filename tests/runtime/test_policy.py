@@ -330,7 +330,7 @@ def test_one_stalled_launch_does_not_turn_the_policy_for_hundreds_of_rounds():
 
 def test_unknown_policy_names_are_refused(tiny):
     """Guards against a typo silently running another policy."""
-    with pytest.raises(InputError, match=r"policy must be one of \('adaptive', 'always'\).*'sometimes'"):
+    with pytest.raises(InputError, match=r"policy must be one of \('adaptive', 'always', 'adaptive-stop'\).*'sometimes'"):
         Executor(tiny.ort, tiny.dims, 2, policy="sometimes")
 
 
