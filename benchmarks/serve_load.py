@@ -42,7 +42,7 @@ host, a client thread on the serving thread's core (or its hyperthread) measures
 
     python benchmarks/serve_load.py [--clients 8 [1 ...]] [--seconds 30] [--max-tokens 64] [--modes on off]
         [--artifacts DIR] [--backend onnxruntime|torch|tensorrt] [--device cuda] [--serve-args "--max-cycles 4"]
-        [--policy adaptive|always] [--modes on always off]
+        [--policy adaptive|always|adaptive-stop] [--modes on always off]
         [--threads N] [--client-procs P] [--warmup-seconds S] [--server-logs DIR] [--fronts process single] [--profile-serving [thread|gil]] [--repeats R] [--client-cores N] [--record]
 
 ``--record`` appends one row per mode and client count to
@@ -72,6 +72,7 @@ from pathlib import Path
 import numpy as np
 
 import record  # benchmarks/record.py: results.jsonl
+from dflash_trt.runtime.policy import POLICIES
 import thread_profile  # benchmarks/thread_profile.py: py-spy samples of the serving thread
 
 # "on": DFlash under --policy; "always": DFlash cycling whenever a block fits; "off": plain target decoding through the same engine
@@ -363,7 +364,7 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="the requests' temperature (default 0: greedy; > 0 samples)")
     parser.add_argument("--max-sessions", type=int, default=16)
     parser.add_argument("--modes", nargs="+", choices=tuple(MODES), default=["on", "off"])
-    parser.add_argument("--policy", choices=("adaptive", "always"), default="adaptive", help="the server's --policy in mode on (default adaptive)")
+    parser.add_argument("--policy", choices=POLICIES, default="adaptive", help="the server's --policy in mode on (default adaptive)")
     parser.add_argument("--artifacts", type=Path, help="serve this export/engine dir (default: the embedded pair)")
     parser.add_argument("--backend", default="onnxruntime")
     parser.add_argument("--device", help="the server's --device (cpu, cuda)")
