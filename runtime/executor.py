@@ -759,6 +759,7 @@ class Executor:
         rows, anchors, samplings = [s.row for s in sessions], [lane.anchor for lane in lanes], [s.sampling for s in sessions]
         frontiers, drafts = [s.frontier for s in sessions], [s.draft_position for s in sessions]
         self._policed = [lane for lane in lanes if lane.policed]  # admitted ones join (``_admit_lanes``)
+        self._plain = [lane for lane in lanes if not lane.session.speculate]  # ... and stopped ones (``_stop_drafting``)
         self._sampling = any(sampling.temperature > 0 for sampling in samplings)  # else no group samples (_pack)
         admit = self._admit_lanes if self._admit is not None else None
         with self.loop.running():
@@ -790,6 +791,7 @@ class Executor:
         sessions = [lane.session for lane in decoding]
         if sessions:
             self._policed += [lane for lane in decoding if lane.policed]
+            self._plain += [lane for lane in decoding if not lane.session.speculate]
             self._sampling = self._sampling or any(s.sampling.temperature > 0 for s in sessions)
             anchors, samplings = [lane.anchor for lane in decoding], [s.sampling for s in sessions]
             self.loop.stage_more([s.row for s in sessions], anchors, [s.frontier for s in sessions], [s.draft_position for s in sessions], samplings)
@@ -897,6 +899,10 @@ class Executor:
                     count += bool(lane.flight)
             going = max(going, count)
         choice = self.policy.choose(padded(min(going, most), most))
+        if self._plain:  # the execute's plain lanes decode beside this round: it measures neither option (``Choice.measured``)
+            self._plain = [lane for lane in self._plain if lane.finish is None]
+            if self._plain:
+                choice = replace(choice, measured=False)
         if choice.kind == DECODE:
             return ready + self._decode_round(policed, choice, asked)
         proposals, shape = self._shape(CYCLE, choice, self.max_cycles)  # policed lanes are never host_taps: max_cycles
@@ -929,7 +935,7 @@ class Executor:
         cycling = {id(lane) for lane in policed if CYCLE in self._kinds(lane)}
         full = {id(lane) for lane in policed if id(lane) not in cycling and self._pending(lane) >= self.dims.block_size}
         ready, draining = [], False
-        if full and choice.stop:  # cycling loses by estimate: the full lanes stop drafting instead of draining
+        if full and choice.stop and choice.measured:  # cycling loses by estimate: the full lanes stop drafting instead of draining
             for lane in policed:
                 if id(lane) in full:
                     self._stop_drafting(lane)
@@ -967,6 +973,7 @@ class Executor:
         s.speculate, s.draft_position = False, s.frontier  # an unread decode step's read moves both (``_read_decode``)
         lane.policed = False
         self._set_kind(lane, DECODE, None)
+        self._plain.append(lane)
         self.log.counters["drafting_stopped"] += 1
 
     @staticmethod
@@ -1040,7 +1047,7 @@ class Executor:
                 accept(group.proposals, accepted)
         self._stream(group.lanes)
         choice = next((lane.flight[0].choice for lane in group.lanes if lane.flight[0].choice is not None), None)
-        if choice is not None:  # per round: the policy compares rounds of either kind, whatever a launch runs
+        if choice is not None and choice.measured:  # per round: the policy compares rounds of either kind, whatever a launch runs
             seconds = launch_s + time.perf_counter() - started
             self.policy.observe(choice.round, choice.owners, seconds / rounds, tokens / rounds, lanes / rounds, choice.proposals, group.kind)
 

@@ -80,8 +80,12 @@ class Choice:
     ``DRAIN`` from the executor); the estimated ratio at the decision (NaN while a rate is unknown); the
     round it belongs to (its kind and padded lane count), which its launch's cost is charged to;
     ``proposals``, the verify length of a cycle (of a decode round: the length its drain cycles use;
-    0: the executor's P); and ``stop``: a decode round chosen by estimate with cycling losing, whose lanes
-    stop drafting for good where their drain falls due instead of draining (``AdaptivePolicy.stop_drafting``)."""
+    0: the executor's P); ``stop``: a decode round chosen by estimate with cycling losing, whose lanes
+    stop drafting for good where their drain falls due instead of draining (``AdaptivePolicy.stop_drafting``);
+    ``measured``: False (set by the executor) for a round whose lanes include plain ones (sessions that do
+    not draft, or stopped): its launches say nothing of what either option's round costs and yields at its count (a cycle
+    launch of the few drafting lanes beside the others' decode step), so they are not observed, and its
+    lanes do not stop drafting (only what all-drafting rounds measured stops them)."""
 
     kind: str
     why: str
@@ -90,6 +94,7 @@ class Choice:
     owners: int = 0
     proposals: int = 0
     stop: bool = False  # see the docstring
+    measured: bool = True  # see the docstring
 
 
 @dataclass
@@ -223,6 +228,8 @@ class AdaptivePolicy:
         usual = self.launch_costs.setdefault((launch, owners, proposals if launch == CYCLE else 0), Ewma(self.alpha, clip=COST_CLIP))
         sample = usual.clipped(seconds) if usual.known else seconds  # bounded once its kind's mean is known
         usual.add(seconds)
+        if self.stop_drafting and kind == DECODE and launch == CYCLE:
+            return  # a decode estimate stops drafting where a drain falls due: decode is rated by its plain steps
         self.costs.setdefault(key, Ewma(self.alpha)).add(sample)
         self.yields.setdefault(key, Ewma(self.alpha)).add(tokens)
         self.lanes.setdefault(key, Ewma(self.alpha)).add(owners if lanes is None else lanes)

@@ -256,6 +256,21 @@ def test_only_a_decode_estimate_with_cycling_losing_stops_drafting():
     assert policy_named("adaptive-stop").stop_drafting and not policy_named("adaptive").stop_drafting
 
 
+def test_adaptive_stop_rates_decode_by_its_plain_steps():
+    """Guards against ``adaptive-stop`` rating decode by rounds it will not run: a decode estimate stops
+    drafting where a drain would fall due, so the drain cycles that decode rounds ran while drafting must not
+    count in decode's cost or yield (they would rate decode by what stopping removes); ``adaptive`` keeps
+    charging them (its decode rounds do drain)."""
+    # adaptive: the mean of the launches after the first (a warm-up), drains included: 17 ms / 5, 32 tokens / 5
+    for stop, decode_cost, decode_tokens in ((False, 0.0034, 6.4), (True, 0.001, 4.0)):
+        policy = AdaptivePolicy(stop_drafting=stop)
+        for _ in range(3):  # a decode step of 4 lanes, then a drain cycle of them at 5 ms yielding 8
+            policy.observe(DECODE, 4, 0.001, 4)
+            policy.observe(DECODE, 4, 0.005, 8, launch=CYCLE)
+        cost, tokens = policy.costs[(DECODE, 4, 0)].value, policy.yields[(DECODE, 4, 0)].value
+        assert cost == pytest.approx(decode_cost) and tokens == pytest.approx(decode_tokens), (stop, cost, tokens)
+
+
 def test_the_losing_kind_is_probed_so_a_stale_estimate_recovers():
     """Guards against a losing kind that is never run again: its rate is then frozen at its old value and
     the policy cannot notice when the load changes. Every ``probe_interval`` rounds the loser runs once; as
@@ -631,6 +646,29 @@ def test_lanes_stop_drafting_where_their_drain_falls_due_when_cycling_loses(tiny
         rows = cycles.filter(pl.col("session") == s).sort("cycle_id")
         last_cycle = rows.with_row_index().filter(pl.col("mode") != "target")["index"].max()
         assert rows.height - 1 - last_cycle >= B, (s, rows.select("cycle_id", "mode", "policy"))
+    executor.close()
+
+
+def test_rounds_shared_with_plain_lanes_are_not_measured(tiny, oracle):
+    """Guards against rates taken from rounds that are neither option: beside a session that does not draft
+    (or has stopped), a cycle round launches the drafting lanes apart from the plain lane's decode step, so
+    its launch serves fewer lanes than the round's count and cycling looks dearer than it is (under
+    ``adaptive-stop`` that locked cycling out once lanes had stopped: 0.84x plain decoding at tau 2.8 on
+    the host proxy). Such rounds are not observed, and their lanes never stop drafting; rounds of drafting
+    lanes alone are. Outputs are the reference's either way."""
+    policy = make_policy("stopping", tiny.dims.verify_proposals)
+    executor, _ = policy_executor(tiny, "torch-fast", policy)
+    t = Tracker(executor, oracle)
+    drafting, plain = [t.open() for _ in range(2)], t.open(speculate=False)
+    every = [*drafting, plain]
+    t.execute([(s, [3 + s, 5 + s, 7], None, True) for s in every])  # prompts: the drafting lanes' one cycle, alone
+    before = len(policy.launches)
+    for _ in range(3):  # the plain lane, one token per round, is the last to finish: every policed round has it
+        t.execute([(s, [t.seq[s][-1]], None, True, {"max_new_tokens": 8}) for s in every])
+    assert len(policy.launches) == before and int(executor.execute_stats()["drafting_stopped"].sum()) == 0
+    assert all(executor.session(s).speculate for s in drafting)
+    t.execute([(s, [t.seq[s][-1]], None, True, {"max_new_tokens": 8}) for s in drafting])
+    assert len(policy.launches) > before  # drafting lanes alone: measured
     executor.close()
 
 
