@@ -101,7 +101,8 @@ def add_policy_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", choices=POLICIES, default="adaptive",
                         help="speculation policy: adaptive (per round a cycle or a plain decode step, from measured costs and acceptance; "
                              "default), always (cycle whenever a block fits), or adaptive-stop (adaptive; where cycling loses by estimate, "
-                             "a session stops drafting for good instead of its next drain cycle); --no-draft stays plain decoding")
+                             "a session stops drafting for good instead of its next drain cycle; gained nothing on the H200); "
+                             "--no-draft stays plain decoding")
 
 
 def add_checkpoint_arguments(parser: argparse.ArgumentParser, target_default: Path | None = None) -> None:
