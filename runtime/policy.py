@@ -82,10 +82,10 @@ class Choice:
     ``proposals``, the verify length of a cycle (of a decode round: the length its drain cycles use;
     0: the executor's P); ``stop``: a decode round chosen by estimate with cycling losing, whose lanes
     stop drafting for good where their drain falls due instead of draining (``AdaptivePolicy.stop_drafting``);
-    ``measured``: False (set by the executor) for a round whose lanes include plain ones (sessions that do
-    not draft, or stopped): its launches say nothing of what either option's round costs and yields at its count (a cycle
-    launch of the few drafting lanes beside the others' decode step), so they are not observed, and its
-    lanes do not stop drafting (only what all-drafting rounds measured stops them)."""
+    ``measured``: False (set by the executor) for a round beside plain lanes (sessions that do not draft,
+    or stopped): its launches say nothing of what either option's round costs and yields at its count (a
+    cycle launch of the few drafting lanes beside the plain lanes' decode step), so they are not
+    observed, and its lanes do not stop drafting (only what all-drafting rounds measured stops them)."""
 
     kind: str
     why: str
