@@ -201,10 +201,11 @@ class AdaptivePolicy:
     reached: list[Ewma] = field(default_factory=list)  # [i - 1]: share of verified owner-cycles accepting d_1..d_i
     last: dict[int, Option] = field(default_factory=dict)  # owners -> the option chosen last
     idle: dict[tuple[int, Option], int] = field(default_factory=dict)  # (owners, option) -> rounds since it ran
-    # The leading known positions' acceptance values, until the next ``accept``: ``expected`` is asked for
-    # every cycle length at every round's choice.
+    # 1 + the running sums of the leading known positions' acceptance values (``expected_tokens`` of each
+    # length), until the next ``accept``: ``expected`` is asked for every cycle length at every round's choice.
     _known: list[float] | None = field(default=None, repr=False, compare=False)
-    _options: tuple[tuple[int, ...] | None, tuple[Option, ...]] = field(default=(None, ()), repr=False, compare=False)  # (lengths, options())
+    # (lengths, options(), the options in tie order: decode, then the cycles shortest first), made once per lengths
+    _options: tuple = field(default=(None, (), ()), repr=False, compare=False)
 
     def options(self) -> tuple[Option, ...]:
         """Every option, in exploration order: the longest cycle first (its verdicts measure acceptance
@@ -212,7 +213,7 @@ class AdaptivePolicy:
         several times per round)."""
         if self._options[0] is not self.lengths:
             cycles = [(CYCLE, k) for k in reversed(self.lengths)] or [(CYCLE, 0)]
-            self._options = (self.lengths, (cycles[0], (DECODE, 0), *cycles[1:]))
+            self._options = (self.lengths, (cycles[0], (DECODE, 0), *cycles[1:]), ((DECODE, 0), *reversed(cycles)))
         return self._options[1]
 
     def observe(
@@ -248,20 +249,27 @@ class AdaptivePolicy:
             counts[a] += 1
         self._known = None
         owners = reached = len(accepted)
+        alpha = self.accept_alpha
         for i in range(1, proposals + 1):
             reached -= counts[i - 1]  # owners with a >= i
-            self.reached[i - 1].add(reached / owners)
+            # ``Ewma.add`` inline (skip 0, no clip): this runs for every position of every cycle launch.
+            share, r = reached / owners, self.reached[i - 1]
+            r.seen += 1
+            r.value = share if r.value is None else r.value + max(alpha, 1.0 / r.seen) * (share - r.value)
 
     def expected(self, proposals: int) -> float | None:
         """E[tokens per owner] of a cycle verifying ``proposals`` from the acceptance seen so far; None
         until every position 1..proposals has been verified."""
-        if self._known is None:
-            self._known = []
+        known = self._known
+        if known is None:
+            known, total = [], 0.0
             for r in self.reached:
                 if not r.known:
                     break
-                self._known.append(r.value)
-        return expected_tokens(self._known, proposals) if 0 < proposals <= len(self._known) else None
+                total += r.value  # the running sum, left to right: ``expected_tokens``' sum, term by term
+                known.append(1.0 + total)
+            self._known = known
+        return known[proposals - 1] if 0 < proposals <= len(known) else None
 
     def rate(self, kind: str, owners: int, proposals: int = 0) -> float | None:
         """Tokens per second of rounds of ``kind`` (cycles verifying ``proposals``) at ``owners``; None
@@ -312,14 +320,15 @@ class AdaptivePolicy:
         ratio = values[chosen] if chosen[0] == CYCLE else _best_cycle(values)
         probe = self._due(owners, chosen, values)
         kind, k = probe or chosen
-        length = k if kind == CYCLE else self._drain_length(owners)
+        # A decode round's drains: the best-rated length (``_drain_length``, from the values in hand).
+        length = k if kind == CYCLE else max((v, k) for (kind_, k), v in values.items() if kind_ == CYCLE)[1]
         stop = self.stop_drafting and probe is None and kind == DECODE and ratio < 1.0
         return Choice(kind, PROBE if probe else ESTIMATE, ratio, kind, owners, length, stop)
 
     def _keep_or_switch(self, owners: int, values: dict[Option, float]) -> Option:
         """Hysteresis: the best option, unless the previous one is within ``margin`` (in ratio units) of it."""
-        order = [(DECODE, 0)] + sorted(o for o in self.options() if o[0] == CYCLE)  # ties: decode, then shorter cycles
-        best = max(order, key=lambda o: values[o])
+        self.options()
+        best = max(self._options[2], key=values.__getitem__)  # ties: decode, then shorter cycles
         previous = self.last.get(owners)
         chosen = previous if previous in values and values[best] <= values[previous] + self.margin else best
         self.last[owners] = chosen
