@@ -57,7 +57,11 @@ ratio crosses 1 ± margin), so it does not flap on noise.
 
 ``AlwaysCycle`` is the fixed policy (every drafting lane cycles, verifying
 P, whenever a block fits), the behaviour before this module existed;
-``--no-draft`` stays the baseline without any drafting.
+``--no-draft`` stays the baseline without any drafting. ``adaptive-stop``
+is ``AdaptivePolicy(stop_drafting=True)``: where cycling loses by estimate,
+lanes stop drafting for good instead of draining (``Choice.stop``); rounds
+beside plain lanes are not measured (``Choice.measured``). It did not pay on
+the H200 (benchmarks/RESULTS.md, "Stopping drafting where cycling loses").
 """
 
 from __future__ import annotations
