@@ -72,8 +72,8 @@ from pathlib import Path
 import numpy as np
 
 import record  # benchmarks/record.py: results.jsonl
-from dflash_trt.runtime.policy import POLICIES
 import thread_profile  # benchmarks/thread_profile.py: py-spy samples of the serving thread
+from dflash_trt.runtime.policy import POLICIES
 
 # "on": DFlash under --policy; "always": DFlash cycling whenever a block fits; "off": plain target decoding through the same engine
 MODES = {"on": [], "always": ["--policy", "always"], "off": ["--no-draft"]}

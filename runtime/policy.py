@@ -170,22 +170,18 @@ def probe_interval(probe_every: int, ratio: float) -> int:
     return probe_every * min(PROBE_SPREAD, 2**steps)
 
 
-def expected_tokens(reached: list[float], proposals: int) -> float:
-    """Expected tokens of one owner's cycle verifying ``proposals``: 1 + Σ_{i ≤ k} P(a ≥ i), from
-    ``reached[i - 1]`` = P(the first i proposals are accepted) (the correction or bonus token counts).
-
-    >>> expected_tokens([0.8, 0.5, 0.25, 0.1], 2)
-    2.3
-    """
-    return 1.0 + sum(reached[:proposals])
-
-
 Option = tuple[str, int]  # (kind, verify length): (CYCLE, k), or (DECODE, 0); (CYCLE, 0) is the executor's P
 
 
 def _best_cycle(values: dict[Option, float]) -> float:
     """The best cycle length's value among an owner count's options (``AdaptivePolicy._values``)."""
     return max(v for (kind, _), v in values.items() if kind == CYCLE)
+
+
+def _best_length(scores: dict[Option, float | None]) -> int | None:
+    """The cycle length of the best known score (rates, or their values), the longer on a tie; None if none is known."""
+    known = [(score, k) for (kind, k), score in scores.items() if kind == CYCLE and score is not None]
+    return max(known)[1] if known else None
 
 
 @dataclass
@@ -205,8 +201,8 @@ class AdaptivePolicy:
     reached: list[Ewma] = field(default_factory=list)  # [i - 1]: share of verified owner-cycles accepting d_1..d_i
     last: dict[int, Option] = field(default_factory=dict)  # owners -> the option chosen last
     idle: dict[tuple[int, Option], int] = field(default_factory=dict)  # (owners, option) -> rounds since it ran
-    # 1 + the running sums of the leading known positions' acceptance values (``expected_tokens`` of each
-    # length), until the next ``accept``: ``expected`` is asked for every cycle length at every round's choice.
+    # Each length's expected tokens (1 + the running sums of the leading known positions' acceptance values),
+    # until the next ``accept``: ``expected`` is asked for every cycle length at every round's choice.
     _known: list[float] | None = field(default=None, repr=False, compare=False)
     # (lengths, options(), the options in tie order: decode, then the cycles shortest first), made once per lengths
     _options: tuple = field(default=(None, (), ()), repr=False, compare=False)
@@ -215,10 +211,14 @@ class AdaptivePolicy:
         """Every option, in exploration order: the longest cycle first (its verdicts measure acceptance
         at every position), then decode, then the shorter cycles (made once per ``lengths``: asked
         several times per round)."""
+        return self._made()[1]
+
+    def _made(self) -> tuple:
+        """``_options``, remade when ``lengths`` changed."""
         if self._options[0] is not self.lengths:
             cycles = [(CYCLE, k) for k in reversed(self.lengths)] or [(CYCLE, 0)]
             self._options = (self.lengths, (cycles[0], (DECODE, 0), *cycles[1:]), ((DECODE, 0), *reversed(cycles)))
-        return self._options[1]
+        return self._options
 
     def observe(
         self, kind: str, owners: int, seconds: float, tokens: int, lanes: int | None = None, proposals: int = 0, launch: str | None = None
@@ -253,27 +253,28 @@ class AdaptivePolicy:
             counts[a] += 1
         self._known = None
         owners = reached = len(accepted)
-        alpha = self.accept_alpha
         for i in range(1, proposals + 1):
             reached -= counts[i - 1]  # owners with a >= i
-            # ``Ewma.add`` inline (skip 0, no clip): this runs for every position of every cycle launch.
-            share, r = reached / owners, self.reached[i - 1]
-            r.seen += 1
-            r.value = share if r.value is None else r.value + max(alpha, 1.0 / r.seen) * (share - r.value)
+            self.reached[i - 1].add(reached / owners)
 
     def expected(self, proposals: int) -> float | None:
-        """E[tokens per owner] of a cycle verifying ``proposals`` from the acceptance seen so far; None
-        until every position 1..proposals has been verified."""
-        known = self._known
-        if known is None:
-            known, total = [], 0.0
-            for r in self.reached:
+        """E[tokens per owner] of a cycle verifying ``proposals`` from the acceptance seen so far: 1 + Σ_{i ≤ k}
+        P(a ≥ i), ``reached[i - 1]`` being P(the first i proposals are accepted) (the correction or bonus token
+        counts); None until every position 1..proposals has been verified.
+
+        >>> policy = AdaptivePolicy()
+        >>> policy.accept(4, [4, 2, 1, 0])  # the first positions' shares: 0.75, 0.5, 0.25, 0.25
+        >>> policy.expected(2), policy.expected(5)
+        (2.25, None)
+        """
+        if self._known is None:
+            self._known, total = [], 0.0
+            for r in self.reached:  # the leading known positions
                 if not r.known:
                     break
-                total += r.value  # the running sum, left to right: ``expected_tokens``' sum, term by term
-                known.append(1.0 + total)
-            self._known = known
-        return known[proposals - 1] if 0 < proposals <= len(known) else None
+                total += r.value
+                self._known.append(1.0 + total)
+        return self._known[proposals - 1] if 0 < proposals <= len(self._known) else None
 
     def rate(self, kind: str, owners: int, proposals: int = 0) -> float | None:
         """Tokens per second of rounds of ``kind`` (cycles verifying ``proposals``) at ``owners``; None
@@ -324,15 +325,13 @@ class AdaptivePolicy:
         ratio = values[chosen] if chosen[0] == CYCLE else _best_cycle(values)
         probe = self._due(owners, chosen, values)
         kind, k = probe or chosen
-        # A decode round's drains: the best-rated length (``_drain_length``, from the values in hand).
-        length = k if kind == CYCLE else max((v, k) for (kind_, k), v in values.items() if kind_ == CYCLE)[1]
+        length = k if kind == CYCLE else _best_length(values)  # a decode round's drains: ``_drain_length``, from the values in hand
         stop = self.stop_drafting and probe is None and kind == DECODE and ratio < 1.0
         return Choice(kind, PROBE if probe else ESTIMATE, ratio, kind, owners, length, stop)
 
     def _keep_or_switch(self, owners: int, values: dict[Option, float]) -> Option:
         """Hysteresis: the best option, unless the previous one is within ``margin`` (in ratio units) of it."""
-        self.options()
-        best = max(self._options[2], key=values.__getitem__)  # ties: decode, then shorter cycles
+        best = max(self._made()[2], key=values.__getitem__)  # ties: decode, then shorter cycles
         previous = self.last.get(owners)
         chosen = previous if previous in values and values[best] <= values[previous] + self.margin else best
         self.last[owners] = chosen
@@ -358,9 +357,8 @@ class AdaptivePolicy:
 
     def _drain_length(self, owners: int) -> int:
         """The verify length of a decode round's drain cycles: the best-rated known cycle length, else the longest."""
-        rates = [(self.rate(CYCLE, owners, k), k) for kind, k in self.options() if kind == CYCLE]
-        known = [(rate, k) for rate, k in rates if rate is not None]
-        return max(known)[1] if known else (self.lengths[-1] if self.lengths else 0)
+        best = _best_length({(kind, k): self.rate(kind, owners, k) for kind, k in self.options() if kind == CYCLE})
+        return best if best is not None else (self.lengths[-1] if self.lengths else 0)
 
 
 @dataclass
