@@ -19,7 +19,9 @@ FFN 12288, vocab 151936; draft 5 layers, block 16), then, for kernels = "fast" a
   (``block_q``) of 16, 32 and 64; at split windows and inner steps (``SPLITS``; ``--split-slots`` and
   ``--attention-block-n`` set the exact backend's own);
 - exactness at this shape: the verify rows of owner 0 (n = 1 and n = 4) against the AR step run at the
-  same positions on the same cache: how many of the 16 rows have the same logits bits, the same argmax.
+  same positions on the same cache: how many of the 16 rows have the same logits bits, the same argmax;
+- ``profile``: each graph's kernels under torch.profiler: the per-layer block's kernels (µs each), what runs
+  outside it, and the gaps between kernels (the graph's device time less its kernels' sum).
 
 Prints a table and ends with one JSON line; rows are appended to ``--results`` (default
 benchmarks/results.jsonl) and the whole report is written to ``$OUT/exact_kernels.json`` when ``OUT`` is set;
@@ -43,7 +45,7 @@ import exact_sweep  # noqa: E402  (the exact linear's tile sweep)
 import gpu_graphs as gg  # noqa: E402  (the pair, feeds, AR step, cycle and timing helpers)
 
 CONTEXT, MAX_CONTEXT, OWNER_COUNTS, ROWS = 2048, 4096, (1, 4), (1, 16, 64)
-SECTIONS = ("gemm", "attention", "combine", "tile", "split")  # the kernel sections after the graph rows
+SECTIONS = ("gemm", "attention", "combine", "tile", "split", "profile")  # the kernel sections after the graph rows
 
 
 def arguments() -> argparse.Namespace:
@@ -145,6 +147,93 @@ def attention_variant_times(backend, reps: int, field: str, variants: dict, comp
             results[-1]["same_bits"] = same
             print(f"    same bits: {same}", flush=True)
     return results
+
+
+def profile_times(backends: dict, dims, reps: int) -> list[dict]:
+    """Where each graph's device time goes, per kernels: the AR step, ``target_verify_n`` and ``draft_n`` (n = 1, 4)
+    replayed as CUDA graphs under torch.profiler. Per graph: its kernels per replay, their summed µs, the graph's own
+    device µs (CUDA events) and the difference (gaps between kernels: drain and launch), and the repeated per-layer
+    block (found from the kernel names' period) with each slot's median µs over layers and replays."""
+    import torch
+
+    from dflash_trt.export import contract as c
+
+    results = []
+    for label, backend in backends.items():
+        stream = backend.stream.torch
+        ar = gg.ArStep(backend, gg.Feeds(dims, 1, CONTEXT))
+        ar.at(CONTEXT)
+        calls = {"ar_step": ar}
+        for n in OWNER_COUNTS:
+            feeds = gg.Feeds(dims, n, CONTEXT, seed=n)
+            calls[f"verify_{n}"] = lambda n=n, feeds=feeds: backend.run(c.graph_name(c.TARGET_VERIFY, n), feeds.verify, 0)
+            calls[f"draft_{n}"] = lambda n=n, feeds=feeds: backend.run(c.graph_name(c.DRAFT, n), feeds.draft, 0)
+        with torch.cuda.stream(stream):
+            for graph, call in calls.items():
+                device_ms, _ = gg.time_calls(stream, call, reps)
+                names, medians = _kernel_sequence(call, stream, reps)
+                results.append(_profile_row(label, graph, device_ms, names, medians))
+                print(_format_profile(results[-1]), flush=True)
+    return results
+
+
+def _kernel_sequence(call, stream, reps: int) -> tuple[list[str], list[float]]:
+    """The device activities of one call in order (names) and each one's median µs over ``reps`` calls."""
+    import statistics
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            call()
+            stream.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start)
+    per = len(events) // reps
+    if per == 0 or per * reps != len(events):
+        raise RuntimeError(f"{len(events)} device activities over {reps} replays: not one sequence per replay")
+    names = [e.name for e in events[:per]]
+    durations = [[events[r * per + i].time_range.elapsed_us() for r in range(reps)] for i in range(per)]
+    return names, [statistics.median(d) for d in durations]
+
+
+def layer_block(names: list[str], least: int = 4) -> tuple[int, int, int]:
+    """(start, length, repeats) of the longest run of one block of names repeated at least ``least`` times."""
+    best = (0, 0, 0)
+    for start in range(min(16, len(names))):
+        for length in range(1, 48):
+            repeats = 1
+            while names[start + repeats * length : start + (repeats + 1) * length] == names[start : start + length] \
+                    and start + (repeats + 1) * length <= len(names):
+                repeats += 1
+            if repeats >= least and repeats * length > best[1] * best[2]:
+                best = (start, length, repeats)
+    return best
+
+
+def _profile_row(label: str, graph: str, device_ms: float, names: list[str], medians: list[float]) -> dict:
+    import statistics
+
+    start, length, repeats = layer_block(names)
+    block = [
+        {"kernel": names[start + i][:60], "us": round(statistics.median(medians[start + r * length + i] for r in range(repeats)), 2)}
+        for i in range(length)
+    ]
+    outside = [(n[:60], round(m, 2)) for k, (n, m) in enumerate(zip(names, medians)) if not start <= k < start + repeats * length]
+    kernel_us = sum(medians)
+    return {
+        "kernels": label, "graph": graph, "device_us": round(device_ms * 1e3, 1), "kernel_us": round(kernel_us, 1),
+        "gap_us": round(device_ms * 1e3 - kernel_us, 1), "activities": len(names), "layers": repeats, "block": block,
+        "block_us": round(sum(b["us"] for b in block), 2), "outside": outside,
+    }
+
+
+def _format_profile(r: dict) -> str:
+    block = ", ".join(f"{b['kernel'].lstrip('_')[:22]} {b['us']:.1f}" for b in r["block"])
+    outside = ", ".join(f"{n.lstrip('_')[:22]} {u:.1f}" for n, u in r["outside"])
+    return (f"  {r['kernels']:5s} {r['graph']:9s}: graph {r['device_us']:7.1f} us, kernels {r['kernel_us']:7.1f} "
+            f"({r['activities']}), gaps {r['gap_us']:6.1f}; {r['layers']} x [{block}] = {r['block_us']:.1f} per layer; "
+            f"else [{outside}]")
 
 
 def exactness(backend, dims) -> dict:
@@ -277,6 +366,7 @@ def main() -> int:
         "combine": lambda: combine_times(backends["exact"], args.reps),
         "tile": lambda: tile_times(backends["exact"], args.reps),
         "split": lambda: split_times(backends["exact"], args.reps),
+        "profile": lambda: profile_times(backends, dims, args.reps),
     }
     for name in args.sections.split(","):
         report.section(f"{name}_us", sections[name])
