@@ -152,8 +152,9 @@ def attention_variant_times(backend, reps: int, field: str, variants: dict, comp
 def profile_times(backends: dict, dims, reps: int) -> list[dict]:
     """Where each graph's device time goes, per kernels: the AR step, ``target_verify_n`` and ``draft_n`` (n = 1, 4)
     replayed as CUDA graphs under torch.profiler. Per graph: its kernels per replay, their summed µs, the graph's own
-    device µs (CUDA events) and the difference (gaps between kernels: drain and launch), and the repeated per-layer
-    block (found from the kernel names' period) with each slot's median µs over layers and replays."""
+    device µs (CUDA events around the call) and the difference (the gaps between kernels; for ``backend.run`` also
+    its host work between the first event and the replay), and the repeated per-layer block (found from the kernel
+    names' period) with each slot's median µs over layers and replays."""
     import torch
 
     from dflash_trt.export import contract as c
@@ -198,9 +199,14 @@ def _kernel_sequence(call, stream, reps: int) -> tuple[list[str], list[float]]:
 
 
 def layer_block(names: list[str], least: int = 4) -> tuple[int, int, int]:
-    """(start, length, repeats) of the longest run of one block of names repeated at least ``least`` times."""
+    """(start, length, repeats) of the block of names repeated back to back at least ``least`` times that covers
+    the most names, starting among the first 64 (a draft's layers follow its context projections).
+
+    >>> layer_block(["embed"] + ["norm", "linear", "attention"] * 5 + ["head"])
+    (1, 3, 5)
+    """
     best = (0, 0, 0)
-    for start in range(min(16, len(names))):
+    for start in range(min(64, len(names))):
         for length in range(1, 48):
             repeats = 1
             while names[start + repeats * length : start + (repeats + 1) * length] == names[start : start + length] \
