@@ -35,14 +35,13 @@ def per_call_us(call, calls: int, stream, busy: bool) -> float:
 
     if busy:
         times = []
-        with torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)):
-            for _ in range(calls // 20):
-                torch.cuda._sleep(2_000_000)  # ~1 ms of spinning queued ahead of the calls
-                for _ in range(3):
-                    began = time.perf_counter()
-                    call()
-                    times.append((time.perf_counter() - began) * 1e6)
-                stream.synchronize()
+        for _ in range(calls // 20):
+            torch.cuda._sleep(2_000_000)  # ~1 ms of spinning queued ahead of the calls (the caller's current stream is ``stream``)
+            for _ in range(3):
+                began = time.perf_counter()
+                call()
+                times.append((time.perf_counter() - began) * 1e6)
+            stream.synchronize()
         return statistics.median(times)
     batches = []
     for _ in range(5):

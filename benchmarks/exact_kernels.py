@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from datetime import datetime, timezone
@@ -180,8 +181,6 @@ def profile_times(backends: dict, dims, reps: int) -> list[dict]:
 
 def _kernel_sequence(call, stream, reps: int) -> tuple[list[str], list[float]]:
     """The device activities of one call in order (names) and each one's median µs over ``reps`` calls."""
-    import statistics
-
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -218,8 +217,6 @@ def layer_block(names: list[str], least: int = 4) -> tuple[int, int, int]:
 
 
 def _profile_row(label: str, graph: str, device_ms: float, names: list[str], medians: list[float]) -> dict:
-    import statistics
-
     start, length, repeats = layer_block(names)
     block = [
         {"kernel": names[start + i][:60], "us": round(statistics.median(medians[start + r * length + i] for r in range(repeats)), 2)}
