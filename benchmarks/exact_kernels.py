@@ -14,10 +14,12 @@ FFN 12288, vocab 151936; draft 5 layers, block 16), then, for kernels = "fast" a
 - the AR step (``target_prefill`` at T = 1, one CUDA graph), ``target_verify_n``, ``draft_n`` and the
   cycle (draft -> verify -> verify_argmax -> verdict on the host) for n = 1 and 4 (gpu_graphs' rows);
 - each GEMM of the step alone over the 36 layers' own weights (CUDA graph) at M = 1, 16 and 64;
-- attention per layer at T = 1 / 16, n = 1 / 4; the exact one with its splits folded by a second launch or
+- attention per layer at T = 1 / 16, n = 1 / 4 (``--contexts``: at each; what is fixed per launch and what
+  grows with the keys); the exact one with its splits folded by a second launch or
   in the attention launch (``combine_in_kernel``), and whether both give the same bits; at tile heights
   (``block_q``) of 16, 32 and 64; at split windows and inner steps (``SPLITS``; ``--split-slots`` and
-  ``--attention-block-n`` set the exact backend's own);
+  ``--attention-block-n`` set the exact backend's own); with 1, 2, 4 and 8 warps per program (``warps``); with
+  2, 3 and 4 loads in flight (``stages``), and whether those give the same bits;
 - exactness at this shape: the verify rows of owner 0 (n = 1 and n = 4) against the AR step run at the
   same positions on the same cache: how many of the 16 rows have the same logits bits, the same argmax;
 - ``profile``: each graph's kernels under torch.profiler: the per-layer block's kernels (µs each), what runs
@@ -46,7 +48,7 @@ import exact_sweep  # noqa: E402  (the exact linear's tile sweep)
 import gpu_graphs as gg  # noqa: E402  (the pair, feeds, AR step, cycle and timing helpers)
 
 CONTEXT, MAX_CONTEXT, OWNER_COUNTS, ROWS = 2048, 4096, (1, 4), (1, 16, 64)
-SECTIONS = ("gemm", "attention", "combine", "tile", "split", "profile")  # the kernel sections after the graph rows
+SECTIONS = ("gemm", "attention", "combine", "tile", "split", "warps", "stages", "profile")  # the kernel sections after the graph rows
 
 
 def arguments() -> argparse.Namespace:
@@ -57,8 +59,10 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--sweep-seconds", type=float, default=240.0, help="the sweep stops measuring after this long")
     parser.add_argument("--split-slots", type=int, default=None, help="the exact attention's split window (ExactOps' default without)")
     parser.add_argument("--attention-block-n", type=int, default=None, help="the exact attention's inner step (ExactOps' default without)")
+    parser.add_argument("--attention-stages", type=int, default=None, help="the exact attention's loads in flight (ExactOps' default without)")
     parser.add_argument("--pdl", choices=("auto", "off", "on"), default="auto",
                         help="programmatic dependent launch (auto: the ops' default: off unless DFLASH_TRT_PDL=1)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[CONTEXT], help="the attention section's contexts (default 2048)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {','.join(SECTIONS)} (the graph rows always run)")
     args = parser.parse_args()
     unknown = set(args.sections.split(",")) - set(SECTIONS)
@@ -121,6 +125,24 @@ def split_times(backend, reps: int) -> list[dict]:
 
     variants = {f"split {w} step {b}": ExactOps(split_slots=w, block_n=b) for w, b in SPLITS}
     return attention_variant_times(backend, reps, "split", variants, compare=False)
+
+
+def warps_times(backend, reps: int) -> list[dict]:
+    """The exact attention with 1, 2, 4 and 8 warps per program (``attention_warps``): µs per layer (each count is
+    its own exact kernel: the warps share a tile's score rows, so their bits may differ from each other)."""
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+
+    variants = {f"warps {w}": ExactOps(attention_warps=w) for w in (1, 2, 4, 8)}
+    return attention_variant_times(backend, reps, "warps", variants, compare=False)
+
+
+def stages_times(backend, reps: int) -> list[dict]:
+    """The exact attention with 2, 3 and 4 key / value loads in flight per program (``attention_stages``): µs per
+    layer, and whether all give the same bits (they should: the depth moves loads, not sums)."""
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+
+    variants = {f"stages {s}": ExactOps(attention_stages=s) for s in (2, 3, 4)}
+    return attention_variant_times(backend, reps, "stages", variants, compare=True)
 
 
 def attention_variant_times(backend, reps: int, field: str, variants: dict, compare: bool) -> list[dict]:
@@ -357,7 +379,8 @@ def main() -> int:
     dims = gg.make_dims(target, draft, MAX_CONTEXT)
     report.data["build_s"] = round(time.perf_counter() - began, 1)
     backends = {"fast": measure(report, "fast", TritonOps(pdl=chosen), target, draft, dims, args.reps)}
-    attention = {k: v for k, v in (("split_slots", args.split_slots), ("block_n", args.attention_block_n)) if v is not None}
+    attention = {k: v for k, v in (("split_slots", args.split_slots), ("block_n", args.attention_block_n),
+                                   ("attention_stages", args.attention_stages)) if v is not None}
     attention["pdl"] = chosen
     exact = ExactOps(**attention)
     if args.sweep:
@@ -365,10 +388,12 @@ def main() -> int:
     backends["exact"] = measure(report, "exact", exact, target, draft, dims, args.reps)
     sections = {
         "gemm": lambda: gemm_times(backends, args.reps),
-        "attention": lambda: gg.attention_times(backends, [CONTEXT], args.reps),
+        "attention": lambda: gg.attention_times(backends, args.contexts, args.reps),
         "combine": lambda: combine_times(backends["exact"], args.reps),
         "tile": lambda: tile_times(backends["exact"], args.reps),
         "split": lambda: split_times(backends["exact"], args.reps),
+        "warps": lambda: warps_times(backends["exact"], args.reps),
+        "stages": lambda: stages_times(backends["exact"], args.reps),
         "profile": lambda: profile_times(backends, dims, args.reps),
     }
     for name in args.sections.split(","):

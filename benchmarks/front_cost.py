@@ -230,6 +230,7 @@ def main() -> int:
     parser.add_argument("--round-ms", type=float, default=5.0, help="the stand-in's round: every open request gets tokens this often")
     parser.add_argument("--tokens-per-round", type=int, default=3, help="tokens per request per round (~ tau)")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="the requests' temperature (the stand-in ignores it)")
     parser.add_argument("--max-sessions", type=int, default=64)
     parser.add_argument("--client-procs", type=int, default=4)
     parser.add_argument("--fronts", type=int, default=1, help="HTTP front processes (serve --fronts)")

@@ -62,6 +62,7 @@ from dflash_trt.runtime.kernels.plan import (
     EXACT_WORKSPACE_BYTES,
     ExactLinearPlan,
     exact_attention_block_n,
+    exact_attention_stages,
     exact_linear_launch,
     exact_linear_plan,
     exact_split_count,
@@ -426,22 +427,31 @@ class ExactOps(TritonOps):
     so the same bits: H200, Qwen3-8B shape, 16.7 against 19.5 µs per layer at one query, 36.5 against 40.0 at
     4 × 16); ``False`` folds them in a second launch; ``block_n``: key slots per inner step of a split, a power
     of two >= 16 dividing ``split_slots`` (default ``plan.exact_attention_block_n``; the result depends on it, so
-    one backend keeps one value); ``pdl``: ``TritonOps``' (launch overlap only: the same arithmetic).
+    one backend keeps one value); ``attention_warps``: warps per attention program, a power of two <= 8 (they
+    share a tile's score rows, so their reductions' order and the result depend on it: one backend keeps one
+    value); ``attention_stages``: key / value loads in flight per attention program (the software pipeline's
+    depth: when each load is issued, never what is summed; the same bits at every depth; default
+    ``plan.exact_attention_stages``); ``pdl``:
+    ``TritonOps``' (launch overlap only: the same arithmetic).
     """
 
     kind = "exact"  # what TorchBackend(kernels=ExactOps(...)) reports as its kernels
 
     def __init__(self, split_slots: int = EXACT_SPLIT_SLOTS, linear_plans: dict | None = None, partial_bytes: int = EXACT_PARTIAL_BYTES,
                  workspace_bytes: int = EXACT_WORKSPACE_BYTES, combine_in_kernel: bool = True, block_q: int = EXACT_BLOCK_Q,
-                 block_n: int | None = None, pdl: bool | None = None) -> None:
+                 block_n: int | None = None, attention_warps: int = 4, attention_stages: int | None = None, pdl: bool | None = None) -> None:
         super().__init__(pdl=pdl)
+        if attention_warps not in (1, 2, 4, 8):
+            raise ValueError(f"attention_warps must be 1, 2, 4 or 8, got {attention_warps}")
+        if attention_stages is not None and attention_stages not in range(1, 7):
+            raise ValueError(f"attention_stages must be in [1, 6], got {attention_stages}")
         if block_q < 16 or block_q & (block_q - 1):
             raise ValueError(f"block_q must be a power of two >= 16, got {block_q}")
         if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
             raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
         if block_n is not None and (split_slots < block_n or split_slots % block_n):
             raise ValueError(f"split_slots must be a positive multiple of block_n ({block_n}), got {split_slots}")
-        self.block_q, self.block_n = block_q, block_n
+        self.block_q, self.block_n, self.attention_warps, self.attention_stages = block_q, block_n, attention_warps, attention_stages
         self.split_slots, self.partial_bytes, self.workspace_bytes = split_slots, partial_bytes, workspace_bytes
         self.combine_in_kernel = combine_in_kernel
         self.exact_plans = dict(linear_plans or {})
@@ -526,6 +536,7 @@ class ExactOps(TritonOps):
         lse = torch.empty((per_launch * splits * self.block_q,), dtype=torch.float32, device=q.device)
         shape = dict(D=D, BLOCK_Q=self.block_q, BLOCK_N=block_n, SPLIT=self.split_slots, CAUSAL=causal, WINDOW=window > 0)
         counters = self.buffer("counters", q.device, per_launch, torch.int32) if self.combine_in_kernel else kv_len
+        stages = self.attention_stages or exact_attention_stages(D, k_cache.element_size(), block_n)
         for unit0 in range(0, units, per_launch):
             count = min(per_launch, units - unit0)
             _attention_kernel[(count, splits)](
@@ -533,7 +544,7 @@ class ExactOps(TritonOps):
                 k_cache.stride(2), q_positions, q_positions.stride(0), kv_len, part, lse,
                 rows if rows is not None else kv_len, out, out.stride(0), out.stride(2), out.stride(1), counters, unit0, tiles, T,
                 group, kv_heads, window, D**-0.5, ROWS=rows is not None, COMBINE=self.combine_in_kernel, INTERP=INTERPRETED,
-                num_warps=4, num_stages=2, **shape, **self.launch(q.device),
+                num_warps=self.attention_warps, num_stages=stages, **shape, **self.launch(q.device),
             )
             if not self.combine_in_kernel:
                 _combine_kernel[(count,)](

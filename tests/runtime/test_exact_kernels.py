@@ -384,6 +384,40 @@ def test_split_sum_and_attention_kernels_compile_for_sm90():
 
 
 @needs_triton
+def test_exact_attention_compiles_to_one_arithmetic_at_every_pipeline_depth():
+    """Bug: the exact attention's loads in flight (``attention_stages``, chosen per head shape and element size,
+    said to move loads only) change its compiled arithmetic: another reduction layout or MMA at one depth, so
+    a query's bits would follow the depth a head shape or dtype picks."""
+    from dflash_trt.runtime.kernels import exact_ops
+
+    attention = [(k, a, c) for k, a, c in _launched_kernels() if k is exact_ops._attention_kernel]
+    assert len(attention) == 2  # the combine in a second launch, and in the kernel
+    for kernel, args, constexprs in attention:
+        try:
+            by_depth = {stages: _arithmetic(_ttgir(kernel, args, set(), constexprs | {"PDL": False}, 4, stages)) for stages in (1, 2, 3, 4)}
+        except ImportError as error:  # a Triton without the NVIDIA backend's compiler
+            pytest.skip(f"cannot compile for sm90 here: {error!r}"[:200])
+        reductions, mma = by_depth[2]
+        assert reductions and mma, "no reduction or dot found in the attention's IR"
+        assert all(found == by_depth[2] for found in by_depth.values()), {s: a for s, a in by_depth.items() if a != by_depth[2]}
+
+
+def test_exact_attention_pipeline_depth_fits_shared_memory():
+    """Bug: the attention's pipeline depth outgrows a program's shared memory for a wide head or fp32 cache
+    (Triton then fails at the first launch), or stays at two steps where three fit (a query's few steps wait a
+    memory round trip each)."""
+    from dflash_trt.runtime.kernels.plan import EXACT_STAGE_BYTES, exact_attention_block_n, exact_attention_stages
+
+    for head_dim in (64, 80, 128, 256):
+        for element_bytes in (2, 4):
+            stages = exact_attention_stages(head_dim, element_bytes)
+            step = 2 * exact_attention_block_n(head_dim) * head_dim * element_bytes
+            assert stages in (2, 3)
+            assert (stages == 3) == (3 * step <= EXACT_STAGE_BYTES), (head_dim, element_bytes, stages)
+    assert exact_attention_stages(128, 2) == 3  # the Qwen3-8B shape in bf16: 96 KiB of tiles
+
+
+@needs_triton
 def test_a_kernel_launched_overlapping_waits_for_its_predecessor_before_any_memory_access():
     """Bug: a kernel launched with programmatic dependent launch (``launch_pdl``: it may start while the launch
     before it still runs) loads its inputs, or stores over a buffer its predecessor still reads, before
@@ -545,9 +579,9 @@ def test_exact_attention_at_another_split_is_batch_invariant(interpreted):
 
 @needs_triton
 def test_exact_attention_tile_is_checked():
-    """Bug: a tile Triton cannot tile (a height or step not a power of two, below the MMA's 16 rows) or a
-    split window that is no whole number of steps fails inside the compiler at the first launch instead of
-    naming the field."""
+    """Bug: a tile Triton cannot tile (a height or step not a power of two, below the MMA's 16 rows), a
+    split window that is no whole number of steps or a warp count Triton cannot lay out fails inside the
+    compiler at the first launch instead of naming the field."""
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
 
     for bad in (0, 8, 48):
@@ -558,6 +592,12 @@ def test_exact_attention_tile_is_checked():
     for slots in (32, 96):
         with pytest.raises(ValueError, match=f"split_slots must be a positive multiple of block_n \\(64\\), got {slots}"):
             ExactOps(split_slots=slots, block_n=64)
+    for warps in (0, 3, 16):
+        with pytest.raises(ValueError, match=f"attention_warps must be 1, 2, 4 or 8, got {warps}"):
+            ExactOps(attention_warps=warps)
+    for stages in (0, 7):
+        with pytest.raises(ValueError, match=f"attention_stages must be in \\[1, 6\\], got {stages}"):
+            ExactOps(attention_stages=stages)
 
 
 @gpu
