@@ -756,3 +756,14 @@ def test_a_failed_request_gets_a_500_without_internal_text(tiny):
         server.should_exit = True
         thread.join(30)
         serving.close(drain=False, timeout=30)
+
+
+def test_the_serve_delivery_tick_is_the_serving_loops_default():
+    """Guards against `dflash-trt serve` and an embedded ``ServingLoop`` delivering on different ticks (the CLI
+    keeps its own literal so that parsing flags does not load torch): the server would stream with gaps the
+    embedded loop's measurements never showed."""
+    from dflash_trt.runtime.serving.loop import DEFAULT_STREAM_INTERVAL
+
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    assert parser.parse_args([]).stream_interval_ms / 1000 == DEFAULT_STREAM_INTERVAL
