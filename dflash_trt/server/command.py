@@ -102,9 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lag", type=int, default=1, choices=range(command.MAX_LAG + 1), metavar=f"0..{command.MAX_LAG}",
                         help="launches each request keeps queued on the device beyond the one being read: more keeps the "
                              "device busy through uneven host rounds, and discards more work when a request ends (default 1)")
-    parser.add_argument("--stream-interval-ms", type=nonnegative_int, default=10,  # runtime.serving.loop.DEFAULT_STREAM_INTERVAL (not imported: it loads torch)
+    parser.add_argument("--stream-interval-ms", type=nonnegative_int, default=15,  # runtime.serving.loop.DEFAULT_STREAM_INTERVAL (not imported: it loads torch)
                         help="while an execute runs, the running requests' tokens read since go out together this often "
-                             "(a request's first token and its end at once; default 10; 0: after every round; longer: "
+                             "(a request's first token and its end at once; default 15; 0: after every round; longer: "
                              "fewer deliveries, more throughput under load, longer gaps between a stream's events)")
     parser.add_argument("--no-draft", action="store_true", help="plain target decoding (no speculation): the autoregressive baseline")
     command.add_policy_argument(parser)
