@@ -58,6 +58,7 @@ from dflash_trt.runtime.kernels.plan import (
     EXACT_BLOCK_Q,
     EXACT_PARTIAL_BYTES,
     EXACT_SPLIT_SLOTS,
+    EXACT_STAGE_BYTES,
     EXACT_TILE_M,
     EXACT_WORKSPACE_BYTES,
     ExactLinearPlan,
@@ -74,6 +75,7 @@ from dflash_trt.runtime.kernels.triton_ops import MASKED, TritonOps, enter, quer
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton.jit at import, as here
 EXACT_SUM_BLOCK_N = 256  # features per program of the split-K sum (elementwise: any tile gives the same bits)
+EXACT_SHARED_HEADROOM = 16 * 1024  # shared memory an attention program keeps beside its pipelined steps (layout changes)
 EXACT_COUNTERS = 1 << 16  # tile / unit counters of the in-kernel sums, at least (the 8B LM head at 64 rows: 38k)
 
 
@@ -413,6 +415,12 @@ def _fold_split(acc, weight_sum, lse, part, best, live):
 # --------------------------------------------------------------------------- ops
 
 
+def max_shared_mem(index: int) -> int:
+    """Shared memory one program may hold on CUDA device ``index`` (the opt-in limit Triton checks a
+    compiled kernel against before its first launch)."""
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
 class ExactOps(TritonOps):
     """Batch-invariant kernels on CUDA tensors (or CPU tensors under Triton's interpreter).
 
@@ -431,8 +439,8 @@ class ExactOps(TritonOps):
     share a tile's score rows, so their reductions' order and the result depend on it: one backend keeps one
     value); ``attention_stages``: key / value loads in flight per attention program (the software pipeline's
     depth: when each load is issued, never what is summed; the same bits at every depth; default
-    ``plan.exact_attention_stages``); ``pdl``:
-    ``TritonOps``' (launch overlap only: the same arithmetic).
+    ``plan.exact_attention_stages`` within ``stage_budget``); ``pdl``: ``TritonOps``' (launch overlap only: the
+    same arithmetic).
     """
 
     kind = "exact"  # what TorchBackend(kernels=ExactOps(...)) reports as its kernels
@@ -456,6 +464,7 @@ class ExactOps(TritonOps):
         self.combine_in_kernel = combine_in_kernel
         self.exact_plans = dict(linear_plans or {})
         self._buffers: dict[tuple, list[torch.Tensor]] = {}
+        self._shared: dict[int, int] = {}  # device index -> stage_budget
 
     def linear(self, x, weight, bias=None, norm=None, eps=0.0, gated=False, residual=None, out=None, out_dtype=None, tap=None):
         """``TritonOps.linear``'s contract (y [M, N] = epilogue(prologue(x) @ weight.T)), one kernel for every M
@@ -519,6 +528,17 @@ class ExactOps(TritonOps):
             held.append(torch.zeros(max(elements, least), dtype=dtype, device=device))
         return held[-1]
 
+    def stage_budget(self, device: torch.device) -> int:
+        """Shared memory the pipelined steps of one exact attention program may hold on ``device``:
+        ``EXACT_STAGE_BYTES``, or less where a program may hold less (Triton's per-program limit less
+        ``EXACT_SHARED_HEADROOM`` for the kernel's other buffers: ~99 KiB on an sm86 / sm89 GPU)."""
+        if device.type != "cuda":
+            return EXACT_STAGE_BYTES  # Triton's interpreter: nothing is allocated
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._shared:
+            self._shared[index] = min(EXACT_STAGE_BYTES, max_shared_mem(index) - EXACT_SHARED_HEADROOM)
+        return self._shared[index]
+
     def attention(self, q, k_cache, v_cache, rows, q_positions, kv_len, causal, window):
         """``TritonOps.attention``'s contract (q [n, Hq, T, D] -> [n, Hq, T, D]) with fixed-size key splits."""
         n, heads, T, D = q.shape
@@ -536,7 +556,7 @@ class ExactOps(TritonOps):
         lse = torch.empty((per_launch * splits * self.block_q,), dtype=torch.float32, device=q.device)
         shape = dict(D=D, BLOCK_Q=self.block_q, BLOCK_N=block_n, SPLIT=self.split_slots, CAUSAL=causal, WINDOW=window > 0)
         counters = self.buffer("counters", q.device, per_launch, torch.int32) if self.combine_in_kernel else kv_len
-        stages = self.attention_stages or exact_attention_stages(D, k_cache.element_size(), block_n)
+        stages = self.attention_stages or exact_attention_stages(D, k_cache.element_size(), block_n, self.stage_budget(q.device))
         for unit0 in range(0, units, per_launch):
             count = min(per_launch, units - unit0)
             _attention_kernel[(count, splits)](

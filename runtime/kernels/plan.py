@@ -254,15 +254,16 @@ def exact_attention_block_n(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
-def exact_attention_stages(head_dim: int, element_bytes: int, block_n: int | None = None) -> int:
-    """Key / value steps in flight per exact attention program: 3 where their tiles fit ``EXACT_STAGE_BYTES``
-    of shared memory, else 2. The depth moves loads, never sums (the same bits at every depth); a split's few
-    steps otherwise wait one memory round trip each (H200, Qwen3-8B shape, context 2048: 12.3 against 13.7 µs
+def exact_attention_stages(head_dim: int, element_bytes: int, block_n: int | None = None, budget: int = EXACT_STAGE_BYTES) -> int:
+    """Key / value steps in flight per exact attention program: 3 where their tiles fit ``budget`` bytes of
+    shared memory (``EXACT_STAGE_BYTES``, less on a GPU whose programs may hold less), else 2. The depth
+    moves loads, never sums (the same bits at every depth); a split's few steps otherwise wait one memory
+    round trip each (H200, Qwen3-8B shape, context 2048: 12.3 against 13.7 µs
     per layer at one query; 4 steps in flight lose at 16 x 4 queries, 48.6 against 38.9:
     benchmarks/RESULTS.md, "the exact attention's loads in flight")."""
     block_n = block_n or exact_attention_block_n(head_dim)
     tiles = 2 * block_n * head_dim * element_bytes  # one step's keys and values
-    return 3 if 3 * tiles <= EXACT_STAGE_BYTES else 2
+    return 3 if 3 * tiles <= budget else 2
 
 
 def exact_split_count(max_context: int, split_slots: int = EXACT_SPLIT_SLOTS) -> int:

@@ -415,6 +415,23 @@ def test_exact_attention_pipeline_depth_fits_shared_memory():
             assert stages in (2, 3)
             assert (stages == 3) == (3 * step <= EXACT_STAGE_BYTES), (head_dim, element_bytes, stages)
     assert exact_attention_stages(128, 2) == 3  # the Qwen3-8B shape in bf16: 96 KiB of tiles
+    assert exact_attention_stages(128, 2, budget=99 * 1024 - 16 * 1024) == 2  # an sm89 program's ~99 KiB: 64 KiB fit
+
+
+def test_exact_attention_depth_follows_the_gpus_shared_memory(monkeypatch):
+    """Bug: the attention's pipeline depth is chosen for an H100's shared memory on every GPU: on an sm86 / sm89
+    GPU (99 KiB a program) three steps of a 128-wide bf16 head do not fit, and the first launch fails."""
+    from dflash_trt.runtime.kernels import exact_ops
+    from dflash_trt.runtime.kernels.exact_ops import EXACT_SHARED_HEADROOM, ExactOps
+    from dflash_trt.runtime.kernels.plan import EXACT_STAGE_BYTES, exact_attention_stages
+
+    limits = {0: 232448, 1: 101376}  # an H200's and an RTX 4090's per-program limits (Triton's max_shared_mem)
+    monkeypatch.setattr(exact_ops, "max_shared_mem", limits.__getitem__)
+    ops = ExactOps()
+    budgets = {i: ops.stage_budget(torch.device("cuda", i)) for i in limits}
+    assert budgets == {0: EXACT_STAGE_BYTES, 1: 101376 - EXACT_SHARED_HEADROOM}
+    assert [exact_attention_stages(128, 2, budget=budgets[i]) for i in (0, 1)] == [3, 2]
+    assert ops.stage_budget(torch.device("cpu")) == EXACT_STAGE_BYTES
 
 
 @needs_triton
