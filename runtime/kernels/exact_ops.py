@@ -22,8 +22,9 @@ for bit, in bf16 too, so DFlash's output is the target's own plain decoding, tok
                     benchmarks/RESULTS.md, "a norm hand-off tried and reverted"). How the work is spread may follow M
                     (``plan.exact_linear_launch``: up to four tiles share each weight load, wider feature
                     blocks for many rows, fewer tiles and narrower blocks where a small weight would leave
-                    most processors idle, rows per launch that fit the workspace): each tile's dot walks
-                    the same K steps whatever M is, so that choice changes speed only.
+                    most processors idle, rows per launch that fit the workspace; pipelines, tiles and
+                    blocks that fit the GPU's shared memory per program, ``ExactOps.shared_bytes``): each
+                    tile's dot walks the same K steps whatever M is, so that choice changes speed only.
 ``attention``       keys split at a fixed size (``EXACT_SPLIT_SLOTS``): split s covers slots
                     [256 s, 256 s + 256) of the valid range, walked in BLOCK_N steps at absolute slots;
                     the grid covers a full cache and splits past the valid slots do nothing; the
@@ -57,8 +58,9 @@ import triton.language as tl
 from dflash_trt.runtime.kernels.plan import (
     EXACT_BLOCK_Q,
     EXACT_PARTIAL_BYTES,
+    EXACT_SHARED_BYTES,
+    EXACT_SHARED_HEADROOM,
     EXACT_SPLIT_SLOTS,
-    EXACT_STAGE_BYTES,
     EXACT_TILE_M,
     EXACT_WORKSPACE_BYTES,
     ExactLinearPlan,
@@ -75,7 +77,6 @@ from dflash_trt.runtime.kernels.triton_ops import MASKED, TritonOps, enter, quer
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton.jit at import, as here
 EXACT_SUM_BLOCK_N = 256  # features per program of the split-K sum (elementwise: any tile gives the same bits)
-EXACT_SHARED_HEADROOM = 16 * 1024  # shared memory an attention program keeps beside its pipelined steps (layout changes)
 EXACT_COUNTERS = 1 << 16  # tile / unit counters of the in-kernel sums, at least (the 8B LM head at 64 rows: 38k)
 
 
@@ -439,7 +440,7 @@ class ExactOps(TritonOps):
     share a tile's score rows, so their reductions' order and the result depend on it: one backend keeps one
     value); ``attention_stages``: key / value loads in flight per attention program (the software pipeline's
     depth: when each load is issued, never what is summed; the same bits at every depth; default
-    ``plan.exact_attention_stages`` within ``stage_budget``); ``pdl``: ``TritonOps``' (launch overlap only: the
+    ``plan.exact_attention_stages`` within ``shared_bytes``); ``pdl``: ``TritonOps``' (launch overlap only: the
     same arithmetic).
     """
 
@@ -464,7 +465,7 @@ class ExactOps(TritonOps):
         self.combine_in_kernel = combine_in_kernel
         self.exact_plans = dict(linear_plans or {})
         self._buffers: dict[tuple, list[torch.Tensor]] = {}
-        self._shared: dict[int, int] = {}  # device index -> stage_budget
+        self._shared: dict[int, int] = {}  # device index -> shared_bytes
 
     def linear(self, x, weight, bias=None, norm=None, eps=0.0, gated=False, residual=None, out=None, out_dtype=None, tap=None):
         """``TritonOps.linear``'s contract (y [M, N] = epilogue(prologue(x) @ weight.T)), one kernel for every M
@@ -482,7 +483,8 @@ class ExactOps(TritonOps):
             out = torch.empty((M, N), dtype=out_dtype or weight.dtype, device=x.device)
         plan = self.linear_plan(N, K, gated, weight.element_size(), x.device)
         splits, width = exact_split_k(K, plan)
-        tiles, block_n, stages = exact_linear_launch(plan, M, gated, weight.element_size(), N, self.processors(x.device))
+        tiles, block_n, stages = exact_linear_launch(plan, M, gated, weight.element_size(), N, self.processors(x.device),
+                                                     self.shared_bytes(x.device))
         blocks = triton.cdiv(N, block_n)
         columns = 2 * N if gated else N
         step = M if splits == 1 else exact_workspace_rows(M, splits, columns, self.workspace_bytes)  # rows per launch
@@ -528,15 +530,15 @@ class ExactOps(TritonOps):
             held.append(torch.zeros(max(elements, least), dtype=dtype, device=device))
         return held[-1]
 
-    def stage_budget(self, device: torch.device) -> int:
-        """Shared memory the pipelined steps of one exact attention program may hold on ``device``:
-        ``EXACT_STAGE_BYTES``, or less where a program may hold less (Triton's per-program limit less
-        ``EXACT_SHARED_HEADROOM`` for the kernel's other buffers: ~99 KiB on an sm86 / sm89 GPU)."""
+    def shared_bytes(self, device: torch.device) -> int:
+        """Shared memory the pipelined steps of one exact program may hold on ``device``: Triton's per-program
+        limit less ``EXACT_SHARED_HEADROOM`` for its other buffers (211 KiB on an H100 / H200, ~83 KiB on an
+        sm86 / sm89 GPU); ``EXACT_SHARED_BYTES`` under Triton's interpreter, which allocates nothing."""
         if device.type != "cuda":
-            return EXACT_STAGE_BYTES  # Triton's interpreter: nothing is allocated
+            return EXACT_SHARED_BYTES
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in self._shared:
-            self._shared[index] = min(EXACT_STAGE_BYTES, max_shared_mem(index) - EXACT_SHARED_HEADROOM)
+            self._shared[index] = max_shared_mem(index) - EXACT_SHARED_HEADROOM
         return self._shared[index]
 
     def attention(self, q, k_cache, v_cache, rows, q_positions, kv_len, causal, window):
@@ -556,7 +558,7 @@ class ExactOps(TritonOps):
         lse = torch.empty((per_launch * splits * self.block_q,), dtype=torch.float32, device=q.device)
         shape = dict(D=D, BLOCK_Q=self.block_q, BLOCK_N=block_n, SPLIT=self.split_slots, CAUSAL=causal, WINDOW=window > 0)
         counters = self.buffer("counters", q.device, per_launch, torch.int32) if self.combine_in_kernel else kv_len
-        stages = self.attention_stages or exact_attention_stages(D, k_cache.element_size(), block_n, self.stage_budget(q.device))
+        stages = self.attention_stages or exact_attention_stages(D, k_cache.element_size(), block_n, self.shared_bytes(q.device))
         for unit0 in range(0, units, per_launch):
             count = min(per_launch, units - unit0)
             _attention_kernel[(count, splits)](

@@ -113,6 +113,8 @@ EXACT_PARTIAL_BYTES = 256 * 1024**2  # fp32 split partials of one exact attentio
 
 
 EXACT_STAGE_BYTES = 160 * 1024  # shared memory the pipelined K steps of one exact linear program may hold
+EXACT_SHARED_HEADROOM = 16 * 1024  # a program's shared memory beside its pipelined steps (layout changes, epilogues)
+EXACT_SHARED_BYTES = 227 * 1024 - EXACT_SHARED_HEADROOM  # what an H100 / H200 program's pipelined steps may hold at most
 EXACT_WORKSPACE_BYTES = 64 * 1024**2  # fp32 split-K partials of one exact linear launch, at most
 EXACT_PROCESSORS = 132  # streaming multiprocessors the default tilings are written for (an H100 / H200 SXM)
 
@@ -208,9 +210,14 @@ def exact_workspace_rows(rows: int, splits: int, columns: int, budget: int = EXA
 
 
 def exact_linear_launch(plan: ExactLinearPlan, rows: int, gated: bool, element_bytes: int, out_features: int | None = None,
-                        processors: int = EXACT_PROCESSORS) -> tuple[int, int, int]:
+                        processors: int = EXACT_PROCESSORS, shared: int = EXACT_SHARED_BYTES) -> tuple[int, int, int]:
     """(16-row tiles per program, features per program, pipeline stages) for ``rows`` rows: spread only
     (the stages: the plan's, else as many as fit ``EXACT_STAGE_BYTES``, 2 to 4).
+
+    ``shared``: what a program's pipelined steps may hold on this GPU (``EXACT_SHARED_BYTES`` on an H100 /
+    H200; ~83 KiB on an sm86 / sm89 GPU). Less than ``EXACT_STAGE_BYTES`` lowers the stages' target to it; where
+    even two stages do not fit, fewer tiles share a weight load, then the feature block narrows, until they do
+    (all spread: the K steps, so the sums, stay the weight's).
 
     With ``out_features``, a small weight under many rows is spread wider: while the launch has fewer
     programs than three quarters of the ``processors``, fewer tiles share a weight load (4 -> 2 -> 1), then,
@@ -221,10 +228,12 @@ def exact_linear_launch(plan: ExactLinearPlan, rows: int, gated: bool, element_b
     block_n = plan.block_n if rows <= EXACT_TILE_M // 2 else plan.block_n_rows
     if out_features is not None:
         tiles, block_n = exact_wider_spread(plan, rows, tiles, block_n, out_features, processors)
-    if plan.stages:
+    step = lambda tiles, block_n: ((2 if gated else 1) * block_n + tiles * EXACT_TILE_M) * plan.block_k * element_bytes  # noqa: E731
+    if plan.stages and plan.stages * step(tiles, block_n) <= shared:
         return tiles, block_n, plan.stages
-    stage = ((2 if gated else 1) * block_n + tiles * EXACT_TILE_M) * plan.block_k * element_bytes
-    return tiles, block_n, max(2, min(4, EXACT_STAGE_BYTES // stage))
+    while 2 * step(tiles, block_n) > shared and (tiles > 1 or block_n > 16):
+        tiles, block_n = (tiles // 2, block_n) if tiles > 1 else (tiles, block_n // 2)
+    return tiles, block_n, max(2, min(4, min(EXACT_STAGE_BYTES, shared) // step(tiles, block_n)))
 
 
 def exact_wider_spread(plan: ExactLinearPlan, rows: int, tiles: int, block_n: int, out_features: int, processors: int) -> tuple[int, int]:
@@ -254,16 +263,16 @@ def exact_attention_block_n(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
-def exact_attention_stages(head_dim: int, element_bytes: int, block_n: int | None = None, budget: int = EXACT_STAGE_BYTES) -> int:
-    """Key / value steps in flight per exact attention program: 3 where their tiles fit ``budget`` bytes of
-    shared memory (``EXACT_STAGE_BYTES``, less on a GPU whose programs may hold less), else 2. The depth
+def exact_attention_stages(head_dim: int, element_bytes: int, block_n: int | None = None, shared: int = EXACT_SHARED_BYTES) -> int:
+    """Key / value steps in flight per exact attention program: 3 where their tiles fit ``EXACT_STAGE_BYTES``
+    of shared memory and ``shared`` (``exact_linear_launch``'s), else 2. The depth
     moves loads, never sums (the same bits at every depth); a split's few steps otherwise wait one memory
     round trip each (H200, Qwen3-8B shape, context 2048: 12.3 against 13.7 µs
     per layer at one query; 4 steps in flight lose at 16 x 4 queries, 48.6 against 38.9:
     benchmarks/RESULTS.md, "the exact attention's loads in flight")."""
     block_n = block_n or exact_attention_block_n(head_dim)
     tiles = 2 * block_n * head_dim * element_bytes  # one step's keys and values
-    return 3 if 3 * tiles <= budget else 2
+    return 3 if 3 * tiles <= min(EXACT_STAGE_BYTES, shared) else 2
 
 
 def exact_split_count(max_context: int, split_slots: int = EXACT_SPLIT_SLOTS) -> int:

@@ -29,6 +29,7 @@ import torch
 from dflash_trt.errors import EngineError
 from dflash_trt.runtime.backends.torch_backend import choose_kernels
 from dflash_trt.runtime.kernels.plan import (
+    EXACT_SHARED_BYTES,
     EXACT_SPLIT_SLOTS,
     EXACT_STAGE_BYTES,
     EXACT_TILES,
@@ -266,6 +267,7 @@ def test_an_exact_ops_object_reports_exact():
 
 # ------------------------------------------------------------------ the kernels, compiled for sm90 (CPU)
 
+SM89_SHARED_BYTES = 101376 - 16 * 1024  # what an sm86 / sm89 program's pipelined steps may hold (ExactOps.shared_bytes)
 LINEAR_ARGS = ("x_ptr", "stride_xm", "w_ptr", "stride_wn", "b_ptr", "r_ptr", "stride_rm", "o_ptr", "stride_om",
                "t_ptr", "stride_tm", "ws_ptr", "WR", "cnt_ptr", "row0", "M", "N", "K", "KS")
 
@@ -300,7 +302,8 @@ def test_exact_linear_compiles_to_one_arithmetic_for_every_row_count():
     program or the pipeline stages it picks make Triton reduce in another layout (another order) or pick
     another MMA instruction (wgmma from 64-row tiles), and the decode step and the verify give a row other
     bits. Compiled for sm90 here, bf16, the Qwen3-8B weights and the default pair's (whose many-row launches are
-    spread wider: fewer tiles, the few-row feature block)."""
+    spread wider: fewer tiles, the few-row feature block), with the spreads of an H100 and of a GPU with 99 KiB of
+    shared memory a program (fewer tiles and narrower blocks, so that two stages fit)."""
     from dflash_trt.runtime.kernels.exact_ops import _linear_kernel
 
     args = {name: "*bf16" if name.endswith("_ptr") else "i32" for name in LINEAR_ARGS}
@@ -311,7 +314,8 @@ def test_exact_linear_compiles_to_one_arithmetic_for_every_row_count():
         name = (N, K, gated)
         plan = exact_linear_plan(N, K, gated, 2)
         compiled = {}
-        launches = sorted({exact_linear_launch(plan, M, gated, 2, N, processors) for M in ROW_COUNTS for processors in (4, 132)})
+        launches = sorted({exact_linear_launch(plan, M, gated, 2, N, processors, shared) for M in ROW_COUNTS for processors in (4, 132)
+                           for shared in (EXACT_SHARED_BYTES, SM89_SHARED_BYTES)})
         fixups = (False, True) if plan.splits > 1 else (False,)
         for fixup, (tiles, block_n, stages) in itertools.product(fixups, launches):  # the in-kernel sum: spread only
             constexprs = dict(GATED=gated, BIAS=False, RESIDUAL=not norm, TAP=False, SPLITS=plan.splits, FIXUP=fixup,
@@ -403,35 +407,64 @@ def test_exact_attention_compiles_to_one_arithmetic_at_every_pipeline_depth():
 
 
 def test_exact_attention_pipeline_depth_fits_shared_memory():
-    """Bug: the attention's pipeline depth outgrows a program's shared memory for a wide head or fp32 cache
-    (Triton then fails at the first launch), or stays at two steps where three fit (a query's few steps wait a
-    memory round trip each)."""
-    from dflash_trt.runtime.kernels.plan import EXACT_STAGE_BYTES, exact_attention_block_n, exact_attention_stages
+    """Bug: the attention's pipeline depth outgrows a program's shared memory for a wide head, an fp32 cache or
+    a GPU with less of it per program (Triton then fails at the first launch), or stays at two steps where three
+    fit (a query's few steps wait a memory round trip each)."""
+    from dflash_trt.runtime.kernels.plan import exact_attention_stages
 
-    for head_dim in (64, 80, 128, 256):
-        for element_bytes in (2, 4):
-            stages = exact_attention_stages(head_dim, element_bytes)
-            step = 2 * exact_attention_block_n(head_dim) * head_dim * element_bytes
-            assert stages in (2, 3)
-            assert (stages == 3) == (3 * step <= EXACT_STAGE_BYTES), (head_dim, element_bytes, stages)
-    assert exact_attention_stages(128, 2) == 3  # the Qwen3-8B shape in bf16: 96 KiB of tiles
-    assert exact_attention_stages(128, 2, budget=99 * 1024 - 16 * 1024) == 2  # an sm89 program's ~99 KiB: 64 KiB fit
+    for shared in (EXACT_SHARED_BYTES, SM89_SHARED_BYTES, 64 * 1024):  # an H200, an sm89 GPU (99 KiB a program), less
+        for head_dim in (64, 80, 128, 256):
+            for element_bytes in (2, 4):
+                stages = exact_attention_stages(head_dim, element_bytes, shared=shared)
+                step = 2 * exact_attention_block_n(head_dim) * head_dim * element_bytes
+                assert stages in (2, 3)
+                assert (stages == 3) == (3 * step <= min(EXACT_STAGE_BYTES, shared)), (shared, head_dim, element_bytes, stages)
+    assert exact_attention_stages(128, 2) == 3  # the Qwen3-8B shape in bf16 on an H200: 96 KiB of tiles
+    assert exact_attention_stages(128, 2, shared=SM89_SHARED_BYTES) == 2  # on an sm89 GPU: 64 KiB
 
 
-def test_exact_attention_depth_follows_the_gpus_shared_memory(monkeypatch):
-    """Bug: the attention's pipeline depth is chosen for an H100's shared memory on every GPU: on an sm86 / sm89
-    GPU (99 KiB a program) three steps of a 128-wide bf16 head do not fit, and the first launch fails."""
+def test_exact_linear_pipelines_fit_a_gpus_shared_memory():
+    """Bug: the exact linear's pipelines are sized for an H100's shared memory on every GPU: on an sm86 / sm89
+    GPU (99 KiB a program) the Qwen3-8B and default-pair weights ask 128-160 KiB and their first launch fails;
+    or fitting them changes what a row sums (the K step) or, on an H100 / H200, any launch at all."""
+    tiny = {"q|k|v": (448, 320, False), "o": (320, 320, False), "gate|up": (896, 320, True), "down": (320, 896, False), "head": (8192, 320, False)}
+    for processors in (132, 128, 84):
+        for N, K, gated in [*(w[:3] for w in WEIGHTS_8B.values()), *tiny.values()]:
+            for element_bytes in (2, 4):
+                plan = exact_linear_plan(N, K, gated, element_bytes, processors)
+                for M in ROW_COUNTS:
+                    wide = exact_linear_launch(plan, M, gated, element_bytes, N, processors, 1 << 30)  # no bound: the spread before
+                    wide_step = ((2 if gated else 1) * wide[1] + 16 * wide[0]) * plan.block_k * element_bytes
+                    assert element_bytes == 4 or 2 * wide_step <= EXACT_SHARED_BYTES  # bf16 on an H100 / H200: nothing changes
+                    if 2 * wide_step <= EXACT_SHARED_BYTES:
+                        assert exact_linear_launch(plan, M, gated, element_bytes, N, processors) == wide
+                    for shared in (SM89_SHARED_BYTES, 48 * 1024):
+                        tiles, block_n, stages = exact_linear_launch(plan, M, gated, element_bytes, N, processors, shared)
+                        step = ((2 if gated else 1) * block_n + 16 * tiles) * plan.block_k * element_bytes
+                        assert 2 <= stages <= 4 and stages * step <= max(2 * step, min(EXACT_STAGE_BYTES, shared))
+                        assert 2 * step <= shared or (tiles, block_n) == (1, 16), (N, K, M, shared, tiles, block_n)
+                        assert tiles <= wide[0] and block_n <= wide[1] and block_n >= 16
+    # The 8B gate|up at 64 rows on an sm89 GPU: four tiles of 64 features in 3 stages (144 KiB) become two tiles, 2 stages.
+    plan = exact_linear_plan(12288, 4096, True, 2, 128)
+    assert exact_linear_launch(plan, 64, True, 2, 12288, 128) == (4, 64, 3)
+    assert exact_linear_launch(plan, 64, True, 2, 12288, 128, SM89_SHARED_BYTES) == (2, 64, 2)
+
+
+def test_exact_pipelines_follow_the_gpus_shared_memory(monkeypatch):
+    """Bug: the pipelines are sized from a constant whatever the GPU: on an sm86 / sm89 GPU (99 KiB a program)
+    three attention steps of a 128-wide bf16 head, or the linear's H100 pipelines, do not fit and the first
+    launch fails."""
     from dflash_trt.runtime.kernels import exact_ops
-    from dflash_trt.runtime.kernels.exact_ops import EXACT_SHARED_HEADROOM, ExactOps
-    from dflash_trt.runtime.kernels.plan import EXACT_STAGE_BYTES, exact_attention_stages
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+    from dflash_trt.runtime.kernels.plan import EXACT_SHARED_HEADROOM, exact_attention_stages
 
     limits = {0: 232448, 1: 101376}  # an H200's and an RTX 4090's per-program limits (Triton's max_shared_mem)
     monkeypatch.setattr(exact_ops, "max_shared_mem", limits.__getitem__)
     ops = ExactOps()
-    budgets = {i: ops.stage_budget(torch.device("cuda", i)) for i in limits}
-    assert budgets == {0: EXACT_STAGE_BYTES, 1: 101376 - EXACT_SHARED_HEADROOM}
-    assert [exact_attention_stages(128, 2, budget=budgets[i]) for i in (0, 1)] == [3, 2]
-    assert ops.stage_budget(torch.device("cpu")) == EXACT_STAGE_BYTES
+    shared = {i: ops.shared_bytes(torch.device("cuda", i)) for i in limits}
+    assert shared == {0: EXACT_SHARED_BYTES, 1: 101376 - EXACT_SHARED_HEADROOM}
+    assert [exact_attention_stages(128, 2, shared=shared[i]) for i in (0, 1)] == [3, 2]
+    assert ops.shared_bytes(torch.device("cpu")) == EXACT_SHARED_BYTES
 
 
 @needs_triton
