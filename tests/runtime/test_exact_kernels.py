@@ -605,6 +605,28 @@ def test_exact_kernels_are_batch_invariant_on_cuda(check, dtype):
         getattr(exact_checks, f"check_{check}")("cuda", dtype, small=False)
 
 
+@gpu
+def test_the_gpus_shared_memory_is_read_and_the_default_pipelines_fit_it():
+    """Bug: the per-program shared-memory query fails or reads a wrong limit on a real GPU (every exact launch
+    sizes its pipeline from it), or the Qwen3-8B shape's pipelines ask more than this GPU's programs hold."""
+    from dflash_trt.runtime.kernels import exact_ops
+    from dflash_trt.runtime.kernels.plan import EXACT_SHARED_HEADROOM, exact_attention_block_n, exact_attention_stages
+
+    device = torch.device("cuda")
+    limit = exact_ops.max_shared_mem(torch.cuda.current_device())
+    assert 48 * 1024 <= limit <= 1024 * 1024, limit  # every CUDA GPU Triton supports: 48 KiB to 227 KiB a program
+    ops = exact_ops.ExactOps()
+    shared = ops.shared_bytes(device)
+    assert shared == limit - EXACT_SHARED_HEADROOM
+    processors = ops.processors(device)
+    for N, K, gated, _ in WEIGHTS_8B.values():
+        plan = exact_linear_plan(N, K, gated, 2, processors)
+        for M in ROW_COUNTS:
+            tiles, block_n, stages = exact_linear_launch(plan, M, gated, 2, N, processors, shared)
+            assert stages * ((2 if gated else 1) * block_n + 16 * tiles) * plan.block_k * 2 <= limit, (N, K, M)
+    assert exact_attention_stages(128, 2, shared=shared) * 2 * exact_attention_block_n(128) * 128 * 2 <= limit
+
+
 ATTENTION_TILES = [{"block_q": 32}, {"block_q": 64}, {"split_slots": 128}, {"split_slots": 128, "block_n": 128}, {"split_slots": 64}]
 
 
