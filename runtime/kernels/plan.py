@@ -228,12 +228,16 @@ def exact_linear_launch(plan: ExactLinearPlan, rows: int, gated: bool, element_b
     block_n = plan.block_n if rows <= EXACT_TILE_M // 2 else plan.block_n_rows
     if out_features is not None:
         tiles, block_n = exact_wider_spread(plan, rows, tiles, block_n, out_features, processors)
-    step = lambda tiles, block_n: ((2 if gated else 1) * block_n + tiles * EXACT_TILE_M) * plan.block_k * element_bytes  # noqa: E731
-    if plan.stages and plan.stages * step(tiles, block_n) <= shared:
+    if plan.stages and plan.stages * _linear_step_bytes(plan, tiles, block_n, gated, element_bytes) <= shared:
         return tiles, block_n, plan.stages
-    while 2 * step(tiles, block_n) > shared and (tiles > 1 or block_n > 16):
+    while 2 * _linear_step_bytes(plan, tiles, block_n, gated, element_bytes) > shared and (tiles > 1 or block_n > 16):
         tiles, block_n = (tiles // 2, block_n) if tiles > 1 else (tiles, block_n // 2)
-    return tiles, block_n, max(2, min(4, min(EXACT_STAGE_BYTES, shared) // step(tiles, block_n)))
+    return tiles, block_n, max(2, min(4, min(EXACT_STAGE_BYTES, shared) // _linear_step_bytes(plan, tiles, block_n, gated, element_bytes)))
+
+
+def _linear_step_bytes(plan: ExactLinearPlan, tiles: int, block_n: int, gated: bool, element_bytes: int) -> int:
+    """Shared memory of one pipelined K step of an exact linear program: its weight block(s) and x tiles."""
+    return ((2 if gated else 1) * block_n + tiles * EXACT_TILE_M) * plan.block_k * element_bytes
 
 
 def exact_wider_spread(plan: ExactLinearPlan, rows: int, tiles: int, block_n: int, out_features: int, processors: int) -> tuple[int, int]:
@@ -265,14 +269,14 @@ def exact_attention_block_n(head_dim: int) -> int:
 
 def exact_attention_stages(head_dim: int, element_bytes: int, block_n: int | None = None, shared: int = EXACT_SHARED_BYTES) -> int:
     """Key / value steps in flight per exact attention program: 3 where their tiles fit ``EXACT_STAGE_BYTES``
-    of shared memory and ``shared`` (``exact_linear_launch``'s), else 2. The depth
-    moves loads, never sums (the same bits at every depth); a split's few steps otherwise wait one memory
-    round trip each (H200, Qwen3-8B shape, context 2048: 12.3 against 13.7 µs
-    per layer at one query; 4 steps in flight lose at 16 x 4 queries, 48.6 against 38.9:
-    benchmarks/RESULTS.md, "the exact attention's loads in flight")."""
+    of shared memory and ``shared`` (``exact_linear_launch``'s), else 2, else 1. The depth moves loads, never
+    sums (the same bits at every depth); a split's few steps otherwise wait one memory round trip each (H200,
+    Qwen3-8B shape, context 2048: 12.3 against 13.7 µs per layer at one query; 4 steps in flight lose at
+    16 x 4 queries, 48.6 against 38.9: benchmarks/RESULTS.md, "the exact attention's loads in flight")."""
     block_n = block_n or exact_attention_block_n(head_dim)
     tiles = 2 * block_n * head_dim * element_bytes  # one step's keys and values
-    return 3 if 3 * tiles <= min(EXACT_STAGE_BYTES, shared) else 2
+    budget = min(EXACT_STAGE_BYTES, shared)
+    return 3 if 3 * tiles <= budget else 2 if 2 * tiles <= budget else 1
 
 
 def exact_split_count(max_context: int, split_slots: int = EXACT_SPLIT_SLOTS) -> int:

@@ -417,8 +417,8 @@ def test_exact_attention_pipeline_depth_fits_shared_memory():
             for element_bytes in (2, 4):
                 stages = exact_attention_stages(head_dim, element_bytes, shared=shared)
                 step = 2 * exact_attention_block_n(head_dim) * head_dim * element_bytes
-                assert stages in (2, 3)
-                assert (stages == 3) == (3 * step <= min(EXACT_STAGE_BYTES, shared)), (shared, head_dim, element_bytes, stages)
+                budget = min(EXACT_STAGE_BYTES, shared)
+                assert stages == max((d for d in (1, 2, 3) if d * step <= budget), default=1), (shared, head_dim, element_bytes, stages)
     assert exact_attention_stages(128, 2) == 3  # the Qwen3-8B shape in bf16 on an H200: 96 KiB of tiles
     assert exact_attention_stages(128, 2, shared=SM89_SHARED_BYTES) == 2  # on an sm89 GPU: 64 KiB
 
