@@ -143,6 +143,10 @@ def figures(executor: Executor, tokens: list[list[int]], seconds: float) -> dict
         "host_overhead_fraction": round(max(0.0, 1 - busy_s / seconds), 4),
         "gpu_idle_fraction": round(timeline.idle_ms / (timeline.busy_ms + timeline.idle_ms), 4) if timeline.launches else None,
         "captured_graphs": len(executor.loop.captured),
+        # Rows of the cycle table by kind: cycles, and the target's own tokens (prompts' first tokens and, in DFlash
+        # mode, the rounds the policy ran as plain decode steps).
+        "cycle_rows": len(speculative),
+        "target_rows": len(columns["mode"]) - len(speculative),
     }
 
 
