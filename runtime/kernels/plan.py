@@ -228,11 +228,13 @@ def exact_linear_launch(plan: ExactLinearPlan, rows: int, gated: bool, element_b
     block_n = plan.block_n if rows <= EXACT_TILE_M // 2 else plan.block_n_rows
     if out_features is not None:
         tiles, block_n = exact_wider_spread(plan, rows, tiles, block_n, out_features, processors)
-    if plan.stages and plan.stages * _linear_step_bytes(plan, tiles, block_n, gated, element_bytes) <= shared:
+    step = _linear_step_bytes(plan, tiles, block_n, gated, element_bytes)
+    if plan.stages and plan.stages * step <= shared:
         return tiles, block_n, plan.stages
-    while 2 * _linear_step_bytes(plan, tiles, block_n, gated, element_bytes) > shared and (tiles > 1 or block_n > 16):
+    while 2 * step > shared and (tiles > 1 or block_n > 16):
         tiles, block_n = (tiles // 2, block_n) if tiles > 1 else (tiles, block_n // 2)
-    return tiles, block_n, max(2, min(4, min(EXACT_STAGE_BYTES, shared) // _linear_step_bytes(plan, tiles, block_n, gated, element_bytes)))
+        step = _linear_step_bytes(plan, tiles, block_n, gated, element_bytes)
+    return tiles, block_n, max(2, min(4, min(EXACT_STAGE_BYTES, shared) // step))
 
 
 def _linear_step_bytes(plan: ExactLinearPlan, tiles: int, block_n: int, gated: bool, element_bytes: int) -> int:

@@ -30,6 +30,7 @@ from dflash_trt.errors import EngineError
 from dflash_trt.runtime.backends.torch_backend import choose_kernels
 from dflash_trt.runtime.kernels.plan import (
     EXACT_SHARED_BYTES,
+    EXACT_SHARED_HEADROOM,
     EXACT_SPLIT_SLOTS,
     EXACT_STAGE_BYTES,
     EXACT_TILES,
@@ -96,7 +97,7 @@ def test_exact_launches_follow_the_rows_only_in_how_work_is_spread():
             for M in ROW_COUNTS:
                 tiles, block_n, stages = exact_linear_launch(plan, M, gated, dtype_bytes)
                 assert tiles == exact_row_tiles(M, plan.tiles) and block_n == (plan.block_n if M <= 8 else plan.block_n_rows)
-                stage = ((2 if gated else 1) * block_n + 16 * tiles) * plan.block_k * dtype_bytes
+                stage = _step_bytes(plan, tiles, block_n, gated, dtype_bytes)
                 assert 2 <= stages <= 4 and (stages == 2 or stages * stage <= EXACT_STAGE_BYTES)
     assert [exact_row_tiles(m) for m in (1, 5, 16, 17, 32, 33, 64, 1000)] == [1, 1, 1, 2, 2, 4, 4, 4]
     for N, K, gated, _ in WEIGHTS_8B.values():  # enough programs already: the widening leaves the 8B spread as it was
@@ -267,7 +268,14 @@ def test_an_exact_ops_object_reports_exact():
 
 # ------------------------------------------------------------------ the kernels, compiled for sm90 (CPU)
 
-SM89_SHARED_BYTES = 101376 - 16 * 1024  # what an sm86 / sm89 program's pipelined steps may hold (ExactOps.shared_bytes)
+SM89_SHARED_BYTES = 101376 - EXACT_SHARED_HEADROOM  # what an sm86 / sm89 program's pipelined steps may hold (ExactOps.shared_bytes)
+
+
+def _step_bytes(plan, tiles: int, block_n: int, gated: bool, element_bytes: int) -> int:
+    """One pipelined K step of an exact linear program (the reference): its weight block(s) and x tiles."""
+    return ((2 if gated else 1) * block_n + 16 * tiles) * plan.block_k * element_bytes
+
+
 LINEAR_ARGS = ("x_ptr", "stride_xm", "w_ptr", "stride_wn", "b_ptr", "r_ptr", "stride_rm", "o_ptr", "stride_om",
                "t_ptr", "stride_tm", "ws_ptr", "WR", "cnt_ptr", "row0", "M", "N", "K", "KS")
 
@@ -434,13 +442,13 @@ def test_exact_linear_pipelines_fit_a_gpus_shared_memory():
                 plan = exact_linear_plan(N, K, gated, element_bytes, processors)
                 for M in ROW_COUNTS:
                     wide = exact_linear_launch(plan, M, gated, element_bytes, N, processors, 1 << 30)  # no bound: the spread before
-                    wide_step = ((2 if gated else 1) * wide[1] + 16 * wide[0]) * plan.block_k * element_bytes
+                    wide_step = _step_bytes(plan, wide[0], wide[1], gated, element_bytes)
                     assert element_bytes == 4 or 2 * wide_step <= EXACT_SHARED_BYTES  # bf16 on an H100 / H200: nothing changes
                     if 2 * wide_step <= EXACT_SHARED_BYTES:
                         assert exact_linear_launch(plan, M, gated, element_bytes, N, processors) == wide
                     for shared in (SM89_SHARED_BYTES, 48 * 1024):
                         tiles, block_n, stages = exact_linear_launch(plan, M, gated, element_bytes, N, processors, shared)
-                        step = ((2 if gated else 1) * block_n + 16 * tiles) * plan.block_k * element_bytes
+                        step = _step_bytes(plan, tiles, block_n, gated, element_bytes)
                         assert 2 <= stages <= 4 and stages * step <= max(2 * step, min(EXACT_STAGE_BYTES, shared))
                         assert 2 * step <= shared or (tiles, block_n) == (1, 16), (N, K, M, shared, tiles, block_n)
                         assert tiles <= wide[0] and block_n <= wide[1] and block_n >= 16
@@ -456,7 +464,7 @@ def test_exact_pipelines_follow_the_gpus_shared_memory(monkeypatch):
     launch fails."""
     from dflash_trt.runtime.kernels import exact_ops
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
-    from dflash_trt.runtime.kernels.plan import EXACT_SHARED_HEADROOM, exact_attention_stages
+    from dflash_trt.runtime.kernels.plan import exact_attention_stages
 
     limits = {0: 232448, 1: 101376}  # an H200's and an RTX 4090's per-program limits (Triton's max_shared_mem)
     monkeypatch.setattr(exact_ops, "max_shared_mem", limits.__getitem__)
@@ -610,7 +618,7 @@ def test_the_gpus_shared_memory_is_read_and_the_default_pipelines_fit_it():
     """Bug: the per-program shared-memory query fails or reads a wrong limit on a real GPU (every exact launch
     sizes its pipeline from it), or the Qwen3-8B shape's pipelines ask more than this GPU's programs hold."""
     from dflash_trt.runtime.kernels import exact_ops
-    from dflash_trt.runtime.kernels.plan import EXACT_SHARED_HEADROOM, exact_attention_block_n, exact_attention_stages
+    from dflash_trt.runtime.kernels.plan import exact_attention_stages
 
     device = torch.device("cuda")
     limit = exact_ops.max_shared_mem(torch.cuda.current_device())
@@ -623,7 +631,7 @@ def test_the_gpus_shared_memory_is_read_and_the_default_pipelines_fit_it():
         plan = exact_linear_plan(N, K, gated, 2, processors)
         for M in ROW_COUNTS:
             tiles, block_n, stages = exact_linear_launch(plan, M, gated, 2, N, processors, shared)
-            assert stages * ((2 if gated else 1) * block_n + 16 * tiles) * plan.block_k * 2 <= limit, (N, K, M)
+            assert stages * _step_bytes(plan, tiles, block_n, gated, 2) <= limit, (N, K, M)
     assert exact_attention_stages(128, 2, shared=shared) * 2 * exact_attention_block_n(128) * 128 * 2 <= limit
 
 
