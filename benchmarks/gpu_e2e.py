@@ -48,6 +48,7 @@ from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.backends.torch_backend import TorchBackend
 from dflash_trt.runtime.executor import DEFAULT_MAX_CYCLES, Executor
 from dflash_trt.runtime.generate import stream
+from dflash_trt.runtime.policy import POLICIES
 from dflash_trt.runtime.serving.batcher import Request
 
 PROMPT_TOKENS, NEW_TOKENS = 192, 128
@@ -238,7 +239,7 @@ def main() -> None:
     parser.add_argument("--pairs", default="default,8b", help="comma-separated: default, 8b")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")))
     parser.add_argument("--max-cycles", type=int, default=DEFAULT_MAX_CYCLES, help=f"rounds per execute (default {DEFAULT_MAX_CYCLES}, the executor's)")
-    parser.add_argument("--policy", choices=("adaptive", "always"), default="adaptive",
+    parser.add_argument("--policy", choices=POLICIES, default="adaptive",
                         help="the DFlash mode's speculation policy (runtime.policy; default adaptive, as dflash-trt serve)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--lag", type=int, default=1, help="the executor's launches queued per session beyond the one read (default 1)")
