@@ -935,7 +935,8 @@ class Executor:
         cycling = {id(lane) for lane in policed if CYCLE in self._kinds(lane)}
         full = {id(lane) for lane in policed if id(lane) not in cycling and self._pending(lane) >= self.dims.block_size}
         ready, draining = [], False
-        if full and choice.stop and choice.measured:  # cycling loses by estimate: the full lanes stop drafting instead of draining
+        # Cycling loses by estimate, or the draft is hopeless (beside plain lanes too): the full lanes stop drafting instead of draining.
+        if full and ((choice.stop and choice.measured) or choice.hopeless):
             for lane in policed:
                 if id(lane) in full:
                     self._stop_drafting(lane)

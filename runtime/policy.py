@@ -62,6 +62,18 @@ is ``AdaptivePolicy(stop_drafting=True)``: where cycling loses by estimate,
 lanes stop drafting for good instead of draining (``Choice.stop``); rounds
 beside plain lanes are not measured (``Choice.measured``). It did not pay on
 the H200 (benchmarks/RESULTS.md, "Stopping drafting where cycling loses").
+
+A draft whose first proposal is almost never accepted (``hopeless``: under
+``HOPELESS_SHARE`` of at least ``HOPELESS_EVIDENCE`` verified owner-cycles) can
+never pay at any load: each cycle yields one token at a verify's and a draft's
+cost. There every policy but ``always`` stops a lane's drafting where its drain
+falls due under a decode choice (``Choice.hopeless``), beside plain lanes too
+(the acceptance decides, not a round's cost), so a useless draft costs what
+plain decoding costs plus the first rounds' exploration (on the H200's
+Qwen3-8B shape with a random draft: drains and probes cost 6% without this).
+Probes keep measuring the acceptance through the lanes still drafting (every
+new session drafts until its first drain), so a draft that starts to be
+accepted is noticed.
 """
 
 from __future__ import annotations
@@ -89,7 +101,9 @@ class Choice:
     ``measured``: False (set by the executor) for a round beside plain lanes (sessions that do not draft,
     or stopped): its launches say nothing of what either option's round costs and yields at its count (a
     cycle launch of the few drafting lanes beside the plain lanes' decode step), so they are not
-    observed, and its lanes do not stop drafting (only what all-drafting rounds measured stops them)."""
+    observed, and its lanes do not stop drafting (only what all-drafting rounds measured stops them);
+    ``hopeless``: a decode round (not a probe or an exploration) while the draft's acceptance is hopeless
+    (``AdaptivePolicy.hopeless``): its lanes stop drafting where their drain falls due, measured or not."""
 
     kind: str
     why: str
@@ -99,6 +113,7 @@ class Choice:
     proposals: int = 0
     stop: bool = False  # see the docstring
     measured: bool = True  # see the docstring
+    hopeless: bool = False  # see the docstring
 
 
 @dataclass
@@ -155,6 +170,8 @@ def cycle_ratio(cycle_tokens_per_s: float, decode_tokens_per_s: float) -> float:
 # rounds of the slower kind. Per launch kind, not per round kind: a decode round's drain cycles cost more
 # than its decode steps by nature, and are charged to it in full.
 COST_CLIP = 3.0
+HOPELESS_SHARE = 0.05  # ``AdaptivePolicy.hopeless``: the first proposal accepted in fewer than 1 in 20 owner-cycles ...
+HOPELESS_EVIDENCE = 16  # ... of at least this many verified (all 16 rejected by chance at an acceptance of 0.3: 0.3%)
 
 PROBE_STEP = 1.25  # each factor of this between the estimate and break-even doubles the probe interval
 PROBE_SPREAD = 8  # ... up to this many times ``probe_every``
@@ -194,6 +211,9 @@ class AdaptivePolicy:
     lengths: tuple[int, ...] = ()  # the verify lengths offered (ascending, the last P); (): one, the executor's
     accept_alpha: float = 0.02  # EWMA weight of a new cycle launch in the acceptance by draft position
     stop_drafting: bool = False  # decode chosen by estimate, cycling losing: ``Choice.stop`` (``adaptive-stop``)
+    hopeless_share: float = HOPELESS_SHARE  # ``hopeless``
+    hopeless_evidence: int = HOPELESS_EVIDENCE
+    verified: int = 0  # owner-cycles whose first proposal was verified (``accept``)
     costs: dict[tuple[str, int, int], Ewma] = field(default_factory=dict)  # (round kind, owners, length) -> seconds per launch
     yields: dict[tuple[str, int, int], Ewma] = field(default_factory=dict)  # ... -> tokens per launch
     lanes: dict[tuple[str, int, int], Ewma] = field(default_factory=dict)  # ... -> lanes served per launch
@@ -253,6 +273,7 @@ class AdaptivePolicy:
             counts[a] += 1
         self._known = None
         owners = reached = len(accepted)
+        self.verified += owners
         for i in range(1, proposals + 1):
             reached -= counts[i - 1]  # owners with a >= i
             self.reached[i - 1].add(reached / owners)
@@ -327,7 +348,21 @@ class AdaptivePolicy:
         kind, k = probe or chosen
         length = k if kind == CYCLE else _best_length(values)  # a decode round's drains: ``_drain_length``, from the values in hand
         stop = self.stop_drafting and probe is None and kind == DECODE and ratio < 1.0
-        return Choice(kind, PROBE if probe else ESTIMATE, ratio, kind, owners, length, stop)
+        hopeless = probe is None and kind == DECODE and self.hopeless()
+        return Choice(kind, PROBE if probe else ESTIMATE, ratio, kind, owners, length, stop, hopeless=hopeless)
+
+    def hopeless(self) -> bool:
+        """Whether the draft's first proposal was accepted in under ``hopeless_share`` of the owner-cycles
+        verified, once ``hopeless_evidence`` were: then no verify length can pay at any lane count (a
+        cycle yields ~1 token, a decode step 1 at less cost), whatever the costs measured so far say.
+
+        >>> policy = AdaptivePolicy()
+        >>> policy.accept(15, [0] * 8); policy.hopeless()  # too few owner-cycles to tell
+        False
+        >>> policy.accept(15, [0] * 8); policy.hopeless()
+        True
+        """
+        return self.verified >= self.hopeless_evidence and bool(self.reached) and self.reached[0].value < self.hopeless_share
 
     def _keep_or_switch(self, owners: int, values: dict[Option, float]) -> Option:
         """Hysteresis: the best option, unless the previous one is within ``margin`` (in ratio units) of it."""

@@ -256,6 +256,39 @@ def test_only_a_decode_estimate_with_cycling_losing_stops_drafting():
     assert policy_named("adaptive-stop").stop_drafting and not policy_named("adaptive").stop_drafting
 
 
+def test_a_hopeless_draft_stops_drafting_on_decode_rounds_whatever_the_policy_name():
+    """Guards against DFlash mode that stays dearer than plain decoding with a draft that is never accepted
+    (Qwen3-8B shape, random draft, H200: 0.94x plain under ``adaptive``, its drains and probes 15 of 64
+    rounds): once at least HOPELESS_EVIDENCE owner-cycles were verified and under HOPELESS_SHARE of them
+    accepted the first proposal, a decode round (by estimate or kept, not a probe or an exploration) carries
+    ``hopeless`` under ``adaptive`` too; a draft accepted 3 times in 10 never does, nor does too little
+    evidence, a cycle round or the fixed policy."""
+    from dflash_trt.runtime.policy import HOPELESS_EVIDENCE, HOPELESS_SHARE
+
+    assert not AdaptivePolicy().choose(1).hopeless  # nothing known: an exploration
+    policy = known(margin=0.05, probe_every=10**9)
+    set_decode_rate(policy, 0.5)
+    for _ in range(HOPELESS_EVIDENCE - 1):
+        policy.accept(15, [0])
+    assert policy.choose(1).kind == DECODE and not policy.choose(1).hopeless  # one owner-cycle short of the evidence
+    policy.accept(15, [0])
+    assert policy.choose(1).kind == DECODE and policy.choose(1).hopeless and not policy.choose(1).stop
+    set_decode_rate(policy, 1.5)  # cycles ahead by estimate (not a hopeless draft's costs, but the rule is per choice)
+    assert policy.choose(1).kind == CYCLE and not policy.choose(1).hopeless
+    accepted = known(margin=0.05, probe_every=10**9)
+    set_decode_rate(accepted, 0.5)
+    rng = np.random.default_rng(0)
+    accepted.accept(15, (rng.random(4 * HOPELESS_EVIDENCE) < 0.3).astype(int))  # a first position accepted 3 in 10
+    assert accepted.reached[0].value > HOPELESS_SHARE and not accepted.choose(1).hopeless
+    probing = known(margin=0.0, probe_every=1)
+    probing.accept(15, [0] * HOPELESS_EVIDENCE)
+    set_decode_rate(probing, 0.9)  # decode chosen, cycles probed every other round
+    choices = [probing.choose(1) for _ in range(6)]
+    assert any(c.why == PROBE for c in choices) and not any(c.hopeless for c in choices if c.why == PROBE)
+    assert any(c.hopeless for c in choices)
+    assert not policy_named("always").choose(1).hopeless
+
+
 def test_adaptive_stop_rates_decode_by_its_plain_steps():
     """Guards against ``adaptive-stop`` rating decode by rounds it will not run: a decode estimate stops
     drafting where a drain would fall due, so the drain cycles that decode rounds ran while drafting must not
@@ -367,6 +400,7 @@ def test_out_of_range_loop_options_are_refused(tiny, option, value, words):
 
 
 STOP = "stop"  # a Scripted entry: a decode round whose full lanes stop drafting (``Choice.stop``)
+HOPELESS = "hopeless"  # a Scripted entry: a decode round while the draft is hopeless (``Choice.hopeless``)
 
 
 class Scripted:
@@ -380,6 +414,8 @@ class Scripted:
     def choose(self, owners: int) -> Choice:
         if (entry := next(self.pattern)) == STOP:  # decode by estimate, cycling losing: full lanes stop drafting
             return Choice(DECODE, ESTIMATE, 0.5, DECODE, owners, 0, stop=True)
+        if entry == HOPELESS:  # ... the draft never accepted: they stop beside plain lanes too
+            return Choice(DECODE, ESTIMATE, 0.5, DECODE, owners, 0, hopeless=True)
         kind, length = entry if isinstance(entry, tuple) else (entry, 0)
         return Choice(kind, EXPLORE, math.nan, kind, owners, length)
 
@@ -400,6 +436,7 @@ def make_policy(name: str, lengths: tuple[int, ...]):
         "alternate": [CYCLE, DECODE],
         "decode": [DECODE],
         "stopping": [CYCLE, CYCLE, *[STOP] * 40],  # pending rows fill under the decode rounds
+        "hopeless": [CYCLE, CYCLE, *[HOPELESS] * 40],
         "lengths, then stopping": [(CYCLE, lengths[0]), (CYCLE, lengths[1]), DECODE, *[STOP] * 30],
         "mixed": [DECODE, DECODE, CYCLE, DECODE, CYCLE, CYCLE],
         "lengths": [(CYCLE, lengths[0]), (CYCLE, lengths[0]), DECODE, (CYCLE, lengths[-1]), (CYCLE, lengths[0]), DECODE, DECODE],
@@ -669,6 +706,41 @@ def test_rounds_shared_with_plain_lanes_are_not_measured(tiny, oracle):
     assert all(executor.session(s).speculate for s in drafting)
     t.execute([(s, [t.seq[s][-1]], None, True, {"max_new_tokens": 8}) for s in drafting])
     assert len(policy.launches) > before  # drafting lanes alone: measured
+    executor.close()
+
+
+def test_a_hopeless_draft_stops_lanes_beside_plain_lanes_too(tiny, oracle):
+    """Guards against lanes that keep draining a draft that is never accepted because a plain session shares
+    their rounds: such rounds are not measured and a cost estimate stops no one there, but a hopeless draft
+    (``Choice.hopeless``) is a fact of the acceptance, not of the round. Each drafting lane stops where its
+    drain falls due, no drain runs, and every output is the reference's."""
+    policy = make_policy("hopeless", tiny.dims.verify_proposals)
+    executor, _ = policy_executor(tiny, "torch-fast", policy)
+    t = Tracker(executor, oracle)
+    drafting, plain = [t.open() for _ in range(3)], t.open(speculate=False)
+    workload(t, t.execute, [*drafting, plain], 14)
+    cycles, executes = executor.cycle_stats(), executor.execute_stats()
+    stopped = [s for s in drafting if not executor.session(s).speculate]
+    assert len(stopped) >= 2 and int(executes["drafting_stopped"].sum()) == len(stopped)
+    assert (cycles["policy"] == DRAIN).sum() == 0
+    executor.close()
+
+
+def test_the_default_policy_stops_drafting_a_draft_that_is_never_accepted(tiny, oracle):
+    """Guards against the default policy (``adaptive``) draining a useless draft for good: the tiny pair's
+    draft is never accepted (its proposals are random to the target), so every cycle yields one token at a
+    verify's and a draft's cost, and a drafting lane under decode rounds still cycled every B steps to
+    drain its pending context. Once the acceptance is hopeless every lane stops drafting where its drain
+    falls due (no drain runs), and the outputs are the reference's."""
+    policy = policy_named("adaptive", tiny.dims.verify_proposals)
+    executor, _ = policy_executor(tiny, "torch-fast", policy)
+    t = Tracker(executor, oracle)
+    sessions = [t.open() for _ in range(4)]
+    workload(t, t.execute, sessions, 14)
+    assert policy.hopeless() and policy.reached[0].value == 0.0  # the premise: never accepted
+    assert all(not executor.session(s).speculate for s in sessions)
+    assert int(executor.execute_stats()["drafting_stopped"].sum()) == len(sessions)
+    assert (executor.cycle_stats()["policy"] == DRAIN).sum() == 0
     executor.close()
 
 
