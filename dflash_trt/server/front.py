@@ -197,7 +197,10 @@ class ServingClient:
                 message = self.conn.recv()
             except (EOFError, OSError):
                 break
-            self._dispatch[type(message)](message)
+            try:
+                self._dispatch[type(message)](message)
+            except Exception:  # noqa: BLE001  (a dead receiver would leave every request of this front hanging)
+                log.exception("handling a %s from the serving process failed; the front goes on", type(message).__name__)
         self._die()
 
     def _answer(self, message) -> None:
@@ -220,7 +223,10 @@ class ServingClient:
             with self._lock:
                 job = self._jobs.get(key)
             if job is not None:  # else it ended here at a stop string: the serving process's late tokens
-                self._deliver(key, job, tokens, finish)
+                try:
+                    self._deliver(key, job, tokens, finish)
+                except Exception as error:  # noqa: BLE001  (one request fails, the message's others are delivered)
+                    self._delivery_failed(key, job, finish, error)
         for key, error in message.failures:
             with self._lock:
                 job = self._jobs.pop(key, None)
@@ -245,6 +251,17 @@ class ServingClient:
             self._jobs.pop(key, None)
         job.handle._push(Delta(tokens, text, finish))
         job.handle._complete(Completion(job.handle.tokens, finish, job.handle.text if job.text is not None else None))
+
+    def _delivery_failed(self, key: int, job: _Job, finish: str | None, error: Exception) -> None:
+        """Delivering a request's tokens raised (a bug, e.g. in detokenizing): that request fails with a
+        ServingError naming the cause, the serving process stops decoding it, every other request goes on."""
+        log.exception("delivering the tokens of request %d failed; it fails, the others go on", job.handle.id)
+        with self._lock:
+            self._jobs.pop(key, None)
+        if finish is None:
+            self._send(wire.Cancel(key, CANCELLED))
+        if not job.handle.done:
+            job.handle._fail(ServingError(f"delivering the request's tokens failed: {type(error).__name__}: {error}"))
 
     def _die(self) -> None:
         """The pipe closed: fail every open request and answer, once; report an unexpected death."""

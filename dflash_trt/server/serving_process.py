@@ -6,8 +6,10 @@ for the GIL behind HTTP parsing, tokenizing, detokenizing or SSE work. The
 messages are ``server.wire``'s.
 
 Threads here: the main thread reads the pipes, one per HTTP front (submits,
-cancels, closes, metrics queries), refuses a submit at once on its front's pipe
-(``Refused``) or puts its key in that front's outbox (accepted); the serving
+cancels, closes, metrics queries), and never writes to one: a submit's answer
+(its key, accepted; or ``Refused``) and a metrics query's go to that front's
+outbox, so a front that reads slowly (its pipe full) holds up its own sender
+only, never the submits of every front; the serving
 loop's thread runs the executor and hands tokens to the requests' handles
 (``ForwardingHandle``: each delivery also goes to its front's outbox); one sender
 thread per front sends what its outbox holds as one ``Deliveries`` message (the
@@ -49,14 +51,15 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class Outbox:
-    """Acceptances, deliveries and failures not sent yet (the main and loop threads put, the sender thread
-    takes all at once)."""
+    """Acceptances, deliveries, failures and answers not sent yet (the main and loop threads put, the sender
+    thread takes all at once)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._items: list[wire.Item] = []
         self._failures: list[tuple[int, wire.WireError]] = []
         self._accepted: list[int] = []
+        self._answers: list = []  # whole messages (``Refused``, ``MetricsReply``), sent before the deliveries
         self._closed = False
 
     def accept(self, key: int) -> None:
@@ -68,22 +71,27 @@ class Outbox:
     def fail(self, key: int, error: wire.WireError) -> None:
         self._add(self._failures, (key, error))
 
+    def answer(self, message) -> None:
+        """A message of its own to the front (a refusal, a metrics reply): the main thread never waits on a pipe."""
+        self._add(self._answers, message)
+
     def _add(self, into: list, value) -> None:
         with self._cond:
             if not self._closed:  # closed: its front is gone (nothing would send it)
                 into.append(value)
                 self._cond.notify()
 
-    def take(self) -> wire.Deliveries | None:
-        """Everything put so far as one message (waits for something); None once closed and empty."""
+    def take(self) -> list | None:
+        """Everything put so far (waits for something): the answers, then the rest as one ``Deliveries``;
+        None once closed and empty."""
         with self._cond:
-            while not (self._items or self._failures or self._accepted or self._closed):
+            while not (self._items or self._failures or self._accepted or self._answers or self._closed):
                 self._cond.wait()
-            if not (self._items or self._failures or self._accepted):
-                return None
-            message = wire.Deliveries(tuple(self._items), tuple(self._failures), tuple(self._accepted))
-            self._items, self._failures, self._accepted = [], [], []
-            return message
+            messages, self._answers = self._answers, []
+            if self._items or self._failures or self._accepted:
+                messages.append(wire.Deliveries(tuple(self._items), tuple(self._failures), tuple(self._accepted)))
+                self._items, self._failures, self._accepted = [], [], []
+            return messages or None
 
     def close(self) -> None:
         with self._cond:
@@ -143,9 +151,10 @@ class Front:
             self.conn.send(message)
 
     def _send_deliveries(self) -> None:
-        while (message := self.outbox.take()) is not None:
+        while (messages := self.outbox.take()) is not None:
             try:
-                self.send(message)
+                for message in messages:
+                    self.send(message)
             except (OSError, ValueError):  # the front is gone: the main thread sees EOF and drops it
                 return
 
@@ -171,9 +180,6 @@ class ServingProcess:
         handle = ForwardingHandle(self.fronts[index].outbox, key, request_id, prompt, cancel, self._finished, (index, key))
         self.handles[(index, key)] = handle
         return handle
-
-    def send(self, message, front: int = 0) -> None:
-        self.fronts[front].send(message)
 
     def run(self, serving, ready: wire.Ready) -> int:
         """Serve the pipes until Exit (0), the first front's end closing (0) or the serving loop failing (1)."""
@@ -226,7 +232,7 @@ class ServingProcess:
         try:
             self.serving.submit(message.prompt, message.max_new_tokens, sampling=message.sampling, stop_ids=message.stop_ids)
         except DFlashError as error:
-            self.send(wire.Refused(message.key, wire.WireError.of(error)), front)
+            self.fronts[front].outbox.answer(wire.Refused(message.key, wire.WireError.of(error)))
             return
         self.fronts[front].outbox.accept(message.key)  # the answer rides with the front's next deliveries
 
@@ -239,7 +245,7 @@ class ServingProcess:
         self.serving.close(drain=message.drain, timeout=0)
 
     def _metrics(self, message: wire.MetricsQuery, front: int) -> None:
-        self.send(wire.MetricsReply(message.seq, self.serving.metrics()), front)
+        self.fronts[front].outbox.answer(wire.MetricsReply(message.seq, self.serving.metrics()))
 
     def _forget_finished(self) -> None:
         """Drop the handles of finished requests (bounded: done at every submit, so the map holds at

@@ -73,7 +73,7 @@ def test_the_outbox_sends_what_a_round_delivered_as_one_message():
         outbox.accept(100 + key)
         outbox.put((key, [key, key + 1], None))
     outbox.fail(70, wire.WireError("PoisonedError", "bad"))
-    message = outbox.take()
+    (message,) = outbox.take()
     assert [item[0] for item in message.items] == list(range(64)) and message.failures == ((70, wire.WireError("PoisonedError", "bad")),)
     assert message.accepted == tuple(range(100, 164))
     taken = []
@@ -83,9 +83,15 @@ def test_the_outbox_sends_what_a_round_delivered_as_one_message():
     assert taker.is_alive()  # nothing to send: it waits
     outbox.put((1, [2], "stop"))
     taker.join(TIMEOUT_S)
-    assert taken == [wire.Deliveries(((1, [2], "stop"),))]
+    assert taken == [[wire.Deliveries(((1, [2], "stop"),))]]
     outbox.accept(9)  # an acceptance alone is a message too (the submitter waits for it)
-    assert outbox.take() == wire.Deliveries((), (), (9,))
+    assert outbox.take() == [wire.Deliveries((), (), (9,))]
+    refused = wire.Refused(10, wire.WireError("QueueFullError", "full"))
+    outbox.put((3, [4], None))
+    outbox.answer(refused)  # an answer of its own goes first, the deliveries after it in one message
+    assert outbox.take() == [refused, wire.Deliveries(((3, [4], None),))]
+    outbox.answer(wire.MetricsQuery(1))
+    assert outbox.take() == [wire.MetricsQuery(1)]
     outbox.close()
     assert outbox.take() is None
 
@@ -249,6 +255,60 @@ def test_the_serving_process_dying_fails_open_requests_and_reports_it(tiny):
     with pytest.raises(ServingClosedError):
         client.metrics()
     side.serving.close(drain=False, timeout=TIMEOUT_S)
+
+
+def test_a_front_that_stops_reading_holds_up_no_other_fronts_submits(tiny):
+    """Guards against one slow HTTP front stalling the whole server: the serving process's main thread, which
+    reads every front's submits, wrote refusals and metrics replies to the asking front's pipe itself, so once
+    that pipe was full (its front not reading) it blocked there and no front's submit was answered (clients
+    got 503 "did not answer within 30 s" for every request). Front 1 asks for metrics thousands of times and
+    never reads its answers; front 0's requests are still answered and served."""
+    side = ThreadProcess(tiny, stream_interval=0.02, fronts=2)
+    client = side.client()
+    silent = side.others[0]
+    assert silent.recv() == side.ready
+    # ~1 KB per reply: several times what a socket pair buffers. From a thread of its own: were the serving
+    # process's main thread stuck, these sends would block too, and the test must fail, not hang.
+    threading.Thread(target=lambda: [silent.send(wire.MetricsQuery(seq)) for seq in range(4000)], daemon=True).start()
+    time.sleep(1.0)
+    done = []
+    submitter = threading.Thread(target=lambda: done.append(client.submit([5, 6, 7], 4).result(TIMEOUT_S)), daemon=True)
+    submitter.start()
+    submitter.join(20)
+    assert done and done[0].finish == "length", "front 0's submit was not served while front 1 did not read"
+    silent.close()  # its sender sees the pipe end; the serving process goes on
+    assert client.submit([7, 7], 3).result(TIMEOUT_S).finish == "length"
+    client.stop()
+
+
+def test_a_delivery_that_fails_on_the_front_fails_only_its_request(tiny, monkeypatch):
+    """Guards against one request's tokens killing the front's receiver thread (an exception while
+    detokenizing or handing them over): it ended silently, so every open and later request of that front
+    hung without an answer. The request whose delivery raised fails with a ServingError naming the cause and
+    is cancelled in the serving loop; the receiver goes on, and the front's next requests are served."""
+    from dflash_trt.errors import ServingError
+    from dflash_trt.server import front as front_module
+
+    real, calls = front_module.detokenize, []
+
+    def failing_once(*args, **kwargs):
+        calls.append(True)
+        if len(calls) == 1:
+            raise RuntimeError("a bad byte sequence")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(front_module, "detokenize", failing_once)
+    side = ThreadProcess(tiny, stream_interval=0.02)
+    tokenizer = CharTokenizer()
+    client = side.client(tokenizer)
+    with pytest.raises(ServingError, match="delivering the request's tokens failed: RuntimeError: a bad byte sequence"):
+        client.submit(tokenizer.encode("abc"), 40).result(TIMEOUT_S)
+    assert client.submit(tokenizer.encode("def"), 6).result(TIMEOUT_S).finish == "length"
+    deadline = time.monotonic() + TIMEOUT_S
+    while (metrics := client.metrics()).running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert metrics.running == 0 and metrics.cancelled == 1  # the failed one stopped decoding in the serving loop
+    client.stop()
 
 
 def test_two_fronts_share_one_serving_process_and_a_closing_front_cancels_only_its_requests(tiny):
