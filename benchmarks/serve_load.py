@@ -34,6 +34,9 @@ serving process and the client processes (Linux /proc; 100 = a process that
 never waited). ``--profile-serving`` also samples the serving process with py-spy over each
 window and prints its serving thread's functions by share of the samples (``thread_profile.py``);
 ``--profile-serving gil`` samples only the GIL's holder: each thread's share of it and where it goes.
+A request that fails (an HTTP error, a broken stream) is counted (``errors``, with up to three examples
+in the row) and the client goes on; after a server with failures stops, its log from its first warning
+or error is printed.
 ``--repeats R`` runs every mode's windows R times, the modes interleaved, and ends with each drafting
 mode's median tokens/s against ``off``'s and the spread of the per-repeat ratios (one window pair of a
 build has differed from the next by up to a third on the H200). ``--client-cores N`` pins the client
@@ -185,23 +188,32 @@ async def client_loop(client, model: str, prompts: list[str], index: int, client
 
     Times are ``time.time()`` (one clock for every client process).
     """
+    import openai
+
     n, (window_start, stop_at) = index, window
     while time.time() < stop_at:
         prompt = prompts[n % len(prompts)]
         n += clients
         started, events, finished, usage = time.time(), [], False, None
-        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens, temperature=args.temperature, stream=True,
-                                                 stream_options={"include_usage": True})
         try:
-            async for event in stream:
-                if event.choices and event.choices[0].text:
-                    events.append(time.time())
-                finished = finished or bool(event.choices and event.choices[0].finish_reason)
-                usage = event.usage or usage
-                if time.time() > stop_at:
-                    break  # cut off by the window (the disconnect cancels it): latencies count, the request does not
-        finally:
-            await stream.close()
+            stream = await client.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                                                     stream=True, stream_options={"include_usage": True})
+            try:
+                async for event in stream:
+                    if event.choices and event.choices[0].text:
+                        events.append(time.time())
+                    finished = finished or bool(event.choices and event.choices[0].finish_reason)
+                    usage = event.usage or usage
+                    if time.time() > stop_at:
+                        break  # cut off by the window (the disconnect cancels it): latencies count, the request does not
+            finally:
+                await stream.close()
+        except openai.APIError as error:  # counted, not fatal: one failed request must not end the run and its figures
+            record["errors"] += 1
+            if len(record["error_examples"]) < 3:
+                record["error_examples"].append(f"{type(error).__name__}: {error}"[:300])
+            await asyncio.sleep(0.05)  # a server refusing everything is not hammered in a tight loop
+            continue
         inside = [t for t in events if t >= window_start]
         if events and started >= window_start:
             record["ttft"].append(events[0] - started)
@@ -216,7 +228,7 @@ async def client_loop(client, model: str, prompts: list[str], index: int, client
 async def clients_part(base: str, model: str, prompts: list[str], indices: list[int], clients: int, args, window: tuple[float, float]) -> dict:
     import openai
 
-    record = {"requests": 0, "events": 0, "ttft": [], "itl": [], "tpot": []}
+    record = {"requests": 0, "events": 0, "ttft": [], "itl": [], "tpot": [], "errors": 0, "error_examples": []}
     client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
     try:
         await asyncio.gather(*(client_loop(client, model, prompts, i, clients, args, window, record) for i in indices))
@@ -324,6 +336,8 @@ def figures(records: list[dict], before: dict, after: dict, seconds: float) -> d
     tokens = after["dflash_trt_output_tokens_total"] - before["dflash_trt_output_tokens_total"]  # partial requests too
     return {
         "requests": merged["requests"],
+        "errors": sum(r["errors"] for r in records),  # requests that failed (an HTTP error or a broken stream), any time in the run
+        "error_examples": [example for r in records for example in r["error_examples"]][:3],
         "events": merged["events"],  # stream events with text the clients received inside the window
         "output_tokens": int(tokens),
         "seconds": round(seconds, 3),
@@ -406,12 +420,19 @@ def main() -> int:
                       f"| {figures['server_ttft_p99_ms']} / {figures['server_itl_p99_ms']} | {figures['tau']} "
                       f"| {figures['policy_cycles']} / {figures['policy_decodes']} "
                       f"| {figures['front_cpu_pct']} / {figures['serving_cpu_pct']} / {figures['client_cpu_pct']} |", flush=True)
+                if figures["errors"]:
+                    print(f"  {figures['errors']} failed requests at {clients} clients, e.g. {figures['error_examples'][0]}", flush=True)
                 if "serving_profile" in figures:
                     print(f"\n{front} {mode} {clients} clients: " + thread_profile.table(figures["serving_profile"]) + "\n", flush=True)
         finally:
             process.send_signal(signal.SIGINT)
             process.wait(60)
-        print(next((line for line in log.read_text().splitlines() if " serving " in line), "no serving line in the log"), flush=True)
+        lines = log.read_text().splitlines()
+        print(next((line for line in lines if " serving " in line), "no serving line in the log"), flush=True)
+        if any(results[key]["errors"] for key in results if results[key]["repeat"] == repeat and results[key]["mode"] == mode and results[key]["front"] == front):
+            first = next((i for i, line in enumerate(lines) if line.startswith(("WARNING", "ERROR"))), len(lines))
+            shown = "\n".join(lines[first : first + 80]) or "(none)"
+            print(f"the server's log from its first warning or error:\n{shown}", flush=True)
     ratios = ratio_rows(list(results.values()))
     if ratios:
         print("\n| front | mode | clients | windows | median tok/s | off median tok/s | median / off median | per-repeat ratio min – max |\n"
