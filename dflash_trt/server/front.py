@@ -112,7 +112,13 @@ class ServingClient:
             self._jobs[key] = _Job(handle, TextStream(self.tokenizer, stops) if self.tokenizer is not None else None)
             answer = self._answers[(wire.Submit, key)] = Future()
         self._send(wire.Submit(key, prompt, max_new_tokens, sampling, None if stop_ids is None else tuple(stop_ids)))
-        reply = self._await(answer, (wire.Submit, key))
+        try:
+            reply = self._await(answer, (wire.Submit, key))
+        except ServingClosedError:  # no answer in time (or the process died): nobody will read this request
+            with self._lock:
+                self._jobs.pop(key, None)
+            self._send(wire.Cancel(key, CANCELLED))  # queued after all (the pipe keeps order): it ends there
+            raise
         if isinstance(reply, wire.Refused):
             with self._lock:
                 self._jobs.pop(key, None)

@@ -311,6 +311,35 @@ def test_a_delivery_that_fails_on_the_front_fails_only_its_request(tiny, monkeyp
     client.stop()
 
 
+def test_a_submit_not_answered_in_time_is_cancelled_and_forgotten(monkeypatch):
+    """Guards against a request that outlives its caller: when the serving process does not answer a submit
+    within ANSWER_TIMEOUT_S the caller gets ServingClosedError (the server answers 503), but the request stayed
+    in the front's open requests, and when the serving process queued it after all it decoded to its end for
+    nobody. The front forgets it and sends a Cancel behind the Submit (the pipe keeps their order); late
+    tokens for it are dropped."""
+    from dflash_trt.server import front as front_module
+
+    monkeypatch.setattr(front_module, "ANSWER_TIMEOUT_S", 0.3)
+    mine, theirs = multiprocessing.Pipe(duplex=True)
+    client = ServingClient(None, mine, wire.Ready(True, 4, 64, 100, None, 0))
+    with pytest.raises(ServingClosedError, match="did not answer within 0.3 s"):
+        client.submit([5, 6], 4)
+    assert theirs.poll(TIMEOUT_S)
+    submit = theirs.recv()
+    assert isinstance(submit, wire.Submit) and theirs.poll(TIMEOUT_S) and theirs.recv() == wire.Cancel(submit.key, CANCELLED)
+    theirs.send(wire.Deliveries(((submit.key, [7, 8], None),), (), (submit.key,)))  # the late acceptance and tokens
+    with ThreadPoolExecutor(1) as pool:  # a metrics round trip behind them: the receiver handles messages in order
+        asked = pool.submit(client.metrics)
+        assert theirs.poll(TIMEOUT_S)
+        query = theirs.recv()
+        assert isinstance(query, wire.MetricsQuery)
+        theirs.send(wire.MetricsReply(query.seq, "after the late tokens"))
+        assert asked.result(TIMEOUT_S) == "after the late tokens"
+    assert client._jobs == {} and client._answers == {} and client._receiver.is_alive()
+    theirs.close()
+    client._receiver.join(TIMEOUT_S)
+
+
 def test_two_fronts_share_one_serving_process_and_a_closing_front_cancels_only_its_requests(tiny):
     """Guards against ``serve --fronts``' pipes mixing requests up (two fronts use the same keys: a
     delivery or a cancel reaching the other front's request), and against a front that ends (its process
