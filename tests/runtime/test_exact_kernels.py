@@ -522,7 +522,7 @@ import torch
 torch.set_num_threads(1)
 import exact_checks
 results = {{}}
-for dtype in (torch.float32, torch.bfloat16):
+for dtype in (getattr(torch, {dtype!r}),):
     for name in {checks!r}:
         check = getattr(exact_checks, "check_" + name)
         args = ("cpu", dtype, True) if name in ("linear_rows", "attention_rows") else ("cpu", dtype)
@@ -537,15 +537,26 @@ print("RESULTS " + json.dumps(results))
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
-    """Every kernel check of exact_checks, fp32 and bf16, under Triton's interpreter (one process: 45 s to 5 min on a 2-core box, by how fast the box is)."""
+    """Every kernel check of exact_checks, fp32 and bf16, under Triton's interpreter: one process per dtype, both
+    at once (one thread each: the two cores of a CI box; 45 s to 5 min in one process, by how fast the box is)."""
     if not TRITON:
         pytest.skip("needs triton (it ships with the CUDA builds of torch)")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    code = INTERPRETED.format(tests=str(Path(__file__).parents[1]), checks=CHECKS)
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    line = next((l for l in result.stdout.splitlines() if l.startswith("RESULTS ")), None)
-    assert line is not None, result.stdout[-3000:] + result.stderr[-3000:]
-    return json.loads(line[len("RESULTS "):])
+    runs = [subprocess.Popen([sys.executable, "-c", INTERPRETED.format(tests=str(Path(__file__).parents[1]), checks=CHECKS, dtype=dtype)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for dtype in ("float32", "bfloat16")]
+    results = {}
+    try:
+        for run in runs:
+            stdout, stderr = run.communicate(timeout=600)
+            line = next((l for l in stdout.splitlines() if l.startswith("RESULTS ")), None)
+            assert line is not None, stdout[-3000:] + stderr[-3000:]
+            results |= json.loads(line[len("RESULTS "):])
+    finally:
+        for run in runs:  # one failed or timed out: the other is not left running
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+    return results
 
 
 def _passed(results: dict[str, str], name: str) -> None:
