@@ -410,6 +410,7 @@ def main() -> int:
           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     for repeat, front, mode in ((r, front, mode) for r in range(1, args.repeats + 1) for front in args.fronts for mode in args.modes):
         process, base, log = start_server(args, [*FRONTS[front], *MODES[mode]])
+        failed = 0  # requests of this server that failed
         try:
             for clients in args.clients:
                 figures = load(base, args, prompts, clients, server_roles(process.pid, log), args.server_logs if args.profile_serving else None)
@@ -420,6 +421,7 @@ def main() -> int:
                       f"| {figures['server_ttft_p99_ms']} / {figures['server_itl_p99_ms']} | {figures['tau']} "
                       f"| {figures['policy_cycles']} / {figures['policy_decodes']} "
                       f"| {figures['front_cpu_pct']} / {figures['serving_cpu_pct']} / {figures['client_cpu_pct']} |", flush=True)
+                failed += figures["errors"]
                 if figures["errors"]:
                     print(f"  {figures['errors']} failed requests at {clients} clients, e.g. {figures['error_examples'][0]}", flush=True)
                 if "serving_profile" in figures:
@@ -429,7 +431,7 @@ def main() -> int:
             process.wait(60)
         lines = log.read_text().splitlines()
         print(next((line for line in lines if " serving " in line), "no serving line in the log"), flush=True)
-        if any(results[key]["errors"] for key in results if results[key]["repeat"] == repeat and results[key]["mode"] == mode and results[key]["front"] == front):
+        if failed:
             first = next((i for i, line in enumerate(lines) if line.startswith(("WARNING", "ERROR"))), len(lines))
             shown = "\n".join(lines[first : first + 80]) or "(none)"
             print(f"the server's log from its first warning or error:\n{shown}", flush=True)
