@@ -522,15 +522,15 @@ import torch
 torch.set_num_threads(1)
 import exact_checks
 results = {{}}
-for dtype in (getattr(torch, {dtype!r}),):
-    for name in {checks!r}:
-        check = getattr(exact_checks, "check_" + name)
-        args = ("cpu", dtype, True) if name in ("linear_rows", "attention_rows") else ("cpu", dtype)
-        try:
-            check(*args)
-            results[f"{{name}} {{dtype}}"] = "ok"
-        except Exception:
-            results[f"{{name}} {{dtype}}"] = traceback.format_exc()[-3000:]
+dtype = getattr(torch, {dtype!r})  # one dtype per process (the fixture runs one process per dtype)
+for name in {checks!r}:
+    check = getattr(exact_checks, "check_" + name)
+    args = ("cpu", dtype, True) if name in ("linear_rows", "attention_rows") else ("cpu", dtype)
+    try:
+        check(*args)
+        results[f"{{name}} {{dtype}}"] = "ok"
+    except Exception:
+        results[f"{{name}} {{dtype}}"] = traceback.format_exc()[-3000:]
 print("RESULTS " + json.dumps(results))
 """
 
