@@ -41,6 +41,7 @@ from dflash_trt.runtime.serving.batcher import STOP, Completion
 from dflash_trt.runtime.serving.handle import CANCELLED, Delta, RequestHandle
 from dflash_trt.runtime.serving.text import TextStream, detokenize, stop_strings
 from dflash_trt.server import serving_process, wire
+from dflash_trt.server.children import ended, exit_code
 
 log = logging.getLogger("dflash_trt.server")
 
@@ -136,7 +137,7 @@ class ServingClient:
 
     @property
     def healthy(self) -> bool:
-        return self._died is None and (self.process is None or self.process.is_alive())
+        return self._died is None and (self.process is None or not ended(self.process))
 
     @property
     def died(self) -> bool:
@@ -159,11 +160,10 @@ class ServingClient:
             self.conn.close()
             return
         self._send(wire.Exit())
-        self.process.join(timeout)
-        if self.process.is_alive():
+        if not ended(self.process, timeout):
             log.warning("the serving process did not exit within %.1f s; killing it", timeout)
             self.process.kill()
-            self.process.join()
+        exit_code(self.process)
         self._receiver.join(timeout)
 
     # ------------------------------------------------------------------ the pipe
@@ -272,8 +272,8 @@ class ServingClient:
     def _die(self) -> None:
         """The pipe closed: fail every open request and answer, once; report an unexpected death."""
         if self.process is not None:
-            self.process.join(STOP_JOIN_S)
-            error = ServingClosedError(f"the serving process stopped (exit code {self.process.exitcode})", code=DIED)
+            code = exit_code(self.process) if ended(self.process, STOP_JOIN_S) else "none yet"
+            error = ServingClosedError(f"the serving process stopped (exit code {code})", code=DIED)
         else:
             error = ServingClosedError("the serving process stopped (its pipe closed)", code=DIED)
         with self._lock:

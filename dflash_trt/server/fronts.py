@@ -30,6 +30,8 @@ import os
 import threading
 import time
 
+from dflash_trt.server.children import ended, exit_code
+
 log = logging.getLogger("dflash_trt.server")
 
 STOP_GRACE_S = 3.0  # after the drain deadline: how long an extra front gets to exit before it is killed
@@ -57,14 +59,18 @@ class Fronts:
         self._watcher.start()
 
     def start_together(self) -> None:
-        """This front's wait for the others to reach their accept loops (see the module docstring)."""
-        accept_together(self.started, 0)
+        """This front's wait for the others to reach their accept loops (see the module docstring). Once
+        every front has passed it the barrier is dropped: that unlinks its named semaphores, which this
+        process's exit (``os._exit``, no finalizers) would leave to the resource tracker ("leaked
+        semaphore objects" at every shutdown). One that broke is kept: a late front still opens it."""
+        if accept_together(self.started, 0):
+            self.started = None
 
     def signal(self, sig: int) -> None:
         """Forward a shutdown signal to every extra front (it drains as this one does)."""
         self.stopping = True
         for process in self.processes:
-            if process.is_alive():
+            if not ended(process):
                 try:
                     os.kill(process.pid, sig)
                 except ProcessLookupError:  # it ended meanwhile
@@ -75,33 +81,37 @@ class Fronts:
         self.stopping = True
         deadline = time.monotonic() + timeout
         for process in self.processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.is_alive():
+            if not ended(process, max(0.0, deadline - time.monotonic())):
                 log.warning("HTTP front %s did not exit in time; killing it", process.name)
                 process.kill()
-                process.join()
+            exit_code(process)
 
     def _watch(self) -> None:
         """Log a front that ends while the server is not stopping."""
         waiting = list(self.processes)
         while waiting:
-            multiprocessing.connection.wait([p.sentinel for p in waiting])
-            for process in [p for p in waiting if not p.is_alive()]:
+            ready = multiprocessing.connection.wait([p.sentinel for p in waiting])
+            for process in [p for p in waiting if p.sentinel in ready]:
                 waiting.remove(process)
-                self.started.abort()  # a front that died starting: the others do not wait for it
+                started = self.started
+                if started is not None:
+                    started.abort()  # a front that died starting: the others do not wait for it
                 if not self.stopping:
                     log.error("HTTP front %s (pid %d) exited with code %s; %d fronts keep serving", process.name, process.pid,
-                              process.exitcode, 1 + sum(p.is_alive() for p in self.processes))
+                              exit_code(process), 1 + sum(not ended(p) for p in self.processes))
 
 
-def accept_together(started, index: int) -> None:
+def accept_together(started, index: int) -> bool:
     """Front ``index`` waits for every front at ``started`` (a barrier) before it accepts connections; one
-    that did not start in time (or died) is logged and the others serve without it."""
+    that did not start in time (or died) is logged and the others serve without it. True when every
+    front passed it."""
     try:
         started.wait(START_TIMEOUT_S)
     except threading.BrokenBarrierError:
         if index == 0:
             log.warning("not every HTTP front started within %.0f s; those that did serve", START_TIMEOUT_S)
+        return False
+    return True
 
 
 def main(index: int, conn, listener, args: argparse.Namespace, logging_config: dict, started) -> None:

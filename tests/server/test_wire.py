@@ -6,6 +6,7 @@ kill, SIGTERM) are tested through ``dflash-trt serve`` in test_server.py."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -111,15 +112,19 @@ class ThreadProcess:
         dims = tiny.dims
         ready = wire.Ready(True, 4, dims.max_context, dims.vocab_size, None, 0)
         self.exitcode = None
+        self.sentinel, self._alive = os.pipe()  # readable (EOF) once the thread ends, as a process's sentinel
         self.thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
         self.thread.start()
         self.front_end = front_end
         self.ready = crossed(ready)
 
     def _run(self, ready) -> None:
-        self.exitcode = self.side.run(self.serving, ready)
-        self.side.stop()
-        self.conn.close()
+        try:
+            self.exitcode = self.side.run(self.serving, ready)
+            self.side.stop()
+            self.conn.close()
+        finally:
+            os.close(self._alive)
 
     def client(self, tokenizer=None, on_death=None) -> ServingClient:
         assert self.front_end.recv() == self.ready
