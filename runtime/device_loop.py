@@ -27,7 +27,10 @@ How a program finds its owners' rows depends on the backend:
   set of rows. Owner counts are padded to ``owner_buckets``; padded lanes
   point at a scratch row past the sessions' rows, whose state is reset at the
   end of every program: their writes land nowhere anyone reads. Every program
-  is captured at start-up (``prepare``), none in steady state;
+  is captured at start-up (``prepare``), none in steady state. Their gathers and
+  scatters around the graphs run as ``kernels.loop_ops``' three Triton kernels
+  (``glue``; the torch ops of ``_cycle`` / ``_decode`` are the reference they
+  are checked against, and what every other backend runs);
 - the others bind ``n`` consecutive rows ``first .. first+n-1``: one program
   per (kind, sampled, n, first), captured on first use.
 
@@ -77,6 +80,7 @@ import numpy as np
 import torch
 
 from dflash_trt.export import contract as c
+from dflash_trt.export.sampling import choose_op
 from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.cycles import sampling_row, sampling_rows
 from dflash_trt.runtime.device import CaptureFallback
@@ -84,6 +88,8 @@ from dflash_trt.runtime.sessions import ContextPool
 from dflash_trt.runtime.timing import Timeline
 
 CYCLE, DECODE = "cycle", "decode"  # program kinds
+GLUES = ("auto", "triton", "torch")  # ``DeviceLoop(glue=)``
+SAMPLING_FEEDS = ("temperature", "top_k", "top_p", "seed", "position")  # ``choose_op``'s arguments after the logits
 ANCHOR, FRONTIER, DRAFT, TOP_K = range(4)  # rows of the int state
 TEMPERATURE, TOP_P = range(2)  # rows of the float state
 ACCEPTED_COLUMN, NEXT_COLUMN, PROPOSALS_COLUMN = 0, 1, 2  # columns of the record
@@ -333,11 +339,17 @@ class RowSlots:
 class DeviceLoop:
     """Per-row device state, staging and the programs of one executor (see the module docstring)."""
 
-    def __init__(self, backend: Backend, dims: c.Dims, context: ContextPool, rows: int, graphs: bool, rounds: int = 1, lag: int = 1) -> None:
+    def __init__(
+        self, backend: Backend, dims: c.Dims, context: ContextPool, rows: int, graphs: bool, rounds: int = 1, lag: int = 1, glue: str = "auto"
+    ) -> None:
         """``rows``: the sessions' rows (a scratch row follows on row-indexed backends: the context pool
         and the backend's pools hold it); ``graphs``: capture programs where capturable; ``rounds``: the
         most rounds a launch runs (``most_rounds``); ``lag``: the launches a session keeps queued beyond
-        the one read (``runtime.launches``)."""
+        the one read (``runtime.launches``); ``glue``: how row-indexed programs read and write their owners'
+        state around their graphs, ``"triton"`` (``kernels.loop_ops``: three launches) or ``"torch"`` (~20
+        small torch ops), the same state either way; ``"auto"``: Triton on CUDA."""
+        if glue not in GLUES:
+            raise ValueError(f"glue must be one of {GLUES}, got {glue!r}")
         self.backend, self.dims, self.context = backend, dims, context
         self.device = backend.device
         self.row_indexed = bool(getattr(backend, "row_indexed", False))
@@ -373,10 +385,23 @@ class DeviceLoop:
             )
             self.joining_staging = Staging(self.joining, STAGING_DEPTH)
         self.staged_sampling: list = [None] * self.rows  # per row: the Sampling its columns hold (``stage``)
+        self.glue = self._glue(glue)
         self.captured: dict[Key, torch.cuda.CUDAGraph] = {}
         self.fallback = CaptureFallback("the device loop")
         self.memory = torch.cuda.graph_pool_handle() if self.graphs else None
         self.timeline = Timeline(self.stream)
+
+    def _glue(self, glue: str):
+        """``LoopOps`` over this loop's state where the Triton glue runs (row-indexed programs), else None."""
+        if glue == "auto":
+            glue = "triton" if self.row_indexed and self.device.type == "cuda" else "torch"
+        if glue == "torch":
+            return None
+        if not self.row_indexed:
+            raise ValueError("glue='triton' needs a row-indexed backend (its programs take their rows as slots)")
+        from dflash_trt.runtime.kernels.loop_ops import LoopOps  # imports triton
+
+        return LoopOps(self.ints.device, self.floats.device, self.seeds.device, self.context.taps, self.taps_out)
 
     @contextmanager
     def on_stream(self) -> Iterator[None]:
@@ -535,7 +560,10 @@ class DeviceLoop:
 
     def _program(self, key: Key) -> None:
         rows = RowRange(key.first, key.owners) if key.first is not None else RowSlots(self.slots[key.owners])
-        run = self._cycle if key.kind == CYCLE else self._decode
+        if self.glue is not None:
+            run = self._glued_cycle if key.kind == CYCLE else self._glued_decode
+        else:
+            run = self._cycle if key.kind == CYCLE else self._decode
         with torch.no_grad():
             for record in self.records[key.owners][: key.rounds]:
                 run(key, rows, record)
@@ -580,6 +608,32 @@ class DeviceLoop:
         rows.put(self.taps_out, out[c.TAPS][:, 0])
         self._keep_tap(rows, start, out[c.TAPS][:, 0])
         self._advance(rows, start, torch.zeros_like(token), token, record)
+
+    def _glued_cycle(self, key: Key, rows: RowSlots, record: torch.Tensor) -> None:
+        """``_cycle`` with ``kernels.loop_ops`` around the graphs: gather, the draft, the verify, the target's
+        choices (the argmax, or ``choose`` per verify row as ``verify_sample`` makes them), commit."""
+        n, k = rows.n, key.proposals or self.dims.proposals
+        got = self.glue.gather(rows.slots, context=True, sampled_rows=(k + 1) if key.sampled else 0)
+        anchor, start = got["anchor"], got["start"]
+        feeds = {c.CTX_TAPS: got["context"], c.CTX_START: got["draft"], c.CTX_COUNT: got["pending"], c.ANCHOR: anchor}
+        proposals = rows.run(self.backend, c.graph_name(c.DRAFT, n), feeds)[c.PROPOSALS]  # [n, P]
+        candidates = torch.cat([anchor[:, None], proposals[:, :k]], dim=1)  # [n, k+1]
+        verify = rows.run(self.backend, c.verify_graph(self.dims, c.TARGET_VERIFY, n, k), {c.TOKENS: candidates, c.START: start})
+        logits = verify[c.LOGITS]  # [n, k+1, V]
+        if key.sampled:
+            choices = choose_op(logits.reshape(n * (k + 1), -1), *(got[name] for name in SAMPLING_FEEDS)).view(n, k + 1)
+        else:
+            choices = logits.argmax(dim=-1)
+        self.glue.commit_cycle(rows.slots, got["state"], verify[c.TAPS], choices, proposals, record)
+
+    def _glued_decode(self, key: Key, rows: RowSlots, record: torch.Tensor) -> None:
+        """``_decode`` with ``kernels.loop_ops`` around the target's decode graph and its choice."""
+        n = rows.n
+        got = self.glue.gather(rows.slots, context=False, sampled_rows=1 if key.sampled else 0)
+        out = rows.run(self.backend, c.graph_name(c.TARGET_DECODE, n), {c.TOKENS: got["anchor"].view(n, 1), c.START: got["start"]})
+        logits = out[c.LOGITS]  # [n, V]
+        token = choose_op(logits, *(got[name] for name in SAMPLING_FEEDS)) if key.sampled else logits.argmax(dim=-1)
+        self.glue.commit_decode(rows.slots, got["state"], out[c.TAPS][:, 0], token, record)
 
     def _keep_tap(self, rows: RowRange | RowSlots, start: torch.Tensor, tap: torch.Tensor) -> None:
         """A decode step's tap [n, W] becomes pending context: row ``start - draft`` (the owner's pending

@@ -83,7 +83,7 @@ from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.cycles import (
     block_fits, chunks, cycle_modes, make_verdicts, pack_rows, plan_context, prefill_batches, sampling_rows, trim_context,
 )
-from dflash_trt.runtime.device_loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_COLUMN, PROPOSALS_COLUMN, DeviceLoop, Launch, padded
+from dflash_trt.runtime.device_loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_COLUMN, PROPOSALS_COLUMN, GLUES, DeviceLoop, Launch, padded
 from dflash_trt.runtime.launches import Group, Lane, LoopShape, run_launches
 from dflash_trt.runtime.policy import DRAIN, POLICIES, Choice, make_policy
 from dflash_trt.runtime.prefill import PREFILL_QUANTUM, PrefillLaunch, PrefillPrograms, Prompt
@@ -180,6 +180,7 @@ class Executor:
         stats_age_s: float | None = None,
         policy: str | object = "always",
         launch_rounds: int = 1,
+        loop_glue: str = "auto",
     ) -> None:
         """``dims`` and ``max_sessions`` default to the backend's (its contract dims and pool rows);
         ``stats_rows`` bounds each stats table in memory (None: unbounded; see ``drain_stats``),
@@ -202,6 +203,8 @@ class Executor:
         device, read at once; outputs and tokens per call are the same whatever it is. More than one
         has not paid on the H200 (benchmarks/RESULTS.md, "Several rounds per launch"): the host's work
         grows with the lanes' rounds, not the launches, and a joining request waits for a longer launch.
+        ``loop_glue``: ``DeviceLoop(glue=)`` — the device loop's own kernels around the graphs, ``"auto"``
+        (Triton on CUDA with a row-indexed backend), ``"triton"`` or ``"torch"``; the same outputs whatever it is.
         """
         dims = dims if dims is not None else backend.dims
         self.ownership = backend.ownership()
@@ -236,7 +239,9 @@ class Executor:
         self.policy = make_policy(policy, dims.verify_proposals) if isinstance(policy, str) else policy
         if not is_int(launch_rounds) or not 1 <= launch_rounds <= MAX_LAUNCH_ROUNDS:
             raise InputError(f"launch_rounds must be an int in [1, {MAX_LAUNCH_ROUNDS}], got {launch_rounds!r}")
-        self.loop = DeviceLoop(backend, dims, self.context, rows, cycle_graphs, launch_rounds, self.lag)
+        if loop_glue not in GLUES:
+            raise InputError(f"loop_glue must be one of {GLUES}, got {loop_glue!r}")
+        self.loop = DeviceLoop(backend, dims, self.context, rows, cycle_graphs, launch_rounds, self.lag, loop_glue)
         self.prefill = PrefillPrograms(self.loop, self.context, max_sessions, self.speculate) if self.loop.row_indexed else None
         self._prepare_programs()
         self.closed = False
