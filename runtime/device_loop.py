@@ -567,8 +567,8 @@ class DeviceLoop:
         with torch.no_grad():
             for record in self.records[key.owners][: key.rounds]:
                 run(key, rows, record)
-                if self.row_indexed:
-                    self.ints.device[:, self.scratch] = 0  # padded lanes' state: back to an empty row
+                if self.row_indexed and self.glue is None:
+                    self.ints.device[:, self.scratch] = 0  # padded lanes' state: back to an empty row (the Triton glue never moves it)
 
     def _cycle(self, key: Key, rows: RowRange | RowSlots, record: torch.Tensor) -> None:
         """draft_n → target_verify_n (the first k = ``key.proposals`` proposals) → taps → verdict →

@@ -127,7 +127,28 @@ def check_rows(device: str, dtype: torch.dtype) -> None:
         assert torch.equal(got.cpu(), want.cpu()), f"rows: another attention than the row views' (splits {splits})"
 
 
+def check_embed(device: str, dtype: torch.dtype) -> None:
+    """``embed`` (the target's tokens, the draft's anchor + masks, scaled or not): the twin's rows bit for bit,
+    its positions and lengths; fp32 and bf16 tables (the scale rounded once, as torch's ``x * scale``)."""
+    from dflash_trt.runtime.kernels.triton_ops import TritonOps
+
+    generator = torch.Generator().manual_seed(5)
+    for table_dtype in (torch.float32, torch.bfloat16, dtype):
+        table = torch.randn(37, 1100, generator=generator).to(device=device, dtype=table_dtype)  # H past one 1024 step
+        start = torch.tensor([0, 9, 130], device=device)
+        tokens = torch.randint(0, 37, (3, 5), generator=generator).to(device)
+        anchor = torch.tensor([4, 36, 0], device=device)
+        cases = [("tokens", dict(tokens=tokens)), ("block", dict(anchor=anchor, mask_id=31, block=6)),
+                 ("block scaled", dict(anchor=anchor, mask_id=31, block=6, scale=0.7071))]
+        for name, options in cases:
+            got = TritonOps().embed(table, start, **options)
+            want = TorchOps().embed(table, start, **options)
+            for part, g, w in zip(("rows", "positions", "lengths"), got, want):
+                assert g.dtype == w.dtype and torch.equal(g.cpu(), w.cpu()), f"embed {name} {table_dtype}: {part} differ from the twin's"
+
+
 def check_all(device: str, dtype: torch.dtype, small: bool) -> None:
+    check_embed(device, dtype)
     check_linear(device, dtype, small)
     check_rope_write(device, dtype)
     check_attention(device, dtype, small)

@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from dflash_trt.export.draft import DraftModel
 from dflash_trt.export.layers import DecoderLayer
@@ -154,11 +153,6 @@ class FastLayers:
         return ops.linear(h, L.down, bias=L.down_bias, residual=x, out=x, tap=tap)
 
 
-def _positions(start: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [n, T] = start + t and the attention length start + T (device tensors, no sync)."""
-    return start[:, None] + torch.arange(tokens, device=start.device), start + tokens
-
-
 class FastTarget:
     """``TargetModel.features`` / ``head`` on fused weights."""
 
@@ -178,10 +172,9 @@ class FastTarget:
 
         ``rows``, ``lengths``: as ``FastLayers.layer`` (whole pools; a padded ragged batch)."""
         n, T = tokens.shape
-        positions, kv_len = _positions(start, T)
+        x, positions, kv_len = self.ops.embed(self.embedding, start, tokens)  # x [n*T, H]: a fresh tensor updated in place
         if lengths is not None:  # padded rows never widen what the real rows (or anyone) read
             kv_len = start + lengths
-        x = F.embedding(tokens.reshape(n * T), self.embedding)  # [n*T, H], a fresh tensor updated in place
         taps = x.new_empty(n * T, len(self.taps) * self.hidden)
         last = len(self.stack.layers) - 1
         for index in range(len(self.stack.layers)):
@@ -226,13 +219,11 @@ class FastDraft:
     def propose(self, anchor: torch.Tensor, start: torch.Tensor, proposals: int, keys, values, rows=None) -> torch.Tensor:
         """Block [anchor, MASK x (B-1)] at start.. -> argmax of the target head over slots 1..P [n, P]."""
         n, B, config = anchor.shape[0], self.config.block_size, self.config
-        masks = torch.full((n, B - 1), config.mask_token_id, dtype=anchor.dtype, device=anchor.device)
-        x = F.embedding(torch.cat([anchor[:, None], masks], dim=1).reshape(n * B), self.target.embedding)
-        if config.embedding_scale != 1.0:
-            x = x * config.embedding_scale
-        positions, kv_len = _positions(start, B)
+        x, positions, kv_len = self.ops.embed(self.target.embedding, start, anchor=anchor, mask_id=config.mask_token_id, block=B,
+                                              scale=config.embedding_scale)
         for index in range(len(self.stack.layers)):
             x = self.stack.layer(index, x, start, B, positions, kv_len, keys[index], values[index], rows=rows)
-        rows = x.view(n, B, -1)[:, 1 : proposals + 1].reshape(n * proposals, -1)
-        logits = self.ops.linear(rows, self.target.lm_head, norm=self.norm, eps=self.eps)  # model dtype
-        return logits.view(n, proposals, -1).argmax(dim=-1)
+        # The head over every block row, slot 0 too: the proposal rows 1..P taken as a view afterwards, not
+        # copied out first (a launch of its own; a row's logits do not depend on the rows beside it).
+        logits = self.ops.linear(x, self.target.lm_head, norm=self.norm, eps=self.eps)  # [n*B, V], model dtype
+        return logits.view(n, B, -1)[:, 1 : proposals + 1].argmax(dim=-1)

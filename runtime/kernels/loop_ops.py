@@ -16,8 +16,9 @@ launch inside a CUDA graph costs ~2-3 µs whatever it does, and a cycle is ~130 
 
 Integers are copied and compared exactly and taps copied bit for bit, so the loop's state after a program
 is the same as with its torch glue (``tests/loop_checks.py``, through Triton's interpreter on the CPU).
-Padded lanes' slot is the scratch row: they read and write it only (the loop resets its state after each
-round). One program per owner (and per context row for the taps): every write has one writer, except the
+Padded lanes' slot is the scratch row (the last): they read it and write its context and record rows, never its
+positions or anchor, so its frontier stays 0 and nothing resets it (the torch glue resets it after each round).
+One program per owner (and per context row for the taps): every write has one writer, except the
 scratch row's.
 """
 
@@ -73,7 +74,7 @@ def _gather_kernel(
 
 @triton.jit(do_not_specialize=["n"])
 def _commit_cycle_kernel(
-    slots, ints, R, pool, W, taps, state, n, choices, choices_stride, proposals, proposals_stride, record, record_stride,
+    slots, scratch, ints, R, pool, W, taps, state, n, choices, choices_stride, proposals, proposals_stride, record, record_stride,
     K: tl.constexpr, P: tl.constexpr, K_P2: tl.constexpr, P_P2: tl.constexpr, B: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Program (i, j): verify tap row j of owner i into its context row; (i, 0) also the verdict, the record
@@ -93,13 +94,14 @@ def _commit_cycle_kernel(
         tl.store(record + i * record_stride + 2 + p, tl.load(proposals + i * proposals_stride + p, mask=p < P), mask=p < P)
         tl.store(record + i * record_stride, accepted.to(tl.int64))
         tl.store(record + i * record_stride + 1, token)
-        tl.store(ints + 2 * R + s, start)
-        tl.store(ints + R + s, start + accepted + 1)
-        tl.store(ints + s, token)
+        if s != scratch:  # padded lanes leave the scratch row's positions at 0: no reset needed
+            tl.store(ints + 2 * R + s, start)
+            tl.store(ints + R + s, start + accepted + 1)
+            tl.store(ints + s, token)
 
 
 @triton.jit(do_not_specialize=["n"])
-def _commit_decode_kernel(slots, ints, R, pool, W, taps, taps_stride, taps_out, state, n, token, record, record_stride,
+def _commit_decode_kernel(slots, scratch, ints, R, pool, W, taps, taps_stride, taps_out, state, n, token, record, record_stride,
                           B: tl.constexpr, BLOCK: tl.constexpr):
     """Program i: owner i's tap into taps_out and, while its pending rows are not full, into pending row
     start - draft of its context; the record [0, token] and its frontier and anchor."""
@@ -113,8 +115,9 @@ def _commit_decode_kernel(slots, ints, R, pool, W, taps, taps_stride, taps_out, 
         _copy_row(taps + i * taps_stride, pool + (s * B + pending) * W, W, BLOCK)
     tl.store(record + i * record_stride, 0)
     tl.store(record + i * record_stride + 1, chosen)
-    tl.store(ints + R + s, start + 1)
-    tl.store(ints + s, chosen)
+    if s != scratch:
+        tl.store(ints + R + s, start + 1)
+        tl.store(ints + s, chosen)
 
 
 class LoopOps:
@@ -127,6 +130,7 @@ class LoopOps:
                 raise ValueError(f"LoopOps: {name} must be contiguous")
         self.ints, self.floats, self.seeds, self.pool, self.taps_out = ints, floats, seeds, pool, taps_out
         self.R, self.B, self.W = ints.shape[1], pool.shape[1], pool.shape[2]
+        self.scratch = self.R - 1  # the padded lanes' row: the last
 
     def gather(self, slots: torch.Tensor, context: bool, sampled_rows: int) -> dict[str, torch.Tensor]:
         """state [4, n] int64 and its rows anchor, start, draft, pending [n]; ``context``: the owners' context taps [n, B, W];
@@ -159,7 +163,7 @@ class LoopOps:
         P = proposals.shape[1]
         taps = taps.contiguous()  # a view of the verify's output: no copy
         _commit_cycle_kernel[(n, rows)](
-            slots, self.ints, self.R, self.pool, self.W, taps, state, n,
+            slots, self.scratch, self.ints, self.R, self.pool, self.W, taps, state, n,
             choices, choices.stride(0), proposals, proposals.stride(0), record, record.stride(0),
             K=rows - 1, P=P, K_P2=triton.next_power_of_2(rows), P_P2=triton.next_power_of_2(P), B=self.B, BLOCK=BLOCK_W,
         )
@@ -170,6 +174,6 @@ class LoopOps:
         if taps.stride(1) != 1:
             raise ValueError(f"commit_decode: a tap row's features must be adjacent, got strides {taps.stride()}")
         _commit_decode_kernel[(n,)](
-            slots, self.ints, self.R, self.pool, self.W, taps, taps.stride(0), self.taps_out, state, n, token, record,
+            slots, self.scratch, self.ints, self.R, self.pool, self.W, taps, taps.stride(0), self.taps_out, state, n, token, record,
             record.stride(0), B=self.B, BLOCK=BLOCK_W,
         )

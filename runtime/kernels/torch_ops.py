@@ -29,6 +29,19 @@ class TorchOps(EagerKernels):
     def __init__(self, splits: int | None = None) -> None:
         self.splits = splits
 
+    def embed(self, table, start, tokens=None, anchor=None, mask_id=0, block=0, scale=1.0):
+        """Rows of ``table`` [V, H] for tokens [n, T] (or the draft's block: anchor [n], then ``block`` - 1
+        mask tokens), times ``scale``; with their positions start[i] + t [n, T] and the attention's length
+        start + T [n] -> (x [n*T, H] (a fresh tensor), positions, lengths)."""
+        if tokens is None:
+            masks = torch.full((anchor.shape[0], block - 1), mask_id, dtype=anchor.dtype, device=anchor.device)
+            tokens = torch.cat([anchor[:, None], masks], dim=1)
+        n, T = tokens.shape
+        x = F.embedding(tokens.reshape(n * T), table)
+        if scale != 1.0:
+            x = x * scale
+        return x, start[:, None] + torch.arange(T, device=start.device), start + T
+
     def linear(
         self,
         x: torch.Tensor,

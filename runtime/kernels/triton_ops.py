@@ -150,6 +150,31 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _embed_kernel(tokens_ptr, stride_tn, table_ptr, stride_v, start_ptr, x_ptr, pos_ptr, len_ptr, T, H, mask_id,
+                  TOKENS: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr = False):
+    """Row r = (i, t): x[r] = table[token], positions[r] = start[i] + t; t = 0 also lengths[i] = start[i] + T.
+    token: tokens[i, t] (TOKENS), else the draft block's: anchor tokens_ptr[i] at t = 0, mask_id after."""
+    enter(PDL)
+    r = tl.program_id(0)
+    i = r // T
+    t = r % T
+    if TOKENS:
+        token = tl.load(tokens_ptr + i * stride_tn + t)
+    else:
+        token = tl.load(tokens_ptr + i)
+        if t > 0:
+            token = token * 0 + mask_id
+    start = tl.load(start_ptr + i)
+    for h0 in range(0, H, BH):
+        h = h0 + tl.arange(0, BH)
+        tl.store(x_ptr + r.to(tl.int64) * H + h, tl.load(table_ptr + token * stride_v + h, mask=h < H), mask=h < H)
+    release(PDL)
+    tl.store(pos_ptr + r, start + t)
+    if t == 0:
+        tl.store(len_ptr + i, start + T)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, stride_xm, g_ptr, y_ptr, stride_ym, K, eps, BK: tl.constexpr, PDL: tl.constexpr = False):
     """One row: y = x * rsqrt(mean(x^2) + eps) * g (fp32 math, one rounding)."""
     enter(PDL)
@@ -434,6 +459,21 @@ class TritonOps(EagerKernels):
         if tap is not None:
             tap.copy_(y)
         return y if out is None else out.copy_(y)
+
+    def embed(self, table, start, tokens=None, anchor=None, mask_id=0, block=0, scale=1.0):
+        """``TorchOps.embed`` in one launch (the rows copied bit for bit); a scale other than 1 is torch's ``x * scale``
+        after it (its rounding: Triton's interpreter rounds bf16 otherwise than the GPU)."""
+        ids = tokens if tokens is not None else anchor
+        n, T = (tokens.shape if tokens is not None else (anchor.shape[0], block))
+        H = table.shape[1]
+        x = torch.empty((n * T, H), dtype=table.dtype, device=table.device)
+        positions = torch.empty((n, T), dtype=start.dtype, device=start.device)
+        lengths = torch.empty_like(start)
+        _embed_kernel[(n * T,)](
+            ids, ids.stride(0), table, table.stride(0), start, x, positions, lengths, T, H, mask_id,
+            TOKENS=tokens is not None, BH=min(triton.next_power_of_2(H), 1024), num_warps=4, **self.launch(table.device),
+        )
+        return (x if scale == 1.0 else x * scale), positions, lengths
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of each row of x [M, K] (unit inner stride), one pass."""

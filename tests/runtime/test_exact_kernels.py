@@ -365,6 +365,8 @@ def _launched_kernels() -> list[tuple]:
             "o_ptr": "*bf16", "t_ptr": "*bf16"} | ints("N", "K") | {"eps": "fp32"}
     norm = {"x_ptr": "*bf16", "stride_xm": "i32", "g_ptr": "*bf16", "y_ptr": "*bf16", "stride_ym": "i32", "K": "i32", "eps": "fp32"}
     silu = {"h_ptr": "*bf16", "stride_hm": "i32", "y_ptr": "*bf16", "stride_ym": "i32", "N": "i32"}
+    embed = {"tokens_ptr": "*i64", "stride_tn": "i32", "table_ptr": "*bf16", "stride_v": "i32", "start_ptr": "*i64", "x_ptr": "*bf16",
+             "pos_ptr": "*i64", "len_ptr": "*i64"} | ints("T", "H", "mask_id")
     return [
         (exact_ops._linear_kernel, linear, dict(GATED=True, BIAS=True, RESIDUAL=True, TAP=True, SPLITS=2, FIXUP=True, TILES=2, TM=16,
                                                 BN=64, BK=128, INTERP=False)),
@@ -379,6 +381,7 @@ def _launched_kernels() -> list[tuple]:
                                              EARLY_SUM=False)),
         (triton_ops._rms_norm_kernel, norm, dict(BK=4096)),
         (triton_ops._silu_mul_kernel, silu, dict(BN=1024)),
+        (triton_ops._embed_kernel, embed, dict(TOKENS=False, BH=1024)),
     ]
 
 
