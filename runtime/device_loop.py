@@ -25,8 +25,9 @@ How a program finds its owners' rows depends on the backend:
   rows as a device tensor (``slots``, one per owner, uploaded before each
   launch), so one program per (kind, sampled, padded owner count) serves any
   set of rows. Owner counts are padded to ``owner_buckets``; padded lanes
-  point at a scratch row past the sessions' rows, whose state is reset at the
-  end of every program: their writes land nowhere anyone reads. Every program
+  point at a scratch row past the sessions' rows, whose positions the Triton
+  glue never moves and the torch glue resets after every round: their writes
+  land nowhere anyone reads. Every program
   is captured at start-up (``prepare``), none in steady state. Their gathers and
   scatters around the graphs run as ``kernels.loop_ops``' three Triton kernels
   (``glue``; the torch ops of ``_cycle`` / ``_decode`` are the reference they
@@ -611,7 +612,8 @@ class DeviceLoop:
 
     def _glued_cycle(self, key: Key, rows: RowSlots, record: torch.Tensor) -> None:
         """``_cycle`` with ``kernels.loop_ops`` around the graphs: gather, the draft, the verify, the target's
-        choices (the argmax, or ``choose`` per verify row as ``verify_sample`` makes them), commit."""
+        choices (the argmax, or ``choose_op`` per verify row: what the torch backend's ``verify_sample`` runs,
+        the only row-indexed backend's), commit (the verdict in it)."""
         n, k = rows.n, key.proposals or self.dims.proposals
         got = self.glue.gather(rows.slots, context=True, sampled_rows=(k + 1) if key.sampled else 0)
         anchor, start = got["anchor"], got["start"]
