@@ -161,6 +161,9 @@ class LoopOps:
         """state: ``gather``'s [4, n]; taps [n, k+1, W] (contiguous), choices [n, k+1], proposals [n, P], record [n, P+2] (int64)."""
         n, rows = choices.shape
         P = proposals.shape[1]
+        for name, tensor in (("choices", choices), ("proposals", proposals), ("record", record)):
+            if tensor.stride(1) != 1:
+                raise ValueError(f"commit_cycle: {name}'s rows must be adjacent values, got strides {tensor.stride()}")
         taps = taps.contiguous()  # a view of the verify's output: no copy
         _commit_cycle_kernel[(n, rows)](
             slots, self.scratch, self.ints, self.R, self.pool, self.W, taps, state, n,
