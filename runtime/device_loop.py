@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -243,6 +244,16 @@ class Staging:
 FEW_SAMPLINGS = 4
 
 
+def glue_refusal(backend: Backend) -> str | None:
+    """Why ``backend``'s loop cannot run the Triton glue (None: it can): its programs must take their rows as
+    slots (row-indexed), and its device must run Triton (CUDA, or the CPU under Triton's interpreter)."""
+    if not getattr(backend, "row_indexed", False):
+        return f"needs a row-indexed backend (the torch backend's fast or exact kernels), got the {backend.name} backend"
+    if backend.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"runs Triton kernels: it needs a CUDA device (or Triton's interpreter, TRITON_INTERPRET=1), got device {backend.device}"
+    return None
+
+
 def put_sampling(ints: np.ndarray, seeds: np.ndarray, floats: np.ndarray, at, samplings: list) -> None:
     """Owners' sampling columns into a state block's host arrays (ints [4, R], seeds [R, S], floats [2, R]) at
     columns ``at`` (rows, or a slice), from the sample graph's feeds (``cycles.sampling_rows``: one builder);
@@ -398,8 +409,8 @@ class DeviceLoop:
             glue = "triton" if self.row_indexed and self.device.type == "cuda" else "torch"
         if glue == "torch":
             return None
-        if not self.row_indexed:
-            raise ValueError("glue='triton' needs a row-indexed backend (its programs take their rows as slots)")
+        if (refused := glue_refusal(self.backend)) is not None:
+            raise ValueError(f"glue='triton' {refused}")
         from dflash_trt.runtime.kernels.loop_ops import LoopOps  # imports triton
 
         return LoopOps(self.ints.device, self.floats.device, self.seeds.device, self.context.taps, self.taps_out)

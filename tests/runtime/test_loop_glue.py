@@ -90,6 +90,35 @@ def test_glue_choice_is_checked():
         DeviceLoop(None, None, None, 1, graphs=False, glue="cuda")
 
 
+def test_triton_glue_is_refused_where_it_cannot_run(monkeypatch):
+    """Bug: ``loop_glue='triton'`` asked of a backend whose programs bind consecutive rows (no slots to gather by),
+    or on a CPU without Triton's interpreter, fails deep inside a launch (a Triton pointer error, a missing
+    attribute) instead of a typed error at construction naming the field, what it needs and what it got."""
+    import loop_checks
+
+    from dflash_trt.errors import InputError
+    from dflash_trt.runtime.backends.torch_backend import TorchBackend
+    from dflash_trt.runtime.executor import Executor
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    fast = loop_checks._backend("cpu")
+    try:
+        with pytest.raises(InputError, match=r"loop_glue='triton' runs Triton kernels: .*TRITON_INTERPRET=1\), got device cpu"):
+            Executor(fast, loop_glue="triton")
+        Executor(fast, loop_glue="torch").close()  # the same backend with the torch glue runs
+    finally:
+        fast.close()
+    eager = TorchBackend(fast.target, fast.draft, fast.dims, 2, device="cpu", kernels="eager")
+    try:
+        assert not eager.row_indexed
+        with pytest.raises(InputError, match="loop_glue='triton' needs a row-indexed backend .* got the torch backend"):
+            Executor(eager, loop_glue="triton")
+        with pytest.raises(InputError, match="loop_glue must be one of"):
+            Executor(eager, loop_glue="cuda")
+    finally:
+        eager.close()
+
+
 @gpu
 @pytest.mark.parametrize("check", CHECKS)
 def test_triton_glue_matches_the_torch_glue_on_cuda(check):
