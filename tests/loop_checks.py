@@ -139,6 +139,9 @@ def check_verdict(device: str) -> None:
         choices[0, :k] = proposals[0, :k]  # all k accepted: the bonus token is the last choice
         choices[1, 0] = 1 - proposals[1, 0]  # none accepted
         before = ints.clone()
+        for n in (1, 3):  # the state's rows are graph feeds: each 16-byte aligned, as a fresh tensor (one kernel variant)
+            rows = ops.gather(slots[:n], context=False, sampled_rows=0)
+            assert all(rows[name].data_ptr() % 16 == 0 for name in ("anchor", "start", "draft", "pending")), n
         got = ops.gather(slots, context=False, sampled_rows=0)
         taps = torch.randn((owners, k + 1, W), generator=generator).to(device)
         record = torch.full((owners, P + 2), -1, dtype=torch.int64, device=device)

@@ -38,15 +38,16 @@ def _copy_row(src, dst, W, BLOCK: tl.constexpr):
         tl.store(dst + w, tl.load(src + w, mask=w < W), mask=w < W)
 
 
-# ``n`` (the padded owner count) is not specialized on: one compiled kernel serves every owner bucket.
-@triton.jit(do_not_specialize=["n"])
+# ``S`` (the state's row stride: the padded owner count, even) is not specialized on: one compiled kernel
+# serves every owner bucket.
+@triton.jit(do_not_specialize=["S"])
 def _gather_kernel(
-    slots, ints, R, floats, seeds, pool, W, context, state, n, temperature, top_k, top_p, seed, position,
+    slots, ints, R, floats, seeds, pool, W, context, state, S, temperature, top_k, top_p, seed, position,
     B: tl.constexpr, ROWS: tl.constexpr, ROWS_P2: tl.constexpr, BLOCK: tl.constexpr, CONTEXT: tl.constexpr, SAMPLED: tl.constexpr,
 ):
     """Program (i, b): owner i's context row b (CONTEXT); (i, 0) also its scalars and sampling feeds.
     ints [4, R] (anchor, frontier, draft, top_k), floats [2, R] (temperature, top_p), seeds [R, 3],
-    pool [R, B, W]; state [4, n] int64 (anchor, start, draft, start - draft)."""
+    pool [R, B, W]; state [4, n] int64 rows S apart (anchor, start, draft, start - draft)."""
     i = tl.program_id(0)
     b = tl.program_id(1)
     s = tl.load(slots + i)
@@ -56,9 +57,9 @@ def _gather_kernel(
         start = tl.load(ints + R + s)
         draft = tl.load(ints + 2 * R + s)
         tl.store(state + i, tl.load(ints + s))
-        tl.store(state + n + i, start)
-        tl.store(state + 2 * n + i, draft)
-        tl.store(state + 3 * n + i, start - draft)
+        tl.store(state + S + i, start)
+        tl.store(state + 2 * S + i, draft)
+        tl.store(state + 3 * S + i, start - draft)
         if SAMPLED:
             j = tl.arange(0, ROWS_P2)
             ok = j < ROWS
@@ -72,9 +73,9 @@ def _gather_kernel(
                 tl.store(seed + at * 3 + part, tl.load(seeds + s * 3 + part) + zero, mask=ok)
 
 
-@triton.jit(do_not_specialize=["n"])
+@triton.jit(do_not_specialize=["S"])
 def _commit_cycle_kernel(
-    slots, scratch, ints, R, pool, W, taps, state, n, choices, choices_stride, proposals, proposals_stride, record, record_stride,
+    slots, scratch, ints, R, pool, W, taps, state, S, choices, choices_stride, proposals, proposals_stride, record, record_stride,
     K: tl.constexpr, P: tl.constexpr, K_P2: tl.constexpr, P_P2: tl.constexpr, B: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Program (i, j): verify tap row j of owner i into its context row; (i, 0) also the verdict, the record
@@ -89,7 +90,7 @@ def _commit_cycle_kernel(
         chosen = tl.load(choices + i * choices_stride + r, mask=r < K, other=0)
         accepted = tl.min(tl.where((r < K) & (mine == chosen), K, r), axis=0)  # first mismatch, else K
         token = tl.load(choices + i * choices_stride + accepted)
-        start = tl.load(state + n + i)
+        start = tl.load(state + S + i)
         p = tl.arange(0, P_P2)
         tl.store(record + i * record_stride + 2 + p, tl.load(proposals + i * proposals_stride + p, mask=p < P), mask=p < P)
         tl.store(record + i * record_stride, accepted.to(tl.int64))
@@ -100,15 +101,15 @@ def _commit_cycle_kernel(
             tl.store(ints + s, token)
 
 
-@triton.jit(do_not_specialize=["n"])
-def _commit_decode_kernel(slots, scratch, ints, R, pool, W, taps, taps_stride, taps_out, state, n, token, record, record_stride,
+@triton.jit(do_not_specialize=["S"])
+def _commit_decode_kernel(slots, scratch, ints, R, pool, W, taps, taps_stride, taps_out, state, S, token, record, record_stride,
                           B: tl.constexpr, BLOCK: tl.constexpr):
     """Program i: owner i's tap into taps_out and, while its pending rows are not full, into pending row
     start - draft of its context; the record [0, token] and its frontier and anchor."""
     i = tl.program_id(0)
     s = tl.load(slots + i)
-    start = tl.load(state + n + i)
-    pending = tl.load(state + 3 * n + i)
+    start = tl.load(state + S + i)
+    pending = tl.load(state + 3 * S + i)
     chosen = tl.load(token + i)
     _copy_row(taps + i * taps_stride, taps_out + s * W, W, BLOCK)
     if pending < B:
@@ -137,7 +138,8 @@ class LoopOps:
         ``sampled_rows`` > 0: temperature, top_k, top_p, seed, position of each owner's rows (owner-major,
         [n * rows], seed [n * rows, 3])."""
         n, device = slots.shape[0], slots.device
-        state = torch.empty((4, n), dtype=torch.int64, device=device)
+        # Rows 16 bytes apart (an even stride): each row is a feed of the graphs, aligned as a fresh tensor is.
+        state = torch.empty((4, n + n % 2), dtype=torch.int64, device=device)[:, :n]
         taps = torch.empty((n, self.B, self.W), dtype=self.pool.dtype, device=device) if context else state
         rows = max(sampled_rows, 1)
         feeds = {}
@@ -151,7 +153,7 @@ class LoopOps:
             }
         out = [feeds.get(name, state) for name in ("temperature", "top_k", "top_p", "seed", "position")]
         _gather_kernel[(n, self.B if context else 1)](
-            slots, self.ints, self.R, self.floats, self.seeds, self.pool, self.W, taps, state, n, *out,
+            slots, self.ints, self.R, self.floats, self.seeds, self.pool, self.W, taps, state, state.stride(0), *out,
             B=self.B, ROWS=rows, ROWS_P2=triton.next_power_of_2(rows), BLOCK=BLOCK_W, CONTEXT=context, SAMPLED=bool(sampled_rows),
         )
         names = ("anchor", "start", "draft", "pending")
@@ -166,7 +168,7 @@ class LoopOps:
                 raise ValueError(f"commit_cycle: {name}'s rows must be adjacent values, got strides {tensor.stride()}")
         taps = taps.contiguous()  # a view of the verify's output: no copy
         _commit_cycle_kernel[(n, rows)](
-            slots, self.scratch, self.ints, self.R, self.pool, self.W, taps, state, n,
+            slots, self.scratch, self.ints, self.R, self.pool, self.W, taps, state, state.stride(0),
             choices, choices.stride(0), proposals, proposals.stride(0), record, record.stride(0),
             K=rows - 1, P=P, K_P2=triton.next_power_of_2(rows), P_P2=triton.next_power_of_2(P), B=self.B, BLOCK=BLOCK_W,
         )
@@ -177,6 +179,6 @@ class LoopOps:
         if taps.stride(1) != 1:
             raise ValueError(f"commit_decode: a tap row's features must be adjacent, got strides {taps.stride()}")
         _commit_decode_kernel[(n,)](
-            slots, self.scratch, self.ints, self.R, self.pool, self.W, taps, taps.stride(0), self.taps_out, state, n, token, record,
+            slots, self.scratch, self.ints, self.R, self.pool, self.W, taps, taps.stride(0), self.taps_out, state, state.stride(0), token, record,
             record.stride(0), B=self.B, BLOCK=BLOCK_W,
         )

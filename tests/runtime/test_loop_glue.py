@@ -72,7 +72,9 @@ def test_triton_glue_leaves_the_torch_glues_state(interpreted):
 def test_triton_glue_verdict_is_the_contracts(interpreted):
     """Bug: the glue's verdict stops one short when every proposal matches (no bonus token), accepts past the
     first mismatch, or reads proposals past the verify length: against ``export.sampling.verdict`` on two-token
-    choices (every accepted count from 0 to k, k = 1, 3, 7, 15), with the record, state and context rows it writes."""
+    choices (every accepted count from 0 to k, k = 1, 3, 7, 15), with the record, state and context rows it writes;
+    and the gathered state's rows, the graphs' feeds, start 16-byte aligned at any owner count (a misaligned feed
+    makes Triton compile other variants of the graphs' kernels for some owner counts)."""
     _passed(interpreted, "verdict")
 
 
