@@ -139,7 +139,8 @@ def check_embed(device: str, dtype: torch.dtype) -> None:
         tokens = torch.randint(0, 37, (3, 5), generator=generator).to(device)
         anchor = torch.tensor([4, 36, 0], device=device)
         cases = [("tokens", dict(tokens=tokens)), ("block", dict(anchor=anchor, mask_id=31, block=6)),
-                 ("block scaled", dict(anchor=anchor, mask_id=31, block=6, scale=0.7071))]
+                 ("block scaled", dict(anchor=anchor, mask_id=31, block=6, scale=0.7071)),
+                 ("tokens, a column view", dict(tokens=tokens.t().contiguous().t())), ("anchor, a strided view", dict(anchor=tokens[:, 2], mask_id=3, block=4))]
         for name, options in cases:
             got = TritonOps().embed(table, start, **options)
             want = TorchOps().embed(table, start, **options)

@@ -153,7 +153,8 @@ def _gemv_kernel(
 def _embed_kernel(tokens_ptr, stride_tn, table_ptr, stride_v, start_ptr, x_ptr, pos_ptr, len_ptr, T, H, mask_id,
                   TOKENS: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr = False):
     """Row r = (i, t): x[r] = table[token], positions[r] = start[i] + t; t = 0 also lengths[i] = start[i] + T.
-    token: tokens[i, t] (TOKENS), else the draft block's: anchor tokens_ptr[i] at t = 0, mask_id after."""
+    token: tokens[i, t] (TOKENS; rows stride_tn apart, unit inner stride), else the draft block's: the anchor
+    tokens_ptr[i * stride_tn] at t = 0, mask_id after."""
     enter(PDL)
     r = tl.program_id(0)
     i = r // T
@@ -161,7 +162,7 @@ def _embed_kernel(tokens_ptr, stride_tn, table_ptr, stride_v, start_ptr, x_ptr, 
     if TOKENS:
         token = tl.load(tokens_ptr + i * stride_tn + t)
     else:
-        token = tl.load(tokens_ptr + i)
+        token = tl.load(tokens_ptr + i * stride_tn)
         if t > 0:
             token = token * 0 + mask_id
     start = tl.load(start_ptr + i)
@@ -463,11 +464,13 @@ class TritonOps(EagerKernels):
     def embed(self, table, start, tokens=None, anchor=None, mask_id=0, block=0, scale=1.0):
         """``TorchOps.embed`` in one launch (the rows copied bit for bit); a scale other than 1 is torch's ``x * scale``
         after it (its rounding: Triton's interpreter rounds bf16 otherwise than the GPU)."""
+        if tokens is not None and tokens.stride(1) != 1:
+            tokens = tokens.contiguous()
         ids = tokens if tokens is not None else anchor
         n, T = (tokens.shape if tokens is not None else (anchor.shape[0], block))
         H = table.shape[1]
         x = torch.empty((n * T, H), dtype=table.dtype, device=table.device)
-        positions = torch.empty((n, T), dtype=start.dtype, device=start.device)
+        positions = torch.empty((n, T), dtype=torch.promote_types(start.dtype, torch.int64), device=start.device)  # start + arange
         lengths = torch.empty_like(start)
         _embed_kernel[(n * T,)](
             ids, ids.stride(0), table, table.stride(0), start, x, positions, lengths, T, H, mask_id,
