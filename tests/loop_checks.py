@@ -111,7 +111,7 @@ def check_programs(device: str) -> None:
         cases = [(CYCLE, k) for k in dims.verify_proposals] + [(DECODE, 0)]
         for kind, proposals in cases:
             for sampled in (False, True):
-                for rows, rounds in (([2, 0, 3], 1), ([1], 2), ([3, 1, 0, 2], 1)):  # padded to 4, one owner twice, all four
+                for rows, rounds in (([2, 0, 3], 1), ([1], 2), ([3, 1, 0, 2], 1)):  # three owners padded to 4, one owner for two rounds, all four
                     case = f"{kind} k={proposals} sampled={sampled} rows={rows} rounds={rounds}"
                     want = _run(backend, "torch", state, kind, sampled, rows, proposals, rounds)
                     got = _run(backend, "triton", state, kind, sampled, rows, proposals, rounds)
