@@ -142,7 +142,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, nargs="+", default=[16])
     parser.add_argument("--policy", default="adaptive", help="the DFlash mode's policy (default adaptive, as dflash-trt serve)")
-    parser.add_argument("--loop-glue", choices=("auto", "triton", "torch"), default="auto", help="Executor(loop_glue=) (default auto)")
+    parser.add_argument("--loop-glue", choices=gpu_e2e.GLUES, default="auto", help="Executor(loop_glue=) (default auto)")
     parser.add_argument("--record", action="store_true", help="append the rows to benchmarks/results.jsonl")
     args = parser.parse_args()
     import torch

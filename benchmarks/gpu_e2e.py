@@ -47,6 +47,7 @@ from dflash_trt.export.contract import Dims
 from dflash_trt.export.pair import DEFAULT_PAIR_DIR, load_pair
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.backends.torch_backend import TorchBackend
+from dflash_trt.runtime.device_loop import GLUES
 from dflash_trt.runtime.executor import DEFAULT_MAX_CYCLES, Executor
 from dflash_trt.runtime.generate import stream
 from dflash_trt.runtime.policy import POLICIES
@@ -249,7 +250,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--lag", type=int, default=1, help="the executor's launches queued per session beyond the one read (default 1)")
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="default pair (the 8B shape: half)")
-    parser.add_argument("--loop-glue", choices=("auto", "triton", "torch"), default="auto",
+    parser.add_argument("--loop-glue", choices=GLUES, default="auto",
                         help="the device loop's kernels around the graphs (Executor(loop_glue=); default auto: Triton on CUDA)")
     parser.add_argument("--rounds", type=int, help="prompts per session (default: 6 / 4 / 3 at 1 / 4 / 16 sessions)")
     parser.add_argument("--kernels", default="auto", help="the torch backend's kernels: auto, fast, exact (CUDA), reference")

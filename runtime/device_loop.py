@@ -81,6 +81,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from dflash_trt.errors import InputError
 from dflash_trt.export import contract as c
 from dflash_trt.export.sampling import choose_op
 from dflash_trt.runtime.backends.base import Backend
@@ -244,14 +245,19 @@ class Staging:
 FEW_SAMPLINGS = 4
 
 
-def glue_refusal(backend: Backend) -> str | None:
-    """Why ``backend``'s loop cannot run the Triton glue (None: it can): its programs must take their rows as
-    slots (row-indexed), and its device must run Triton (CUDA, or the CPU under Triton's interpreter)."""
+def check_glue(glue: str, backend: Backend, field: str = "glue") -> None:
+    """``glue`` names one of ``GLUES`` and, when ``"triton"``, one ``backend``'s loop can run: its programs take
+    their rows as slots (row-indexed) and its device runs Triton (CUDA, or the CPU under Triton's interpreter).
+    InputError naming ``field`` otherwise."""
+    if glue not in GLUES:
+        raise InputError(f"{field} must be one of {GLUES}, got {glue!r}")
+    if glue != "triton":
+        return
     if not getattr(backend, "row_indexed", False):
-        return f"needs a row-indexed backend (the torch backend's fast or exact kernels), got the {backend.name} backend"
+        raise InputError(f"{field}='triton' needs a row-indexed backend (the torch backend's fast or exact kernels), got the {backend.name} backend")
     if backend.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return f"runs Triton kernels: it needs a CUDA device (or Triton's interpreter, TRITON_INTERPRET=1), got device {backend.device}"
-    return None
+        raise InputError(f"{field}='triton' runs Triton kernels: it needs a CUDA device (or Triton's interpreter, TRITON_INTERPRET=1), "
+                         f"got device {backend.device}")
 
 
 def put_sampling(ints: np.ndarray, seeds: np.ndarray, floats: np.ndarray, at, samplings: list) -> None:
@@ -360,8 +366,7 @@ class DeviceLoop:
         the one read (``runtime.launches``); ``glue``: how row-indexed programs read and write their owners'
         state around their graphs, ``"triton"`` (``kernels.loop_ops``: three launches) or ``"torch"`` (~20
         small torch ops), the same state either way; ``"auto"``: Triton on CUDA."""
-        if glue not in GLUES:
-            raise ValueError(f"glue must be one of {GLUES}, got {glue!r}")
+        check_glue(glue, backend)
         self.backend, self.dims, self.context = backend, dims, context
         self.device = backend.device
         self.row_indexed = bool(getattr(backend, "row_indexed", False))
@@ -409,8 +414,6 @@ class DeviceLoop:
             glue = "triton" if self.row_indexed and self.device.type == "cuda" else "torch"
         if glue == "torch":
             return None
-        if (refused := glue_refusal(self.backend)) is not None:
-            raise ValueError(f"glue='triton' {refused}")
         from dflash_trt.runtime.kernels.loop_ops import LoopOps  # imports triton
 
         return LoopOps(self.ints.device, self.floats.device, self.seeds.device, self.context.taps, self.taps_out)

@@ -83,7 +83,7 @@ from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.cycles import (
     block_fits, chunks, cycle_modes, make_verdicts, pack_rows, plan_context, prefill_batches, sampling_rows, trim_context,
 )
-from dflash_trt.runtime.device_loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_COLUMN, PROPOSALS_COLUMN, GLUES, DeviceLoop, Launch, glue_refusal, padded
+from dflash_trt.runtime.device_loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_COLUMN, PROPOSALS_COLUMN, DeviceLoop, Launch, check_glue, padded
 from dflash_trt.runtime.launches import Group, Lane, LoopShape, run_launches
 from dflash_trt.runtime.policy import DRAIN, POLICIES, Choice, make_policy
 from dflash_trt.runtime.prefill import PREFILL_QUANTUM, PrefillLaunch, PrefillPrograms, Prompt
@@ -239,10 +239,7 @@ class Executor:
         self.policy = make_policy(policy, dims.verify_proposals) if isinstance(policy, str) else policy
         if not is_int(launch_rounds) or not 1 <= launch_rounds <= MAX_LAUNCH_ROUNDS:
             raise InputError(f"launch_rounds must be an int in [1, {MAX_LAUNCH_ROUNDS}], got {launch_rounds!r}")
-        if loop_glue not in GLUES:
-            raise InputError(f"loop_glue must be one of {GLUES}, got {loop_glue!r}")
-        if loop_glue == "triton" and (refused := glue_refusal(backend)) is not None:
-            raise InputError(f"loop_glue='triton' {refused}")
+        check_glue(loop_glue, backend, "loop_glue")
         self.loop = DeviceLoop(backend, dims, self.context, rows, cycle_graphs, launch_rounds, self.lag, loop_glue)
         self.prefill = PrefillPrograms(self.loop, self.context, max_sessions, self.speculate) if self.loop.row_indexed else None
         self._prepare_programs()

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_trt.errors import InputError
 from dflash_trt.runtime.device_loop import DeviceLoop
 
 try:
@@ -88,7 +89,7 @@ def test_triton_glue_keeps_every_requests_tokens(interpreted):
 
 def test_glue_choice_is_checked():
     """Bug: an unknown glue name is silently taken as one of the others (a typo measuring the wrong kernels)."""
-    with pytest.raises(ValueError, match="glue must be one of"):
+    with pytest.raises(InputError, match="glue must be one of"):
         DeviceLoop(None, None, None, 1, graphs=False, glue="cuda")
 
 
@@ -98,7 +99,6 @@ def test_triton_glue_is_refused_where_it_cannot_run(monkeypatch):
     attribute) instead of a typed error at construction naming the field, what it needs and what it got."""
     import loop_checks
 
-    from dflash_trt.errors import InputError
     from dflash_trt.runtime.backends.torch_backend import TorchBackend
     from dflash_trt.runtime.executor import Executor
 
