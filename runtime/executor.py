@@ -894,13 +894,17 @@ class Executor:
         asked: dict[int, tuple[LoopShape, bool]] = {}  # id(lane) -> (its shape then, may_launch): asked once per lane
         # The count lies in [this round's, the execute's]: needed only when those two fall in different buckets.
         if going < len(self._policed) and padded(min(going, most), most) < padded(min(len(self._policed), most), most):
-            count = 0
+            count, kept = 0, []
             for lane in self._policed:
                 if lane.finish is None:
                     asked[id(lane)] = (lane.shape, may := lane.may_launch())
                     count += may or bool(lane.flight)
+                elif lane.flight:
+                    count += 1
                 else:
-                    count += bool(lane.flight)
+                    continue  # finished, nothing in flight: it never counts again (dropped, so a long execute's rounds do not walk its past lanes)
+                kept.append(lane)
+            self._policed = kept
             going = max(going, count)
         choice = self.policy.choose(padded(min(going, most), most))
         if self._plain:  # the execute's plain lanes decode beside this round: it measures neither option (``Choice.measured``)
