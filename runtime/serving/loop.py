@@ -337,6 +337,8 @@ class ServingLoop:
             them (``Batcher.should_yield``: a share of the running requests' worth, or the oldest after
             JOIN_WAIT_S), so prompts are prefilled a batch at a time, not one launch per round; none once
             the loop cancels what it accepted."""
+            if not self._queue:  # asked every launch, mostly with none waiting: no lock then (a submit racing this joins the next round)
+                return []
             taken, budget, now = [], ADMIT_TOKENS_PER_ROUND, time.perf_counter()
             with self._cond:
                 if self._stopping == "cancel" or not self._queue:
