@@ -16,8 +16,8 @@ time left is host work only: planning, staging, launching, reading, stats, strea
 its padded owners µs per round after the later of its launch and the previous launch's end, and a read sleeps
 until its launch has ended (the GIL free, as in a CUDA event wait); a prefill adds CYCLE µs. The device's busy share
 and how the host's rounds overlap it then show, as on a GPU (``--lag``: launches queued per lane). Per
-row: lane-rounds (cycle-table rows) and requests in the window, lanes per launch, host µs per lane-round
-and per request (the same host time over either count), tokens per lane-round, the serving thread's CPU
+row: lane-rounds (cycle-table rows; the window's table unbounded) and requests in the window, lanes per launch,
+host µs per lane-round, per token returned and per request (the same host time over each count), tokens per lane-round, the serving thread's CPU
 share, and the gaps between a request's deliveries (the loop's own ITL, ``--stream-interval-ms`` apart at
 best; default the server's). The client threads share the serving thread's GIL, as a serving process's pipe and sender threads do.
 ``--profile N`` prints the serving thread's N largest functions by own time (cProfile, which inflates them);
