@@ -17,10 +17,12 @@ from hypothesis import strategies as st
 from dflash_trt.errors import InputError
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor
+from dflash_trt.runtime.launches import Flight
 from dflash_trt.runtime.policy import (
     CYCLE, DECODE, DRAIN, ESTIMATE, EXPLORE, FIXED, PROBE, PROBE_SPREAD, AdaptivePolicy, Choice, cycle_ratio, probe_interval,
 )
 from dflash_trt.runtime.policy import make_policy as policy_named
+from dflash_trt.runtime.sessions import LENGTH, Input, validate_batch
 from executor_fixtures import DraftReference, RecordingBackend, Tracker, tiny_dims
 
 TINY_ROWS = 8
@@ -816,3 +818,37 @@ def test_acceptance_by_position_equals_the_count_per_position(launches):
             for share in shares:
                 expected.add(share)
             assert policy.reached[i].value == expected.value and policy.reached[i].seen == expected.seen
+
+
+def test_the_round_plan_counts_the_execute_s_going_lanes_and_drops_only_finished_idle_ones(tiny):
+    """Guards against the round plan's count of the execute's going lanes (the owner count the policy is
+    asked at) losing a lane it must count as it stops walking finished ones: one lane in this round (bucket
+    1), another live one and one finished with a read-ahead still in flight make 3 going lanes (bucket 4,
+    where that launch runs), and two finished lanes with nothing in flight count for nothing and are
+    dropped for good; the next round asks at the same count."""
+    dims = tiny_dims(tiny.target, tiny.draft, tiny.dims.max_context)
+    executor = Executor(tiny.torch_backend(dims, TINY_ROWS, "fast"), dims, TINY_ROWS)
+    sessions = [executor.open_session() for _ in range(5)]
+    executor.execute([Input(s, [3 + s, 9, 4, 7], max_new_tokens=1) for s in sessions])  # prompts in, a pending token each
+    steps = validate_batch(executor.table, [Input(s, [executor.session(s).pending], max_new_tokens=10) for s in sessions], executor.limits)
+    lanes = [executor._lane(step, {}) for step in steps]
+    for lane in lanes:
+        executor._assign(lane)
+    here, live, in_flight, idle, idle_too = lanes
+    assert all(lane.policed and lane.may_launch() for lane in lanes)  # the premise: drafting lanes, each may launch
+    in_flight.finish = idle.finish = idle_too.finish = LENGTH
+    in_flight.flight.append(Flight(CYCLE, lanes[0].shape.width, None))
+    asked = []
+
+    class Asked(Scripted):
+        def choose(self, owners: int) -> Choice:
+            asked.append(owners)
+            return super().choose(owners)
+
+    executor.policy = Asked([CYCLE])
+    executor._policed, executor._plain = list(lanes), []
+    ids = lambda chosen: [id(lane) for lane in chosen]  # noqa: E731  (lanes by identity: dataclass equality compares fields)
+    assert ids(executor._plan_round([here])) == [id(here)] and asked == [4]
+    assert ids(executor._policed) == ids([here, live, in_flight])
+    assert ids(executor._plan_round([here])) == [id(here)] and asked == [4, 4]
+    executor.close()
