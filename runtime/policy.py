@@ -282,13 +282,9 @@ class AdaptivePolicy:
         self._known = None
         owners = reached = len(accepted)
         self.verified += owners
-        for i in range(proposals):
-            reached -= counts[i]  # owners with a >= i + 1
-            # ``Ewma.add`` inline (skip 0, no clip: every sample counts; 15 method calls were a third of this call)
-            mean = self.reached[i]
-            mean.seen += 1
-            share = reached / owners
-            mean.value = share if mean.value is None else mean.value + max(mean.alpha, 1.0 / mean.seen) * (share - mean.value)
+        for i in range(1, proposals + 1):
+            reached -= counts[i - 1]  # owners with a >= i
+            self.reached[i - 1].add(reached / owners)
 
     def expected(self, proposals: int) -> float | None:
         """E[tokens per owner] of a cycle verifying ``proposals`` from the acceptance seen so far: 1 + Σ_{i ≤ k}
@@ -302,8 +298,8 @@ class AdaptivePolicy:
         """
         if self._known is None:
             self._known, total = [], 0.0
-            for r in self.reached:  # the leading known positions (``Ewma.known`` inline: asked after every accept)
-                if r.seen - r.skip < r.least:
+            for r in self.reached:  # the leading known positions
+                if not r.known:
                     break
                 total += r.value
                 self._known.append(1.0 + total)

@@ -151,7 +151,6 @@ class ColumnStore:
     def __init__(self, schema: Mapping[str, pl.DataType]) -> None:
         self.schema = dict(schema)
         self.columns: dict[str, array | list] = {name: _column(dtype) for name, dtype in self.schema.items()}
-        self._checked: set[tuple[tuple[str, ...], tuple[str, ...]]] = set()  # ``append_rows``' name sets found whole
 
     def append(self, **row) -> None:
         missing = self.schema.keys() - row.keys()
@@ -163,15 +162,12 @@ class ColumnStore:
     def append_rows(self, count: int, shared: Mapping[str, object], **columns: Sequence) -> None:
         """``count`` rows at once: ``shared`` values repeated, ``columns`` one value per row (one
         extend per column instead of one append per value)."""
-        # Every column once, checked once per set of names (a call site's: this runs per launch); the message only on a fault.
-        names = (tuple(shared), tuple(columns))
-        if names not in self._checked:
-            assert len(shared) + len(columns) == len(self.schema) and shared.keys() | columns.keys() == self.schema.keys(), (
-                f"stats rows: missing {self.schema.keys() - shared.keys() - columns.keys()}, extra {(shared.keys() | columns.keys()) - self.schema.keys()}, "
-                f"both shared and per row {shared.keys() & columns.keys()}"
-            )
-            self._checked.add(names)
-        assert set(map(len, columns.values())) <= {count}, f"stats rows: columns of another length than {count}"
+        # Every column once (one union and one count: this runs per launch); the message only on a fault.
+        assert len(shared) + len(columns) == len(self.schema) and shared.keys() | columns.keys() == self.schema.keys(), (
+            f"stats rows: missing {self.schema.keys() - shared.keys() - columns.keys()}, extra {(shared.keys() | columns.keys()) - self.schema.keys()}, "
+            f"both shared and per row {shared.keys() & columns.keys()}"
+        )
+        assert all(len(values) == count for values in columns.values()), f"stats rows: columns of another length than {count}"
         for name, value in shared.items():
             column = self.columns[name]
             # A typed column repeats one typed value (C speed), not a list of Python objects converted one by one.
