@@ -92,7 +92,6 @@ from dflash_trt.runtime.timing import Timeline
 
 CYCLE, DECODE = "cycle", "decode"  # program kinds
 GLUES = ("auto", "triton", "torch")  # ``DeviceLoop(glue=)``
-SAMPLING_FEEDS = ("temperature", "top_k", "top_p", "seed", "position")  # ``choose_op``'s arguments after the logits
 ANCHOR, FRONTIER, DRAFT, TOP_K = range(4)  # rows of the int state
 TEMPERATURE, TOP_P = range(2)  # rows of the float state
 ACCEPTED_COLUMN, NEXT_COLUMN, PROPOSALS_COLUMN = 0, 1, 2  # columns of the record
@@ -637,7 +636,7 @@ class DeviceLoop:
         verify = rows.run(self.backend, c.verify_graph(self.dims, c.TARGET_VERIFY, n, k), {c.TOKENS: candidates, c.START: start})
         logits = verify[c.LOGITS]  # [n, k+1, V]
         if key.sampled:
-            choices = choose_op(logits.reshape(n * (k + 1), -1), *(got[name] for name in SAMPLING_FEEDS)).view(n, k + 1)
+            choices = choose_op(logits.reshape(n * (k + 1), -1), *(got[name] for name in self.glue.FEEDS)).view(n, k + 1)
         else:
             choices = logits.argmax(dim=-1)
         self.glue.commit_cycle(rows.slots, got["state"], verify[c.TAPS], choices, proposals, record)
@@ -648,7 +647,7 @@ class DeviceLoop:
         got = self.glue.gather(rows.slots, context=False, sampled_rows=1 if key.sampled else 0)
         out = rows.run(self.backend, c.graph_name(c.TARGET_DECODE, n), {c.TOKENS: got["anchor"].view(n, 1), c.START: got["start"]})
         logits = out[c.LOGITS]  # [n, V]
-        token = choose_op(logits, *(got[name] for name in SAMPLING_FEEDS)) if key.sampled else logits.argmax(dim=-1)
+        token = choose_op(logits, *(got[name] for name in self.glue.FEEDS)) if key.sampled else logits.argmax(dim=-1)
         self.glue.commit_decode(rows.slots, got["state"], out[c.TAPS][:, 0], token, record)
 
     def _keep_tap(self, rows: RowRange | RowSlots, start: torch.Tensor, tap: torch.Tensor) -> None:

@@ -125,6 +125,8 @@ class LoopOps:
     """The glue kernels over one loop's state: ``ints`` [4, R] int64, ``floats`` [2, R] float32,
     ``seeds`` [R, 3] int64, the context pool ``taps`` [R, B, W], ``taps_out`` [R, W]."""
 
+    FEEDS = ("temperature", "top_k", "top_p", "seed", "position")  # a sampled gather's feeds: ``choose_op``'s arguments after the logits
+
     def __init__(self, ints: torch.Tensor, floats: torch.Tensor, seeds: torch.Tensor, pool: torch.Tensor, taps_out: torch.Tensor) -> None:
         for name, tensor in (("ints", ints), ("floats", floats), ("seeds", seeds), ("pool", pool), ("taps_out", taps_out)):
             if not tensor.is_contiguous():
@@ -151,7 +153,7 @@ class LoopOps:
                 "seed": torch.empty((n * rows, 3), dtype=torch.int64, device=device),
                 "position": torch.empty(n * rows, dtype=torch.int64, device=device),
             }
-        out = [feeds.get(name, state) for name in ("temperature", "top_k", "top_p", "seed", "position")]
+        out = [feeds.get(name, state) for name in self.FEEDS]
         _gather_kernel[(n, self.B if context else 1)](
             slots, self.ints, self.R, self.floats, self.seeds, self.pool, self.W, taps, state, state.stride(0), *out,
             B=self.B, ROWS=rows, ROWS_P2=triton.next_power_of_2(rows), BLOCK=BLOCK_W, CONTEXT=context, SAMPLED=bool(sampled_rows),
