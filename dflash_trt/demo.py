@@ -65,7 +65,7 @@ def export_dir(args) -> Path:
 
     name = hashlib.sha256(f"{args.target.resolve()}|{args.draft.resolve()}".encode()).hexdigest()[:12]
     out = args.cache / "export" / name
-    options = ExportOptions(max_owners=DEMO_MAX_OWNERS, max_sessions=DEMO_MAX_SESSIONS, max_chunk=DEMO_MAX_CHUNK, dtype="fp32")
+    options = ExportOptions(max_owners=DEMO_MAX_OWNERS, max_sessions=DEMO_MAX_SESSIONS, max_chunk=DEMO_MAX_CHUNK, dtype="fp32", live_keys=True)
     started = time.perf_counter()
     print(f"export: {args.target} + {args.draft} -> {out} (cached after the first run)", flush=True)
     export_pair(args.target, args.draft, out, options, progress=True)

@@ -68,6 +68,7 @@ from dflash_trt.engines.sources import GraphSource, load_graph, source_files
 from dflash_trt.engines.verdict import Site, refusal, run_probe
 from dflash_trt.errors import EngineBuildError, EngineError, UnsupportedExportError
 from dflash_trt.export.contract import GraphSpec, profiles_of, sampled_only, with_shared_weights
+from dflash_trt.export.graph_passes import live_key_slices
 from dflash_trt.export.identity import file_sha256
 
 Progress = Callable[[str], None]
@@ -143,6 +144,7 @@ def build_engine_set(
     (out_dir / ENGINES_JSON).unlink(missing_ok=True)
     _check_sources(sources)
     refuse_fp32(sources)
+    refuse_live_keys(sources)
     say = progress or (lambda _line: None)
     sources, lifted, shared = _lift(sources, out_dir, say)
     builder = _SetBuilder(flavour, options, out_dir, echo)
@@ -261,6 +263,19 @@ def refuse_fp32(sources: Sequence[GraphSource]) -> None:
         msg = (
             f"{', '.join(fp32)}: float32 attention is ONNX Runtime's configuration and TensorRT has no kernel for it; "
             "re-export for TensorRT (`dflash-trt export --backend tensorrt`, bf16; or --dtype bf16 / fp16) to build engines"
+        )
+        raise UnsupportedExportError(msg)
+
+
+def refuse_live_keys(sources: Sequence[GraphSource]) -> None:
+    """A graph whose attention reads a slice of its cache sized from a tensor (``export --live-keys``,
+    ONNX Runtime's default) has a data-dependent shape no TensorRT profile covers, and ``bind_attention``
+    binds lengths to the whole cache. Refused here, before parsing, in one line."""
+    live = [s.name for s in sources if live_key_slices(load_graph(s.onnx_path))]
+    if live:
+        msg = (
+            f"{', '.join(live)}: attention over the live cache slots (`dflash-trt export --live-keys`) is ONNX Runtime's "
+            "configuration; re-export for TensorRT (`dflash-trt export --backend tensorrt`, or --no-live-keys) to build engines"
         )
         raise UnsupportedExportError(msg)
 

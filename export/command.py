@@ -2,12 +2,16 @@
 
     dflash-trt export --target DIR --draft DIR --out DIR [--backend onnxruntime|tensorrt] [--max-owners 4]
         [--max-sessions N] [--max-context L] [--max-chunk T] [--proposals P]
-        [--verify-proposals K ...] [--dtype bf16|fp16|fp32] [--causal lengths|mask] [--[no-]shared-weights] [--force]
+        [--verify-proposals K ...] [--dtype bf16|fp16|fp32] [--causal lengths|mask] [--[no-]shared-weights]
+        [--[no-]live-keys] [--force]
 
 The dtype follows the backend the export is for (``--backend``, default
 ``onnxruntime``, as ``dflash-trt run``'s): fp32 for ONNX Runtime (its CPU
 provider has no bf16 kernels), bf16 for TensorRT plans (``dflash-trt
-build``; TensorRT-RTX builds no fp32 attention); ``--dtype`` overrides. The
+build``; TensorRT-RTX builds no fp32 attention); ``--dtype`` overrides. So
+does ``--live-keys``: on for ONNX Runtime (its attention then reads the
+cache slots in use, not all of them: ``export.graph_passes``), off for
+TensorRT (whose builds refuse it). The
 target's tokenizer files are copied beside the graphs and named in the
 manifest, so ``run`` / ``serve`` need no ``--tokenizer``. An output
 directory already holding a valid export of the same inputs is left alone
@@ -59,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         help="one weights.data for all graphs, each tensor once (default: when the checkpoints exceed 1 GiB)",
     )
+    parser.add_argument(
+        "--live-keys",
+        action=argparse.BooleanOptionalAction,
+        help="attention reads only the cache slots in use, sliced by the longest owner's length (default: on for --backend onnxruntime, "
+             "whose attention otherwise reads the whole cache; off for tensorrt, whose builds refuse it)",
+    )
     parser.add_argument("--force", action="store_true", help="re-export even if the output is up to date")
 
 
@@ -73,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype or BACKEND_DTYPES[args.backend],
         causal=args.causal,
         shared_weights=args.shared_weights,
+        live_keys=args.live_keys if args.live_keys is not None else args.backend == "onnxruntime",
     )
     try:
         options.resolve(args.target, args.draft)  # refuse bad options before any work

@@ -32,7 +32,7 @@ from tqdm import tqdm
 import dflash_trt
 from dflash_trt.checks import is_int
 from dflash_trt.errors import ExportError, ManifestError
-from dflash_trt.export import contract, identity
+from dflash_trt.export import contract, graph_passes, identity
 from dflash_trt.export.config import check_pair, load_draft_config, load_target_config
 from dflash_trt.export.contract import DTYPES, Dims, GraphSpec
 from dflash_trt.export.draft import DraftModel
@@ -76,6 +76,7 @@ class ExportOptions:
     dtype: str = "bf16"
     causal: str = CAUSAL_LENGTHS
     shared_weights: bool | None = None  # one weights.data for all graphs; default: when the pair is > 1 GiB
+    live_keys: bool = False  # attention reads the live cache slots only (ONNX Runtime's configuration: ``graph_passes``)
 
     def resolve(self, target_dir: str | Path, draft_dir: str | Path) -> ExportOptions:
         """Defaults filled in from the pair's configs; every value range-checked."""
@@ -119,6 +120,8 @@ class ExportOptions:
             raise ExportError(f"export option dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.causal not in CAUSAL_MODES:
             raise ExportError(f"export option causal must be one of {CAUSAL_MODES}, got {self.causal!r}")
+        if not isinstance(self.live_keys, bool):
+            raise ExportError(f"export option live_keys must be a bool, got {self.live_keys!r}")
 
 
 def verify_lengths(given: tuple[int, ...] | None, proposals: int) -> tuple[int, ...] | list:
@@ -152,7 +155,10 @@ def tool_versions() -> dict[str, str]:
 def _code_digest() -> str:
     from dflash_trt.export import checkpoint, config, draft, graph_modules, layers, manifest, onnx_io, onnx_kernels, sampling, target, torch_dtypes, weights
 
-    modules = (checkpoint, config, contract, draft, graph_modules, identity, layers, manifest, onnx_io, onnx_kernels, sampling, target, torch_dtypes, weights)
+    modules = (
+        checkpoint, config, contract, draft, graph_modules, graph_passes, identity, layers, manifest, onnx_io, onnx_kernels, sampling, target,
+        torch_dtypes, weights,
+    )
     return identity.source_digest([m.__file__ for m in modules] + [__file__])
 
 
@@ -242,12 +248,13 @@ def _quiet() -> Iterator[None]:
 
 
 def export_graph(
-    module: torch.nn.Module, spec: GraphSpec, directory: Path, weights: SharedWeights | None = None
+    module: torch.nn.Module, spec: GraphSpec, directory: Path, weights: SharedWeights | None = None, live_keys: bool = False
 ) -> GraphFile:
     """Trace ``module`` (wired to emitting OnnxKernels) into ``directory/<name>.onnx`` and check it.
 
-    With ``weights``, large initializers go to the shared external-data file.
-    The returned ``data_files`` hashes are of the files as they are now.
+    The traced graph is rewritten before it is saved (``graph_passes``: norms as a division; with
+    ``live_keys``, attention over the live cache slots only). With ``weights``, large initializers go
+    to the shared external-data file. The returned ``data_files`` hashes are of the files as they are now.
     """
     path = directory / f"{spec.name}.onnx"
     args = trace_inputs(spec)
@@ -265,6 +272,9 @@ def export_graph(
             verbose=False,
         )
         _name_dynamic_dims(onnx_program, spec)
+        graph_passes.divide_by_root(onnx_program.model.graph)
+        if live_keys:
+            graph_passes.live_keys(onnx_program.model.graph)
         onnx_program.model.ir_version = IR_VERSION
         if weights is None:
             onnx_program.save(path)  # external data of its own only past protobuf's 2 GB
@@ -396,7 +406,7 @@ def export_pair(
         for spec in bar:
             bar.set_postfix_str(spec.name)
             started = time.perf_counter()
-            graphs[spec.name] = export_graph(graph_module(spec, target, draft, dims), spec, out, weights)
+            graphs[spec.name] = export_graph(graph_module(spec, target, draft, dims), spec, out, weights, resolved.live_keys)
             if on_graph is not None:
                 on_graph(spec.name, graphs[spec.name], time.perf_counter() - started)
     graphs = _rehash_data(graphs, out)

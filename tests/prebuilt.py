@@ -26,6 +26,8 @@ from build_cache import ENGINE_SOURCES, cached_build  # noqa: E402
 
 EXPORT_PROMPT_LENGTHS = (5, 19, 40)  # <= block, > block (drained), long (ends in plain decode)
 EXPORT_NEW_TOKENS = (30, 25, 20)
+# exported_pair's options (ExportOptions' fields): ONNX Runtime's configuration, live keys included
+EXPORTED_PAIR_OPTIONS = dict(max_owners=3, max_context=64, dtype="fp32", shared_weights=True, live_keys=True)
 MASK_GRAPHS = ("target_model", "draft_model")  # what --causal mask changes
 PRINTED, ERROR = "build.stdout", "build.stderr"  # a cached engine build's captured output
 ENGINE_LABELS = ("tiny-fp16-lengths", "default-bf16-lengths", "default-bf16-mask")  # engine sets the tests build
@@ -56,7 +58,7 @@ def exported_pair(cache) -> Path:
         from dflash_trt.export.exporter import ExportOptions, export_pair
 
         draft_dir = _tuned_draft(target_dir, random_draft, prompts, root / "draft")
-        export_pair(target_dir, draft_dir, root / "graphs", ExportOptions(max_owners=3, max_context=64, dtype="fp32", shared_weights=True))
+        export_pair(target_dir, draft_dir, root / "graphs", ExportOptions(**EXPORTED_PAIR_OPTIONS))
 
     return cache("exported_pair", build, str(target_dir), str(random_draft), prompts, EXPORT_NEW_TOKENS)
 

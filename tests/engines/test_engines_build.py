@@ -240,6 +240,27 @@ def test_fp32_attention_is_refused_before_parsing_in_one_line(tmp_path, monkeypa
     build.refuse_fp32([sources[1], source(tmp_path, "bf16", kv_attention_model(TP.BFLOAT16))])
 
 
+def test_live_key_attention_is_refused_before_parsing_in_one_line(tmp_path, monkeypatch):
+    """Guards against building an ONNX Runtime export (``export --live-keys``: K and V sliced to a length read
+    from a tensor) into plans whose attention would bind lengths to a slice no profile covers: such graphs are
+    refused before parsing, named, with the export to make instead; the same graph without the slice passes."""
+    import onnx_ir as ir
+
+    from dflash_trt.engines import build
+    from dflash_trt.export import graph_passes
+
+    monkeypatch.setattr(build, "parse_graph", lambda *a: pytest.fail("parsed"))
+    whole = kv_attention_model(TP.BFLOAT16, validity="lengths")
+    live = ir.from_proto(whole)
+    assert graph_passes.live_keys(live.graph) == 1
+    sources = [source(tmp_path, "live", ir.to_proto(live)), source(tmp_path, "argmax", argmax_model())]
+    with pytest.raises(UnsupportedExportError) as caught:
+        build_engine_set(sources, tmp_path / "out", flavour=None)
+    assert "\n" not in str(caught.value) and str(caught.value).startswith("live: attention over the live cache slots")
+    assert "--backend tensorrt" in str(caught.value) and isinstance(caught.value, UsageError)
+    build.refuse_live_keys([sources[1], source(tmp_path, "whole", whole)])
+
+
 @pytest.mark.parametrize(("validity", "causal"), [("lengths", 1), ("lengths", 0), ("mask", 0)])
 def test_attention_reads_the_cache_unscaled_and_the_query_carries_the_whole_scale(tmp_path, rtx, validity, causal):
     """Guards against a pass over the whole K cache before every attention: TensorRT's parser

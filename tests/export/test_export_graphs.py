@@ -21,7 +21,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from dflash_trt.export import contract
+from dflash_trt.export import contract, graph_passes
 from dflash_trt.export.contract import DTYPES
 from dflash_trt.export.exporter import ExportOptions, contract_dims, export_graph, kernels_of
 from dflash_trt.export.graph_modules import graph_module
@@ -236,6 +236,25 @@ def test_graphs_pass_checker_and_use_only_standard_opset_24(exported_pair):
         assert not {"BitShift", "BitwiseAnd", "BitwiseXor", "BitwiseOr"} & set(ops), name
         assert ops["TopK"] == (kind in (contract.SAMPLE, contract.VERIFY_SAMPLE)), name
         assert ops["CumSum"] == (kind in (contract.VERIFY_ARGMAX, contract.VERIFY_SAMPLE)), name
+
+
+def test_onnx_runtime_exports_attend_over_live_slots_with_fused_norms(exported_pair, tmp_path):
+    """Guards against the export's rewrites silently doing nothing (a speed loss no equality test sees): in an
+    ONNX Runtime export (``live_keys``) every Attention reads K and V through the slice to the live slots, and no
+    norm is left as ``x * Reciprocal(Sqrt(v))``: after ONNX Runtime's own optimizer each norm of the target and
+    the draft is one SimplifiedLayerNormalization (it fuses only ``x / Sqrt(v)``)."""
+    out, manifest = exported_pair.out, exported_pair.manifest
+    for name in (contract.TARGET_MODEL, contract.DRAFT_MODEL):
+        model = onnx.load(str(out / manifest.graphs[name].file), load_external_data=False)
+        ops = collections.Counter(node.op_type for node in model.graph.node)
+        attentions = [node.name for node in model.graph.node if node.op_type == "Attention"]
+        assert attentions and graph_passes.live_key_slices(model) == attentions, name
+        assert ops["Reciprocal"] == 0 and ops["Div"] >= ops["ReduceMean"] > 0, name
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = str(tmp_path / f"{name}.onnx")
+        ort.InferenceSession(str(out / manifest.graphs[name].file), options, providers=["CPUExecutionProvider"])
+        optimized = collections.Counter(node.op_type for node in onnx.load(str(tmp_path / f"{name}.onnx"), load_external_data=False).graph.node)
+        assert optimized["SimplifiedLayerNormalization"] == ops["ReduceMean"] and optimized["Sqrt"] == 0, (name, optimized)
 
 
 def routed(spec: contract.GraphSpec, dims: contract.Dims, feeds: dict) -> tuple[str, dict]:

@@ -19,7 +19,9 @@ from dflash_trt.export.identity import file_sha256
 from dflash_trt.export.manifest import load_manifest
 from dflash_trt.export.pair import load_pair
 
-OPTIONS = ExportOptions(max_owners=3, max_context=64, dtype="fp32", shared_weights=True)
+import prebuilt
+
+OPTIONS = ExportOptions(**prebuilt.EXPORTED_PAIR_OPTIONS)
 
 
 def test_manifest_records_the_facts_the_runtime_needs(exported_pair):
