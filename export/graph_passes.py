@@ -20,6 +20,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from dflash_trt.errors import ExportError
+
 KEY_ALIGN = 16  # slots: the sliced cache's extent is a multiple (ONNX Runtime's buffers change size in these steps)
 SEQUENCE_AXIS = 2  # of a [n, kv_heads, max_context, head_dim] cache
 NONPAD_KV_SEQLEN = 6  # input slot of ONNX Attention-24
@@ -85,7 +87,7 @@ def _capacity(attention: ir.Node) -> int:
     shape = attention.inputs[1].shape
     extent = shape[SEQUENCE_AXIS] if shape is not None and len(shape) == 4 else None
     if not isinstance(extent, int):
-        raise ValueError(f"attention {attention.name!r}: its cache's slot count must be static to bound it, got shape {shape}")
+        raise ExportError(f"attention {attention.name!r}: its cache's slot count must be static to slice it to the live keys, got shape {shape}")
     return extent
 
 
