@@ -94,6 +94,7 @@ class OrtBackend(Backend):
         self.stream = self.pools = self.constants = None
         self.models: dict[str, object] = {}  # exported graph -> its InferenceSession
         self.sessions: dict[str, GraphSession] = {}  # run graph -> its binding on that session
+        self.views: dict[tuple[str, int, int], list[torch.Tensor]] = {}  # (pool, first row, rows) -> cache views
         self.copied_outputs = 0  # outputs ONNX Runtime did not write in place (copied by us)
         try:
             self._allocate(lazy)
@@ -138,7 +139,7 @@ class OrtBackend(Backend):
         route = session.route
         sizes = check_run(route.run, feeds, first_row, self.device, self.max_sessions)
         pool = pool_of(route.run)
-        caches = self.pools[pool].interleaved(first_row, owner_rows(route.run)) if pool else []
+        caches = self._views(pool, first_row, owner_rows(route.run)) if pool else []
         routed = route.feeds(feeds, sizes, self.constants)
         if self.stream is None:
             return route.outputs(self._run(session, routed, caches, route.sizes(sizes)), sizes)
@@ -150,12 +151,23 @@ class OrtBackend(Backend):
             return route.outputs(self._run(session, routed, caches, route.sizes(sizes)), sizes)
 
     def _close_own(self) -> None:
-        """Drop the bindings, the InferenceSessions and the route constants."""
+        """Drop the bindings, the cache row views, the InferenceSessions and the route constants."""
         self.sessions.clear()
+        self.views.clear()
         self.models.clear()
         self.constants = None
 
     # ------------------------------------------------------------------ internals
+
+    def _views(self, pool: str, first: int, n: int) -> list[torch.Tensor]:
+        """The cache row views a graph over rows ``first .. first+n-1`` binds, in binding order: made once
+        per (pool, first row, rows) and the same list after (the pools never move), which its session's
+        binding recognises by identity."""
+        key = (pool, first, n)
+        views = self.views.get(key)
+        if views is None:
+            views = self.views[key] = self.pools[pool].interleaved(first, n)
+        return views
 
     def _session(self, graph: str) -> GraphSession:
         session = self.sessions.get(graph)
@@ -186,7 +198,7 @@ class OrtBackend(Backend):
         session.session.run_with_iobinding(session.binding)
         if not session.verified:
             self.copied_outputs += session.land_outputs(outputs, caches)
-        return {s.name: outputs[s.name] for s in plain_outputs(session.spec)}
+        return {s.name: outputs[s.name] for s in session.outputs}
 
 
 class GraphSession:
@@ -200,23 +212,36 @@ class GraphSession:
         self.verified = False
         self.ort_device = "cuda" if device.type == "cuda" else "cpu"
         self.device_id = device.index or 0
+        self.inputs, self.outputs = plain_inputs(self.spec), plain_outputs(self.spec)
+        self.caches = [(past, _present(past)) for past in self.spec.cache_inputs]
+        # A binding outlives a run, so what it holds is not bound again (~5 µs a tensor): per plain input
+        # and output its (address, shape), and the cache views list last bound (``OrtBackend._views``).
+        self.bound: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self.bound_caches: list[torch.Tensor] | None = None
 
     def bind(self, feeds, caches: list[torch.Tensor], sizes: dict[str, int]) -> dict[str, torch.Tensor]:
-        """Bind every input and output by pointer; returns the output tensors by name (views of our memory)."""
-        for s in plain_inputs(self.spec):
+        """Bind every input and output by pointer (unless bound there already); returns the output tensors
+        by name (views of our memory)."""
+        for s in self.inputs:
             self._bind(self.binding.bind_input, s, feeds[s.name])
         outputs = {}
-        for s in plain_outputs(self.spec):
+        for s in self.outputs:
             shape = s.resolve(sizes)
             outputs[s.name] = prefix_view(self.buffers[s.name].view(-1), shape)
             self._bind(self.binding.bind_output, s, outputs[s.name])
-        for s, view in zip(self.spec.cache_inputs, caches):
-            self._bind(self.binding.bind_input, s, view)
-            self._bind(self.binding.bind_output, _present(s), view)  # same memory: written in place
+        if caches is not self.bound_caches:
+            self.bound_caches = None  # until every cache is bound
+            for (past, present), view in zip(self.caches, caches):
+                self._bind(self.binding.bind_input, past, view)
+                self._bind(self.binding.bind_output, present, view)  # same memory: written in place
+            self.bound_caches = caches
         return outputs
 
     def _bind(self, bind, s: TensorSpec, tensor: torch.Tensor) -> None:
-        bind(s.name, self.ort_device, self.device_id, ONNX_ELEMENT_TYPES[s.dtype], list(tensor.shape), tensor.data_ptr())
+        where = (tensor.data_ptr(), tuple(tensor.shape))
+        if self.bound.get(s.name) != where:
+            bind(s.name, self.ort_device, self.device_id, ONNX_ELEMENT_TYPES[s.dtype], list(where[1]), where[0])
+            self.bound[s.name] = where
 
     def land_outputs(self, outputs: dict[str, torch.Tensor], caches: list[torch.Tensor]) -> int:
         """After a first run: did ORT write each output at its bound address? Copy any that it did not."""
