@@ -4,6 +4,7 @@
 
 - ``open_backend("torch", target_dir, draft_dir, dims_or_export_dir, max_sessions=None, device="cpu", cuda_graphs=True, kernels="auto")``
 - ``open_backend("onnxruntime", export_dir, max_sessions=None, device="cpu", threads=None, optimization="all", lazy=False, spinning=False)``
+  (``spinning``: intra-op threads keep spinning between runs; by default they spin within a run only)
 - ``open_backend("tensorrt", engine_dir, max_sessions=None, dims=None, device="cuda", cuda_graphs=False)``
 
 Backends are looked up lazily: only the chosen backend's module is imported,

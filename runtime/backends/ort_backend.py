@@ -3,8 +3,8 @@
 One ``InferenceSession`` per exported graph (created at load, or on first use
 with ``lazy=True``): the two model networks serve every target / draft run
 graph through ``routes.Route``, so each model's weights are loaded once. Each
-run graph has its own ``IOBinding`` on its exported graph's session, which
-every ``run`` rebinds by raw pointer:
+run graph has its own ``IOBinding`` on its exported graph's session, bound by
+raw pointer (a run binds again only what moved: a binding outlives a run):
 
 - cache inputs ``past_*`` AND outputs ``present_*`` -> the same pool rows
   (``CachePool.interleaved(first_row, n)``): the graph's ``TensorScatter``
@@ -18,7 +18,9 @@ output where it was bound (``OrtValue.data_ptr``); if it ever allocated its
 own output instead, the result is copied into place and ``copied_outputs``
 counts it (ONNX Runtime 1.32 CPU writes in place: the tests check the pools).
 
-CPU provider by default. ``device="cuda"`` uses the CUDA provider alone
+Intra-op threads spin while a run lasts and stop when it returns (``spinning=True``:
+they keep spinning between runs, ONNX Runtime's default, which starves other work
+on the same cores). CPU provider by default. ``device="cuda"`` uses the CUDA provider alone
 (CPU fallback only for ORT's own shape subgraphs, onnxruntime-gpu needed) on the backend's
 device-layer stream (``user_compute_stream``), with the pools in
 device-layer memory. ONNX Runtime synchronizes its bound outputs before
@@ -299,9 +301,13 @@ def _session_options(ort, threads: int | None, optimization: str, device: torch.
     options.intra_op_num_threads = threads or 0
     options.inter_op_num_threads = 1  # graphs run sequentially; parallelism is inside ops
     options.log_severity_level = 3  # errors only: every refusal is raised as EngineError
-    # Idle intra-op threads spin by default: between graph runs they starve the
-    # caller's own torch work on the same cores (seen: 76 s -> 2 s on 2 cores).
-    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    # Intra-op threads spin inside a run: a graph of ~300 small nodes otherwise wakes its
+    # workers once per node (2 cores: decode and a cycle both ~15% faster spinning). At the
+    # end of a run they stop unless ``spinning``: idle spinners between runs starve the
+    # caller's own torch work on the same cores (seen: 76 s -> 2 s on 2 cores) and the
+    # other graphs' sessions (a cycle runs three, each with its own pool).
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    options.add_session_config_entry("session.force_spinning_stop", "0" if spinning else "1")
     # On CUDA, ORT keeps its small int64 shape subgraphs (positions, lengths) on
     # the CPU provider by design (seen on an H200 with onnxruntime-gpu 1.31:
     # disabling the fallback refuses target_prefill), so the fallback stays on;
