@@ -25,30 +25,31 @@ from dflash_trt.errors import ExportError
 KEY_ALIGN = 16  # slots: the sliced cache's extent is a multiple (ONNX Runtime's buffers change size in these steps)
 SEQUENCE_AXIS = 2  # of a [n, kv_heads, max_context, head_dim] cache
 NONPAD_KV_SEQLEN = 6  # input slot of ONNX Attention-24
-LIVE_KEYS_SLICE = "live_keys"  # name prefix of the slices ``live_keys`` adds (``engines.build`` looks for it)
+LIVE_KEYS_SLICE = "live_keys"  # name prefix of the nodes ``live_keys`` adds (what a graph viewer shows)
 
 
 def divide_by_root(graph: ir.Graph) -> int:
-    """Every ``Mul(x, Reciprocal(Sqrt(v)))`` -> ``Div(x, Sqrt(v))``; returns how many."""
+    """Every ``Mul(x, Reciprocal(Sqrt(v)))`` -> ``Div(x, Sqrt(v))`` (where every use of the reciprocal is such a
+    product); returns how many. A product that is a graph output keeps its name."""
     rewritten = 0
     for reciprocal in [n for n in graph if _is(n, "Reciprocal")]:
+        inverse = reciprocal.outputs[0]
         root = reciprocal.inputs[0].producer() if reciprocal.inputs[0] is not None else None
-        users = [use.node for use in reciprocal.outputs[0].uses()]
-        if root is None or not _is(root, "Sqrt") or not users or not all(_is(m, "Mul") for m in users):
+        users = [use.node for use in inverse.uses()]
+        if root is None or not _is(root, "Sqrt") or not users or inverse.is_graph_output():
+            continue
+        if not all(_is(m, "Mul") and list(m.inputs).count(inverse) == 1 for m in users):
             continue
         for mul in users:
-            x = mul.inputs[1] if mul.inputs[0] is reciprocal.outputs[0] else mul.inputs[0]
-            if x is reciprocal.outputs[0] or x is None:
-                break  # 1 / v as its own square: not a norm
+            x = mul.inputs[1] if mul.inputs[0] is inverse else mul.inputs[0]
             divide = ir.Node("", "Div", [x, root.outputs[0]], name=f"{mul.name}_div")
             graph.insert_before(mul, divide)
-            out, name = mul.outputs[0], mul.outputs[0].name
-            out.replace_all_uses_with(divide.outputs[0])
+            out = mul.outputs[0]
+            out.replace_all_uses_with(divide.outputs[0], replace_graph_outputs=True)
             graph.remove(mul, safe=True)
-            divide.outputs[0].name, divide.outputs[0].shape, divide.outputs[0].type = name, out.shape, out.type
+            divide.outputs[0].name, divide.outputs[0].shape, divide.outputs[0].type = out.name, out.shape, out.type
             rewritten += 1
-        if not reciprocal.outputs[0].uses():
-            graph.remove(reciprocal, safe=True)
+        graph.remove(reciprocal, safe=True)
     return rewritten
 
 

@@ -257,6 +257,35 @@ def test_onnx_runtime_exports_attend_over_live_slots_with_fused_norms(exported_p
         assert optimized["SimplifiedLayerNormalization"] == ops["ReduceMean"] and optimized["Sqrt"] == 0, (name, optimized)
 
 
+def test_divide_by_root_rewrites_norm_products_only():
+    """Guards against the norm rewrite changing a graph's math or touching a reciprocal that is not a norm's: of
+    ``x * (1 / sqrt(v))``, ``x + 1 / sqrt(w)`` and ``(1 / sqrt(u))²`` only the first becomes ``x / sqrt(v)``, and
+    ONNX Runtime computes the same outputs before and after."""
+    import onnx_ir as ir
+    from onnx import TensorProto, helper
+
+    value = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 4])
+    nodes = [helper.make_node("Sqrt", [v], [f"{v}_root"]) for v in "vwu"]
+    nodes += [helper.make_node("Reciprocal", [f"{v}_root"], [f"{v}_inverse"]) for v in "vwu"]
+    nodes += [
+        helper.make_node("Mul", ["x", "v_inverse"], ["norm"]),
+        helper.make_node("Add", ["x", "w_inverse"], ["sum"]),
+        helper.make_node("Mul", ["u_inverse", "u_inverse"], ["square"]),
+    ]
+    graph = helper.make_graph(nodes, "g", [value(n) for n in "xvwu"], [value(n) for n in ("norm", "sum", "square")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)])
+    rewritten = ir.from_proto(model)
+    assert graph_passes.divide_by_root(rewritten.graph) == 1
+    after = ir.to_proto(rewritten)
+    onnx.checker.check_model(after, full_check=True)
+    assert [o.name for o in after.graph.output] == ["norm", "sum", "square"]
+    assert collections.Counter(n.op_type for n in after.graph.node) == {"Sqrt": 3, "Reciprocal": 2, "Div": 1, "Add": 1, "Mul": 1}
+    feeds = {n: np.random.default_rng(0).uniform(0.5, 2.0, (2, 4)).astype(np.float32) for n in "xvwu"}
+    runs = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds) for m in (model, after)]
+    for before, now in zip(*runs):
+        np.testing.assert_allclose(now, before, rtol=1e-6)
+
+
 def routed(spec: contract.GraphSpec, dims: contract.Dims, feeds: dict) -> tuple[str, dict]:
     """(exported graph, its feeds) computing run graph ``spec`` on ``feeds``: the contract's feeding rules."""
     kind = spec.kind
