@@ -93,7 +93,8 @@ def test_run_command_refuses_text_without_tokenizer(exported_pair, tmp_path, cap
 
 def test_demo_exports_to_the_cache_then_serves(exported_pair, prompt_file, tmp_path, monkeypatch, capsys):
     """Guards against the demo skipping its export step, exporting a dtype ONNX Runtime's CPU provider
-    cannot run, or not writing stats and the report. (The export itself is stubbed with the session's
+    cannot run or without its CPU configuration (live keys, at most 7 proposals), or not writing stats and
+    the report. (The export itself is stubbed with the session's
     tiny export: export_pair's own skip-when-unchanged logic is the exporter's and tested there.)"""
     from dflash_trt.export import exporter
 
@@ -114,6 +115,7 @@ def test_demo_exports_to_the_cache_then_serves(exported_pair, prompt_file, tmp_p
     (target, draft, out, options), = calls
     assert (target, draft) == (exported_pair.target_dir, exported_pair.draft_dir) and out.parent == cache / "export"
     assert options.dtype == "fp32" and options.max_owners == demo.DEMO_MAX_OWNERS
+    assert options.live_keys and options.proposals == demo.DEMO_PROPOSALS  # ONNX Runtime's configuration (the tiny draft's block 8)
     printed = capsys.readouterr().out
     assert "τ (tokens per draft/verify cycle) =" in printed and "plain decoding" in printed and "speedup" in printed
     for mode in ("dflash", "plain"):
