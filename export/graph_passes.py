@@ -3,7 +3,7 @@
 - ``divide_by_root``: an RMSNorm traces as ``x * Reciprocal(Sqrt(v))``; written
   ``x / Sqrt(v)`` ONNX Runtime's optimizer fuses the whole norm into one
   ``SimplifiedLayerNormalization`` (the embedded pair's target: 525 nodes after
-  its optimizer -> 327; every graph 5-7% faster on 2 CPU cores). Every export.
+  its optimizer -> 327; each graph 4-7% faster on 2 CPU cores). Every export.
 - ``live_keys``: ONNX Runtime's CPU ``Attention`` (1.32) reads every slot of
   the cache it is given, whatever ``nonpad_kv_seqlen`` says (the same time at
   64 or 1000 valid slots of 1024). Each Attention with lengths gets K and V

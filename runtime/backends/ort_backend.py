@@ -302,7 +302,7 @@ def _session_options(ort, threads: int | None, optimization: str, device: torch.
     options.inter_op_num_threads = 1  # graphs run sequentially; parallelism is inside ops
     options.log_severity_level = 3  # errors only: every refusal is raised as EngineError
     # Intra-op threads spin inside a run: a graph of ~300 small nodes otherwise wakes its
-    # workers once per node (2 cores: decode and a cycle both ~15% faster spinning). At the
+    # workers once per node (2 cores: a decode step ~20%, a cycle ~15% faster spinning). At the
     # end of a run they stop unless ``spinning``: idle spinners between runs starve the
     # caller's own torch work on the same cores (seen: 76 s -> 2 s on 2 cores) and the
     # other graphs' sessions (a cycle runs three, each with its own pool).
