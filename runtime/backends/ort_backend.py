@@ -247,7 +247,7 @@ class GraphSession:
 
     def land_outputs(self, outputs: dict[str, torch.Tensor], caches: list[torch.Tensor]) -> int:
         """After a first run: did ORT write each output at its bound address? Copy any that it did not."""
-        bound = dict(outputs) | {_present(s).name: view for s, view in zip(self.spec.cache_inputs, caches)}
+        bound = dict(outputs) | {present.name: view for (_, present), view in zip(self.caches, caches)}
         copied = 0
         for name, value in zip(self.session.get_outputs(), self.binding.get_outputs()):
             target = bound[name.name]
