@@ -143,8 +143,7 @@ def build_engine_set(
     # An old engines.json must never describe the plans this run rewrites.
     (out_dir / ENGINES_JSON).unlink(missing_ok=True)
     _check_sources(sources)
-    refuse_fp32(sources)
-    refuse_live_keys(sources)
+    refuse_unbuildable(sources)
     say = progress or (lambda _line: None)
     sources, lifted, shared = _lift(sources, out_dir, say)
     builder = _SetBuilder(flavour, options, out_dir, echo)
@@ -254,24 +253,28 @@ def _check_sources(sources: Sequence[GraphSource]) -> None:
         raise EngineBuildError(msg)
 
 
-def refuse_fp32(sources: Sequence[GraphSource]) -> None:
-    """An fp32 graph with attention is ONNX Runtime's configuration: TensorRT has no fused fp32
-    attention kernel and fails deep in its builder (Myelin: "Attention operation was not supported
-    by a dedicated kernel"), for every head dim. Refused here, before parsing, in one line."""
-    fp32 = [s.name for s in sources if compute_dtype(s.io) == "float32" and attention_nodes(load_graph(s.onnx_path))]
+def refuse_unbuildable(sources: Sequence[GraphSource]) -> None:
+    """Exports that are ONNX Runtime's configuration, refused before parsing in one line (each graph's proto
+    read once, without weights):
+
+    - an fp32 graph with attention: TensorRT has no fused fp32 attention kernel and fails deep in its
+      builder (Myelin: "Attention operation was not supported by a dedicated kernel"), for every head dim;
+    - a graph whose attention reads a slice of its cache sized from a tensor (``export --live-keys``,
+      ONNX Runtime's default): a data-dependent shape no TensorRT profile covers, and ``bind_attention``
+      binds lengths to the whole cache."""
+    fp32, live = [], []
+    for source in sources:
+        graph = load_graph(source.onnx_path)
+        if compute_dtype(source.io) == "float32" and attention_nodes(graph):
+            fp32.append(source.name)
+        if live_key_slices(graph):
+            live.append(source.name)
     if fp32:
         msg = (
             f"{', '.join(fp32)}: float32 attention is ONNX Runtime's configuration and TensorRT has no kernel for it; "
             "re-export for TensorRT (`dflash-trt export --backend tensorrt`, bf16; or --dtype bf16 / fp16) to build engines"
         )
         raise UnsupportedExportError(msg)
-
-
-def refuse_live_keys(sources: Sequence[GraphSource]) -> None:
-    """A graph whose attention reads a slice of its cache sized from a tensor (``export --live-keys``,
-    ONNX Runtime's default) has a data-dependent shape no TensorRT profile covers, and ``bind_attention``
-    binds lengths to the whole cache. Refused here, before parsing, in one line."""
-    live = [s.name for s in sources if live_key_slices(load_graph(s.onnx_path))]
     if live:
         msg = (
             f"{', '.join(live)}: attention over the live cache slots (`dflash-trt export --live-keys`) is ONNX Runtime's "

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_trt.engines.build import BuildOptions, build_engine_set, refuse_fp32, refuse_live_keys
+from dflash_trt.engines.build import BuildOptions, build_engine_set, refuse_unbuildable
 from dflash_trt.engines.flavour import BUILDERS, load_flavour
 from dflash_trt.engines.sources import export_sources
 from dflash_trt.errors import EngineError
@@ -58,8 +58,7 @@ def pick_flavour(name: str):
 
 def run(args: argparse.Namespace) -> int:
     sources, manifest = export_sources(args.onnx)
-    refuse_fp32(sources)  # before TensorRT is even looked for: the export itself cannot be built
-    refuse_live_keys(sources)
+    refuse_unbuildable(sources)  # before TensorRT is even looked for: the export itself cannot be built
     flavour = pick_flavour(args.backend)
     if args.only:
         unknown = sorted(set(args.only) - {s.name for s in sources})

@@ -237,7 +237,7 @@ def test_fp32_attention_is_refused_before_parsing_in_one_line(tmp_path, monkeypa
         build_engine_set(sources, tmp_path / "out", flavour=None)
     assert "\n" not in str(caught.value) and str(caught.value).startswith("fp32: float32 attention")
     assert "--dtype bf16" in str(caught.value) and isinstance(caught.value, UsageError)  # the CLI: one line, exit 2
-    build.refuse_fp32([sources[1], source(tmp_path, "bf16", kv_attention_model(TP.BFLOAT16))])
+    build.refuse_unbuildable([sources[1], source(tmp_path, "bf16", kv_attention_model(TP.BFLOAT16))])
 
 
 def test_live_key_attention_is_refused_before_parsing_in_one_line(tmp_path, monkeypatch):
@@ -258,7 +258,7 @@ def test_live_key_attention_is_refused_before_parsing_in_one_line(tmp_path, monk
         build_engine_set(sources, tmp_path / "out", flavour=None)
     assert "\n" not in str(caught.value) and str(caught.value).startswith("live: attention over the live cache slots")
     assert "--backend tensorrt" in str(caught.value) and isinstance(caught.value, UsageError)
-    build.refuse_live_keys([sources[1], source(tmp_path, "whole", whole)])
+    build.refuse_unbuildable([sources[1], source(tmp_path, "whole", whole)])
 
 
 @pytest.mark.parametrize(("validity", "causal"), [("lengths", 1), ("lengths", 0), ("mask", 0)])
