@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
 
     stop = tokenizer.stop_ids if tokenizer is not None else ()
     figures = {}
-    with OrtBackend.from_export(artifacts, max_sessions=args.max_sessions, threads=args.threads) as backend:
+    with OrtBackend.from_export(artifacts, max_sessions=args.max_sessions, threads=args.threads, torch_threads=1) as backend:
         prompts = command.read_prompts(args.prompts, tokenizer, args.count)
         room = min(args.max_new_tokens, backend.dims.max_context - 1)
         prompts = [command.Prompt(p.name, command.fit_prompt(p.tokens[-args.prompt_tokens :], backend.dims.max_context, room), None) for p in prompts]

@@ -206,7 +206,9 @@ CHECKPOINT_SESSIONS = 16  # cache rows of a torch backend run from checkpoints w
 def _open_onnxruntime(args):
     from dflash_trt.runtime.backends import OrtBackend
 
-    return OrtBackend.from_export(args.artifacts, max_sessions=args.max_sessions, device=args.device or "cpu", threads=args.threads)
+    # torch_threads=1: on the CPU torch only glues ONNX Runtime's runs together (OrtBackend's docstring)
+    return OrtBackend.from_export(args.artifacts, max_sessions=args.max_sessions, device=args.device or "cpu", threads=args.threads,
+                                  torch_threads=1)
 
 
 def _open_torch(args):

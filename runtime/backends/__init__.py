@@ -3,8 +3,9 @@
 ``open_backend(kind, ...)`` builds one from artifacts:
 
 - ``open_backend("torch", target_dir, draft_dir, dims_or_export_dir, max_sessions=None, device="cpu", cuda_graphs=True, kernels="auto")``
-- ``open_backend("onnxruntime", export_dir, max_sessions=None, device="cpu", threads=None, optimization="all", lazy=False, spinning=False)``
-  (``spinning``: intra-op threads keep spinning between runs; by default they spin within a run only)
+- ``open_backend("onnxruntime", export_dir, max_sessions=None, device="cpu", threads=None, optimization="all", lazy=False, spinning=False, torch_threads=None)``
+  (``spinning``: intra-op threads keep spinning between runs; by default they spin within a run only;
+  ``torch_threads``: torch's intra-op threads while it is open, on the CPU, where torch only glues its runs: the CLI uses 1)
 - ``open_backend("tensorrt", engine_dir, max_sessions=None, dims=None, device="cuda", cuda_graphs=False)``
 
 Backends are looked up lazily: only the chosen backend's module is imported,

@@ -20,7 +20,12 @@ counts it (ONNX Runtime 1.32 CPU writes in place: the tests check the pools).
 
 Intra-op threads spin while a run lasts and stop when it returns (``spinning=True``:
 they keep spinning between runs, ONNX Runtime's default, which starves other work
-on the same cores). CPU provider by default. ``device="cuda"`` uses the CUDA provider alone
+on the same cores). On the CPU torch is only the executor's glue here (views, a few
+copies): ``torch_threads`` sets torch's intra-op threads while the backend is open
+(process-wide, ``torch.set_num_threads``; what it was comes back at close). The CLI's
+commands open it with 1: a copy large enough for torch's OpenMP pool (a prefill chunk's
+taps, ~1 MB) left that pool's threads spinning on the cores ONNX Runtime's next run
+computes on (the main job's DFlash prefill +~40 ms of ~450). CPU provider by default. ``device="cuda"`` uses the CUDA provider alone
 (CPU fallback only for ORT's own shape subgraphs, onnxruntime-gpu needed) on the backend's
 device-layer stream (``user_compute_stream``), with the pools in
 device-layer memory. ONNX Runtime synchronizes its bound outputs before
@@ -84,9 +89,11 @@ class OrtBackend(Backend):
         optimization: str = "all",
         lazy: bool = False,
         spinning: bool = False,
+        torch_threads: int | None = None,
     ) -> None:
         import onnxruntime
 
+        self._torch_threads = None  # torch's intra-op threads before ``torch_threads`` (restored at close)
         check_dtype(dims.dtype, device)
         self.ort, self.device = onnxruntime, torch.device(device)  # index filled in by _allocate
         self.dims, self.max_sessions = dims, check_sessions(max_sessions)
@@ -99,10 +106,20 @@ class OrtBackend(Backend):
         self.views: dict[tuple[str, int, int], list[torch.Tensor]] = {}  # (pool, first row, rows) -> cache views
         self.copied_outputs = 0  # outputs ONNX Runtime did not write in place (copied by us)
         try:
+            self._set_torch_threads(torch_threads)
             self._allocate(lazy)
         except BaseException:
             self.close()
             raise
+
+    def _set_torch_threads(self, threads: int | None) -> None:
+        """``torch_threads`` (CPU only; None: torch as it is): set now, what it was kept for ``close``."""
+        if threads is not None and (not is_int(threads) or threads < 1):
+            raise EngineError(f"torch_threads must be an int >= 1 or None, got {threads!r}")
+        if threads is None or self.device.type != "cpu":
+            return
+        self._torch_threads = torch.get_num_threads()
+        torch.set_num_threads(threads)
 
     def _allocate(self, lazy: bool) -> None:
         if self.device.type == "cuda":
@@ -153,11 +170,15 @@ class OrtBackend(Backend):
             return route.outputs(self._run(session, routed, caches, route.sizes(sizes)), sizes)
 
     def _close_own(self) -> None:
-        """Drop the bindings, the cache row views, the InferenceSessions and the route constants."""
+        """Drop the bindings, the cache row views, the InferenceSessions and the route constants; torch's
+        threads as they were before ``torch_threads``."""
         self.sessions.clear()
         self.views.clear()
         self.models.clear()
         self.constants = None
+        if self._torch_threads is not None:
+            torch.set_num_threads(self._torch_threads)
+            self._torch_threads = None
 
     # ------------------------------------------------------------------ internals
 

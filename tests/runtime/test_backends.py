@@ -10,6 +10,7 @@ onnxruntime-gpu is installed.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -464,3 +465,25 @@ def test_onnxruntime_cuda_refused_without_the_provider():
 
     with pytest.raises(EngineError, match="onnxruntime-gpu"):
         _require_cuda_provider(onnxruntime)
+
+
+def test_onnxruntime_holds_torch_threads_while_open_and_gives_them_back(pair, tmp_path):
+    """Guards against torch's OpenMP pool spinning on the cores ONNX Runtime computes on (the executor's glue copies
+    between runs: the main job's DFlash prefill ran ~40 ms slower) and against the setting outliving the backend:
+    ``torch_threads`` holds while the backend is open, torch's count before comes back at close (a failed open
+    included), nothing changes without it, and a bad value is a typed error naming the field and the value."""
+    before = torch.get_num_threads()
+    held = before + 1  # the suite runs torch at one thread (conftest): a count that differs from it
+    with OrtBackend.from_export(pair[2], max_sessions=ROWS, threads=1, torch_threads=held):
+        assert torch.get_num_threads() == held
+    assert torch.get_num_threads() == before
+    with OrtBackend.from_export(pair[2], max_sessions=ROWS, threads=1):
+        assert torch.get_num_threads() == before
+    with pytest.raises(EngineError, match=r"torch_threads must be an int >= 1 or None, got 0"):
+        OrtBackend.from_export(pair[2], max_sessions=ROWS, torch_threads=0)
+    broken = tmp_path / "export"
+    shutil.copytree(pair[2], broken)
+    next(broken.glob("draft*.onnx")).write_bytes(b"not a graph")  # fails while the sessions load, torch_threads set
+    with pytest.raises(EngineError):
+        OrtBackend.from_export(broken, max_sessions=ROWS, verify="none", torch_threads=held)
+    assert torch.get_num_threads() == before
