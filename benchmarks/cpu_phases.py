@@ -92,6 +92,7 @@ def summary_of(tables: dict[str, pl.DataFrame], result: dict) -> dict:
     per_token = {m: ms / tokens for m, (ms, tokens) in after.items()}
     return {
         "speedup": result["speedup"],
+        "tokens_per_s": {m: result[m]["tokens_per_s"] for m in MODES},
         "tau": result["dflash"]["tau"],
         "prefill_ms": {m: round(v, 1) for m, v in prefill.items()},
         "decode_phase_ratio": round(per_token["plain"] / per_token["dflash"], 3),
