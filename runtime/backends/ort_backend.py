@@ -25,7 +25,9 @@ copies): ``torch_threads`` sets torch's intra-op threads while the backend is op
 (process-wide, ``torch.set_num_threads``; what it was comes back at close). The CLI's
 commands open it with 1: a copy large enough for torch's OpenMP pool (a prefill chunk's
 taps, ~1 MB) left that pool's threads spinning on the cores ONNX Runtime's next run
-computes on (the main job's DFlash prefill +~40 ms of ~450). CPU provider by default. ``device="cuda"`` uses the CUDA provider alone
+computes on (the main job's DFlash prefill +~40 ms of ~450).
+
+CPU provider by default. ``device="cuda"`` uses the CUDA provider alone
 (CPU fallback only for ORT's own shape subgraphs, onnxruntime-gpu needed) on the backend's
 device-layer stream (``user_compute_stream``), with the pools in
 device-layer memory. ONNX Runtime synchronizes its bound outputs before
