@@ -124,7 +124,7 @@ def test_readme_embedding_snippet_runs_as_written(default_export, tmp_path):
     unchanged in a fresh interpreter, printing completions and the stats table."""
     (tmp_path / "artifacts").symlink_to(default_export, target_is_directory=True)
     code = readme_snippet("Embedding the runtime")
-    assert 'open_backend("onnxruntime", "artifacts/")' in code
+    assert 'open_backend("onnxruntime", "artifacts/", torch_threads=1)' in code
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
