@@ -86,11 +86,9 @@ def run(args: argparse.Namespace) -> int:
     check_runnable_export(artifacts, "cpu")
     tokenizer = command.load_tokenizer(artifacts, args.target)
     out = args.out or args.cache / "demo-run"
-    from dflash_trt.runtime.backends import OrtBackend
-
     stop = tokenizer.stop_ids if tokenizer is not None else ()
     figures = {}
-    with OrtBackend.from_export(artifacts, max_sessions=args.max_sessions, threads=args.threads, torch_threads=1) as backend:
+    with command.open_onnxruntime(artifacts, args.max_sessions, args.threads) as backend:
         prompts = command.read_prompts(args.prompts, tokenizer, args.count)
         room = min(args.max_new_tokens, backend.dims.max_context - 1)
         prompts = [command.Prompt(p.name, command.fit_prompt(p.tokens[-args.prompt_tokens :], backend.dims.max_context, room), None) for p in prompts]

@@ -204,11 +204,15 @@ CHECKPOINT_SESSIONS = 16  # cache rows of a torch backend run from checkpoints w
 
 
 def _open_onnxruntime(args):
+    return open_onnxruntime(args.artifacts, args.max_sessions, args.threads, args.device or "cpu")
+
+
+def open_onnxruntime(artifacts: Path, max_sessions: int | None, threads: int | None, device: str = "cpu"):
+    """The CLI's ONNX Runtime backend (``run``, ``bench``, ``serve``, ``demo``): torch at one thread while it is
+    open, since on the CPU torch only glues ONNX Runtime's runs together (``OrtBackend``'s docstring)."""
     from dflash_trt.runtime.backends import OrtBackend
 
-    # torch_threads=1: on the CPU torch only glues ONNX Runtime's runs together (OrtBackend's docstring)
-    return OrtBackend.from_export(args.artifacts, max_sessions=args.max_sessions, device=args.device or "cpu", threads=args.threads,
-                                  torch_threads=1)
+    return OrtBackend.from_export(artifacts, max_sessions=max_sessions, device=device, threads=threads, torch_threads=1)
 
 
 def _open_torch(args):
