@@ -16,10 +16,10 @@ Per client count it prints requests/s, streamed events/s, tokens/s, client TTFT 
 server-side (stand-in) TTFT / ITL p99, and each role's busiest process's CPU (% of one core): the
 fronts' CPU per request and per event is what limits the server (``front CPU ms / request`` = every
 front's CPU seconds over the window / requests; ``µs / event`` = the same over SSE events). ``--fronts N``
-runs the product's ``serve --fronts N`` layout (``server.fronts``) over the stand-in.
+runs the product's ``serve --fronts N`` layout (``server.fronts``) over the stand-in; ``--http`` its parser.
 
     python benchmarks/front_cost.py [--clients 16 64] [--seconds 10] [--round-ms 5] [--tokens-per-round 3]
-        [--max-tokens 64] [--max-sessions 64] [--client-procs 4] [--fronts 1] [--record]
+        [--max-tokens 64] [--max-sessions 64] [--client-procs 4] [--fronts 1] [--http auto|httptools|h11] [--record]
 
 The last line printed is one JSON object; ``--record`` appends one row per client count to
 benchmarks/results.jsonl.
@@ -153,14 +153,14 @@ def stand_in_main(conns: list, max_sessions: int, per_round: int, token_ids: lis
 # ---------------------------------------------------------------------- the front
 
 
-def serve_args(fronts: int) -> argparse.Namespace:
+def serve_args(fronts: int, http: str = "auto") -> argparse.Namespace:
     """``dflash-trt serve``'s arguments for the default pair's tokenizer (what the product's fronts read)."""
     from dflash_trt.server import command
 
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
     tokenizer = str(ROOT / "export" / "default_pair" / "target")
-    return parser.parse_args(["--tokenizer", tokenizer, "--served-model-name", "front-cost", "--fronts", str(fronts), "--log-level", "warning"])
+    return parser.parse_args(["--tokenizer", tokenizer, "--served-model-name", "front-cost", "--fronts", str(fronts), "--http", http, "--log-level", "warning"])
 
 
 def front_main(port: int, args: argparse.Namespace, token_ids: list[int], pid_file: str) -> None:
@@ -169,7 +169,7 @@ def front_main(port: int, args: argparse.Namespace, token_ids: list[int], pid_fi
     from dflash_trt.server import command, front
     from dflash_trt.server.fronts import Fronts
 
-    serve = serve_args(args.fronts)
+    serve = serve_args(args.fronts, args.http)
     logging_config = command._logging_config(serve.log_level)
     context = multiprocessing.get_context("spawn")
     pipes = [context.Pipe(duplex=True) for _ in range(args.fronts)]
@@ -234,6 +234,7 @@ def main() -> int:
     parser.add_argument("--max-sessions", type=int, default=64)
     parser.add_argument("--client-procs", type=int, default=4)
     parser.add_argument("--fronts", type=int, default=1, help="HTTP front processes (serve --fronts)")
+    parser.add_argument("--http", choices=("auto", "httptools", "h11"), default="auto", help="the fronts' HTTP parser (serve --http)")
     parser.add_argument("--prompt-chars", type=int, default=600)
     parser.add_argument("--record", action="store_true")
     args = parser.parse_args()
@@ -270,7 +271,7 @@ def main() -> int:
             process.kill()
     summary = {"name": "front_cost", "date": time.strftime("%Y-%m-%d"), "machine": serve_load.machine(),
                "command": " ".join(["python", "benchmarks/front_cost.py", *sys.argv[1:]]), "round_ms": args.round_ms,
-               "tokens_per_round": args.tokens_per_round, "fronts": args.fronts, "max_tokens": args.max_tokens, "max_sessions": args.max_sessions,
+               "tokens_per_round": args.tokens_per_round, "fronts": args.fronts, "http": args.http, "max_tokens": args.max_tokens, "max_sessions": args.max_sessions,
                "seconds": args.seconds, "runs": results}
     if args.record:
         record.append_rows({**{k: v for k, v in summary.items() if k != "runs"}, **figures} for figures in results.values())

@@ -6,16 +6,21 @@ request) can hold memory, sockets or the event loop for long:
 | bound | where | on breach |
 | --- | --- | --- |
 | ``max_body_bytes`` | ``BodyLimit`` (ASGI middleware) | 413 as soon as the declared Content-Length, or the bytes received so far, exceed it; nothing past the limit is kept, and the connection closes |
-| ``read_timeout_s`` | ``TimedH11Protocol`` | the connection is closed when a whole request (head and body) has not arrived within it of connecting, or of the previous response |
+| ``read_timeout_s`` | ``ReadDeadline`` (both protocols below) | the connection is closed when a whole request (head and body) has not arrived within it of connecting, or of the previous response |
 | ``keep_alive_s`` | uvicorn's ``timeout_keep_alive`` | an idle keep-alive connection is closed |
 | ``max_connections`` | uvicorn's ``limit_concurrency`` | 503 for requests beyond it (connections or requests at once) |
-| ``max_header_bytes`` | h11's ``max_incomplete_event_size`` | 400 and close for a larger request head |
+| ``max_header_bytes`` | ``TimedHttpToolsProtocol``'s count, or h11's ``max_incomplete_event_size`` | 400 and close for a larger request head |
 
-uvicorn has no deadline for a request's head (a connection that sends part of
-one, or nothing, stays open), hence ``TimedH11Protocol``: uvicorn's own h11
-protocol with one timer per connection. FastAPI's own ``max_body_size``
-answers a declared-too-large body in plain text, replacing any response the
-app starts (so not in OpenAI's error format), hence ``BodyLimit``.
+The server speaks HTTP/1.1 through httptools (llhttp, C) where it is installed
+(``HTTP_PROTOCOL``; ``serve --http``), else through h11 (pure Python):
+httptools costs the front ~17% less CPU per request at 16 streams
+(benchmarks/RESULTS.md, "The HTTP parser"). uvicorn has no deadline for a request's head (a connection that
+sends part of one, or nothing, stays open), hence ``ReadDeadline``: one timer
+per connection over either protocol. llhttp has no bound on a request's head,
+hence ``TimedHttpToolsProtocol``'s count of it. FastAPI's own
+``max_body_size`` answers a declared-too-large body in plain text, replacing
+any response the app starts (so not in OpenAI's error format), hence
+``BodyLimit``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,13 @@ from dataclasses import dataclass
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+try:
+    import httptools
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # the serve extra without httptools: h11 serves
+    httptools = None
+    HttpToolsProtocol = object
 
 MiB = 1 << 20
 
@@ -100,10 +112,10 @@ async def _send_413(send, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-class TimedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a read deadline: a request must arrive whole (head and body) within
-    ``config.read_timeout_s`` of the connection opening or of the previous response, or the
-    connection is closed. A request being answered (a stream, however long) is never cut by it."""
+class ReadDeadline:
+    """A read deadline for a uvicorn HTTP protocol (mixed in before it): a request must arrive whole (head
+    and body) within ``config.read_timeout_s`` of the connection opening or of the previous response, or
+    the connection is closed. A request being answered (a stream, however long) is never cut by it."""
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -130,21 +142,96 @@ class TimedH11Protocol(H11Protocol):
 
     def _read_deadline_passed(self) -> None:
         self._read_deadline = None
-        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
+        if self._reading_a_request() and not self.transport.is_closing():
             self.logger.info("closing a connection that did not send a whole request within %.1f s (--read-timeout)", self.config.read_timeout_s)
             self.transport.close()
 
+    def _reading_a_request(self) -> bool:
+        """No request, or part of one, has arrived since the deadline was armed."""
+        raise NotImplementedError
+
+
+class TimedH11Protocol(ReadDeadline, H11Protocol):
+    """uvicorn's h11 protocol with ``ReadDeadline`` (h11 bounds the head: ``max_incomplete_event_size``)."""
+
+    def _reading_a_request(self) -> bool:
+        return self.conn.their_state in (h11.IDLE, h11.SEND_BODY)
+
+
+class HeadTooLarge(Exception if httptools is None else httptools.HttpParserError):
+    """Raised from the parser's callbacks (a parser error: uvicorn answers 400 and closes)."""
+
+
+class TimedHttpToolsProtocol(ReadDeadline, HttpToolsProtocol):
+    """uvicorn's httptools protocol with ``ReadDeadline`` and a bound on the request head
+    (``config.max_header_bytes``): the request line and headers as parsed, and every byte fed while a
+    head is still incomplete (llhttp holds a header until it ends), so at most the bound plus one read
+    is ever held for a head."""
+
+    def connection_made(self, transport) -> None:
+        self._head_open, self._head_fed, self._head_parsed = False, 0, 0
+        super().connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._head_open and not self.transport.is_closing():  # this read ended inside a head
+            self._head_fed += len(data)  # (counts a pipelined body's tail that began the read: one read at most)
+            if self._head_fed > self.config.max_header_bytes:
+                self._refuse_head()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_open, self._head_fed, self._head_parsed = True, 0, 0
+
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        self._count_head(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        super().on_header(name, value)
+        self._count_head(len(name) + len(value) + 4)  # "name: value\r\n"
+
+    def on_headers_complete(self) -> None:
+        self._head_open = False
+        super().on_headers_complete()
+
+    def _count_head(self, size: int) -> None:
+        self._head_parsed += size
+        if self._head_parsed > self.config.max_header_bytes:
+            raise HeadTooLarge(f"the request head is larger than {self.config.max_header_bytes} bytes")
+
+    def _reading_a_request(self) -> bool:
+        cycle = self.cycle  # the last request whose head arrived
+        return cycle is None or cycle.response_complete or cycle.more_body
+
+    def _refuse_head(self) -> None:
+        self.logger.warning("Invalid HTTP request received.")
+        self.send_400_response("Invalid HTTP request received.")
+
+
+HTTP_PROTOCOL = TimedH11Protocol if httptools is None else TimedHttpToolsProtocol
+
+
+def http_protocol(parser: str = "auto") -> type:
+    """The protocol class of ``serve --http``: ``auto`` (``HTTP_PROTOCOL``), ``httptools`` or ``h11``."""
+    protocols = {"auto": HTTP_PROTOCOL, "h11": TimedH11Protocol, "httptools": TimedHttpToolsProtocol}
+    if parser not in protocols or (parser == "httptools" and httptools is None):
+        raise ValueError(f"the HTTP parser must be one of {sorted(protocols)} (httptools installed: {httptools is not None}), got {parser!r}")
+    return protocols[parser]
+
 
 class ServeConfig(uvicorn.Config):
-    """uvicorn's config with the ``Limits`` applied (and ``read_timeout_s`` for ``TimedH11Protocol``)."""
+    """uvicorn's config with the ``Limits`` applied (``read_timeout_s`` and ``max_header_bytes`` for the
+    protocols above); ``http``: the protocol class (default ``HTTP_PROTOCOL``)."""
 
-    def __init__(self, app, limits: Limits, **options) -> None:
+    def __init__(self, app, limits: Limits, http: type = HTTP_PROTOCOL, **options) -> None:
         super().__init__(
             app,
-            http=TimedH11Protocol,
+            http=http,
             timeout_keep_alive=limits.keep_alive_s,
             limit_concurrency=limits.max_connections,
             h11_max_incomplete_event_size=limits.max_header_bytes,
             **options,
         )
         self.read_timeout_s = limits.read_timeout_s
+        self.max_header_bytes = limits.max_header_bytes
