@@ -19,7 +19,7 @@ front's CPU seconds over the window / requests; ``µs / event`` = the same over 
 runs the product's ``serve --fronts N`` layout (``server.fronts``) over the stand-in; ``--http`` its parser.
 
     python benchmarks/front_cost.py [--clients 16 64] [--seconds 10] [--round-ms 5] [--tokens-per-round 3]
-        [--max-tokens 64] [--max-sessions 64] [--client-procs 4] [--fronts 1] [--http auto|httptools|h11] [--record]
+        [--max-tokens 64] [--max-sessions 64] [--client-procs 4] [--fronts 1] [--http h11|httptools] [--record]
 
 The last line printed is one JSON object; ``--record`` appends one row per client count to
 benchmarks/results.jsonl.
@@ -153,7 +153,7 @@ def stand_in_main(conns: list, max_sessions: int, per_round: int, token_ids: lis
 # ---------------------------------------------------------------------- the front
 
 
-def serve_args(fronts: int, http: str = "auto") -> argparse.Namespace:
+def serve_args(fronts: int, http: str = "h11") -> argparse.Namespace:
     """``dflash-trt serve``'s arguments for the default pair's tokenizer (what the product's fronts read)."""
     from dflash_trt.server import command
 
@@ -234,7 +234,7 @@ def main() -> int:
     parser.add_argument("--max-sessions", type=int, default=64)
     parser.add_argument("--client-procs", type=int, default=4)
     parser.add_argument("--fronts", type=int, default=1, help="HTTP front processes (serve --fronts)")
-    parser.add_argument("--http", choices=("auto", "httptools", "h11"), default="auto", help="the fronts' HTTP parser (serve --http)")
+    parser.add_argument("--http", choices=("h11", "httptools"), default="h11", help="the fronts' HTTP parser (serve --http)")
     parser.add_argument("--prompt-chars", type=int, default=600)
     parser.add_argument("--record", action="store_true")
     args = parser.parse_args()

@@ -54,7 +54,7 @@ from dflash_trt.runtime import command
 
 DEFAULT_PAIR_SESSIONS = 16  # cache rows when serving the default pair (its export says 4, for the demo)
 DEFAULT_PAIR_MODEL = "dflash-trt-default-pair"
-HTTP_PARSERS = ("auto", "httptools", "h11")  # serve --http (server.limits.http_protocol)
+HTTP_PARSERS = ("h11", "httptools")  # serve --http (server.limits.http_protocol)
 STATS_ROWS = 16384  # the executor's stats log in a server: ~5 MB at most (nobody drains it)
 STATS_AGE_S = 60.0  # a server reads each row once, right after its execute: keep a minute (flat memory within a minute of start)
 MALLOC_ARENAS, M_ARENA_MAX = 2, -8  # glibc's malloc.h: mallopt parameter number of M_ARENA_MAX
@@ -123,9 +123,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fronts", type=positive_int, default=1,
                         help="HTTP front processes sharing the port, each with its own pipe to the serving process (default 1); "
                              "more when one front's CPU is the limit (many streams); needs --front-process")
-    parser.add_argument("--http", choices=HTTP_PARSERS, default="auto",
-                        help="the HTTP/1.1 parser of the fronts: httptools (C; less front CPU per request) or h11 (pure Python); "
-                             "default auto: httptools where installed (the serve extra), else h11")
+    parser.add_argument("--http", choices=HTTP_PARSERS, default="h11",
+                        help="the HTTP/1.1 parser of the fronts: h11 (pure Python, the default) or httptools (C: less front CPU per "
+                             "request; no throughput gained on a GPU host, where the serving process is the limit)")
     parser.add_argument("--replicas", type=positive_int, default=1,
                         help="serving loops behind the one API; N >= 2: a local Ray cluster with N Ray Serve replicas, one GPU each on "
                              "CUDA (the ray extra; server.replicas); default 1: this process alone")
@@ -186,8 +186,8 @@ def chat_template(value: str) -> str:
 def check_front_flags(args: argparse.Namespace) -> None:
     """``--fronts N`` needs the serving process of its own that the fronts share; ``--http httptools``
     needs httptools (``UsageError``)."""
-    if getattr(args, "http", "auto") == "httptools" and importlib.util.find_spec("httptools") is None:
-        raise UsageError("--http httptools needs the httptools package, which is not installed (pip install httptools); valid here: auto, h11")
+    if getattr(args, "http", "h11") == "httptools" and importlib.util.find_spec("httptools") is None:
+        raise UsageError("--http httptools needs the httptools package, which is not installed (pip install httptools); valid here: h11")
     fronts = getattr(args, "fronts", 1)
     if fronts > 1 and not getattr(args, "front_process", True):
         raise UsageError(f"--fronts {fronts} needs --front-process (the fronts share one serving process); drop --no-front-process")
@@ -203,7 +203,7 @@ def serve_http(serving, names: list[str], args: argparse.Namespace, logging_conf
     body_bytes = args.max_body_bytes or default_body_bytes(serving.executor.dims.max_context)
     limits = Limits(body_bytes, args.read_timeout, args.keep_alive_timeout, args.max_connections, args.max_header_bytes)
     app = create_app(serving, names, limits, log_interval_s)
-    config = ServeConfig(app, limits, http=http_protocol(getattr(args, "http", "auto")), log_config=logging_config, log_level=args.log_level)
+    config = ServeConfig(app, limits, http=http_protocol(getattr(args, "http", "h11")), log_config=logging_config, log_level=args.log_level)
     server = GracefulServer(config, serving, app.state.shutdown, args.shutdown_timeout)
     if prepare is not None:
         prepare(server)

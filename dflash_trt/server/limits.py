@@ -9,12 +9,14 @@ request) can hold memory, sockets or the event loop for long:
 | ``read_timeout_s`` | ``ReadDeadline`` (both protocols below) | the connection is closed when a whole request (head and body) has not arrived within it of connecting, or of the previous response |
 | ``keep_alive_s`` | uvicorn's ``timeout_keep_alive`` | an idle keep-alive connection is closed |
 | ``max_connections`` | uvicorn's ``limit_concurrency`` | 503 for requests beyond it (connections or requests at once) |
-| ``max_header_bytes`` | ``TimedHttpToolsProtocol``'s count, or h11's ``max_incomplete_event_size`` | 400 and close for a larger request head |
+| ``max_header_bytes`` | h11's ``max_incomplete_event_size``, or ``TimedHttpToolsProtocol``'s count | 400 and close for a larger request head (h11: a head still incomplete) |
 
-The server speaks HTTP/1.1 through httptools (llhttp, C) where it is installed
-(``HTTP_PROTOCOL``; ``serve --http``), else through h11 (pure Python):
-httptools costs the front ~17% less CPU per request at 16 streams
-(benchmarks/RESULTS.md, "The HTTP parser"). uvicorn has no deadline for a request's head (a connection that
+The server speaks HTTP/1.1 through h11 (pure Python, ``HTTP_PROTOCOL``), or
+through httptools (llhttp, C) with ``serve --http httptools``: httptools costs
+a front ~17% less CPU per request at 16 streams, but gained no throughput on a
+GPU host, where the serving process is the limit, and its ITL p99 at 64
+streams was the higher in every window (benchmarks/RESULTS.md, "The HTTP
+parser"), so h11 stays the default. uvicorn has no deadline for a request's head (a connection that
 sends part of one, or nothing, stays open), hence ``ReadDeadline``: one timer
 per connection over either protocol. llhttp has no bound on a request's head,
 hence ``TimedHttpToolsProtocol``'s count of it. FastAPI's own
@@ -209,12 +211,12 @@ class TimedHttpToolsProtocol(ReadDeadline, HttpToolsProtocol):
         self.send_400_response("Invalid HTTP request received.")
 
 
-HTTP_PROTOCOL = TimedH11Protocol if httptools is None else TimedHttpToolsProtocol
+HTTP_PROTOCOL = TimedH11Protocol
 
 
-def http_protocol(parser: str = "auto") -> type:
-    """The protocol class of ``serve --http``: ``auto`` (``HTTP_PROTOCOL``), ``httptools`` or ``h11``."""
-    protocols = {"auto": HTTP_PROTOCOL, "h11": TimedH11Protocol, "httptools": TimedHttpToolsProtocol}
+def http_protocol(parser: str = "h11") -> type:
+    """The protocol class of ``serve --http``: ``h11`` (``HTTP_PROTOCOL``) or ``httptools``."""
+    protocols = {"h11": TimedH11Protocol, "httptools": TimedHttpToolsProtocol}
     if parser not in protocols or (parser == "httptools" and httptools is None):
         raise ValueError(f"the HTTP parser must be one of {sorted(protocols)} (httptools installed: {httptools is not None}), got {parser!r}")
     return protocols[parser]

@@ -1,6 +1,6 @@
 """The HTTP layer's bounds on what a client can make a front hold, over both protocols the server speaks.
 
-``server.limits.HTTP_PROTOCOL`` is httptools where it is installed, else h11; each test runs on both
+h11 (``server.limits.HTTP_PROTOCOL``) or httptools (``serve --http httptools``); each test runs on both
 (uvicorn in a thread over a small ASGI app: the bounds are the protocol's, not the app's).
 """
 
@@ -22,7 +22,7 @@ import uvicorn  # noqa: E402
 
 from dflash_trt.errors import UsageError  # noqa: E402
 from dflash_trt.server import command, limits  # noqa: E402
-from dflash_trt.server.limits import HTTP_PROTOCOL, Limits, ServeConfig, TimedH11Protocol, http_protocol, httptools  # noqa: E402
+from dflash_trt.server.limits import Limits, ServeConfig, TimedH11Protocol, http_protocol, httptools  # noqa: E402
 
 READ_TIMEOUT_S = 0.5
 HEAD_LIMIT = 2048
@@ -102,17 +102,10 @@ def get(path: str, extra: bytes = b"") -> bytes:
     return b"GET %s HTTP/1.1\r\nHost: x\r\n%s\r\n" % (path.encode(), extra)
 
 
-def test_the_default_protocol_is_httptools_where_it_is_installed():
-    """Guards against the server falling back to pure-Python h11 (~20% more front CPU per request) while
-    httptools is installed."""
-    assert HTTP_PROTOCOL is (TimedH11Protocol if httptools is None else TimedHttpToolsProtocol)
-
-
 def test_asking_for_httptools_where_it_is_not_installed_is_refused_before_anything_starts(monkeypatch):
     """Guards against ``serve --http httptools`` without httptools starting a server whose fronts then fail:
-    refused on one line naming the flag; ``auto`` then means h11, and ``--http h11`` is accepted."""
+    refused on one line naming the flag; ``--http h11`` is accepted."""
     monkeypatch.setattr(limits, "httptools", None)
-    monkeypatch.setattr(limits, "HTTP_PROTOCOL", TimedH11Protocol)
     monkeypatch.setattr(command.importlib.util, "find_spec", lambda name, *a: None if name == "httptools" else find_spec(name, *a))
     flags = dict(fronts=1, replicas=1, front_process=True)
     with pytest.raises(UsageError, match="--http httptools needs the httptools package"):
@@ -120,7 +113,7 @@ def test_asking_for_httptools_where_it_is_not_installed_is_refused_before_anythi
     with pytest.raises(ValueError, match=r"httptools installed: False\), got 'httptools'"):
         http_protocol("httptools")
     command.check_front_flags(argparse.Namespace(http="h11", **flags))
-    assert http_protocol("auto") is http_protocol("h11") is TimedH11Protocol
+    assert http_protocol("h11") is TimedH11Protocol
 
 
 @pytest.mark.parametrize("port", PROTOCOLS[1:], indirect=True)  # h11 bounds only a head still incomplete

@@ -119,13 +119,13 @@ def servers(default_pair_cache, tmp_path_factory):
     """(main server: the front in its own process (the default), 8 sessions, a chat template, two served
     names, a 1 MB body limit, a throughput line a second; small server: one process, 1 session, queue of 1,
     the torch backend straight from the checkpoints, --no-draft, the shipped chat template, a 1 s read
-    deadline), started together."""
+    deadline, HTTP parsed by httptools), started together."""
     root = tmp_path_factory.mktemp("serve")
     (root / "chat.jinja").write_text(TEMPLATE)
     main = Server(default_pair_cache, root / "main.log", "--max-sessions", "8", "--chat-template", str(root / "chat.jinja"),
                   "--served-model-name", MODEL, ALIAS, "--max-body-bytes", str(BODY_LIMIT), "--log-interval", "1")
     small = Server(default_pair_cache, root / "small.log", "--no-front-process", "--max-sessions", "1", "--max-queue", "1", "--backend", "torch", "--no-draft",
-                   "--read-timeout", str(READ_TIMEOUT_S))
+                   "--read-timeout", str(READ_TIMEOUT_S), "--http", "httptools")
     try:
         main.wait_ready()
         small.wait_ready()
