@@ -196,8 +196,6 @@ def run_weight(name: str, reps: int) -> list[dict]:
         print(f"| {name} | {M} | {row['product_us']} | {row['no_norm_us']} | {row['folded_us']} | {same} "
               f"| {row['product_max_err']} / {row['folded_max_err']} |", flush=True)
         results.append(row)
-    del weights, folded
-    torch.cuda.empty_cache()
     return results
 
 
@@ -217,7 +215,10 @@ def main() -> int:
     print("| weight | M | norm launch + product µs | product alone µs | folded µs | folded rows = M 64's | max err product / folded |\n"
           "| --- | --- | --- | --- | --- | --- | --- |", flush=True)
     began = time.perf_counter()
-    rows = [row for name in args.weights for row in run_weight(name, args.reps)]
+    rows = []
+    for name in args.weights:
+        rows += run_weight(name, args.reps)
+        torch.cuda.empty_cache()  # the weight's copies (~1 GiB) go before the next weight's
     summary = {"name": "exact_fold", "date": time.strftime("%Y-%m-%d"), "machine": machine, "command": command,
                "seconds": round(time.perf_counter() - began, 1), "rows": rows}
     if args.record:
