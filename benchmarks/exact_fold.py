@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpu_graphs as gg  # noqa: E402  (the CUDA-graph timing)
 import record  # noqa: E402  (benchmarks/record.py: results.jsonl)
 
 from dflash_trt.runtime.kernels.exact_ops import INTERPRETED, ExactOps, ordered_dot  # noqa: E402
@@ -147,23 +147,8 @@ def check() -> int:
 
 
 def graph_us(calls, per_graph: int, reps: int) -> float:
-    """µs of one call: ``calls()`` (``per_graph`` calls) captured in a CUDA graph, the median of ``reps`` replays."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        calls()
-        stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            calls()
-        times = []
-        for _ in range(reps + 1):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            graph.replay()
-            end.record(stream)
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    return statistics.median(times[1:]) * 1e3 / per_graph
+    """µs of one call: ``calls()`` (``per_graph`` calls) as one CUDA graph (gpu_graphs' timing: the median replay)."""
+    return gg.graph_time(torch.cuda.Stream(), calls, reps) * 1e3 / per_graph
 
 
 def run_weight(name: str, reps: int) -> list[dict]:
