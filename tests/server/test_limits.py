@@ -11,7 +11,6 @@ import asyncio
 import socket
 import threading
 import time
-
 from importlib.util import find_spec
 
 import pytest
@@ -60,8 +59,8 @@ async def echo_app(scope, receive, send) -> None:
 @pytest.fixture(params=PROTOCOLS)
 def port(request):
     listener = command.bind("127.0.0.1", 0)
-    limits = Limits(read_timeout_s=READ_TIMEOUT_S, max_header_bytes=HEAD_LIMIT)
-    server = uvicorn.Server(ServeConfig(echo_app, limits, http=request.param, log_level="critical"))
+    bounds = Limits(read_timeout_s=READ_TIMEOUT_S, max_header_bytes=HEAD_LIMIT)
+    server = uvicorn.Server(ServeConfig(echo_app, bounds, http=request.param, log_level="critical"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
