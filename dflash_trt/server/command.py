@@ -54,7 +54,7 @@ from dflash_trt.runtime import command
 
 DEFAULT_PAIR_SESSIONS = 16  # cache rows when serving the default pair (its export says 4, for the demo)
 DEFAULT_PAIR_MODEL = "dflash-trt-default-pair"
-HTTP_PARSERS = ("h11", "httptools")  # serve --http (server.limits.http_protocol)
+HTTP_PARSERS = ("h11", "httptools")  # serve --http (server.protocols.http_protocol)
 STATS_ROWS = 16384  # the executor's stats log in a server: ~5 MB at most (nobody drains it)
 STATS_AGE_S = 60.0  # a server reads each row once, right after its execute: keep a minute (flat memory within a minute of start)
 MALLOC_ARENAS, M_ARENA_MAX = 2, -8  # glibc's malloc.h: mallopt parameter number of M_ARENA_MAX
@@ -156,7 +156,8 @@ def _imports():
         import uvicorn  # noqa: F401
 
         from dflash_trt.server.app import create_app
-        from dflash_trt.server.limits import Limits, ServeConfig, default_body_bytes, http_protocol
+        from dflash_trt.server.limits import Limits, default_body_bytes
+        from dflash_trt.server.protocols import ServeConfig, http_protocol
         from dflash_trt.server.shutdown import GracefulServer
     except ModuleNotFoundError as error:
         msg = f"dflash-trt serve needs the serve extra ({error.name} is missing): pip install 'dflash-trt[serve]'"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -43,6 +45,27 @@ def test_bad_checkpoint_gives_a_message_not_a_traceback(tmp_path, capsys):
 def test_no_command_prints_help():
     """Guards against a bare `dflash-trt` crashing instead of showing usage."""
     assert main([]) == 2
+
+
+def test_serve_without_the_serve_extra_shows_its_help_and_names_the_extra():
+    """Guards against ``dflash-trt serve --help`` (or ``serve``) crashing with a ModuleNotFoundError traceback
+    where uvicorn is not installed (the flags' defaults were read from a module that imported it): the help
+    prints, and ``serve`` exits 1 with one line naming the extra to install."""
+    code = """
+import sys
+sys.modules.update(dict.fromkeys(("uvicorn", "fastapi", "h11", "httptools"), None))  # as if the serve extra were missing
+from dflash_trt.cli import main
+try:
+    main(["serve", "--help"])
+except SystemExit as done:
+    print("help exit", done.code)
+print("serve exit", main(["serve", "--port", "0"]))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "help exit 0" in done.stdout and "--max-header-bytes" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "serve exit 1" in done.stdout and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == ["dflash-trt serve: ServingError: dflash-trt serve needs the serve extra (uvicorn is missing): "
+                                                "pip install 'dflash-trt[serve]'"], done.stderr
 
 
 def usage_error(capsys, argv: list[str]) -> str:

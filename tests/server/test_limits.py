@@ -1,6 +1,6 @@
 """The HTTP layer's bounds on what a client can make a front hold, over both protocols the server speaks.
 
-h11 (``server.limits.HTTP_PROTOCOL``) or httptools (``serve --http httptools``); each test runs on both
+h11 (``server.protocols.HTTP_PROTOCOL``) or httptools (``serve --http httptools``); each test runs on both
 (uvicorn in a thread over a small ASGI app: the bounds are the protocol's, not the app's).
 """
 
@@ -20,8 +20,9 @@ pytest.importorskip("uvicorn")
 import uvicorn  # noqa: E402
 
 from dflash_trt.errors import UsageError  # noqa: E402
-from dflash_trt.server import command, limits  # noqa: E402
-from dflash_trt.server.limits import Limits, ServeConfig, TimedH11Protocol, http_protocol, httptools  # noqa: E402
+from dflash_trt.server import command, protocols  # noqa: E402
+from dflash_trt.server.limits import Limits  # noqa: E402
+from dflash_trt.server.protocols import ServeConfig, TimedH11Protocol, http_protocol, httptools  # noqa: E402
 
 READ_TIMEOUT_S = 0.5
 HEAD_LIMIT = 2048
@@ -29,7 +30,7 @@ STREAM_CHUNKS = 8  # /stream: one chunk every READ_TIMEOUT_S / 2, so it outlasts
 
 PROTOCOLS = [pytest.param(TimedH11Protocol, id="h11")]
 if httptools is not None:
-    from dflash_trt.server.limits import TimedHttpToolsProtocol
+    from dflash_trt.server.protocols import TimedHttpToolsProtocol
 
     PROTOCOLS.append(pytest.param(TimedHttpToolsProtocol, id="httptools"))
 
@@ -104,7 +105,7 @@ def get(path: str, extra: bytes = b"") -> bytes:
 def test_asking_for_httptools_where_it_is_not_installed_is_refused_before_anything_starts(monkeypatch):
     """Guards against ``serve --http httptools`` without httptools starting a server whose fronts then fail:
     refused on one line naming the flag; ``--http h11`` is accepted."""
-    monkeypatch.setattr(limits, "httptools", None)
+    monkeypatch.setattr(protocols, "httptools", None)
     monkeypatch.setattr(command.importlib.util, "find_spec", lambda name, *a: None if name == "httptools" else find_spec(name, *a))
     flags = dict(fronts=1, replicas=1, front_process=True)
     with pytest.raises(UsageError, match="--http httptools needs the httptools package"):

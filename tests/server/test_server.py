@@ -729,7 +729,8 @@ def test_a_failed_request_gets_a_500_without_internal_text(tiny):
     from dflash_trt.runtime.executor import Executor
     from dflash_trt.runtime.serving.loop import ServingLoop
     from dflash_trt.server.app import create_app
-    from dflash_trt.server.limits import Limits, ServeConfig
+    from dflash_trt.server.limits import Limits
+    from dflash_trt.server.protocols import ServeConfig
     from executor_fixtures import RecordingBackend
 
     backend = RecordingBackend(tiny.ort)
