@@ -64,8 +64,8 @@ print("serve exit", main(["serve", "--port", "0"]))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "help exit 0" in done.stdout and "--max-header-bytes" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
     assert "serve exit 1" in done.stdout and "Traceback" not in done.stderr, done.stderr[-2000:]
-    assert done.stderr.strip().splitlines() == ["dflash-trt serve: ServingError: dflash-trt serve needs the serve extra (uvicorn is missing): "
-                                                "pip install 'dflash-trt[serve]'"], done.stderr
+    named = "dflash-trt serve: ServingError: dflash-trt serve needs the serve extra (uvicorn is missing): pip install 'dflash-trt[serve]'"
+    assert done.stderr.strip().splitlines() == [named], done.stderr
 
 
 def usage_error(capsys, argv: list[str]) -> str:
