@@ -4,8 +4,8 @@ The server speaks HTTP/1.1 through h11 (pure Python, ``HTTP_PROTOCOL``), or
 through httptools (llhttp, C) with ``serve --http httptools``: httptools costs
 a front ~17% less CPU per request at 16 streams, but gained no throughput on a
 GPU host, where the serving process is the limit, and its ITL p99 at 64
-streams was the higher in every window (benchmarks/RESULTS.md, "The HTTP
-parser"), so h11 stays the default. uvicorn has no deadline for a request's
+streams was higher (medians of four windows: 32.4 against 28.6 ms;
+benchmarks/RESULTS.md, "The HTTP parser"), so h11 stays the default. uvicorn has no deadline for a request's
 head (a connection that sends part of one, or nothing, stays open), hence
 ``ReadDeadline``: one timer per connection over either protocol. llhttp has no
 bound on a request's head, hence ``TimedHttpToolsProtocol``'s count of it.
