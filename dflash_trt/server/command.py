@@ -186,8 +186,11 @@ def chat_template(value: str) -> str:
 
 def check_front_flags(args: argparse.Namespace) -> None:
     """``--fronts N`` needs the serving process of its own that the fronts share; ``--http httptools``
-    needs httptools (``UsageError``)."""
-    if getattr(args, "http", "h11") == "httptools" and importlib.util.find_spec("httptools") is None:
+    needs httptools and this process's fronts (not Ray's proxy) (``UsageError``)."""
+    http = getattr(args, "http", "h11")
+    if http != "h11" and args.replicas > 1:
+        raise UsageError(f"--http {http} applies to this process's HTTP fronts; with --replicas {args.replicas} Ray Serve's proxy parses HTTP: drop --http")
+    if http == "httptools" and importlib.util.find_spec("httptools") is None:
         raise UsageError("--http httptools needs the httptools package, which is not installed (pip install httptools); valid here: h11")
     fronts = getattr(args, "fronts", 1)
     if fronts > 1 and not getattr(args, "front_process", True):

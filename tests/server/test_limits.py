@@ -116,6 +116,14 @@ def test_asking_for_httptools_where_it_is_not_installed_is_refused_before_anythi
     assert http_protocol("h11") is TimedH11Protocol
 
 
+def test_a_parser_asked_for_with_ray_replicas_is_refused_not_ignored():
+    """Guards against ``serve --replicas 2 --http httptools`` starting with the flag silently ignored (Ray
+    Serve's proxy parses HTTP there): refused on one line naming both flags; the default is accepted."""
+    with pytest.raises(UsageError, match="--http httptools applies to this process's HTTP fronts; with --replicas 2"):
+        command.check_front_flags(argparse.Namespace(http="httptools", fronts=1, replicas=2, front_process=True))
+    command.check_front_flags(argparse.Namespace(http="h11", fronts=1, replicas=2, front_process=True))
+
+
 @pytest.mark.parametrize("port", PROTOCOLS[1:], indirect=True)  # h11 bounds only a head still incomplete
 def test_a_head_over_the_limit_gets_400_and_one_under_it_is_served(port):
     """Guards against a request head of any size being parsed and held (llhttp has no bound of its own):
