@@ -44,6 +44,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import record  # results.jsonl
 import serve_load  # the clients, the window, the CPU shares
 
+from dflash_trt.server.command import HTTP_PARSERS  # noqa: E402  (serve --http's choices)
+
 
 # ---------------------------------------------------------------------- the stand-in serving process
 
@@ -153,7 +155,7 @@ def stand_in_main(conns: list, max_sessions: int, per_round: int, token_ids: lis
 # ---------------------------------------------------------------------- the front
 
 
-def serve_args(fronts: int, http: str = "h11") -> argparse.Namespace:
+def serve_args(fronts: int, http: str = HTTP_PARSERS[0]) -> argparse.Namespace:
     """``dflash-trt serve``'s arguments for the default pair's tokenizer (what the product's fronts read)."""
     from dflash_trt.server import command
 
@@ -234,7 +236,7 @@ def main() -> int:
     parser.add_argument("--max-sessions", type=int, default=64)
     parser.add_argument("--client-procs", type=int, default=4)
     parser.add_argument("--fronts", type=int, default=1, help="HTTP front processes (serve --fronts)")
-    parser.add_argument("--http", choices=("h11", "httptools"), default="h11", help="the fronts' HTTP parser (serve --http)")
+    parser.add_argument("--http", choices=HTTP_PARSERS, default=HTTP_PARSERS[0], help="the fronts' HTTP parser (serve --http)")
     parser.add_argument("--prompt-chars", type=int, default=600)
     parser.add_argument("--record", action="store_true")
     args = parser.parse_args()
