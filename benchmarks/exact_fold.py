@@ -7,7 +7,8 @@
 72 norm launches in a Qwen3-8B decode step (~2.55 µs each plus a kernel boundary). The norm inside the K loop
 (x·g in registers before each dot, before ad4667a) was measured slower on the H200 for a reason its IR does not
 show (benchmarks/RESULTS.md, "The exact linear's old norm prologue read in its sm90 IR"). This probes the other
-form, which leaves the loop's loads and dots as they are:
+form, which leaves the loop's loads and dots as they are (measured on an H100: slower than the norm launch and
+the product together, so not adopted; benchmarks/RESULTS.md, "The folded norm on a GPU"):
 
     RMSNorm(x) @ Wᵀ = rsqrt(mean(x²) + ε) · (x @ (W·diag(g))ᵀ)
 
