@@ -207,7 +207,7 @@ def serve_http(serving, names: list[str], args: argparse.Namespace, logging_conf
     body_bytes = args.max_body_bytes or default_body_bytes(serving.executor.dims.max_context)
     limits = Limits(body_bytes, args.read_timeout, args.keep_alive_timeout, args.max_connections, args.max_header_bytes)
     app = create_app(serving, names, limits, log_interval_s)
-    config = ServeConfig(app, limits, http=http_protocol(getattr(args, "http", "h11")), log_config=logging_config, log_level=args.log_level)
+    config = ServeConfig(app, limits, http=http_protocol(args.http), log_config=logging_config, log_level=args.log_level)
     server = GracefulServer(config, serving, app.state.shutdown, args.shutdown_timeout)
     if prepare is not None:
         prepare(server)
