@@ -33,7 +33,7 @@ from dflash_trt.export.draft import load_draft
 from dflash_trt.export.target import load_target
 from dflash_trt.train import evaluate
 from dflash_trt.train.corpus import Corpus, Limits, load_corpus
-from dflash_trt.train.draft import DraftShape, DraftTraining, train_draft
+from dflash_trt.train.draft import DraftShape, DraftTraining, grown_state, train_draft
 from dflash_trt.train.loop import TokenStream
 from dflash_trt.train.regenerate import SequenceBank, regenerate
 from dflash_trt.train.target import TargetShape, TargetTraining, train_target
@@ -93,7 +93,8 @@ def _draft_shape_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("draft shape and training")
     shape, training = DraftShape(), DraftTraining()
     group.add_argument("--block-size", type=int, default=shape.block_size)
-    group.add_argument("--draft-layers", type=int, default=shape.num_layers)
+    group.add_argument("--draft-layers", type=int, help=f"default {shape.num_layers}; with --init-draft: grow it to "
+                       "this many layers (the new ones start as exact identities)")
     group.add_argument("--taps", type=int, default=shape.num_taps, help="tap count (default ids per docs/design.md §1)")
     group.add_argument("--tap-layers", type=lambda s: tuple(int(x) for x in s.split(",")), default=(),
                        help="explicit target layer ids, e.g. 1,3,5")
@@ -106,12 +107,16 @@ def _draft_shape_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--draft-lr", type=float, default=training.lr)
     group.add_argument("--draft-steps", type=int, default=training.max_steps, help="max steps")
     group.add_argument("--draft-budget-s", type=float, default=training.time_budget_s, help="wall-time budget")
-    group.add_argument("--init-draft", type=Path, help="warm-start from this draft checkpoint (its shape wins)")
+    group.add_argument("--init-draft", type=Path, help="warm-start from this draft checkpoint (its shape wins, "
+                       "but for --draft-layers)")
     regen = parser.add_argument_group("target-regenerated data (see train/regenerate.py)")
     regen.add_argument("--regenerate-s", type=float, default=0.0,
                        help="seconds spent having the target continue corpus prefixes; 0: train on the corpus")
     regen.add_argument("--regen-prefix", type=int, default=256, help="real corpus tokens per sequence")
     regen.add_argument("--regen-length", type=int, default=640, help="sequence length (prefix + generated)")
+    regen.add_argument("--regen-seed", type=int, default=12345,
+                       help="seed of the prefixes drawn and the sampled continuations: warm-starting a draft again, "
+                       "a new seed gives it new text (the same seed repeats the earlier rows)")
     regen.add_argument("--greedy-share", type=float, default=0.75, help="rows continued greedily (rest: T=1)")
     regen.add_argument("--regen-rows", type=int, default=2048, help="rows decoded together")
 
@@ -264,8 +269,8 @@ def _mask_token(args, tokenizer) -> int:
 
 
 def _draft_settings(args, context: int, budget_s: float | None = None) -> tuple[DraftShape, DraftTraining]:
-    shape = DraftShape(args.draft_layers, args.block_size, args.taps, args.tap_layers,
-                       init_from_target=not args.no_init_from_target)
+    layers = DraftShape.num_layers if args.draft_layers is None else args.draft_layers
+    shape = DraftShape(layers, args.block_size, args.taps, args.tap_layers, init_from_target=not args.no_init_from_target)
     training = DraftTraining(batch_size=args.draft_batch_size, seq_len=min(args.seq_len, context),
                              anchors=args.anchors, gamma=args.gamma, lr=args.draft_lr, max_steps=args.draft_steps,
                              time_budget_s=budget_s or args.draft_budget_s)
@@ -278,7 +283,7 @@ def _fit_draft(args, target_dir: Path, out: Path, tokenizer, stream, device, bud
     shape, training = _draft_settings(args, context, budget_s)
     mask, init_state = _mask_token(args, tokenizer), None
     if args.init_draft:
-        shape, mask, init_state = _warm_start(args.init_draft, shape)
+        shape, mask, init_state = _warm_start(args.init_draft, shape, args.draft_layers)
     if args.regenerate_s > 0:
         stream = _regenerated(args, target, stream)
         training = replace(training, seq_len=args.regen_length)
@@ -288,19 +293,23 @@ def _fit_draft(args, target_dir: Path, out: Path, tokenizer, stream, device, bud
     return record
 
 
-def _warm_start(directory: Path, shape: DraftShape) -> tuple[DraftShape, int, dict]:
-    """The earlier draft's shape, mask token and tensors."""
+def _warm_start(directory: Path, shape: DraftShape, layers: int | None) -> tuple[DraftShape, int, dict]:
+    """The earlier draft's shape, mask token and tensors; grown to ``layers`` (``grown_state``) if given."""
     earlier = load_draft(directory)
     config = earlier.config
-    shape = replace(shape, num_layers=config.num_layers, block_size=config.block_size,
+    layers = config.num_layers if layers is None else layers
+    if layers < config.num_layers:
+        raise InputError(f"--draft-layers must be >= the --init-draft's {config.num_layers} layers (a draft grows, "
+                         f"never shrinks), got {layers}")
+    shape = replace(shape, num_layers=layers, block_size=config.block_size,
                     tap_layers=tuple(config.target_layer_ids), intermediate_size=config.intermediate_size,
                     init_from_target=False)
-    return shape, config.mask_token_id, earlier.state_dict()
+    return shape, config.mask_token_id, grown_state(earlier.state_dict(), layers)
 
 
 def _regenerated(args, target, stream: TokenStream) -> SequenceBank:
     start = time.perf_counter()
-    generator = torch.Generator(device=stream.device).manual_seed(12345)
+    generator = torch.Generator(device=stream.device).manual_seed(args.regen_seed)
     bank = regenerate(target, stream, args.regen_prefix, args.regen_length, args.greedy_share, generator,
                       args.regenerate_s, args.regen_rows)
     seconds = time.perf_counter() - start

@@ -131,6 +131,27 @@ def init_from_target(draft: DraftModel, target: TargetModel) -> bool:
     return True
 
 
+# The projections that end a decoder layer's two residual branches: zero, the layer adds exactly nothing.
+_BRANCH_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+def grown_state(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """A draft's tensors with layers appended after its last, each a copy of that layer with its two
+    branch outputs (attention o_proj, MLP down_proj) zero: x + 0 is x exactly, so the grown draft
+    starts as the same function (bit for bit) and training gives the new layers their part, instead of
+    starting a deeper draft from scratch and losing what the shallow one learned."""
+    present = 1 + max(int(name.split(".")[1]) for name in state if name.startswith("layers."))
+    if num_layers < present:
+        raise ValueError(f"num_layers must be >= the draft's {present} layers to grow it, got {num_layers}")
+    last = {name[len(f"layers.{present - 1}.") :]: tensor for name, tensor in state.items()
+            if name.startswith(f"layers.{present - 1}.")}
+    grown = dict(state)
+    for index in range(present, num_layers):
+        for name, tensor in last.items():
+            grown[f"layers.{index}.{name}"] = torch.zeros_like(tensor) if name in _BRANCH_OUTPUTS else tensor.clone()
+    return grown
+
+
 def train_draft(
     target: TargetModel,
     target_raw: dict,

@@ -78,3 +78,53 @@ def test_regenerated_greedy_rows_are_the_targets_greedy_decode(tiny_pair):
     for row in (0, 2):
         assert out[row, 7:].tolist() == decoder.generate_target(prompts[row].tolist(), 9).tokens
     assert out[:, :7].equal(prompts)
+
+
+@torch.no_grad()
+def test_a_grown_draft_starts_as_the_same_function(tiny_pair, tmp_path):
+    """Guards against growing a draft (`train draft --init-draft D --draft-layers N`) into a different
+    function: a new layer whose branch outputs are not exactly zero (a wrong tensor name, a copy of the
+    output projections) throws away what the shallow draft learned. The grown draft's hidden states must
+    equal the original's bit for bit, and its new layers must still carry gradient."""
+    import json
+
+    from dflash_trt.export.checkpoint import save_checkpoint
+    from dflash_trt.train.draft import grown_state
+
+    target_dir, draft_dir = tiny_pair
+    draft = load_draft(draft_dir)
+    target = load_target(target_dir, tap_layers=draft.config.target_layer_ids)
+    config = json.loads((draft_dir / "config.json").read_text())
+    layers = config["num_hidden_layers"] + 2
+    save_checkpoint(tmp_path / "grown", {**config, "num_hidden_layers": layers}, grown_state(draft.state_dict(), layers))
+    grown = load_draft(tmp_path / "grown")
+    assert len(grown.layers) == layers
+
+    tokens = torch.randint(0, tiny_models.VOCAB, (2, 24), generator=torch.Generator().manual_seed(2))
+    _, taps = target_forward(target, tokens, target.tap_layers)
+    anchors = torch.tensor([[2, 11], [5, 14]])
+    ids = tokens.gather(1, anchors)[..., None].repeat(1, 1, draft.config.block_size)
+    embedded = target.embed(ids.flatten(1))
+    assert torch.equal(draft_forward(grown, taps, embedded, anchors), draft_forward(draft, taps, embedded, anchors))
+
+    with torch.enable_grad():
+        draft_forward(grown, taps, embedded, anchors).square().sum().backward()
+    assert grown.layers[-1].mlp.down_proj.weight.grad.abs().sum() > 0
+    assert grown.layers[-1].self_attn.o_proj.weight.grad.abs().sum() > 0
+
+
+def test_a_draft_never_shrinks_on_warm_start(tiny_pair):
+    """Guards against `--draft-layers` below the --init-draft's count being ignored (the earlier draft's
+    shape silently winning) or cutting layers: a typed error naming the flag, the bound and the value."""
+    import pytest
+
+    from dflash_trt.errors import InputError
+    from dflash_trt.train.command import _warm_start
+    from dflash_trt.train.draft import DraftShape
+
+    _, draft_dir = tiny_pair
+    present = len(load_draft(draft_dir).layers)
+    with pytest.raises(InputError, match=rf"--draft-layers must be >= the --init-draft's {present} layers.*got 0"):
+        _warm_start(draft_dir, DraftShape(), 0)
+    shape, _, state = _warm_start(draft_dir, DraftShape(), present + 1)
+    assert shape.num_layers == present + 1 and f"layers.{present}.mlp.down_proj.weight" in state
