@@ -6,12 +6,10 @@ from pathlib import Path
 
 import torch
 
+from dflash_trt.export import DEFAULT_PAIR_DIR  # noqa: F401  (re-exported)
 from dflash_trt.export.config import check_pair, load_draft_config, load_target_config
 from dflash_trt.export.draft import DraftModel, load_draft
 from dflash_trt.export.target import TargetModel, load_target
-
-# The shipped pair: target/ (with tokenizer files), draft/, prompts.jsonl.
-DEFAULT_PAIR_DIR = Path(__file__).resolve().parent / "default_pair"
 
 
 def load_pair(

@@ -17,7 +17,7 @@ import torch
 
 from dflash_trt.errors import InputError
 from dflash_trt.export.draft import DraftModel
-from dflash_trt.export.sampling import GREEDY, Sampling, check_sampling, choose, verdict
+from dflash_trt.export.sampling import GREEDY, Sampling, check_sampling, choose, sampling_tensors, verdict
 from dflash_trt.export.target import TargetModel
 
 
@@ -46,7 +46,7 @@ class ReferenceDecoder:
         if sampling.temperature == 0:  # choose's greedy rows, without computing their unused noise
             return logits.float().argmax(dim=-1).tolist()
         position = torch.tensor(list(positions), dtype=torch.int64)
-        return choose(logits.float(), *sampling.tensors(len(positions)), position).tolist()
+        return choose(logits.float(), *sampling_tensors(sampling, len(positions)), position).tolist()
 
     def _target(self, tokens: list[int], start: int, cache) -> tuple[torch.Tensor, torch.Tensor]:
         logits, taps = self.target(

@@ -171,6 +171,14 @@ class Tokenizer:
         )
 
 
+def load_tokenizer(*directories: str | Path | None) -> Tokenizer | None:
+    """The first directory holding a tokenizer.json, as a ``Tokenizer``; None if none does."""
+    for directory in directories:
+        if directory is not None and (Path(directory) / "tokenizer.json").is_file():
+            return Tokenizer.from_dir(directory)
+    return None
+
+
 def _parts(spec: dict | None) -> list[dict]:
     """A tokenizer.json component and, for a ``Sequence``, its members (recursively)."""
     if not spec:

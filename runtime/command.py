@@ -39,21 +39,21 @@ from pathlib import Path
 
 from dflash_trt.cli import check_sampling_flags, nonnegative_int, positive_int
 from dflash_trt.errors import InputError, TokenizerError, UsageError
+from dflash_trt.export import DEFAULT_PAIR_DIR
 from dflash_trt.export.contract import DTYPES
 from dflash_trt.runtime.executor import DEFAULT_MAX_CYCLES, MAX_LAG, MAX_LAUNCH_ROUNDS, Executor  # noqa: F401  (MAX_LAG, MAX_LAUNCH_ROUNDS: for serve's flags)
 from dflash_trt.runtime.generate import collect, stream
 from dflash_trt.export.sampling import Sampling
-from dflash_trt.runtime.serving.batcher import Completion, Request
+from dflash_trt.export.tokenizer import load_tokenizer  # noqa: F401  (re-exported: the commands' tokenizer)
+from dflash_trt.runtime.serving.batcher import Request
+from dflash_trt.runtime.serving.handle import Completion
 
 BACKEND_CHOICES = ("onnxruntime", "torch", "tensorrt")
 KERNEL_CHOICES = ("auto", "fast", "exact", "eager")  # the torch backend's kernels= (torch_backend.KERNELS; not imported here: torch loads late)
 
 
 def default_pair_dir() -> Path:
-    """The embedded default pair's folder (``target/``, ``draft/``, ``prompts.jsonl``); imported lazily, so
-    building a command line does not import the export stage."""
-    from dflash_trt.export.pair import DEFAULT_PAIR_DIR
-
+    """The embedded default pair's folder (``target/``, ``draft/``, ``prompts.jsonl``)."""
     return DEFAULT_PAIR_DIR
 
 
@@ -243,16 +243,6 @@ class Prompt:
     name: str
     tokens: list[int]
     max_new_tokens: int | None = None
-
-
-def load_tokenizer(*directories: Path | None):
-    """The first directory holding a tokenizer.json, as ``export.tokenizer.Tokenizer``; None if none does."""
-    from dflash_trt.export.tokenizer import Tokenizer
-
-    for directory in directories:
-        if directory is not None and (Path(directory) / "tokenizer.json").is_file():
-            return Tokenizer.from_dir(directory)
-    return None
 
 
 def read_prompts(path: Path, tokenizer, limit: int | None = None) -> list[Prompt]:

@@ -29,7 +29,8 @@ from dflash_trt.checks import is_int
 from dflash_trt.errors import InputError, SamplingError
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor
-from dflash_trt.runtime.serving.batcher import Batcher, Chunk, Completion, Request, check_request
+from dflash_trt.runtime.serving.batcher import Batcher, Chunk, Request, check_request
+from dflash_trt.runtime.serving.handle import Completion
 from dflash_trt.runtime.sessions import SEED_LIMIT
 
 

@@ -31,6 +31,7 @@ from dflash_trt.checks import is_int
 from dflash_trt.errors import DFlashError, InputError, PoisonedError, SessionError
 from dflash_trt.export.sampling import GREEDY, SEED_LIMIT, Sampling, check_seed  # noqa: F401  (re-exported)
 from dflash_trt.runtime.cycles import block_fits
+from dflash_trt.runtime.finish import CONTEXT, LENGTH, STOP  # noqa: F401  (why an input's output ended: Output.finish; re-exported)
 from dflash_trt.runtime.ownership import RowAllocator
 
 
@@ -135,9 +136,6 @@ class SessionTable:
         if len(self.sessions) >= self.max_sessions:
             msg = f"{what}: {len(self.sessions)} sessions open, max_sessions is {self.max_sessions}"
             raise SessionError(msg)
-
-
-STOP, LENGTH, CONTEXT = "stop", "length", "context"  # why an input's output ended (Output.finish)
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import anyio
 import pydantic
@@ -64,11 +65,14 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from dflash_trt.errors import DFlashError, InputError, QueueFullError, SamplingError, ServingClosedError, TokenizerError
-from dflash_trt.runtime.serving.loop import CANCELLED, RequestHandle, ServingLoop
+from dflash_trt.runtime.serving.handle import CANCELLED, RequestHandle
 from dflash_trt.server import schema
 from dflash_trt.server.limits import BodyLimit, BodyTooLarge, Limits
 from dflash_trt.server.prometheus import ServingCollector
 from dflash_trt.server.shutdown import InFlight, Shutdown
+
+if TYPE_CHECKING:  # a front process serves a ServingClient and never imports the runtime (torch)
+    from dflash_trt.runtime.serving.loop import ServingLoop
 
 log = logging.getLogger("dflash_trt.server")
 

@@ -50,7 +50,8 @@ from pathlib import Path
 
 from dflash_trt.cli import nonnegative_int, positive_int
 from dflash_trt.errors import ServingError, UsageError
-from dflash_trt.runtime import command
+from dflash_trt.export import DEFAULT_PAIR_DIR
+from dflash_trt.export.tokenizer import load_tokenizer
 
 DEFAULT_PAIR_SESSIONS = 16  # cache rows when serving the default pair (its export says 4, for the demo)
 DEFAULT_PAIR_MODEL = "dflash-trt-default-pair"
@@ -82,7 +83,9 @@ def positive_float(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pair = command.default_pair_dir()
+    from dflash_trt.runtime import command  # here, not at the top: an HTTP front process never loads the runtime (torch)
+
+    pair = DEFAULT_PAIR_DIR
     parser.add_argument("--artifacts", type=Path, help="export dir (manifest.json + ONNX) or engine dir; default: the embedded pair, exported to --cache")
     parser.add_argument("--backend", choices=command.BACKEND_CHOICES, default="onnxruntime")
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
@@ -166,7 +169,7 @@ def _imports():
 
 
 def _tokenizer(args):
-    tokenizer = command.load_tokenizer(args.tokenizer, args.artifacts, args.target)
+    tokenizer = load_tokenizer(args.tokenizer, args.artifacts, args.target)
     if args.chat_template is not None:
         if tokenizer is None:
             raise ServingError("--chat-template needs a tokenizer: pass --tokenizer DIR")
@@ -215,6 +218,8 @@ def serve_http(serving, names: list[str], args: argparse.Namespace, logging_conf
 
 
 def run(args: argparse.Namespace) -> int:
+    from dflash_trt.runtime import command
+
     command.check_flags(args)  # flags that cannot work together, an export the device cannot run: refused first
     check_front_flags(args)
     _imports()
@@ -347,6 +352,7 @@ def _exit_now(code: int = 0) -> None:
 def _load(args, text: bool = True, handles=None):
     """(serving loop, backend, served names): the tokenizer, the backend and its executor. ``text``: the
     loop detokenizes (False in the serving process: the front does); ``handles``: ``ServingLoop``'s."""
+    from dflash_trt.runtime import command
     from dflash_trt.runtime.executor import Executor
     from dflash_trt.runtime.serving.handle import RequestHandle
     from dflash_trt.runtime.serving.loop import ServingLoop
@@ -437,7 +443,7 @@ def _interrupt(_signal, _frame) -> None:
 
 def _model_name(args) -> str:
     """The target checkpoint's name (the default pair's own name), unless only artifacts name the model."""
-    default = Path(args.target).resolve() == (command.default_pair_dir() / "target").resolve()
+    default = Path(args.target).resolve() == (DEFAULT_PAIR_DIR / "target").resolve()
     if args.artifacts is None or _exported_here(args):
         return DEFAULT_PAIR_MODEL if default else Path(args.target).resolve().name
     return Path(args.artifacts).resolve().name

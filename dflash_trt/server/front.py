@@ -36,9 +36,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from dflash_trt.errors import ServingClosedError, ServingError, TokenizerError
-from dflash_trt.export.sampling import Sampling
-from dflash_trt.runtime.serving.batcher import STOP, Completion
-from dflash_trt.runtime.serving.handle import CANCELLED, Delta, RequestHandle
+from dflash_trt.export.sampling_params import Sampling
+from dflash_trt.runtime.finish import STOP
+from dflash_trt.runtime.serving.handle import CANCELLED, Completion, Delta, RequestHandle
 from dflash_trt.runtime.serving.text import TextStream, detokenize, stop_strings
 from dflash_trt.server import serving_process, wire
 from dflash_trt.server.children import ended, exit_code

@@ -21,6 +21,8 @@ them: ``histogram_quantile(0.99, rate(dflash_trt_time_to_first_token_seconds_buc
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -28,8 +30,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from dflash_trt.runtime.serving.loop import ServingLoop
 from dflash_trt.runtime.serving.metrics import OUTCOMES, Histogram
+
+if TYPE_CHECKING:  # a front process scrapes a ServingClient and never imports the runtime (torch)
+    from dflash_trt.runtime.serving.loop import ServingLoop
 
 PREFIX = "dflash_trt"
 HISTOGRAMS = (  # (family, help, ServingMetrics.histograms key)

@@ -24,9 +24,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dflash_trt.export.sampling import Sampling
-from dflash_trt.runtime.serving.batcher import CONTEXT, LENGTH, STOP
-from dflash_trt.runtime.serving.loop import CANCELLED
+from dflash_trt.export.sampling_params import Sampling
+from dflash_trt.runtime.finish import CANCELLED, CONTEXT, LENGTH, STOP
 
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
 SEED_MAX = (1 << 64) - 1

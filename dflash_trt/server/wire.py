@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from dflash_trt import errors
 from dflash_trt.errors import DFlashError
-from dflash_trt.export.sampling import Sampling
+from dflash_trt.export.sampling_params import Sampling
 
 # A delivery item: (key, new token ids, finish or None). Tuples, not objects: a round of 64 requests is
 # one small pickle.

@@ -12,7 +12,7 @@ when the context is full (its next token would sit at ``max_context``).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dflash_trt.checks import is_int
 from dflash_trt.errors import DFlashError, InputError, SamplingError
@@ -47,13 +47,6 @@ class Chunk:
     tokens: list[int]
     finish: str | None = None
     error: DFlashError | None = None
-
-
-@dataclass
-class Completion:
-    tokens: list[int] = field(default_factory=list)
-    finish: str | None = None
-    text: str | None = None
 
 
 @dataclass

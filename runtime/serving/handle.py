@@ -19,11 +19,18 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from dflash_trt.runtime.serving.batcher import Completion
+from dflash_trt.runtime.finish import CANCELLED  # noqa: F401  (re-exported)
 
-CANCELLED = "cancelled"  # finish reason of a cancelled request (beside generate's stop / length / context)
+
+@dataclass
+class Completion:
+    """A request's end: every token it produced, why it ended, and its text (None without a tokenizer)."""
+
+    tokens: list[int] = field(default_factory=list)
+    finish: str | None = None
+    text: str | None = None
 
 
 @dataclass(frozen=True)
