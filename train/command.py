@@ -6,7 +6,8 @@
 - ``draft``: a DFlash draft for ANY target checkpoint ``--target`` (its own
   tokenizer.json encodes the corpus); only the draft trains. With
   ``--regenerate-s`` it trains on text the target writes from corpus prefixes;
-  ``--init-draft`` warm-starts from an earlier draft.
+  ``--init-draft`` warm-starts from an earlier draft (``--draft-layers`` above its count grows it: the new
+  layers start as exact identities), ``--regen-seed`` gives a warm start new text.
 - ``prompts``: code prompts cut from held-out files → a JSON-lines file.
 - ``eval``: τ at each ``--temperature`` with the reference decoder (and,
   with ``--val-loss``, the target's held-out loss on the corpus).

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from dflash_trt.runtime.finish import CANCELLED  # noqa: F401  (re-exported)
+from dflash_trt.runtime.finish import CANCELLED
 
 
 @dataclass
