@@ -35,18 +35,19 @@ import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
-
+from typing import TYPE_CHECKING
 
 from dflash_trt.cli import check_sampling_flags, nonnegative_int, positive_int
 from dflash_trt.errors import InputError, TokenizerError, UsageError
 from dflash_trt.export import DEFAULT_PAIR_DIR
 from dflash_trt.export.contract import DTYPES
-from dflash_trt.runtime.executor import DEFAULT_MAX_CYCLES, MAX_LAG, MAX_LAUNCH_ROUNDS, Executor  # noqa: F401  (MAX_LAG, MAX_LAUNCH_ROUNDS: for serve's flags)
-from dflash_trt.runtime.generate import collect, stream
-from dflash_trt.export.sampling import Sampling
+from dflash_trt.export.sampling_params import Sampling
 from dflash_trt.export.tokenizer import load_tokenizer  # noqa: F401  (re-exported: the commands' tokenizer)
-from dflash_trt.runtime.serving.batcher import Request
+from dflash_trt.runtime.limits import DEFAULT_MAX_CYCLES, MAX_LAG, MAX_LAUNCH_ROUNDS  # noqa: F401  (MAX_LAG, MAX_LAUNCH_ROUNDS: for serve's flags)
 from dflash_trt.runtime.serving.handle import Completion
+
+if TYPE_CHECKING:  # the engine loads where a command runs it, not where its flags are built (serve's first front)
+    from dflash_trt.runtime.executor import Executor
 
 BACKEND_CHOICES = ("onnxruntime", "torch", "tensorrt")
 KERNEL_CHOICES = ("auto", "fast", "exact", "eager")  # the torch backend's kernels= (torch_backend.KERNELS; not imported here: torch loads late)
@@ -290,6 +291,9 @@ def fit_prompt(tokens: list[int], max_context: int, room: int) -> list[int]:
 
 def serve(executor: Executor, prompts: list[Prompt], args, stop: tuple[int, ...]) -> list[Completion]:
     """Every prompt through ``generate.stream`` (its time is in the stats: ``summary``)."""
+    from dflash_trt.runtime.generate import collect, stream
+    from dflash_trt.runtime.serving.batcher import Request
+
     requests = [
         Request(p.tokens, p.max_new_tokens or args.max_new_tokens, stop, Sampling(args.temperature, args.top_k, args.top_p, args.seed + i))
         for i, p in enumerate(prompts)
@@ -381,6 +385,8 @@ def run(args: argparse.Namespace) -> int:
 
 def make_executor(backend, args, speculate: bool) -> Executor:
     """A finite job's executor: every stats row kept."""
+    from dflash_trt.runtime.executor import Executor
+
     return Executor(backend, max_sessions=args.max_sessions, stats_rows=None, speculate=speculate, max_cycles=args.max_cycles,
                     policy=getattr(args, "policy", "adaptive"))
 

@@ -85,6 +85,7 @@ from dflash_trt.runtime.cycles import (
 )
 from dflash_trt.runtime.device_loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_COLUMN, PROPOSALS_COLUMN, DeviceLoop, Launch, check_glue, padded
 from dflash_trt.runtime.launches import Group, Lane, LoopShape, run_launches
+from dflash_trt.runtime.limits import DEFAULT_MAX_CYCLES, MAX_LAG, MAX_LAUNCH_ROUNDS  # noqa: F401  (re-exported)
 from dflash_trt.runtime.policy import DRAIN, POLICIES, Choice, make_policy
 from dflash_trt.runtime.prefill import PREFILL_QUANTUM, PrefillLaunch, PrefillPrograms, Prompt
 from dflash_trt.runtime.sessions import CONTEXT, ContextPool, Input, Limits, Output, Session, SessionTable, SessionView, Step, int_in, validate_batch
@@ -144,13 +145,6 @@ class Admission(NamedTuple):
 
 
 LOG = logging.getLogger(__name__)
-# Rounds one execute may run per owner group. Each execute boundary costs host work with nothing queued on
-# the device (~0.5 ms on an H200's host), so more rounds per execute pay it less often; cancels, stop strings
-# and queued requests that could join end an execute after its round (the serving loop's should_yield),
-# so a larger cap delays none of them. benchmarks/RESULTS.md: 8 -> 32 rounds, H200, default pair.
-DEFAULT_MAX_CYCLES = 32
-MAX_LAG = 3  # launches a lane may keep queued beyond the one read (``lag``): each adds a ring entry per row
-MAX_LAUNCH_ROUNDS = 8  # rounds one launch may run (``launch_rounds``): each is captured in every program's graph
 
 def _target_tokens(steps: list[Step]) -> int:
     """The target tokens an execute's inputs fed (its stats row): every input's but the pending-decode ones'."""
