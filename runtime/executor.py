@@ -146,6 +146,7 @@ class Admission(NamedTuple):
 
 LOG = logging.getLogger(__name__)
 
+
 def _target_tokens(steps: list[Step]) -> int:
     """The target tokens an execute's inputs fed (its stats row): every input's but the pending-decode ones'."""
     return sum(len(step.tokens) for step in steps if not step.fast)
