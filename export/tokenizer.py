@@ -110,13 +110,16 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``. Runs in ``encode_batch``, which releases the GIL while it tokenizes
-        (``encode`` holds it: 2 s for 3 MB of code, every other thread stalled)."""
+        """Token ids of ``text``. Runs in ``encode_batch_fast`` (``encode_batch`` where the installed tokenizers
+        lacks it), which releases the GIL while it tokenizes (``encode`` holds it: 2 s for 3 MB of code, every
+        other thread stalled) and skips the character offsets nobody here reads: 95 against 130 µs for a
+        600-character prompt, 0.30 against 0.54 s for 1 MB of code."""
         if not isinstance(text, str):
             msg = f"text to tokenize must be a str, got {type(text).__name__}"
             raise TokenizerError(msg, param="prompt")
+        encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
         try:
-            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+            return encode([text], add_special_tokens=add_special_tokens)[0].ids
         except TypeError as error:  # the Rust side takes valid Unicode only
             at = next((i for i, ch in enumerate(text) if 0xD800 <= ord(ch) <= 0xDFFF), None)
             if at is None:
