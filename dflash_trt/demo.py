@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from dflash_trt.cli import check_sampling_flags, positive_int
+from dflash_trt.export import DEFAULT_PAIR_DIR
 from dflash_trt.runtime import command
 from dflash_trt.runtime.command import check_runnable_export
 from dflash_trt.runtime.executor import Executor
@@ -48,7 +49,7 @@ DEMO_PROMPTS, DEMO_NEW_TOKENS = 8, 128  # dflash-trt bench's workload: the main 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pair = command.default_pair_dir()
+    pair = DEFAULT_PAIR_DIR
     parser.add_argument("--target", type=Path, default=pair / "target", help="target checkpoint (default: the embedded pair)")
     parser.add_argument("--draft", type=Path, default=pair / "draft", help="draft checkpoint (default: the embedded pair)")
     parser.add_argument("--prompts", type=Path, default=pair / "prompts.jsonl", help="JSONL of {prompt | tokens, name?}")

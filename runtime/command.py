@@ -53,11 +53,6 @@ BACKEND_CHOICES = ("onnxruntime", "torch", "tensorrt")
 KERNEL_CHOICES = ("auto", "fast", "exact", "eager")  # the torch backend's kernels= (torch_backend.KERNELS; not imported here: torch loads late)
 
 
-def default_pair_dir() -> Path:
-    """The embedded default pair's folder (``target/``, ``draft/``, ``prompts.jsonl``)."""
-    return DEFAULT_PAIR_DIR
-
-
 def default_cache_dir() -> Path:
     """The user's dflash-trt cache (``export.identity.default_cache_dir``), imported lazily."""
     from dflash_trt.export import identity
@@ -67,7 +62,7 @@ def default_cache_dir() -> Path:
 
 def add_arguments(parser: argparse.ArgumentParser, out_required: bool = True) -> None:
     """``out_required``: --out must be given (``bench --serve`` writes nothing unless asked)."""
-    pair = default_pair_dir()
+    pair = DEFAULT_PAIR_DIR
     parser.add_argument("--artifacts", type=Path, help="export dir (manifest.json + ONNX), or engine dir for tensorrt; default: "
                         "--target/--draft exported to --cache (onnxruntime) or run as checkpoints (torch)")
     parser.add_argument("--backend", choices=BACKEND_CHOICES, default="onnxruntime")
@@ -146,7 +141,7 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.backend == "torch" and args.artifacts is not None and (args.target is None or args.draft is None):
         raise UsageError("--backend torch with --artifacts needs --target and --draft (checkpoint dirs; the artifacts give the dims)")
     if args.artifacts is None:
-        pair = default_pair_dir()
+        pair = DEFAULT_PAIR_DIR
         args.target, args.draft = args.target or pair / "target", args.draft or pair / "draft"
     elif args.backend == "onnxruntime":
         check_runnable_export(args.artifacts, args.device or "cpu")

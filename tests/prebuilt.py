@@ -91,9 +91,7 @@ def default_pair_cache(cache) -> Path:
     import argparse
 
     from dflash_trt import demo
-    from dflash_trt.runtime import command
-
-    pair = command.default_pair_dir()
+    from dflash_trt.export import DEFAULT_PAIR_DIR as pair
 
     def build(root: Path) -> None:
         demo.export_dir(argparse.Namespace(artifacts=None, target=pair / "target", draft=pair / "draft", cache=root))

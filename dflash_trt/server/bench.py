@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_trt.errors import InputError, ServingError
+from dflash_trt.export import DEFAULT_PAIR_DIR
 
 PERCENTILES = (50, 90, 99)
 
@@ -54,9 +55,7 @@ class Record:
 def read_prompts(path: Path | None) -> list[str | list[int]]:
     """Prompts of a JSONL file (``prompt`` text or ``tokens`` ids per line); default: the default pair's."""
     if path is None:
-        from dflash_trt.demo import default_pair_dir
-
-        path = default_pair_dir() / "prompts.jsonl"
+        path = DEFAULT_PAIR_DIR / "prompts.jsonl"
     prompts = []
     for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
         if line.strip():

@@ -78,6 +78,18 @@ def usage_error(capsys, argv: list[str]) -> str:
     return lines[0]
 
 
+def test_bench_serve_prompts_default_to_the_default_pairs():
+    """Guards against ``bench --serve``'s prompt reader failing on its own default (no file given): it
+    imported a name the demo module does not have (ImportError); it must read the default pair's held-out
+    prompts, the same texts as reading that file by name."""
+    from dflash_trt.export import DEFAULT_PAIR_DIR
+    from dflash_trt.server.bench import read_prompts
+
+    prompts = read_prompts(None)
+    assert len(prompts) == 64 and prompts == read_prompts(DEFAULT_PAIR_DIR / "prompts.jsonl")
+    assert all(isinstance(prompt, str) and prompt for prompt in prompts)
+
+
 @pytest.mark.parametrize(("value", "words"), [("-5", "got -5"), ("0", "got 0"), ("x", "got 'x'")])
 def test_generate_refuses_a_bad_token_count_in_one_line(value, words, capsys):
     """Guards against `generate --max-new-tokens -5` crashing with a traceback and `0` still producing a
