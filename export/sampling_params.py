@@ -104,5 +104,3 @@ def check_sampling(temperature: float, top_k: int, top_p: float, vocab_size: int
     if not _real(top_p) or not math.isfinite(top_p) or not FLOAT32_TINY <= top_p <= 1:
         raise SamplingError(f"top_p must be a real number in [{FLOAT32_TINY}, 1] (float32 normal, > 0), got {top_p!r}", param="top_p")
     return float(temperature), int(top_k), float(top_p)
-
-
