@@ -61,7 +61,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--attention-block-n", type=int, default=None, help="the exact attention's inner step (ExactOps' default without)")
     parser.add_argument("--attention-stages", type=int, default=None, help="the exact attention's loads in flight (ExactOps' default without)")
     parser.add_argument("--pdl", choices=("auto", "off", "on"), default="auto",
-                        help="programmatic dependent launch (auto: the ops' default: off unless DFLASH_TRT_PDL=1)")
+                        help="programmatic dependent launch (auto: the ops' default: on where capable unless DFLASH_TRT_PDL=0)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[CONTEXT], help="the attention section's contexts (default 2048)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {','.join(SECTIONS)} (the graph rows always run)")
     args = parser.parse_args()

@@ -275,24 +275,26 @@ def test_overlapped_launches_are_asked_for_only_where_they_run(monkeypatch):
     """Bug: ops asked to overlap launches (``pdl=True``) on a device that cannot (the CPU, Triton's interpreter)
     launch anyway — Triton fails deep in its launcher, or the interpreter meets an instruction it lacks —
     instead of a typed error naming the field; or ops left to choose overlap launches where they cannot, or
-    where nobody asked (``DFLASH_TRT_PDL=1`` asks; off by default), or ignore the ask."""
+    where they were turned off (``DFLASH_TRT_PDL=0``; on by default where capable), or ignore the ops' own
+    choice."""
     from dflash_trt.runtime.kernels import triton_ops
     from dflash_trt.runtime.kernels.triton_ops import TritonOps
 
     cpu = torch.device("cpu")
-    assert TritonOps().launch(cpu) == {"PDL": False}
+    monkeypatch.delenv("DFLASH_TRT_PDL", raising=False)
+    assert TritonOps().launch(cpu) == {"PDL": False}  # the default, where not capable
     assert TritonOps(pdl=False).launch(cpu) == {"PDL": False}
     with pytest.raises(ValueError, match="pdl: programmatic dependent launch needs an sm90\\+ CUDA device .* got cpu"):
         TritonOps(pdl=True).launch(cpu)
-    monkeypatch.setenv("DFLASH_TRT_PDL", "1")
-    assert TritonOps().launch(cpu) == {"PDL": False}  # asked for, not capable
     monkeypatch.setattr(triton_ops, "pdl_capable", lambda device: True)  # as on an H100 / H200
     on = {"PDL": True, "launch_pdl": True}
-    assert TritonOps().launch(cpu) == on
+    assert TritonOps().launch(cpu) == on  # the default, where capable
     assert TritonOps(pdl=False).launch(cpu) == {"PDL": False}  # the ops' own choice wins
-    monkeypatch.delenv("DFLASH_TRT_PDL")
-    assert TritonOps().launch(cpu) == {"PDL": False}  # the default: plain launches
-    assert TritonOps(pdl=True).launch(cpu) == on
+    monkeypatch.setenv("DFLASH_TRT_PDL", "0")
+    assert TritonOps().launch(cpu) == {"PDL": False}  # turned off
+    assert TritonOps(pdl=True).launch(cpu) == on  # the ops' own choice wins again
+    monkeypatch.setenv("DFLASH_TRT_PDL", "1")
+    assert TritonOps().launch(cpu) == on
 
 
 # ------------------------------------------------------------------ GPU
