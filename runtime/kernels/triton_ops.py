@@ -102,10 +102,12 @@ def l2_prefetch(ptr, nbytes, part, parts, CHUNK: tl.constexpr, LANES: tl.constex
     norm, the RoPE write) puts the memory bus, idle while it runs, to the next product's weight, which that
     product then reads from L2. No value is read or written here."""
     base = ptr.to(tl.pointer_type(tl.int8))
-    lanes = tl.arange(0, LANES) * CHUNK
+    lanes = tl.arange(0, LANES).to(tl.int64) * CHUNK
     size = tl.full([LANES], CHUNK, tl.int32)
-    for start in range(part * LANES * CHUNK, nbytes, parts * LANES * CHUNK):
-        piece = tl.minimum(start + lanes, nbytes - CHUNK)  # lanes past the end repeat the last piece (a no-op)
+    end = nbytes.to(tl.int64)
+    # 64-bit offsets: a prefill's norm or RoPE write has M x heads programs (x LANES x CHUNK overflows 32 bits)
+    for start in range(part.to(tl.int64) * (LANES * CHUNK), end, parts.to(tl.int64) * (LANES * CHUNK)):
+        piece = tl.minimum(start + lanes, end - CHUNK)  # lanes past the end repeat the last piece (a no-op)
         tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r", [base + piece, size],
                                   dtype=tl.int32, is_pure=False, pack=1)
 
