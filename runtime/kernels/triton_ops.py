@@ -429,8 +429,9 @@ class TritonOps(EagerKernels):
     ``LinearPlan`` of a one-row GEMV, replacing ``plan.linear_plan``'s choice (benchmark sweeps); ``pdl``:
     launch with programmatic dependent launch (each kernel's start overlaps the previous launch's end;
     ``enter``), None: ``pdl_default``; ``prefetch_bytes`` (0: off; sm90+): the latency-bound launches before a
-    product (the RoPE write before the attention and the o projection; ``ExactOps``' norm pass) prefetch
-    the first ``prefetch_bytes`` of that product's weight into L2 (``l2_prefetch``): no value changes.
+    product (the RoPE write before the attention and the o projection; a norm pass before its product, as
+    ``ExactOps`` and the cuBLAS rows run them) prefetch the first ``prefetch_bytes`` of that product's weight into
+    L2 (``l2_prefetch``): no value changes.
     """
 
     def __init__(self, splits: int | None = None, linear_plans: dict | None = None, pdl: bool | None = None,
@@ -489,7 +490,7 @@ class TritonOps(EagerKernels):
     def _cublas_linear(self, x, weight, bias, norm, eps, gated, residual, out, out_dtype, tap):
         """M > 1: cuBLAS on the fused weight; RMSNorm, SiLU·mul and the residual around it."""
         if norm is not None:
-            x = self.rms_norm(x, norm, eps)
+            x = self.rms_norm(x, norm, eps, prefetch=weight)
         if residual is not None and out is not None and out.data_ptr() == residual.data_ptr() and bias is None and not gated:
             out.addmm_(x, weight.t())  # the residual added by cuBLAS's epilogue, in place
             if tap is not None:
