@@ -5,7 +5,6 @@
                                                     #   winners then run the timings; ~5 min
     python benchmarks/exact_kernels.py --sections gemm   # the graph rows and one kernel section only
     python benchmarks/exact_kernels.py --pdl on      # every kernel's start overlapping its predecessor's end
-    python benchmarks/exact_kernels.py --sections profile --prefetch-mb 8 24   # + exact backends warming L2
     bash benchmarks/run_exact_sweep.sh              # the sweep run, then the gpu tests (one device call, <= 8 min)
 
 Builds gpu_graphs.py's random bf16 pair on the device (target 36 layers, hidden 4096, 32/8 heads x 128,
@@ -25,10 +24,6 @@ FFN 12288, vocab 151936; draft 5 layers, block 16), then, for kernels = "fast" a
   same positions on the same cache: how many of the 16 rows have the same logits bits, the same argmax;
 - ``profile``: each graph's kernels under torch.profiler: the per-layer block's kernels (µs each), what runs
   outside it, and the gaps between kernels (the graph's device time less its kernels' sum).
-
-``--prefetch-mb MB ...``: one more exact backend per value (``ExactOps(prefetch_bytes=MB MiB)``, labelled
-``exact_pfMB``): its graph rows and exactness rows, and whether its AR step's logits are the plain exact
-backend's bit for bit (the prefetch moves bytes into L2, never a value); ``--sections ""`` runs no kernel section.
 
 Prints a table and ends with one JSON line; rows are appended to ``--results`` (default
 benchmarks/results.jsonl) and the whole report is written to ``$OUT/exact_kernels.json`` when ``OUT`` is set;
@@ -68,11 +63,9 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--pdl", choices=("auto", "off", "on"), default="auto",
                         help="programmatic dependent launch (auto: the ops' default: on where capable unless DFLASH_TRT_PDL=0)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[CONTEXT], help="the attention section's contexts (default 2048)")
-    parser.add_argument("--prefetch-mb", type=float, nargs="*", default=[],
-                        help="one more exact backend per value, prefetching that many MiB of each product's weight into L2")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {','.join(SECTIONS)} (the graph rows always run)")
     args = parser.parse_args()
-    unknown = set(filter(None, args.sections.split(","))) - set(SECTIONS)
+    unknown = set(args.sections.split(",")) - set(SECTIONS)
     if unknown:
         parser.error(f"--sections: {sorted(unknown)} not among {list(SECTIONS)}")
     return args
@@ -320,8 +313,7 @@ def table(data: dict) -> str:
 def summary(data: dict) -> dict:
     by = {(r["kernels"], r["owners"]): r for r in data.get("graph_rows") or []}
     out = {}
-    labels = list(dict.fromkeys(kernels for kernels, _ in by))  # fast, exact, exact_pf...
-    for label in labels:
+    for label in ("fast", "exact"):
         if (label, 1) in by:
             out[f"{label}_ar_step_ms"] = by[(label, 1)]["ar_step_ms"]
             out[f"{label}_ar_roofline_fraction"] = by[(label, 1)]["ar_roofline_fraction"]
@@ -330,9 +322,7 @@ def summary(data: dict) -> dict:
                 out[f"{label}_cycle_cost_ratio_n{n}"] = by[(label, n)]["cycle_cost_ratio"]
     if data.get("exact_tiles"):
         out["exact_tiles"] = data["exact_tiles"]
-    for label in labels:
-        if data.get(f"{label}_same_bits") is not None:
-            out[f"{label}_same_bits"] = data[f"{label}_same_bits"]
+    for label in ("fast", "exact"):
         if data.get(f"{label}_exactness"):
             out[f"{label}_identical_rows"] = {k: v["identical_logits"] for k, v in data[f"{label}_exactness"].items()}
     return out
@@ -349,23 +339,6 @@ def measure(report, label: str, kernels, target, draft, dims, reps: int):
     report.data.setdefault("graph_rows", []).extend(rows or [])
     report.section(f"{label}_exactness", lambda: exactness(backend, dims))
     return backend
-
-
-def same_ar_bits(exact, other, dims) -> bool:
-    """Whether two backends' AR steps give the same logits bits at context 2048 on the same random caches."""
-    import torch
-
-    logits = []
-    for backend in (exact, other):
-        gg.fill_pools(backend)
-        ar = gg.ArStep(backend, gg.Feeds(dims, 1, CONTEXT))
-        ar.at(CONTEXT)
-        ar()
-        backend.synchronize()
-        logits.append(ar.outputs[0].clone())
-    same = bool(torch.equal(logits[0].view(torch.int32), logits[1].view(torch.int32)))
-    print(f"  AR step logits bit-identical to the exact backend's: {same}", flush=True)
-    return same
 
 
 def run_sweep(report, fast_backend, args, out_dir, attention: dict):
@@ -413,11 +386,6 @@ def main() -> int:
     if args.sweep:
         exact = report.section("sweep", lambda: run_sweep(report, backends["fast"], args, out_dir, attention), keep=False) or exact
     backends["exact"] = measure(report, "exact", exact, target, draft, dims, args.reps)
-    for mb in args.prefetch_mb:
-        label = f"exact_pf{mb:g}"
-        warmed = ExactOps(**attention, prefetch_bytes=int(mb * 2**20))
-        backends[label] = measure(report, label, warmed, target, draft, dims, args.reps)
-        report.section(f"{label}_same_bits", lambda b=backends[label]: same_ar_bits(backends["exact"], b, dims))
     sections = {
         "gemm": lambda: gemm_times(backends, args.reps),
         "attention": lambda: gg.attention_times(backends, args.contexts, args.reps),
@@ -428,7 +396,7 @@ def main() -> int:
         "stages": lambda: stages_times(backends["exact"], args.reps),
         "profile": lambda: profile_times(backends, dims, args.reps),
     }
-    for name in filter(None, args.sections.split(",")):
+    for name in args.sections.split(","):
         report.section(f"{name}_us", sections[name])
     for backend in backends.values():
         backend.close()

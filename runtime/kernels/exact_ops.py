@@ -441,17 +441,15 @@ class ExactOps(TritonOps):
     value); ``attention_stages``: key / value loads in flight per attention program (the software pipeline's
     depth: when each load is issued, never what is summed; the same bits at every depth; default
     ``plan.exact_attention_stages`` within ``shared_bytes``); ``pdl``: ``TritonOps``' (launch overlap only: the
-    same arithmetic); ``prefetch_bytes``: ``TritonOps``' (the norm pass before a product warms L2 with the
-    first ``prefetch_bytes`` of that product's weight: where bytes come from, never what is summed).
+    same arithmetic).
     """
 
     kind = "exact"  # what TorchBackend(kernels=ExactOps(...)) reports as its kernels
 
     def __init__(self, split_slots: int = EXACT_SPLIT_SLOTS, linear_plans: dict | None = None, partial_bytes: int = EXACT_PARTIAL_BYTES,
                  workspace_bytes: int = EXACT_WORKSPACE_BYTES, combine_in_kernel: bool = True, block_q: int = EXACT_BLOCK_Q,
-                 block_n: int | None = None, attention_warps: int = 4, attention_stages: int | None = None, pdl: bool | None = None,
-                 prefetch_bytes: int = 0) -> None:
-        super().__init__(pdl=pdl, prefetch_bytes=prefetch_bytes)
+                 block_n: int | None = None, attention_warps: int = 4, attention_stages: int | None = None, pdl: bool | None = None) -> None:
+        super().__init__(pdl=pdl)
         if attention_warps not in (1, 2, 4, 8):
             raise ValueError(f"attention_warps must be 1, 2, 4 or 8, got {attention_warps}")
         if attention_stages is not None and attention_stages not in range(1, 7):
@@ -480,7 +478,7 @@ class ExactOps(TritonOps):
             # the norm's sum of squares) by the pointer's and the row stride's alignment.
             x = x.clone(memory_format=torch.contiguous_format)
         if norm is not None:
-            x = self.rms_norm(x, norm, eps, prefetch=weight)  # one program per row: the row's bits whatever M is
+            x = self.rms_norm(x, norm, eps)  # one program per row: the row's bits whatever M is
         if out is None:
             out = torch.empty((M, N), dtype=out_dtype or weight.dtype, device=x.device)
         plan = self.linear_plan(N, K, gated, weight.element_size(), x.device)

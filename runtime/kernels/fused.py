@@ -144,8 +144,7 @@ class FastLayers:
         n = x.shape[0] // tokens
         qkv = ops.linear(x, L.qkv, bias=L.qkv_bias, norm=L.input_norm, eps=L.eps)
         q = ops.qk_rope_write(
-            qkv, start, tokens, L.heads, L.kv_heads, L.head_dim, L.q_norm, L.k_norm, L.eps, self.inv_freq, k_cache, v_cache, rows, lengths,
-            prefetch=L.o,  # the o projection's weight, read after the attention (which leaves the memory bus idle)
+            qkv, start, tokens, L.heads, L.kv_heads, L.head_dim, L.q_norm, L.k_norm, L.eps, self.inv_freq, k_cache, v_cache, rows, lengths
         )  # [n, T, Hq, D]
         attended = ops.attention(q.transpose(1, 2), k_cache, v_cache, rows, positions, kv_len, L.causal, L.window)
         attended = attended.transpose(1, 2).reshape(n * tokens, L.heads * L.head_dim)

@@ -98,15 +98,13 @@ class TorchOps(EagerKernels):
         v_cache: torch.Tensor,
         rows: torch.Tensor | None = None,
         lengths: torch.Tensor | None = None,
-        prefetch: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """qkv [n*T, (heads + 2 kv_heads) * D] of rows at positions start[i] + t (slot = position).
 
         Writes K (k-norm, RoPE) and V at those slots of the caches [n, kv_heads, L, D] (or, with
         ``rows`` [n], of rows rows[i] of whole pools [R, kv_heads, L, D]); with ``lengths`` [n] only
         the first lengths[i] rows of owner i are written (a ragged batch padded to T). Returns Q
-        [n, T, heads, D] (q-norm, RoPE), or None when ``heads`` is 0 (a K|V-only input). ``prefetch``: a
-        weight the next launch reads (the CUDA kernels warm L2 with it; nothing to do here).
+        [n, T, heads, D] (q-norm, RoPE), or None when ``heads`` is 0 (a K|V-only input).
         """
         n, D = qkv.shape[0] // tokens, head_dim
         positions = start[:, None] + torch.arange(tokens, device=start.device)  # [n, T]

@@ -88,33 +88,6 @@ def release(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-PREFETCH_CHUNK = 4096  # bytes of one bulk L2 prefetch (a lane's instruction; a multiple of 16)
-
-
-def prefetch_capable(device: torch.device) -> bool:
-    """Whether kernels on ``device`` can prefetch into L2 in bulk (``cp.async.bulk.prefetch.L2``: sm90+, not the
-    CPU interpreter)."""
-    return compiled_sm90(device)
-
-
-@triton.jit
-def l2_prefetch(ptr, nbytes, part, parts, CHUNK: tl.constexpr, LANES: tl.constexpr):
-    """Part ``part`` of ``parts`` of a prefetch of bytes [0, nbytes) at ``ptr`` into L2 (nbytes a multiple of
-    CHUNK, at least one; ptr 16-byte aligned): each lane asks for CHUNK-byte pieces and goes on (fire and
-    forget: nothing waits for the bytes). For a weight only a later launch reads: a latency-bound kernel (a
-    norm, the RoPE write) puts the memory bus, idle while it runs, to the next product's weight, which that
-    product then reads from L2. No value is read or written here."""
-    base = ptr.to(tl.pointer_type(tl.int8))
-    lanes = tl.arange(0, LANES).to(tl.int64) * CHUNK
-    size = tl.full([LANES], CHUNK, tl.int32)
-    end = nbytes.to(tl.int64)
-    # 64-bit offsets: a prefill's norm or RoPE write has M x heads programs (x LANES x CHUNK overflows 32 bits)
-    for start in range(part.to(tl.int64) * (LANES * CHUNK), end, parts.to(tl.int64) * (LANES * CHUNK)):
-        piece = tl.minimum(start + lanes, end - CHUNK)  # lanes past the end repeat the last piece (a no-op)
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r", [base + piece, size],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, stride_wn, b_ptr, g_ptr, r_ptr, o_ptr, t_ptr, N, K, eps,
@@ -209,14 +182,10 @@ def _embed_kernel(tokens_ptr, stride_tn, table_ptr, stride_v, start_ptr, x_ptr, 
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, stride_xm, g_ptr, y_ptr, stride_ym, K, eps, pf_ptr, pf_bytes, BK: tl.constexpr,
-                     PREFETCH: tl.constexpr, PF_CHUNK: tl.constexpr, LANES: tl.constexpr, PDL: tl.constexpr = False):
-    """One row: y = x * rsqrt(mean(x^2) + eps) * g (fp32 math, one rounding). PREFETCH: first, the programs
-    share a prefetch of pf_bytes of pf_ptr into L2 (``l2_prefetch``: a constant weight, so before the wait)."""
-    m = tl.program_id(0)
-    if PREFETCH:
-        l2_prefetch(pf_ptr, pf_bytes, m, tl.num_programs(0), PF_CHUNK, LANES)
+def _rms_norm_kernel(x_ptr, stride_xm, g_ptr, y_ptr, stride_ym, K, eps, BK: tl.constexpr, PDL: tl.constexpr = False):
+    """One row: y = x * rsqrt(mean(x^2) + eps) * g (fp32 math, one rounding)."""
     enter(PDL)
+    m = tl.program_id(0)
     rk = tl.arange(0, BK)
     ok = rk < K
     x = tl.load(x_ptr + m * stride_xm + rk, mask=ok, other=0.0).to(tl.float32)
@@ -252,22 +221,17 @@ def _rms_rope(x1, x2, w_ptr, half, cos, sin, eps, D: tl.constexpr, NORM: tl.cons
 @triton.jit
 def _qk_rope_write_kernel(
     qkv_ptr, stride_m, start_ptr, freq_ptr, qn_ptr, kn_ptr, q_ptr, k_ptr, v_ptr, rows_ptr, len_ptr,
-    stride_cn, stride_ch, stride_cl, T, HQ, HKV, eps, pf_ptr, pf_bytes,
-    D: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr, LENGTHS: tl.constexpr, PREFETCH: tl.constexpr,
-    PF_CHUNK: tl.constexpr, LANES: tl.constexpr, PDL: tl.constexpr = False,
+    stride_cn, stride_ch, stride_cl, T, HQ, HKV, eps,
+    D: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr, LENGTHS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (row m, head h): h < HQ -> Q head h; else K/V head h - HQ into its cache slot.
 
     ROWS: owner i's cache row is ``rows[i]`` (a device input); else row i of the caches.
-    LENGTHS: owner i writes only its first ``lengths[i]`` rows (the rest pad a ragged batch).
-    PREFETCH: first, the programs share a prefetch of pf_bytes of pf_ptr into L2 (``l2_prefetch``; the o
-    projection's weight: the attention between this launch and that product leaves the memory bus idle)."""
-    m = tl.program_id(0)
-    h = tl.program_id(1)
-    if PREFETCH:
-        l2_prefetch(pf_ptr, pf_bytes, m * tl.num_programs(1) + h, tl.num_programs(0) * tl.num_programs(1), PF_CHUNK, LANES)
+    LENGTHS: owner i writes only its first ``lengths[i]`` rows (the rest pad a ragged batch)."""
     enter(PDL)
     release(PDL)
+    m = tl.program_id(0)
+    h = tl.program_id(1)
     i = m // T
     if ROWS:
         cache_row = tl.load(rows_ptr + i)
@@ -431,20 +395,13 @@ class TritonOps(EagerKernels):
     ``splits`` forces the attention split count; ``linear_plans`` maps (N, K, gated) to the
     ``LinearPlan`` of a one-row GEMV, replacing ``plan.linear_plan``'s choice (benchmark sweeps); ``pdl``:
     launch with programmatic dependent launch (each kernel's start overlaps the previous launch's end;
-    ``enter``), None: ``pdl_default``; ``prefetch_bytes`` (0: off; sm90+): the latency-bound launches before a
-    product (the RoPE write before the attention and the o projection; a norm pass before its product, as
-    ``ExactOps`` and the cuBLAS rows run them) prefetch the first ``prefetch_bytes`` of that product's weight into
-    L2 (``l2_prefetch``): no value changes.
+    ``enter``), None: ``pdl_default``.
     """
 
-    def __init__(self, splits: int | None = None, linear_plans: dict | None = None, pdl: bool | None = None,
-                 prefetch_bytes: int = 0) -> None:
-        if prefetch_bytes < 0:
-            raise ValueError(f"prefetch_bytes must be >= 0 (0: no L2 prefetch), got {prefetch_bytes}")
+    def __init__(self, splits: int | None = None, linear_plans: dict | None = None, pdl: bool | None = None) -> None:
         self.splits = splits
         self.linear_plans = dict(linear_plans or {})
         self.pdl = pdl
-        self.prefetch_bytes = prefetch_bytes
         self._processors: dict[int, int] = {}
         self._launch: dict[str, dict] = {}
 
@@ -493,7 +450,7 @@ class TritonOps(EagerKernels):
     def _cublas_linear(self, x, weight, bias, norm, eps, gated, residual, out, out_dtype, tap):
         """M > 1: cuBLAS on the fused weight; RMSNorm, SiLU·mul and the residual around it."""
         if norm is not None:
-            x = self.rms_norm(x, norm, eps, prefetch=weight)
+            x = self.rms_norm(x, norm, eps)
         if residual is not None and out is not None and out.data_ptr() == residual.data_ptr() and bias is None and not gated:
             out.addmm_(x, weight.t())  # the residual added by cuBLAS's epilogue, in place
             if tap is not None:
@@ -527,30 +484,12 @@ class TritonOps(EagerKernels):
         )
         return (x if scale == 1.0 else x * scale), positions, lengths
 
-    def prefetch(self, weight: torch.Tensor | None, unread: torch.Tensor) -> dict:
-        """A kernel's prefetch arguments: the first ``prefetch_bytes`` of ``weight`` (whole PREFETCH_CHUNKs of it),
-        or none (no weight, ``prefetch_bytes`` 0, a weight not 16-byte aligned or not contiguous): ``unread``
-        then stands in for the pointer. Asked for where it cannot run: a ValueError naming the field."""
-        off = {"pf_ptr": unread, "pf_bytes": 0, "PREFETCH": False, "PF_CHUNK": PREFETCH_CHUNK}
-        if weight is None or not self.prefetch_bytes:
-            return off
-        if not prefetch_capable(unread.device):
-            raise ValueError(f"prefetch_bytes: an L2 prefetch needs an sm90+ CUDA device, got {unread.device} "
-                             f"(prefetch_bytes={self.prefetch_bytes})")
-        nbytes = min(self.prefetch_bytes, weight.numel() * weight.element_size()) // PREFETCH_CHUNK * PREFETCH_CHUNK
-        if not nbytes or weight.data_ptr() % 16 or not weight.is_contiguous():
-            return off
-        return off | {"pf_ptr": weight, "pf_bytes": nbytes, "PREFETCH": True}
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-        """RMSNorm of each row of x [M, K] (unit inner stride), one pass; ``prefetch``: a weight the next
-        launch reads, its first ``prefetch_bytes`` put into L2 while the norm runs (``l2_prefetch``)."""
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of each row of x [M, K] (unit inner stride), one pass."""
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         block = triton.next_power_of_2(x.shape[1])
-        warps = 4 if block <= 4096 else 8
         _rms_norm_kernel[(x.shape[0],)](
-            x, x.stride(0), weight, y, y.stride(0), x.shape[1], eps, BK=block, LANES=32 * warps, num_warps=warps,
-            **self.prefetch(prefetch, x), **self.launch(x.device),
+            x, x.stride(0), weight, y, y.stride(0), x.shape[1], eps, BK=block, num_warps=4 if block <= 4096 else 8, **self.launch(x.device)
         )
         return y
 
@@ -562,24 +501,21 @@ class TritonOps(EagerKernels):
         return y
 
     def qk_rope_write(
-        self, qkv, start, tokens, heads, kv_heads, head_dim, q_norm, k_norm, eps, inv_freq, k_cache, v_cache, rows=None, lengths=None,
-        prefetch=None,
+        self, qkv, start, tokens, heads, kv_heads, head_dim, q_norm, k_norm, eps, inv_freq, k_cache, v_cache, rows=None, lengths=None
     ):
         """See ``TorchOps.qk_rope_write``. Caches: [n, kv_heads, L, D] views with unit inner stride, or
         whole pools [R, kv_heads, L, D] with ``rows`` [n] (owner i writes row rows[i]); ``lengths`` [n]:
-        owner i writes its first lengths[i] rows only; ``prefetch``: as ``rms_norm``'s."""
+        owner i writes its first lengths[i] rows only."""
         M = qkv.shape[0]
         n = M // tokens
         q = torch.empty((n, tokens, heads, head_dim), dtype=qkv.dtype, device=qkv.device) if heads else qkv
         norm = k_norm is not None
         q_weight = q_norm if q_norm is not None else (k_norm if norm else inv_freq)  # unread when there is no Q
-        warps = 1 if head_dim <= 64 else 2
         _qk_rope_write_kernel[(M, heads + kv_heads)](
             qkv, qkv.stride(0), start, inv_freq, q_weight, k_norm if norm else inv_freq,
             q, k_cache, v_cache, rows if rows is not None else start, lengths if lengths is not None else start,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tokens, heads, kv_heads, eps, D=head_dim, NORM=norm,
-            ROWS=rows is not None, LENGTHS=lengths is not None, LANES=32 * warps, num_warps=warps, **self.prefetch(prefetch, qkv),
-            **self.launch(qkv.device),
+            ROWS=rows is not None, LENGTHS=lengths is not None, num_warps=1 if head_dim <= 64 else 2, **self.launch(qkv.device),
         )
         return q if heads else None
 

@@ -199,7 +199,7 @@ def test_exact_linear_launches_sum_every_row_in_one_order(monkeypatch):
             linear, total, norms = _Recorder(), _Recorder(), []
             monkeypatch.setattr(exact_ops, "_linear_kernel", linear)
             monkeypatch.setattr(exact_ops, "_split_sum_kernel", total)
-            monkeypatch.setattr(exact_ops.ExactOps, "rms_norm", lambda self, x, weight, eps, prefetch=None, norms=norms: norms.append(tuple(x.shape)) or x)
+            monkeypatch.setattr(exact_ops.ExactOps, "rms_norm", lambda self, x, weight, eps, norms=norms: norms.append(tuple(x.shape)) or x)
             ops = exact_ops.ExactOps(linear_plans={(256, 4096, True): plan}, workspace_bytes=2 * 1024**2)
             x = torch.zeros(M, 4096, dtype=torch.bfloat16)
             ops.linear(x, torch.zeros(512, 4096, dtype=torch.bfloat16), norm=torch.ones(4096, dtype=torch.bfloat16), gated=True)
@@ -360,12 +360,10 @@ def _launched_kernels() -> list[tuple]:
     shape = dict(D=128, BLOCK_Q=16, BLOCK_N=64, CAUSAL=True, WINDOW=True)
     rope = {"qkv_ptr": "*bf16", "stride_m": "i32", "start_ptr": "*i64", "freq_ptr": "*fp32", "qn_ptr": "*bf16", "kn_ptr": "*bf16",
             "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "rows_ptr": "*i64", "len_ptr": "*i64"}
-    rope |= ints("stride_cn", "stride_ch", "stride_cl", "T", "HQ", "HKV") | {"eps": "fp32", "pf_ptr": "*bf16", "pf_bytes": "i32"}
+    rope |= ints("stride_cn", "stride_ch", "stride_cl", "T", "HQ", "HKV") | {"eps": "fp32"}
     gemv = {"x_ptr": "*bf16", "w_ptr": "*bf16", "stride_wn": "i32", "b_ptr": "*bf16", "g_ptr": "*bf16", "r_ptr": "*bf16",
             "o_ptr": "*bf16", "t_ptr": "*bf16"} | ints("N", "K") | {"eps": "fp32"}
-    norm = {"x_ptr": "*bf16", "stride_xm": "i32", "g_ptr": "*bf16", "y_ptr": "*bf16", "stride_ym": "i32", "K": "i32", "eps": "fp32",
-            "pf_ptr": "*bf16", "pf_bytes": "i32"}
-    no_prefetch = dict(PREFETCH=False, PF_CHUNK=triton_ops.PREFETCH_CHUNK)
+    norm = {"x_ptr": "*bf16", "stride_xm": "i32", "g_ptr": "*bf16", "y_ptr": "*bf16", "stride_ym": "i32", "K": "i32", "eps": "fp32"}
     silu = {"h_ptr": "*bf16", "stride_hm": "i32", "y_ptr": "*bf16", "stride_ym": "i32", "N": "i32"}
     embed = {"tokens_ptr": "*i64", "stride_tn": "i32", "table_ptr": "*bf16", "stride_v": "i32", "start_ptr": "*i64", "x_ptr": "*bf16",
              "pos_ptr": "*i64", "len_ptr": "*i64"} | ints("T", "H", "mask_id")
@@ -376,12 +374,12 @@ def _launched_kernels() -> list[tuple]:
         (exact_ops._attention_kernel, exact, shape | dict(SPLIT=256, ROWS=True, COMBINE=False, INTERP=False)),
         (exact_ops._attention_kernel, exact, shape | dict(SPLIT=256, ROWS=True, COMBINE=True, INTERP=False)),
         (exact_ops._combine_kernel, combine, shape | dict(SPLIT=256)),
-        (triton_ops._qk_rope_write_kernel, rope, dict(D=128, NORM=True, ROWS=True, LENGTHS=True, LANES=64) | no_prefetch),
+        (triton_ops._qk_rope_write_kernel, rope, dict(D=128, NORM=True, ROWS=True, LENGTHS=True)),
         (triton_ops._attention_kernel, fast, dict(D=128, BLOCK_Q=64, BLOCK_N=64, CAUSAL=True, WINDOW=True, SPLIT=True, ROWS=True)),
         (triton_ops._combine_kernel, fast_combine, dict(D=128, BLOCK_Q=64, SPLITS=5, SPLITS_P2=8, ROWS=16)),
         (triton_ops._gemv_kernel, gemv, dict(NORM=True, GATED=True, BIAS=True, RESIDUAL=True, TAP=True, EVEN_K=True, BN=16, BK=512,
                                              EARLY_SUM=False)),
-        (triton_ops._rms_norm_kernel, norm, dict(BK=4096, LANES=128) | no_prefetch),
+        (triton_ops._rms_norm_kernel, norm, dict(BK=4096)),
         (triton_ops._silu_mul_kernel, silu, dict(BN=1024)),
         (triton_ops._embed_kernel, embed, dict(TOKENS=False, BH=1024)),
     ]
@@ -398,35 +396,6 @@ def test_split_sum_and_attention_kernels_compile_for_sm90():
         except ImportError as error:  # a Triton without the NVIDIA backend's compiler
             pytest.skip(f"cannot compile for sm90 here: {error!r}"[:200])
         assert "tt.func" in ir, kernel
-
-
-@needs_triton
-def test_l2_prefetch_compiles_for_sm90_and_leaves_the_arithmetic_alone():
-    """Bug: the L2 prefetch of the next product's weight (``prefetch_bytes``; a norm or the RoPE write issues it)
-    does not assemble for the GPU (ptxas refuses the bulk prefetch, or Triton drops the fire-and-forget asm whose
-    result nothing reads, so nothing is prefetched), or it changes the kernel's arithmetic (another reduction
-    layout: a norm's bits would follow whether a prefetch was asked for)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from dflash_trt.runtime.kernels import triton_ops
-
-    kernels = [(k, a, c) for k, a, c in _launched_kernels() if k in (triton_ops._rms_norm_kernel, triton_ops._qk_rope_write_kernel)]
-    assert len(kernels) == 2
-    for kernel, args, constexprs in kernels:
-        try:
-            irs = {on: _ttgir(kernel, args, {"pf_ptr"}, constexprs | {"PREFETCH": on, "PDL": False}, 4, 2) for on in (False, True)}
-        except ImportError as error:  # a Triton without the NVIDIA backend's compiler
-            pytest.skip(f"cannot compile for sm90 here: {error!r}"[:200])
-        assert _arithmetic(irs[True]) == _arithmetic(irs[False]), kernel
-        constants = constexprs | {"PREFETCH": True, "PDL": False}
-        source = ASTSource(fn=kernel, signature=args | {k: "constexpr" for k in constants}, constexprs=constants,
-                           attrs={(list(args).index("pf_ptr"),): [["tt.divisibility", 16]]})
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
-        assert "cp.async.bulk.prefetch.L2.global" in compiled.asm["ptx"], kernel
-        assert compiled.asm["cubin"], kernel  # ptxas assembled it
-        assert "cp.async.bulk.prefetch" not in irs[False], kernel  # off: no trace of it
 
 
 @needs_triton
@@ -807,31 +776,6 @@ def test_overlapped_launches_give_the_tokens_of_plain_launches():
     for mode in ("plain", "dflash"):
         for i, (plain, overlapped) in enumerate(zip(outputs[False][mode], outputs[True][mode])):
             assert plain == overlapped, f"{mode}, request {i}: overlapped launches differ at {exact_checks.first_difference(plain, overlapped)}"
-
-
-@gpu
-def test_l2_prefetch_gives_the_tokens_of_no_prefetch():
-    """Bug: the L2 prefetch of the next product's weight (issued by the norm pass and the RoPE write before their
-    wait on the launch before them) touches a value — a pointer past the weight faulting, a bulk copy written
-    somewhere, a launch argument shifted by the new parameters — so tokens change. The default pair in bf16 at
-    16 sessions, DFlash and plain decoding, greedy and sampled: the exact kernels with a prefetch of up to 1 MiB
-    per weight give every token of the same kernels without it."""
-    import exact_checks
-
-    from dflash_trt.export.pair import DEFAULT_PAIR_DIR
-    from dflash_trt.runtime.kernels.exact_ops import ExactOps
-    from dflash_trt.runtime.kernels.triton_ops import prefetch_capable
-
-    if not prefetch_capable(torch.device("cuda")):
-        pytest.skip("needs an sm90+ GPU")
-    requests = _default_pair_requests(16, 64)
-    outputs = {}
-    for prefetch in (0, 1 << 20):
-        with _bf16_backend(DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft", 16, 1024, 256, ExactOps(prefetch_bytes=prefetch)) as backend:
-            outputs[prefetch] = exact_checks.serve_both(backend, requests, 16)
-    for mode in ("plain", "dflash"):
-        for i, (plain, warmed) in enumerate(zip(outputs[0][mode], outputs[1 << 20][mode])):
-            assert plain == warmed, f"{mode}, request {i}: prefetching launches differ at {exact_checks.first_difference(plain, warmed)}"
 
 
 @gpu

@@ -297,32 +297,6 @@ def test_overlapped_launches_are_asked_for_only_where_they_run(monkeypatch):
     assert TritonOps().launch(cpu) == on
 
 
-@pytest.mark.skipif(not TRITON, reason="needs triton (it ships with the CUDA builds of torch)")
-def test_l2_prefetch_is_asked_for_only_where_it_runs_and_in_whole_chunks(monkeypatch):
-    """Bug: a negative ``prefetch_bytes`` is taken (no prefetch, silently); a prefetch asked on a device that
-    cannot (the CPU, Triton's interpreter) reaches the inline assembly instead of a typed error naming the field;
-    or the bytes asked run past the weight, are not whole bulk chunks (the instruction's size rule), or come from a
-    weight not 16-byte aligned (the bulk prefetch faults)."""
-    from dflash_trt.runtime.kernels import triton_ops
-    from dflash_trt.runtime.kernels.triton_ops import PREFETCH_CHUNK, TritonOps
-
-    with pytest.raises(ValueError, match="prefetch_bytes must be >= 0 .*got -1"):
-        TritonOps(prefetch_bytes=-1)
-    x, weight = torch.zeros(2, 8), torch.zeros(10_000, dtype=torch.bfloat16)  # 20,000 bytes: four whole chunks
-    assert TritonOps().prefetch(weight, x)["PREFETCH"] is False
-    asked = TritonOps(prefetch_bytes=1 << 20)
-    assert asked.prefetch(None, x)["PREFETCH"] is False
-    with pytest.raises(ValueError, match="prefetch_bytes: an L2 prefetch needs an sm90\\+ CUDA device, got cpu \\(prefetch_bytes=1048576\\)"):
-        asked.prefetch(weight, x)
-    monkeypatch.setattr(triton_ops, "prefetch_capable", lambda device: True)  # as on an H100 / H200
-    got = asked.prefetch(weight, x)
-    assert got["PREFETCH"] and got["pf_ptr"] is weight and got["pf_bytes"] == 4 * PREFETCH_CHUNK
-    assert TritonOps(prefetch_bytes=PREFETCH_CHUNK + 1).prefetch(weight, x)["pf_bytes"] == PREFETCH_CHUNK
-    assert asked.prefetch(weight[:1000], x)["PREFETCH"] is False  # 2,000 bytes: no whole chunk
-    assert asked.prefetch(weight[1:], x)["PREFETCH"] is False  # 2-byte aligned
-    assert asked.prefetch(weight.view(100, 100)[:, :64], x)["PREFETCH"] is False  # not one span of bytes
-
-
 # ------------------------------------------------------------------ GPU
 
 
