@@ -115,7 +115,7 @@ class StandIn:
     def _round(self) -> None:
         """One round: queued requests take free sessions, every running one gets its tokens (one
         Deliveries message per front)."""
-        from dflash_trt.runtime.sessions import LENGTH
+        from dflash_trt.runtime.finish import LENGTH
         from dflash_trt.server import wire
 
         now = time.perf_counter()

@@ -42,7 +42,7 @@ from dflash_trt.errors import InputError, TokenizerError, UsageError
 from dflash_trt.export import DEFAULT_PAIR_DIR
 from dflash_trt.export.contract import DTYPES
 from dflash_trt.export.sampling_params import Sampling
-from dflash_trt.export.tokenizer import load_tokenizer  # noqa: F401  (re-exported: the commands' tokenizer)
+from dflash_trt.export.tokenizer import load_tokenizer  # the commands' tokenizer (demo, bench: command.load_tokenizer)
 from dflash_trt.runtime.limits import DEFAULT_MAX_CYCLES, MAX_LAG, MAX_LAUNCH_ROUNDS  # noqa: F401  (MAX_LAG, MAX_LAUNCH_ROUNDS: for serve's flags)
 from dflash_trt.runtime.serving.handle import Completion
 

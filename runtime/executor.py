@@ -84,11 +84,12 @@ from dflash_trt.runtime.cycles import (
     block_fits, chunks, cycle_modes, make_verdicts, pack_rows, plan_context, prefill_batches, sampling_rows, trim_context,
 )
 from dflash_trt.runtime.device_loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_COLUMN, PROPOSALS_COLUMN, DeviceLoop, Launch, check_glue, padded
+from dflash_trt.runtime.finish import CONTEXT
 from dflash_trt.runtime.launches import Group, Lane, LoopShape, run_launches
 from dflash_trt.runtime.limits import DEFAULT_MAX_CYCLES, MAX_LAG, MAX_LAUNCH_ROUNDS
 from dflash_trt.runtime.policy import DRAIN, POLICIES, Choice, make_policy
 from dflash_trt.runtime.prefill import PREFILL_QUANTUM, PrefillLaunch, PrefillPrograms, Prompt
-from dflash_trt.runtime.sessions import CONTEXT, ContextPool, Input, Limits, Output, Session, SessionTable, SessionView, Step, int_in, validate_batch
+from dflash_trt.runtime.sessions import ContextPool, Input, Limits, Output, Session, SessionTable, SessionView, Step, int_in, validate_batch
 from dflash_trt.runtime.stats import DEFAULT_MAX_ROWS, ExecuteRows, StatsLog, stats_paths, write_parquet
 from dflash_trt.runtime.timing import make_clock
 

@@ -45,7 +45,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from dflash_trt.runtime.sessions import LENGTH, STOP, Session, Step
+from dflash_trt.runtime.finish import LENGTH, STOP
+from dflash_trt.runtime.sessions import Session, Step
 
 
 @dataclass(frozen=True)

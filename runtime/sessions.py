@@ -31,7 +31,6 @@ from dflash_trt.checks import is_int
 from dflash_trt.errors import DFlashError, InputError, PoisonedError, SessionError
 from dflash_trt.export.sampling import GREEDY, SEED_LIMIT, Sampling, check_seed  # noqa: F401  (re-exported)
 from dflash_trt.runtime.cycles import block_fits
-from dflash_trt.runtime.finish import CONTEXT, LENGTH, STOP  # noqa: F401  (why an input's output ended: Output.finish; re-exported)
 from dflash_trt.runtime.ownership import RowAllocator
 
 
@@ -142,7 +141,7 @@ class SessionTable:
 class Output:
     """What one input produced: its new tokens and, when it cannot go on, why.
 
-    ``finish``: ``STOP`` (its last token is one of the input's ``stop``),
+    ``finish`` (``runtime.finish``): ``STOP`` (its last token is one of the input's ``stop``),
     ``LENGTH`` (``max_new_tokens`` reached), ``CONTEXT`` (the session's next
     token would sit at ``max_context``), or None (it may continue). For an
     input admitted into a running execute (``Executor.execute_outputs``' admit):

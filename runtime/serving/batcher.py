@@ -18,7 +18,7 @@ from dflash_trt.checks import is_int
 from dflash_trt.errors import DFlashError, InputError, SamplingError
 from dflash_trt.export.sampling import GREEDY, Sampling
 from dflash_trt.runtime.executor import Admission, Executor
-from dflash_trt.runtime.sessions import CONTEXT, LENGTH, STOP, Input, token_ids  # noqa: F401  (finish reasons, re-exported)
+from dflash_trt.runtime.sessions import Input, token_ids
 
 
 

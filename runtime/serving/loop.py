@@ -55,7 +55,8 @@ from dflash_trt.checks import is_int
 from dflash_trt.errors import DFlashError, ServingClosedError, InputError, QueueFullError, TokenizerError
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor
-from dflash_trt.runtime.serving.batcher import ADMIT_TOKENS_PER_ROUND, LENGTH, STOP, Batcher, Chunk, Request, check_request
+from dflash_trt.runtime.finish import LENGTH, STOP
+from dflash_trt.runtime.serving.batcher import ADMIT_TOKENS_PER_ROUND, Batcher, Chunk, Request, check_request
 from dflash_trt.runtime.serving.handle import CANCELLED, Completion, Delta, RequestHandle
 from dflash_trt.runtime.serving.metrics import ServingMetrics, MetricsRecorder
 from dflash_trt.runtime.serving.text import TextStream, detokenize, stop_strings

@@ -8,7 +8,8 @@ from dflash_trt.errors import InputError
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.generate import generate, stream
-from dflash_trt.runtime.serving.batcher import CONTEXT, LENGTH, STOP, Request
+from dflash_trt.runtime.finish import CONTEXT, LENGTH, STOP
+from dflash_trt.runtime.serving.batcher import Request
 from executor_fixtures import Oracle
 
 

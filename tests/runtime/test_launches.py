@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dflash_trt.runtime.launches import LoopShape, may_launch, take
-from dflash_trt.runtime.sessions import LENGTH, STOP
+from dflash_trt.runtime.finish import LENGTH, STOP
 
 SHAPE = LoopShape(width=4, need=8, max_context=40, max_cycles=3)  # cycles of P+1 = 4, blocks of 8
 

@@ -22,7 +22,8 @@ from dflash_trt.runtime.policy import (
     CYCLE, DECODE, DRAIN, ESTIMATE, EXPLORE, FIXED, PROBE, PROBE_SPREAD, AdaptivePolicy, Choice, cycle_ratio, probe_interval,
 )
 from dflash_trt.runtime.policy import make_policy as policy_named
-from dflash_trt.runtime.sessions import LENGTH, Input, validate_batch
+from dflash_trt.runtime.finish import LENGTH
+from dflash_trt.runtime.sessions import Input, validate_batch
 from executor_fixtures import DraftReference, RecordingBackend, Tracker, tiny_dims
 
 TINY_ROWS = 8

@@ -17,7 +17,7 @@ from dflash_trt import errors
 from dflash_trt.errors import DFlashError, InputError, QueueFullError, SamplingError, ServingClosedError, TokenizerError
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor
-from dflash_trt.runtime.serving.batcher import STOP
+from dflash_trt.runtime.finish import STOP
 from dflash_trt.runtime.serving.handle import CANCELLED
 from dflash_trt.runtime.serving.loop import ServingLoop
 from dflash_trt.server import wire

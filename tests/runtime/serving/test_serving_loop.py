@@ -17,7 +17,7 @@ from dflash_trt.export.pair import DEFAULT_PAIR_DIR
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.export.tokenizer import Tokenizer
 from dflash_trt.runtime.executor import Executor
-from dflash_trt.runtime.serving.batcher import CONTEXT, LENGTH, STOP
+from dflash_trt.runtime.finish import CONTEXT, LENGTH, STOP
 from dflash_trt.runtime.serving.loop import CANCELLED, ServingLoop
 from dflash_trt.runtime.serving.metrics import LATENCY_BUCKETS_S, RATE_BUCKET_S, RATE_WINDOW_S, WINDOW_S, WINDOW_SAMPLES, MetricsRecorder
 from executor_fixtures import SERVING_REQUESTS as REQUESTS, CharTokenizer, RecordingBackend
