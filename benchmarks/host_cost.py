@@ -19,7 +19,7 @@ and how the host's rounds overlap it then show, as on a GPU (``--lag``: launches
 row: lane-rounds (cycle-table rows; the window's table unbounded) and requests in the window, lanes per launch,
 host µs per lane-round, per token returned and per request (the same host time over each count), tokens per lane-round, the serving thread's CPU
 share, and the gaps between a request's deliveries (the loop's own ITL, ``--stream-interval-ms`` apart at
-best; default the server's). The client threads share the serving thread's GIL, as a serving process's pipe and sender threads do.
+best; default the server's); the JSON rows also the loop's TTFT and end-to-end p50 per request. The client threads share the serving thread's GIL, as a serving process's pipe and sender threads do.
 ``--profile N`` prints the serving thread's N largest functions by own time (cProfile, which inflates them);
 ``--profile-out STEM`` writes its whole profile to STEM.MODE.pstats (``python -m pstats``).
 
@@ -207,6 +207,7 @@ def measure(mode: str, args) -> dict:
         "host_us_per_request": round(1e6 * host / max(requests, 1), 1), "host_us_per_token": round(1e6 * host / max(tokens, 1), 2), "device_stand_in_s": round(clock.seconds, 3),
         "serving_cpu_pct": round(100 * cpu / wall, 1), "tok_s": round(tokens / wall),
         "itl_p50_ms": round(metrics.itl_s.p50 * 1e3, 2), "itl_p99_ms": round(metrics.itl_s.p99 * 1e3, 2),
+        "ttft_p50_ms": round(metrics.ttft_s.p50 * 1e3, 3), "e2e_p50_ms": round(metrics.e2e_s.p50 * 1e3, 3),
         "policy_cycles": int(executes["policy_cycles"].sum()), "policy_decodes": int(executes["policy_decodes"].sum()),
     }
     if profile is not None and args.profile_out:
