@@ -931,13 +931,17 @@ class Executor:
         cycle does, in one launch, where a drain apart beside the others' decode step would add a launch
         each time a lane fills (lanes fill at different rounds); from then on their drains fall due
         together. A lane no cycle fits (the context's end) decodes as before. Otherwise a lane with a
-        cycle in flight is deferred (its pending count is unknown until that cycle is read; it rejoins the
-        others' decode steps in a later round), and the others decode."""
+        cycle in flight decodes when even that cycle's longest verdict leaves a row for its step's tap
+        (``_pending``: a cycle verifying k leaves at most k + 1 rows), else it is deferred (whether it is
+        full is known once that cycle is read; it rejoins the others' decode steps in a later round: a
+        round without it, where it was the lanes' only launch, leaves the device idle until it launches),
+        and the others decode."""
         drain = replace(choice, kind=CYCLE, why=DRAIN)
         cycle_proposals, cycle_shape = self._shape(CYCLE, drain, self.max_cycles)
         proposals, shape = self._shape(DECODE, choice, self.max_cycles)
-        cycling = {id(lane) for lane in policed if CYCLE in self._kinds(lane)}
-        full = {id(lane) for lane in policed if id(lane) not in cycling and self._pending(lane) >= self.dims.block_size}
+        B = self.dims.block_size
+        unknown = {id(lane) for lane in policed if self._pending(lane) >= B and CYCLE in self._kinds(lane)}  # full, or not, once read
+        full = {id(lane) for lane in policed if id(lane) not in unknown and self._pending(lane) >= B}
         ready, draining = [], False
         # Cycling loses by estimate, or the draft is hopeless (beside plain lanes too): the full lanes stop drafting instead of draining.
         if full and ((choice.stop and choice.measured) or choice.hopeless):
@@ -961,7 +965,7 @@ class Executor:
                 if lane.may_launch():
                     ready.append(lane)
                     continue
-            if id(lane) in cycling:
+            if id(lane) in unknown:
                 lane.deferred = True
                 continue
             lane.kind, lane.choice, lane.proposals, lane.shape = DECODE, choice, proposals, shape  # _set_kind, made once
@@ -985,9 +989,16 @@ class Executor:
     def _kinds(lane: Lane) -> list[str]:
         return [f.kind for f in lane.flight]
 
-    def _pending(self, lane: Lane) -> int:
-        """The lane's pending context rows once its unread launches (decode steps only) are read."""
-        return lane.session.frontier - lane.session.draft_position + sum(f.rounds for f in lane.flight if f.kind == DECODE)
+    @staticmethod
+    def _pending(lane: Lane) -> int:
+        """The most pending context rows the lane can hold once its unread launches are read: exact while
+        none of them is a cycle. A cycle consumes every pending row and leaves those of its accepted
+        proposals and of the token after them, at most its verify length + 1 (``Flight.width`` per round),
+        so past one the count is bounded by that plus the decode rounds launched behind it."""
+        pending = lane.session.frontier - lane.session.draft_position
+        for f in lane.flight:
+            pending = f.width // f.rounds if f.kind == CYCLE else pending + f.rounds
+        return pending
 
     def _rounds(self, lane: Lane) -> int:
         """The rounds the lane's next launch runs (``Lane.most_rounds``); a drafting lane's decode steps only

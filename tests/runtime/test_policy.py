@@ -616,6 +616,50 @@ def test_pending_context_rows_equal_a_brute_force_recompute_across_switches(tiny
     executor.close()
 
 
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch-fast"])
+def test_a_decode_step_follows_a_short_cycle_in_flight_without_waiting_for_its_read(tiny, oracle, backend):
+    """Guards against a bubble at every switch from cycles to decode steps: a lane whose cycle was still in
+    flight (lag) was held back a round, its pending context count unknown, so the device idled until that
+    cycle was read, and a policy's decode probe among cycling lanes launched no decode step at all (~3% of
+    the rounds at 16 lanes on the host proxy, and decode never measured). A cycle verifying k leaves at most
+    k + 1 pending rows, so behind one verifying k <= B - 2 the step launches at once: no lane is deferred;
+    behind one verifying P = B - 1 (it may leave B rows: full) the lane still waits. Every draft call's
+    context and every output stay the reference's, and each drafting session's pending rows equal a
+    brute-force recompute after every execute."""
+    B, lengths = tiny.dims.block_size, tiny.dims.verify_proposals
+    short = max(k for k in lengths if k <= B - 2)
+    for length, waits in ((short, False), (tiny.dims.proposals, True)):
+        executor, recording = policy_executor(tiny, backend, Scripted([(CYCLE, length), DECODE]))
+        deferred, plan = [0], executor._decode_round
+
+        def counted(policed, choice, asked, plan=plan):
+            ready = plan(policed, choice, asked)
+            deferred[0] += sum(lane.deferred for lane in policed)
+            return ready
+
+        executor._decode_round = counted
+        t = Tracker(executor, oracle)
+        sessions = [t.open() for _ in range(3)]
+        checked = checked_execute(tiny, t, recording)
+
+        def execute(inputs, executor=executor, checked=checked, t=t, sessions=sessions):
+            outputs = checked(inputs)
+            for s in sessions:
+                view = executor.session(s)
+                pending = view.frontier - view.draft_position
+                assert 0 <= pending <= B, (s, pending)
+                taps = DraftReference(tiny.target, tiny.draft, t.seq[s][: view.frontier]).taps
+                got = executor.context.taps[view.row, :pending].float()
+                torch.testing.assert_close(got, taps[view.draft_position : view.frontier].float(), atol=1e-4, rtol=1e-4)
+            return outputs
+
+        workload(t, execute, sessions, 10)
+        decodes = executor.cycle_stats().filter(pl.col("mode") == "target").height
+        assert decodes > 10, (length, decodes)
+        assert (deferred[0] > 0) == waits, (length, deferred[0])
+        executor.close()
+
+
 def test_choices_are_stats_columns_and_counters(tiny, oracle):
     """Guards against choices that cannot be analysed: every decode row of a drafting lane and every
     cycle row says why it ran (policy, policy_ratio), the per-execute counters count exactly those rows,
