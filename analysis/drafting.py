@@ -54,7 +54,7 @@ def policy_choices(cycles: pl.LazyFrame) -> pl.LazyFrame:
 
     | column | dtype | meaning |
     | --- | --- | --- |
-    | policy | String | estimate / explore / probe / drain / fixed (``runtime.stats``) |
+    | policy | String | estimate / explore / probe / drain / switch / fixed (``runtime.stats``) |
     | mode | String | static / dynamic / target |
     | rows | UInt32 | owner rows |
     | emitted | Int64 | Σ tokens produced |

@@ -87,7 +87,7 @@ from dflash_trt.runtime.device_loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_
 from dflash_trt.runtime.finish import CONTEXT
 from dflash_trt.runtime.launches import Group, Lane, LoopShape, run_launches
 from dflash_trt.runtime.limits import DEFAULT_MAX_CYCLES, MAX_LAG, MAX_LAUNCH_ROUNDS
-from dflash_trt.runtime.policy import DRAIN, POLICIES, Choice, make_policy
+from dflash_trt.runtime.policy import DRAIN, POLICIES, PROBE, SWITCH, Choice, make_policy
 from dflash_trt.runtime.prefill import PREFILL_QUANTUM, PrefillLaunch, PrefillPrograms, Prompt
 from dflash_trt.runtime.sessions import ContextPool, Input, Limits, Output, Session, SessionTable, SessionView, Step, int_in, validate_batch
 from dflash_trt.runtime.stats import DEFAULT_MAX_ROWS, ExecuteRows, StatsLog, stats_paths, write_parquet
@@ -908,7 +908,10 @@ class Executor:
             if self._plain:
                 choice = replace(choice, measured=False)
         if choice.kind == DECODE:
-            return ready + self._decode_round(policed, choice, asked)
+            decoding = self._decode_round(policed, choice, asked)
+            if choice.why == PROBE and (missed := getattr(self.policy, "missed", None)) and not any(lane.kind == DECODE for lane in decoding):
+                missed(choice)  # its lanes could not switch this round (cycles in flight): the probe is due again next round
+            return ready + decoding
         proposals, shape = self._shape(CYCLE, choice, self.max_cycles)  # policed lanes are never host_taps: max_cycles
         for lane in policed:
             lane.kind, lane.choice, lane.proposals, lane.shape = CYCLE, choice, proposals, shape  # _set_kind, made once
@@ -930,16 +933,22 @@ class Executor:
         to the decode round). When such a drain can launch, the whole round drains: every lane that can
         cycle does, in one launch, where a drain apart beside the others' decode step would add a launch
         each time a lane fills (lanes fill at different rounds); from then on their drains fall due
-        together. A lane no cycle fits (the context's end) decodes as before. Otherwise a lane with a
+        together; a drain verifies at most the longest length that leaves its lane's next round room to
+        decode (below). A lane no cycle fits (the context's end) decodes as before. Otherwise a lane with a
         cycle in flight decodes when even that cycle's longest verdict leaves a row for its step's tap
-        (``_pending``: a cycle verifying k leaves at most k + 1 rows), else it is deferred (whether it is
-        full is known once that cycle is read; it rejoins the others' decode steps in a later round: a
-        round without it, where it was the lanes' only launch, leaves the device idle until it launches),
-        and the others decode."""
-        drain = replace(choice, kind=CYCLE, why=DRAIN)
+        (``_pending``: a cycle verifying k leaves at most k + 1 rows). Behind a longer one it may be full
+        once that cycle is read, so it cycles once more at the longest verify length that leaves its next
+        round room to decode (``SWITCH``, charged to cycle rounds of that length: a round of work where
+        waiting for the read left the device idle), or, with no such length or no room for a block, waits
+        for that read (deferred: it rejoins the others' decode steps in a later round); the others decode."""
+        B = self.dims.block_size
+        switch = max((k for k in self.dims.verify_proposals or (self.dims.proposals,) if k + 2 <= B), default=0)
+        # Drains verify at most that length too: the round after one decodes at once.
+        drain = replace(choice, kind=CYCLE, why=DRAIN, proposals=min(choice.proposals or self.dims.proposals, switch or B))
         cycle_proposals, cycle_shape = self._shape(CYCLE, drain, self.max_cycles)
         proposals, shape = self._shape(DECODE, choice, self.max_cycles)
-        B = self.dims.block_size
+        switching = replace(choice, kind=CYCLE, why=SWITCH, round=CYCLE, proposals=switch)
+        switch_shape = self._shape(CYCLE, switching, self.max_cycles)[1] if switch else None
         unknown = {id(lane) for lane in policed if self._pending(lane) >= B and CYCLE in self._kinds(lane)}  # full, or not, once read
         full = {id(lane) for lane in policed if id(lane) not in unknown and self._pending(lane) >= B}
         ready, draining = [], False
@@ -966,6 +975,11 @@ class Executor:
                     ready.append(lane)
                     continue
             if id(lane) in unknown:
+                if switch:
+                    lane.kind, lane.choice, lane.proposals, lane.shape = CYCLE, switching, switch, switch_shape
+                    if lane.may_launch():
+                        ready.append(lane)
+                        continue
                 lane.deferred = True
                 continue
             lane.kind, lane.choice, lane.proposals, lane.shape = DECODE, choice, proposals, shape  # _set_kind, made once

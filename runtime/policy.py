@@ -86,7 +86,7 @@ import numpy as np
 
 CYCLE, DECODE = "cycle", "decode"  # the kinds (device_loop's program kinds)
 # Why a lane ran what it ran: the cycle table's ``policy`` column.
-ESTIMATE, EXPLORE, PROBE, DRAIN, FIXED = "estimate", "explore", "probe", "drain", "fixed"
+ESTIMATE, EXPLORE, PROBE, DRAIN, SWITCH, FIXED = "estimate", "explore", "probe", "drain", "switch", "fixed"
 POLICIES = ("adaptive", "always", "adaptive-stop")  # ``Executor(policy=...)``, ``--policy``
 
 
@@ -363,6 +363,26 @@ class AdaptivePolicy:
         stop = self.stop_drafting and probe is None and kind == DECODE and ratio < 1.0
         hopeless = probe is None and kind == DECODE and self.hopeless()
         return Choice(kind, PROBE if probe else ESTIMATE, ratio, kind, owners, length, stop, hopeless=hopeless)
+
+    def missed(self, choice: Choice) -> None:
+        """A probe whose round ran none of its kind (a decode probe among lanes whose cycles in flight may
+        leave them full: they cycle once more first, ``SWITCH``): due again at that count's next round, so
+        what it was for is measured.
+
+        >>> policy = AdaptivePolicy(probe_every=1)
+        >>> for _ in range(3):
+        ...     policy.observe(CYCLE, 4, 0.001, 12); policy.observe(DECODE, 4, 0.001, 4)
+        >>> whys = [policy.choose(4).why for _ in range(9)]  # cycling wins 3:1; decode is probed every 8 rounds
+        >>> whys.count(PROBE), whys[-1]
+        (1, 'probe')
+        >>> policy.missed(Choice(DECODE, PROBE, 1 / 3, DECODE, 4)); policy.choose(4).why  # it ran no decode step
+        'probe'
+        >>> policy.choose(4).why  # a probe that ran is not repeated
+        'estimate'
+        """
+        if choice.why == PROBE:
+            option = (CYCLE, choice.proposals) if choice.kind == CYCLE else (DECODE, 0)
+            self.idle[(choice.owners, option)] = self.probe_every * PROBE_SPREAD + 1  # past any interval
 
     def hopeless(self) -> bool:
         """Whether the draft's first proposal was accepted in under ``hopeless_share`` of the owner-cycles

@@ -30,7 +30,7 @@ per session per plain target-decode step:
 | verify_ms | Float64 | device time of target verify + verdict (shared); a loop launch's whole device time (cycle or decode step) |
 | host_ms | Float64 | host time since the previous row outside this call's device time (shared) |
 | end_ms | Float64 | wall-clock time the cycle ended, ms since the executor started |
-| policy | Utf8 | why this row's launch was a cycle or a decode step (``runtime.policy``): ``estimate`` (the measured ratio said so), ``explore`` (a cost still unknown), ``probe`` (re-measuring the losing kind), ``drain`` (pending context full: a cycle must run), ``fixed`` (no choice: not drafting, no block's room, a prompt's prediction, or the ``always`` policy) |
+| policy | Utf8 | why this row's launch was a cycle or a decode step (``runtime.policy``): ``estimate`` (the measured ratio said so), ``explore`` (a cost still unknown), ``probe`` (re-measuring the losing kind), ``drain`` (pending context full: a cycle must run), ``switch`` (a cycle in flight may leave the pending context full: one more, short enough that the next round can decode), ``fixed`` (no choice: not drafting, no block's room, a prompt's prediction, or the ``always`` policy) |
 | policy_ratio | Float64 | the policy's estimate at the choice: cycle rounds' tokens per second (of the chosen verify length, or the best one for a decode step) over decode rounds' (> 1: cycling pays); NaN when not estimated |
 
 Execute table (``EXECUTE_SCHEMA``), one row per ``execute()``: the

@@ -19,7 +19,7 @@ from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.launches import Flight
 from dflash_trt.runtime.policy import (
-    CYCLE, DECODE, DRAIN, ESTIMATE, EXPLORE, FIXED, PROBE, PROBE_SPREAD, AdaptivePolicy, Choice, cycle_ratio, probe_interval,
+    CYCLE, DECODE, DRAIN, ESTIMATE, EXPLORE, FIXED, PROBE, PROBE_SPREAD, SWITCH, AdaptivePolicy, Choice, cycle_ratio, probe_interval,
 )
 from dflash_trt.runtime.policy import make_policy as policy_named
 from dflash_trt.runtime.finish import LENGTH
@@ -617,24 +617,37 @@ def test_pending_context_rows_equal_a_brute_force_recompute_across_switches(tiny
 
 
 @pytest.mark.parametrize("backend", ["onnxruntime", "torch-fast"])
-def test_a_decode_step_follows_a_short_cycle_in_flight_without_waiting_for_its_read(tiny, oracle, backend):
-    """Guards against a bubble at every switch from cycles to decode steps: a lane whose cycle was still in
-    flight (lag) was held back a round, its pending context count unknown, so the device idled until that
-    cycle was read, and a policy's decode probe among cycling lanes launched no decode step at all (~3% of
-    the rounds at 16 lanes on the host proxy, and decode never measured). A cycle verifying k leaves at most
-    k + 1 pending rows, so behind one verifying k <= B - 2 the step launches at once: no lane is deferred;
-    behind one verifying P = B - 1 (it may leave B rows: full) the lane still waits. Every draft call's
-    context and every output stay the reference's, and each drafting session's pending rows equal a
+def test_a_switch_to_decode_steps_never_waits_for_a_cycle_in_flight(tiny, oracle, backend):
+    """Guards against an idle round at every switch from cycles to decode steps: a lane whose cycle was still
+    in flight (lag) was held back a round, its pending context count unknown, so the device idled until that
+    cycle was read, and a policy's decode probe among cycling lanes launched no decode step at all (500 of
+    500 probes at 16 lanes on the host proxy: decode never measured). A cycle verifying k leaves at most
+    k + 1 pending rows, so behind one verifying k <= B - 2 the step launches at once; behind one verifying
+    P = B - 1 (it may leave B rows: full) the lane cycles once more at the longest such k (``switch``) and
+    decodes the round after: a lane waits only where not even that cycle fits (the context's end). Every draft
+    call's context and every output stay the reference's, and each drafting session's pending rows equal a
     brute-force recompute after every execute."""
     B, lengths = tiny.dims.block_size, tiny.dims.verify_proposals
     short = max(k for k in lengths if k <= B - 2)
-    for length, waits in ((short, False), (tiny.dims.proposals, True)):
+    for length, switches in ((short, False), (tiny.dims.proposals, True)):
         executor, recording = policy_executor(tiny, backend, Scripted([(CYCLE, length), DECODE]))
-        deferred, plan = [0], executor._decode_round
+        held, plan = [0, 0], executor._decode_round
 
-        def counted(policed, choice, asked, plan=plan):
+        def counted(policed, choice, asked, plan=plan, executor=executor):
+            """The decode round, counting the lanes it held back though a decode step of theirs could launch
+            (``held[0]``), and of those, the ones a switch cycle could have served too (``held[1]``)."""
             ready = plan(policed, choice, asked)
-            deferred[0] += sum(lane.deferred for lane in policed)
+            step = executor._shape(DECODE, choice, executor.max_cycles)[1]
+            cycle = executor._shape(CYCLE, Choice(CYCLE, SWITCH, proposals=short), executor.max_cycles)[1]
+            for lane in policed:
+                if lane.deferred:
+                    shape = lane.shape
+                    lane.shape = step
+                    if lane.may_launch():
+                        held[0] += 1
+                        lane.shape = cycle
+                        held[1] += lane.may_launch()
+                    lane.shape = shape
             return ready
 
         executor._decode_round = counted
@@ -654,10 +667,30 @@ def test_a_decode_step_follows_a_short_cycle_in_flight_without_waiting_for_its_r
             return outputs
 
         workload(t, execute, sessions, 10)
-        decodes = executor.cycle_stats().filter(pl.col("mode") == "target").height
-        assert decodes > 10, (length, decodes)
-        assert (deferred[0] > 0) == waits, (length, deferred[0])
+        cycles = executor.cycle_stats()
+        decodes, switched = cycles.filter(pl.col("mode") == "target"), cycles.filter(pl.col("policy") == SWITCH)
+        assert decodes.height > 10 and held[1] == 0 and (switches or held[0] == 0), (length, decodes.height, held)
+        assert (switched.height > 0) == switches and set(switched["proposed"]) <= {short}, (length, switched["proposed"].to_list())
         executor.close()
+
+
+def test_a_missed_decode_probe_is_due_again_the_next_round():
+    """Guards against decode never being measured while lanes cycle at P: a decode probe there only switches
+    its lanes (their cycles in flight may leave them full), so it ran no decode step; reported missed, it
+    must run again at that lane count's next round (and only then: a probe that ran is not repeated), so
+    the policy's decode rate stays measured where cycling is the incumbent."""
+    policy = AdaptivePolicy(probe_every=1)
+    for _ in range(3):
+        policy.observe(CYCLE, 4, 0.001, 12)
+        policy.observe(DECODE, 4, 0.001, 4)
+    choices = [policy.choose(4) for _ in range(20)]
+    probes = [i for i, choice in enumerate(choices) if choice.why == PROBE]
+    assert probes and all(choices[i].kind == DECODE for i in probes) and all(b - a > 1 for a, b in zip(probes, probes[1:]))
+    policy.missed(choices[probes[-1]])
+    again, after = policy.choose(4), policy.choose(4)
+    assert (again.kind, again.why) == (DECODE, PROBE) and after.why == ESTIMATE
+    policy.missed(after)  # only probes are ever repeated
+    assert policy.choose(4).why == ESTIMATE
 
 
 def test_choices_are_stats_columns_and_counters(tiny, oracle):
@@ -670,7 +703,7 @@ def test_choices_are_stats_columns_and_counters(tiny, oracle):
     workload(t, t.execute, sessions, 6)
     cycles, executes = executor.cycle_stats(), executor.execute_stats()
     chosen = cycles.filter(pl.col("policy") != FIXED)
-    assert set(chosen["policy"]) <= {EXPLORE, DRAIN}
+    assert set(chosen["policy"]) <= {EXPLORE, DRAIN, SWITCH}  # switch: a cycle in flight at P before a decode round
     assert int(executes["policy_cycles"].sum()) == chosen.filter(pl.col("mode") != "target").height > 0
     assert int(executes["policy_decodes"].sum()) == chosen.filter(pl.col("mode") == "target").height > 0
     assert int(executes["policy_verified"].sum()) == int(chosen["proposed"].sum()) > 0  # Σ verify lengths of its cycles
