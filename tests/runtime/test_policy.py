@@ -685,7 +685,7 @@ def test_a_missed_decode_probe_is_due_again_the_next_round():
         policy.observe(DECODE, 4, 0.001, 4)
     choices = [policy.choose(4) for _ in range(20)]
     probes = [i for i, choice in enumerate(choices) if choice.why == PROBE]
-    assert probes and all(choices[i].kind == DECODE for i in probes) and all(b - a > 1 for a, b in zip(probes, probes[1:]))
+    assert probes and all(choices[i].kind == DECODE for i in probes) and all(b - a > 1 for a, b in itertools.pairwise(probes))
     policy.missed(choices[probes[-1]])
     again, after = policy.choose(4), policy.choose(4)
     assert (again.kind, again.why) == (DECODE, PROBE) and after.why == ESTIMATE
