@@ -96,6 +96,27 @@ from dflash_trt.runtime.timing import make_clock
 __all__ = ["Admission", "Executor", "Input", "Output"]
 
 _ROW = attrgetter("session.row")  # a lane's cache row (the order of a group's lanes)
+
+
+def _pending(lane: Lane) -> tuple[int, bool]:
+    """The most pending context rows the lane can hold once its unread launches are read, and whether one of
+    them is a cycle. Exact while none is: a cycle consumes every pending row and leaves those of its accepted
+    proposals and of the token after them, at most its verify length + 1 (``Flight.width`` per round), so
+    past one the count is bounded by that plus the decode rounds launched behind it."""
+    s, cycled = lane.session, False
+    pending = s.frontier - s.draft_position
+    for f in lane.flight:
+        if f.kind == CYCLE:
+            pending, cycled = f.width // f.rounds, True
+        else:
+            pending += f.rounds
+    return pending, cycled
+
+
+def _runs(lane: Lane, kind: str, choice: Choice, proposals: int, shape: LoopShape) -> bool:
+    """Set the lane's next launch (``Executor._set_kind``'s fields, made once per round) and say whether it may launch."""
+    lane.kind, lane.choice, lane.proposals, lane.shape = kind, choice, proposals, shape
+    return lane.may_launch()
 PENDING = object()  # a prediction on the device, not read yet (``Executor._target_work``)
 
 
@@ -949,41 +970,35 @@ class Executor:
         proposals, shape = self._shape(DECODE, choice, self.max_cycles)
         switching = replace(choice, kind=CYCLE, why=SWITCH, round=CYCLE, proposals=switch)
         switch_shape = self._shape(CYCLE, switching, self.max_cycles)[1] if switch else None
-        unknown = {id(lane) for lane in policed if self._pending(lane) >= B and CYCLE in self._kinds(lane)}  # full, or not, once read
-        full = {id(lane) for lane in policed if id(lane) not in unknown and self._pending(lane) >= B}
+        rest, unknown, full = [], [], []  # room for a step's tap / full, or not, once its cycle is read / full
+        for lane in policed:
+            pending, cycled = _pending(lane)
+            (rest if pending < B else unknown if cycled else full).append(lane)
         ready, draining = [], False
         # Cycling loses by estimate, or the draft is hopeless (beside plain lanes too): the full lanes stop drafting instead of draining.
         if full and ((choice.stop and choice.measured) or choice.hopeless):
-            for lane in policed:
-                if id(lane) in full:
-                    self._stop_drafting(lane)
-                    if lane.may_launch():
-                        ready.append(lane)
-            policed, full = [lane for lane in policed if lane.policed], set()
-        for lane in policed:  # the full lanes first: whether one of them drains decides the round
-            if id(lane) in full:
-                lane.kind, lane.choice, lane.proposals, lane.shape = CYCLE, drain, cycle_proposals, cycle_shape
+            for lane in full:
+                self._stop_drafting(lane)
                 if lane.may_launch():
                     ready.append(lane)
-                    draining = True
-        for lane in policed:
-            if id(lane) in full:
-                continue
-            if draining:
-                lane.kind, lane.choice, lane.proposals, lane.shape = CYCLE, drain, cycle_proposals, cycle_shape
-                if lane.may_launch():
-                    ready.append(lane)
-                    continue
-            if id(lane) in unknown:
-                if switch:
-                    lane.kind, lane.choice, lane.proposals, lane.shape = CYCLE, switching, switch, switch_shape
-                    if lane.may_launch():
-                        ready.append(lane)
-                        continue
+            full = []
+        for lane in full:  # the full lanes first: whether one of them drains decides the round
+            if _runs(lane, CYCLE, drain, cycle_proposals, cycle_shape):
+                ready.append(lane)
+                draining = True
+        for lane in unknown:
+            if (draining and _runs(lane, CYCLE, drain, cycle_proposals, cycle_shape)) or (
+                switch and _runs(lane, CYCLE, switching, switch, switch_shape)
+            ):
+                ready.append(lane)
+            else:
                 lane.deferred = True
+        for lane in rest:
+            if draining and _runs(lane, CYCLE, drain, cycle_proposals, cycle_shape):
+                ready.append(lane)
                 continue
             lane.kind, lane.choice, lane.proposals, lane.shape = DECODE, choice, proposals, shape  # _set_kind, made once
-            if self._may_launch(lane, asked):
+            if self._may_launch(lane, asked) if asked else lane.may_launch():
                 ready.append(lane)
         return ready
 
@@ -999,21 +1014,6 @@ class Executor:
         self._plain.append(lane)
         self.log.counters["drafting_stopped"] += 1
 
-    @staticmethod
-    def _kinds(lane: Lane) -> list[str]:
-        return [f.kind for f in lane.flight]
-
-    @staticmethod
-    def _pending(lane: Lane) -> int:
-        """The most pending context rows the lane can hold once its unread launches are read: exact while
-        none of them is a cycle. A cycle consumes every pending row and leaves those of its accepted
-        proposals and of the token after them, at most its verify length + 1 (``Flight.width`` per round),
-        so past one the count is bounded by that plus the decode rounds launched behind it."""
-        pending = lane.session.frontier - lane.session.draft_position
-        for f in lane.flight:
-            pending = f.width // f.rounds if f.kind == CYCLE else pending + f.rounds
-        return pending
-
     def _rounds(self, lane: Lane) -> int:
         """The rounds the lane's next launch runs (``Lane.most_rounds``); a drafting lane's decode steps only
         while each keeps its tap on the device (pending rows below B), a host_taps lane's one step."""
@@ -1021,7 +1021,7 @@ class Executor:
         if most == 1 or lane.host_taps:
             return 1
         rounds = lane.most_rounds(most)
-        if rounds > 1 and lane.kind == DECODE and lane.session.speculate and self._pending(lane) + rounds > self.dims.block_size:
+        if rounds > 1 and lane.kind == DECODE and lane.session.speculate and _pending(lane)[0] + rounds > self.dims.block_size:
             return 1
         return rounds
 
