@@ -96,6 +96,7 @@ from dflash_trt.runtime.timing import make_clock
 __all__ = ["Admission", "Executor", "Input", "Output"]
 
 _ROW = attrgetter("session.row")  # a lane's cache row (the order of a group's lanes)
+PENDING = object()  # a prediction on the device, not read yet (``Executor._target_work``)
 
 
 def _pending(lane: Lane) -> tuple[int, bool]:
@@ -117,7 +118,6 @@ def _runs(lane: Lane, kind: str, choice: Choice, proposals: int, shape: LoopShap
     """Set the lane's next launch (``Executor._set_kind``'s fields, made once per round) and say whether it may launch."""
     lane.kind, lane.choice, lane.proposals, lane.shape = kind, choice, proposals, shape
     return lane.may_launch()
-PENDING = object()  # a prediction on the device, not read yet (``Executor._target_work``)
 
 
 @dataclass(eq=False)
