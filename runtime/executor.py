@@ -269,6 +269,9 @@ class Executor:
         self._admit: Callable[[], Sequence[Admission]] | None = None
         self._call_state: _CallState | None = None  # the running execute's inputs and lanes (``_run``)
         self._shapes: dict[tuple[str, int, int], LoopShape] = {}  # _set_kind's, by (kind, proposals, cycles)
+        # The longest verify length behind which a decode step's tap fits (k + 1 rows + 1 <= B; 0: none): a
+        # decode round's drains and ``SWITCH`` cycles (``_decode_round``).
+        self._switch = max((k for k in dims.verify_proposals or (dims.proposals,) if k + 2 <= dims.block_size), default=0)
         self._sampled_missing = self._missing_sampled_graphs()  # a greedy-only engine set's: sampling refused
         # Rows go back to the backend even if the executor is dropped without close().
         self._release = weakref.finalize(self, self.table.rows.give_all, self.table.held)
@@ -962,8 +965,7 @@ class Executor:
         round room to decode (``SWITCH``, charged to cycle rounds of that length: a round of work where
         waiting for the read left the device idle), or, with no such length or no room for a block, waits
         for that read (deferred: it rejoins the others' decode steps in a later round); the others decode."""
-        B = self.dims.block_size
-        switch = max((k for k in self.dims.verify_proposals or (self.dims.proposals,) if k + 2 <= B), default=0)
+        B, switch = self.dims.block_size, self._switch
         # Drains verify at most that length too: the round after one decodes at once.
         drain = replace(choice, kind=CYCLE, why=DRAIN, proposals=min(choice.proposals or self.dims.proposals, switch or B))
         cycle_proposals, cycle_shape = self._shape(CYCLE, drain, self.max_cycles)
@@ -998,7 +1000,7 @@ class Executor:
                 ready.append(lane)
                 continue
             lane.kind, lane.choice, lane.proposals, lane.shape = DECODE, choice, proposals, shape  # _set_kind, made once
-            if self._may_launch(lane, asked) if asked else lane.may_launch():
+            if self._may_launch(lane, asked):
                 ready.append(lane)
         return ready
 
