@@ -43,19 +43,14 @@ except ImportError:  # a Triton without it: every launch stays plain
 MASKED = tl.constexpr(-1.0e30)  # score of an invisible slot (finite: a row with no visible slot yet stays NaN-free)
 
 
-def compiled_sm90(device: torch.device) -> bool:
-    """Whether kernels on ``device`` run compiled for an sm90+ GPU (a CUDA device, not the CPU interpreter)."""
-    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
 def pdl_capable(device: torch.device) -> bool:
     """Whether launches on ``device`` can overlap their predecessor's end: sm90+, a Triton with ``launch_pdl``,
     not the CPU interpreter."""
-    if gdc_wait is None or not compiled_sm90(device):
+    if device.type != "cuda" or gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     from triton.backends.nvidia.compiler import CUDAOptions
 
-    return "launch_pdl" in CUDAOptions.__dataclass_fields__
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def pdl_default(device: torch.device) -> bool:
