@@ -495,6 +495,12 @@ class DeviceLoop:
         self.seeds.device.index_copy_(0, at, joining["seeds"].device[:n])
         self.floats.device.index_copy_(1, at, joining["floats"].device[:, :n])
 
+    def move_draft(self, row: int, position: int) -> None:
+        """Row ``row``'s draft position on the device (stream-ordered after its launches so far, before its next),
+        and in the host's twin: a running owner whose pending context the host drained (``Executor._end``)."""
+        self.ints.array[DRAFT, row] = position
+        self.ints.device[DRAFT, row] = position
+
     # ------------------------------------------------------------------ launches
 
     def launch(self, kind: str, sampled: bool, rows: list[int], proposals: int = 0, rounds: int = 1) -> Launch:

@@ -268,7 +268,8 @@ class Executor:
         self._launches = 0  # the loop's launches so far (``_launch``: each one's sequence number)
         self._admit: Callable[[], Sequence[Admission]] | None = None
         self._call_state: _CallState | None = None  # the running execute's inputs and lanes (``_run``)
-        self._shapes: dict[tuple[str, int, int], LoopShape] = {}  # _set_kind's, by (kind, proposals, cycles)
+        self._shapes: dict[tuple[str, int, int], LoopShape] = {}  # _set_kind's, by (kind, proposals, max_cycles)
+        self._ending: list[tuple[Session, int, int]] = []  # (session, draft position, rows): ``_assign``'s drains, due
         # The longest verify length behind which a decode step's tap fits (k + 1 rows + 1 <= B; 0: none): a
         # decode round's drains and ``SWITCH`` cycles (``_decode_round``).
         self._switch = max((k for k in dims.verify_proposals or (dims.proposals,) if k + 2 <= dims.block_size), default=0)
@@ -777,6 +778,7 @@ class Executor:
                 with self.loop.on_stream():
                     self._launch_prefills(joining)
             return
+        self._ending.clear()  # none left by a call that failed before draining them
         for lane in lanes:
             self._assign(lane)
         sessions = [lane.session for lane in lanes]
@@ -789,6 +791,7 @@ class Executor:
         with self.loop.running():
             self.loop.stage(rows, anchors, frontiers, drafts, samplings)
             self._launch_prefills(joining)  # stream order: after the staging (their anchors win), before the rounds
+            self._drain_ending()  # after the prefills that wrote those rows, before the launches that write them again
             run_launches(lanes, self._pack, self._launch, self._read, self.lag, self._plan_round, self._yield_check(every), admit)
 
     def _admit_lanes(self, candidates: Sequence[Lane]) -> list[Lane]:
@@ -810,8 +813,7 @@ class Executor:
         decoding = [lane for lane in lanes if lane.decodes]
         for lane in decoding:
             self._assign(lane)
-            if not lane.host_taps:  # a host_taps lane runs one launch per call, whenever it joins
-                lane.spent = call.rounds
+            lane.spent = call.rounds
         sessions = [lane.session for lane in decoding]
         if sessions:
             self._policed += [lane for lane in decoding if lane.policed]
@@ -820,6 +822,7 @@ class Executor:
             anchors, samplings = [lane.anchor for lane in decoding], [s.sampling for s in sessions]
             self.loop.stage_more([s.row for s in sessions], anchors, [s.frontier for s in sessions], [s.draft_position for s in sessions], samplings)
         self._launch_prefills(joining)  # after the staging (their anchors win)
+        self._drain_ending()  # after the prefills that wrote those rows
         return decoding
 
     def _admitted_steps(self, admitted: Sequence[Admission]) -> list[Step]:
@@ -874,25 +877,65 @@ class Executor:
 
     def _assign(self, lane: Lane) -> None:
         """The lane's kind for this execute: a drafting session with a block's room is ``policed`` (the
-        policy picks a cycle or a decode step per round: ``_plan_round``); others run decode steps."""
-        B, L = self.dims.block_size, self.dims.max_context
+        policy picks a cycle or a decode step per round: ``_plan_round``); others run decode steps.
+
+        A drafting session without a block's room decodes on to the context's end (fewer than B positions
+        are left) as a policed lane's decode steps do, each tap kept on the device as one more pending
+        context row. Where its pending rows and the positions left exceed B, the pending rows are drained
+        first, through the dynamic draft (``_drain_ending``, in stream order before its first launch), so
+        no step finds them full; once drained they never fill again. Its draft context stays whole: a
+        rewind to where a block fits drafts from it as from any other."""
         s = lane.session
-        lane.policed = s.speculate and block_fits(s.frontier, B, L)
-        # A drafting session without a block's room: the host commits its decode taps, one step per execute.
-        lane.host_taps = s.speculate and not lane.policed
+        lane.policed = s.speculate and block_fits(s.frontier, self.dims.block_size, self.dims.max_context)
+        if s.speculate and not lane.policed:
+            self._take_pending(s)  # staged next: the device's steps write from pending row 0
         self._set_kind(lane, CYCLE if lane.policed else DECODE, None)
+
+    def _take_pending(self, s: Session) -> bool:
+        """``_assign``'s drain of a drafting session at the context's end, where its pending rows and the
+        positions left exceed B: due (``_ending``), the session's positions moved as after it. Whether it is due."""
+        if s.pending_rows + self.dims.max_context - s.frontier <= self.dims.block_size:
+            return False
+        self._ending.append((s, s.draft_position, s.pending_rows))
+        s.drained_rows += s.pending_rows
+        s.draft_position = s.frontier
+        return True
+
+    def _end(self, lane: Lane) -> None:
+        """A policed lane whose block no longer fits, its launches read, decodes on to the context's end within
+        this execute (``_assign``'s rule): its pending rows drained now where due, its draft position on the
+        device moved to match."""
+        lane.policed = False
+        if lane in self._policed:
+            self._policed.remove(lane)
+        s = lane.session
+        if self._take_pending(s):
+            self._drain_ending()
+            self.loop.move_draft(s.row, s.draft_position)
+        self._set_kind(lane, DECODE, None)
+
+    def _drain_ending(self) -> None:
+        """The pending context rows ``_assign`` took off sessions at the context's end, through the dynamic
+        draft at their positions (``_drain``), on the loop's stream: after the prefills that wrote them, before
+        a decode step writes those rows again."""
+        for s, start, count in self._ending:
+            rows = self.context.rows(s.row, count)  # [count, W]: read by the graph's input copy, in stream order
+            for lo, hi in chunks(count, self.dims.max_chunk):
+                self._drain(s, rows[lo:hi], start + lo)
+            self.log.count("hidden_rows_d2d", count, self.tap_row_bytes)
+        self._ending.clear()
 
     def _set_kind(self, lane: Lane, kind: str, choice: Choice | None) -> None:
         """The lane's next launch: ``kind``, a cycle verifying the choice's length (P without one)."""
         lane.kind, lane.choice = kind, choice
-        lane.proposals, lane.shape = self._shape(kind, choice, 1 if lane.host_taps else self.max_cycles)
+        lane.proposals, lane.shape = self._shape(kind, choice)
 
-    def _shape(self, kind: str, choice: Choice | None, cycles: int) -> tuple[int, LoopShape]:
+    def _shape(self, kind: str, choice: Choice | None) -> tuple[int, LoopShape]:
         """A launch of ``kind`` for ``choice``: its verify length and ``LoopShape`` (a handful of shapes, made once)."""
         proposals = (choice.proposals if choice is not None and choice.proposals else self.dims.proposals) if kind == CYCLE else 0
-        key = (kind, proposals, cycles)
+        key = (kind, proposals, self.max_cycles)  # max_cycles: an attribute callers may change between calls
         if (shape := self._shapes.get(key)) is None:
-            B, L = self.dims.block_size, self.dims.max_context
+            B, L, cycles = self.dims.block_size, self.dims.max_context, self.max_cycles
             shape = self._shapes[key] = LoopShape(proposals + 1, B, L, cycles) if kind == CYCLE else LoopShape(1, 1, L, cycles)
         return proposals, shape
 
@@ -904,7 +947,14 @@ class Executor:
         back to one kind, and one group; the round's lanes that decode whatever the choice count too.
 
         A decode choice: ``_decode_round``."""
-        policed = [lane for lane in lanes if lane.policed]
+        B, L = self.dims.block_size, self.dims.max_context
+        policed = []
+        for lane in lanes:
+            if lane.policed:
+                if lane.flight or block_fits(lane.session.frontier, B, L):
+                    policed.append(lane)
+                else:
+                    self._end(lane)  # a decode lane from here on: among ``ready`` below, if it may launch
         if not policed:
             return [lane for lane in lanes if lane.may_launch()]
         ready = [lane for lane in lanes if not lane.policed and lane.may_launch()]
@@ -936,11 +986,13 @@ class Executor:
             if choice.why == PROBE and (missed := getattr(self.policy, "missed", None)) and not any(lane.kind == DECODE for lane in decoding):
                 missed(choice)  # its lanes could not switch this round (cycles in flight): the probe is due again next round
             return ready + decoding
-        proposals, shape = self._shape(CYCLE, choice, self.max_cycles)  # policed lanes are never host_taps: max_cycles
+        proposals, shape = self._shape(CYCLE, choice)
         for lane in policed:
             lane.kind, lane.choice, lane.proposals, lane.shape = CYCLE, choice, proposals, shape  # _set_kind, made once
             if self._may_launch(lane, asked):
                 ready.append(lane)
+            elif lane.flight:  # offered again once read (its block may fit then; where not, ``_end``)
+                lane.deferred = True
         return ready
 
     @staticmethod
@@ -968,10 +1020,10 @@ class Executor:
         B, switch = self.dims.block_size, self._switch
         # Drains verify at most that length too: the round after one decodes at once.
         drain = replace(choice, kind=CYCLE, why=DRAIN, proposals=min(choice.proposals or self.dims.proposals, switch or B))
-        cycle_proposals, cycle_shape = self._shape(CYCLE, drain, self.max_cycles)
-        proposals, shape = self._shape(DECODE, choice, self.max_cycles)
+        cycle_proposals, cycle_shape = self._shape(CYCLE, drain)
+        proposals, shape = self._shape(DECODE, choice)
         switching = replace(choice, kind=CYCLE, why=SWITCH, round=CYCLE, proposals=switch)
-        switch_shape = self._shape(CYCLE, switching, self.max_cycles)[1] if switch else None
+        switch_shape = self._shape(CYCLE, switching)[1] if switch else None
         rest, unknown, full = [], [], []  # room for a step's tap / full, or not, once its cycle is read / full
         for lane in policed:
             pending, cycled = _pending(lane)
@@ -1018,9 +1070,9 @@ class Executor:
 
     def _rounds(self, lane: Lane) -> int:
         """The rounds the lane's next launch runs (``Lane.most_rounds``); a drafting lane's decode steps only
-        while each keeps its tap on the device (pending rows below B), a host_taps lane's one step."""
+        while each keeps its tap on the device (pending rows below B)."""
         most = self.loop.most_rounds
-        if most == 1 or lane.host_taps:
+        if most == 1:
             return 1
         rounds = lane.most_rounds(most)
         if rounds > 1 and lane.kind == DECODE and lane.session.speculate and _pending(lane)[0] + rounds > self.dims.block_size:
@@ -1149,9 +1201,7 @@ class Executor:
             self.log.decode_rows([lane.session for lane in live], device_ms, len(lanes), [lane.flight[0].choice for lane in live])
         for lane, token in zip(lanes, tokens.tolist()):
             s = lane.session
-            if lane.host_taps:
-                self._commit_taps(s, self.loop.taps_out[s.row : s.row + 1])  # frontier += 1, drains if needed
-            elif s.speculate:
+            if s.speculate:
                 # The program wrote the tap at row frontier - draft of the context pool: one more pending row.
                 assert s.frontier - s.draft_position < self.dims.block_size, (s.id, s.frontier, s.draft_position)
                 s.frontier += 1

@@ -148,7 +148,6 @@ class Lane:
     shape: LoopShape | None = None
     choice: object = None  # why its next launch is of that kind (``runtime.policy.Choice``; None: fixed)
     policed: bool = False  # a drafting lane whose kind the executor's policy picks per round
-    host_taps: bool = False  # the host commits its decode taps (a drafting session without a block's room)
     deferred: bool = False  # ``choose`` held its launch until its unread launch is read
     tokens: list[int] = field(default_factory=list)  # kept: returned by execute
     streamed: int = 0  # of ``tokens``, handed to the execute's on_tokens already

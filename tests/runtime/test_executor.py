@@ -234,6 +234,55 @@ def test_sampled_sessions_do_not_rebuild_the_graph_list_per_request(tiny, oracle
     assert not asked, f"the backend's graph list was asked for {len(asked)} times while serving"
 
 
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch-fast", pytest.param("torch-cuda", marks=pytest.mark.gpu)])
+def test_a_drafting_session_decodes_to_the_contexts_end_in_one_call_and_drafts_again_after_a_rewind(tiny, oracle, backend):
+    """Guards against a drafting session without a block's room decoding one step per call (the host
+    committed each step's tap; a session that does not draft ran max_cycles steps there, and a serving
+    loop's request spent its last tokens one execute each): one call with the room returns every token to
+    the context's end, the reference's, whether the session cycled into the end or its prompt began there,
+    whatever pending context it arrived with; and against the context rows drained on the way being lost
+    or misplaced: rewound to where a block fits, every draft call sees the reference draft's context."""
+    executor, recording = new_executor(tiny, 8, backend)
+    L, B = executor.dims.max_context, executor.dims.block_size
+    t = Tracker(executor, oracle)
+    execute = checked(tiny, t, recording)
+    lengths = [L - B - 9, L - B - 4, L - B - 1, L - B + 1, L - 3, L - B - 9]  # cycling into the end, or starting past where a block fits
+    prompts = [prompt(n, 60 + k) for k, n in enumerate(lengths)]
+    sessions = [t.open() for _ in lengths]
+    # The last one's proposals are the target's own (all accepted): it reaches the end with its pending rows full.
+    recording.truth[executor.session(sessions[-1]).row] = prompts[-1] + oracle.continuation(prompts[-1])
+    outputs = execute([(s, p, None, True, {"max_new_tokens": L}) for s, p in zip(sessions, prompts)])
+    # Tokens at positions n .. L: the last one can never be fed (its K/V would need slot L).
+    assert [len(out) for out in outputs] == [L - n + 1 for n in lengths]
+    for s in sessions:
+        assert_context(tiny, executor, recording, executor.session(s), t.seq[s])
+    drafted = len(recording.drafts)
+    for k, s in enumerate(sessions):  # rewound to where a block fits: the rows drained at the end are its context again
+        r = L - B - 1 - k
+        execute([(s, [t.seq[s][r]], r, True, {"max_new_tokens": L})])
+        assert t.frontier(s) == L
+    assert len(recording.drafts) > drafted  # the rewound sessions drafted (each call checked against the reference)
+
+
+def assert_context(tiny, executor, backend, view, sequence: list[int]) -> None:
+    """A session's draft context is the reference's for ``sequence``: its draft cache at the positions drained
+    (< its draft position) holds the reference draft's context K/V, and its pending rows (at most B) the
+    target's taps of the positions after (the proposals of this fixture's draft barely depend on its context:
+    they cannot show a lost or misplaced row)."""
+    draft, frontier = view.draft_position, view.frontier
+    assert 0 <= frontier - draft <= executor.dims.block_size, (draft, frontier)
+    reference = DraftReference(tiny.target, tiny.draft, sequence)
+    keys, values = tiny.draft.new_cache(1, reference.length)
+    with torch.no_grad():
+        tiny.draft.write_context(reference.taps[None, :draft], torch.tensor([0]), torch.zeros(1, dtype=torch.int64), keys, values)
+    pool, close = backend.pools["draft"], dict(rtol=1e-3, atol=1e-4)  # fp32 (on a GPU too: other kernels, other roundings)
+    for layer in range(len(keys)):
+        for got, want in ((pool.keys[layer], keys[layer]), (pool.values[layer], values[layer])):
+            torch.testing.assert_close(got[view.row, :, :draft].cpu(), want[0, :, :draft], **close)
+    pending = executor.context.rows(view.row, frontier - draft).cpu()
+    torch.testing.assert_close(pending, reference.taps[draft:frontier].to(pending.dtype), **close)
+
+
 def test_stats_count_every_token_and_tau_matches_reference(tiny, tmp_path):
     """Guards against dropped or duplicated stats rows and a τ that drifts from the reference's
     acceptance (including plain-decode steps near the context end, which must not count in τ)."""
@@ -872,11 +921,11 @@ def test_a_failed_execute_closes_the_sessions_its_admissions_opened(tiny):
     assert executor.sessions() == [session] and executor.session(session).poisoned
 
 
-def test_an_admitted_prompt_near_the_contexts_end_gets_its_decode_step(tiny, oracle):
-    """Guards against an admitted drafting session without a block's room (it decodes one step per call, its
-    taps committed by the host) being charged the call's rounds against that one step: it returned only its
-    prompt's prediction, however early it joined. It gets the prediction and one decode step, the
-    reference's, like the same prompt in a batch of its own."""
+def test_an_admitted_prompt_near_the_contexts_end_decodes_to_its_room(tiny, oracle):
+    """Guards against an admitted drafting session without a block's room being charged the call's rounds
+    before its first step (it returned only its prompt's prediction, however early it joined) and against
+    such a session decoding one step per call: it gets the prediction and decode steps up to its
+    max_new_tokens, the reference's, like the same prompt in a batch of its own."""
     executor, _ = new_executor(tiny, 4, "torch-fast")
     executor.max_cycles = 10
     B, L = executor.dims.block_size, executor.dims.max_context
@@ -885,4 +934,4 @@ def test_an_admitted_prompt_near_the_contexts_end_gets_its_decode_step(tiny, ora
     admitted = iter([[], [Admission(near_end, 5)]])
     outputs = executor.execute_outputs([Input(session, prompt(9, 30), max_new_tokens=40)], admit=lambda: next(admitted, []))
     alone = executor.execute_outputs([Input(executor.open_session(), near_end, max_new_tokens=5)])[0].tokens
-    assert len(alone) == 2 and outputs[1].tokens == alone == oracle.continuation(near_end)[:2], (outputs[1], alone)
+    assert len(alone) == 5 and outputs[1].tokens == alone == oracle.continuation(near_end)[:5], (outputs[1], alone)
