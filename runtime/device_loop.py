@@ -57,7 +57,6 @@ Row-indexed state (``R`` = pool rows, int64 unless said):
 | seed | [R, 3] | sampling (``sampling.seed_parts``); a choice's noise is keyed by its position, read on the device |
 | temperature, top_p | [R] float32 | sampling |
 | record | [rounds, n, P+2] per owner count n | per launch and round: accepted, next token, proposals d_1..d_P |
-| taps_out | [R, W] model dtype | a decode step's taps (committed by the host for drafting sessions whose pending rows are full) |
 
 ``R`` counts the scratch row on row-indexed backends. The host stages
 anchor/frontier/draft/sampling once per execute (pinned
@@ -390,7 +389,6 @@ class DeviceLoop:
             # Per ring entry, one launch's records [rounds, n, P+2] (n: its padded owner count) from the first element.
             self.reads = host_buffer((self.ring, most * max_owners * width), torch.int64, self.device)
             self.read_rows = self.reads[1].numpy()  # the same memory as numpy: a read copies without a torch op
-            self.taps_out = torch.zeros((self.rows, dims.tap_width), dtype=context.taps.dtype, device=self.device)
             # Row-indexed programs read their rows from here (one tensor per padded count, stable addresses).
             self.slots = {n: torch.full((n,), self.scratch or 0, dtype=torch.int64, device=self.device) for n in owner_buckets(max_owners)}
             self.staged_slots = Mirror((self.ring, max_owners), torch.int64, self.device) if self.row_indexed else None
@@ -415,7 +413,7 @@ class DeviceLoop:
             return None
         from dflash_trt.runtime.kernels.loop_ops import LoopOps  # imports triton
 
-        return LoopOps(self.ints.device, self.floats.device, self.seeds.device, self.context.taps, self.taps_out)
+        return LoopOps(self.ints.device, self.floats.device, self.seeds.device, self.context.taps)
 
     @contextmanager
     def on_stream(self) -> Iterator[None]:
@@ -625,7 +623,6 @@ class DeviceLoop:
             token = rows.run(self.backend, c.SAMPLE, self._sampling(rows, start) | {c.LOGITS: logits})[c.TOKEN]
         else:
             token = logits.argmax(dim=-1)  # the sampler's choice at temperature 0
-        rows.put(self.taps_out, out[c.TAPS][:, 0])
         self._keep_tap(rows, start, out[c.TAPS][:, 0])
         self._advance(rows, start, torch.zeros_like(token), token, record)
 
@@ -660,7 +657,8 @@ class DeviceLoop:
         """A decode step's tap [n, W] becomes pending context: row ``start - draft`` (the owner's pending
         count) of its context-pool row, on the device, so a drafting session decodes plainly up to B - pending
         steps with no host work and its next cycle's draft consumes them. An owner whose pending rows are
-        full (B) keeps them unchanged (the host commits its tap from ``taps_out``: ``Executor._read_decode``);
+        full (B) keeps them unchanged: the executor never decodes one (a full lane drains first, and a session
+        at the context's end was drained to fit: ``Executor._assign``; ``Executor._read_decode`` asserts it);
         sessions that do not draft (draft == frontier) write row 0, which nothing reads."""
         B, width = self.dims.block_size, self.context.taps.shape[-1]
         pending = start - rows.take(self.ints.device[DRAFT])  # [n]

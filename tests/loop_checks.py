@@ -7,7 +7,7 @@ same graphs.
 
 - ``check_programs``: every program kind (a cycle at each verify length, a decode step; greedy and
   sampled; padded owner counts; two rounds per launch) from one random state, through both glues: the
-  records, the loop's int state, the context pool, ``taps_out`` and the backend's caches, bit for bit
+  records, the loop's int state, the context pool and the backend's caches, bit for bit
   (the scratch row aside: padded lanes' writes land there, in an order no one reads);
 - ``check_verdict``: ``commit_cycle``'s verdict against ``export.sampling.verdict`` on choices drawn from two
   tokens (every prefix length, all accepted included) at every verify length, with its record and state;
@@ -84,7 +84,6 @@ def _run(backend, glue: str, state: dict, kind: str, sampled: bool, rows: list[i
         "records": torch.from_numpy(np.ascontiguousarray(records)),
         "ints": loop.ints.device[:, live].cpu(),
         "context": context.taps[live].cpu(),
-        "taps_out": loop.taps_out[live].cpu(),
         "caches": [t[live].cpu() for t in _caches(backend)],
     }
     loop.close()
@@ -130,8 +129,7 @@ def check_verdict(device: str) -> None:
     for k in (1, 3, 7, 15):
         ints = torch.randint(0, 1000, (4, R), generator=generator).to(device)
         pool = torch.randn((R, B, W), generator=generator).to(device)
-        ops = LoopOps(ints, torch.rand((2, R)).to(device), torch.zeros((R, 3), dtype=torch.int64, device=device), pool,
-                      torch.zeros((R, W), device=device))
+        ops = LoopOps(ints, torch.rand((2, R)).to(device), torch.zeros((R, 3), dtype=torch.int64, device=device), pool)
         slots = torch.randperm(R - 1, generator=generator).to(device)
         owners = R - 1
         proposals = torch.randint(0, 2, (owners, P), generator=generator).to(device)

@@ -11,8 +11,8 @@ launch inside a CUDA graph costs ~2-3 µs whatever it does, and a cycle is ~130 
 - ``commit_cycle``: the verdict from the target's choices [n, k+1] (``export.sampling.verdict``: the longest
   prefix of proposals equal to the choices, then the choice after it), the record, the verify's taps into
   rows 0..k of the owners' context rows, draft position = start, frontier = start + accepted + 1, anchor;
-- ``commit_decode``: the record, ``taps_out``, the tap into the owner's pending context row while one is
-  free (``DeviceLoop._keep_tap``), frontier = start + 1, anchor.
+- ``commit_decode``: the record, the tap into the owner's pending context row while one is free
+  (``DeviceLoop._keep_tap``), frontier = start + 1, anchor.
 
 Integers are copied and compared exactly and taps copied bit for bit, so the loop's state after a program
 is the same as with its torch glue (``tests/loop_checks.py``, through Triton's interpreter on the CPU).
@@ -102,16 +102,15 @@ def _commit_cycle_kernel(
 
 
 @triton.jit(do_not_specialize=["S"])
-def _commit_decode_kernel(slots, scratch, ints, R, pool, W, taps, taps_stride, taps_out, state, S, token, record, record_stride,
+def _commit_decode_kernel(slots, scratch, ints, R, pool, W, taps, taps_stride, state, S, token, record, record_stride,
                           B: tl.constexpr, BLOCK: tl.constexpr):
-    """Program i: owner i's tap into taps_out and, while its pending rows are not full, into pending row
-    start - draft of its context; the record [0, token] and its frontier and anchor."""
+    """Program i: owner i's tap, while its pending rows are not full, into pending row start - draft of its
+    context; the record [0, token] and its frontier and anchor."""
     i = tl.program_id(0)
     s = tl.load(slots + i)
     start = tl.load(state + S + i)
     pending = tl.load(state + 3 * S + i)
     chosen = tl.load(token + i)
-    _copy_row(taps + i * taps_stride, taps_out + s * W, W, BLOCK)
     if pending < B:
         _copy_row(taps + i * taps_stride, pool + (s * B + pending) * W, W, BLOCK)
     tl.store(record + i * record_stride, 0)
@@ -123,15 +122,15 @@ def _commit_decode_kernel(slots, scratch, ints, R, pool, W, taps, taps_stride, t
 
 class LoopOps:
     """The glue kernels over one loop's state: ``ints`` [4, R] int64, ``floats`` [2, R] float32,
-    ``seeds`` [R, 3] int64, the context pool ``taps`` [R, B, W], ``taps_out`` [R, W]."""
+    ``seeds`` [R, 3] int64, the context pool ``taps`` [R, B, W]."""
 
     FEEDS = ("temperature", "top_k", "top_p", "seed", "position")  # a sampled gather's feeds: ``choose_op``'s arguments after the logits
 
-    def __init__(self, ints: torch.Tensor, floats: torch.Tensor, seeds: torch.Tensor, pool: torch.Tensor, taps_out: torch.Tensor) -> None:
-        for name, tensor in (("ints", ints), ("floats", floats), ("seeds", seeds), ("pool", pool), ("taps_out", taps_out)):
+    def __init__(self, ints: torch.Tensor, floats: torch.Tensor, seeds: torch.Tensor, pool: torch.Tensor) -> None:
+        for name, tensor in (("ints", ints), ("floats", floats), ("seeds", seeds), ("pool", pool)):
             if not tensor.is_contiguous():
                 raise ValueError(f"LoopOps: {name} must be contiguous")
-        self.ints, self.floats, self.seeds, self.pool, self.taps_out = ints, floats, seeds, pool, taps_out
+        self.ints, self.floats, self.seeds, self.pool = ints, floats, seeds, pool
         self.R, self.B, self.W = ints.shape[1], pool.shape[1], pool.shape[2]
         self.scratch = self.R - 1  # the padded lanes' row: the last
 
@@ -181,6 +180,6 @@ class LoopOps:
         if taps.stride(1) != 1:
             raise ValueError(f"commit_decode: a tap row's features must be adjacent, got strides {taps.stride()}")
         _commit_decode_kernel[(n,)](
-            slots, self.scratch, self.ints, self.R, self.pool, self.W, taps, taps.stride(0), self.taps_out, state, state.stride(0), token, record,
+            slots, self.scratch, self.ints, self.R, self.pool, self.W, taps, taps.stride(0), state, state.stride(0), token, record,
             record.stride(0), B=self.B, BLOCK=BLOCK_W,
         )

@@ -66,7 +66,7 @@ def test_triton_glue_leaves_the_torch_glues_state(interpreted):
     cycle's start, a tap at the wrong pending row or written when the pending rows are full, the record's
     proposals shifted, a sampled row's position or seed off by one, a padded lane writing a live row): after
     a cycle at every verify length or a decode step, greedy and sampled, padded or not, one or two rounds, the
-    records, int state, context pool, taps_out and caches differ from the torch glue's."""
+    records, int state, context pool and caches differ from the torch glue's."""
     _passed(interpreted, "programs")
 
 
