@@ -196,11 +196,15 @@ async def client_loop(client, model: str, prompts: list[str], index: int, client
         n += clients
         started, events, finished, usage = time.time(), [], False, None
         try:
-            stream = await client.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                                                     stream=True, stream_options={"include_usage": True})
+            if args.max_tokens:
+                stream = await client.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                                                         stream=True, stream_options={"include_usage": True})
+            else:  # to the context's end: a chat request without max_tokens (the server's default: all the context left)
+                stream = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}], temperature=args.temperature,
+                                                              stream=True, stream_options={"include_usage": True})
             try:
                 async for event in stream:
-                    if event.choices and event.choices[0].text:
+                    if event.choices and (event.choices[0].delta.content if not args.max_tokens else event.choices[0].text):
                         events.append(time.time())
                     finished = finished or bool(event.choices and event.choices[0].finish_reason)
                     usage = event.usage or usage
@@ -374,7 +378,8 @@ def main() -> int:
     parser.add_argument("--clients", type=int, nargs="+", default=[8], help="concurrent clients; several counts run one after the other on each server")
     parser.add_argument("--seconds", type=float, default=30.0, help="measured window per client count")
     parser.add_argument("--warmup-seconds", type=float, default=5.0, help="full load before each window (not measured)")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64,
+                        help="tokens asked per request (0: none asked, each request a chat request running to the context's end unless it stops)")
     parser.add_argument("--temperature", type=float, default=0.0, help="the requests' temperature (default 0: greedy; > 0 samples)")
     parser.add_argument("--max-sessions", type=int, default=16)
     parser.add_argument("--modes", nargs="+", choices=tuple(MODES), default=["on", "off"])
