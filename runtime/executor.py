@@ -916,14 +916,26 @@ class Executor:
 
     def _drain_ending(self) -> None:
         """The pending context rows ``_assign`` took off sessions at the context's end, through the dynamic
-        draft at their positions (``_drain``), on the loop's stream: after the prefills that wrote them, before
-        a decode step writes those rows again."""
-        for s, start, count in self._ending:
-            rows = self.context.rows(s.row, count)  # [count, W]: read by the graph's input copy, in stream order
-            for lo, hi in chunks(count, self.dims.max_chunk):
-                self._drain(s, rows[lo:hi], start + lo)
-            self.log.count("hidden_rows_d2d", count, self.tap_row_bytes)
-        self._ending.clear()
+        draft at their positions, on the loop's stream: after the prefills that wrote them, before a decode
+        step writes those rows again. Row-indexed backends: one ragged program for them all (prefill's
+        ``draft_context_many``: any rows, no graph captured per row, no host sync); others: ``_drain`` each."""
+        ending, self._ending = self._ending, []
+        if not ending:
+            return
+        counts = [count for _, _, count in ending]
+        if self.loop.row_indexed:
+            rows = torch.tensor([s.row for s, _, _ in ending], dtype=torch.int64, device=self.device)
+            starts = torch.tensor([start for _, start, _ in ending], dtype=torch.int64, device=self.device)
+            lengths = torch.tensor(counts, dtype=torch.int64, device=self.device)
+            self.backend.draft_context_many(self.context.taps.index_select(0, rows), starts, lengths, rows)  # [n, B, W]
+            self.log.counters["draft_forwards"] += 1
+            self.log.counters["warmed_context_tokens"] += sum(counts)
+        else:
+            for s, start, count in ending:
+                rows = self.context.rows(s.row, count)  # [count, W]: read by the graph's input copy, in stream order
+                for lo, hi in chunks(count, self.dims.max_chunk):
+                    self._drain(s, rows[lo:hi], start + lo)
+        self.log.count("hidden_rows_d2d", sum(counts), self.tap_row_bytes)
 
     def _set_kind(self, lane: Lane, kind: str, choice: Choice | None) -> None:
         """The lane's next launch: ``kind``, a cycle verifying the choice's length (P without one)."""
