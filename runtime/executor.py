@@ -1052,6 +1052,8 @@ class Executor:
             if _runs(lane, CYCLE, drain, cycle_proposals, cycle_shape):
                 ready.append(lane)
                 draining = True
+            elif lane.flight:  # offered again once read (its drain may fit then; where no block does, ``_end``)
+                lane.deferred = True
         for lane in unknown:
             if (draining and _runs(lane, CYCLE, drain, cycle_proposals, cycle_shape)) or (
                 switch and _runs(lane, CYCLE, switching, switch, switch_shape)

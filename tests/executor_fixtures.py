@@ -217,6 +217,25 @@ class DraftReference:
             return self.decoder._propose(self.sequence[start], start, proposals, d_cache)
 
 
+def assert_context(tiny, executor, backend, view, sequence: list[int]) -> None:
+    """A session's draft context is the reference's for ``sequence``: its draft cache at the positions drained
+    (< its draft position) holds the reference draft's context K/V, and its pending rows (at most B) the
+    target's taps of the positions after (the proposals of this fixture's draft barely depend on its context:
+    they cannot show a lost or misplaced row)."""
+    draft, frontier = view.draft_position, view.frontier
+    assert 0 <= frontier - draft <= executor.dims.block_size, (draft, frontier)
+    reference = DraftReference(tiny.target, tiny.draft, sequence)
+    keys, values = tiny.draft.new_cache(1, reference.length)
+    with torch.no_grad():
+        tiny.draft.write_context(reference.taps[None, :draft], torch.tensor([0]), torch.zeros(1, dtype=torch.int64), keys, values)
+    pool, close = backend.pools["draft"], dict(rtol=1e-3, atol=1e-4)  # fp32 (on a GPU too: other kernels, other roundings)
+    for layer in range(len(keys)):
+        for got, want in ((pool.keys[layer], keys[layer]), (pool.values[layer], values[layer])):
+            torch.testing.assert_close(got[view.row, :, :draft].cpu(), want[0, :, :draft], **close)
+    pending = executor.context.rows(view.row, frontier - draft).cpu()
+    torch.testing.assert_close(pending, reference.taps[draft:frontier].to(pending.dtype), **close)
+
+
 class Tracker:
     """The tests' model of every session: its sequence S (committed tokens + the pending one), checked after each call.
 

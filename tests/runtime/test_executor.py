@@ -17,7 +17,7 @@ from dflash_trt.export.reference import ReferenceDecoder
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.executor import Admission, Executor, Input
 from dflash_trt.runtime.stats import CYCLE_SCHEMA, EXECUTE_SCHEMA, stats_paths
-from executor_fixtures import RecordingBackend, DraftReference, Tiny, Tracker, tiny_dims
+from executor_fixtures import RecordingBackend, DraftReference, Tiny, Tracker, assert_context, tiny_dims
 
 SAMPLED = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=1234)
 
@@ -262,25 +262,6 @@ def test_a_drafting_session_decodes_to_the_contexts_end_in_one_call_and_drafts_a
         execute([(s, [t.seq[s][r]], r, True, {"max_new_tokens": L})])
         assert t.frontier(s) == L
     assert len(recording.drafts) > drafted  # the rewound sessions drafted (each call checked against the reference)
-
-
-def assert_context(tiny, executor, backend, view, sequence: list[int]) -> None:
-    """A session's draft context is the reference's for ``sequence``: its draft cache at the positions drained
-    (< its draft position) holds the reference draft's context K/V, and its pending rows (at most B) the
-    target's taps of the positions after (the proposals of this fixture's draft barely depend on its context:
-    they cannot show a lost or misplaced row)."""
-    draft, frontier = view.draft_position, view.frontier
-    assert 0 <= frontier - draft <= executor.dims.block_size, (draft, frontier)
-    reference = DraftReference(tiny.target, tiny.draft, sequence)
-    keys, values = tiny.draft.new_cache(1, reference.length)
-    with torch.no_grad():
-        tiny.draft.write_context(reference.taps[None, :draft], torch.tensor([0]), torch.zeros(1, dtype=torch.int64), keys, values)
-    pool, close = backend.pools["draft"], dict(rtol=1e-3, atol=1e-4)  # fp32 (on a GPU too: other kernels, other roundings)
-    for layer in range(len(keys)):
-        for got, want in ((pool.keys[layer], keys[layer]), (pool.values[layer], values[layer])):
-            torch.testing.assert_close(got[view.row, :, :draft].cpu(), want[0, :, :draft], **close)
-    pending = executor.context.rows(view.row, frontier - draft).cpu()
-    torch.testing.assert_close(pending, reference.taps[draft:frontier].to(pending.dtype), **close)
 
 
 def test_stats_count_every_token_and_tau_matches_reference(tiny, tmp_path):

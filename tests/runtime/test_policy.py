@@ -24,7 +24,7 @@ from dflash_trt.runtime.policy import (
 from dflash_trt.runtime.policy import make_policy as policy_named
 from dflash_trt.runtime.finish import LENGTH
 from dflash_trt.runtime.sessions import Input, validate_batch
-from executor_fixtures import DraftReference, RecordingBackend, Tracker, tiny_dims
+from executor_fixtures import DraftReference, RecordingBackend, Tracker, assert_context, tiny_dims
 
 TINY_ROWS = 8
 
@@ -464,7 +464,7 @@ def policy_executor(tiny, backend: str, policy) -> tuple[Executor, RecordingBack
 
 def workload(tracker: Tracker, execute, sessions: list[int], rounds: int) -> None:
     """Prompts of several lengths, then budgeted executes (several launches each, lag on) and single
-    steps, until the sessions reach the context end (its last tokens: plain decode with host taps)."""
+    steps, until the sessions reach the context end (its last tokens: plain decode steps)."""
     prompts = [[3 + (7 * s + k) % 80 for k in range(n)] for s, n in zip(sessions, (1, 5, 9, 17, 24))]
     execute([(s, p, None, True) for s, p in zip(sessions, prompts)])
     for r in range(rounds):
@@ -672,6 +672,26 @@ def test_a_switch_to_decode_steps_never_waits_for_a_cycle_in_flight(tiny, oracle
         assert decodes.height > 10 and held[1] == 0 and (switches or held[0] == 0), (length, decodes.height, held)
         assert (switched.height > 0) == switches and set(switched["proposed"]) <= {short}, (length, switched["proposed"].to_list())
         executor.close()
+
+
+@pytest.mark.parametrize("name", ["decode", "mixed", "adaptive"])
+def test_every_policy_decodes_to_the_contexts_end_in_one_call(tiny, oracle, name):
+    """Guards against a lane near the context's end being dropped for the rest of an execute under the
+    policy's rounds: a full lane whose drain could not launch behind its step in flight, or a cycling lane
+    whose next block did not fit behind its cycle in flight, was not offered again once read, so the call
+    returned early (17 / 9 / 9 tokens where 18 / 13 / 10 were due under decode choices). With the room for
+    it, one call returns every token to the end, the reference's, and each session's draft context (cache
+    and pending rows) is the reference's."""
+    executor, recording = policy_executor(tiny, "torch-fast", make_policy(name, tiny.dims.verify_proposals))
+    L, B = executor.dims.max_context, executor.dims.block_size
+    t = Tracker(executor, oracle)
+    lengths = [L - B - 9, L - B - 4, L - B - 1, L - B + 1, L - 3, L - B - 12]
+    sessions = [t.open() for _ in lengths]
+    prompts = [[3 + (11 * k + j) % 80 for j in range(n)] for k, n in enumerate(lengths)]
+    outputs = t.execute([(s, p, None, True, {"max_new_tokens": L}) for s, p in zip(sessions, prompts)])
+    assert [len(out) for out in outputs] == [L - n + 1 for n in lengths]  # positions n .. L (the last never fed)
+    for s in sessions:
+        assert_context(tiny, executor, recording, executor.session(s), t.seq[s])
 
 
 def test_a_missed_decode_probe_is_due_again_the_next_round():
