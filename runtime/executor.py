@@ -748,8 +748,7 @@ class Executor:
         plan = plan_context(pending, new, self.dims.block_size, self.dims.max_chunk)
         if plan.drained:
             rows = torch.cat([self.context.rows(s.row, pending), taps])  # [pending + R, W], device copy
-            for lo, hi in plan.drain:
-                self._drain(s, rows[lo:hi], s.draft_position + lo)
+            self._drain(s, rows[: plan.drained], s.draft_position)  # plan.drain's chunks
             kept = rows[plan.keep[0] : plan.keep[1]]
             self.context.store(s.row, kept)  # device copy
             s.draft_position += plan.drained
@@ -761,9 +760,11 @@ class Executor:
         s.frontier += new
 
     def _drain(self, s: Session, rows: torch.Tensor, start: int) -> None:
-        feeds = {c.TAPS: rows[None], c.START: torch.tensor([start], dtype=torch.int64, device=self.device)}
-        self.backend.run(c.DRAFT_CONTEXT, feeds, s.row)
-        self.log.counters["draft_forwards"] += 1
+        """rows [n, W] of positions start.. into the session's draft cache: ``draft_context``, max_chunk rows a run."""
+        for lo, hi in chunks(rows.shape[0], self.dims.max_chunk):
+            feeds = {c.TAPS: rows[None, lo:hi], c.START: torch.tensor([start + lo], dtype=torch.int64, device=self.device)}
+            self.backend.run(c.DRAFT_CONTEXT, feeds, s.row)
+            self.log.counters["draft_forwards"] += 1
         self.log.counters["warmed_context_tokens"] += rows.shape[0]
 
     # ------------------------------------------------------------------ the loop
@@ -924,17 +925,14 @@ class Executor:
             return
         counts = [count for _, _, count in ending]
         if self.loop.row_indexed:
-            rows = torch.tensor([s.row for s, _, _ in ending], dtype=torch.int64, device=self.device)
-            starts = torch.tensor([start for _, start, _ in ending], dtype=torch.int64, device=self.device)
-            lengths = torch.tensor(counts, dtype=torch.int64, device=self.device)
+            columns = [[s.row for s, _, _ in ending], [start for _, start, _ in ending], counts]
+            rows, starts, lengths = torch.tensor(columns, dtype=torch.int64, device=self.device)  # one copy to the device
             self.backend.draft_context_many(self.context.taps.index_select(0, rows), starts, lengths, rows)  # [n, B, W]
             self.log.counters["draft_forwards"] += 1
             self.log.counters["warmed_context_tokens"] += sum(counts)
         else:
             for s, start, count in ending:
-                rows = self.context.rows(s.row, count)  # [count, W]: read by the graph's input copy, in stream order
-                for lo, hi in chunks(count, self.dims.max_chunk):
-                    self._drain(s, rows[lo:hi], start + lo)
+                self._drain(s, self.context.rows(s.row, count), start)  # read by the graph's input copy, in stream order
         self.log.count("hidden_rows_d2d", sum(counts), self.tap_row_bytes)
 
     def _set_kind(self, lane: Lane, kind: str, choice: Choice | None) -> None:
