@@ -4,8 +4,8 @@ An execute hands the device loop *lanes* (one per session that decodes in
 this call). Each launch runs one program for a *group* of lanes (``pack``
 makes them: owners at consecutive rows for backends that bind row ranges,
 any rows for row-indexed ones). ``run_launches`` launches every group, then
-for each launch in order: launches the NEXT cycle of that group's lanes that
-may go on (when ``lag``), then reads this one's verdict, so the device is
+for each round in order: launches the NEXT round of its groups' lanes that
+may go on (when ``lag``), then reads its launches' verdicts, so the device is
 already busy with cycle k+1 while the host turns cycle k into tokens.
 
 ``lag`` launches a lane may keep beyond the one being read: 0 reads every
@@ -249,13 +249,18 @@ def run_launches(
     Reads happen in launch order. ``lag`` (0, 1, 2, ..): before a launch is read, the next round is
     launched for its lanes (lag 1), or for every lane of the execute with fewer than ``lag`` launches
     unread beyond its next read (lag > 1: all of them in one round, so lanes that joined late keep the
-    others' groups), as ``may_launch`` allows.
+    others' groups), as ``may_launch`` allows. At lag 1 the groups one round launched (kinds, verify
+    lengths) go on as one round: the next round of all their lanes is launched before the first of them
+    is read. Relaunched group by group, a round's groups drift apart, and a lane admitted where another
+    finished joins whichever group comes next, alone if that group's lanes are of another kind.
     """
-    queue: deque = deque()
+    queue: deque = deque()  # (group, handle, round): the round is the ``start`` call that launched the group
+    rounds_started = 0
 
     def start(candidates: Sequence[Lane], may_stop: bool = True) -> None:
         """One round for ``candidates`` and, unless ``may_stop`` is False, the lanes ``admit`` adds (none
         once ``stop()`` says to end)."""
+        nonlocal rounds_started
         if may_stop and stop is not None and stop():
             return
         if may_stop and admit is not None and (joined := admit(candidates)):
@@ -267,8 +272,9 @@ def run_launches(
             chosen = [lane for lane in live if lane.may_launch()]
         else:
             chosen = choose(live) if live else []  # asks may_launch itself, under the kinds it sets
+        rounds_started += 1
         for group in pack(chosen):
-            queue.append((group, launch(group)))
+            queue.append((group, launch(group), rounds_started))
             flight, rounds = None, group.rounds  # one Flight per (width, choice) run of the group's lanes: they mostly share it
             for lane in group.lanes:
                 lane.launched += rounds
@@ -289,23 +295,27 @@ def run_launches(
         start(short(), may_stop=False)
     waiting: list[Lane] = []  # deferred lanes, read since: they join the next round (one group, not one of their own)
     while queue:
-        group, handle = queue.popleft()
-        if lag > 1:
-            start(short())  # read deferred lanes are among short()'s
-        elif lag:
-            start([*group.lanes, *waiting])
+        group, handle, launched = queue.popleft()
+        groups = [(group, handle)]
+        if lag == 1:  # the groups one round launched (its kinds, verify lengths) go on as one round
+            while queue and queue[0][2] == launched:
+                groups.append(queue.popleft()[:2])
+            start([*(lane for g, _ in groups for lane in g.lanes), *waiting])
             waiting = []
-        read(group, handle)
-        for lane in group.lanes:
-            lane.flight.popleft()
-        if not lag:
-            start(group.lanes)
-            continue
-        for lane in group.lanes:
-            if lane.deferred and not lane.flight:
-                lane.deferred = False
-                if lag == 1:
-                    waiting.append(lane)
-        if not queue:  # nothing else in flight: no round to join
+        elif lag > 1:
+            start(short())  # read deferred lanes are among short()'s
+        for group, handle in groups:
+            read(group, handle)
+            for lane in group.lanes:
+                lane.flight.popleft()
+            if not lag:
+                start(group.lanes)
+                continue
+            for lane in group.lanes:
+                if lane.deferred and not lane.flight:
+                    lane.deferred = False
+                    if lag == 1:
+                        waiting.append(lane)
+        if lag and not queue:  # nothing else in flight: no round to join
             start(waiting if lag == 1 else short())
             waiting = []

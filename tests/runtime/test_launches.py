@@ -238,3 +238,42 @@ def test_several_rounds_per_launch_return_the_tokens_of_one_round_launches(lag):
         results[most, "launches"] = launches
     assert results[1] == results[3]
     assert results[3, "launches"] < results[1, "launches"]
+
+
+def test_a_round_of_two_kinds_goes_on_as_one_round_and_a_joining_lane_joins_it():
+    """Guards against a round's groups drifting apart (lag 1): a round packed into a cycle group and a decode
+    group (a lane near the context's end decodes beside the others' cycles) relaunched each group at its own
+    read, so a session admitted where a cycling lane finished joined the decode group's next round and
+    launched alone, a cycle group of one for the rest of its life (on the host proxy with requests running
+    to the context's end: 6.5 lanes per launch where 15 ran before). Lanes 0 and 1 cycle, lane 2 decodes;
+    lane 1 finishes after two launches and lane 3 joins in its place: every later cycle of lane 0 holds
+    lane 3 too (lane 3, joined late, runs its last rounds alone), and a round's launches are queued before
+    any of them is read."""
+    device = FakeDevice(per_launch=1)
+    shape = LoopShape(width=4, need=8, max_context=400, max_cycles=8)
+    cycling, finishing, decoding, joining = fake_lane(0, 40), fake_lane(1, 2), fake_lane(2, 40), fake_lane(3, 40)
+    for lane in (cycling, finishing, decoding, joining):
+        lane.shape = shape
+    decoding.kind = "decode"
+
+    def pack(lanes):  # any rows (a row-indexed backend): one group per kind
+        kinds = {}
+        for lane in lanes:
+            kinds.setdefault(lane.kind, []).append(lane)
+        return [Group(kind, False, sorted(members, key=lambda lane: lane.session.row)) for kind, members in sorted(kinds.items())]
+
+    def admit(candidates):
+        if finishing.finished and not joining.launched and joining not in candidates:
+            return [joining]
+        return []
+
+    run_launches([cycling, finishing, decoding], pack, device.launch, device.read, lag=1, admit=admit)
+    launches = [rows for event, rows in device.log if event == "launch"]
+    assert joining.launched == 8 and cycling.launched == 8 and decoding.launched == 8 and finishing.tokens == [100, 101]
+    last = max(i for i, rows in enumerate(launches) if 0 in rows)
+    assert (3,) not in launches[:last]  # while lane 0 cycles, the joining lane never launches alone
+    first = launches.index((0, 3))
+    assert launches[first : last + 2] == [(0, 3), (2,)] * 5  # one cycle group, one decode group a round
+    # The round's two launches are queued back to back (both before either is read).
+    events = [event for event, _ in device.log]
+    assert events[:4] == ["launch", "launch", "launch", "launch"]
