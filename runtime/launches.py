@@ -255,11 +255,12 @@ def run_launches(
     finished joins whichever group comes next, alone if that group's lanes are of another kind.
     """
     queue: deque = deque()  # (group, handle, round): the round is the ``start`` call that launched the group
+    planned: deque = deque()  # (group, round): a round's groups after its first, launched one per read (``start``)
     rounds_started = 0
 
-    def start(candidates: Sequence[Lane], may_stop: bool = True) -> None:
+    def start(candidates: Sequence[Lane], may_stop: bool = True, one: bool = False) -> None:
         """One round for ``candidates`` and, unless ``may_stop`` is False, the lanes ``admit`` adds (none
-        once ``stop()`` says to end)."""
+        once ``stop()`` says to end). ``one``: launch its first group only, the others into ``planned``."""
         nonlocal rounds_started
         if may_stop and stop is not None and stop():
             return
@@ -274,13 +275,20 @@ def run_launches(
             chosen = choose(live) if live else []  # asks may_launch itself, under the kinds it sets
         rounds_started += 1
         for group in pack(chosen):
-            queue.append((group, launch(group), rounds_started))
+            if one and (queue and queue[-1][2] == rounds_started or planned):
+                planned.append((group, rounds_started))
+            else:
+                queue.append((group, launch(group), rounds_started))
             flight, rounds = None, group.rounds  # one Flight per (width, choice) run of the group's lanes: they mostly share it
             for lane in group.lanes:
                 lane.launched += rounds
                 if flight is None or flight.choice is not lane.choice or flight.width != lane.shape.width * rounds:
                     flight = Flight(group.kind, lane.shape.width * rounds, lane.choice, rounds)
                 lane.flight.append(flight)
+
+    def launch_planned() -> None:
+        group, round_ = planned.popleft()
+        queue.append((group, launch(group), round_))
 
     every = list(lanes) if lag > 1 else []  # lag > 1: the execute's lanes still decoding, joined ones added (``start``)
 
@@ -300,7 +308,7 @@ def run_launches(
         if lag == 1:  # the groups one round launched (its kinds, verify lengths) go on as one round
             while queue and queue[0][2] == launched:
                 groups.append(queue.popleft()[:2])
-            start([*(lane for g, _ in groups for lane in g.lanes), *waiting])
+            start([*(lane for g, _ in groups for lane in g.lanes), *waiting], one=True)
             waiting = []
         elif lag > 1:
             start(short())  # read deferred lanes are among short()'s
@@ -316,6 +324,10 @@ def run_launches(
                     lane.deferred = False
                     if lag == 1:
                         waiting.append(lane)
+            if planned:  # the round's next group after this read: where launching computes (the CPU), a read waits for one launch, not the round's
+                launch_planned()
+        while planned:
+            launch_planned()
         if lag and not queue:  # nothing else in flight: no round to join
             start(waiting if lag == 1 else short())
             waiting = []
