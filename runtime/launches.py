@@ -4,9 +4,10 @@ An execute hands the device loop *lanes* (one per session that decodes in
 this call). Each launch runs one program for a *group* of lanes (``pack``
 makes them: owners at consecutive rows for backends that bind row ranges,
 any rows for row-indexed ones). ``run_launches`` launches every group, then
-for each round in order: launches the NEXT round of its groups' lanes that
-may go on (when ``lag``), then reads its launches' verdicts, so the device is
-already busy with cycle k+1 while the host turns cycle k into tokens.
+for each round in order: plans the NEXT round of its groups' lanes that may
+go on (when ``lag``) and reads its launches' verdicts, launching the next
+round's groups between those reads, so the device is already busy with cycle
+k+1 while the host turns cycle k into tokens.
 
 ``lag`` launches a lane may keep beyond the one being read: 0 reads every
 launch before the next, 1 (the default) keeps the device one launch ahead,
@@ -250,9 +251,11 @@ def run_launches(
     launched for its lanes (lag 1), or for every lane of the execute with fewer than ``lag`` launches
     unread beyond its next read (lag > 1: all of them in one round, so lanes that joined late keep the
     others' groups), as ``may_launch`` allows. At lag 1 the groups one round launched (kinds, verify
-    lengths) go on as one round: the next round of all their lanes is launched before the first of them
-    is read. Relaunched group by group, a round's groups drift apart, and a lane admitted where another
-    finished joins whichever group comes next, alone if that group's lanes are of another kind.
+    lengths) go on as one round: the next round of all their lanes is planned (``choose``, ``pack``)
+    before the first of them is read; its first group is launched then, each later one right after the
+    read before it, so a read waits for one launch (on the CPU a launch computes). Relaunched group by
+    group, a round's groups drifted apart, and a lane admitted where another finished joined whichever
+    group came next, alone if that group's lanes were of another kind.
     """
     queue: deque = deque()  # (group, handle, round): the round is the ``start`` call that launched the group
     planned: deque = deque()  # (group, round): a round's groups after its first, launched one per read (``start``)
@@ -274,8 +277,9 @@ def run_launches(
         else:
             chosen = choose(live) if live else []  # asks may_launch itself, under the kinds it sets
         rounds_started += 1
-        for group in pack(chosen):
-            if one and (queue and queue[-1][2] == rounds_started or planned):
+        assert not planned, "a round starts once the last one's groups are all launched"
+        for i, group in enumerate(pack(chosen)):
+            if one and i:  # the round's later groups: launched one per read (the loop below)
                 planned.append((group, rounds_started))
             else:
                 queue.append((group, launch(group), rounds_started))
