@@ -111,30 +111,27 @@ def chunks(size: int, limit: int) -> list[tuple[int, int]]:
 class ContextPlan:
     """Where ``pending + new`` tap rows go when new taps are committed for one session.
 
-    Rows are indexed in the concatenation ``[pending rows ; new rows]``:
-    ``drain`` pieces go through the dynamic draft (``draft_context``) at
-    ``draft_position + lo``; ``keep`` rows stay pending in the context pool
-    (at most ``block``, so the static draft can take them).
+    Rows are indexed in the concatenation ``[pending rows ; new rows]``: the
+    first ``drained`` go through the dynamic draft (``draft_context``, in runs
+    of at most ``max_chunk`` rows: the executor's ``_drain`` cuts them) at
+    ``draft_position``; ``keep`` rows stay pending in the context pool (at most
+    ``block``, so the static draft can take them).
     """
 
-    drain: tuple[tuple[int, int], ...]
+    drained: int
     keep: tuple[int, int]
 
-    @property
-    def drained(self) -> int:
-        return self.drain[-1][1] if self.drain else 0
 
+def plan_context(pending: int, new: int, block: int) -> ContextPlan:
+    """Drain all but the last ``block`` rows of ``[pending ; new]``.
 
-def plan_context(pending: int, new: int, block: int, chunk: int) -> ContextPlan:
-    """Drain all but the last ``block`` rows of ``[pending ; new]`` in chunks of ≤ ``chunk``.
-
-    >>> plan_context(3, 20, 8, 16)
-    ContextPlan(drain=((0, 15),), keep=(15, 23))
+    >>> plan_context(3, 20, 8)
+    ContextPlan(drained=15, keep=(15, 23))
     """
     assert 0 <= pending <= block and new >= 0, (pending, new, block)
     total = pending + new
     excess = max(0, total - block)
-    return ContextPlan(drain=tuple(chunks(excess, chunk)), keep=(excess, total))
+    return ContextPlan(drained=excess, keep=(excess, total))
 
 
 def trim_context(frontier: int, draft_position: int, position: int) -> tuple[int, int]:

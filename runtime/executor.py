@@ -640,7 +640,7 @@ class Executor:
         for step in steps:
             s = step.session
             # A fresh context (nothing pending): all but the last B rows drained, those B kept pending.
-            plan = plan_context(0, len(step.tokens), self.dims.block_size, self.dims.max_chunk) if s.speculate else None
+            plan = plan_context(0, len(step.tokens), self.dims.block_size) if s.speculate else None
             drain, keep = (plan.drained, plan.keep[1] - plan.keep[0]) if plan is not None else (0, 0)
             prompts.append(Prompt(step.tokens, s.frontier, s.row, s.draft_position, drain, keep, s.sampling, step.end))
         for step, p in zip(steps, prompts):
@@ -745,10 +745,10 @@ class Executor:
     def _commit_taps(self, s: Session, taps: torch.Tensor) -> None:
         """taps [R, W] of positions frontier.. : pending context, draining all but B rows (on device)."""
         new, pending = taps.shape[0], s.pending_rows
-        plan = plan_context(pending, new, self.dims.block_size, self.dims.max_chunk)
+        plan = plan_context(pending, new, self.dims.block_size)
         if plan.drained:
             rows = torch.cat([self.context.rows(s.row, pending), taps])  # [pending + R, W], device copy
-            self._drain(s, rows[: plan.drained], s.draft_position)  # plan.drain's chunks
+            self._drain(s, rows[: plan.drained], s.draft_position)  # in max_chunk runs
             kept = rows[plan.keep[0] : plan.keep[1]]
             self.context.store(s.row, kept)  # device copy
             s.draft_position += plan.drained

@@ -13,6 +13,7 @@ from dflash_trt.runtime.cycles import (
     DYNAMIC,
     STATIC,
     TARGET,
+    ContextPlan,
     RowRun,
     block_fits,
     chunks,
@@ -74,12 +75,10 @@ def test_chunks():
 
 def test_plan_context_drains_all_but_one_block():
     """Guards against static-draft context overflow (> B pending rows) and against draining rows the static draft could take."""
-    assert plan_context(3, 20, 8, 16).drain == ((0, 15),)
-    assert plan_context(3, 20, 8, 16).keep == (15, 23)
-    assert plan_context(3, 20, 8, 4).drain == ((0, 4), (4, 8), (8, 12), (12, 15))
-    assert plan_context(2, 4, 8, 16).drain == () and plan_context(2, 4, 8, 16).keep == (0, 6)
-    assert plan_context(8, 1, 8, 16).drain == ((0, 1),) and plan_context(8, 1, 8, 16).keep == (1, 9)
-    assert plan_context(0, 8, 8, 16).drained == 0 and plan_context(5, 8, 8, 3).drained == 5
+    assert plan_context(3, 20, 8) == ContextPlan(drained=15, keep=(15, 23))
+    assert plan_context(2, 4, 8) == ContextPlan(drained=0, keep=(0, 6))
+    assert plan_context(8, 1, 8) == ContextPlan(drained=1, keep=(1, 9))
+    assert plan_context(0, 8, 8).drained == 0 and plan_context(5, 8, 8).drained == 5
 
 
 def test_trim_context():
