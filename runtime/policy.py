@@ -41,7 +41,10 @@ each key is not counted (it warms up: compiles, captures), and a rate is
 known from its second counted launch on. A cost sample counts as at most
 ``COST_CLIP`` times the mean of launches of its own kind and length at that
 lane count: one stalled launch cannot make its round kind look many times
-dearer for the hundreds of rounds the probes would need to wear it off.
+dearer for the hundreds of rounds the probes would need to wear it off, and
+on a host whose launches stall often the option run every round and the one
+only probed are both rated at their stall-free cost, not the one by its mean
+over stalls and the other by its last quiet probe.
 
 While a rate at ``n`` is unknown, the policy explores (runs the unknown
 option: the longest cycle first, whose verdicts measure every position, then
@@ -122,7 +125,14 @@ class Ewma:
     samples while there are fewer than 1 / alpha, so early samples are not overweighted; ``known``
     from ``least`` samples on. ``clip``: a sample counts as at most ``clip`` times the mean so far, so one
     outlier moves the mean by at most ``weight · (clip - 1)`` of it, while a lasting rise is still followed
-    (each sample may raise the mean by that share again)."""
+    (each sample may raise the mean by that share again).
+
+    A clipped mean (``clip``, or ``add``'s ``ref``: a sample counts as at most ``ref.clip`` times
+    ``ref``'s mean) is robust from its first sample on: in the plain-mean phase its samples are kept and
+    each is bounded again at every new one (at ``clip`` times the smallest of them, or by ``ref`` as it
+    stands then), so a stall among the first few samples, which nothing bounded yet, is cut once the
+    others show what a launch costs, instead of weighing a third or a half of the mean until its
+    probes, rounds apart, wear it off."""
 
     alpha: float
     skip: int = 1
@@ -130,20 +140,38 @@ class Ewma:
     value: float | None = None
     seen: int = 0
     clip: float | None = None
+    early: list | None = None  # the plain-mean phase's (sample, ref) pairs (a clipped mean only)
 
-    def add(self, sample: float) -> None:
+    def add(self, sample: float, ref: Ewma | None = None) -> None:
         self.seen += 1
         counted = self.seen - self.skip
         if counted <= 0:
             return
+        if counted * self.alpha < 1.0 and (self.clip is not None or ref is not None):
+            self._add_early(sample, ref)
+            return
         weight = max(self.alpha, 1.0 / counted)
         value = self.value
+        if ref is not None:
+            sample = ref.clipped(sample)
         if value is None:
             self.value = sample
         else:  # ``clipped``, inline: this runs a dozen times per round
             if self.clip is not None:
                 sample = min(sample, self.clip * value)
             self.value = value + weight * (sample - value)
+
+    def _add_early(self, sample: float, ref: Ewma | None) -> None:
+        """The plain-mean phase of a clipped mean: every sample so far bounded anew, each by its own ``ref``
+        (a decode round's drain cycles by the cycles' mean, its steps by the steps'), or at ``clip`` times
+        the smallest sample (see the class docstring)."""
+        early = self.early = self.early or []
+        early.append((sample, ref))
+        if ref is not None:
+            self.value = sum(r.clipped(s) for s, r in early) / len(early)
+        else:
+            bound = self.clip * min(s for s, _ in early)
+            self.value = sum(min(s, bound) for s, _ in early) / len(early)
 
     def clipped(self, sample: float) -> float:
         """``sample`` as ``add`` counts it: at most ``clip`` times the mean so far (as is before a first mean)."""
@@ -177,7 +205,13 @@ def cycle_ratio(cycle_tokens_per_s: float, decode_tokens_per_s: float) -> float:
 # shun that kind until enough probes, each ``probe_interval`` rounds apart, wore the stall off: hundreds of
 # rounds of the slower kind. Per launch kind, not per round kind: a decode round's drain cycles cost more
 # than its decode steps by nature, and are charged to it in full.
-COST_CLIP = 3.0
+# 1.5, not more: on a host where one launch in ten stalls (a busy neighbour), a looser clip let stalls raise
+# the estimate of the option run every round while the option only probed kept its last quiet sample: at 3x
+# (and a stall among an option's first samples counted in full: ``Ewma``'s plain-mean phase) 3.5-23% of the
+# rounds ran the losing kind by estimate, and once chosen, the other's stale estimate held it there
+# (tests/runtime/test_policy.py, ``test_a_host_that_stalls_often_does_not_turn_the_choice``). The price: a
+# lasting rise is followed at most alpha x 0.5 = 10% per launch, a 2x rise within ~7 launches.
+COST_CLIP = 1.5
 HOPELESS_SHARE = 0.05  # ``AdaptivePolicy.hopeless``: the first proposal accepted in fewer than 1 in 20 owner-cycles ...
 HOPELESS_EVIDENCE = 16  # ... of at least this many verified (all 16 rejected by chance at an acceptance of 0.3: 0.3%)
 
@@ -259,11 +293,10 @@ class AdaptivePolicy:
         key = (kind, owners, proposals if kind == CYCLE else 0)
         launch = launch or kind
         usual = _ewma(self.launch_costs, (launch, owners, proposals if launch == CYCLE else 0), self.alpha, COST_CLIP)
-        sample = usual.clipped(seconds) if usual.known else seconds  # bounded once its kind's mean is known
-        usual.add(seconds)
+        usual.add(seconds)  # first: its (clipped) mean, this launch included, bounds the round's sample
         if self.stop_drafting and kind == DECODE and launch == CYCLE:
             return  # a decode estimate stops drafting where a drain falls due: decode is rated by its plain steps
-        _ewma(self.costs, key, self.alpha).add(sample)
+        _ewma(self.costs, key, self.alpha).add(seconds, ref=usual)
         _ewma(self.yields, key, self.alpha).add(tokens)
         _ewma(self.lanes, key, self.alpha).add(owners if lanes is None else lanes)
 
