@@ -26,8 +26,8 @@ event) / (tokens − 1)) p50/p99, the server's own TTFT / ITL p99 (its
 /metrics histograms between two scrapes that bound the window, interpolated
 in their buckets: what the serving process measured, to set beside the
 clients'), τ and the speculation policy's choices (drafting lanes' launches
-run as cycles / decode steps in the window) from the server's /metrics, and
-whose CPU is the limit: the busiest process's CPU time over the window in %
+run as cycles / decode steps in the window) and the device's busy share (its loop launches' device
+time over the window) from the server's /metrics, and whose CPU is the limit: the busiest process's CPU time over the window in %
 of one core, for the HTTP fronts (the server's own process and, with
 ``serve --fronts N``, the others; with ``--fronts single`` everything), the
 serving process and the client processes (Linux /proc; 100 = a process that
@@ -361,6 +361,9 @@ def figures(records: list[dict], before: dict, after: dict, seconds: float) -> d
         "tau": round(after["dflash_trt_acceptance_length"], 3) if cycles else None,  # since the server started (warm-up included)
         **{f"policy_{kind}s": int(after.get(f"dflash_trt_policy_choices_total[{kind}]", 0) - before.get(f"dflash_trt_policy_choices_total[{kind}]", 0))
            for kind in ("cycle", "decode")},
+        # The device's busy share: its loop launches' device time over the window (counted as each execute ends).
+        "device_busy_pct": round(100.0 * (after["dflash_trt_device_seconds_total"] - before["dflash_trt_device_seconds_total"]) / seconds, 1)
+        if "dflash_trt_device_seconds_total" in after else None,
     }
 
 
@@ -411,8 +414,8 @@ def main() -> int:
     rows = [json.loads(line) for line in (ROOT / "export" / "default_pair" / "prompts.jsonl").read_text().splitlines() if line.strip()]
     prompts = [row["prompt"][-args.prompt_chars :] for row in rows]
     results = {}
-    print("| front | mode | clients | requests/s | output tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 / p99 ms | server TTFT / ITL p99 ms | τ | policy cycles / decodes | CPU % front / serving / client |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    print("| front | mode | clients | requests/s | output tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 / p99 ms | server TTFT / ITL p99 ms | τ | policy cycles / decodes | device busy % | CPU % front / serving / client |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     for repeat, front, mode in ((r, front, mode) for r in range(1, args.repeats + 1) for front in args.fronts for mode in args.modes):
         process, base, log = start_server(args, [*FRONTS[front], *MODES[mode]])
         failed = 0  # requests of this server that failed
@@ -424,7 +427,7 @@ def main() -> int:
                 print(f"| {front} | {mode} | {clients} | {figures['requests_per_s']} | {figures['output_tokens_per_s']} | {figures['ttft_p50_ms']} / {figures['ttft_p99_ms']} "
                       f"| {figures['itl_p50_ms']} / {figures['itl_p99_ms']} | {figures['tpot_p50_ms']} / {figures['tpot_p99_ms']} "
                       f"| {figures['server_ttft_p99_ms']} / {figures['server_itl_p99_ms']} | {figures['tau']} "
-                      f"| {figures['policy_cycles']} / {figures['policy_decodes']} "
+                      f"| {figures['policy_cycles']} / {figures['policy_decodes']} | {figures['device_busy_pct']} "
                       f"| {figures['front_cpu_pct']} / {figures['serving_cpu_pct']} / {figures['client_cpu_pct']} |", flush=True)
                 failed += figures["errors"]
                 if figures["errors"]:

@@ -1133,6 +1133,7 @@ class Executor:
             self._join()
         started = time.perf_counter()
         records, device_ms = self.loop.read(launch)  # [rounds, owners, P+2]
+        self.log.counters["loop_device_us"] += round(device_ms * 1000.0)
         read, rounds = (self._read_cycle if group.kind == CYCLE else self._read_decode), len(records)
         tokens = lanes = 0
         accept = getattr(self.policy, "accept", None)

@@ -58,8 +58,8 @@ if TYPE_CHECKING:
     from dflash_trt.runtime.sessions import Session
 
 # 2: the cycle table's policy and policy_ratio; the policy_* counters; 3: proposed is the cycle's verify length (not always P);
-# 4: the loop_launches / loop_rounds counters; 5: the drafting_stopped counter
-SCHEMA_VERSION = 5
+# 4: the loop_launches / loop_rounds counters; 5: the drafting_stopped counter; 6: the loop_device_us counter
+SCHEMA_VERSION = 6
 STATIC, DYNAMIC, TARGET = "static", "dynamic", "target"  # the values of the cycle table's ``mode``
 TAU_LENGTH = "accepted + 1"  # τ = mean of this over speculative rows (``analysis.acceptance.TAU``)
 
@@ -112,6 +112,7 @@ COUNTERS = (
     "drafting_stopped",  # sessions that stopped drafting for good: cycling lost where their drain fell due
     "loop_launches",  # programs the device loop launched (cycles and decode steps of owner groups)
     "loop_rounds",  # ... and the rounds they ran (a launch runs 1 or ``launch_rounds``)
+    "loop_device_us",  # ... and their device time, µs (each launch's own events on a GPU; its wall time where it runs on the host)
 )
 
 EXECUTE_SCHEMA: dict[str, pl.DataType] = {

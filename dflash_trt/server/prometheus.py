@@ -16,6 +16,7 @@ them: ``histogram_quantile(0.99, rate(dflash_trt_time_to_first_token_seconds_buc
 | dflash_trt_policy_choices_total | counter (drafting lanes' launches, ``runtime.policy``) | model, choice (cycle, decode) |
 | dflash_trt_policy_verified_proposals_total | counter (proposals the policy's cycles verified: Σ verify length k; over ``choice="cycle"``, the mean k) | model |
 | dflash_trt_drafting_stopped_total | counter (sessions that stopped drafting for good: decode by estimate, cycling losing) | model |
+| dflash_trt_device_seconds_total | counter (device time of the engine's loop launches: ``rate()`` of it is how busy the device runs) | model |
 | dflash_trt_queue_wait_seconds, _time_to_first_token_seconds, _inter_token_latency_seconds, _e2e_request_latency_seconds | histogram | model, le |
 """
 
@@ -68,6 +69,7 @@ class ServingCollector(Collector):
         yield choices
         yield self._counter("policy_verified_proposals", "Proposals the speculation policy's cycles verified (sum of verify lengths)", m.policy_verified)
         yield self._counter("drafting_stopped", "Sessions that stopped drafting for good where cycling lost (speculation policy)", m.drafting_stopped)
+        yield self._counter("device_seconds", "Device time of the engine's loop launches (rate: the device's busy share)", m.device_s)
         yield self._gauge("acceptance_length", "Mean tokens per cycle (tau), bonus included; NaN before the first cycle", m.tau if m.tau is not None else float("nan"))
         for name, doc, key in HISTOGRAMS:
             yield self._histogram(name, doc, m.histograms[key])

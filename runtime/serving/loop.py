@@ -496,19 +496,20 @@ class ExecuteCursor:
     rows dropped or drained by someone else before this read are not counted.
     """
 
-    COLUMNS = ("cycles", "accepted", "ok", "policy_cycles", "policy_decodes", "policy_verified", "drafting_stopped")
+    COLUMNS = ("cycles", "accepted", "ok", "policy_cycles", "policy_decodes", "policy_verified", "drafting_stopped", "loop_device_us")
 
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
         self.next_batch = executor.execute_rows(None, ()).next_batch
 
-    def read(self) -> tuple[int, int, int, int, dict[str, int], int, int]:
+    def read(self) -> tuple[int, int, int, int, dict[str, int], int, int, float]:
         """(owner-cycles, accepted proposals, executes, failed executes, the policy's choices by kind, the
-        proposals its cycles verified, the sessions that stopped drafting) since the last read."""
+        proposals its cycles verified, the sessions that stopped drafting, the loop's launches' device
+        seconds) since the last read."""
         rows = self.executor.execute_rows(self.next_batch, self.COLUMNS)
         self.next_batch = rows.next_batch
         columns = rows.columns
         choices = {"cycle": sum(columns["policy_cycles"]), "decode": sum(columns["policy_decodes"])}
         executes, failed = len(columns["ok"]), sum(not ok for ok in columns["ok"])
         verified, stopped = sum(columns["policy_verified"]), sum(columns["drafting_stopped"])
-        return sum(columns["cycles"]), sum(columns["accepted"]), executes, failed, choices, verified, stopped
+        return sum(columns["cycles"]), sum(columns["accepted"]), executes, failed, choices, verified, stopped, sum(columns["loop_device_us"]) / 1e6

@@ -124,6 +124,7 @@ class ServingMetrics:
     policy_choices: dict[str, int]  # "cycle" / "decode" -> drafting lanes' launches of that kind, since start
     policy_verified: int  # proposals the policy's cycles verified (Σ verify length k per owner): / policy_choices["cycle"] = mean k
     drafting_stopped: int  # sessions that stopped drafting for good: the policy's decode estimate, cycling losing (``Choice.stop``)
+    device_s: float  # device time of the executor's loop launches, since start (its share of the wall time: how busy the device ran)
     uptime_s: float
     queue_wait_s: Percentiles  # over the recent window
     ttft_s: Percentiles
@@ -154,6 +155,7 @@ class MetricsRecorder:
         self.policy_choices = {"cycle": 0, "decode": 0}
         self.policy_verified = 0
         self.drafting_stopped = 0
+        self.device_s = 0.0
         self.latencies = {name: _Latency() for name in LATENCIES}
         self.deliveries: deque[list] = deque()  # [bucket start, tokens] within RATE_WINDOW_S
 
@@ -186,7 +188,7 @@ class MetricsRecorder:
 
     def executed(
         self, cycles: int, accepted: int, executes: int, failed: int, choices: dict[str, int] | None = None, verified: int = 0,
-        stopped: int = 0,
+        stopped: int = 0, device_s: float = 0.0,
     ) -> None:
         with self.lock:
             totals = self.executor_totals
@@ -198,6 +200,7 @@ class MetricsRecorder:
                 self.policy_choices[kind] += count
             self.policy_verified += verified
             self.drafting_stopped += stopped
+            self.device_s += device_s
 
     def snapshot(self, running: int, queued: int) -> ServingMetrics:
         now = time.perf_counter()
@@ -206,7 +209,7 @@ class MetricsRecorder:
             window = min(RATE_WINDOW_S, now - self.started)
             rate = sum(n for _, n in self.deliveries) / window if window > 0 else 0.0
             totals, counts, choices, verified = dict(self.executor_totals), dict(self.counts), dict(self.policy_choices), self.policy_verified
-            stopped = self.drafting_stopped
+            stopped, device_s = self.drafting_stopped, self.device_s
             recent = {name: latency.recent(now) for name, latency in self.latencies.items()}
             histograms = {name: latency.histogram() for name, latency in self.latencies.items()}
         cycles = totals["cycles"]
@@ -222,6 +225,7 @@ class MetricsRecorder:
             policy_choices=choices,
             policy_verified=verified,
             drafting_stopped=stopped,
+            device_s=device_s,
             uptime_s=now - self.started,
             **{name: percentiles(samples) for name, samples in recent.items()},
             histograms=histograms,

@@ -407,6 +407,32 @@ def test_execute_counters_are_read_once_through_the_stats_api_and_old_rows_expir
     serving.close()
 
 
+def test_the_devices_busy_time_reaches_the_metrics_and_prometheus(tiny):
+    """Guards against a server that cannot say whether its device or its host is the limit: the time of the
+    loop's launches (what the device loop's timeline accounts per launch) must be the execute table's
+    ``loop_device_us``, the serving metrics' ``device_s`` and /metrics' dflash_trt_device_seconds_total,
+    each the same sum, within the executes' wall time."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dflash_trt.server.prometheus import ServingCollector
+
+    executor = Executor(RecordingBackend(tiny.ort), tiny.dims, 4)
+    serving = ServingLoop(executor)
+    for prompt in ([5, 6, 7], [9, 10, 11, 12]):
+        serving.submit(prompt, 20).result(60)
+    serving.close()  # joins the loop: every execute row is recorded
+    executes = executor.execute_stats()
+    device_us = int(executes["loop_device_us"].sum())
+    assert device_us == pytest.approx(executor.loop.timeline.busy_ms * 1000.0, abs=executes["loop_launches"].sum())  # µs rounded per launch
+    assert 0 < device_us <= executes["wall_ms"].sum() * 1000.0
+    assert serving.metrics().device_s == pytest.approx(device_us / 1e6)
+    registry = CollectorRegistry()
+    registry.register(ServingCollector(serving, "tiny"))
+    families = text_string_to_metric_families(generate_latest(registry).decode())
+    assert [s.value for f in families for s in f.samples if s.name == "dflash_trt_device_seconds_total"] == [pytest.approx(device_us / 1e6)]
+
+
 def test_metrics_memory_is_bounded_by_count_and_age_without_reads():
     """Guards against the metrics recorder growing without bound when nobody reads it (deliveries were
     trimmed only by snapshot()), and against histograms that disagree with the samples they count."""
