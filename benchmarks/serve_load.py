@@ -25,9 +25,10 @@ time per output token (TPOT: per finished request, (last event − first
 event) / (tokens − 1)) p50/p99, the server's own TTFT / ITL p99 (its
 /metrics histograms between two scrapes that bound the window, interpolated
 in their buckets: what the serving process measured, to set beside the
-clients'), τ and the speculation policy's choices (drafting lanes' launches
-run as cycles / decode steps in the window) and the device's busy share (its loop launches' device
-time over the window) from the server's /metrics, and whose CPU is the limit: the busiest process's CPU time over the window in %
+clients'), τ, the speculation policy's choices (drafting lanes' launches
+run as cycles / decode steps in the window) and the device's busy share (its
+loop launches' device time over the window) from the server's /metrics, and
+whose CPU is the limit: the busiest process's CPU time over the window in %
 of one core, for the HTTP fronts (the server's own process and, with
 ``serve --fronts N``, the others; with ``--fronts single`` everything), the
 serving process and the client processes (Linux /proc; 100 = a process that
