@@ -349,9 +349,9 @@ def _exit_now(code: int = 0) -> None:
     os._exit(code)
 
 
-def _load(args, text: bool = True, handles=None):
+def _load(args, text: bool = True, handles=None, flush=None):
     """(serving loop, backend, served names): the tokenizer, the backend and its executor. ``text``: the
-    loop detokenizes (False in the serving process: the front does); ``handles``: ``ServingLoop``'s."""
+    loop detokenizes (False in the serving process: the front does); ``handles``, ``flush``: ``ServingLoop``'s."""
     from dflash_trt.runtime import command
     from dflash_trt.runtime.executor import Executor
     from dflash_trt.runtime.serving.handle import RequestHandle
@@ -372,7 +372,7 @@ def _load(args, text: bool = True, handles=None):
             tokenizer.chars_per_token  # noqa: B018  (computed once now, not on the first request)
         serving = ServingLoop(executor, tokenizer if text else None, max_queue=args.max_queue, stop_ids=stop_ids,
                               stream_interval=args.stream_interval_ms / 1000, handles=handles or RequestHandle,
-                              early_join=getattr(args, "early_join", True), join_running=getattr(args, "join_running", True))
+                              early_join=getattr(args, "early_join", True), join_running=getattr(args, "join_running", True), flush=flush)
         return serving, backend, names
     except BaseException:
         backend.close()

@@ -6,17 +6,19 @@ for the GIL behind HTTP parsing, tokenizing, detokenizing or SSE work. The
 messages are ``server.wire``'s.
 
 Threads here: the main thread reads the pipes, one per HTTP front (submits,
-cancels, closes, metrics queries), and never writes to one: a submit's answer
+cancels, closes, metrics queries), and never waits on a write: a submit's answer
 (its key, accepted; or ``Refused``) and a metrics query's go to that front's
-outbox, so a front that reads slowly (its pipe full) holds up its own sender
-only, never the submits of every front; the serving
-loop's thread runs the executor and hands tokens to the requests' handles
-(``ForwardingHandle``: each delivery also goes to its front's outbox); one sender
-thread per front sends what its outbox holds as one ``Deliveries`` message (the
-acceptances with the tokens: no pickle and send per submit on the main thread).
-The loop thread releases the GIL at its next device wait right after a round's
-deliveries, so a sender sends a round (or several) per message, never one
-message per token or per request. With ``serve --fronts N`` the first front owns the process; another
+outbox. The serving loop's thread runs the executor and hands tokens to the
+requests' handles (``ForwardingHandle``: each delivery also goes to its front's
+outbox), and after each burst of them (before each launch, after each round:
+``ServingLoop(flush=...)``) sends every front what its outbox holds as one
+``Deliveries`` message (the acceptances with the tokens), on its own thread, as
+far as the front's socket takes it without waiting. What a socket does not take
+goes to that front's sender thread, which sends it blocking: a front that reads
+slowly (its pipe full) holds up its own deliveries only, never the serving loop
+or another front. No thread is woken per round (every wake-up is a hand-off of
+the serving loop's GIL), and no message goes out per token or per request.
+With ``serve --fronts N`` the first front owns the process; another
 front's pipe closing (its process ended) cancels that front's requests only.
 
 The process ignores SIGINT / SIGTERM: the front owns the shutdown (a signal
@@ -33,11 +35,14 @@ from __future__ import annotations
 import ctypes
 import logging
 import logging.config
-import multiprocessing.connection
 import os
+import selectors
 import signal
+import socket
+import struct
 import threading
 from collections import deque
+from multiprocessing.reduction import ForkingPickler
 
 from dflash_trt.errors import DFlashError
 from dflash_trt.runtime.serving.handle import CANCELLED, Delta, RequestHandle
@@ -51,8 +56,12 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class Outbox:
-    """Acceptances, deliveries, failures and answers not sent yet (the main and loop threads put, the sender
-    thread takes all at once)."""
+    """What waits to go to one front: acceptances, deliveries, failures and answers (any thread puts), and
+    what its socket did not take at once (``defer``: whole messages, after the unsent end of one).
+
+    A put wakes nobody: whoever put flushes after its burst (``Front.flush``: the serving loop's thread
+    before each launch and after each round, the main thread after a refusal, a cancel or a metrics query).
+    ``wake`` hands what is here to the front's sender thread (``wait`` then ``take``)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -60,6 +69,9 @@ class Outbox:
         self._failures: list[tuple[int, wire.WireError]] = []
         self._accepted: list[int] = []
         self._answers: list = []  # whole messages (``Refused``, ``MetricsReply``), sent before the deliveries
+        self._rest = b""  # the unsent end of a message the socket took in part: first out
+        self._backlog: list = []  # messages the socket did not take: out after ``_rest``, before the rest
+        self._woken = False
         self._closed = False
 
     def accept(self, key: int) -> None:
@@ -79,19 +91,48 @@ class Outbox:
         with self._cond:
             if not self._closed:  # closed: its front is gone (nothing would send it)
                 into.append(value)
-                self._cond.notify()
 
-    def take(self) -> list | None:
-        """Everything put so far (waits for something): the answers, then the rest as one ``Deliveries``;
-        None once closed and empty."""
+    @property
+    def pending(self) -> bool:
+        """Anything to send (read without the lock: a flush that misses a racing put is followed by the putter's own)."""
+        return bool(self._items or self._failures or self._accepted or self._answers or self._backlog or self._rest)
+
+    @property
+    def behind(self) -> bool:
+        """The sender holds or was handed messages: a later one must not overtake them."""
+        return bool(self._backlog or self._rest or self._woken)
+
+    def take(self) -> tuple[bytes, list]:
+        """(the unsent end of a message, the messages in order): the backlog, the answers, then the rest as one
+        ``Deliveries``; all of it leaves the outbox."""
         with self._cond:
-            while not (self._items or self._failures or self._accepted or self._answers or self._closed):
-                self._cond.wait()
-            messages, self._answers = self._answers, []
+            rest, messages = self._rest, self._backlog + self._answers
+            self._rest, self._backlog, self._answers, self._woken = b"", [], [], False
             if self._items or self._failures or self._accepted:
                 messages.append(wire.Deliveries(tuple(self._items), tuple(self._failures), tuple(self._accepted)))
                 self._items, self._failures, self._accepted = [], [], []
-            return messages or None
+            return rest, messages
+
+    def defer(self, messages: list, rest: bytes = b"") -> None:
+        """What the socket did not take (``rest``: the end of the message it took in part), to the sender, ahead
+        of anything put since; the caller took ``messages`` and holds the front's lock (nothing is behind)."""
+        with self._cond:
+            self._rest, self._backlog, self._woken = rest, messages, True
+            self._cond.notify()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._woken = True
+            self._cond.notify()
+
+    def wait(self) -> bool:
+        """The sender's: until woken with something to send (True), or closed with nothing left (False)."""
+        with self._cond:
+            while not (self.pending and (self._woken or self._closed)):
+                if self._closed:
+                    return False
+                self._cond.wait()
+            return True
 
     def close(self) -> None:
         with self._cond:
@@ -138,25 +179,103 @@ class ForwardingHandle(RequestHandle):
 
 
 class Front:
-    """One HTTP front's end of the pipes: its connection, what waits to be sent to it, its sender thread."""
+    """One HTTP front's end of the pipes: its connection, what waits to be sent to it, its sender thread.
+
+    ``flush`` sends what the outbox holds on the calling thread when the socket takes it without waiting
+    (``MSG_DONTWAIT``): at 64 streams a sender thread woken per round cost ~40% of the process's CPU
+    beside the serving thread's (benchmarks/pipe_cost.py), every wake-up a GIL hand-off. What the socket
+    does not take at once, and everything after it, goes to the sender thread, which sends it blocking: a
+    front that does not read holds up its own deliveries only, never the serving loop. Both send under
+    ``lock``, so messages leave in the order they were taken."""
 
     def __init__(self, index: int, conn) -> None:
         self.index, self.conn = index, conn
         self.outbox = Outbox()
         self.lock = threading.Lock()
         self.sender = threading.Thread(target=self._send_deliveries, name=f"dflash-trt-deliveries-{index}", daemon=True)
+        self.socket = _socket_of(conn)  # None: no socket under the connection, every message goes through the sender
 
     def send(self, message) -> None:
+        """``message`` to the front, waiting while its socket is full (``Ready``; the sender thread's sends)."""
         with self.lock:
             self.conn.send(message)
 
-    def _send_deliveries(self) -> None:
-        while (messages := self.outbox.take()) is not None:
-            try:
-                for message in messages:
-                    self.send(message)
-            except (OSError, ValueError):  # the front is gone: the main thread sees EOF and drops it
+    def send_now(self, message) -> bytes | None:
+        """``message`` to the front if its socket takes it without waiting (the caller holds ``lock``, nothing is
+        behind): the end it did not take (b"": all of it), or None when it took none."""
+        data = _framed(message)
+        if data is None:
+            return None
+        try:
+            sent = self.socket.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return None
+        return data[sent:]
+
+    def flush(self) -> None:
+        """What the outbox holds: sent now as far as the socket takes it without waiting, the rest by the sender."""
+        outbox = self.outbox
+        if not outbox.pending:
+            return
+        if self.socket is None or not self.lock.acquire(blocking=False):  # another thread sends: the sender takes these
+            outbox.wake()
+            return
+        try:
+            if outbox.behind:
+                outbox.wake()
                 return
+            messages = outbox.take()[1]
+            for i, message in enumerate(messages):
+                rest = self.send_now(message)
+                if rest is None:
+                    outbox.defer(messages[i:])
+                    return
+                if rest:  # the socket took part of it: its end and what follows are the sender's
+                    outbox.defer(messages[i + 1 :], rest)
+                    return
+        except OSError:  # the front is gone: the main thread sees EOF and drops it
+            return
+        finally:
+            self.lock.release()
+
+    def close(self, timeout: float) -> None:
+        """The outbox closed; the sender sends what it holds (up to ``timeout`` s) and ends; the socket closed."""
+        self.outbox.close()
+        if self.sender.is_alive():
+            self.sender.join(timeout)
+        if self.socket is not None:
+            self.socket.close()
+
+    def _send_deliveries(self) -> None:
+        while self.outbox.wait():
+            with self.lock:
+                rest, messages = self.outbox.take()
+                try:
+                    if rest:
+                        self.socket.sendall(rest)
+                    for message in messages:
+                        self.conn.send(message)
+                except (OSError, ValueError):  # the front is gone: the main thread sees EOF and drops it
+                    return
+
+
+def _socket_of(conn) -> socket.socket | None:
+    """A socket over a duplicate of ``conn``'s descriptor (a duplex ``multiprocessing.Pipe`` on POSIX is a socket
+    pair), for sends that never wait; None where there is none (the sender thread then sends everything)."""
+    try:
+        return socket.socket(fileno=os.dup(conn.fileno()))
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+DIRECT_BYTES = 1 << 20  # a larger message goes through the sender (``Connection.send``'s framing for it differs)
+
+
+def _framed(message) -> bytes | None:
+    """``message`` as ``multiprocessing.Connection.send`` writes it (a 4-byte big-endian length, then the
+    pickle), so the front's ``recv`` reads it; None past ``DIRECT_BYTES``."""
+    data = ForkingPickler.dumps(message)
+    return struct.pack("!i", len(data)) + bytes(data) if len(data) <= DIRECT_BYTES else None
 
 
 class ServingProcess:
@@ -174,6 +293,11 @@ class ServingProcess:
         self._submitting: tuple[int, int] | None = None  # the (front, key) ``handle`` names (one submit at a time)
         self._dispatch = {wire.Submit: self._submit, wire.Cancel: self._cancel, wire.Close: self._close, wire.MetricsQuery: self._metrics}
 
+    def flush(self) -> None:
+        """``ServingLoop(flush=...)``: every front's deliveries out (the loop's thread, after each burst of them)."""
+        for front in self.fronts:
+            front.flush()
+
     def handle(self, request_id: int, prompt: list[int], cancel) -> ForwardingHandle:
         """``ServingLoop(handles=...)``: the handle of the request being submitted."""
         index, key = self._submitting
@@ -187,34 +311,38 @@ class ServingProcess:
         for front in self.fronts:
             front.sender.start()
             front.send(ready)
-        live = {front.conn: front.index for front in self.fronts}
-        while True:
-            ready_conns = multiprocessing.connection.wait(list(live), POLL_S)
-            if not ready_conns and not serving.healthy:
-                log.error("the serving loop stopped after an internal error; the serving process exits")
-                return 1
-            for conn in ready_conns:
-                index = live[conn]
-                try:
-                    message = conn.recv()
-                except (EOFError, OSError):
-                    if index == 0:
-                        log.info("the front closed the pipe; the serving process stops")
+        # One selector for the process's life (``multiprocessing.connection.wait`` builds and fills a new one per
+        # call: ~10 µs of Python per message here, on the serving loop's GIL).
+        with selectors.DefaultSelector() as selector:
+            for front in self.fronts:
+                selector.register(front.conn, selectors.EVENT_READ, front.index)
+            while True:
+                ready_conns = selector.select(POLL_S)
+                if not ready_conns and not serving.healthy:
+                    log.error("the serving loop stopped after an internal error; the serving process exits")
+                    return 1
+                for key, _ in ready_conns:
+                    conn, index = key.fileobj, key.data
+                    try:
+                        message = conn.recv()
+                    except (EOFError, OSError):
+                        if index == 0:
+                            log.info("the front closed the pipe; the serving process stops")
+                            return 0
+                        selector.unregister(conn)
+                        self._front_gone(index)
+                        continue
+                    if isinstance(message, wire.Exit):
                         return 0
-                    del live[conn]
-                    self._front_gone(index)
-                    continue
-                if isinstance(message, wire.Exit):
-                    return 0
-                self._dispatch[type(message)](message, index)
+                    self._dispatch[type(message)](message, index)
+                    if not isinstance(message, wire.Submit):  # an accepted submit's answer rides with the loop's next flush
+                        self.fronts[index].flush()
 
     def stop(self) -> bool:
         """Cancel what is left, stop the loop and the senders; True when the loop's thread ended."""
         stopped = self.serving.close(drain=False, timeout=EXIT_JOIN_S) if self.serving is not None else True
         for front in self.fronts:
-            front.outbox.close()
-            if front.sender.is_alive():
-                front.sender.join(EXIT_JOIN_S)
+            front.close(EXIT_JOIN_S)
         return stopped
 
     def _front_gone(self, index: int) -> None:
@@ -233,8 +361,9 @@ class ServingProcess:
             self.serving.submit(message.prompt, message.max_new_tokens, sampling=message.sampling, stop_ids=message.stop_ids)
         except DFlashError as error:
             self.fronts[front].outbox.answer(wire.Refused(message.key, wire.WireError.of(error)))
+            self.fronts[front].flush()
             return
-        self.fronts[front].outbox.accept(message.key)  # the answer rides with the front's next deliveries
+        self.fronts[front].outbox.accept(message.key)  # the answer rides with the front's next deliveries (the loop's flush)
 
     def _cancel(self, message: wire.Cancel, front: int) -> None:
         handle = self.handles.pop((front, message.key), None)
@@ -270,7 +399,7 @@ def main(conns, args, logging_config: dict) -> None:
     command.cap_malloc_arenas()
     process = ServingProcess(conns)
     try:
-        serving, backend, _ = command._load(args, text=False, handles=process.handle)
+        serving, backend, _ = command._load(args, text=False, handles=process.handle, flush=process.flush)
     except BaseException as error:  # noqa: BLE001  (reported to the front, which raises it)
         if not isinstance(error, DFlashError):
             log.exception("the serving process failed while loading")

@@ -80,6 +80,10 @@ class _Job:
     suspect: BaseException | None = None  # the error of a failed batch it was in: replayed alone next
 
 
+def _nothing() -> None:
+    pass
+
+
 class ServingLoop:
     """Serve requests over one executor from a background thread (see the module docstring).
 
@@ -101,6 +105,7 @@ class ServingLoop:
         handles: Callable[..., RequestHandle] = RequestHandle,
         early_join: bool = True,
         join_running: bool = True,
+        flush: Callable[[], None] | None = None,
     ) -> None:
         """``stream_interval``: seconds between two deliveries of the running requests' tokens while an
         execute runs (every request's tokens read since go out together, this often; a request's first
@@ -111,7 +116,9 @@ class ServingLoop:
         ``join_running``: a request that arrives while an execute runs joins it at its next round
         (``Executor.execute_outputs``' ``admit``) when a session is free: no execute ends for it.
         ``handles(request_id, prompt, cancel)`` makes each request's handle (a ``RequestHandle``
-        subclass sees every delivery on the loop's thread: ``server.serving_process`` forwards them)."""
+        subclass sees every delivery on the loop's thread: ``server.serving_process`` forwards them).
+        ``flush()`` is called on the loop's thread after each burst of deliveries: before each launch while an
+        execute streams and after each round (``server.serving_process`` sends its handles' deliveries then)."""
         if not is_int(max_queue) or max_queue < 0:
             msg = f"max_queue must be an int >= 0, got {max_queue!r}"
             raise InputError(msg)
@@ -122,6 +129,7 @@ class ServingLoop:
         self.early_join, self.join_running = bool(early_join), bool(join_running)
         self.recorder = MetricsRecorder()
         self._handles = handles
+        self._flush = flush if flush is not None else _nothing
         self._executes = ExecuteCursor(executor)
         self._cond = threading.Condition()  # guards everything below
         self._queue: deque[_Job] = deque()
@@ -253,10 +261,12 @@ class ServingLoop:
     def _serve(self) -> None:
         try:
             while self._round():
-                pass
+                self._flush()
         except BaseException as error:  # a bug in the loop itself: fail every request, accept none
             self._stop_everything(error)
             raise
+        finally:
+            self._flush()
 
     def _round(self) -> bool:
         """One gap between execute() calls, then one execute(); False when the loop should end."""
@@ -314,7 +324,8 @@ class ServingLoop:
             it: ``Batcher.should_yield``, for a share of the batch's worth of them or the oldest after
             ``JOIN_WAIT_S``): their first tokens then wait a round or a few, not the rest of the execute.
             ``ended`` counts every request the executor ended (a chunk with a finish is delivered at
-            once) and those cut at a stop string."""
+            once) and those cut at a stop string. Asked before each launch: the last read's deliveries go out first."""
+            self._flush()
             now = time.perf_counter()
             with self._cond:
                 # Requests that will join the running execute (a free session each) need no gap.

@@ -22,7 +22,7 @@ from dflash_trt.runtime.serving.handle import CANCELLED
 from dflash_trt.runtime.serving.loop import ServingLoop
 from dflash_trt.server import wire
 from dflash_trt.server.front import DIED, ServingClient
-from dflash_trt.server.serving_process import Outbox, ServingProcess
+from dflash_trt.server.serving_process import Front, Outbox, ServingProcess
 from executor_fixtures import SERVING_REQUESTS as REQUESTS, CharTokenizer
 
 TINY_ROWS = 4  # cache rows of the module's Tiny (conftest)
@@ -66,35 +66,71 @@ def test_every_message_crosses_the_pipe_unchanged():
 
 def test_the_outbox_sends_what_a_round_delivered_as_one_message():
     """Guards against a message per token or per request (64 streams would cost 64 pipe writes and
-    pickles per round on the serving process's GIL; an answer per submit as many more): everything put
-    before a take is one message, in order, the acceptances with the tokens; a take waits for something;
-    a closed, empty outbox ends the sender."""
+    pickles per round on the serving process's GIL; an answer per submit as many more), and against a
+    thread woken per put: everything put before a take is one message, in order, the acceptances with the
+    tokens; the sender waits until woken with something to send; what the socket did not take goes out
+    first, ahead of anything put since; a closed, empty outbox ends the sender."""
     outbox = Outbox()
     for key in range(64):
         outbox.accept(100 + key)
         outbox.put((key, [key, key + 1], None))
     outbox.fail(70, wire.WireError("PoisonedError", "bad"))
-    (message,) = outbox.take()
-    assert [item[0] for item in message.items] == list(range(64)) and message.failures == ((70, wire.WireError("PoisonedError", "bad")),)
-    assert message.accepted == tuple(range(100, 164))
-    taken = []
-    taker = threading.Thread(target=lambda: taken.append(outbox.take()))
-    taker.start()
-    taker.join(0.2)
-    assert taker.is_alive()  # nothing to send: it waits
+    rest, (message,) = outbox.take()
+    assert rest == b"" and [item[0] for item in message.items] == list(range(64))
+    assert message.failures == ((70, wire.WireError("PoisonedError", "bad")),) and message.accepted == tuple(range(100, 164))
+    waited = []
+    sender = threading.Thread(target=lambda: waited.append(outbox.wait()))
+    sender.start()
     outbox.put((1, [2], "stop"))
-    taker.join(TIMEOUT_S)
-    assert taken == [[wire.Deliveries(((1, [2], "stop"),))]]
+    sender.join(0.2)
+    assert sender.is_alive() and outbox.pending  # a put wakes nobody: the putter flushes after its burst
+    outbox.wake()
+    sender.join(TIMEOUT_S)
+    assert waited == [True] and outbox.behind
+    assert outbox.take() == (b"", [wire.Deliveries(((1, [2], "stop"),))]) and not outbox.behind and not outbox.pending
     outbox.accept(9)  # an acceptance alone is a message too (the submitter waits for it)
-    assert outbox.take() == [wire.Deliveries((), (), (9,))]
+    assert outbox.take() == (b"", [wire.Deliveries((), (), (9,))])
     refused = wire.Refused(10, wire.WireError("QueueFullError", "full"))
     outbox.put((3, [4], None))
     outbox.answer(refused)  # an answer of its own goes first, the deliveries after it in one message
-    assert outbox.take() == [refused, wire.Deliveries(((3, [4], None),))]
-    outbox.answer(wire.MetricsQuery(1))
-    assert outbox.take() == [wire.MetricsQuery(1)]
+    assert outbox.take() == (b"", [refused, wire.Deliveries(((3, [4], None),))])
+    first, second = wire.Deliveries(((5, [1], None),)), wire.MetricsQuery(1)
+    outbox.defer([first, second], b"end of an earlier one")  # the socket took part of a message, none of these
+    outbox.put((5, [2], None))
+    assert outbox.behind and outbox.take() == (b"end of an earlier one", [first, second, wire.Deliveries(((5, [2], None),))])
+    outbox.answer(wire.MetricsQuery(2))
     outbox.close()
-    assert outbox.take() is None
+    assert outbox.wait() and outbox.take() == (b"", [wire.MetricsQuery(2)])  # closed: what is left still goes
+    assert outbox.wait() is False
+
+
+def test_a_message_sent_without_waiting_reads_back_as_the_connection_sent_it():
+    """Guards against the serving loop's own sends (``Front.send_now``: its framing of ``Connection.send``'s
+    wire format, over a duplicate of the socket) being unreadable by the front's ``Connection.recv``, or
+    out of order with the sender thread's sends; and against a full socket blocking the loop: a send that
+    would wait sends nothing (None) or leaves its end to the sender, which delivers it in order."""
+    a, b = multiprocessing.Pipe()
+    front = Front(0, a)
+    try:
+        assert front.socket is not None
+        big = wire.Deliveries(tuple((k, list(range(k % 50)), None) for k in range(300)))
+        with front.lock:
+            assert front.send_now(wire.MetricsQuery(1)) == b""
+        front.send(big)
+        assert b.recv() == wire.MetricsQuery(1) and b.recv() == big
+        sent = [wire.Deliveries(((k, [k] * 200, None),)) for k in range(2000)]  # ~1.5 MB: more than a socket pair holds
+        front.sender.start()
+        for message in sent:
+            front.outbox.put(message.items[0])
+            front.flush()  # never waits: what the socket does not take goes to the sender
+        got = []
+        while len(got) < len(sent) and b.poll(TIMEOUT_S):
+            got.extend(b.recv().items)
+        assert got == [item for message in sent for item in message.items]
+    finally:
+        front.close(TIMEOUT_S)
+        a.close()
+        b.close()
 
 
 class ThreadProcess:
@@ -105,10 +141,14 @@ class ThreadProcess:
         pipes = [multiprocessing.Pipe(duplex=True) for _ in range(fronts)]
         (front_end, self.conn), self.others = pipes[0], [a for a, _ in pipes[1:]]
         self.side = ServingProcess([b for _, b in pipes])
-        self.serving = ServingLoop(Executor(tiny.ort, tiny.dims, 4), None, stop_ids=(), stream_interval=stream_interval, handles=self.side.handle)
-        self.sent: list = []
-        send = self.side.fronts[0].send
-        self.side.fronts[0].send = lambda message: (self.sent.append(message), send(message))[1]
+        self.serving = ServingLoop(Executor(tiny.ort, tiny.dims, 4), None, stop_ids=(), stream_interval=stream_interval, handles=self.side.handle,
+                                   flush=self.side.flush)
+        self.sent: list = []  # front 0's messages, whichever thread sent them
+        self.waited: list = []  # ... of those, the ones sent by a send that may wait (``Ready``, the sender thread's)
+        front = self.side.fronts[0]
+        send, send_now = front.send, front.send_now
+        front.send = lambda message: (self.sent.append(message), self.waited.append(message), send(message))[2]
+        front.send_now = lambda message: (rest := send_now(message), rest is None or self.sent.append(message))[0]
         dims = tiny.dims
         ready = wire.Ready(True, 4, dims.max_context, dims.vocab_size, None, 0)
         self.exitcode = None
@@ -143,7 +183,9 @@ class ThreadProcess:
         self.thread.join(timeout)
 
     def kill(self) -> None:
+        """Its end of front 0's pipe closed, as when the process dies (its duplicate for sends too)."""
         self.conn.close()
+        self.side.fronts[0].socket.close()
 
 
 def run_all(serving, requests, tokenizer=None):
@@ -166,7 +208,8 @@ def test_the_front_over_a_pipe_answers_as_the_in_process_loop(tiny):
     streamed deltas, text and stop strings (detokenized and matched on the front, the request then ended
     in the serving loop as completed, not cancelled) equal what the in-process ServingLoop returns; the
     tokens of a round travel in one message, not one per request, and the submits' acceptances with them
-    (each submit answered once, none by a message of its own)."""
+    (each submit answered once, none by a message of its own); a front that reads takes them all from the
+    serving loop's own sends: no sender thread is woken for them (each wake-up a hand-off of the loop's GIL)."""
     tokenizer = CharTokenizer()
     prompt = tokenizer.encode("def f(x):")
     with ServingLoop(Executor(tiny.ort, tiny.dims, 4), tokenizer, stream_interval=0.0) as here:
@@ -184,6 +227,7 @@ def test_the_front_over_a_pipe_answers_as_the_in_process_loop(tiny):
     assert len(deliveries) < items and max(len({key for key, *_ in m.items}) for m in deliveries) > 1
     assert sorted(key for m in deliveries for key in m.accepted) == list(range(len(REQUESTS) + len(text_requests)))
     assert {type(m) for m in side.sent} == {wire.Ready, wire.Deliveries}
+    assert side.waited == [side.ready]
     deadline = time.monotonic() + TIMEOUT_S
     while (metrics := client.metrics()).running and time.monotonic() < deadline:  # the stop ends it at the next gap
         time.sleep(0.01)
