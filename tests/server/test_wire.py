@@ -260,6 +260,27 @@ def test_refusals_and_cancels_reach_across_the_pipe(tiny):
     client.stop()
 
 
+def test_a_request_the_loop_ends_before_its_submit_returns_is_still_answered(tiny, monkeypatch):
+    """Guards against a lost acceptance: the serving loop's thread sends the answers with the deliveries at its
+    flushes, so an acceptance put after ``ServingLoop.submit`` returned could miss the last one when the loop ran
+    the request to its end meanwhile and went idle; the front's submit then waited ``ANSWER_TIMEOUT_S`` (30 s)
+    and failed with 503. Here every acceptance is put 0.3 s late, long after such a request ended."""
+    put = Outbox.accept
+
+    def late(self, key):
+        time.sleep(0.3)
+        put(self, key)
+
+    monkeypatch.setattr(Outbox, "accept", late)
+    side = ThreadProcess(tiny)
+    client = side.client()
+    for max_new in (1, 2):
+        started = time.monotonic()
+        done = client.submit([5, 6, 7], max_new).result(TIMEOUT_S)
+        assert done.finish == "length" and len(done.tokens) == max_new and time.monotonic() - started < 10
+    client.stop()
+
+
 def test_the_serving_process_forgets_finished_requests_at_the_next_submit(tiny):
     """Guards against the serving process's request map growing with every request served (a handle kept
     per finished request) or losing an open one: after finished, refused and cancelled requests the next
