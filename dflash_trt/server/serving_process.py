@@ -6,9 +6,13 @@ for the GIL behind HTTP parsing, tokenizing, detokenizing or SSE work. The
 messages are ``server.wire``'s.
 
 Threads here: the main thread reads the pipes, one per HTTP front (submits,
-cancels, closes, metrics queries), and never waits on a write: a submit's answer
-(its key, accepted; or ``Refused``) and a metrics query's go to that front's
-outbox. The serving loop's thread runs the executor and hands tokens to the
+cancels, closes, metrics queries), while the serving loop is idle; once a message
+leaves it busy, the loop's thread reads them itself at its flushes (below) and the
+main thread waits until the loop is idle again, so no message wakes a thread while
+the loop works. Neither waits on a write: a submit's answer (its key, accepted;
+or ``Refused``) and a metrics query's go to that front's outbox. ``Exit``,
+``Close`` and a pipe's end are the main thread's to handle, whoever read them.
+The serving loop's thread runs the executor and hands tokens to the
 requests' handles (``ForwardingHandle``: each delivery also goes to its front's
 outbox), and after each burst of them (before each launch, after each round:
 ``ServingLoop(flush=...)``) sends every front what its outbox holds as one
@@ -53,6 +57,8 @@ log = logging.getLogger("dflash_trt.server")
 POLL_S = 0.5  # how often the main thread, waiting on the pipe, checks the serving loop's health
 EXIT_JOIN_S = 0.5  # on Exit: how long the serving loop's running execute may take before the process exits anyway
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+MAIN, LOOP = "main", "loop"  # who reads the pipes (``ServingProcess._reader``)
+READ_AT_MOST = 16  # rounds of one message a pipe the loop's thread reads at a flush (a burst of submits waits a few launches at most)
 
 
 class Outbox:
@@ -288,15 +294,51 @@ class ServingProcess:
     def __init__(self, conns) -> None:
         self.fronts = [Front(i, conn) for i, conn in enumerate(conns)]
         self.serving = None
-        self.handles: dict[tuple[int, int], ForwardingHandle] = {}  # the main thread's alone
+        self.handles: dict[tuple[int, int], ForwardingHandle] = {}  # the reading thread's alone (``_reader``)
         self._finished: deque[tuple[int, int]] = deque()  # handles' names as they finish (any thread appends)
         self._submitting: tuple[int, int] | None = None  # the (front, key) ``handle`` names (one submit at a time)
         self._dispatch = {wire.Submit: self._submit, wire.Cancel: self._cancel, wire.Close: self._close, wire.MetricsQuery: self._metrics}
+        self._selector: selectors.BaseSelector | None = None  # the pipes (``run``), read by ``_reader`` alone
+        self._turn = threading.Condition()  # guards the two below
+        self._reader = MAIN  # who reads the pipes: the main thread (the loop idle) or the loop's thread (at its flushes)
+        self._control: list[tuple[object, int]] = []  # what the loop's thread read that the main thread must handle
 
     def flush(self) -> None:
-        """``ServingLoop(flush=...)``: every front's deliveries out (the loop's thread, after each burst of them)."""
+        """``ServingLoop(flush=...)``, on the loop's thread after each burst of deliveries: while the loop is busy it
+        reads the pipes here (the main thread then waits, so no message wakes it, each wake-up a hand-off of the
+        loop's GIL); every front's deliveries go out; once the loop is idle the main thread reads again."""
+        if self._reader == LOOP:
+            self._read_here()
         for front in self.fronts:
             front.flush()
+        if self._reader == LOOP and self.serving.idle:
+            self._hand_to(MAIN)
+
+    def _read_here(self) -> None:
+        """The loop's thread: the messages waiting in the pipes (``READ_AT_MOST`` rounds of one a pipe), handled as
+        the main thread would; one only the main thread may handle (``Exit``, ``Close``, a pipe's end) goes to it,
+        with the reading."""
+        for _ in range(READ_AT_MOST):
+            ready_conns = self._selector.select(0)
+            if not ready_conns:
+                return
+            for key, _ in ready_conns:
+                try:
+                    message = key.fileobj.recv()
+                except (EOFError, OSError):
+                    message = EOFError()
+                if isinstance(message, (EOFError, wire.Exit, wire.Close)):
+                    self._hand_to(MAIN, (message, key.data))
+                    return
+                self._dispatch[type(message)](message, key.data)
+
+    def _hand_to(self, reader: str, control: tuple[object, int] | None = None) -> None:
+        """The pipes' reading to ``reader``; ``control``: a message the loop's thread read for the main thread."""
+        with self._turn:
+            if control is not None:
+                self._control.append(control)
+            self._reader = reader
+            self._turn.notify()
 
     def handle(self, request_id: int, prompt: list[int], cancel) -> ForwardingHandle:
         """``ServingLoop(handles=...)``: the handle of the request being submitted, made once the loop took it (under
@@ -310,7 +352,10 @@ class ServingProcess:
         return handle
 
     def run(self, serving, ready: wire.Ready) -> int:
-        """Serve the pipes until Exit (0), the first front's end closing (0) or the serving loop failing (1)."""
+        """Serve the pipes until Exit (0), the first front's end closing (0) or the serving loop failing (1).
+
+        The main thread reads the pipes while the loop is idle; once a message leaves it busy, the loop's thread
+        reads them at its flushes (``flush``) until it is idle again, and this thread waits meanwhile."""
         self.serving = serving
         for front in self.fronts:
             front.sender.start()
@@ -320,27 +365,51 @@ class ServingProcess:
         with selectors.DefaultSelector() as selector:
             for front in self.fronts:
                 selector.register(front.conn, selectors.EVENT_READ, front.index)
+            self._selector = selector
             while True:
+                with self._turn:
+                    if self._reader == LOOP:
+                        self._turn.wait(POLL_S)
+                    control, mine = list(self._control), self._reader == MAIN
+                    self._control.clear()
+                for message, index in control:  # read by the loop's thread, handed here with the reading
+                    if (code := self._handle(message, index)) is not None:
+                        return code
+                if not mine:
+                    if not serving.healthy:
+                        log.error("the serving loop stopped after an internal error; the serving process exits")
+                        return 1
+                    continue
                 ready_conns = selector.select(POLL_S)
                 if not ready_conns and not serving.healthy:
                     log.error("the serving loop stopped after an internal error; the serving process exits")
                     return 1
                 for key, _ in ready_conns:
-                    conn, index = key.fileobj, key.data
                     try:
-                        message = conn.recv()
+                        message = key.fileobj.recv()
                     except (EOFError, OSError):
-                        if index == 0:
-                            log.info("the front closed the pipe; the serving process stops")
-                            return 0
-                        selector.unregister(conn)
-                        self._front_gone(index)
-                        continue
-                    if isinstance(message, wire.Exit):
-                        return 0
-                    self._dispatch[type(message)](message, index)
-                    if not isinstance(message, wire.Submit):  # an accepted submit's answer rides with the loop's next flush
-                        self.fronts[index].flush()
+                        message = EOFError()
+                    if (code := self._handle(message, key.data)) is not None:
+                        return code
+                with self._turn:  # under the turn: the loop's thread hands the reading back only at a flush after this
+                    if not serving.idle:
+                        self._reader = LOOP
+
+    def _handle(self, message, index: int) -> int | None:
+        """The main thread: one message of front ``index`` (``EOFError``: its pipe's end); the exit code when it ends the process."""
+        if isinstance(message, EOFError):
+            if index == 0:
+                log.info("the front closed the pipe; the serving process stops")
+                return 0
+            self._selector.unregister(self.fronts[index].conn)
+            self._front_gone(index)
+            return None
+        if isinstance(message, wire.Exit):
+            return 0
+        self._dispatch[type(message)](message, index)
+        if not isinstance(message, wire.Submit):  # an accepted submit's answer rides with the loop's next flush
+            self.fronts[index].flush()
+        return None
 
     def stop(self) -> bool:
         """Cancel what is left, stop the loop and the senders; True when the loop's thread ended."""

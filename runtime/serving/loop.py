@@ -228,6 +228,12 @@ class ServingLoop:
         return self._thread
 
     @property
+    def idle(self) -> bool:
+        """No request queued or running: the loop's thread waits for one (or ends, if closing)."""
+        with self._cond:
+            return not (self._queue or self._jobs)
+
+    @property
     def healthy(self) -> bool:
         """The serving loop is alive (it stops only after close() or an internal error)."""
         return self._thread.is_alive() and self._fatal is None

@@ -281,6 +281,32 @@ def test_a_request_the_loop_ends_before_its_submit_returns_is_still_answered(tin
     client.stop()
 
 
+def test_while_the_loop_works_it_reads_the_pipes_and_hands_close_and_exit_to_the_main_thread(tiny, monkeypatch):
+    """Guards against a thread woken per message while the serving loop works (each wake-up hands the loop's GIL
+    away; at 64 streams on an H100 the pipes' main thread held ~22% of it): a submit that arrives while a
+    request runs is read and handled on the loop's own thread; and against a message only the main thread may
+    handle being lost there or handled on the loop's thread (``Close`` joins that thread): read by the loop's
+    thread while it works, a Close still drains the running request and refuses new ones, on the main thread."""
+    seen, submit, close = [], ServingProcess._submit, ServingProcess._close
+    monkeypatch.setattr(ServingProcess, "_submit", lambda self, m, f: (seen.append(("submit", threading.current_thread().name)), submit(self, m, f))[1])
+    monkeypatch.setattr(ServingProcess, "_close", lambda self, m, f: (seen.append(("close", threading.current_thread().name)), close(self, m, f))[1])
+    side = ThreadProcess(tiny, stream_interval=0.02)
+    client = side.client()
+    main = side.thread.name
+    long = client.submit([5, 6, 7], 60)
+    next(iter(long))  # it runs: the loop is busy
+    assert client.submit([1, 2], 4).result(TIMEOUT_S).finish == "length"
+    assert seen == [("submit", main), ("submit", "dflash-trt-serving")]
+    client.close(drain=True)
+    assert long.result(TIMEOUT_S).finish == "length" and len(long.result().tokens) == 60  # drained, not cancelled
+    with pytest.raises(ServingClosedError):
+        client.submit([5], 2)
+    assert ("close", main) in seen and ("close", "dflash-trt-serving") not in seen
+    client.stop()
+    side.join(TIMEOUT_S)
+    assert side.exitcode == 0
+
+
 def test_the_serving_process_forgets_finished_requests_at_the_next_submit(tiny):
     """Guards against the serving process's request map growing with every request served (a handle kept
     per finished request) or losing an open one: after finished, refused and cancelled requests the next
