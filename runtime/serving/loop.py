@@ -118,7 +118,8 @@ class ServingLoop:
         ``handles(request_id, prompt, cancel)`` makes each request's handle (a ``RequestHandle``
         subclass sees every delivery on the loop's thread: ``server.serving_process`` forwards them).
         ``flush()`` is called on the loop's thread after each burst of deliveries: before each launch while an
-        execute streams and after each round (``server.serving_process`` sends its handles' deliveries then)."""
+        execute streams and after each round (``server.serving_process`` sends its handles' deliveries and reads its
+        pipes then)."""
         if not is_int(max_queue) or max_queue < 0:
             msg = f"max_queue must be an int >= 0, got {max_queue!r}"
             raise InputError(msg)
