@@ -262,6 +262,7 @@ class Executor:
         self._prepare_programs()
         self.closed = False
         self._on_tokens: Callable | None = None
+        self._on_streamed: Callable[[], None] | None = None
         self._stream_interval = self._next_tick = 0.0  # ``execute_outputs``' delivery tick, and when it is next due
         self._should_yield: Callable[[int], bool] | None = None
         self._joining: list[_Joining] = []  # prefills launched, their tokens not read yet (``_join``)
@@ -437,7 +438,7 @@ class Executor:
 
     def execute_outputs(
         self, batch: Sequence[Input | dict], on_tokens: Callable | None = None, should_yield: Callable[[int], bool] | None = None,
-        admit: Callable[[], Sequence[Admission]] | None = None, stream_interval: float = 0.0,
+        admit: Callable[[], Sequence[Admission]] | None = None, stream_interval: float = 0.0, on_streamed: Callable[[], None] | None = None,
     ) -> list[Output]:
         """``execute``, returning per input its new tokens and why they ended (``Output.finish``).
 
@@ -450,6 +451,9 @@ class Executor:
         out at once; the others are held and every input's go out together at the first read
         ``stream_interval`` after the last such delivery (a server's delivery tick: one callback per
         input per tick, not per launch); what is held when the call ends is in the outputs only.
+        ``on_streamed()`` is called on this thread after each burst of ``on_tokens`` calls (a read's, the
+        prefilled prompts'), before the call waits on the device again: a server hands them on then, one
+        message per burst, the first tokens without waiting for the first cycle.
 
         ``should_yield(finished)``, asked before each launch after the first round with how many of
         the call's inputs have ended (STOP / LENGTH) so far, ends the call early when True (a server
@@ -471,12 +475,12 @@ class Executor:
         if not isinstance(stream_interval, (int, float)) or isinstance(stream_interval, bool) or not stream_interval >= 0:
             raise InputError(f"stream_interval must be a number of seconds >= 0, got {stream_interval!r}")
         with self._call("execute", count_refusals=False):
-            self._on_tokens, self._should_yield, self._admit = on_tokens, should_yield, admit
+            self._on_tokens, self._should_yield, self._admit, self._on_streamed = on_tokens, should_yield, admit, on_streamed
             self._stream_interval, self._next_tick = float(stream_interval), time.perf_counter() + stream_interval
             try:
                 return self._execute(batch)
             finally:
-                self._on_tokens = self._should_yield = self._admit = None
+                self._on_tokens = self._should_yield = self._admit = self._on_streamed = None
                 self._call_state = None
 
     @property
@@ -1161,11 +1165,14 @@ class Executor:
             if due:  # every lane of the call hands over what it holds, not only those just read
                 self._next_tick = now + self._stream_interval
                 lanes = lanes if self._call_state is None else self._call_state.lanes  # None: the call's first lanes
+        handed = False
         for lane in lanes:
             tokens, sent = lane.tokens, lane.streamed
             if len(tokens) > sent and (due or lane.finish is not None or not (sent or lane.continues)):
                 on_tokens(lane.step.index, tokens[sent:], lane.finish)
-                lane.streamed = len(tokens)
+                lane.streamed, handed = len(tokens), True
+        if handed and self._on_streamed is not None:
+            self._on_streamed()
 
     def _read_cycle(self, group: Group, record: np.ndarray, device_ms: float) -> tuple[int, int, list[int]]:
         """The cycle's verdicts applied; returns the tokens it yielded (a + 1 per owner not finished before

@@ -407,8 +407,9 @@ class ServingProcess:
         if isinstance(message, wire.Exit):
             return 0
         self._dispatch[type(message)](message, index)
-        if not isinstance(message, wire.Submit):  # an accepted submit's answer rides with the loop's next flush
-            self.fronts[index].flush()
+        # Read while the loop was idle: the answer goes out at once (a submit's acceptance ahead of its first tokens,
+        # so the front starts its response meanwhile); the loop's thread answers what it reads at its flush.
+        self.fronts[index].flush()
         return None
 
     def stop(self) -> bool:
@@ -435,7 +436,7 @@ class ServingProcess:
         except DFlashError as error:
             self.fronts[front].outbox.answer(wire.Refused(message.key, wire.WireError.of(error)))
             self.fronts[front].flush()
-        # Accepted: ``handle`` put the answer; it rides with the front's next deliveries (the loop's flush).
+        # Accepted: ``handle`` put the answer; the reading thread's flush sends it.
 
     def _cancel(self, message: wire.Cancel, front: int) -> None:
         handle = self.handles.pop((front, message.key), None)

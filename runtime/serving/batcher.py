@@ -153,7 +153,7 @@ class Batcher:
     def step(
         self, keys: Iterable[Hashable] | None = None, on_chunk: Callable[[Hashable, list[int], str | None], None] | None = None,
         should_yield: Callable[[int], bool] | None = None, admit: Callable[[int], Sequence[tuple[Hashable, Request]]] | None = None,
-        stream_interval: float = 0.0,
+        stream_interval: float = 0.0, on_streamed: Callable[[], None] | None = None,
     ) -> list[Chunk]:
         """One execute() over every running request (or only ``keys``: the others wait, their pending
         tokens kept); returns a chunk per request; raises what execute raised (sessions left as they are).
@@ -162,7 +162,7 @@ class Batcher:
         ``on_chunk(key, tokens, finish)`` receives a chunk's fields while the execute runs (``Executor.execute_outputs``'
         on_tokens, per lane per launch, or per tick with ``stream_interval``: no ``Chunk`` is built for it;
         ``finish`` is set when the tokens end the request); the returned chunk of a request then holds only its
-        tokens not streamed yet.
+        tokens not streamed yet. ``on_streamed``: ``Executor.execute_outputs``' (after each burst of chunks).
 
         ``admit(limit)``, asked while the execute runs (``Executor.execute_outputs``' admit, while sessions
         are free), returns up to ``limit`` (``room``) (key, request) pairs joining it: the executor opens their
@@ -187,7 +187,8 @@ class Batcher:
 
         batch = [self._next_input(r) for r in running]
         outputs = self.executor.execute_outputs(
-            batch, stream if on_chunk else None, should_yield, admitting if admit is not None else None, stream_interval
+            batch, stream if on_chunk else None, should_yield, admitting if admit is not None else None, stream_interval,
+            on_streamed if on_chunk else None,
         )
         chunks = []
         for r, output, sent in zip(running, outputs, streamed):

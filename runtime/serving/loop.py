@@ -117,9 +117,9 @@ class ServingLoop:
         (``Executor.execute_outputs``' ``admit``) when a session is free: no execute ends for it.
         ``handles(request_id, prompt, cancel)`` makes each request's handle (a ``RequestHandle``
         subclass sees every delivery on the loop's thread: ``server.serving_process`` forwards them).
-        ``flush()`` is called on the loop's thread after each burst of deliveries: before each launch while an
-        execute streams and after each round (``server.serving_process`` sends its handles' deliveries and reads its
-        pipes then)."""
+        ``flush()`` is called on the loop's thread after each burst of deliveries (``Executor.execute_outputs``'
+        ``on_streamed``: before the next device wait), before each launch while an execute runs and after each
+        round (``server.serving_process`` sends its handles' deliveries and reads its pipes then)."""
         if not is_int(max_queue) or max_queue < 0:
             msg = f"max_queue must be an int >= 0, got {max_queue!r}"
             raise InputError(msg)
@@ -387,7 +387,7 @@ class ServingLoop:
 
         try:
             chunks = self.batcher.step(on_chunk=stream, should_yield=should_yield, admit=admit if self.join_running else None,
-                                       stream_interval=self.stream_interval)
+                                       stream_interval=self.stream_interval, on_streamed=self._flush)
         except Exception as error:
             failed = [self._jobs[key] for key in list(self.batcher.running)]
             for job in failed:

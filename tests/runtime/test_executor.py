@@ -645,7 +645,9 @@ def test_a_joining_prompts_first_token_read_after_its_launch_ends_it_losslessly(
     and reaches the host with the first verdict after the loop has launched: a prompt whose first token
     is a stop token, or whose room is one token, returns exactly that token (the cycle its lane launched
     meanwhile discarded, the session rewound) and its next calls continue as the reference does; the
-    others' first tokens feed their cycles and stream before their cycles' tokens."""
+    others' first tokens feed their cycles and stream before their cycles' tokens, each burst closed by
+    ``on_streamed`` before the next (a server sending the first token only after the first cycle was read:
+    one cycle more to every request's first token)."""
     dims = tiny_dims(tiny.target, tiny.draft, tiny.dims.max_context, max_chunk=64)  # every prompt one chunk: batched
     executor = Executor(tiny.torch_backend(dims, 6, kernels="fast"), dims, 6)
     assert executor.prefill is not None  # row-indexed: prompts are prefilled together, their tokens read late
@@ -663,11 +665,14 @@ def test_a_joining_prompts_first_token_read_after_its_launch_ends_it_losslessly(
     for _ in range(3):  # the sessions cut at their first token go on from it
         t.execute([item + ({"max_new_tokens": 6},) for item in t.decode_inputs(sessions)])
     streamed: dict[int, list[list[int]]] = {}
+    events: list[str] = []
     batch = [Input(t.open(), prompt(12, 9), max_new_tokens=20)]
-    outputs = executor.execute_outputs(batch, on_tokens=lambda i, tokens, finish: streamed.setdefault(i, []).append(list(tokens)))
+    outputs = executor.execute_outputs(batch, on_tokens=lambda i, tokens, finish: (events.append("tokens"), streamed.setdefault(i, []).append(list(tokens))),
+                                       on_streamed=lambda: events.append("streamed"))
     got = outputs[0].tokens
     assert len(got) > 2 and got == oracle.continuation(prompt(12, 9))[: len(got)], got
     assert streamed[0][0] == got[:1] and [token for chunk in streamed[0] for token in chunk] == got, streamed  # its first token alone, first
+    assert events == ["tokens", "streamed"] * len(streamed[0]), events  # one burst per read here: each closed before the next
 
 
 @pytest.mark.gpu

@@ -208,7 +208,7 @@ def test_the_front_over_a_pipe_answers_as_the_in_process_loop(tiny):
     streamed deltas, text and stop strings (detokenized and matched on the front, the request then ended
     in the serving loop as completed, not cancelled) equal what the in-process ServingLoop returns; the
     tokens of a round travel in one message, not one per request, and the submits' acceptances with them
-    (each submit answered once, none by a message of its own); a front that reads takes them all from the
+    (each submit answered once); a front that reads takes them all from the
     serving loop's own sends: no sender thread is woken for them (each wake-up a hand-off of the loop's GIL)."""
     tokenizer = CharTokenizer()
     prompt = tokenizer.encode("def f(x):")
