@@ -12,8 +12,9 @@ API (docs/design.md §5):
   prompt/replay input, then the tokens of one speculative cycle (emitted
   d_1..d_a, y_a) — or, with ``max_new_tokens``, of as many cycles as fit
   (``max_cycles`` per call), cut at the room and the first stop token.
-  ``execute_outputs(batch, on_tokens, should_yield, admit, stream_interval)``
-  streams them (every launch, or on a delivery tick), may end early, and takes
+  ``execute_outputs(batch, on_tokens, should_yield, admit, stream_interval, on_streamed)``
+  streams them (every launch, or on a delivery tick; ``on_streamed`` closes each
+  burst), may end early, and takes
   new prompts into the running call (``Admission``: a session opened for each,
   prefilled between two rounds).
 - ``preferred_batch_tokens``: the largest prefill chunk.
