@@ -265,6 +265,14 @@ class Front:
                     return
 
 
+def _receive(conn):
+    """The next message on ``conn``, or an ``EOFError`` (not raised) once its other end is gone."""
+    try:
+        return conn.recv()
+    except (EOFError, OSError):
+        return EOFError()
+
+
 def _socket_of(conn) -> socket.socket | None:
     """A socket over a duplicate of ``conn``'s descriptor (a duplex ``multiprocessing.Pipe`` on POSIX is a socket
     pair), for sends that never wait; None where there is none (the sender thread then sends everything)."""
@@ -323,10 +331,7 @@ class ServingProcess:
             if not ready_conns:
                 return
             for key, _ in ready_conns:
-                try:
-                    message = key.fileobj.recv()
-                except (EOFError, OSError):
-                    message = EOFError()
+                message = _receive(key.fileobj)
                 if isinstance(message, (EOFError, wire.Exit, wire.Close)):
                     self._hand_to(MAIN, (message, key.data))
                     return
@@ -375,22 +380,15 @@ class ServingProcess:
                 for message, index in control:  # read by the loop's thread, handed here with the reading
                     if (code := self._handle(message, index)) is not None:
                         return code
-                if not mine:
-                    if not serving.healthy:
-                        log.error("the serving loop stopped after an internal error; the serving process exits")
-                        return 1
-                    continue
-                ready_conns = selector.select(POLL_S)
+                ready_conns = selector.select(POLL_S) if mine else []  # not ours: the turn's wait was the poll
                 if not ready_conns and not serving.healthy:
                     log.error("the serving loop stopped after an internal error; the serving process exits")
                     return 1
                 for key, _ in ready_conns:
-                    try:
-                        message = key.fileobj.recv()
-                    except (EOFError, OSError):
-                        message = EOFError()
-                    if (code := self._handle(message, key.data)) is not None:
+                    if (code := self._handle(_receive(key.fileobj), key.data)) is not None:
                         return code
+                if not mine:
+                    continue
                 with self._turn:  # under the turn: the loop's thread hands the reading back only at a flush after this
                     if not serving.idle:
                         self._reader = LOOP

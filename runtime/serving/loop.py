@@ -331,7 +331,7 @@ class ServingLoop:
             it: ``Batcher.should_yield``, for a share of the batch's worth of them or the oldest after
             ``JOIN_WAIT_S``): their first tokens then wait a round or a few, not the rest of the execute.
             ``ended`` counts every request the executor ended (a chunk with a finish is delivered at
-            once) and those cut at a stop string. Asked before each launch: the last read's deliveries go out first."""
+            once) and those cut at a stop string. Asked before each launch: the pipes a flush reads are read first."""
             self._flush()
             now = time.perf_counter()
             with self._cond:
