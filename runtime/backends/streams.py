@@ -40,6 +40,10 @@ class BackendStream:
 
         self.device_stream = Stream()
         self.torch = self.device_stream.torch_stream()
+        # The caller's stream is asked by this index: ``torch.cuda.current_stream()`` with no device looks the
+        # current device up through ``torch.cuda.is_available()``, an environment read per call (7% of the
+        # serving thread's time at 64 streams, benchmarks/RESULTS.md).
+        self.index = self.torch.device_index
 
     @property
     def handle(self):
@@ -57,12 +61,12 @@ class BackendStream:
 
         Does not synchronize the host.
         """
-        caller = torch.cuda.current_stream()
+        caller = torch.cuda.current_stream(self.index)
         if caller.cuda_stream == self.torch.cuda_stream:
             yield
             return
         self.torch.wait_stream(caller)
-        with torch.cuda.stream(self.torch):
+        with self._made_current(caller):
             yield
         caller.wait_stream(self.torch)
 
@@ -72,7 +76,17 @@ class BackendStream:
         in and out (the executor: token lists in, token lists out): nothing on their own stream needs
         ordering with ours, and the two cross-stream waits per ``scope`` (an event made, recorded and waited
         on each way) are pure host cost at every launch, staging and prefill of a serving round."""
-        return torch.cuda.stream(self.torch)
+        return self._made_current(torch.cuda.current_stream(self.index))
+
+    @contextmanager
+    def _made_current(self, caller):
+        """``torch.cuda.stream(self.torch)`` for a thread whose current stream is ``caller``, without its
+        two device look-ups (``index``'s comment)."""
+        torch.cuda.set_stream(self.torch)
+        try:
+            yield
+        finally:
+            torch.cuda.set_stream(caller)
 
     def hand_over(self, tensors) -> None:
         """Tell torch's allocator that ``tensors`` (made on this stream) are used on the caller's stream.
@@ -80,7 +94,7 @@ class BackendStream:
         Without it, freeing an output on the caller's side could let this
         stream reuse its memory while the caller still reads it.
         """
-        caller = torch.cuda.current_stream()
+        caller = torch.cuda.current_stream(self.index)
         if caller.cuda_stream != self.torch.cuda_stream:
             for tensor in tensors:
                 tensor.record_stream(caller)

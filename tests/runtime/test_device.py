@@ -170,3 +170,32 @@ def test_allocation_failure_is_typed():
     assert caught.value.call == "cudaMalloc" and caught.value.code == "cudaErrorMemoryAllocation"
     torch.ones(4, device="cuda").add_(1)  # the refused malloc must not surface later as torch's error
     torch.cuda.synchronize()
+
+
+@gpu
+def test_a_backend_streams_scope_asks_no_device_lookup(monkeypatch):
+    """Bug: ``torch.cuda.current_stream()`` without a device (and ``torch.cuda.stream``) finds the current one
+    through ``torch.cuda.is_available()``, an environment read on every call; the serving thread enters a
+    scope per launch and prefill, and spent 7% of its time there at 64 streams. ``scope`` and ``current`` must
+    ask by index, still order the caller's stream around the body, and give the caller its stream back."""
+    from dflash_trt.runtime.backends.streams import BackendStream
+
+    ours = BackendStream()
+    try:
+        asked = []
+        real = torch.cuda.is_available
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append(1) or real())
+        x = torch.zeros(1 << 20, device="cuda")
+        with ours.scope():
+            assert torch.cuda.current_stream(ours.index).cuda_stream == ours.torch.cuda_stream
+            y = x + 1  # on ours, after the caller's zeros
+        z = y * 2  # on the caller's, after ours
+        caller = torch.cuda.current_stream(ours.index).cuda_stream
+        with ours.current(), ours.scope():  # the executor's way: already on ours, no waits, the same stream
+            assert torch.cuda.current_stream(ours.index).cuda_stream == ours.torch.cuda_stream
+        assert torch.cuda.current_stream(ours.index).cuda_stream == caller
+        assert not asked
+        assert torch.equal(z, torch.full_like(x, 2.0))
+    finally:
+        ours.synchronize()
+        ours.close()
