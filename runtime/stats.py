@@ -152,6 +152,7 @@ class ColumnStore:
     def __init__(self, schema: Mapping[str, pl.DataType]) -> None:
         self.schema = dict(schema)
         self.columns: dict[str, array | list] = {name: _column(dtype) for name, dtype in self.schema.items()}
+        self._checked: set[tuple[str, ...]] = set()  # ``append_rows``' key orders found to split the schema
 
     def append(self, **row) -> None:
         missing = self.schema.keys() - row.keys()
@@ -163,21 +164,28 @@ class ColumnStore:
     def append_rows(self, count: int, shared: Mapping[str, object], **columns: Sequence) -> None:
         """``count`` rows at once: ``shared`` values repeated, ``columns`` one value per row (one
         extend per column instead of one append per value)."""
-        # Every column once (one union and one count: this runs per launch); the message only on a fault.
-        assert len(shared) + len(columns) == len(self.schema) and shared.keys() | columns.keys() == self.schema.keys(), (
-            f"stats rows: missing {self.schema.keys() - shared.keys() - columns.keys()}, extra {(shared.keys() | columns.keys()) - self.schema.keys()}, "
-            f"both shared and per row {shared.keys() & columns.keys()}"
-        )
-        assert all(len(values) == count for values in columns.values()), f"stats rows: columns of another length than {count}"
+        # This runs per launch: a split of the columns checked once per pair of key orders (callers have a few),
+        # every column's length by one set.
+        keys = (*shared, "|", *columns)
+        if keys not in self._checked:
+            assert len(shared) + len(columns) == len(self.schema) and shared.keys() | columns.keys() == self.schema.keys(), (
+                f"stats rows: missing {self.schema.keys() - shared.keys() - columns.keys()}, extra {(shared.keys() | columns.keys()) - self.schema.keys()}, "
+                f"both shared and per row {shared.keys() & columns.keys()}"
+            )
+            self._checked.add(keys)
+        assert set(map(len, columns.values())) <= {count}, f"stats rows: columns of another length than {count}"
+        stored = self.columns
         for name, value in shared.items():
-            column = self.columns[name]
+            column = stored[name]
             # A typed column repeats one typed value (C speed), not a list of Python objects converted one by one.
-            column.extend(array(column.typecode, [value]) * count if isinstance(column, array) else [value] * count)
+            column.extend(array(column.typecode, (value,)) * count if type(column) is array else [value] * count)
         for name, values in columns.items():
-            column = self.columns[name]
-            if type(values) is list and type(column) is array:
+            column = stored[name]
+            if type(column) is not array:
+                column.extend(values)
+            elif type(values) is list:
                 column.fromlist(values)  # half what extend costs from a list
-            elif isinstance(values, np.ndarray) and isinstance(column, array):
+            elif isinstance(values, np.ndarray):
                 column.frombytes(values.astype(_NUMPY[column.typecode], copy=False).tobytes())  # one copy, no per-value boxing
             else:
                 column.extend(values)
@@ -344,7 +352,7 @@ class StatsLog:
         rows the policy chose for (counted in ``counter``). A launch's lanes mostly share one choice:
         then the columns are that value repeated."""
         first = choices[0] if choices else None
-        if not choices or all(choice is first for choice in choices):
+        if not choices or choices.count(first) == count:  # every row the same choice (an equal one: the same columns)
             chosen = count if first is not None else 0
             policy, ratio = ([FIXED] * count, [math.nan] * count) if first is None else ([first.why] * count, [float(first.ratio)] * count)
         else:
