@@ -477,6 +477,7 @@ def main(conns, args, logging_config: dict) -> None:
         for conn in conns:
             _send_quietly(conn, wire.LoadFailed(wire.WireError.of(error)))
         _exit(1)
+    command.freeze_heap()
     executor = serving.executor
     ready = wire.Ready(executor.speculate, executor.max_sessions, executor.dims.max_context, executor.dims.vocab_size,
                        None if args.artifacts is None else str(args.artifacts), os.getpid())
