@@ -57,6 +57,7 @@ from dflash_trt.export.tokenizer import load_tokenizer
 DEFAULT_PAIR_SESSIONS = 16  # cache rows when serving the default pair (its export says 4, for the demo)
 DEFAULT_PAIR_MODEL = "dflash-trt-default-pair"
 HTTP_PARSERS = ("h11", "httptools")  # serve --http (server.protocols.http_protocol)
+AUTO_FRONTS, CORES_PER_FRONT, MAX_AUTO_FRONTS = "auto", 4, 4  # serve --fronts auto (``auto_fronts``)
 STATS_ROWS = 16384  # the executor's stats log in a server: ~5 MB at most (nobody drains it)
 STATS_AGE_S = 60.0  # a server reads each row once, right after its execute: keep a minute (flat memory within a minute of start)
 MALLOC_ARENAS, M_ARENA_MAX = 2, -8  # glibc's malloc.h: mallopt parameter number of M_ARENA_MAX
@@ -124,9 +125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--front-process", action=argparse.BooleanOptionalAction, default=True,
                         help="the HTTP front in its own process, the serving loop in another (default); --no-front-process: "
                              "one process (the HTTP event loop shares the GIL with the serving loop's thread)")
-    parser.add_argument("--fronts", type=positive_int, default=1,
-                        help="HTTP front processes sharing the port, each with its own pipe to the serving process (default 1); "
-                             "more when one front's CPU is the limit (many streams); needs --front-process")
+    parser.add_argument("--fronts", type=fronts_count, default=AUTO_FRONTS,
+                        help="HTTP front processes sharing the port, each with its own pipe to the serving process: N, or auto "
+                             f"(the default: one per {CORES_PER_FRONT} cores this process may use, at most {MAX_AUTO_FRONTS}; one with "
+                             "--no-front-process or --replicas); more when one front's CPU is the limit (many streams)")
     parser.add_argument("--http", choices=HTTP_PARSERS, default="h11",
                         help="the HTTP/1.1 parser of the fronts: h11 (pure Python, the default) or httptools (C: less front CPU per "
                              "request; no throughput gained on a GPU host, where the serving process is the limit)")
@@ -188,9 +190,35 @@ def chat_template(value: str) -> str:
     raise ServingError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
 
 
+def fronts_count(text: str) -> int | str:
+    """argparse type of ``--fronts``: ``auto`` or an int >= 1."""
+    if text == AUTO_FRONTS:
+        return AUTO_FRONTS
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be {AUTO_FRONTS} or an int >= 1, got {text!r}") from None
+
+
+def auto_fronts(args: argparse.Namespace, cores: int | None = None) -> int:
+    """``--fronts auto``: one front per ``CORES_PER_FRONT`` cores this process may use (``cores``; default
+    its CPU affinity), between 1 and ``MAX_AUTO_FRONTS``; 1 where no serving process of its own is shared
+    (``--no-front-process``, ``--replicas``). One front's CPU was the limit at 64 streams: four raised the
+    server's throughput ~1.5× over one on the H200, and the four ran at 75–107% of a core each on an H100
+    (benchmarks/RESULTS.md); the CPU box of 2 cores keeps one."""
+    if not getattr(args, "front_process", True) or getattr(args, "replicas", 1) > 1:
+        return 1
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_AUTO_FRONTS, cores // CORES_PER_FRONT))
+
+
 def check_front_flags(args: argparse.Namespace) -> None:
     """``--fronts N`` needs the serving process of its own that the fronts share; ``--http httptools``
-    needs httptools and this process's fronts (not Ray's proxy) (``UsageError``)."""
+    needs httptools and this process's fronts (not Ray's proxy) (``UsageError``). ``--fronts auto`` is
+    resolved here (``auto_fronts``): ``args.fronts`` is a count after this."""
+    if getattr(args, "fronts", 1) == AUTO_FRONTS:
+        args.fronts = auto_fronts(args)
     http = getattr(args, "http", "h11")
     if http != "h11" and args.replicas > 1:
         raise UsageError(f"--http {http} applies to this process's HTTP fronts; with --replicas {args.replicas} Ray Serve's proxy parses HTTP: drop --http")

@@ -583,6 +583,33 @@ def test_more_fronts_need_their_own_serving_process(flags):
         command.check_front_flags(args)
 
 
+@pytest.mark.parametrize(("cores", "flags", "fronts"), [
+    (16, [], 4), (9, [], 2), (2, [], 1), (64, [], 4), (16, ["--no-front-process"], 1), (16, ["--replicas", "2"], 1),
+])
+def test_fronts_auto_follows_the_cores_and_is_one_where_only_one_can_run(monkeypatch, cores, flags, fronts):
+    """Guards against one HTTP front by default on a many-core host (one front's CPU was the limit at 64
+    streams: four served ~1.5x more) and against the default failing where an explicit count is refused
+    (``--no-front-process``, ``--replicas``): ``auto``, the default, is one front per 4 cores this process
+    may use, 1 to 4, and 1 where no serving process of its own is shared."""
+    monkeypatch.setattr(command.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    args = parser.parse_args(flags)
+    assert args.fronts == "auto"
+    command.check_front_flags(args)
+    assert args.fronts == fronts
+
+
+def test_a_front_count_is_auto_or_positive():
+    """Guards against ``--fronts 0`` (or a typo) starting a server without a front: refused naming both forms."""
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    assert parser.parse_args(["--fronts", "3"]).fronts == 3
+    for bad in ("0", "four"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"must be auto or an int >= 1, got {bad!r}"):
+            command.fronts_count(bad)
+
+
 def test_two_http_fronts_answer_as_one_server_and_drain_together(default_pair_cache, tmp_path, prompts, reference):
     """Guards against ``--fronts 2`` (a second HTTP front process on the same port, its own pipe to the one
     serving process) answering wrongly or dropping requests, and against a shutdown that cuts the second
