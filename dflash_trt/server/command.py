@@ -204,8 +204,8 @@ def auto_fronts(args: argparse.Namespace, cores: int | None = None) -> int:
     """``--fronts auto``: one front per ``CORES_PER_FRONT`` cores this process may use (``cores``; default
     its CPU affinity), between 1 and ``MAX_AUTO_FRONTS``; 1 where no serving process of its own is shared
     (``--no-front-process``, ``--replicas``). One front's CPU was the limit at 64 streams: four raised the
-    server's throughput ~1.5× over one on the H200, and the four ran at 75–107% of a core each on an H100
-    (benchmarks/RESULTS.md); the CPU box of 2 cores keeps one."""
+    server's throughput ~1.5× over one on the H200, the busiest of the four still at up to 108% of a core
+    (benchmarks/RESULTS.md); a 2-core machine keeps one."""
     if not getattr(args, "front_process", True) or getattr(args, "replicas", 1) > 1:
         return 1
     if cores is None:
@@ -412,9 +412,9 @@ def _load(args, text: bool = True, handles=None, flush=None):
 def freeze_heap() -> int:
     """Move every object this process holds now (torch, the backend, the app) out of the cyclic collector's
     view (``gc.freeze``, after one collection so no garbage is kept): its full passes then walk only what
-    serving makes. Called once loaded, before serving. Without it each full collection walked the whole
-    process while every stream waited: ~60 ms on the CPU proxy with its tiny pair, 15 ms after (benchmarks/
-    RESULTS.md). Returns the objects frozen."""
+    serving makes. Called once loaded, before serving. Without it a full collection walked the whole
+    process while every stream waited: 150–190 ms in a serving process on an H200, now and then during
+    serving (benchmarks/RESULTS.md, "The serving thread's environment reads"). Returns the objects frozen."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
