@@ -41,6 +41,7 @@ import gc
 import importlib.util
 import logging
 import logging.config
+import math
 import os
 import signal
 import socket
@@ -58,6 +59,7 @@ DEFAULT_PAIR_SESSIONS = 16  # cache rows when serving the default pair (its expo
 DEFAULT_PAIR_MODEL = "dflash-trt-default-pair"
 HTTP_PARSERS = ("h11", "httptools")  # serve --http (server.protocols.http_protocol)
 AUTO_FRONTS, CORES_PER_FRONT, MAX_AUTO_FRONTS = "auto", 4, 4  # serve --fronts auto (``auto_fronts``)
+CGROUP_ROOT = Path("/sys/fs/cgroup")  # this process's cgroup, as a container sees it (``usable_cores``)
 STATS_ROWS = 16384  # the executor's stats log in a server: ~5 MB at most (nobody drains it)
 STATS_AGE_S = 60.0  # a server reads each row once, right after its execute: keep a minute (flat memory within a minute of start)
 MALLOC_ARENAS, M_ARENA_MAX = 2, -8  # glibc's malloc.h: mallopt parameter number of M_ARENA_MAX
@@ -202,15 +204,39 @@ def fronts_count(text: str) -> int | str:
 
 def auto_fronts(args: argparse.Namespace, cores: int | None = None) -> int:
     """``--fronts auto``: one front per ``CORES_PER_FRONT`` cores this process may use (``cores``; default
-    its CPU affinity), between 1 and ``MAX_AUTO_FRONTS``; 1 where no serving process of its own is shared
+    ``usable_cores()``), between 1 and ``MAX_AUTO_FRONTS``; 1 where no serving process of its own is shared
     (``--no-front-process``, ``--replicas``). One front's CPU was the limit at 64 streams: four raised the
     server's throughput ~1.5× over one on the H200, the busiest of the four still at up to 108% of a core
     (benchmarks/RESULTS.md); a 2-core machine keeps one."""
     if not getattr(args, "front_process", True) or getattr(args, "replicas", 1) > 1:
         return 1
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = usable_cores()
     return max(1, min(MAX_AUTO_FRONTS, cores // CORES_PER_FRONT))
+
+
+def usable_cores(cgroup: Path | None = None) -> int:
+    """The cores this process may use: its CPU affinity, capped by the CPU quota of its cgroup where one is
+    set (a container's ``--cpus``: it sees every core of the host, and may run on a few of them' worth)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = cgroup_cpu_quota(CGROUP_ROOT if cgroup is None else cgroup)
+    return cores if quota is None else max(1, min(cores, math.ceil(quota)))
+
+
+def cgroup_cpu_quota(cgroup: Path) -> float | None:
+    """Cores' worth of CPU time the cgroup mounted at ``cgroup`` allows (cgroup v2 ``cpu.max``: "QUOTA PERIOD"
+    or "max PERIOD"; v1 ``cpu/cpu.cfs_quota_us`` over ``cpu.cfs_period_us``, -1 without a quota); None when
+    none is set or none can be read."""
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota, period = (int((cgroup / "cpu" / name).read_text()) for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
 
 
 def check_front_flags(args: argparse.Namespace) -> None:

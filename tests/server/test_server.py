@@ -12,6 +12,7 @@ death is tested on a server of its own."""
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import os
 import re
@@ -586,18 +587,39 @@ def test_more_fronts_need_their_own_serving_process(flags):
 @pytest.mark.parametrize(("cores", "flags", "fronts"), [
     (16, [], 4), (9, [], 2), (2, [], 1), (64, [], 4), (16, ["--no-front-process"], 1), (16, ["--replicas", "2"], 1),
 ])
-def test_fronts_auto_follows_the_cores_and_is_one_where_only_one_can_run(monkeypatch, cores, flags, fronts):
+def test_fronts_auto_follows_the_cores_and_is_one_where_only_one_can_run(monkeypatch, tmp_path, cores, flags, fronts):
     """Guards against one HTTP front by default on a many-core host (one front's CPU was the limit at 64
     streams: four served ~1.5x more) and against the default failing where an explicit count is refused
     (``--no-front-process``, ``--replicas``): ``auto``, the default, is one front per 4 cores this process
     may use, 1 to 4, and 1 where no serving process of its own is shared."""
     monkeypatch.setattr(command.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setattr(command, "CGROUP_ROOT", tmp_path)  # no CPU quota, whatever this machine's cgroup says
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
     args = parser.parse_args(flags)
     assert args.fronts == "auto"
     command.check_front_flags(args)
     assert args.fronts == fronts
+
+
+@pytest.mark.parametrize(("files", "quota"), [
+    ({"cpu.max": "250000 100000\n"}, 2.5), ({"cpu.max": "max 100000\n"}, None), ({"cpu.max": "garbage\n"}, None),
+    ({"cpu/cpu.cfs_quota_us": "150000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 1.5),
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None), ({}, None),
+])
+def test_a_containers_cpu_quota_caps_the_cores_fronts_auto_counts(monkeypatch, tmp_path, files, quota):
+    """Guards against ``--fronts auto`` counting every core of the host inside a container allowed a few
+    cores' worth of time (``--cpus 2`` on a 64-core host: four fronts and the serving process on two cores'
+    time): the cgroup's quota (v2 ``cpu.max``, v1 CFS quota over period) caps the affinity's count, rounded
+    up; no quota, or none readable, leaves the affinity's."""
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(command.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert command.cgroup_cpu_quota(tmp_path) == quota
+    cores = command.usable_cores(tmp_path)
+    assert cores == (64 if quota is None else math.ceil(quota))
+    assert command.auto_fronts(argparse.Namespace(front_process=True, replicas=1), cores) == (4 if quota is None else 1)
 
 
 def test_a_front_count_is_auto_or_positive():
