@@ -32,7 +32,8 @@ whose CPU is the limit: the busiest process's CPU time over the window in %
 of one core, for the HTTP fronts (the server's own process and, with
 ``serve --fronts N``, the others; with ``--fronts single`` everything), the
 serving process and the client processes (Linux /proc; 100 = a process that
-never waited). ``--profile-serving`` also samples the serving process with py-spy over each
+never waited), and the serving loop's thread's share of the window on a CPU and runnable but waiting for one
+(``/proc/.../schedstat``: a wait share above a few % is its core taken by another thread or process). ``--profile-serving`` also samples the serving process with py-spy over each
 window and prints its serving thread's functions by share of the samples (``thread_profile.py``);
 ``--profile-serving gil`` samples only the GIL's holder: each thread's share of it and where it goes.
 A request that fails (an HTTP error, a broken stream) is counted (``errors``, with up to three examples
@@ -265,6 +266,37 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
 
 
+def schedstat(pid: int, tid: int) -> tuple[int, int] | None:
+    """(ns on a CPU, ns runnable but waiting for one) of thread ``tid`` of ``pid`` so far (Linux
+    /proc/.../schedstat); None where unknown."""
+    try:
+        run, wait = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return int(run), int(wait)
+
+
+def thread_stats(pid: int | None) -> dict[int, tuple[int, int]]:
+    """``schedstat`` of every thread of ``pid`` now, by thread id ({} where unknown)."""
+    try:
+        tids = [int(task.name) for task in Path(f"/proc/{pid}/task").iterdir()] if pid is not None else []
+    except OSError:
+        return {}
+    return {tid: stat for tid in tids if (stat := schedstat(pid, tid)) is not None}
+
+
+def thread_shares(pid: int | None, before: dict[int, tuple[int, int]], seconds: float) -> dict[str, float | None]:
+    """The busiest thread of ``pid`` over the window (in the serving process: the serving loop's): its share
+    of the window on a CPU and runnable but waiting for one (%). A thread that should run all the time and
+    waits instead lost its core to another thread or process."""
+    after = thread_stats(pid)
+    deltas = [(now[0] - before[tid][0], now[1] - before[tid][1]) for tid, now in after.items() if tid in before]
+    if not deltas:
+        return {"serving_thread_run_pct": None, "serving_thread_wait_pct": None}
+    run, wait = max(deltas)
+    return {"serving_thread_run_pct": round(100.0 * run / 1e9 / seconds, 1), "serving_thread_wait_pct": round(100.0 * wait / 1e9 / seconds, 1)}
+
+
 def children(pid: int) -> list[int]:
     """The child processes of ``pid`` (Linux /proc; [] elsewhere)."""
     try:
@@ -321,12 +353,14 @@ def load(base: str, args, prompts: list[str], clients: int, roles: dict[str, lis
     time.sleep(max(0.0, window_start - time.time()))
     before = server_metrics(base)
     cpu_before = {p: cpu_seconds(p) for members in pids.values() for p in members}
+    serving_pid = roles["serving"][0] if roles["serving"] else None
+    threads_before = thread_stats(serving_pid)
     spy = None
     if profile is not None and roles["serving"]:  # the serving thread sampled over the window
         raw = profile / f"serving_profile_{roles['serving'][0]}_{clients}.raw"
         spy = (thread_profile.record(roles["serving"][0], args.seconds, raw, gil=args.profile_serving == "gil"), raw)
     time.sleep(max(0.0, window[1] - time.time()))
-    shares = cpu_shares(pids, cpu_before, args.seconds)
+    shares = cpu_shares(pids, cpu_before, args.seconds) | thread_shares(serving_pid, threads_before, args.seconds)
     after = server_metrics(base)
     records = [pipe.recv() for pipe in pipes]
     for worker in workers:
@@ -415,8 +449,8 @@ def main() -> int:
     rows = [json.loads(line) for line in (ROOT / "export" / "default_pair" / "prompts.jsonl").read_text().splitlines() if line.strip()]
     prompts = [row["prompt"][-args.prompt_chars :] for row in rows]
     results = {}
-    print("| front | mode | clients | requests/s | output tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 / p99 ms | server TTFT / ITL p99 ms | τ | policy cycles / decodes | device busy % | CPU % front / serving / client |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    print("| front | mode | clients | requests/s | output tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 / p99 ms | server TTFT / ITL p99 ms | τ | policy cycles / decodes | device busy % | CPU % front / serving / client | serving thread run / wait % |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     for repeat, front, mode in ((r, front, mode) for r in range(1, args.repeats + 1) for front in args.fronts for mode in args.modes):
         process, base, log = start_server(args, [*FRONTS[front], *MODES[mode]])
         failed = 0  # requests of this server that failed
@@ -429,7 +463,8 @@ def main() -> int:
                       f"| {figures['itl_p50_ms']} / {figures['itl_p99_ms']} | {figures['tpot_p50_ms']} / {figures['tpot_p99_ms']} "
                       f"| {figures['server_ttft_p99_ms']} / {figures['server_itl_p99_ms']} | {figures['tau']} "
                       f"| {figures['policy_cycles']} / {figures['policy_decodes']} | {figures['device_busy_pct']} "
-                      f"| {figures['front_cpu_pct']} / {figures['serving_cpu_pct']} / {figures['client_cpu_pct']} |", flush=True)
+                      f"| {figures['front_cpu_pct']} / {figures['serving_cpu_pct']} / {figures['client_cpu_pct']} "
+                      f"| {figures['serving_thread_run_pct']} / {figures['serving_thread_wait_pct']} |", flush=True)
                 failed += figures["errors"]
                 if figures["errors"]:
                     print(f"  {figures['errors']} failed requests at {clients} clients, e.g. {figures['error_examples'][0]}", flush=True)
