@@ -356,9 +356,9 @@ def load(base: str, args, prompts: list[str], clients: int, roles: dict[str, lis
     serving_pid = roles["serving"][0] if roles["serving"] else None
     threads_before = thread_stats(serving_pid)
     spy = None
-    if profile is not None and roles["serving"]:  # the serving thread sampled over the window
-        raw = profile / f"serving_profile_{roles['serving'][0]}_{clients}.raw"
-        spy = (thread_profile.record(roles["serving"][0], args.seconds, raw, gil=args.profile_serving == "gil"), raw)
+    if profile is not None and serving_pid is not None:  # the serving thread sampled over the window
+        raw = profile / f"serving_profile_{serving_pid}_{clients}.raw"
+        spy = (thread_profile.record(serving_pid, args.seconds, raw, gil=args.profile_serving == "gil"), raw)
     time.sleep(max(0.0, window[1] - time.time()))
     shares = cpu_shares(pids, cpu_before, args.seconds) | thread_shares(serving_pid, threads_before, args.seconds)
     after = server_metrics(base)
