@@ -12,14 +12,17 @@ default): nothing here differs but where the metrics come from.
 | ``GET /health`` | 200 while the serving loop runs, 503 otherwise (and while shutting down); ``speculate``: DFlash on, or plain decoding |
 | ``GET /metrics`` | Prometheus text format (``server.prometheus``) |
 
-A request's work before it is admitted is bounded and off the event loop:
-the body is at most ``--max-body-bytes`` (``server.limits``), then one worker
-thread parses and validates it (pydantic, strict), renders the chat template,
-refuses a text longer than the context could hold by its characters alone
-(``Tokenizer.max_chars``), tokenizes (the GIL released), checks that prompt +
-max_tokens fit the context (vLLM's rule: 400 otherwise) and submits it. The
-event loop only moves bytes, so one huge or slow request never stalls /health
-or another stream.
+A request's work before it is admitted is bounded: the body is at most
+``--max-body-bytes`` (``server.limits``); it is parsed and validated (pydantic,
+strict), the chat template rendered, a text longer than the context could hold
+refused by its characters alone (``Tokenizer.max_chars``), tokenized, checked
+to fit the context with max_tokens (vLLM's rule: 400 otherwise) and submitted.
+A body of at most ``INLINE_BODY_BYTES`` (4 KiB: a few hundred µs of work) is
+prepared on the event loop, which costs less than a worker thread's hop; a
+larger one in a worker thread (tokenizing with the GIL released), so one huge
+or slow request never stalls /health or another stream. The serving loop's
+acceptance is awaited on the event loop (``start_submit``'s Future: across the
+pipe from a front, no thread waits for it).
 
 ``stream: true`` answers with server-sent events, one event per delivery of
 the serving loop (a DFlash cycle's accepted tokens arrive together), then
@@ -49,6 +52,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -70,6 +74,7 @@ from dflash_trt.server import schema
 from dflash_trt.server.limits import BodyLimit, BodyTooLarge, Limits
 from dflash_trt.server.prometheus import ServingCollector
 from dflash_trt.server.shutdown import InFlight, Shutdown
+from dflash_trt.server.wire import ANSWER_TIMEOUT_S, unanswered
 
 if TYPE_CHECKING:  # a front process serves a ServingClient and never imports the runtime (torch)
     from dflash_trt.runtime.serving.loop import ServingLoop
@@ -79,6 +84,9 @@ log = logging.getLogger("dflash_trt.server")
 REQUEST_ERRORS = (InputError, SamplingError, TokenizerError)
 API_PARAMS = {"max_new_tokens": "max_tokens"}  # the library's field names that the API spells otherwise
 PREPARE_THREADS = 8  # worker threads parsing, tokenizing and submitting requests at once
+# A body this small is prepared on the event loop (~0.1-0.5 ms: cheaper than a worker thread's hop, the one-stream
+# latency); a larger one in a worker thread (tokenizing with the GIL released), so no request stalls the loop long.
+INLINE_BODY_BYTES = 4096
 DEFAULT_LOG_INTERVAL_S = 10.0
 
 
@@ -211,7 +219,8 @@ def _add_routes(app: FastAPI) -> None:
 
 
 async def _generate(request: Request, route: Route):
-    """A generation request: read the body, prepare and submit it in a worker thread, answer."""
+    """A generation request: read the body, prepare and submit it (on the event loop when the body is small,
+    else in a worker thread), await the serving loop's acceptance, answer."""
     state = request.app.state
     if state.shutdown.draining:
         raise ApiError(503, "the server is shutting down: it accepts no new requests", "server_error", code="shutting_down")
@@ -220,13 +229,10 @@ async def _generate(request: Request, route: Route):
     except ClientDisconnect:
         return Response(status_code=499)  # nobody is listening
     request_id = f"{route.prefix}-{uuid.uuid4().hex}"
-    submitted: list[RequestHandle] = []
-    try:
-        body, handle = await anyio.to_thread.run_sync(partial(_prepare, state.serving, state.names, route, raw, submitted), limiter=state.limiter)
-    except BaseException:
-        for handle in submitted:  # the thread submitted, then this task was cancelled: nobody will read it
-            handle.cancel()
-        raise
+    submitted: list[Future] = []
+    prepare = partial(_prepare, state.serving, state.names, route, raw, submitted)
+    body, answer = prepare() if len(raw) <= INLINE_BODY_BYTES else await _in_worker(state, prepare, submitted)
+    handle = await _accepted(answer, route)
     model = body.model
     headers = {"X-Request-Id": request_id}
     if body.stream:
@@ -239,11 +245,46 @@ async def _generate(request: Request, route: Route):
     return JSONResponse(schema.chat_object(request_id, model, result.text, result.finish, usage), headers=headers)
 
 
-# ---------------------------------------------------------------------- off the event loop
+async def _in_worker(state, prepare: Callable, submitted: list[Future]) -> tuple[schema.Sampled, Future]:
+    """``prepare()`` in a worker thread; when this task is cancelled meanwhile (the client left), the request
+    the thread submitted (``submitted``) is withdrawn: nobody will read it."""
+    try:
+        return await anyio.to_thread.run_sync(prepare, limiter=state.limiter)
+    except BaseException:
+        for answer in submitted:
+            _withdraw(answer)
+        raise
 
 
-def _prepare(serving: ServingLoop, names: list[str], route: Route, raw: bytes, submitted: list) -> tuple[schema.Sampled, RequestHandle]:
-    """Worker thread: parse, validate, render, tokenize, fit and submit one request (typed errors → ApiError)."""
+async def _accepted(answer: Future, route: Route) -> RequestHandle:
+    """The request's handle once the serving loop took it (at once in-process, a pipe's round trip from a
+    front); its refusal as an ApiError. Cancelled (the client left) or unanswered, the request is withdrawn."""
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(answer), ANSWER_TIMEOUT_S)
+    except TimeoutError:
+        _withdraw(answer)
+        error = unanswered()
+        raise ApiError(503, str(error), "server_error", code=error.code) from None
+    except BaseException as error:
+        _withdraw(answer)
+        if isinstance(error, DFlashError):
+            raise _refusal(error, route) from None
+        raise
+
+
+def _withdraw(answer: Future) -> None:
+    """A submitted request nobody will read: cancelled before the serving loop answers, or after."""
+    if not answer.cancel() and answer.done() and not answer.cancelled() and answer.exception() is None:
+        answer.result().cancel()
+
+
+# ---------------------------------------------------------------------- preparing a request
+
+
+def _prepare(serving: ServingLoop, names: list[str], route: Route, raw: bytes, submitted: list[Future]) -> tuple[schema.Sampled, Future]:
+    """Parse, validate, render, tokenize, fit and submit one request (typed errors → ApiError); returns the
+    request and the Future of its handle (``start_submit``: a front does not wait for the serving process
+    here), which it also appends to ``submitted``."""
     try:
         body = route.model.model_validate_json(raw)
     except pydantic.ValidationError as error:
@@ -255,17 +296,24 @@ def _prepare(serving: ServingLoop, names: list[str], route: Route, raw: bytes, s
         text = body.prompt_value() if route is COMPLETIONS else _render_chat(serving, body)
         prompt = _tokenize(serving, text)
         max_tokens = _fit(serving, len(prompt), body.max_new_tokens, route)
-        handle = serving.submit(prompt, max_tokens, **body.sampling())
-    except QueueFullError as error:
-        raise ApiError(429, str(error), "rate_limit_error", code="queue_full") from None
-    except ServingClosedError as error:
-        raise ApiError(503, str(error), "server_error", code=error.code or "shutting_down") from None  # or serving_process_died
-    except REQUEST_ERRORS as error:
+        answer = serving.start_submit(prompt, max_tokens, **body.sampling())
+    except DFlashError as error:
+        raise _refusal(error, route) from None
+    submitted.append(answer)
+    return body, answer
+
+
+def _refusal(error: DFlashError, route: Route) -> Exception:
+    """A request's typed refusal as the API answers it (an error it does not expect stays itself: a 500)."""
+    if isinstance(error, QueueFullError):
+        return ApiError(429, str(error), "rate_limit_error", code="queue_full")
+    if isinstance(error, ServingClosedError):
+        return ApiError(503, str(error), "server_error", code=error.code or "shutting_down")  # or serving_process_died
+    if isinstance(error, REQUEST_ERRORS):
         param = API_PARAMS.get(error.param, error.param)
         param = route.prompt_param if param == "prompt" else param
-        raise ApiError(400, str(error), param=param, code=error.code) from None
-    submitted.append(handle)
-    return body, handle
+        return ApiError(400, str(error), param=param, code=error.code)
+    return error
 
 
 def _render_chat(serving: ServingLoop, body: schema.ChatRequest) -> str:
@@ -343,8 +391,7 @@ async def _completion(handle: RequestHandle):
 
 async def _disconnected(request: Request) -> None:
     """Returns when the client goes away (the body is already read: the next ASGI message is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    await _until_disconnect(request.receive)
 
 
 def _usage(handle: RequestHandle) -> dict:
@@ -353,13 +400,30 @@ def _usage(handle: RequestHandle) -> dict:
 
 class _Stream(EventSourceResponse):
     """SSE whose event generator is always closed (so its ``finally`` cancels the request),
-    whether the stream ended, the client went away, or sending failed."""
+    whether the stream ended, the client went away, or sending failed.
+
+    The events are sent while a second task waits for the client's disconnect, as starlette's
+    ``StreamingResponse`` does, but with two asyncio tasks instead of an anyio task group (whose cancel
+    scopes and task handles cost a front ~5% of its CPU per request at one stream)."""
 
     async def __call__(self, scope, receive, send) -> None:
+        streaming = asyncio.ensure_future(self.stream_response(send))
+        watching = asyncio.ensure_future(_until_disconnect(receive))
         try:
-            await super().__call__(scope, receive, send)
+            await asyncio.wait((streaming, watching), return_when=asyncio.FIRST_COMPLETED)
         finally:
+            for task in (streaming, watching):
+                task.cancel()
+            await asyncio.wait((streaming, watching))  # both ended before the generator is closed
             await self.body_iterator.aclose()
+        if not streaming.cancelled() and streaming.exception() is not None:
+            error = streaming.exception()
+            raise ClientDisconnect() if isinstance(error, OSError) else error
+
+
+async def _until_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _stream(events: AsyncIterator[dict], headers: dict) -> _Stream:

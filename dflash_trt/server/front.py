@@ -31,9 +31,10 @@ import secrets
 import socket
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from functools import partial
 
 from dflash_trt.errors import ServingClosedError, ServingError, TokenizerError
 from dflash_trt.export.sampling_params import Sampling
@@ -45,9 +46,8 @@ from dflash_trt.server.children import ended, exit_code
 
 log = logging.getLogger("dflash_trt.server")
 
-ANSWER_TIMEOUT_S = 30.0  # a submit's or a metrics query's answer; beyond, the serving process is taken as hung
 STOP_JOIN_S = 1.0  # on stop: how long the serving process gets to exit before it is killed
-DIED = "serving_process_died"
+DIED = wire.DIED
 
 
 @dataclass(frozen=True)
@@ -83,11 +83,12 @@ class ServingClient:
         self._lock = threading.Lock()  # guards everything below
         self._send_lock = threading.Lock()
         self._jobs: dict[int, _Job] = {}  # open requests by key
-        self._answers: dict[tuple[type, int], Future] = {}  # (Submit or MetricsQuery, key or seq) -> its answer
+        self._submits: dict[int, tuple[Future, RequestHandle]] = {}  # unanswered submits by key: (answer, handle)
+        self._answers: dict[tuple[type, int], Future] = {}  # (MetricsQuery, seq) -> its answer
         self._next = 0
         self._died: ServingClosedError | None = None
         self._stopping = False
-        self._dispatch = {wire.Deliveries: self._deliveries, wire.Refused: self._answer, wire.MetricsReply: self._answer}
+        self._dispatch = {wire.Deliveries: self._deliveries, wire.Refused: self._refused, wire.MetricsReply: self._metrics_reply}
         self._receiver = threading.Thread(target=self._receive, name="dflash-trt-front-receiver", daemon=True)
         self._receiver.start()
 
@@ -97,7 +98,23 @@ class ServingClient:
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                stop_ids: Sequence[int] | None = None, sampling: Sampling | None = None) -> RequestHandle:
         """``ServingLoop.submit`` across the pipe: the serving process checks and queues it (its typed
-        refusal is raised here); blocks for that answer (call it from a worker thread)."""
+        refusal is raised here); blocks for that answer (call it from a worker thread; an event loop
+        awaits ``start_submit``'s Future instead)."""
+        answer = self.start_submit(prompt, max_new_tokens, stop, temperature, top_k, top_p, seed, stop_ids, sampling)
+        try:
+            return answer.result(wire.ANSWER_TIMEOUT_S)
+        except FutureTimeout:
+            if not answer.cancel():  # answered just now
+                return answer.result()
+            raise wire.unanswered() from None  # withdrawn: a Cancel follows the Submit (the pipe keeps order)
+
+    def start_submit(self, prompt: str | Sequence[int], max_new_tokens: int = 64, stop: Sequence[str] | str | None = None,
+                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                     stop_ids: Sequence[int] | None = None, sampling: Sampling | None = None) -> Future:
+        """``submit`` without waiting: the Submit is sent and the returned Future gets the request's handle
+        once the serving process takes it, or its refusal's typed error (``ServingClosedError`` when the
+        process dies). Cancelling the Future withdraws the request (a Cancel follows the Submit); whoever
+        waits bounds the wait (``wire.ANSWER_TIMEOUT_S``)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise TokenizerError("prompt is text but this server has no tokenizer: send token ids", param="prompt")
@@ -106,25 +123,16 @@ class ServingClient:
         if sampling is None:
             sampling = Sampling(temperature, top_k, top_p, secrets.randbits(63) if seed is None else seed)
         prompt = list(prompt)
+        answer: Future = Future()
         with self._lock:
             self._check_alive()
             key, self._next = self._next, self._next + 1
             handle = RequestHandle(key, prompt, self._cancel)
             self._jobs[key] = _Job(handle, TextStream(self.tokenizer, stops) if self.tokenizer is not None else None)
-            answer = self._answers[(wire.Submit, key)] = Future()
+            self._submits[key] = (answer, handle)
+        answer.add_done_callback(partial(self._withdrawn, key))
         self._send(wire.Submit(key, prompt, max_new_tokens, sampling, None if stop_ids is None else tuple(stop_ids)))
-        try:
-            reply = self._await(answer, (wire.Submit, key))
-        except ServingClosedError:  # no answer in time (or the process died): nobody will read this request
-            with self._lock:
-                self._jobs.pop(key, None)
-            self._send(wire.Cancel(key, CANCELLED))  # queued after all (the pipe keeps order): it ends there
-            raise
-        if isinstance(reply, wire.Refused):
-            with self._lock:
-                self._jobs.pop(key, None)
-            raise reply.error.error()
-        return handle
+        return answer
 
     def metrics(self):
         """The serving process's ``ServingMetrics`` (blocks for its answer: call it off the event loop)."""
@@ -133,7 +141,13 @@ class ServingClient:
             seq, self._next = self._next, self._next + 1
             answer = self._answers[(wire.MetricsQuery, seq)] = Future()
         self._send(wire.MetricsQuery(seq))
-        return self._await(answer, (wire.MetricsQuery, seq)).metrics
+        try:
+            return answer.result(wire.ANSWER_TIMEOUT_S).metrics
+        except FutureTimeout:
+            raise wire.unanswered() from None
+        finally:
+            with self._lock:
+                self._answers.pop((wire.MetricsQuery, seq), None)
 
     @property
     def healthy(self) -> bool:
@@ -175,16 +189,6 @@ class ServingClient:
         except (OSError, ValueError):  # the serving process is gone: the receiver fails what is open
             pass
 
-    def _await(self, answer: Future, key: tuple):
-        try:
-            return answer.result(ANSWER_TIMEOUT_S)
-        except FutureTimeout:
-            msg = f"the serving process did not answer within {ANSWER_TIMEOUT_S:g} s"
-            raise ServingClosedError(msg, code=DIED) from None
-        finally:
-            with self._lock:
-                self._answers.pop(key, None)
-
     def _check_alive(self) -> None:
         """Under ``_lock``."""
         if self._died is not None:
@@ -209,22 +213,40 @@ class ServingClient:
                 log.exception("handling a %s from the serving process failed; the front goes on", type(message).__name__)
         self._die()
 
-    def _answer(self, message) -> None:
-        """A ``Refused`` or ``MetricsReply``: the answer its caller waits for."""
-        if isinstance(message, wire.MetricsReply):
-            self._resolve((wire.MetricsQuery, message.seq), message)
-        else:
-            self._resolve((wire.Submit, message.key), message)
-
-    def _resolve(self, key: tuple, value) -> None:
+    def _metrics_reply(self, message: wire.MetricsReply) -> None:
         with self._lock:
-            answer = self._answers.get(key)
-        if answer is not None and not answer.done():
-            answer.set_result(value)
+            answer = self._answers.get((wire.MetricsQuery, message.seq))
+        if answer is not None:
+            _settle(answer, message)
+
+    def _accepted(self, key: int) -> None:
+        """The serving process took submit ``key``: its Future gets the handle."""
+        with self._lock:
+            answer, handle = self._submits.pop(key, (None, None))
+        if answer is not None:
+            _settle(answer, handle)
+
+    def _refused(self, message: wire.Refused) -> None:
+        with self._lock:
+            answer, _ = self._submits.pop(message.key, (None, None))
+            self._jobs.pop(message.key, None)
+        if answer is not None:
+            _settle(answer, error=message.error.error())
+
+    def _withdrawn(self, key: int, answer: Future) -> None:
+        """A submit's Future is done: when it was cancelled (its caller stopped waiting), forget the request
+        and end it in the serving process (the Cancel follows the Submit, so it ends there whatever it did)."""
+        if not answer.cancelled():
+            return
+        with self._lock:
+            self._submits.pop(key, None)
+            job = self._jobs.pop(key, None)
+        if job is not None:
+            self._send(wire.Cancel(key, CANCELLED))
 
     def _deliveries(self, message: wire.Deliveries) -> None:
         for key in message.accepted:  # before the items: a request's first tokens may come in the message that accepts it
-            self._resolve((wire.Submit, key), None)
+            self._accepted(key)
         for key, tokens, finish in message.items:
             with self._lock:
                 job = self._jobs.get(key)
@@ -279,7 +301,8 @@ class ServingClient:
         with self._lock:
             self._died = error
             jobs, self._jobs = list(self._jobs.values()), {}
-            answers, self._answers = list(self._answers.values()), {}
+            answers = [answer for answer, _ in self._submits.values()] + list(self._answers.values())
+            self._submits, self._answers = {}, {}
         if not self._stopping:  # reported before the requests fail: whoever sees a failure sees the death
             log.error("%s; %d open requests fail", error, len(jobs))
             if self.on_death is not None:
@@ -287,8 +310,18 @@ class ServingClient:
         for job in jobs:
             job.handle._fail(error)
         for answer in answers:
-            if not answer.done():
-                answer.set_exception(error)
+            _settle(answer, error=error)
+
+
+def _settle(answer: Future, value=None, error: BaseException | None = None) -> None:
+    """Answer a waiting caller once; a Future already done (cancelled by a caller that stopped waiting) is left."""
+    try:
+        if error is not None:
+            answer.set_exception(error)
+        else:
+            answer.set_result(value)
+    except InvalidStateError:
+        pass
 
 
 def _shut_down(conn) -> None:

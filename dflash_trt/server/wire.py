@@ -35,6 +35,15 @@ from dflash_trt import errors
 from dflash_trt.errors import DFlashError
 from dflash_trt.export.sampling_params import Sampling
 
+ANSWER_TIMEOUT_S = 30.0  # a submit's or a metrics query's answer; beyond, the serving process is taken as hung
+DIED = "serving_process_died"  # the code of ServingClosedError when the serving process died or stopped answering
+
+
+def unanswered() -> errors.ServingClosedError:
+    """The error of a submit or metrics query the serving process did not answer within ``ANSWER_TIMEOUT_S``."""
+    return errors.ServingClosedError(f"the serving process did not answer within {ANSWER_TIMEOUT_S:g} s", code=DIED)
+
+
 # A delivery item: (key, new token ids, finish or None). Tuples, not objects: a round of 64 requests is
 # one small pickle.
 Item = tuple[int, list[int], str | None]

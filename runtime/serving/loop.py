@@ -49,6 +49,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 from dflash_trt.checks import is_int
@@ -190,6 +191,13 @@ class ServingLoop:
         self.recorder.count("submitted")
         self.recorder.count("prompt_tokens", len(request.prompt))
         return handle
+
+    def start_submit(self, *args, **kwargs) -> Future:
+        """``submit``'s handle as a done Future (``server.front.ServingClient.start_submit``'s shape: there
+        the serving process answers later); a refusal raises here, as ``submit``'s does."""
+        answer: Future = Future()
+        answer.set_result(self.submit(*args, **kwargs))
+        return answer
 
     def _request(self, prompt, max_new_tokens, stop, sampling: Sampling, stop_ids) -> tuple[Request, tuple[str, ...]]:
         """Validate everything in the caller's thread: the loop only ever sees runnable requests."""

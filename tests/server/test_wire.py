@@ -415,7 +415,7 @@ def test_a_submit_not_answered_in_time_is_cancelled_and_forgotten(monkeypatch):
     tokens for it are dropped."""
     from dflash_trt.server import front as front_module
 
-    monkeypatch.setattr(front_module, "ANSWER_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(wire, "ANSWER_TIMEOUT_S", 0.3)
     mine, theirs = multiprocessing.Pipe(duplex=True)
     client = ServingClient(None, mine, wire.Ready(True, 4, 64, 100, None, 0))
     with pytest.raises(ServingClosedError, match="did not answer within 0.3 s"):
@@ -434,6 +434,70 @@ def test_a_submit_not_answered_in_time_is_cancelled_and_forgotten(monkeypatch):
     assert client._jobs == {} and client._answers == {} and client._receiver.is_alive()
     theirs.close()
     client._receiver.join(TIMEOUT_S)
+
+
+def test_a_submit_whose_caller_stops_waiting_is_withdrawn():
+    """Guards against a request that outlives its HTTP task: the front awaits a submit's answer on its event
+    loop (``start_submit``'s Future), and a client that disconnects meanwhile cancels that wait; the request
+    must then be forgotten and ended in the serving process (a Cancel behind the Submit), its late acceptance
+    and tokens dropped; a refusal reaches the Future as the same typed error."""
+    mine, theirs = multiprocessing.Pipe(duplex=True)
+    client = ServingClient(None, mine, wire.Ready(True, 4, 64, 100, None, 0))
+    answer = client.start_submit([5, 6], 4)
+    assert theirs.poll(TIMEOUT_S)
+    submit = theirs.recv()
+    assert isinstance(submit, wire.Submit) and not answer.done()
+    assert answer.cancel()
+    assert theirs.poll(TIMEOUT_S) and theirs.recv() == wire.Cancel(submit.key, CANCELLED)
+    theirs.send(wire.Deliveries(((submit.key, [7, 8], None),), (), (submit.key,)))  # the late acceptance and tokens
+    refused = client.start_submit([1], 4, top_p=0.0)
+    second = theirs.recv()
+    theirs.send(wire.Refused(second.key, wire.WireError.of(SamplingError("top_p must be in (0, 1]", param="top_p"))))
+    with pytest.raises(SamplingError, match="top_p") as error:
+        refused.result(TIMEOUT_S)
+    assert error.value.param == "top_p"
+    assert client._jobs == {} and client._submits == {} and client._receiver.is_alive()
+    theirs.close()
+    client._receiver.join(TIMEOUT_S)
+
+
+def test_a_small_request_is_prepared_on_the_event_loop_and_a_large_one_in_a_worker_thread(tiny, monkeypatch):
+    """Guards against a large body parsed and tokenized on a front's event loop (every stream of that front
+    stalls meanwhile), and against a worker thread's hop for every small one (its two thread wake-ups and
+    anyio's bookkeeping were ~20% of a front's CPU per request at one stream): a body of at most
+    ``INLINE_BODY_BYTES`` is prepared and submitted on the loop, a larger one in a worker thread, and both are
+    answered alike, awaiting the serving process's acceptance on the loop."""
+    import asyncio
+    import json
+
+    from starlette.testclient import TestClient
+
+    from dflash_trt.server import app as app_module
+
+    side = ThreadProcess(tiny)
+    client = side.client()
+    on_loop: list[bool] = []
+    start = client.start_submit
+
+    def start_submit(*args, **kwargs):
+        try:
+            on_loop.append(asyncio.get_running_loop() is not None)
+        except RuntimeError:
+            on_loop.append(False)
+        return start(*args, **kwargs)
+
+    monkeypatch.setattr(client, "start_submit", start_submit)
+    body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0}
+    small, large = json.dumps(body).encode(), json.dumps(body, indent=app_module.INLINE_BODY_BYTES).encode()
+    assert len(small) <= app_module.INLINE_BODY_BYTES < len(large)
+    with TestClient(app_module.create_app(client, "m", log_interval_s=0)) as http:
+        answers = [http.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"}) for raw in (small, large)]
+    assert on_loop == [True, False]
+    assert [a.status_code for a in answers] == [200, 200]
+    first, second = (a.json() for a in answers)
+    assert first["choices"][0] == second["choices"][0] and first["usage"] == second["usage"]
+    assert first["usage"]["completion_tokens"] == 6
+    client.stop()
 
 
 def test_two_fronts_share_one_serving_process_and_a_closing_front_cancels_only_its_requests(tiny):
