@@ -16,7 +16,9 @@ time left is host work only: planning, staging, launching, reading, stats, strea
 its padded owners µs per round after the later of its launch and the previous launch's end, and a read sleeps
 until its launch has ended (the GIL free, as in a CUDA event wait); a prefill adds CYCLE µs. The device's busy share
 and how the host's rounds overlap it then show, as on a GPU (``--lag``: launches queued per lane). Per
-row: lane-rounds (cycle-table rows; the window's table unbounded) and requests in the window, lanes per launch,
+row: lane-rounds (the loop's owner-cycles and decode steps, from the execute rows' counters; the executor keeps no
+cycle rows, as the server's does not: before 2026-12-06 each was a cycle-table row, one prompt row per request
+counted too) and requests in the window, lanes per launch,
 host µs per lane-round, per token returned and per request (the same host time over each count), tokens per lane-round, the serving thread's CPU
 share, and the gaps between a request's deliveries (the loop's own ITL, ``--stream-interval-ms`` apart at
 best; default the server's); the JSON rows also the loop's TTFT and end-to-end p50 per request. The client threads share the serving thread's GIL, as a serving process's pipe and sender threads do.
@@ -176,8 +178,9 @@ def measure(mode: str, args) -> dict:
     prompts = torch.randint(1, VOCAB - 1, (64, PROMPT_TOKENS), generator=torch.Generator().manual_seed(1)).tolist()
     profile = cProfile.Profile() if args.profile or args.profile_out else None
     try:
-        # Stats unbounded: a window's rows are its lane-rounds (a bounded table drops the oldest past 2^19 rows).
-        executor = Executor(backend, max_sessions=sessions, stats_rows=None, speculate=mode == "on", policy=args.policy, launch_rounds=args.launch_rounds, lag=args.lag)
+        # Stats unbounded: a window's execute rows count its lane-rounds. No cycle rows: the server keeps none.
+        executor = Executor(backend, max_sessions=sessions, stats_rows=None, speculate=mode == "on", policy=args.policy, launch_rounds=args.launch_rounds,
+                            lag=args.lag, cycle_table=False)
         serving = ServingLoop(executor, max_running=sessions, stop_ids=(), stream_interval=args.stream_interval_ms / 1000)
         try:
             clients_for(serving, prompts, args.clients, args.seconds / 2, args.max_new_tokens)  # warm-up
@@ -198,7 +201,8 @@ def measure(mode: str, args) -> dict:
         device_loop.DeviceLoop._program, PrefillPrograms._program = real_program, real_prefill
         device_loop.DeviceLoop.launch, device_loop.DeviceLoop.read = real_launch, real_read
         backend.close()
-    rows, executes = executor.cycle_stats().height, executor.execute_stats()
+    executes = executor.execute_stats()
+    rows = int(executes["cycles"].sum() + executes["target_decode_steps"].sum())
     host = cpu - clock.seconds
     row = {
         "mode": mode, "clients": args.clients, "max_sessions": sessions, "tau_asked": args.tau, "launch_rounds": args.launch_rounds, "lag": args.lag,

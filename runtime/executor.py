@@ -199,10 +199,13 @@ class Executor:
         policy: str | object = "always",
         launch_rounds: int = 1,
         loop_glue: str = "auto",
+        cycle_table: bool = True,
     ) -> None:
         """``dims`` and ``max_sessions`` default to the backend's (its contract dims and pool rows);
         ``stats_rows`` bounds each stats table in memory (None: unbounded; see ``drain_stats``),
-        ``stats_age_s`` the age of the rows kept (None: no age bound).
+        ``stats_age_s`` the age of the rows kept (None: no age bound); ``cycle_table`` False keeps no
+        cycle rows (``cycle_stats`` stays empty; the execute rows and their counters are kept): where
+        nobody reads them (a server), each owner's row per round is host work for nothing.
 
         ``speculate``: sessions draft by default (False: plain target decoding,
         the autoregressive baseline through the same runtime; per session:
@@ -246,7 +249,7 @@ class Executor:
             raise InputError(f"stats_rows must be an int >= 1 or None (unbounded), got {stats_rows!r}")
         if stats_age_s is not None and (isinstance(stats_age_s, bool) or not isinstance(stats_age_s, (int, float)) or not stats_age_s > 0):
             raise InputError(f"stats_age_s must be a number of seconds > 0 or None (no age bound), got {stats_age_s!r}")
-        self.log = StatsLog(stats_rows, stats_age_s)
+        self.log = StatsLog(stats_rows, stats_age_s, bool(cycle_table))
         if not is_int(max_cycles) or max_cycles < 1:
             raise InputError(f"max_cycles must be an int >= 1, got {max_cycles!r}")
         if not (is_int(lag) or isinstance(lag, bool)) or not 0 <= lag <= MAX_LAG:
@@ -1240,10 +1243,11 @@ class Executor:
 
     def clear_stats(self) -> None:
         """Start the stats tables afresh (e.g. after a warm-up whose captures should not be timed)."""
-        self.log = StatsLog(self.log.max_rows, self.log.max_age_s)
+        self.log = StatsLog(self.log.max_rows, self.log.max_age_s, self.log.cycle_table)
 
     def cycle_stats(self) -> pl.DataFrame:
-        """One row per owner per cycle (``runtime.stats.CYCLE_SCHEMA``), of the rows still in memory."""
+        """One row per owner per cycle (``runtime.stats.CYCLE_SCHEMA``), of the rows still in memory (none
+        with ``cycle_table=False``)."""
         return self.log.frames()[0]
 
     def execute_stats(self) -> pl.DataFrame:

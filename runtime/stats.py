@@ -245,6 +245,11 @@ class ExecuteRows:
 DEFAULT_MAX_ROWS = 1 << 19  # per table: ~50 MB of cycle rows, ~110 MB of execute rows at most
 
 
+def _chosen(choices: Sequence | None) -> int:
+    """How many rows the policy chose for (a ``Choice``; None: fixed), as ``StatsLog._choices`` counts them."""
+    return len(choices) - choices.count(None) if choices else 0
+
+
 class StatsLog:
     """Column-wise stats: cycle rows as they happen, one execute row of counter deltas per call.
 
@@ -261,13 +266,18 @@ class StatsLog:
     more than ``max_age_s`` seconds ago (None: no age bound), at each
     execute's end, whether or not anyone reads the log. ``drain`` hands every
     row over and empties the log. The lock makes reads safe from any thread.
+
+    ``cycle_table`` False: the cycles table keeps no rows (the counters, and so
+    the execute rows, count as before): for a process whose cycle rows nobody
+    reads (a server reads the execute rows only), a row per owner and round
+    is host work on the decoding thread for nothing.
     """
 
-    def __init__(self, max_rows: int | None = DEFAULT_MAX_ROWS, max_age_s: float | None = None) -> None:
+    def __init__(self, max_rows: int | None = DEFAULT_MAX_ROWS, max_age_s: float | None = None, cycle_table: bool = True) -> None:
         self.cycles = ColumnStore(CYCLE_SCHEMA)
         self.executes = ColumnStore(EXECUTE_SCHEMA)
         self.staged = ColumnStore(CYCLE_SCHEMA)  # the running batch's cycle rows
-        self.max_rows, self.max_age_s = max_rows, max_age_s
+        self.max_rows, self.max_age_s, self.cycle_table = max_rows, max_age_s, cycle_table
         self.origin = time.perf_counter()
         self.batch_id = 0
         self.cycle_id = 0
@@ -328,6 +338,11 @@ class StatsLog:
         ``emitted`` to the caller and the anchor's ``positions``; ``owners``: the call's owners (default:
         the rows); ``choices``: per row the policy's ``Choice`` (None: fixed)."""
         count = len(sessions)
+        if not self.cycle_table:
+            chosen = _chosen(choices)
+            self.counters["policy_cycles"] += chosen
+            self.counters["policy_verified"] += proposals * chosen
+            return
         policy, ratio, chosen = self._choices(choices, count, "policy_cycles")
         self.counters["policy_verified"] += proposals * chosen
         shared = self._shared(owners or count, DYNAMIC if DYNAMIC in modes else STATIC, draft_ms, verify_ms)
@@ -371,6 +386,8 @@ class StatsLog:
         position, one call of ``target_ms`` each: a cycle id each, one owner), made at one instant: the
         first carries the host time since the previous row, the others none (no time passed between
         them); one append for them all."""
+        if not self.cycle_table:
+            return
         count = len(sessions)
         shared = self._shared(1, TARGET, 0.0, target_ms)  # the first row's id and host time
         first, host_ms = shared.pop("cycle_id"), shared.pop("host_ms")
@@ -393,6 +410,9 @@ class StatsLog:
         ``owners``: the launch's owners (default: the sessions), finished ones whose token is discarded included;
         ``choices``: per session the policy's ``Choice`` (None: fixed)."""
         self.counters["target_decode_steps"] += len(sessions)
+        if not self.cycle_table:
+            self.counters["policy_decodes"] += _chosen(choices)
+            return
         policy = self._choices(choices, len(sessions), "policy_decodes")[:2]
         self._target_tokens(sessions, [s.frontier for s in sessions], device_ms, owners, policy)
 

@@ -155,7 +155,7 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-connections", type=positive_int, default=d.max_connections, help=f"connections (or requests) at once; beyond, requests get 503 (default {d.max_connections})")
     parser.add_argument("--max-header-bytes", type=positive_int, default=d.max_header_bytes, help=f"request head size; larger gets 400 (default {d.max_header_bytes})")
     parser.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds open requests get to finish on SIGINT/SIGTERM before they are aborted (default 10)")
-    parser.add_argument("--stats-rows", type=positive_int, default=STATS_ROWS, help=f"executor stats rows kept in memory per table (default {STATS_ROWS})")
+    parser.add_argument("--stats-rows", type=positive_int, default=STATS_ROWS, help=f"executor stats rows (one per execute: the metrics' source) kept in memory (default {STATS_ROWS}); a server keeps no row per cycle")
     parser.add_argument("--stats-age", type=positive_float, default=STATS_AGE_S, help=f"seconds executor stats rows are kept (default {STATS_AGE_S:g})")
 
 
@@ -422,7 +422,8 @@ def _load(args, text: bool = True, handles=None, flush=None):
     try:
         executor = Executor(backend, max_sessions=args.max_sessions, speculate=not args.no_draft, max_cycles=args.max_cycles,
                             stats_rows=args.stats_rows, stats_age_s=args.stats_age, policy=args.policy,
-                            launch_rounds=getattr(args, "launch_rounds", 1), lag=getattr(args, "lag", 1))
+                            launch_rounds=getattr(args, "launch_rounds", 1), lag=getattr(args, "lag", 1),
+                            cycle_table=False)  # the server reads the execute rows only (its metrics): no row per owner and round
         stop_ids = tokenizer.stop_ids if tokenizer is not None else command.manifest_stops(args.artifacts)
         if tokenizer is not None and text:
             tokenizer.chars_per_token  # noqa: B018  (computed once now, not on the first request)

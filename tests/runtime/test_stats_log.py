@@ -79,6 +79,51 @@ def test_target_rows_in_one_append_equal_one_target_row_per_session():
     assert got["host_ms"][2:].to_list() == [0.0, 0.0] and got["host_ms"][1] > 0.0
 
 
+def test_a_log_without_the_cycle_table_counts_every_execute_row_alike():
+    """Guards against a server's stats (its executor keeps no cycle rows: ``cycle_table=False``, nobody
+    reads them there) losing a count its metrics read from the execute rows: the policy's cycles, decodes
+    and verified proposals, the decode steps, every counter, must equal a full log's over the same rows,
+    whatever mix of choices (the policy's, fixed) a launch's rows carry; only the cycles table stays empty."""
+    from dflash_trt.runtime.policy import Choice
+
+    estimate, probe = Choice("cycle", "estimate", 1.4, "cycle", 16, 7), Choice("decode", "probe", 0.9, "decode", 16)
+    sessions = [Session(i, i) for i in range(4)]
+    full, lean = StatsLog(), StatsLog(cycle_table=False)
+    for log in (full, lean):
+        log.begin()
+        log.target_rows(sessions, [5, 6, 7, 8], 0.1)
+        log.cycle_counters(4, 7, 9, [3, 7, 0, 2], 64)
+        log.cycle_rows(sessions, ["static"] * 4, [2, 2, 3, 2], [3, 7, 0, 2], [4, 8, 1, 3], [5, 6, 7, 8], 7, 0.0, 0.3, choices=[estimate] * 4)
+        log.cycle_rows(sessions[:3], ["static"] * 3, [1, 1, 1], [1, 0, 2], [2, 1, 3], [9, 14, 8], 15, 0.0, 0.3, choices=[estimate, None, estimate])
+        log.decode_rows(sessions, 0.2, choices=[probe, probe, None, probe])
+        log.decode_rows(sessions[:2], 0.2)
+        log.commit(4, 20, False)
+    timing = ["wall_ms", "end_ms"]
+    assert lean.frames()[1].drop(timing).equals(full.frames()[1].drop(timing))
+    counts = full.frames()[1].row(0, named=True)
+    assert (counts["policy_cycles"], counts["policy_verified"], counts["policy_decodes"], counts["target_decode_steps"]) == (6, 4 * 7 + 2 * 15, 3, 6)
+    assert lean.frames()[0].height == 0 and full.frames()[0].height == 4 + 4 + 3 + 4 + 2
+
+
+def test_an_executor_without_the_cycle_table_returns_the_same_tokens_and_counts(tiny):
+    """Guards against ``Executor(cycle_table=False)`` (what ``dflash-trt serve`` builds) changing what a call
+    returns or what its execute rows count: the same inputs give the same tokens and the same counters as
+    an executor keeping its cycle rows, and ``cycle_stats`` is empty."""
+    results = []
+    for cycle_table in (True, False):
+        executor = Executor(tiny.ort, tiny.dims, 4, cycle_table=cycle_table)
+        sessions = [executor.open_session() for _ in range(3)]
+        outputs = [executor.execute([Input(s, [3 + s, 9, 4], max_new_tokens=12) for s in sessions])]
+        outputs.append(executor.execute([Input(s, [executor.session(s).pending], max_new_tokens=9) for s in sessions]))
+        tokens = outputs  # per execute, per input its new tokens
+        counters = executor.execute_stats().select(name for name in COUNTERS if not name.endswith("_us"))  # timings aside
+        results.append((tokens, counters, executor.cycle_stats().height))
+        executor.close()
+    (tokens, counters, rows), (lean_tokens, lean_counters, lean_rows) = results
+    assert lean_tokens == tokens and lean_counters.equals(counters)
+    assert counters["cycles"].sum() > 0 and rows > 0 and lean_rows == 0
+
+
 def test_bounded_log_drops_whole_oldest_batches_from_both_tables():
     """Guards against a log that grows without bound in a long-running service, and against a bound
     that cuts tables inconsistently (cycle rows without their execute row, or the reverse)."""
