@@ -413,8 +413,6 @@ def test_a_submit_not_answered_in_time_is_cancelled_and_forgotten(monkeypatch):
     in the front's open requests, and when the serving process queued it after all it decoded to its end for
     nobody. The front forgets it and sends a Cancel behind the Submit (the pipe keeps their order); late
     tokens for it are dropped."""
-    from dflash_trt.server import front as front_module
-
     monkeypatch.setattr(wire, "ANSWER_TIMEOUT_S", 0.3)
     mine, theirs = multiprocessing.Pipe(duplex=True)
     client = ServingClient(None, mine, wire.Ready(True, 4, 64, 100, None, 0))
