@@ -81,22 +81,24 @@ class Outbox:
         self._closed = False
 
     def accept(self, key: int) -> None:
-        self._add(self._accepted, key)
+        self._add("_accepted", key)
 
     def put(self, item: wire.Item) -> None:
-        self._add(self._items, item)
+        self._add("_items", item)
 
     def fail(self, key: int, error: wire.WireError) -> None:
-        self._add(self._failures, (key, error))
+        self._add("_failures", (key, error))
 
     def answer(self, message) -> None:
         """A message of its own to the front (a refusal, a metrics reply): the main thread never waits on a pipe."""
-        self._add(self._answers, message)
+        self._add("_answers", message)
 
-    def _add(self, into: list, value) -> None:
+    def _add(self, into: str, value) -> None:
+        """``value`` onto the list named ``into``, looked up under the lock: ``take`` replaces the lists, so a list
+        fetched before the lock may be one a concurrent ``take`` has already sent (the value then lost)."""
         with self._cond:
             if not self._closed:  # closed: its front is gone (nothing would send it)
-                into.append(value)
+                getattr(self, into).append(value)
 
     @property
     def pending(self) -> bool:
