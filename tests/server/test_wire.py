@@ -527,6 +527,35 @@ def test_a_small_request_is_prepared_on_the_event_loop_and_a_large_one_in_a_work
     client.stop()
 
 
+def test_a_stream_whose_client_left_before_its_first_event_cancels_its_request():
+    """Guards against a request decoding to its end for nobody: the SSE response cancels its request through
+    its event generator's ``finally``, which never runs when the response ends before the generator's first
+    step (the client gone by the time the response starts, its start not yet sent); the response itself
+    cancels the request once it ends (a no-op for a finished one)."""
+    import asyncio
+
+    from dflash_trt.runtime.serving.handle import RequestHandle
+    from dflash_trt.server import app as app_module
+
+    cancels: list[str] = []
+    handle = RequestHandle(1, [1, 2], lambda _handle, finish=CANCELLED: cancels.append(finish))
+
+    async def serve_one() -> None:
+        shutdown = type("Shutdown", (), {"aborted": asyncio.get_running_loop().create_future()})()
+        response = app_module._stream(app_module._completion_events(handle, "cmpl-1", "m", False, shutdown), {}, handle)
+
+        async def receive() -> dict:
+            return {"type": "http.disconnect"}
+
+        async def send(_message: dict) -> None:
+            await asyncio.sleep(0.05)  # the response's start still being written when the disconnect is seen
+
+        await asyncio.wait_for(response({"type": "http"}, receive, send), TIMEOUT_S)
+
+    asyncio.run(serve_one())
+    assert cancels == [CANCELLED]
+
+
 def test_two_fronts_share_one_serving_process_and_a_closing_front_cancels_only_its_requests(tiny):
     """Guards against ``serve --fronts``' pipes mixing requests up (two fronts use the same keys: a
     delivery or a cancel reaching the other front's request), and against a front that ends (its process
