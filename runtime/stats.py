@@ -337,12 +337,12 @@ class StatsLog:
         value per session): its ``mode``, the ``context_rows`` its draft consumed, ``accepted``, the tokens
         ``emitted`` to the caller and the anchor's ``positions``; ``owners``: the call's owners (default:
         the rows); ``choices``: per row the policy's ``Choice`` (None: fixed)."""
-        count = len(sessions)
         if not self.cycle_table:
             chosen = _chosen(choices)
             self.counters["policy_cycles"] += chosen
             self.counters["policy_verified"] += proposals * chosen
             return
+        count = len(sessions)
         policy, ratio, chosen = self._choices(choices, count, "policy_cycles")
         self.counters["policy_verified"] += proposals * chosen
         shared = self._shared(owners or count, DYNAMIC if DYNAMIC in modes else STATIC, draft_ms, verify_ms)
@@ -371,7 +371,7 @@ class StatsLog:
             chosen = count if first is not None else 0
             policy, ratio = ([FIXED] * count, [math.nan] * count) if first is None else ([first.why] * count, [float(first.ratio)] * count)
         else:
-            chosen = sum(choice is not None for choice in choices)
+            chosen = _chosen(choices)
             policy = [FIXED if choice is None else choice.why for choice in choices]
             ratio = [math.nan if choice is None else float(choice.ratio) for choice in choices]
         self.counters[counter] += chosen
