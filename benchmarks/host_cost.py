@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import record  # noqa: E402  (benchmarks/record.py: results.jsonl)
-from serve_engine import clients_for, thread_cpu_s  # noqa: E402
+from serve_engine import clients_for, lane_rounds_of, thread_cpu_s  # noqa: E402
 
 from dflash_trt.export.config import DraftConfig, RopeConfig, TargetConfig  # noqa: E402
 from dflash_trt.export.draft import DraftModel  # noqa: E402
@@ -202,7 +202,7 @@ def measure(mode: str, args) -> dict:
         device_loop.DeviceLoop.launch, device_loop.DeviceLoop.read = real_launch, real_read
         backend.close()
     executes = executor.execute_stats()
-    rows = int(executes["cycles"].sum() + executes["target_decode_steps"].sum())
+    rows = lane_rounds_of(executes)
     host = cpu - clock.seconds
     row = {
         "mode": mode, "clients": args.clients, "max_sessions": sessions, "tau_asked": args.tau, "launch_rounds": args.launch_rounds, "lag": args.lag,
