@@ -70,11 +70,10 @@ from starlette.requests import ClientDisconnect
 
 from dflash_trt.errors import DFlashError, InputError, QueueFullError, SamplingError, ServingClosedError, TokenizerError
 from dflash_trt.runtime.serving.handle import CANCELLED, RequestHandle
-from dflash_trt.server import schema
+from dflash_trt.server import schema, wire
 from dflash_trt.server.limits import BodyLimit, BodyTooLarge, Limits
 from dflash_trt.server.prometheus import ServingCollector
 from dflash_trt.server.shutdown import InFlight, Shutdown
-from dflash_trt.server.wire import ANSWER_TIMEOUT_S, unanswered
 
 if TYPE_CHECKING:  # a front process serves a ServingClient and never imports the runtime (torch)
     from dflash_trt.runtime.serving.loop import ServingLoop
@@ -261,10 +260,10 @@ async def _accepted(answer: Future, route: Route) -> RequestHandle:
     """The request's handle once the serving loop took it (at once in-process, a pipe's round trip from a
     front); its refusal as an ApiError. Cancelled (the client left) or unanswered, the request is withdrawn."""
     try:
-        return await asyncio.wait_for(asyncio.wrap_future(answer), ANSWER_TIMEOUT_S)
+        return await asyncio.wait_for(asyncio.wrap_future(answer), wire.ANSWER_TIMEOUT_S)  # read per call, as the front's
     except TimeoutError:
         _withdraw(answer)
-        error = unanswered()
+        error = wire.unanswered()
         raise ApiError(503, str(error), "server_error", code=error.code) from None
     except BaseException as error:
         _withdraw(answer)
