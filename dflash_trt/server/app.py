@@ -444,17 +444,15 @@ def _stream(events: AsyncIterator[dict], headers: dict, handle: RequestHandle) -
 
 async def _deltas(handle: RequestHandle, shutdown: Shutdown):
     """The handle's deltas until it finishes, or until the shutdown aborts it (then one last delta with
-    finish ``cancelled``); the request is cancelled if the consumer stops early (disconnect)."""
+    finish ``cancelled``). Its consumer stopping early (a disconnect) cancels the request: ``_Stream``
+    does, once the response ends."""
     finished = False
-    try:
-        async with aclosing(handle.deltas(until=shutdown.aborted)) as deltas:
-            async for delta in deltas:
-                finished = delta.finish is not None
-                yield delta
-        if not finished:  # the deltas stopped at the deadline
-            yield _ABORTED
-    finally:
-        handle.cancel()  # a no-op once finished
+    async with aclosing(handle.deltas(until=shutdown.aborted)) as deltas:
+        async for delta in deltas:
+            finished = delta.finish is not None
+            yield delta
+    if not finished:  # the deltas stopped at the deadline
+        yield _ABORTED
 
 
 @dataclass(frozen=True)
