@@ -1088,13 +1088,14 @@ class Executor:
         self._plain.append(lane)
         self.log.counters["drafting_stopped"] += 1
 
-    def _rounds(self, lane: Lane) -> int:
-        """The rounds the lane's next launch runs (``Lane.most_rounds``); a drafting lane's decode steps only
-        while each keeps its tap on the device (pending rows below B)."""
+    def _rounds(self, lane: Lane, shared: bool = False) -> int:
+        """The rounds the lane's next launch runs (``Lane.most_rounds``; ``shared``: in a launch that runs
+        them anyway); a drafting lane's decode steps only while each keeps its tap on the device (pending
+        rows below B)."""
         most = self.loop.most_rounds
         if most == 1:
             return 1
-        rounds = lane.most_rounds(most)
+        rounds = lane.most_rounds(most, shared)
         if rounds > 1 and lane.kind == DECODE and lane.session.speculate and _pending(lane)[0] + rounds > self.dims.block_size:
             return 1
         return rounds
@@ -1106,6 +1107,8 @@ class Executor:
         for lane in lanes:  # one pass: the lanes by (kind, verify length, rounds), in their order
             lane.rounds = self._rounds(lane)
             kinds.setdefault((lane.kind, lane.proposals, lane.rounds), []).append(lane)
+        if self.loop.most_rounds > 1:
+            self._share_rounds(kinds)
         for kind, proposals, rounds in sorted(kinds, key=lambda key: (key[0] != CYCLE, -key[1], -key[2])):
             members = sorted(kinds[kind, proposals, rounds], key=_ROW)
             if self.loop.row_indexed:
@@ -1116,6 +1119,27 @@ class Executor:
                 sampled = self._sampling and any(lane.session.sampling.temperature > 0 for lane in run)
                 groups.append(Group(kind, sampled, run, proposals, rounds))
         return groups
+
+    def _share_rounds(self, kinds: dict[tuple[str, int, int], list[Lane]]) -> None:
+        """Lanes held to one round by their room alone join their kind's launch of ``most_rounds`` (``_pack``'s
+        ``kinds``, changed in place). Apart, they would be a launch and a read more per round wherever requests
+        end at different rounds, which under load is every round, and the host's plan, launch and read are
+        per launch; a round a lane's room cannot use costs only device work (its tokens are discarded, as a
+        read-ahead launch's are). The cache's end and ``max_cycles`` still hold each lane to what fits."""
+        most = self.loop.most_rounds
+        for kind, proposals, _ in [key for key in kinds if key[2] == 1 and (key[0], key[1], most) in kinds]:
+            joined = kinds[kind, proposals, most]
+            held = []
+            for lane in kinds[kind, proposals, 1]:
+                if self._rounds(lane, shared=True) == most:
+                    lane.rounds = most
+                    joined.append(lane)
+                else:
+                    held.append(lane)
+            if held:
+                kinds[kind, proposals, 1] = held
+            else:
+                del kinds[kind, proposals, 1]
 
     def _launch(self, group: Group) -> tuple[Launch, float, int]:
         """The group's program, launched; with the host seconds the launch call took (part of its cost)

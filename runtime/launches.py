@@ -84,21 +84,27 @@ def may_launch(
     return fits and room > in_flight
 
 
-def launch_rounds(frontier: int, least: int, reach: int, launched: int, room: int | None, shape: LoopShape, most: int) -> int:
+def launch_rounds(
+    frontier: int, least: int, reach: int, launched: int, room: int | None, shape: LoopShape, most: int, shared: bool = False
+) -> int:
     """How many rounds (``most``, else 1) the next launch of a lane that ``may_launch`` runs.
 
     ``least``: tokens its unread launches yield at least (one per round), ``reach``: how far they may
     move it, ``launched``: rounds launched (and spent) this execute, ``room`` as in ``may_launch``. All
     ``most`` rounds run only when each one's start fits the cache in the worst case, they stay within
     ``max_cycles``, and the room takes a token from each (else a round would surely be discarded).
+    ``shared``: the launch runs ``most`` rounds for other lanes anyway, so a round this lane's room
+    cannot use costs nothing a launch of its own would not (its tokens are discarded, as a read-ahead
+    launch's are): only the cache and ``max_cycles`` decide.
 
-    >>> launch_rounds(0, 0, 0, 0, 10, LoopShape(4, 8, 40, 32), 2), launch_rounds(0, 0, 0, 0, 1, LoopShape(4, 8, 40, 32), 2)
-    (2, 1)
+    >>> shape = LoopShape(4, 8, 40, 32)
+    >>> launch_rounds(0, 0, 0, 0, 10, shape, 2), launch_rounds(0, 0, 0, 0, 1, shape, 2), launch_rounds(0, 0, 0, 0, 1, shape, 2, shared=True)
+    (2, 1, 2)
     """
     if most == 1 or room is None:
         return 1
     fits = frontier + reach + (most - 1) * shape.width + shape.need <= shape.max_context
-    return most if fits and launched + most <= shape.max_cycles and room - least >= most else 1
+    return most if fits and launched + most <= shape.max_cycles and (shared or room - least >= most) else 1
 
 
 def take(tokens: Sequence[int], room: int | None, stop: frozenset[int] | set[int]) -> tuple[tuple[int, ...], str | None]:
@@ -206,10 +212,10 @@ class Lane:
         least, reach = self._unread()
         return may_launch(self.session.frontier, least, self.launched, self._room(), self.finish is not None, self.shape, reach, self.spent)
 
-    def most_rounds(self, most: int) -> int:
+    def most_rounds(self, most: int, shared: bool = False) -> int:
         """The rounds its next launch may run (``launch_rounds``), ``most`` at best; asked of a lane that may launch."""
         least, reach = self._unread()
-        return launch_rounds(self.session.frontier, least, reach, self.launched + self.spent, self._room(), self.shape, most)
+        return launch_rounds(self.session.frontier, least, reach, self.launched + self.spent, self._room(), self.shape, most, shared)
 
 
 @dataclass

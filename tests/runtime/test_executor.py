@@ -395,6 +395,36 @@ def test_budgeted_executes_cut_rewind_and_continue_losslessly(tiny, oracle, back
     assert several == (executor.loop.most_rounds > 1)  # launches really ran several rounds where allowed, never otherwise
 
 
+def test_lanes_near_their_end_share_the_others_launch_of_several_rounds(tiny):
+    """Guards against lanes held to one round by their room alone (requests ending at different rounds,
+    which under load is every round) splitting a round into a launch of several rounds and one of a
+    single round for them: a launch and a read more per round, where the host's work follows its
+    launches. They run in the others' launch, the rounds their room cannot use discarded: the same
+    tokens and finishes as one round per launch, and the first launch carries every lane."""
+    budgets = [40, 40, 2, 3]  # the last two: room for fewer than 3 rounds after their prompt's token
+    outputs, launched = {}, {}
+    for backend in ("torch-fast", "torch-fast-rounds"):
+        executor, _ = new_executor(tiny, len(budgets), backend)
+        launches, launch = [], executor.loop.launch
+
+        def recorded(kind, sampled, rows, proposals=0, rounds=1, launch=launch, launches=launches):
+            launches.append((kind, tuple(rows), rounds))
+            return launch(kind, sampled, rows, proposals, rounds)
+
+        executor.loop.launch = recorded
+        sessions = [executor.open_session() for _ in budgets]
+        out = executor.execute_outputs([Input(s, prompt(6 + i, 40 + i), max_new_tokens=b) for i, (s, b) in enumerate(zip(sessions, budgets))])
+        outputs[backend] = [(o.tokens, o.finish) for o in out]
+        launched[backend] = launches
+        rows = {executor.session(s).row for s in sessions}
+        executor.close()
+    assert outputs["torch-fast"] == outputs["torch-fast-rounds"]
+    assert [len(tokens) for tokens, _ in outputs["torch-fast"]][2:] == budgets[2:]  # the short ones ran to their budget
+    first = launched["torch-fast-rounds"][0]
+    assert set(first[1]) == rows and first[2] == 3, first  # every lane, three rounds
+    assert len(launched["torch-fast-rounds"]) < len(launched["torch-fast"])
+
+
 def snapshot(executor: Executor) -> list:
     return [executor.session(s) for s in executor.sessions()]
 
