@@ -1,7 +1,7 @@
 """The serving loop's host work per lane and round, and per request, on the CPU: the device's part taken out.
 
     python benchmarks/host_cost.py [--clients 64] [--seconds 6] [--modes on off] [--tau 2.8] [--max-new-tokens 64]
-        [--stream-interval-ms 20] [--launch-rounds 1] [--lag 1] [--device-us 390 230 7.5] [--profile 25]
+        [--stream-interval-ms 20] [--launch-rounds 1] [--lag 1] [--max-cycles 32] [--device-us 390 230 7.5] [--profile 25]
         [--profile-out STEM] [--record]
 
 What a serving thread spends in Python between launches decides the engine's throughput once the device is
@@ -53,6 +53,7 @@ from dflash_trt.export.target import TargetModel  # noqa: E402
 from dflash_trt.runtime import device_loop  # noqa: E402
 from dflash_trt.runtime.backends.torch_backend import TorchBackend  # noqa: E402
 from dflash_trt.runtime.executor import Executor  # noqa: E402
+from dflash_trt.runtime.limits import DEFAULT_MAX_CYCLES  # noqa: E402
 from dflash_trt.runtime.prefill import PrefillPrograms  # noqa: E402
 from dflash_trt.runtime.serving.loop import DEFAULT_STREAM_INTERVAL, ServingLoop  # noqa: E402
 from dflash_trt.runtime.serving.metrics import MetricsRecorder  # noqa: E402
@@ -180,7 +181,7 @@ def measure(mode: str, args) -> dict:
     try:
         # Stats unbounded: a window's execute rows count its lane-rounds. No cycle rows: the server keeps none.
         executor = Executor(backend, max_sessions=sessions, stats_rows=None, speculate=mode == "on", policy=args.policy, launch_rounds=args.launch_rounds,
-                            lag=args.lag, cycle_table=False)
+                            lag=args.lag, cycle_table=False, max_cycles=args.max_cycles)
         serving = ServingLoop(executor, max_running=sessions, stop_ids=(), stream_interval=args.stream_interval_ms / 1000)
         try:
             clients_for(serving, prompts, args.clients, args.seconds / 2, args.max_new_tokens)  # warm-up
@@ -205,7 +206,7 @@ def measure(mode: str, args) -> dict:
     rows = lane_rounds_of(executes)
     host = cpu - clock.seconds
     row = {
-        "mode": mode, "clients": args.clients, "max_sessions": sessions, "tau_asked": args.tau, "launch_rounds": args.launch_rounds, "lag": args.lag,
+        "mode": mode, "clients": args.clients, "max_sessions": sessions, "tau_asked": args.tau, "launch_rounds": args.launch_rounds, "lag": args.lag, "max_cycles": args.max_cycles,
         "device_us": args.device_us, "device_busy_pct": None if busy is None else round(100 * busy / wall, 1), "requests": requests, "lane_rounds": rows,
         "tokens_per_lane_round": round(tokens / max(rows, 1), 2), "lanes_per_launch": round(rows / max(int(executes["loop_launches"].sum()), 1), 2), "host_us_per_lane_round": round(1e6 * host / max(rows, 1), 2),
         "host_us_per_request": round(1e6 * host / max(requests, 1), 1), "host_us_per_token": round(1e6 * host / max(tokens, 1), 2), "device_stand_in_s": round(clock.seconds, 3),
@@ -253,6 +254,7 @@ def main() -> int:
     parser.add_argument("--policy", default="adaptive")
     parser.add_argument("--launch-rounds", type=int, default=1, help="the executor's rounds per launch (default 1)")
     parser.add_argument("--lag", type=int, default=1, help="the executor's launches queued per lane beyond the one read (default 1)")
+    parser.add_argument("--max-cycles", type=int, default=DEFAULT_MAX_CYCLES, help=f"the executor's rounds per execute (default {DEFAULT_MAX_CYCLES})")
     parser.add_argument("--device-us", type=float, nargs=3, metavar=("CYCLE", "DECODE", "OWNER"),
                         help="a stand-in device queue: µs per cycle and per decode step, plus per padded owner (default: none)")
     parser.add_argument("--stream-interval-ms", type=float, default=DEFAULT_STREAM_INTERVAL * 1000, help="the serving loop's delivery tick")
