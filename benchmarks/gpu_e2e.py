@@ -5,6 +5,7 @@
     python benchmarks/gpu_e2e.py --pairs default --dtypes bf16 --kernels exact   # the exact kernels' identity
     python benchmarks/gpu_e2e.py --quick --dtypes bf16 --repeats 5     # the median of five timed passes per mode
     python benchmarks/gpu_e2e.py --quick --dtypes bf16 --lag 2         # two launches queued per session (``Executor(lag=)``)
+    python benchmarks/gpu_e2e.py --quick --dtypes bf16 --launch-rounds 4   # up to four rounds per launch (``Executor(launch_rounds=)``)
     python benchmarks/gpu_e2e.py --quick --dtypes bf16 --loop-glue torch   # the device loop's torch glue (``Executor(loop_glue=)``)
 
 For each case (pair, dtype, sessions, temperature) one torch backend on CUDA
@@ -155,13 +156,13 @@ def figures(executor: Executor, tokens: list[list[int]], seconds: float) -> dict
 
 def run_mode(
     backend, requests: list[Request], sessions: int, speculate: bool, max_cycles: int, policy: str = "always", repeats: int = 1,
-    lag: int = 1, loop_glue: str = "auto",
+    lag: int = 1, loop_glue: str = "auto", launch_rounds: int = 1,
 ) -> tuple[dict, list[list[int]]]:
     """One mode: a warm-up pass, then ``repeats`` timed passes with fresh stats; the figures (and tokens) of the
     median pass by tokens/s, with every pass's tokens/s (a default-pair pass at one session lasts ~0.1 s on an
     H200: one pass is a noisy figure)."""
     with Executor(backend, max_sessions=sessions, speculate=speculate, max_cycles=max_cycles, policy=policy, lag=lag,
-                  loop_glue=loop_glue) as executor:
+                  loop_glue=loop_glue, launch_rounds=launch_rounds) as executor:
         serve(executor, requests, sessions)  # warm-up: every graph this workload needs is captured here
         passes = []
         for _ in range(repeats):
@@ -186,13 +187,13 @@ def case(name: str, models, dtype, sessions: int, options, write):
         for temperature in temperatures:
             requests = [Request(p, new_tokens, stop, Sampling(temperature, 0, 1.0, i)) for i, p in enumerate(prompts[:count])]
             ar, ar_tokens = run_mode(backend, requests, sessions, False, max_cycles, repeats=options.repeats, lag=options.lag,
-                                     loop_glue=options.loop_glue)
+                                     loop_glue=options.loop_glue, launch_rounds=options.launch_rounds)
             dflash, dflash_tokens = run_mode(backend, requests, sessions, True, max_cycles, options.policy, options.repeats, options.lag,
-                                             options.loop_glue)
+                                             options.loop_glue, options.launch_rounds)
             identical = sum(a == b for a, b in zip(ar_tokens, dflash_tokens))
             write(row(name, sessions, temperature, ar, dflash, identical, count, max_cycles)
                   | {"kernels": backend.kernels, "policy": options.policy, "pdl": pdl_on(backend.device), "lag": options.lag,
-                     "loop_glue": options.loop_glue})
+                     "loop_glue": options.loop_glue, "launch_rounds": options.launch_rounds})
     finally:
         backend.close()
 
@@ -249,6 +250,7 @@ def main() -> None:
                         help="the DFlash mode's speculation policy (runtime.policy; default adaptive, as dflash-trt serve)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--lag", type=int, default=1, help="the executor's launches queued per session beyond the one read (default 1)")
+    parser.add_argument("--launch-rounds", type=int, default=1, help="the executor's most rounds per launch (default 1)")
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS, help="default pair (the 8B shape: half)")
     parser.add_argument("--loop-glue", choices=GLUES, default="auto",
                         help="the device loop's kernels around the graphs (Executor(loop_glue=); default auto: Triton on CUDA)")
