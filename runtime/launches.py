@@ -93,9 +93,9 @@ def launch_rounds(
     move it, ``launched``: rounds launched (and spent) this execute, ``room`` as in ``may_launch``. All
     ``most`` rounds run only when each one's start fits the cache in the worst case, they stay within
     ``max_cycles``, and the room takes a token from each (else a round would surely be discarded).
-    ``shared``: the launch runs ``most`` rounds for other lanes anyway, so a round this lane's room
-    cannot use costs nothing a launch of its own would not (its tokens are discarded, as a read-ahead
-    launch's are): only the cache and ``max_cycles`` decide.
+    ``shared``: the launch runs ``most`` rounds for other lanes anyway; a round this lane's room cannot
+    use costs only device work there (its tokens are discarded, as a read-ahead launch's are), where a
+    launch of its own would cost the host a launch and a read more: only the cache and ``max_cycles`` decide.
 
     >>> shape = LoopShape(4, 8, 40, 32)
     >>> launch_rounds(0, 0, 0, 0, 10, shape, 2), launch_rounds(0, 0, 0, 0, 1, shape, 2), launch_rounds(0, 0, 0, 0, 1, shape, 2, shared=True)
