@@ -28,15 +28,21 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from dflash_trt.errors import BusyError, SessionError
-from dflash_trt.runtime.cycles import pick_row
 
 
 class RowAllocator:
-    """Free list over ``rows`` pool rows; hands out rows that keep sessions in consecutive runs."""
+    """Free list over ``rows`` pool rows; hands out rows that keep sessions in consecutive runs.
+
+    The choice is ``cycles.pick_row``'s (most used neighbours, then lowest), kept incrementally: the free
+    rows beside a used one, by how many used neighbours each has, are updated at each take and give (two
+    neighbours each), so a take looks at those rows only, not at every used row (a serving loop opens a
+    session per request).
+    """
 
     def __init__(self, rows: int) -> None:
         self.rows = rows
         self.used: set[int] = set()
+        self._beside: tuple[set[int], set[int]] = (set(), set())  # free rows with one / two used neighbours
 
     def take(self) -> int:
         if len(self.used) >= self.rows:
@@ -44,17 +50,43 @@ class RowAllocator:
         if len(self.used) >= self.rows:
             msg = f"every cache row of the backend is in use ({self.rows} rows); close a session first"
             raise SessionError(msg)
-        row = pick_row(self.rows, self.used)
+        one, two = self._beside
+        row = min(two) if two else min(one) if one else 0  # no free row beside a used one: none is used
+        one.discard(row)
+        two.discard(row)
         self.used.add(row)
+        for beside in (row - 1, row + 1):  # a free neighbour gains a used neighbour
+            if 0 <= beside < self.rows and beside not in self.used:
+                self._move(beside, +1)
         return row
 
     def give(self, row: int) -> None:
+        if row not in self.used:
+            return
         self.used.discard(row)
+        count = 0
+        for beside in (row - 1, row + 1):
+            if beside in self.used:
+                count += 1
+            elif 0 <= beside < self.rows:
+                self._move(beside, -1)  # a free neighbour lost a used neighbour
+        if count:
+            self._beside[count - 1].add(row)
 
     def give_all(self, rows: set[int]) -> None:
         """Return every row of ``rows`` (an executor closing, or collected without close)."""
-        self.used.difference_update(rows)
+        for row in list(rows):
+            self.give(row)
         rows.clear()
+
+    def _move(self, row: int, change: int) -> None:
+        """Free ``row``'s count of used neighbours moved by ``change`` (+1 or -1)."""
+        one, two = self._beside
+        count = 2 if row in two else 1 if row in one else 0
+        if count:
+            self._beside[count - 1].discard(row)
+        if count + change:
+            self._beside[count + change - 1].add(row)
 
 
 class CallGuard:

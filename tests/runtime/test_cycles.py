@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash_trt.export import contract as c
+from dflash_trt.errors import SessionError
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.cycles import (
     DYNAMIC,
@@ -168,6 +169,34 @@ def test_pick_row_keeps_runs_consecutive():
     for _ in range(300):
         used = set(generator.choice(129, size=int(generator.integers(1, 129)), replace=False).tolist())
         assert pick_row(129, used) == brute(129, used), sorted(used)
+
+
+def test_the_row_allocator_picks_the_rows_pick_row_would():
+    """Guards against the allocator's incremental bookkeeping (free rows by used neighbours, updated per take
+    and give) drifting from the rule it keeps: every take must be ``pick_row``'s choice over the rows in use,
+    through random takes, gives, repeated gives and whole-set returns, pools of 1 to 40 rows."""
+    from dflash_trt.runtime.ownership import RowAllocator
+
+    generator = np.random.default_rng(1)
+    for rows in (1, 2, 3, 7, 40):
+        allocator = RowAllocator(rows)
+        for _ in range(400):
+            if len(allocator.used) < rows and generator.random() < 0.55:
+                expected = pick_row(rows, set(allocator.used))
+                assert allocator.take() == expected, (rows, sorted(allocator.used))
+            elif allocator.used and generator.random() < 0.95:
+                row = int(generator.choice(sorted(allocator.used)))
+                allocator.give(row)
+                allocator.give(row)  # a second give of a free row changes nothing
+            elif allocator.used:
+                held = set(generator.choice(sorted(allocator.used), size=int(generator.integers(1, len(allocator.used) + 1)), replace=False).tolist())
+                allocator.give_all(held)
+                assert not held
+        while len(allocator.used) < rows:  # filled to the last row, each still pick_row's choice
+            expected = pick_row(rows, set(allocator.used))
+            assert allocator.take() == expected
+        with pytest.raises(SessionError, match=f"every cache row of the backend is in use \\({rows} rows\\)"):
+            allocator.take()
 
 
 def test_prefill_batches_respect_the_token_budget_and_pad_to_neighbours():
