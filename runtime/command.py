@@ -43,7 +43,7 @@ from dflash_trt.export import DEFAULT_PAIR_DIR
 from dflash_trt.export.contract import DTYPES
 from dflash_trt.export.sampling_params import Sampling
 from dflash_trt.export.tokenizer import load_tokenizer  # the commands' tokenizer (demo, bench: command.load_tokenizer)
-from dflash_trt.runtime.limits import DEFAULT_MAX_CYCLES, MAX_LAG, MAX_LAUNCH_ROUNDS  # noqa: F401  (MAX_LAG, MAX_LAUNCH_ROUNDS: for serve's flags)
+from dflash_trt.runtime.limits import DEFAULT_MAX_CYCLES, MAX_LAG, MAX_LAUNCH_ROUNDS, SERVE_CUDA_LAUNCH_ROUNDS  # noqa: F401  (for serve's flags)
 from dflash_trt.runtime.serving.handle import Completion
 
 if TYPE_CHECKING:  # the engine loads where a command runs it, not where its flags are built (serve's first front)

@@ -221,9 +221,11 @@ class Executor:
         a block fits (or any object with ``runtime.policy.AdaptivePolicy``'s
         ``choose`` / ``observe``). Greedy output is the same under any policy.
         ``launch_rounds``: the most rounds (cycles or decode steps) one launch runs back to back on the
-        device, read at once; outputs and tokens per call are the same whatever it is. More than one
-        has not paid on the H200 (benchmarks/RESULTS.md, "Several rounds per launch"): the host's work
-        grows with the lanes' rounds, not the launches, and a joining request waits for a longer launch.
+        device, read at once; outputs and tokens per call are the same whatever it is. Under load on a GPU
+        the host's work per launch is what bounds throughput, and 4 pays there (``serve``'s default on CUDA:
+        benchmarks/RESULTS.md, "Four rounds per launch by default on CUDA"); with one session the rounds a
+        request's end discards cost device time (gpu_e2e: 2.23x against 2.50x at 1), and a joining request
+        waits for a longer launch.
         ``loop_glue``: ``DeviceLoop(glue=)`` — the device loop's own kernels around the graphs, ``"auto"``
         (Triton on CUDA with a row-indexed backend), ``"triton"`` or ``"torch"``; the same outputs whatever it is.
         """

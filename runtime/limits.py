@@ -9,3 +9,8 @@ plain values in a module that imports nothing, so building ``run`` / ``bench`` /
 DEFAULT_MAX_CYCLES = 32
 MAX_LAG = 3  # launches a lane may keep queued beyond the one read (``lag``): each adds a ring entry per row
 MAX_LAUNCH_ROUNDS = 8  # rounds one launch may run (``launch_rounds``): each is captured in every program's graph
+# ``serve``'s rounds per launch where the engine runs on a CUDA device (1 elsewhere: on the CPU a launch computes
+# before it returns, so rounds back to back save no host work and discard more at a request's end). Under load
+# the serving thread bounds both modes and its work is per launch: on one H100 (benchmarks/RESULTS.md, "Four
+# rounds per launch by default on CUDA") 4 against 1 gave DFlash +12% at 64 streams, +5% at 16, +-0 at one.
+SERVE_CUDA_LAUNCH_ROUNDS = 4

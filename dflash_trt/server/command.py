@@ -86,6 +86,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def launch_rounds(asked: int | None, backend) -> int:
+    """``--launch-rounds``, or its default for where ``backend`` runs: ``SERVE_CUDA_LAUNCH_ROUNDS`` on a CUDA
+    device, where launches are queued and the serving thread's work is per launch; 1 on the CPU, where a launch
+    computes before it returns (rounds back to back save no host work there, and discard more at a request's end)."""
+    from dflash_trt.runtime.limits import SERVE_CUDA_LAUNCH_ROUNDS
+
+    if asked is not None:
+        return asked
+    return SERVE_CUDA_LAUNCH_ROUNDS if backend.device.type == "cuda" else 1
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from dflash_trt.runtime import command  # here, not at the top: an HTTP front process never loads the runtime (torch)
 
@@ -104,10 +115,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-sessions", type=positive_int, help=f"requests decoding at once (default: the artifacts' max_sessions; {DEFAULT_PAIR_SESSIONS} for the default pair)")
     parser.add_argument("--max-cycles", type=positive_int, default=command.DEFAULT_MAX_CYCLES,
                         help=f"cycles per request per execute (default {command.DEFAULT_MAX_CYCLES})")
-    parser.add_argument("--launch-rounds", type=int, default=1, choices=range(1, command.MAX_LAUNCH_ROUNDS + 1),
+    parser.add_argument("--launch-rounds", type=int, default=None, choices=range(1, command.MAX_LAUNCH_ROUNDS + 1),
                         metavar=f"1..{command.MAX_LAUNCH_ROUNDS}",
-                        help="rounds one launch runs back to back on the device, read at once: fewer launches, more work "
-                             "discarded when a request ends inside one, joining requests wait longer (default 1)")
+                        help="rounds one launch runs back to back on the device, read at once: fewer launches (the serving "
+                             "thread's work is per launch), more work discarded when a request ends inside one, joining "
+                             f"requests wait longer (default {command.SERVE_CUDA_LAUNCH_ROUNDS} on a CUDA device, 1 on the CPU)")
     parser.add_argument("--lag", type=int, default=1, choices=range(command.MAX_LAG + 1), metavar=f"0..{command.MAX_LAG}",
                         help="launches each request keeps queued on the device beyond the one being read: more keeps the "
                              "device busy through uneven host rounds, and discards more work when a request ends (default 1)")
@@ -422,7 +434,7 @@ def _load(args, text: bool = True, handles=None, flush=None):
     try:
         executor = Executor(backend, max_sessions=args.max_sessions, speculate=not args.no_draft, max_cycles=args.max_cycles,
                             stats_rows=args.stats_rows, stats_age_s=args.stats_age, policy=args.policy,
-                            launch_rounds=getattr(args, "launch_rounds", 1), lag=getattr(args, "lag", 1),
+                            launch_rounds=launch_rounds(getattr(args, "launch_rounds", None), backend), lag=getattr(args, "lag", 1),
                             cycle_table=False)  # the server reads the execute rows only (its metrics): no row per owner and round
         stop_ids = tokenizer.stop_ids if tokenizer is not None else command.manifest_stops(args.artifacts)
         if tokenizer is not None and text:

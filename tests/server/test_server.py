@@ -410,6 +410,24 @@ def test_dtype_and_max_owners_only_where_they_apply(flags):
         command.run(parser.parse_args(flags))
 
 
+def test_launch_rounds_default_to_several_on_cuda_and_one_on_the_cpu():
+    """Guards against serve's rounds per launch ignoring where the engine runs: several back to back on a
+    CUDA device (launches queue there, and the serving thread's work is per launch), one on the CPU (a
+    launch computes before it returns: rounds back to back save nothing and discard more at a request's
+    end), and against an asked --launch-rounds being overridden by either default."""
+    import torch
+
+    from dflash_trt.runtime.limits import SERVE_CUDA_LAUNCH_ROUNDS
+
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    assert parser.parse_args([]).launch_rounds is None and parser.parse_args(["--launch-rounds", "2"]).launch_rounds == 2
+    on = {kind: argparse.Namespace(device=torch.device(kind)) for kind in ("cpu", "cuda")}  # what the rule reads of a backend
+    assert SERVE_CUDA_LAUNCH_ROUNDS > 1
+    assert command.launch_rounds(None, on["cuda"]) == SERVE_CUDA_LAUNCH_ROUNDS and command.launch_rounds(None, on["cpu"]) == 1
+    assert command.launch_rounds(1, on["cuda"]) == 1 and command.launch_rounds(3, on["cpu"]) == 3
+
+
 def raw_request(port: int, head: bytes, body_chunks=(), timeout: float = 10.0) -> bytes:
     """Send a request head and body chunks on a fresh socket (stopping once the server answers or
     closes), then read until the server closes: the raw response bytes."""
