@@ -246,8 +246,15 @@ DEFAULT_MAX_ROWS = 1 << 19  # per table: ~50 MB of cycle rows, ~110 MB of execut
 
 
 def _chosen(choices: Sequence | None) -> int:
-    """How many rows the policy chose for (a ``Choice``; None: fixed), as ``StatsLog._choices`` counts them."""
-    return len(choices) - choices.count(None) if choices else 0
+    """How many rows the policy chose for (a ``Choice``; None: fixed), as ``StatsLog._choices`` counts them.
+    A launch's lanes mostly share one choice: counted by identity then (``list.count`` compares a ``Choice``
+    with None through its dataclass ``__eq__``, a Python call per row)."""
+    if not choices:
+        return 0
+    first = choices[0]
+    if choices.count(first) == len(choices):
+        return len(choices) if first is not None else 0
+    return sum(choice is not None for choice in choices)
 
 
 class StatsLog:
