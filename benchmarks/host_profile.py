@@ -53,7 +53,7 @@ from dflash_trt.runtime.serving.batcher import Request  # noqa: E402
 # (class, method) pairs ``--timed`` times: an execute's parts, a launch's and a read's.
 ROUND_FUNCTIONS = [
     (executor_module.Executor, name)
-    for name in ("_execute", "_target_work", "_plan_prefill", "_launch_prefills", "_join", "_decode", "_plan_round", "_pack", "_launch", "_read", "_read_cycle", "_read_decode")
+    for name in ("_execute", "_target_work", "_plan_prefill", "_launch_prefills", "_join", "_decode", "_plan_round", "_pack", "_launch", "_read", "_read_cycles", "_read_decodes")
 ] + [(device_loop.DeviceLoop, name) for name in ("stage", "launch", "read")] + [
     (timing.Timeline, "wait"), (stats.StatsLog, "cycle_rows"), (stats.StatsLog, "decode_rows"), (launches.Lane, "add"), (launches.Lane, "may_launch"),
 ]

@@ -148,35 +148,69 @@ def trim_context(frontier: int, draft_position: int, position: int) -> tuple[int
 
 
 class Verdicts(NamedTuple):
-    """What one launch's verdicts commit, per owner (docs/design.md §1, cycle steps 3–4), as lists."""
+    """What one launch's rounds of cycles commit (docs/design.md §1, cycle steps 3–4), as lists."""
 
-    tokens: list[list[int]]  # emitted: d_1..d_a then y_a (correction or bonus)
-    accepted: list[int]  # a
-    frontier: list[int]  # start + a + 1 (the taps of verify rows 0..a become the next context)
+    tokens: list[list[int]]  # per owner, its rounds' emitted tokens in order: each round d_1..d_a then y_a (correction or bonus)
+    accepted: list[list[int]]  # [rounds][owners] a
+    starts: list[list[int]]  # [rounds][owners] the anchor's position (round 0's: the given starts; then the last frontier)
+    frontier: list[int]  # per owner, after its last round: the taps of each round's verify rows 0..a became context
 
 
 def make_verdicts(
     proposals: np.ndarray, accepted: np.ndarray, next_token: np.ndarray, starts: Sequence[int], vocab_size: int
 ) -> Verdicts:
-    """proposals [n, P], accepted [n], next_token [n], starts [n] -> the owners' ``Verdicts``.
+    """proposals [R, n, P], accepted [R, n], next_token [R, n], starts [n] -> the owners' ``Verdicts`` over
+    the launch's R rounds (round r starts where round r - 1 ended: start + a + 1).
 
-    emitted = proposals[:a] + [next] (== choices[:a+1], since an accepted
-    proposal equals the target's choice). An out-of-range verdict is a
-    device-side fault, not a user error: ValueError (the executor poisons).
-    Lists, not arrays: this runs per launch for every owner, and each owner's
-    tokens end up a list anyway (three conversions, then one cut per owner of its own row).
+    A round's emitted = proposals[:a] + [next] (== choices[:a+1], since an accepted proposal equals the
+    target's choice). An out-of-range verdict is a device-side fault, not a user error: ValueError (the
+    executor poisons). Lists, not arrays: each owner's tokens end up a list anyway. One round: one
+    ``tolist()`` of the proposals, each owner's row cut; several: the owners' tokens of every round taken
+    at once (a mask over [n, R, P+1]), then cut per owner, so the work per owner is per launch, not per round.
     """
-    width = proposals.shape[1]
-    accepted, next_token = accepted.tolist(), next_token.tolist()
-    if accepted and (min(accepted) < 0 or max(accepted) > width or min(next_token) < 0 or max(next_token) >= vocab_size):
-        i = next(i for i, (a, t) in enumerate(zip(accepted, next_token)) if not (0 <= a <= width and 0 <= t < vocab_size))
-        msg = f"verdict of owner {i} out of range: accepted {accepted[i]} (valid [0, {width}]), token {next_token[i]} (valid [0, {vocab_size - 1}])"
+    rounds, n, width = proposals.shape
+    if n and (accepted.min() < 0 or accepted.max() > width or next_token.min() < 0 or next_token.max() >= vocab_size):
+        bad = (accepted < 0) | (accepted > width) | (next_token < 0) | (next_token >= vocab_size)
+        r, i = (int(x) for x in np.argwhere(bad)[0])
+        msg = (f"verdict of owner {i} (round {r}) out of range: accepted {int(accepted[r, i])} (valid [0, {width}]), "
+               f"token {int(next_token[r, i])} (valid [0, {vocab_size - 1}])")
         raise ValueError(msg)
-    tokens = proposals.tolist()
-    for row, a, token in zip(tokens, accepted, next_token):  # row i: d_1..d_a, then y_a
-        del row[a:]
-        row.append(token)
-    return Verdicts(tokens, accepted, [start + a + 1 for start, a in zip(starts, accepted)])
+    counts = accepted.tolist()
+    starts = [list(starts)]
+    for a in counts[:-1]:
+        starts.append([start + x + 1 for start, x in zip(starts[-1], a)])
+    frontier = [start + x + 1 for start, x in zip(starts[-1], counts[-1])]
+    if rounds == 1:  # a few dozen owners: lists cost less than array calls
+        tokens = proposals[0].tolist()
+        for row, a, token in zip(tokens, counts[0], next_token[0].tolist()):  # row i: d_1..d_a, then y_a
+            del row[a:]
+            row.append(token)
+        return Verdicts(tokens, counts, starts, frontier)
+    by_owner = accepted.T  # [n, R]
+    emitted = np.empty((n, rounds, width + 1), dtype=proposals.dtype)
+    emitted[:, :, :width] = proposals.transpose(1, 0, 2)
+    emitted[np.arange(n)[:, None], np.arange(rounds), by_owner] = next_token.T  # y_a after the a accepted proposals
+    flat = emitted[np.arange(width + 1) <= by_owner[:, :, None]].tolist()  # owner by owner, round by round
+    tokens, end = [], 0
+    for size in (by_owner + 1).sum(axis=1).tolist():
+        tokens.append(flat[end : end + size])
+        end += size
+    return Verdicts(tokens, counts, starts, frontier)
+
+
+def rounds_kept(kept: int, counts: Sequence[int]) -> tuple[int, int]:
+    """A lane that finished within a launch, keeping ``kept`` (>= 1) of its rounds' tokens, ``counts[r]`` from
+    round r: (how many rounds it kept tokens of, how many it kept of the last one).
+
+    >>> rounds_kept(5, [3, 3, 3]), rounds_kept(3, [3, 3, 3]), rounds_kept(9, [3, 3, 3])
+    ((2, 2), (1, 3), (3, 3))
+    """
+    assert 1 <= kept <= sum(counts), (kept, counts)
+    for r, count in enumerate(counts):
+        if kept <= count:
+            return r + 1, kept
+        kept -= count
+    raise AssertionError("unreachable: kept <= sum(counts)")
 
 
 def sampling_rows(samplings: Sequence[Sampling], positions: Sequence[int]) -> dict[str, np.ndarray]:

@@ -658,7 +658,7 @@ class DeviceLoop:
         count) of its context-pool row, on the device, so a drafting session decodes plainly up to B - pending
         steps with no host work and its next cycle's draft consumes them. An owner whose pending rows are
         full (B) keeps them unchanged: the executor never decodes one (a full lane drains first, and a session
-        at the context's end was drained to fit: ``Executor._assign``; ``Executor._read_decode`` asserts it);
+        at the context's end was drained to fit: ``Executor._assign``; ``Executor._read_decodes`` asserts it);
         sessions that do not draft (draft == frontier) write row 0, which nothing reads."""
         B, width = self.dims.block_size, self.context.taps.shape[-1]
         pending = start - rows.take(self.ints.device[DRAFT])  # [n]

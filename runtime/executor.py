@@ -82,7 +82,7 @@ from dflash_trt.export.sampling import GREEDY, Sampling
 from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.cycles import (
-    block_fits, chunks, cycle_modes, make_verdicts, pack_rows, plan_context, prefill_batches, sampling_rows, trim_context,
+    block_fits, chunks, cycle_modes, make_verdicts, pack_rows, rounds_kept, plan_context, prefill_batches, sampling_rows, trim_context,
 )
 from dflash_trt.runtime.device_loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_COLUMN, PROPOSALS_COLUMN, DeviceLoop, Launch, check_glue, padded
 from dflash_trt.runtime.finish import CONTEXT
@@ -1084,7 +1084,7 @@ class Executor:
         count stays full, so its steps keep those rows unchanged), so no drain cycle ever falls due again.
         Its tokens are the same (only which program computes a token changes)."""
         s = lane.session
-        s.speculate, s.draft_position = False, s.frontier  # an unread decode step's read moves both (``_read_decode``)
+        s.speculate, s.draft_position = False, s.frontier  # an unread decode step's read moves both (``_read_decodes``)
         lane.policed = False
         self._set_kind(lane, DECODE, None)
         self._plain.append(lane)
@@ -1168,14 +1168,9 @@ class Executor:
         started = time.perf_counter()
         records, device_ms = self.loop.read(launch)  # [rounds, owners, P+2]
         self.log.counters["loop_device_us"] += round(device_ms * 1000.0)
-        read, rounds = (self._read_cycle if group.kind == CYCLE else self._read_decode), len(records)
-        tokens = lanes = 0
-        accept = getattr(self.policy, "accept", None)
-        for record in records:  # each round's verdicts in turn: a lane finished in one discards the later ones'
-            yielded, live, accepted = read(group, record, device_ms / rounds)
-            tokens, lanes = tokens + yielded, lanes + live
-            if len(accepted) and accept is not None:
-                accept(group.proposals, accepted)
+        rounds = len(records)
+        read = self._read_cycles if group.kind == CYCLE else self._read_decodes
+        tokens, lanes = read(group, records, device_ms / rounds)
         self._stream(group.lanes)
         choice = next((lane.flight[0].choice for lane in group.lanes if lane.flight[0].choice is not None), None)
         if choice is not None and choice.measured:  # per round: the policy compares rounds of either kind, whatever a launch runs
@@ -1204,62 +1199,101 @@ class Executor:
         if handed and self._on_streamed is not None:
             self._on_streamed()
 
-    def _read_cycle(self, group: Group, record: np.ndarray, device_ms: float) -> tuple[int, int, list[int]]:
-        """The cycle's verdicts applied; returns the tokens it yielded (a + 1 per owner not finished before
-        it), those owners' count and their accepted counts. One pass over the owners moves the sessions,
-        hands the lanes their tokens and gathers the stats rows' columns as lists (at a launch's few dozen
-        owners, lists cost less than array operations)."""
-        P, lanes = group.proposals, group.lanes  # verified of the draft's proposals
-        starts = [lane.session.frontier for lane in lanes]
-        verdicts = make_verdicts(record[:, PROPOSALS_COLUMN : PROPOSALS_COLUMN + P], record[:, ACCEPTED_COLUMN], record[:, NEXT_COLUMN], starts, self.dims.vocab_size)
-        kept, emitted, choices, accepted, positions, pending, drained = [], [], [], [], [], [], []
-        for lane, start, frontier, tokens, a in zip(lanes, starts, verdicts.frontier, verdicts.tokens, verdicts.accepted):
-            s = lane.session
-            owed, rows = start - s.draft_position, s.drained_rows  # the context rows its draft consumed: pending, drained
-            s.draft_position, s.frontier, s.drained_rows = start, frontier, 0
+    def _read_cycles(self, group: Group, records: np.ndarray, device_ms: float) -> tuple[int, int]:
+        """The launch's rounds of cycles applied (records [R, owners, P+2]; ``device_ms`` per round); returns the
+        tokens they yielded (a + 1 per owner and round not finished before it) and those owner-rounds' count.
+
+        Each lane takes its rounds' tokens at once (``Lane.add``: room and stop tokens cut them as round by
+        round would; a lane that finishes in one discards the later ones') and its session moves to the last
+        round's positions: the work per lane is per launch. The stats and the policy's acceptance are still
+        per round, over the lanes not finished before it."""
+        P, lanes = group.proposals, group.lanes
+        sessions = [lane.session for lane in lanes]
+        verdicts = make_verdicts(records[:, :, PROPOSALS_COLUMN : PROPOSALS_COLUMN + P], records[:, :, ACCEPTED_COLUMN],
+                                 records[:, :, NEXT_COLUMN], [s.frontier for s in sessions], self.dims.vocab_size)
+        rounds, accepted = len(records), verdicts.accepted
+        owed, drained = [], []  # per lane: the context rows its first round's draft consumed: pending, drained
+        live = []  # per lane: the rounds whose verdicts it keeps (0: finished before this launch)
+        last = {}  # lane index -> the tokens it kept of its last round, for a lane that finished in this launch
+        for i, (lane, s, tokens) in enumerate(zip(lanes, sessions, verdicts.tokens)):
+            owed.append(s.frontier - s.draft_position)
+            drained.append(s.drained_rows)
+            s.draft_position, s.frontier, s.drained_rows = verdicts.starts[-1][i], verdicts.frontier[i], 0
             if lane.finish is not None:
                 # Launched before the lane's finishing cycle was read (lag): its tokens are discarded and
                 # the session rewound after the loop, so it is no cycle of the stats.
+                live.append(0)
                 continue
-            emitted.append(lane.add(tokens))
-            choices.append(lane.flight[0].choice)
-            kept.append(s)
-            accepted.append(a)
-            positions.append(start)
-            pending.append(owed)
-            drained.append(rows)
-        if not kept:
-            return 0, 0, []
-        modes = cycle_modes(positions, self.dims.block_size, self.dims.max_context, drained)
-        self.log.cycle_counters(len(kept), P, sum(pending), accepted, self.tap_row_bytes)
-        # One device unit: the draft is not timed apart inside a cycle's graph (the whole cycle is verify_ms).
-        context_rows = [owed + rows for owed, rows in zip(pending, drained)]
-        self.log.cycle_rows(kept, modes, context_rows, accepted, emitted, positions, P, 0.0, device_ms, owners=len(lanes), choices=choices)
-        return sum(accepted) + len(kept), len(kept), accepted
+            kept = lane.add(tokens)
+            if lane.finish is None:
+                live.append(rounds)
+            else:
+                until, last[i] = rounds_kept(kept, [a[i] + 1 for a in accepted])
+                live.append(until)
+        everyone = live.count(rounds) == len(live)
+        choices = [lane.flight[0].choice for lane in lanes]
+        accept = getattr(self.policy, "accept", None)
+        yielded = owner_rounds = 0
+        for r in range(rounds):
+            kept = None if everyone else [i for i, until in enumerate(live) if until > r]
 
-    def _read_decode(self, group: Group, record: np.ndarray, device_ms: float) -> tuple[int, int, list[int]]:
-        """The step's tokens applied; returns the tokens it yielded (one per lane not finished before it),
-        those lanes' count and no acceptances."""
-        lanes, tokens = group.lanes, record[:, NEXT_COLUMN]
+            def pick(values: list, kept: list[int] | None = kept) -> list:
+                return values if kept is None else [values[i] for i in kept]
+
+            counts = pick(accepted[r])
+            if not counts:
+                continue
+            pending = pick(owed if r == 0 else [a + 1 for a in accepted[r - 1]])
+            self.log.cycle_counters(len(counts), P, sum(pending), counts, self.tap_row_bytes)
+            modes = context_rows = emitted = positions = None
+            if self.log.cycle_table:  # the rows' columns, where the log keeps rows
+                rows = pick(drained) if r == 0 else [0] * len(counts)
+                positions = pick(verdicts.starts[r])
+                modes = cycle_modes(positions, self.dims.block_size, self.dims.max_context, rows)
+                context_rows = [p + d for p, d in zip(pending, rows)]
+                emitted = [last[i] if live[i] == r + 1 and i in last else a + 1 for i, a in zip(kept or range(len(lanes)), counts)]
+            # One device unit: the draft is not timed apart inside a cycle's graph (the whole cycle is verify_ms).
+            self.log.cycle_rows(pick(sessions), modes, context_rows, counts, emitted, positions, P, 0.0, device_ms, owners=len(lanes), choices=pick(choices))
+            if accept is not None:
+                accept(P, counts)
+            yielded, owner_rounds = yielded + sum(counts) + len(counts), owner_rounds + len(counts)
+        return yielded, owner_rounds
+
+    def _read_decodes(self, group: Group, records: np.ndarray, device_ms: float) -> tuple[int, int]:
+        """The launch's decode steps applied (a token per lane and round; ``device_ms`` per round); returns the
+        tokens they yielded (one per lane and round not finished before it) and those lane-rounds' count.
+        Each lane takes its rounds' tokens at once, as ``_read_cycles``' lanes do."""
+        lanes, tokens = group.lanes, records[:, :, NEXT_COLUMN]  # [rounds, lanes]
         bad = (tokens < 0) | (tokens >= self.dims.vocab_size)
         if bad.any():
-            i = int(np.argmax(bad))
-            msg = f"decoded token of session {lanes[i].session.id} out of range: {int(tokens[i])} (valid [0, {self.dims.vocab_size - 1}])"
+            r, i = (int(x) for x in np.argwhere(bad)[0])
+            msg = f"decoded token of session {lanes[i].session.id} out of range: {int(tokens[r, i])} (valid [0, {self.dims.vocab_size - 1}])"
             raise ValueError(msg)
-        live = [lane for lane in lanes if lane.finish is None]  # a finished lane's read-ahead step is discarded
-        if live:
-            self.log.decode_rows([lane.session for lane in live], device_ms, len(lanes), [lane.flight[0].choice for lane in live])
-        for lane, token in zip(lanes, tokens.tolist()):
+        rounds = len(tokens)
+        starts, live = [], []  # per lane: its frontier before the launch; the rounds it keeps (one token each)
+        for lane, new in zip(lanes, tokens.T.tolist()):
             s = lane.session
+            starts.append(s.frontier)
             if s.speculate:
-                # The program wrote the tap at row frontier - draft of the context pool: one more pending row.
-                assert s.frontier - s.draft_position < self.dims.block_size, (s.id, s.frontier, s.draft_position)
-                s.frontier += 1
+                # Each step wrote its tap at row frontier - draft of the context pool: one more pending row each.
+                assert s.frontier + rounds - 1 - s.draft_position < self.dims.block_size, (s.id, s.frontier, s.draft_position, rounds)
+                s.frontier += rounds
             else:
-                s.frontier += 1
+                s.frontier += rounds
                 s.draft_position = s.frontier  # no drafting: no pending context
-            lane.add([token])
-        return len(live), len(live), []
+            live.append(0 if lane.finish is not None else lane.add(new))  # a finished lane's read-ahead steps are discarded
+        everyone = live.count(rounds) == len(live)
+        sessions, choices = [lane.session for lane in lanes], [lane.flight[0].choice for lane in lanes]
+        for r in range(rounds):
+            kept = range(len(lanes)) if everyone else [i for i, until in enumerate(live) if until > r]
+            if not kept:
+                continue
+            positions = [starts[i] + r for i in kept] if self.log.cycle_table else None  # the rows' column, where the log keeps rows
+            if everyone:
+                self.log.decode_rows(sessions, device_ms, len(lanes), choices, positions)
+            else:
+                self.log.decode_rows([sessions[i] for i in kept], device_ms, len(lanes), [choices[i] for i in kept], positions)
+        return sum(live), sum(live)
 
     def _sampling_feeds(self, samplings: list[Sampling], positions: list[int]) -> dict[str, torch.Tensor]:
         """``cycles.sampling_rows`` as device tensors (small H2D copies on CUDA)."""

@@ -411,17 +411,22 @@ class StatsLog:
             policy_ratio=[math.nan] * count,
         )
 
-    def decode_rows(self, sessions: list[Session], device_ms: float, owners: int | None = None, choices: Sequence | None = None) -> None:
+    def decode_rows(
+        self, sessions: list[Session], device_ms: float, owners: int | None = None, choices: Sequence | None = None,
+        positions: Sequence[int] | None = None,
+    ) -> None:
         """One plain decode step (``target_decode_n``) of ``sessions``: a token each, at its frontier + 1.
 
         ``owners``: the launch's owners (default: the sessions), finished ones whose token is discarded included;
-        ``choices``: per session the policy's ``Choice`` (None: fixed)."""
+        ``choices``: per session the policy's ``Choice`` (None: fixed); ``positions``: each step's frontier
+        (default: the sessions' frontiers now)."""
         self.counters["target_decode_steps"] += len(sessions)
         if not self.cycle_table:
             self.counters["policy_decodes"] += _chosen(choices)
             return
         policy = self._choices(choices, len(sessions), "policy_decodes")[:2]
-        self._target_tokens(sessions, [s.frontier for s in sessions], device_ms, owners, policy)
+        positions = [s.frontier for s in sessions] if positions is None else list(positions)
+        self._target_tokens(sessions, positions, device_ms, owners, policy)
 
     def _target_tokens(
         self, sessions: list[Session], positions: list[int], target_ms: float, owners: int | None = None, policy: tuple[list, list] | None = None

@@ -425,6 +425,42 @@ def test_lanes_near_their_end_share_the_others_launch_of_several_rounds(tiny):
     assert len(launched["torch-fast-rounds"]) < len(launched["torch-fast"])
 
 
+def test_several_rounds_per_launch_keep_one_rounds_stats(tiny, oracle):
+    """Guards against the launch-wide read of several rounds (each lane's tokens of every round taken at
+    once) miscounting a lane that finishes inside a launch: a cycle row or an acceptance for a round after
+    its last kept token, its last round's emitted count not cut to the tokens it kept, or a row at another
+    position. Lanes with budgets and stop tokens that end them mid-launch, drafting and plain sessions:
+    the cycles table's rows per session and the per-owner counters equal one round per launch's."""
+    budgets = [9, 2, 7, 13, 5]
+    rows, counters = {}, {}
+    per_owner = ["cycles", "proposed", "accepted", "bonuses", "rejected", "target_decode_steps", "policy_cycles"]
+    for backend in ("torch-fast", "torch-fast-rounds"):
+        executor, recording = new_executor(tiny, len(budgets), backend)
+        sessions = [executor.open_session(speculate=i != 3) for i in range(len(budgets))]
+        inputs = []
+        for i, (s, budget) in enumerate(zip(sessions, budgets)):
+            text = prompt(6 + 3 * i, 20 + i)
+            if i % 2 == 0:  # an oracle draft: cycles accept many, so a lane's end cuts a cycle's tokens
+                recording.truth[executor.session(s).row] = text + oracle.continuation(text)
+            stop = oracle.continuation(text)[4:5] if i == 0 else []  # session 0 stops at its fifth token, inside a launch
+            inputs.append(Input(s, text, max_new_tokens=budget, stop=stop))
+        for _ in range(3):  # the first call, then two continuing ones
+            outputs = executor.execute_outputs(inputs)
+            inputs = [Input(s, [o.tokens[-1]], max_new_tokens=b) for s, o, b in zip(sessions, outputs, budgets) if o.tokens]
+        # Not context_rows: a discarded round's draft consumed pending rows, so the rows the next cycle's draft
+        # takes depend on how far the launches ran past a lane's end (its output does not).
+        table = executor.cycle_stats().select("session", "position", "mode", "proposed", "accepted", "bonus", "emitted")
+        rows[backend] = table.sort("session", "position").rows()
+        executes = executor.execute_stats()
+        counters[backend] = {name: int(executes[name].sum()) for name in per_owner}
+        several = executes["loop_rounds"].sum() > executes["loop_launches"].sum()
+        assert several == (backend == "torch-fast-rounds")
+        executor.close()
+    assert rows["torch-fast"] == rows["torch-fast-rounds"]
+    assert counters["torch-fast"] == counters["torch-fast-rounds"]
+    assert any(row[-1] < row[4] + 1 for row in rows["torch-fast"] if row[2] != "target")  # a cycle cut by its lane's end
+
+
 def snapshot(executor: Executor) -> list:
     return [executor.session(s) for s in executor.sessions()]
 
