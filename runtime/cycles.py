@@ -176,16 +176,16 @@ def make_verdicts(
                f"token {int(next_token[r, i])} (valid [0, {vocab_size - 1}])")
         raise ValueError(msg)
     counts = accepted.tolist()
-    starts = [list(starts)]
+    at = [list(starts)]  # each round's starts
     for a in counts[:-1]:
-        starts.append([start + x + 1 for start, x in zip(starts[-1], a)])
-    frontier = [start + x + 1 for start, x in zip(starts[-1], counts[-1])]
+        at.append([start + x + 1 for start, x in zip(at[-1], a)])
+    frontier = [start + x + 1 for start, x in zip(at[-1], counts[-1])]
     if rounds == 1:  # a few dozen owners: lists cost less than array calls
         tokens = proposals[0].tolist()
         for row, a, token in zip(tokens, counts[0], next_token[0].tolist()):  # row i: d_1..d_a, then y_a
             del row[a:]
             row.append(token)
-        return Verdicts(tokens, counts, starts, frontier)
+        return Verdicts(tokens, counts, at, frontier)
     by_owner = accepted.T  # [n, R]
     emitted = np.empty((n, rounds, width + 1), dtype=proposals.dtype)
     emitted[:, :, :width] = proposals.transpose(1, 0, 2)
@@ -195,7 +195,7 @@ def make_verdicts(
     for size in (by_owner + 1).sum(axis=1).tolist():
         tokens.append(flat[end : end + size])
         end += size
-    return Verdicts(tokens, counts, starts, frontier)
+    return Verdicts(tokens, counts, at, frontier)
 
 
 def rounds_kept(kept: int, counts: Sequence[int]) -> tuple[int, int]:
