@@ -115,6 +115,11 @@ def _pending(lane: Lane) -> tuple[int, bool]:
     return pending, cycled
 
 
+def _pick(values: list, members: list[int] | None) -> list:
+    """``values`` (one per lane of a launch) of the lanes ``members``; None: every lane's, as they are."""
+    return values if members is None else [values[i] for i in members]
+
+
 def _runs(lane: Lane, kind: str, choice: Choice, proposals: int, shape: LoopShape) -> bool:
     """Set the lane's next launch (``Executor._set_kind``'s fields, made once per round) and say whether it may launch."""
     lane.kind, lane.choice, lane.proposals, lane.shape = kind, choice, proposals, shape
@@ -1235,25 +1240,23 @@ class Executor:
         accept = getattr(self.policy, "accept", None)
         yielded = owner_rounds = 0
         for r in range(rounds):
-            kept = None if everyone else [i for i, until in enumerate(live) if until > r]
-
-            def pick(values: list, kept: list[int] | None = kept) -> list:
-                return values if kept is None else [values[i] for i in kept]
-
-            counts = pick(accepted[r])
+            members = None if everyone else [i for i, until in enumerate(live) if until > r]  # None: every lane
+            counts = _pick(accepted[r], members)
             if not counts:
                 continue
-            pending = pick(owed if r == 0 else [a + 1 for a in accepted[r - 1]])
+            pending = _pick(owed if r == 0 else [a + 1 for a in accepted[r - 1]], members)
             self.log.cycle_counters(len(counts), P, sum(pending), counts, self.tap_row_bytes)
             modes = context_rows = emitted = positions = None
             if self.log.cycle_table:  # the rows' columns, where the log keeps rows
-                rows = pick(drained) if r == 0 else [0] * len(counts)
-                positions = pick(verdicts.starts[r])
+                rows = _pick(drained, members) if r == 0 else [0] * len(counts)
+                positions = _pick(verdicts.starts[r], members)
                 modes = cycle_modes(positions, self.dims.block_size, self.dims.max_context, rows)
                 context_rows = [p + d for p, d in zip(pending, rows)]
-                emitted = [last[i] if live[i] == r + 1 and i in last else a + 1 for i, a in zip(kept or range(len(lanes)), counts)]
+                indices = range(len(lanes)) if members is None else members
+                emitted = [last[i] if i in last and live[i] == r + 1 else a + 1 for i, a in zip(indices, counts)]
             # One device unit: the draft is not timed apart inside a cycle's graph (the whole cycle is verify_ms).
-            self.log.cycle_rows(pick(sessions), modes, context_rows, counts, emitted, positions, P, 0.0, device_ms, owners=len(lanes), choices=pick(choices))
+            self.log.cycle_rows(_pick(sessions, members), modes, context_rows, counts, emitted, positions, P, 0.0, device_ms,
+                                owners=len(lanes), choices=_pick(choices, members))
             if accept is not None:
                 accept(P, counts)
             yielded, owner_rounds = yielded + sum(counts) + len(counts), owner_rounds + len(counts)
