@@ -1288,14 +1288,12 @@ class Executor:
         everyone = live.count(rounds) == len(live)
         sessions, choices = [lane.session for lane in lanes], [lane.flight[0].choice for lane in lanes]
         for r in range(rounds):
-            kept = range(len(lanes)) if everyone else [i for i, until in enumerate(live) if until > r]
-            if not kept:
+            members = None if everyone else [i for i, until in enumerate(live) if until > r]  # None: every lane
+            stepped = _pick(sessions, members)
+            if not stepped:
                 continue
-            positions = [starts[i] + r for i in kept] if self.log.cycle_table else None  # the rows' column, where the log keeps rows
-            if everyone:
-                self.log.decode_rows(sessions, device_ms, len(lanes), choices, positions)
-            else:
-                self.log.decode_rows([sessions[i] for i in kept], device_ms, len(lanes), [choices[i] for i in kept], positions)
+            positions = [start + r for start in _pick(starts, members)] if self.log.cycle_table else None  # the rows' column, where the log keeps rows
+            self.log.decode_rows(stepped, device_ms, len(lanes), _pick(choices, members), positions)
         return sum(live), sum(live)
 
     def _sampling_feeds(self, samplings: list[Sampling], positions: list[int]) -> dict[str, torch.Tensor]:
