@@ -236,27 +236,6 @@ def sampling_row(s: Sampling) -> tuple[int, tuple[int, int, int], float, float]:
     return int(s.top_k), seed_parts(s.seed), float(s.temperature), float(s.top_p)
 
 
-def pick_row(rows: int, used: set[int]) -> int:
-    """The free row of ``0 .. rows-1`` (those not in ``used``) that best keeps sessions packable: most used
-    neighbours, then lowest.
-
-    A row between two used rows joins two runs into one; next to one used row
-    it extends a run; with no row used, row 0. Set operations over the used rows, not a pass over every
-    row (a serving loop opens a session per request).
-
-    >>> pick_row(9, {0, 1, 2, 4, 5, 6}), pick_row(13, {10, 11}), pick_row(4, set())
-    (3, 9, 0)
-    """
-    assert len(used) < rows, "no free row"
-    if not used:
-        return 0
-    above, below = {row + 1 for row in used}, {row - 1 for row in used}  # rows with a used neighbour below / above
-    both = (above & below) - used
-    if both:
-        return min(both)
-    return min(row for row in (above | below) - used if 0 <= row < rows)
-
-
 def prefill_batches(
     lengths: Sequence[int], budget: int, quantum: int, cost: Callable[[int, int], int] | None = None, most: int | None = None
 ) -> list[tuple[tuple[int, ...], int]]:

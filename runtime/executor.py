@@ -82,7 +82,7 @@ from dflash_trt.export.sampling import GREEDY, Sampling
 from dflash_trt.export.torch_dtypes import TORCH_DTYPES
 from dflash_trt.runtime.backends.base import Backend
 from dflash_trt.runtime.cycles import (
-    block_fits, chunks, cycle_modes, make_verdicts, pack_rows, rounds_kept, plan_context, prefill_batches, sampling_rows, trim_context,
+    block_fits, chunks, cycle_modes, make_verdicts, pack_rows, plan_context, prefill_batches, rounds_kept, sampling_rows, trim_context,
 )
 from dflash_trt.runtime.device_loop import ACCEPTED_COLUMN, CYCLE, DECODE, NEXT_COLUMN, PROPOSALS_COLUMN, DeviceLoop, Launch, check_glue, padded
 from dflash_trt.runtime.finish import CONTEXT

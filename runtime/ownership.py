@@ -33,8 +33,9 @@ from dflash_trt.errors import BusyError, SessionError
 class RowAllocator:
     """Free list over ``rows`` pool rows; hands out rows that keep sessions in consecutive runs.
 
-    The choice is ``cycles.pick_row``'s (most used neighbours, then lowest), kept incrementally: the free
-    rows beside a used one, by how many used neighbours each has, are updated at each take and give (two
+    A take picks the free row with most used neighbours, then the lowest (a row between two used rows joins
+    two runs into one; beside one it extends a run; with none used, row 0). Kept incrementally: the free rows
+    beside a used one, by how many used neighbours each has, are updated at each take and give (two
     neighbours each), so a take looks at those rows only, not at every used row (a serving loop opens a
     session per request).
     """

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_trt.export import contract as c
 from dflash_trt.errors import SessionError
+from dflash_trt.export import contract as c
 from dflash_trt.export.sampling import Sampling
 from dflash_trt.runtime.cycles import (
     DYNAMIC,
@@ -21,15 +21,15 @@ from dflash_trt.runtime.cycles import (
     cycle_mode,
     cycle_modes,
     make_verdicts,
-    rounds_kept,
     pack_rows,
-    pick_row,
     plan_context,
     prefill_batches,
+    rounds_kept,
     static_context,
     sampling_rows,
     trim_context,
 )
+from dflash_trt.runtime.ownership import RowAllocator
 
 
 def test_pack_rows_splits_at_gaps_and_max_owners():
@@ -174,41 +174,50 @@ def test_sampling_rows_split_the_seed_and_keep_the_positions():
     assert sampling_rows([], [])[c.SEED].shape == (0, c.SEED_PARTS)
 
 
-def test_pick_row_keeps_runs_consecutive():
+def rule(rows: int, used: set[int]) -> int:
+    """The row the allocator must pick, by brute force: the free row with most used neighbours, then lowest."""
+    free = [row for row in range(rows) if row not in used]
+    return min(free, key=lambda row: (-((row - 1 in used) + (row + 1 in used)), row))
+
+
+def holding(rows: int, used: set[int]) -> RowAllocator:
+    """An allocator of ``rows`` rows with exactly ``used`` in use (every row taken, the others given back)."""
+    allocator = RowAllocator(rows)
+    for _ in range(rows):
+        allocator.take()
+    for row in set(range(rows)) - used:
+        allocator.give(row)
+    return allocator
+
+
+def test_the_row_allocator_keeps_runs_consecutive():
     """Guards against fragmenting the pool (scattered rows force one graph call per owner), and against the
-    set-based choice (no pass over every row) choosing another row than the rule's brute force: most used
+    incremental choice (no pass over every row) choosing another row than the rule's brute force: most used
     neighbours, then lowest, over every used set of 7 rows and random ones of 129."""
-    assert pick_row(4, set()) == 0
-    assert pick_row(8, {0, 1, 2, 5, 6}) == 3  # each extends a run: lowest
-    assert pick_row(9, {0, 1, 2, 4, 5, 6}) == 3  # fills a one-row gap: two runs become one
-    assert pick_row(13, {10, 11}) == 9  # extends a run, lowest first
-    assert pick_row(31, {0}) == 1 and pick_row(31, {30}) == 29
-
-    def brute(rows: int, used: set[int]) -> int:
-        free = [row for row in range(rows) if row not in used]
-        return min(free, key=lambda row: (-((row - 1 in used) + (row + 1 in used)), row))
-
+    assert holding(4, set()).take() == 0
+    assert holding(8, {0, 1, 2, 5, 6}).take() == 3  # each extends a run: lowest
+    assert holding(9, {0, 1, 2, 4, 5, 6}).take() == 3  # fills a one-row gap: two runs become one
+    assert holding(13, {10, 11}).take() == 9  # extends a run, lowest first
+    assert holding(31, {0}).take() == 1 and holding(31, {30}).take() == 29
     for mask in range(2**7 - 1):  # every used set of 7 rows but the full one
         used = {row for row in range(7) if mask >> row & 1}
-        assert pick_row(7, used) == brute(7, used), used
+        assert holding(7, used).take() == rule(7, used), used
     generator = np.random.default_rng(0)
     for _ in range(300):
         used = set(generator.choice(129, size=int(generator.integers(1, 129)), replace=False).tolist())
-        assert pick_row(129, used) == brute(129, used), sorted(used)
+        assert holding(129, used).take() == rule(129, used), sorted(used)
 
 
-def test_the_row_allocator_picks_the_rows_pick_row_would():
+def test_the_row_allocator_picks_the_rule_s_row_through_takes_and_gives():
     """Guards against the allocator's incremental bookkeeping (free rows by used neighbours, updated per take
-    and give) drifting from the rule it keeps: every take must be ``pick_row``'s choice over the rows in use,
+    and give) drifting from the rule it keeps: every take must be the rule's choice over the rows in use,
     through random takes, gives, repeated gives and whole-set returns, pools of 1 to 40 rows."""
-    from dflash_trt.runtime.ownership import RowAllocator
-
     generator = np.random.default_rng(1)
     for rows in (1, 2, 3, 7, 40):
         allocator = RowAllocator(rows)
         for _ in range(400):
             if len(allocator.used) < rows and generator.random() < 0.55:
-                expected = pick_row(rows, set(allocator.used))
+                expected = rule(rows, set(allocator.used))
                 assert allocator.take() == expected, (rows, sorted(allocator.used))
             elif allocator.used and generator.random() < 0.95:
                 row = int(generator.choice(sorted(allocator.used)))
@@ -218,8 +227,8 @@ def test_the_row_allocator_picks_the_rows_pick_row_would():
                 held = set(generator.choice(sorted(allocator.used), size=int(generator.integers(1, len(allocator.used) + 1)), replace=False).tolist())
                 allocator.give_all(held)
                 assert not held
-        while len(allocator.used) < rows:  # filled to the last row, each still pick_row's choice
-            expected = pick_row(rows, set(allocator.used))
+        while len(allocator.used) < rows:  # filled to the last row, each still the rule's choice
+            expected = rule(rows, set(allocator.used))
             assert allocator.take() == expected
         with pytest.raises(SessionError, match=f"every cache row of the backend is in use \\({rows} rows\\)"):
             allocator.take()
