@@ -1,7 +1,7 @@
 """The serving process's pipe side on the CPU: what its main and sender threads take from the serving thread.
 
     python benchmarks/pipe_cost.py [--clients 64] [--fronts 4] [--seconds 5] [--modes on off] [--tau 2.8]
-        [--max-new-tokens 64] [--device-us 390 230 7.5] [--record]
+        [--max-new-tokens 64] [--launch-rounds 1] [--device-us 390 230 7.5] [--record]
 
 ``dflash-trt serve`` runs the executor in a serving process whose main thread reads the fronts' pipes (submits,
 cancels) and whose sender threads (one per front) pickle and send the deliveries. They share the serving thread's
@@ -103,7 +103,8 @@ def measure(mode: str, args, context) -> dict:
     fronts = [context.Process(target=front, args=(pipe[1], share, args.max_new_tokens, prompts, window, results), daemon=True)
               for pipe, share in zip(pipes, shares)]
     try:
-        executor = Executor(backend, max_sessions=sessions, stats_rows=None, speculate=mode == "on", policy=args.policy)
+        executor = Executor(backend, max_sessions=sessions, stats_rows=None, speculate=mode == "on", policy=args.policy,
+                            launch_rounds=args.launch_rounds)
         process = ServingProcess([pipe[0] for pipe in pipes])
         serving = ServingLoop(executor, max_running=sessions, stop_ids=(), handles=process.handle, flush=process.flush)
         ready = wire.Ready(executor.speculate, sessions, dims.max_context, dims.vocab_size, None, 0)
@@ -137,7 +138,7 @@ def measure(mode: str, args, context) -> dict:
     serving_cpu = cpu["serving"] - stand_in  # the stand-in device's own CPU is no host work
     cpu["pipes"] = cpu["main"] + cpu["senders"]
     return {
-        "mode": mode, "clients": args.clients, "fronts": args.fronts, "max_sessions": sessions, "tau_asked": args.tau, "device_us": args.device_us,
+        "mode": mode, "clients": args.clients, "fronts": args.fronts, "max_sessions": sessions, "tau_asked": args.tau, "launch_rounds": args.launch_rounds, "device_us": args.device_us,
         "tok_s": round(tokens / args.seconds), "requests_per_s": round(requests / args.seconds, 1),
         "serving_cpu_pct": round(100 * serving_cpu / args.seconds, 1), "pipes_cpu_pct": round(100 * cpu["pipes"] / args.seconds, 1),
         "process_cpu_pct": round(100 * (process_cpu - stand_in) / args.seconds, 1),
@@ -158,6 +159,7 @@ def main() -> int:
     parser.add_argument("--tau", type=float, default=2.8, help="the stand-in's mean tokens per cycle (> 1)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--policy", default="adaptive")
+    parser.add_argument("--launch-rounds", type=int, default=1, help="the executor's rounds per launch (default 1; serve's on CUDA: 4)")
     parser.add_argument("--device-us", type=float, nargs=3, metavar=("CYCLE", "DECODE", "OWNER"),
                         help="a stand-in device queue (host_cost's): µs per cycle and per decode step, plus per padded owner")
     parser.add_argument("--record", action="store_true", help="append the rows to benchmarks/results.jsonl")
