@@ -41,14 +41,18 @@ in the row) and the client goes on; after a server with failures stops, its log 
 or error is printed.
 ``--repeats R`` runs every mode's windows R times, the modes interleaved, and ends with each drafting
 mode's median tokens/s against ``off``'s and the spread of the per-repeat ratios (one window pair of a
-build has differed from the next by up to a third on the H200). ``--client-cores N`` pins the client
+build has differed from the next by up to a third on the H200). Each repeat starts its servers afresh;
+``--keep-servers`` starts every mode's server once instead and, per client count, alternates their windows R
+times (on, off, on, off, ...), the servers kept running: a slow stretch of the host falls on both modes' windows
+alike, and no mode's server starts after the other's has served load (in two leases a DFlash server started after a
+plain one ran slow at 64 streams). ``--client-cores N`` pins the client
 processes to N whole physical cores and the server to the others (Linux): with the clients on the same
 host, a client thread on the serving thread's core (or its hyperthread) measures their contention.
 
     python benchmarks/serve_load.py [--clients 8 [1 ...]] [--seconds 30] [--max-tokens 64] [--modes on off]
         [--artifacts DIR] [--backend onnxruntime|torch|tensorrt] [--device cuda] [--serve-args "--max-cycles 4"]
         [--policy adaptive|always|adaptive-stop] [--modes on always off]
-        [--threads N] [--client-procs P] [--warmup-seconds S] [--server-logs DIR] [--fronts process single] [--profile-serving [thread|gil]] [--repeats R] [--client-cores N] [--record]
+        [--threads N] [--client-procs P] [--warmup-seconds S] [--server-logs DIR] [--fronts process single] [--profile-serving [thread|gil]] [--repeats R [--keep-servers]] [--client-cores N] [--record]
 
 ``--record`` appends one row per mode and client count to
 benchmarks/results.jsonl. The last line printed is one JSON object with
@@ -440,6 +444,9 @@ def main() -> int:
                         help="run every mode's windows this many times, the modes interleaved (on, off, on, off, ...; each "
                              "repeat restarts the servers): windows of one build differ by up to a third, so a ratio from one "
                              "window pair decides little; the summary gives the medians and the spread of each repeat's ratio")
+    parser.add_argument("--keep-servers", action="store_true",
+                        help="start every mode's server once and alternate the modes' windows per client count --repeats times "
+                             "(servers kept running between windows) instead of restarting the servers for each repeat")
     parser.add_argument("--client-cores", type=int,
                         help="pin the client processes to this many whole physical cores (Linux) and the server to the others: "
                              "on one host, a client on the serving thread's core measures their contention, not the server")
@@ -451,34 +458,26 @@ def main() -> int:
     results = {}
     print("| front | mode | clients | requests/s | output tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 / p99 ms | server TTFT / ITL p99 ms | τ | policy cycles / decodes | device busy % | CPU % front / serving / client | serving thread run / wait % |\n"
           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
-    for repeat, front, mode in ((r, front, mode) for r in range(1, args.repeats + 1) for front in args.fronts for mode in args.modes):
-        process, base, log = start_server(args, [*FRONTS[front], *MODES[mode]])
-        failed = 0  # requests of this server that failed
+    if args.keep_servers:
+        servers: dict[tuple[str, str], Server] = {}
         try:
+            for front, mode in ((front, mode) for front in args.fronts for mode in args.modes):
+                servers[front, mode] = Server(*start_server(args, [*FRONTS[front], *MODES[mode]]))
             for clients in args.clients:
-                figures = load(base, args, prompts, clients, server_roles(process.pid, log), args.server_logs if args.profile_serving else None)
-                key = f"{front}_{mode}_{clients}" + (f"_r{repeat}" if args.repeats > 1 else "")
-                results[key] = {"front": front, "mode": mode, "clients": clients, "repeat": repeat, **figures}
-                print(f"| {front} | {mode} | {clients} | {figures['requests_per_s']} | {figures['output_tokens_per_s']} | {figures['ttft_p50_ms']} / {figures['ttft_p99_ms']} "
-                      f"| {figures['itl_p50_ms']} / {figures['itl_p99_ms']} | {figures['tpot_p50_ms']} / {figures['tpot_p99_ms']} "
-                      f"| {figures['server_ttft_p99_ms']} / {figures['server_itl_p99_ms']} | {figures['tau']} "
-                      f"| {figures['policy_cycles']} / {figures['policy_decodes']} | {figures['device_busy_pct']} "
-                      f"| {figures['front_cpu_pct']} / {figures['serving_cpu_pct']} / {figures['client_cpu_pct']} "
-                      f"| {figures['serving_thread_run_pct']} / {figures['serving_thread_wait_pct']} |", flush=True)
-                failed += figures["errors"]
-                if figures["errors"]:
-                    print(f"  {figures['errors']} failed requests at {clients} clients, e.g. {figures['error_examples'][0]}", flush=True)
-                if "serving_profile" in figures:
-                    print(f"\n{front} {mode} {clients} clients: " + thread_profile.table(figures["serving_profile"]) + "\n", flush=True)
+                for repeat in range(1, args.repeats + 1):
+                    for (front, mode), server in servers.items():
+                        window(args, prompts, results, server, front, mode, clients, repeat)
         finally:
-            process.send_signal(signal.SIGINT)
-            process.wait(60)
-        lines = log.read_text().splitlines()
-        print(next((line for line in lines if " serving " in line), "no serving line in the log"), flush=True)
-        if failed:
-            first = next((i for i, line in enumerate(lines) if line.startswith(("WARNING", "ERROR"))), len(lines))
-            shown = "\n".join(lines[first : first + 80]) or "(none)"
-            print(f"the server's log from its first warning or error:\n{shown}", flush=True)
+            for server in servers.values():
+                server.stop()
+    else:
+        for repeat, front, mode in ((r, front, mode) for r in range(1, args.repeats + 1) for front in args.fronts for mode in args.modes):
+            server = Server(*start_server(args, [*FRONTS[front], *MODES[mode]]))
+            try:
+                for clients in args.clients:
+                    window(args, prompts, results, server, front, mode, clients, repeat)
+            finally:
+                server.stop()
     ratios = ratio_rows(list(results.values()))
     if ratios:
         print("\n| front | mode | clients | windows | median tok/s | off median tok/s | median / off median | per-repeat ratio min – max |\n"
@@ -489,13 +488,50 @@ def main() -> int:
     summary = {"name": "serve_load", "date": time.strftime("%Y-%m-%d"), "machine": machine(),
                "command": " ".join(["python", "benchmarks/serve_load.py", *sys.argv[1:]]), "seconds": args.seconds, "warmup_seconds": args.warmup_seconds,
                "max_tokens": args.max_tokens, "temperature": args.temperature, "max_sessions": args.max_sessions, "backend": args.backend, "device": args.device,
-               "policy": args.policy, "repeats": args.repeats, "client_cores": args.client_cores,
+               "policy": args.policy, "repeats": args.repeats, "keep_servers": args.keep_servers, "client_cores": args.client_cores,
                "client_cpus": sorted(args.client_cpus) if args.client_cpus else None, "runs": results, "ratios": ratios}
     if args.record:
         record.append_rows({**{k: v for k, v in summary.items() if k != "runs"}, "name": f"serve_load_{figures['mode']}", **figures}
                            for figures in results.values())
     print(json.dumps(summary))
     return 0
+
+
+class Server:
+    """One running ``dflash-trt serve`` of the benchmark: its process, base URL and log, and its failed requests."""
+
+    def __init__(self, process: subprocess.Popen, base: str, log: Path) -> None:
+        self.process, self.base, self.log = process, base, log
+        self.failed = 0
+
+    def stop(self) -> None:
+        """SIGINT, wait, then its log's serving line (and, after failed requests, its log from the first warning)."""
+        self.process.send_signal(signal.SIGINT)
+        self.process.wait(60)
+        lines = self.log.read_text().splitlines()
+        print(next((line for line in lines if " serving " in line), "no serving line in the log"), flush=True)
+        if self.failed:
+            first = next((i for i, line in enumerate(lines) if line.startswith(("WARNING", "ERROR"))), len(lines))
+            shown = "\n".join(lines[first : first + 80]) or "(none)"
+            print(f"the server's log from its first warning or error:\n{shown}", flush=True)
+
+
+def window(args, prompts: list[str], results: dict, server: Server, front: str, mode: str, clients: int, repeat: int) -> None:
+    """One measured window of ``clients`` on ``server``: its table row printed, its figures into ``results``."""
+    figures = load(server.base, args, prompts, clients, server_roles(server.process.pid, server.log), args.server_logs if args.profile_serving else None)
+    key = f"{front}_{mode}_{clients}" + (f"_r{repeat}" if args.repeats > 1 else "")
+    results[key] = {"front": front, "mode": mode, "clients": clients, "repeat": repeat, **figures}
+    print(f"| {front} | {mode} | {clients} | {figures['requests_per_s']} | {figures['output_tokens_per_s']} | {figures['ttft_p50_ms']} / {figures['ttft_p99_ms']} "
+          f"| {figures['itl_p50_ms']} / {figures['itl_p99_ms']} | {figures['tpot_p50_ms']} / {figures['tpot_p99_ms']} "
+          f"| {figures['server_ttft_p99_ms']} / {figures['server_itl_p99_ms']} | {figures['tau']} "
+          f"| {figures['policy_cycles']} / {figures['policy_decodes']} | {figures['device_busy_pct']} "
+          f"| {figures['front_cpu_pct']} / {figures['serving_cpu_pct']} / {figures['client_cpu_pct']} "
+          f"| {figures['serving_thread_run_pct']} / {figures['serving_thread_wait_pct']} |", flush=True)
+    server.failed += figures["errors"]
+    if figures["errors"]:
+        print(f"  {figures['errors']} failed requests at {clients} clients, e.g. {figures['error_examples'][0]}", flush=True)
+    if "serving_profile" in figures:
+        print(f"\n{front} {mode} {clients} clients: " + thread_profile.table(figures["serving_profile"]) + "\n", flush=True)
 
 
 def ratio_rows(runs: list[dict]) -> list[dict]:
