@@ -120,6 +120,14 @@ def _pick(values: list, members: list[int] | None) -> list:
     return values if members is None else [values[i] for i in members]
 
 
+def _round_members(live: list[int], rounds: int) -> Iterator[tuple[int, list[int] | None]]:
+    """Each round ``r`` of a launch read at once, with the lanes that keep its verdict (``live[i]``: how many of
+    the rounds lane i keeps, from the first): their indices, or None where every lane keeps every round."""
+    everyone = live.count(rounds) == len(live)
+    for r in range(rounds):
+        yield r, None if everyone else [i for i, until in enumerate(live) if until > r]
+
+
 def _runs(lane: Lane, kind: str, choice: Choice, proposals: int, shape: LoopShape) -> bool:
     """Set the lane's next launch (``Executor._set_kind``'s fields, made once per round) and say whether it may launch."""
     lane.kind, lane.choice, lane.proposals, lane.shape = kind, choice, proposals, shape
@@ -1235,12 +1243,10 @@ class Executor:
             else:
                 until, last[i] = rounds_kept(kept, [a[i] + 1 for a in accepted])
                 live.append(until)
-        everyone = live.count(rounds) == len(live)
         choices = [lane.flight[0].choice for lane in lanes]
         accept = getattr(self.policy, "accept", None)
         yielded = owner_rounds = 0
-        for r in range(rounds):
-            members = None if everyone else [i for i, until in enumerate(live) if until > r]  # None: every lane
+        for r, members in _round_members(live, rounds):
             counts = _pick(accepted[r], members)
             if not counts:
                 continue
@@ -1285,10 +1291,8 @@ class Executor:
                 s.frontier += rounds
                 s.draft_position = s.frontier  # no drafting: no pending context
             live.append(0 if lane.finish is not None else lane.add(new))  # a finished lane's read-ahead steps are discarded
-        everyone = live.count(rounds) == len(live)
         sessions, choices = [lane.session for lane in lanes], [lane.flight[0].choice for lane in lanes]
-        for r in range(rounds):
-            members = None if everyone else [i for i, until in enumerate(live) if until > r]  # None: every lane
+        for r, members in _round_members(live, rounds):
             stepped = _pick(sessions, members)
             if not stepped:
                 continue
