@@ -219,7 +219,9 @@ def auto_fronts(args: argparse.Namespace, cores: int | None = None) -> int:
     ``usable_cores()``), between 1 and ``MAX_AUTO_FRONTS``; 1 where no serving process of its own is shared
     (``--no-front-process``, ``--replicas``). One front's CPU was the limit at 64 streams: four raised the
     server's throughput ~1.5× over one on the H200, the busiest of the four still at up to 108% of a core
-    (benchmarks/RESULTS.md); a 2-core machine keeps one."""
+    (benchmarks/RESULTS.md); a 2-core machine keeps one. More than this rule gives did not pay: on 12 cores of
+    an H100 host six or eight fronts against three raised neither mode at 64 streams (the serving process
+    at one core is the limit there: RESULTS.md, "More fronts at 64 streams")."""
     if not getattr(args, "front_process", True) or getattr(args, "replicas", 1) > 1:
         return 1
     if cores is None:
