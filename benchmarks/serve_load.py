@@ -312,13 +312,13 @@ def children(pid: int) -> list[int]:
 def cpu_shares(pids: dict[str, list[int]], before: dict[int, float | None], seconds: float) -> dict[str, float | None]:
     """Per role, the busiest process's CPU over the window in % of one core (100: a process that never
     waited), all the role's processes together (``_total``) and, where it has several, each one's, busiest
-    first (``_each``: how evenly the kernel spread the connections over the fronts)."""
+    first (``_each``: for the fronts, how evenly the work of the connections the kernel handed each one spread)."""
     shares = {}
     for role, members in pids.items():
         used = [(cpu_seconds(p) or 0.0) - before[p] for p in members if before.get(p) is not None]
         shares[f"{role}_cpu_pct"] = round(100.0 * max(used) / seconds, 1) if used else None
         shares[f"{role}_cpu_total_pct"] = round(100.0 * sum(used) / seconds, 1) if used else None
-        if len(used) > 1:  # how evenly the role's processes share the work (the fronts: connections per front)
+        if len(used) > 1:
             shares[f"{role}_cpu_each_pct"] = sorted((round(100.0 * u / seconds, 1) for u in used), reverse=True)
     return shares
 
