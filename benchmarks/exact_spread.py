@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_graphs as gg  # noqa: E402  (graph_time)
 import record  # noqa: E402  (benchmarks/record.py: results.jsonl)
-from gpu_e2e import machine  # noqa: E402
 
 from dflash_trt.runtime.kernels import plan as plan_module  # noqa: E402
 from dflash_trt.runtime.kernels.exact_ops import ExactOps  # noqa: E402
@@ -63,6 +62,11 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--pair", choices=sorted(PAIRS), default="default", help="whose weight shapes (8b: streamed from memory)")
     parser.add_argument("--record", action="store_true", help="append the JSON line to benchmarks/results.jsonl")
     return parser.parse_args()
+
+
+def machine() -> str:
+    """The GPU and torch (gpu_e2e's form; not imported from it: that pulls in the executor and polars)."""
+    return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
 
 
 def spread_fixed(tiles: int, block_n: int):
