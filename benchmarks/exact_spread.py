@@ -50,7 +50,6 @@ PAIRS = {
         "down": (4096, 12288, False, False, True), "lm_head": (151936, 4096, False, True, False),
     },
 }
-WEIGHTS = PAIRS["default"]
 CALLS = 50  # calls per captured graph
 STREAMED_BYTES = 256 * 1024**2  # the 8B weights' copies read in turn: several times any L2, so every call reads memory
 
@@ -78,10 +77,11 @@ def spread_fixed(tiles: int, block_n: int):
     return chosen
 
 
-def call_time(ops, name: str, M: int, stream, reps: int, streamed: bool = False) -> float:
-    """µs per call of ``ops.linear`` on ``name`` with M rows (a CUDA graph of ``CALLS`` calls; ``streamed``: the calls
-    take the weight's copies in turn, ``STREAMED_BYTES`` of them at least, so none is read from L2)."""
-    N, K, gated, normed, residual = WEIGHTS[name]
+def call_time(ops, name: str, spec: tuple, M: int, stream, reps: int, streamed: bool = False) -> float:
+    """µs per call of ``ops.linear`` on weight ``name`` of shape ``spec`` (a ``PAIRS`` entry) with M rows (a CUDA graph of
+    ``CALLS`` calls; ``streamed``: the calls take the weight's copies in turn, ``STREAMED_BYTES`` of them at least, so
+    none is read from L2)."""
+    N, K, gated, normed, residual = spec
     shape = ((2 * N if gated else N), K)
     copies = max(2, -(-STREAMED_BYTES // (shape[0] * K * 2))) if streamed else 1
     weights = [torch.empty(shape, dtype=torch.bfloat16, device="cuda").normal_(0.0, K**-0.5) for _ in range(copies)]
@@ -97,27 +97,28 @@ def call_time(ops, name: str, M: int, stream, reps: int, streamed: bool = False)
     return gg.graph_time(stream, calls, reps) / CALLS * 1e3
 
 
-def measure(rows: list[int], reps: int, streamed: bool = False) -> list[dict]:
+def measure(weights: dict, rows: list[int], reps: int, streamed: bool = False) -> list[dict]:
     stream = torch.cuda.Stream()
     exact, fast = ExactOps(), TritonOps()
     processors = exact.processors(torch.device("cuda"))
     widen = plan_module.exact_wider_spread
     results = []
-    for name, (N, K, gated, *_) in WEIGHTS.items():
+    for name, spec in weights.items():
+        N, K, gated = spec[:3]
         plan = plan_module.exact_linear_plan(N, K, gated, 2, processors)
         for M in rows:
             row = {"weight": name, "rows": M}
             chosen = plan_module.exact_linear_launch(plan, M, gated, 2, N, processors)
             row["spread"] = f"t{chosen[0]}/bn{chosen[1]}"
-            row["exact"] = call_time(exact, name, M, stream, reps, streamed)
+            row["exact"] = call_time(exact, name, spec, M, stream, reps, streamed)
             variants = {"plan": (None, None)} | {f"t{t}/bn{bn}": (t, bn) for t in (4, 2, 1) for bn in sorted({plan.block_n, plan.block_n_rows})}
             try:
                 for label, (tiles, block_n) in variants.items():
                     plan_module.exact_wider_spread = spread_fixed(tiles, block_n)
-                    row[label] = call_time(exact, name, M, stream, reps, streamed)
+                    row[label] = call_time(exact, name, spec, M, stream, reps, streamed)
             finally:
                 plan_module.exact_wider_spread = widen
-            row["fast"] = call_time(fast, name, M, stream, reps, streamed)
+            row["fast"] = call_time(fast, name, spec, M, stream, reps, streamed)
             results.append({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
             print(results[-1], flush=True)
     return results
@@ -135,9 +136,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("exact_spread needs a CUDA GPU", file=sys.stderr)
         return 1
-    global WEIGHTS
-    WEIGHTS = PAIRS[args.pair]
-    results = measure([int(m) for m in args.rows.split(",")], args.reps, streamed=args.pair == "8b")
+    results = measure(PAIRS[args.pair], [int(m) for m in args.rows.split(",")], args.reps, streamed=args.pair == "8b")
     print(table(results))
     many = [row for row in results if row["rows"] > 16]
     summary = {
