@@ -133,8 +133,8 @@ class ExactLinearPlan:
     for a few rows (M <= 8: many programs stream the weight), ``block_n_rows`` for more (fewer re-reads of
     x; at 16 rows, a one-owner verify, ``block_n`` ran the Qwen3-8B o and LM head 0.5 and 3 µs faster, q|k|v and
     gate|up 0.8 and 0.7 µs slower, so taking it up to 16 rows made that verify slower: benchmarks/RESULTS.md, "The
-    Qwen3-8B-shape cycle on an H200 at 563b941"), up to ``tiles`` (1, 2 or 4) 16-row tiles per program sharing each weight load (``exact_row_tiles``;
-    four tiles cost registers). Each output element is one MMA column's sum over the same K steps whatever
+    Qwen3-8B-shape cycle on an H200 at 563b941"), up to ``tiles`` (1, 2 or 4) 16-row tiles per program sharing
+    each weight load (``exact_row_tiles``; four tiles cost registers). Each output element is one MMA column's sum over the same K steps whatever
     the feature block (tests/runtime/test_exact_kernels.py compiles the variants for sm90 and compares their
     MMA layouts).
     """
