@@ -129,14 +129,14 @@ class ExactLinearPlan:
     ranges 0, 1, .., S-1 in that order, then applies the epilogues (``fixup``: the tile's last range to finish
     does that pass inside the first launch; the same sums in the same order). ``warps`` and ``stages`` (0: the
     shared-memory rule of ``exact_linear_launch``) are fixed per weight too.
-    The rest only says how the work is spread, never how a row is summed: ``block_n`` features per program
-    for a few rows (M <= 8: many programs stream the weight), ``block_n_rows`` for more (fewer re-reads of
-    x; at 16 rows, a one-owner verify, ``block_n`` ran the Qwen3-8B o and LM head 0.5 and 3 µs faster, q|k|v and
-    gate|up 0.8 and 0.7 µs slower, so taking it up to 16 rows made that verify slower: benchmarks/RESULTS.md, "The
-    Qwen3-8B-shape cycle on an H200 at 563b941"), up to ``tiles`` (1, 2 or 4) 16-row tiles per program sharing
-    each weight load (``exact_row_tiles``; four tiles cost registers). Each output element is one MMA column's sum over the same K steps whatever
-    the feature block (tests/runtime/test_exact_kernels.py compiles the variants for sm90 and compares their
-    MMA layouts).
+    The rest only says how the work is spread, never how a row is summed: ``block_n`` features per program for a few
+    rows (M <= 8: many programs stream the weight), ``block_n_rows`` for more (fewer re-reads of x; at 16 rows, a
+    one-owner verify, ``block_n`` ran the Qwen3-8B o and LM head 0.5 and 3 µs faster, q|k|v and gate|up 0.8 and 0.7
+    µs slower, so taking it up to 16 rows made that verify slower: benchmarks/RESULTS.md, "The Qwen3-8B-shape cycle
+    on an H200 at 563b941"), up to ``tiles`` (1, 2 or 4) 16-row tiles per program sharing each weight load
+    (``exact_row_tiles``; four tiles cost registers). Each output element is one MMA column's sum over the same K
+    steps whatever the feature block (tests/runtime/test_exact_kernels.py compiles the variants for sm90 and
+    compares their MMA layouts).
     """
 
     block_n: int
