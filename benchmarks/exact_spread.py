@@ -63,11 +63,6 @@ def arguments() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def machine() -> str:
-    """The GPU and torch (gpu_e2e's form; not imported from it: that pulls in the executor and polars)."""
-    return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
-
-
 def spread_fixed(tiles: int, block_n: int):
     """A stand-in for ``plan.exact_wider_spread`` that returns one spread (``None``: the plan's, unwidened)."""
     def chosen(plan, rows, plan_tiles, plan_block_n, out_features, processors):
@@ -140,7 +135,7 @@ def main() -> int:
     print(table(results))
     many = [row for row in results if row["rows"] > 16]
     summary = {
-        "name": "exact_spread", "date": datetime.now(UTC).strftime("%Y-%m-%d"), "machine": machine(),
+        "name": "exact_spread", "date": datetime.now(UTC).strftime("%Y-%m-%d"), "machine": record.machine(),
         "command": "python benchmarks/exact_spread.py " + " ".join(sys.argv[1:]), "pair": args.pair, "rows": results,
         "many_rows_us": {key: round(sum(row[key] for row in many), 2) for key in ("exact", "plan", "fast")},
     }

@@ -44,6 +44,8 @@ from pathlib import Path
 
 import torch
 
+from record import machine  # benchmarks/record.py (other benchmarks import it from here too)
+
 from dflash_trt.export.contract import Dims
 from dflash_trt.export.pair import DEFAULT_PAIR_DIR, load_pair
 from dflash_trt.export.sampling import Sampling
@@ -233,11 +235,6 @@ def pdl_on(device: torch.device) -> bool:
     from dflash_trt.runtime.kernels.triton_ops import pdl_default
 
     return pdl_default(device)
-
-
-def machine() -> str:
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    return f"{name}, torch {torch.__version__}"
 
 
 def main() -> None:

@@ -31,6 +31,15 @@ def append_rows(rows: Iterable[dict]) -> None:
             file.write(json.dumps(row if "commit" in row or head is None else {**row, "commit": head}) + "\n")
 
 
+def machine() -> str:
+    """The GPU (or "CPU") and torch, as the rows' ``machine`` names them; torch imported here, so a benchmark that
+    needs only this does not pull in the executor (and polars) through gpu_e2e."""
+    import torch
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    return f"{name}, torch {torch.__version__}"
+
+
 def finish(summary: dict, record: bool) -> int:
     """A benchmark's end: ``summary`` appended when ``record`` (``--record``), printed as the last line; exit status 0."""
     if record:
