@@ -46,8 +46,8 @@ COLUMNS = {  # the row's key -> Nsight Compute's metric name in the details page
     "eligible_warps": "Eligible Warps Per Scheduler",
     "cycles_per_issue": "Warp Cycles Per Issued Instruction",
     "registers": "Registers Per Thread",
-    "shared_bytes": "Dynamic Shared Memory Per Block",
 }
+SHARED = "Dynamic Shared Memory Per Block"  # kept as ncu prints it, with its unit
 
 
 def stall_metric(reason: str) -> str:
@@ -55,8 +55,9 @@ def stall_metric(reason: str) -> str:
 
 
 def number(text: str, unit: str) -> float:
+    """A metric's value; durations in µs whatever unit ncu chose."""
     value = float(text.replace(",", ""))
-    return value / 1000 if unit == "ns" else value * 1000 if unit == "ms" else value
+    return value / 1000 if unit in ("ns", "nsecond") else value * 1000 if unit in ("ms", "msecond") else value
 
 
 def read_rows(text: str) -> list[dict]:
@@ -73,6 +74,8 @@ def read_rows(text: str) -> list[dict]:
         for key, metric in COLUMNS.items():
             if name == metric:
                 row[key] = number(value, unit)
+        if name == SHARED:
+            row["shared"] = f"{value} {unit}"
     return list(kernels.values())
 
 
