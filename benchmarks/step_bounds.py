@@ -1,0 +1,96 @@
+"""What the Qwen3-8B-shape decode step would gain without its latency-bound launches: timing bounds, not a product.
+
+    python benchmarks/step_bounds.py [--rounds 5] [--reps 20] [--record]
+
+The exact AR step (``gpu_graphs.py``'s pair and step: random bf16 weights, context 2048 of a 4096-slot pool, one
+CUDA graph) captured four times from one backend: as the product runs it; with every RMSNorm pass skipped (each
+product reads its input un-normed); with the RoPE / K-V write skipped (queries read unrotated from the q|k|v
+output, the cache left as it is); with both skipped. The skipped variants compute wrong values on purpose: their
+time is the most that fusing those launches into their neighbours could save (the norms into the products, the
+RoPE write into the attention). The four graphs are replayed in turn, ``--rounds`` times ``--reps`` replays each
+(medians), so a drift of the GPU falls on all of them alike. Prints a table and ends with one JSON line
+(``--record`` appends it to benchmarks/results.jsonl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import record  # benchmarks/record.py: results.jsonl
+
+VARIANTS = {"exact": (False, False), "no_norm": (True, False), "no_rope": (False, True), "neither": (True, True)}
+
+
+def skipping_ops():
+    """``ExactOps`` whose norm passes and RoPE writes can be switched off while a graph is captured."""
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+
+    class Skipping(ExactOps):
+        no_norm = False
+        no_rope = False
+
+        def linear(self, x, weight, bias=None, norm=None, eps=0.0, gated=False, residual=None, out=None, out_dtype=None, tap=None):
+            return super().linear(x, weight, bias, None if self.no_norm else norm, eps, gated, residual, out, out_dtype, tap)
+
+        def qk_rope_write(self, qkv, start, tokens, heads, kv_heads, head_dim, *args, **kwargs):
+            if not self.no_rope:
+                return super().qk_rope_write(qkv, start, tokens, heads, kv_heads, head_dim, *args, **kwargs)
+            # q as the attention reads it, [n, T, Hq, D], a view of the product's output (no launch)
+            return qkv[:, : heads * head_dim].view(qkv.shape[0] // tokens, tokens, heads, head_dim) if heads else None
+
+    return Skipping()
+
+
+def measure(rounds: int, reps: int) -> dict[str, list[float]]:
+    """Device ms of each variant's AR step replay, one median per round."""
+    import gpu_graphs as gg
+    import torch
+    from dflash_trt.runtime.backends import TorchBackend
+
+    ops = skipping_ops()
+    target, draft = gg.build_pair(torch.device("cuda"))
+    dims = gg.make_dims(target, draft, 4096)
+    backend = TorchBackend(target, draft, dims, gg.OWNERS, device="cuda", kernels=ops)
+    gg.fill_pools(backend)
+    feeds = gg.Feeds(dims, 1, 2048)
+    steps = {}
+    for name, (no_norm, no_rope) in VARIANTS.items():
+        ops.no_norm, ops.no_rope = no_norm, no_rope  # read while the step is captured
+        steps[name] = gg.ArStep(backend, feeds)
+        steps[name].at(2048)
+    stream = backend.stream.torch
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    with torch.cuda.stream(stream):  # a graph replays on the current stream; the events are recorded on this one
+        for _ in range(rounds):
+            for name, step in steps.items():
+                times[name].append(gg.time_calls(stream, step, reps)[0])
+    return times
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--record", action="store_true", help="append the JSON line to benchmarks/results.jsonl")
+    args = parser.parse_args()
+    times = measure(args.rounds, args.reps)
+    base = statistics.median(times["exact"])
+    print("| AR step | device ms (median of rounds) | per round | saved against exact, ms |")
+    print("| --- | --- | --- | --- |")
+    rows = []
+    for name, values in times.items():
+        median = statistics.median(values)
+        rows.append({"variant": name, "ms": round(median, 4), "rounds": [round(v, 4) for v in values], "saved_ms": round(base - median, 4)})
+        print(f"| {name} | {median:.4f} | {', '.join(f'{v:.4f}' for v in values)} | {base - median:+.4f} |")
+    summary = {"name": "step_bounds", "machine": record.machine(), "command": " ".join(["python benchmarks/step_bounds.py", *sys.argv[1:]]),
+               "context": 2048, "rows": rows}
+    return record.finish(summary, args.record)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
