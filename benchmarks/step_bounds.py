@@ -3,11 +3,11 @@
     python benchmarks/step_bounds.py [--rounds 5] [--reps 20] [--record]
 
 The exact AR step (``gpu_graphs.py``'s pair and step: random bf16 weights, context 2048 of a 4096-slot pool, one
-CUDA graph) captured four times from one backend: as the product runs it; with every RMSNorm pass skipped (each
+CUDA graph) captured five times from one backend: as the product runs it; with every RMSNorm pass skipped (each
 product reads its input un-normed); with the RoPE / K-V write skipped (queries read unrotated from the q|k|v
-output, the cache left as it is); with both skipped. The skipped variants compute wrong values on purpose: their
-time is the most that fusing those launches into their neighbours could save (the norms into the products, the
-RoPE write into the attention). The four graphs are replayed in turn, ``--rounds`` times ``--reps`` replays each
+output, the cache left as it is); with both skipped; with the attention skipped (the o product reads the queries).
+The skipped variants compute wrong values on purpose: their time is the most that fusing those launches into their
+neighbours (the norms into the products, the RoPE write into the attention) or a faster attention could save. The graphs are replayed in turn, ``--rounds`` times ``--reps`` replays each
 (medians), so a drift of the GPU falls on all of them alike. Prints a table and ends with one JSON line
 (``--record`` appends it to benchmarks/results.jsonl).
 """
@@ -23,7 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import record  # benchmarks/record.py: results.jsonl
 
-VARIANTS = {"exact": (False, False), "no_norm": (True, False), "no_rope": (False, True), "neither": (True, True)}
+VARIANTS = {  # name -> the launches skipped: norms, RoPE writes, attentions
+    "exact": (False, False, False), "no_norm": (True, False, False), "no_rope": (False, True, False),
+    "neither": (True, True, False), "no_attention": (False, False, True),
+}
 
 
 def skipping_ops():
@@ -33,6 +36,7 @@ def skipping_ops():
     class Skipping(ExactOps):
         no_norm = False
         no_rope = False
+        no_attention = False
 
         def linear(self, x, weight, bias=None, norm=None, eps=0.0, gated=False, residual=None, out=None, out_dtype=None, tap=None):
             return super().linear(x, weight, bias, None if self.no_norm else norm, eps, gated, residual, out, out_dtype, tap)
@@ -42,6 +46,9 @@ def skipping_ops():
                 return super().qk_rope_write(qkv, start, tokens, heads, kv_heads, head_dim, *args, **kwargs)
             # q as the attention reads it, [n, T, Hq, D], a view of the product's output (no launch)
             return qkv[:, : heads * head_dim].view(qkv.shape[0] // tokens, tokens, heads, head_dim) if heads else None
+
+        def attention(self, q, *args, **kwargs):
+            return q if self.no_attention else super().attention(q, *args, **kwargs)  # the queries stand in for its output
 
     return Skipping()
 
@@ -59,8 +66,8 @@ def measure(rounds: int, reps: int) -> dict[str, list[float]]:
     gg.fill_pools(backend)
     feeds = gg.Feeds(dims, 1, 2048)
     steps = {}
-    for name, (no_norm, no_rope) in VARIANTS.items():
-        ops.no_norm, ops.no_rope = no_norm, no_rope  # read while the step is captured
+    for name, skipped in VARIANTS.items():
+        ops.no_norm, ops.no_rope, ops.no_attention = skipped  # read while the step is captured
         steps[name] = gg.ArStep(backend, feeds)
         steps[name].at(2048)
     stream = backend.stream.torch
