@@ -7,8 +7,9 @@ CUDA graph) captured five times from one backend: as the product runs it; with e
 product reads its input un-normed); with the RoPE / K-V write skipped (queries read unrotated from the q|k|v
 output, the cache left as it is); with both skipped; with the attention skipped (the o product reads the queries).
 The skipped variants compute wrong values on purpose: their time is the most that fusing those launches into their
-neighbours (the norms into the products, the RoPE write into the attention) or a faster attention could save. The graphs are replayed in turn, ``--rounds`` times ``--reps`` replays each
-(medians), so a drift of the GPU falls on all of them alike. Prints a table and ends with one JSON line
+neighbours (the norms into the products, the RoPE write into the attention) or a faster attention could save. The
+graphs are replayed in turn, ``--rounds`` times ``--reps`` replays each (medians), so a drift of the GPU falls on
+all of them alike. Prints a table and ends with one JSON line
 (``--record`` appends it to benchmarks/results.jsonl).
 """
 
