@@ -31,7 +31,7 @@ VARIANTS = {  # name -> the launches skipped: norms, RoPE writes, attentions
 
 
 def skipping_ops():
-    """``ExactOps`` whose norm passes and RoPE writes can be switched off while a graph is captured."""
+    """``ExactOps`` whose norm passes, RoPE writes and attentions can be switched off while a graph is captured."""
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
 
     class Skipping(ExactOps):
