@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import record  # benchmarks/record.py: results.jsonl
 from dflash_trt.runtime.kernels import exact_ops
-from dflash_trt.runtime.kernels.exact_ops import _combine_unit
-from dflash_trt.runtime.kernels.triton_ops import MASKED, enter, query_tile, release
+from dflash_trt.runtime.kernels.exact_ops import _finish_split, _split_of
+from dflash_trt.runtime.kernels.triton_ops import MASKED, enter, release
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 CONTEXT = 2048
@@ -65,24 +65,10 @@ def _attention_batched_kernel(
     """``exact_ops._attention_kernel`` with the split's SUB = SPLIT / BLOCK_N steps at once: the slots of step b are
     [s SPLIT + b BLOCK_N, + BLOCK_N) whatever the query tile sees; a step no row of the tile sees adds exact zeros."""
     enter(PDL)
-    u = tl.program_id(0)
-    s = tl.program_id(1)
-    nh = (unit0 + u) // QB
-    qb = (unit0 + u) % QB
-    i = nh // HKV
-    kvh = nh % HKV
-    t, h, row_ok, pos, lo, hi = query_tile(pos_ptr, spos_n, len_ptr, i, qb, T, G, kvh, window, BLOCK_Q, CAUSAL, WINDOW)
-    lo = lo // BLOCK_N * BLOCK_N
-    first = tl.maximum(s * SPLIT, lo)
-    last = tl.minimum((s + 1) * SPLIT, hi)
-    live = first < last
-    lives = (tl.zeros([BLOCK_Q], dtype=tl.int32) + first) < last
+    u, s, i, t, h, row_ok, pos, lo, hi, first, last, live, lives, q, kv_row = _split_of(
+        q_ptr, sq_n, sq_h, sq_t, sk_n, sk_h, pos_ptr, spos_n, len_ptr, rows_ptr, unit0, QB, T, G, HKV, window,
+        D, BLOCK_Q, BLOCK_N, SPLIT, CAUSAL, WINDOW, ROWS)
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + i * sq_n + h[:, None] * sq_h + t[:, None] * sq_t + d[None, :], mask=(row_ok & lives)[:, None], other=0.0)
-    if ROWS:
-        kv_row = tl.load(rows_ptr + i) * sk_n + kvh * sk_h
-    else:
-        kv_row = i * sk_n + kvh * sk_h
     slots = s * SPLIT + tl.arange(0, SUB)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]  # [SUB, BLOCK_N]
     inside = (slots >= first) & (slots < last)
     k = tl.load(k_ptr + kv_row + slots[:, :, None] * sk_l + d[None, None, :], mask=inside[:, :, None], other=0.0)
@@ -104,24 +90,8 @@ def _attention_batched_kernel(
     weights = tl.exp(tops - top[None, :])  # exact zeros for a step that shows a row nothing (its top is MASKED)
     total = tl.sum(weights * sums, axis=0)
     acc = tl.sum(weights[:, :, None] * accs, axis=0)
-    seen = total > 0
-    out = acc / tl.where(seen, total, 1.0)[:, None]
-    local = (u * tl.num_programs(1) + s) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    kept = row_ok & lives
-    tl.store(part_ptr + local[:, None] * D + d[None, :], out, mask=kept[:, None])
-    tl.store(lse_ptr + local, tl.where(seen, top + tl.log(total), float("-inf")), mask=kept)
-    if COMBINE:  # as the product's kernel: the unit's last live split folds the splits
-        tl.debug_barrier()
-        s_lo = lo // SPLIT
-        if live:
-            arrived = tl.atomic_add(cnt_ptr + u, 1, sem="acq_rel", scope="gpu")
-            if arrived == tl.cdiv(hi, SPLIT) - s_lo - 1:
-                _combine_unit(part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, u * tl.num_programs(1), i, t, h, row_ok, lo, hi,
-                              D, BLOCK_Q, SPLIT)
-                tl.atomic_xchg(cnt_ptr + u, 0)
-        elif s == 0 and lo >= hi:
-            _combine_unit(part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, u * tl.num_programs(1), i, t, h, row_ok, lo, hi,
-                          D, BLOCK_Q, SPLIT)
+    _finish_split(acc, top, total, u, s, i, t, h, row_ok, lives, live, lo, hi, part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t,
+                  cnt_ptr, D, BLOCK_Q, SPLIT, COMBINE)  # the product's partials and fold
 
 
 class _Batched:

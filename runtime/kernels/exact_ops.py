@@ -276,25 +276,10 @@ def _attention_kernel(
     COMBINE: the unit's last live split to finish (a counter per unit) runs ``_combine_unit``, else
     ``_combine_kernel`` does (a second launch): the same fold in the same order either way."""
     enter(PDL)
-    u = tl.program_id(0)
-    s = tl.program_id(1)
-    nh = (unit0 + u) // QB
-    qb = (unit0 + u) % QB
-    i = nh // HKV
-    kvh = nh % HKV
-    t, h, row_ok, pos, lo, hi = query_tile(pos_ptr, spos_n, len_ptr, i, qb, T, G, kvh, window, BLOCK_Q, CAUSAL, WINDOW)
-    lo = lo // BLOCK_N * BLOCK_N  # steps at absolute multiples of BLOCK_N
-    first = tl.maximum(s * SPLIT, lo)
-    last = tl.minimum((s + 1) * SPLIT, hi)
-    live = first < last  # else nothing to do: the combine never reads this split
-    # ... as a vector for masks (a vector & a scalar bool is a mask Triton's interpreter rejects)
-    lives = (tl.zeros([BLOCK_Q], dtype=tl.int32) + first) < last
+    u, s, i, t, h, row_ok, pos, lo, hi, first, last, live, lives, q, kv_row = _split_of(
+        q_ptr, sq_n, sq_h, sq_t, sk_n, sk_h, pos_ptr, spos_n, len_ptr, rows_ptr, unit0, QB, T, G, HKV, window,
+        D, BLOCK_Q, BLOCK_N, SPLIT, CAUSAL, WINDOW, ROWS)
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + i * sq_n + h[:, None] * sq_h + t[:, None] * sq_t + d[None, :], mask=(row_ok & lives)[:, None], other=0.0)
-    if ROWS:  # owner i's cache row is a device input
-        kv_row = tl.load(rows_ptr + i) * sk_n + kvh * sk_h
-    else:
-        kv_row = i * sk_n + kvh * sk_h
     top = tl.full([BLOCK_Q], MASKED, dtype=tl.float32)
     total = tl.zeros([BLOCK_Q], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
@@ -317,6 +302,46 @@ def _attention_kernel(
         acc = ordered_dot(p.to(v.dtype), v, acc * alpha[:, None], INTERP)
         top = new_top
     release(PDL)
+    _finish_split(acc, top, total, u, s, i, t, h, row_ok, lives, live, lo, hi, part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t,
+                  cnt_ptr, D, BLOCK_Q, SPLIT, COMBINE)
+
+
+@triton.jit
+def _split_of(q_ptr, sq_n, sq_h, sq_t, sk_n, sk_h, pos_ptr, spos_n, len_ptr, rows_ptr, unit0, QB, T, G, HKV, window,
+              D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, CAUSAL: tl.constexpr,
+              WINDOW: tl.constexpr, ROWS: tl.constexpr):
+    """This program's unit (owner x kv head x query tile) and split: the unit u, the split s, owner i, the tile's rows
+    (token t, head h, whether real, position), its slot range [lo, hi) with lo at a multiple of BLOCK_N (steps at
+    absolute slots), the split's part of it [first, last), whether that is empty (``live``, and per row ``lives``),
+    the rows' queries [BLOCK_Q, D] and the owner's K/V offset for this kv head."""
+    u = tl.program_id(0)
+    s = tl.program_id(1)
+    nh = (unit0 + u) // QB
+    qb = (unit0 + u) % QB
+    i = nh // HKV
+    kvh = nh % HKV
+    t, h, row_ok, pos, lo, hi = query_tile(pos_ptr, spos_n, len_ptr, i, qb, T, G, kvh, window, BLOCK_Q, CAUSAL, WINDOW)
+    lo = lo // BLOCK_N * BLOCK_N  # steps at absolute multiples of BLOCK_N
+    first = tl.maximum(s * SPLIT, lo)
+    last = tl.minimum((s + 1) * SPLIT, hi)
+    live = first < last  # else nothing to do: the combine never reads this split
+    # ... as a vector for masks (a vector & a scalar bool is a mask Triton's interpreter rejects)
+    lives = (tl.zeros([BLOCK_Q], dtype=tl.int32) + first) < last
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + i * sq_n + h[:, None] * sq_h + t[:, None] * sq_t + d[None, :], mask=(row_ok & lives)[:, None], other=0.0)
+    if ROWS:  # owner i's cache row is a device input
+        kv_row = tl.load(rows_ptr + i) * sk_n + kvh * sk_h
+    else:
+        kv_row = i * sk_n + kvh * sk_h
+    return u, s, i, t, h, row_ok, pos, lo, hi, first, last, live, lives, q, kv_row
+
+
+@triton.jit
+def _finish_split(acc, top, total, u, s, i, t, h, row_ok, lives, live, lo, hi, part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t,
+                  cnt_ptr, D: tl.constexpr, BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr, COMBINE: tl.constexpr):
+    """A split's partial (acc / total) and log-sum-exp (top + log total) stored for the tile's rows that are real and
+    live; COMBINE: the unit's last live split to finish folds the splits (``_combine_unit``)."""
+    d = tl.arange(0, D)
     seen = total > 0
     out = acc / tl.where(seen, total, 1.0)[:, None]
     local = (u * tl.num_programs(1) + s) * BLOCK_Q + tl.arange(0, BLOCK_Q)
