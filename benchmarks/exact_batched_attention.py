@@ -1,6 +1,6 @@
 """A prototype exact attention that computes a split's steps as one batched step, against the product's (issue 23).
 
-    python benchmarks/exact_batched_attention.py [--reps 10] [--record]     # a CUDA GPU: the Qwen3-8B shape
+    python benchmarks/exact_batched_attention.py [--reps 10] [--warps 4 8] [--record]  # a CUDA GPU: the 8B shape
     TRITON_INTERPRET=1 python benchmarks/exact_batched_attention.py --check  # any machine: its exactness checks
     python benchmarks/exact_batched_attention.py --check                     # the same on a CUDA GPU
 
@@ -16,8 +16,10 @@ Other bits than the product's kernel, the same at every query count, owner count
 against the fp32 reference) run on it with ``--check``. Not a product path: a measurement, kept with its kernel.
 
 On a GPU (default): the 8B-shape pair of ``gpu_graphs.py`` (random bf16, context 2048), µs per layer of the
-attention over the 36 layers' caches at T = 1 / 16 queries and n = 1 / 4 owners (CUDA graphs), each way; then the
-exact AR step with each attention (one backend, captured twice). Prints a table and ends with one JSON line
+attention over the 36 layers' caches at T = 1 / 16 queries and n = 1 / 4 owners (CUDA graphs), the product's and the
+prototype's at each ``--warps`` count (with 4 warps, one per step; with 8, two: compiled here for sm90 the 4-warp
+kernel spills its keys and values to local memory, the 8-warp one hardly); then the exact AR step with each (one
+backend, captured once per attention). Prints a table and ends with one JSON line
 (``--record`` appends it to benchmarks/results.jsonl).
 """
 
@@ -95,30 +97,36 @@ def _attention_batched_kernel(
 
 
 class _Batched:
-    """Stands in for ``exact_ops._attention_kernel`` at its launch: the same arguments, the prototype's kernel (one
-    stage: the split's keys and values are loaded at once)."""
+    """Stands in for ``exact_ops._attention_kernel`` at its launch: the same arguments, the prototype's kernel with
+    ``warps`` warps (each count its own arithmetic: one count per comparison) and one stage (the split's keys and
+    values are loaded at once)."""
+
+    def __init__(self, warps: int) -> None:
+        self.warps = warps
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            kwargs |= {"SUB": kwargs["SPLIT"] // kwargs["BLOCK_N"], "num_stages": 1}
+            kwargs |= {"SUB": kwargs["SPLIT"] // kwargs["BLOCK_N"], "num_stages": 1, "num_warps": self.warps}
             return _attention_batched_kernel[grid](*args, **kwargs)
 
         return launch
 
 
 @contextlib.contextmanager
-def batched_attention(on: bool = True):
-    """``ExactOps.attention`` launches the prototype inside (a CUDA graph captured inside keeps it)."""
+def batched_attention(warps: int | None):
+    """``ExactOps.attention`` launches the prototype with ``warps`` warps inside (None: the product's kernel); a CUDA
+    graph captured inside keeps it."""
     kept = exact_ops._attention_kernel
-    exact_ops._attention_kernel = _Batched() if on else kept
+    exact_ops._attention_kernel = kept if warps is None else _Batched(warps)
     try:
         yield
     finally:
         exact_ops._attention_kernel = kept
 
 
-def check(device: str) -> list[dict]:
-    """``tests/exact_checks.py``' attention checks with the prototype in place, bf16 and fp32."""
+def check(device: str, warps: list[int]) -> list[dict]:
+    """``tests/exact_checks.py``' attention checks with the prototype in place, bf16 and fp32, per warp count (on
+    the CPU once: Triton's interpreter has no warps)."""
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -126,21 +134,24 @@ def check(device: str) -> list[dict]:
 
     torch.set_num_threads(1)
     rows = []
-    with batched_attention():
-        for dtype in (torch.bfloat16, torch.float32):
-            # fp32 at the small cases only: a split's fp32 keys and values at D = 128 (256 KiB) exceed a program's
-            # shared memory, where the product's kernel pipelines them a step at a time
-            small = device != "cuda" or dtype == torch.float32
-            for name, kwargs in (("attention_rows", {"small": small}), ("attention_reference", {})):
-                begun = time.perf_counter()
-                getattr(exact_checks, "check_" + name)(device=device, dtype=dtype, **kwargs)
-                rows.append({"check": name, "dtype": str(dtype).removeprefix("torch."), "passed": True, "s": round(time.perf_counter() - begun, 1)})
-                print(f"  {name} {dtype}: passed ({rows[-1]['s']} s)", flush=True)
+    for count in warps if device == "cuda" else warps[:1]:
+        with batched_attention(count):
+            for dtype in (torch.bfloat16, torch.float32):
+                # fp32 at the small cases only: a split's fp32 keys and values at D = 128 (256 KiB) exceed a
+                # program's shared memory, where the product's kernel pipelines them a step at a time
+                small = device != "cuda" or dtype == torch.float32
+                for name, kwargs in (("attention_rows", {"small": small}), ("attention_reference", {})):
+                    begun = time.perf_counter()
+                    getattr(exact_checks, "check_" + name)(device=device, dtype=dtype, **kwargs)
+                    rows.append({"check": name, "dtype": str(dtype).removeprefix("torch."), "warps": count, "passed": True,
+                                 "s": round(time.perf_counter() - begun, 1)})
+                    print(f"  {name} {dtype}, {count} warps: passed ({rows[-1]['s']} s)", flush=True)
     return rows
 
 
-def measure(reps: int) -> tuple[list[dict], dict]:
-    """µs per layer of both attentions at T = 1 / 16, n = 1 / 4; the AR step's device ms with each."""
+def measure(reps: int, warps: list[int]) -> tuple[list[dict], dict]:
+    """µs per layer of the product's attention and the prototype's (per warp count) at T = 1 / 16, n = 1 / 4; the AR
+    step's device ms with each."""
     import exact_kernels as ek
     import gpu_graphs as gg
     import torch
@@ -148,22 +159,25 @@ def measure(reps: int) -> tuple[list[dict], dict]:
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
 
     class Switched(ExactOps):
-        batched = False
+        def __init__(self, warps: int | None) -> None:
+            super().__init__()
+            self.batched_warps = warps  # None: the product's kernel
 
         def attention(self, *args):
-            with batched_attention(self.batched):
+            with batched_attention(self.batched_warps):
                 return super().attention(*args)
 
-    ops, product = Switched(), ExactOps()
-    ops.batched = True
+    labels = {"product": None} | {f"batched, {count} warps": count for count in warps}
+    ops = Switched(None)
     target, draft = gg.build_pair(torch.device("cuda"))
     dims = gg.make_dims(target, draft, 4096)
     backend = TorchBackend(target, draft, dims, gg.OWNERS, device="cuda", kernels=ops)
     gg.fill_pools(backend)
-    layers = ek.attention_variant_times(backend, reps, "attention", {"product": product, "batched": ops}, compare=False)
+    layers = ek.attention_variant_times(backend, reps, "attention", {label: Switched(count) for label, count in labels.items()},
+                                        compare=False)
     steps = {}
-    for label, batched in (("product", False), ("batched", True)):
-        ops.batched = batched  # read while the step is captured
+    for label, count in labels.items():
+        ops.batched_warps = count  # read while the step is captured
         steps[label] = gg.ArStep(backend, gg.Feeds(dims, 1, CONTEXT))
         steps[label].at(CONTEXT)
     stream, times = backend.stream.torch, {label: [] for label in steps}
@@ -177,6 +191,7 @@ def measure(reps: int) -> tuple[list[dict], dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="the prototype's warps per program, each measured")
     parser.add_argument("--check", action="store_true", help="the exactness checks only (CPU under TRITON_INTERPRET=1, or a GPU)")
     parser.add_argument("--record", action="store_true", help="append the JSON line to benchmarks/results.jsonl")
     args = parser.parse_args()
@@ -184,14 +199,16 @@ def main() -> int:
 
     device = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
     summary = {"name": "exact_batched_attention", "machine": record.machine(),
-               "command": " ".join(["python benchmarks/exact_batched_attention.py", *sys.argv[1:]]), "checks": check(device)}
+               "command": " ".join(["python benchmarks/exact_batched_attention.py", *sys.argv[1:]]), "checks": check(device, args.warps)}
     if not args.check:
-        layers, ar = measure(args.reps)
-        print("| T | owners | product µs / layer | batched µs / layer |")
-        print("| --- | --- | --- | --- |")
-        for product, batched in zip(layers[0::2], layers[1::2]):
-            print(f"| {product['tokens']} | {product['owners']} | {product['us_per_layer']} | {batched['us_per_layer']} |")
-        print(f"AR step ms: product {ar['product']}, batched {ar['batched']}")
+        layers, ar = measure(args.reps, args.warps)
+        labels = list(ar)
+        print("| T | owners | " + " | ".join(f"{label} µs / layer" for label in labels) + " |")
+        print("| --- | --- | " + " | ".join("---" for _ in labels) + " |")
+        for at in range(0, len(layers), len(labels)):
+            group = layers[at : at + len(labels)]
+            print(f"| {group[0]['tokens']} | {group[0]['owners']} | " + " | ".join(str(r["us_per_layer"]) for r in group) + " |")
+        print("AR step ms: " + ", ".join(f"{label} {ms}" for label, ms in ar.items()))
         summary |= {"context": CONTEXT, "layers": layers, "ar_step_ms": ar}
     return record.finish(summary, args.record)
 
