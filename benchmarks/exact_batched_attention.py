@@ -154,8 +154,6 @@ def measure(reps: int, warps: list[int]) -> tuple[list[dict], dict]:
     step's device ms with each."""
     import exact_kernels as ek
     import gpu_graphs as gg
-    import torch
-    from dflash_trt.runtime.backends import TorchBackend
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
 
     class Switched(ExactOps):
@@ -169,10 +167,7 @@ def measure(reps: int, warps: list[int]) -> tuple[list[dict], dict]:
 
     labels = {"product": None} | {f"batched, {count} warps": count for count in warps}
     ops = Switched(None)
-    target, draft = gg.build_pair(torch.device("cuda"))
-    dims = gg.make_dims(target, draft, 4096)
-    backend = TorchBackend(target, draft, dims, gg.OWNERS, device="cuda", kernels=ops)
-    gg.fill_pools(backend)
+    backend, dims = gg.shaped_backend(ops)
     layers = ek.attention_variant_times(backend, reps, "attention", {label: Switched(count) for label, count in labels.items()},
                                         compare=False)
     steps = {}
@@ -180,11 +175,7 @@ def measure(reps: int, warps: list[int]) -> tuple[list[dict], dict]:
         ops.batched_warps = count  # read while the step is captured
         steps[label] = gg.ArStep(backend, gg.Feeds(dims, 1, CONTEXT))
         steps[label].at(CONTEXT)
-    stream, times = backend.stream.torch, {label: [] for label in steps}
-    with torch.cuda.stream(stream):
-        for _ in range(5):
-            for label, step in steps.items():
-                times[label].append(gg.time_calls(stream, step, reps)[0])
+    times = gg.alternated_ms(backend.stream.torch, steps, 5, reps)
     return layers, {label: round(statistics.median(values), 4) for label, values in times.items()}
 
 

@@ -118,6 +118,18 @@ def fill_pools(backend) -> None:
     torch.cuda.synchronize()
 
 
+def shaped_backend(kernels, max_context: int = 4096):
+    """The Qwen3-8B-shaped pair on one torch backend with ``kernels`` (``OWNERS`` owners, random caches): (backend, dims)."""
+    import torch
+    from dflash_trt.runtime.backends import TorchBackend
+
+    target, draft = build_pair(torch.device("cuda"))
+    dims = make_dims(target, draft, max_context)
+    backend = TorchBackend(target, draft, dims, OWNERS, device="cuda", kernels=kernels)
+    fill_pools(backend)
+    return backend, dims
+
+
 # ---------------------------------------------------------------------- bytes
 
 
@@ -172,6 +184,19 @@ def time_calls(stream, call, reps: int) -> tuple[float, float]:
         wall.append((time.perf_counter() - begun) * 1e3)
         device.append(start.elapsed_time(end))
     return statistics.median(device), statistics.median(wall)
+
+
+def alternated_ms(stream, calls: dict, rounds: int, reps: int) -> dict:
+    """Device ms of each of ``calls`` (label -> call), taken in turn ``rounds`` times so that a drift of the GPU falls
+    on all of them alike: per label, one median of ``reps`` calls per round."""
+    import torch
+
+    times = {label: [] for label in calls}
+    with torch.cuda.stream(stream):  # a graph replays on the current stream; the events are recorded on this one
+        for _ in range(rounds):
+            for label, call in calls.items():
+                times[label].append(time_calls(stream, call, reps)[0])
+    return times
 
 
 class Feeds:
@@ -511,7 +536,6 @@ def attention_times(backends: dict, contexts, reps: int) -> list[dict]:
 def warm_start_child(args) -> int:
     """Second process, same TRITON_CACHE_DIR: first-call seconds with the compiled kernels on disk."""
     import torch
-
     from dflash_trt.runtime.backends import TorchBackend
 
     target, draft = build_pair(torch.device("cuda"))

@@ -57,27 +57,16 @@ def skipping_ops():
 def measure(rounds: int, reps: int) -> dict[str, list[float]]:
     """Device ms of each variant's AR step replay, one median per round."""
     import gpu_graphs as gg
-    import torch
-    from dflash_trt.runtime.backends import TorchBackend
 
     ops = skipping_ops()
-    target, draft = gg.build_pair(torch.device("cuda"))
-    dims = gg.make_dims(target, draft, 4096)
-    backend = TorchBackend(target, draft, dims, gg.OWNERS, device="cuda", kernels=ops)
-    gg.fill_pools(backend)
+    backend, dims = gg.shaped_backend(ops)
     feeds = gg.Feeds(dims, 1, 2048)
     steps = {}
     for name, skipped in VARIANTS.items():
         ops.no_norm, ops.no_rope, ops.no_attention = skipped  # read while the step is captured
         steps[name] = gg.ArStep(backend, feeds)
         steps[name].at(2048)
-    stream = backend.stream.torch
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    with torch.cuda.stream(stream):  # a graph replays on the current stream; the events are recorded on this one
-        for _ in range(rounds):
-            for name, step in steps.items():
-                times[name].append(gg.time_calls(stream, step, reps)[0])
-    return times
+    return gg.alternated_ms(backend.stream.torch, steps, rounds, reps)
 
 
 def main() -> int:

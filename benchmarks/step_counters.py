@@ -97,15 +97,10 @@ def run_step(kernels: str) -> None:
     """One AR step replayed between the profiler's start and stop (see the module docstring)."""
     import gpu_graphs as gg  # the 8B-shaped pair (imports the executor's backends)
     import torch
-    from dflash_trt.runtime.backends import TorchBackend
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
     from dflash_trt.runtime.kernels.triton_ops import TritonOps
 
-    target, draft = gg.build_pair(torch.device("cuda"))
-    dims = gg.make_dims(target, draft, 4096)
-    ops = ExactOps() if kernels == "exact" else TritonOps()
-    backend = TorchBackend(target, draft, dims, gg.OWNERS, device="cuda", kernels=ops)
-    gg.fill_pools(backend)
+    backend, dims = gg.shaped_backend(ExactOps() if kernels == "exact" else TritonOps())
     step = gg.ArStep(backend, gg.Feeds(dims, 1, 2048))
     step.at(2048)
     for _ in range(3):
