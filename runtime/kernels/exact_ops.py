@@ -29,7 +29,8 @@ for bit, in bf16 too, so DFlash's output is the target's own plain decoding, tok
                     [256 s, 256 s + 256) of the valid range, walked in BLOCK_N steps at absolute slots;
                     the grid covers a full cache and splits past the valid slots do nothing; the
                     combine (``_combine_unit``: a second launch, or the unit's last split to finish)
-                    always runs and folds the splits in increasing order. A query's
+                    folds the splits in increasing order (in the launch, a unit with one live split
+                    stores its partial: the fold's result to the bit, without its round trips). A query's
                     splits, steps and combine do not depend on the other queries of its tile (their
                     extra steps are exact no-ops for it), the query count, the owners or the capacity.
 ``qk_rope_write``   ``TritonOps``' kernel: one program per (row, head), already row-local.
@@ -340,28 +341,36 @@ def _split_of(q_ptr, sq_n, sq_h, sq_t, sk_n, sk_h, pos_ptr, spos_n, len_ptr, row
 def _finish_split(acc, top, total, u, s, i, t, h, row_ok, lives, live, lo, hi, part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t,
                   cnt_ptr, D: tl.constexpr, BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr, COMBINE: tl.constexpr):
     """A split's partial (acc / total) and log-sum-exp (top + log total) stored for the tile's rows that are real and
-    live; COMBINE: the unit's last live split to finish folds the splits (``_combine_unit``)."""
+    live; COMBINE: the unit's last live split to finish folds the splits (``_combine_unit``). A unit with one
+    live split (every context of at most SPLIT slots) stores its partial as the output: the fold of one split
+    is that partial to the bit (its weight exp(lse - lse) is 1, its weight sum 1), and the partials' stores,
+    the counter and the fold's loads (three memory round trips) are skipped."""
     d = tl.arange(0, D)
     seen = total > 0
     out = acc / tl.where(seen, total, 1.0)[:, None]
-    local = (u * tl.num_programs(1) + s) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    kept = row_ok & lives  # padding rows of the tile (3 of 4 at one query and group 4) store nothing
-    tl.store(part_ptr + local[:, None] * D + d[None, :], out, mask=kept[:, None])
-    tl.store(lse_ptr + local, tl.where(seen, top + tl.log(total), float("-inf")), mask=kept)
-    if COMBINE:
-        # The order of CUTLASS's split-K semaphore: every thread's stores, a barrier, one acq_rel count; the
-        # last arrival's acquire (shared with its threads by the barrier after the count) shows it the others'.
-        tl.debug_barrier()
-        s_lo = lo // SPLIT
+    s_lo = lo // SPLIT
+    alone = (lo < hi) & (tl.cdiv(hi, SPLIT) - s_lo == 1)  # the unit has one live split (this one, if live)
+    if COMBINE and alone:
         if live:
-            arrived = tl.atomic_add(cnt_ptr + u, 1, sem="acq_rel", scope="gpu")
-            if arrived == tl.cdiv(hi, SPLIT) - s_lo - 1:
+            _store_rows(o_ptr, so_n, so_h, so_t, i, t, h, row_ok, out, D)
+    else:
+        local = (u * tl.num_programs(1) + s) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        kept = row_ok & lives  # padding rows of the tile (3 of 4 at one query and group 4) store nothing
+        tl.store(part_ptr + local[:, None] * D + d[None, :], out, mask=kept[:, None])
+        tl.store(lse_ptr + local, tl.where(seen, top + tl.log(total), float("-inf")), mask=kept)
+        if COMBINE:
+            # The order of CUTLASS's split-K semaphore: every thread's stores, a barrier, one acq_rel count; the
+            # last arrival's acquire (shared with its threads by the barrier after the count) shows it the others'.
+            tl.debug_barrier()
+            if live:
+                arrived = tl.atomic_add(cnt_ptr + u, 1, sem="acq_rel", scope="gpu")
+                if arrived == tl.cdiv(hi, SPLIT) - s_lo - 1:
+                    _combine_unit(part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, u * tl.num_programs(1), i, t, h, row_ok, lo,
+                                  hi, D, BLOCK_Q, SPLIT)
+                    tl.atomic_xchg(cnt_ptr + u, 0)  # ready for the next launch (stream order)
+            elif s == 0 and lo >= hi:  # no split is live (no visible slot): the combine's zeros, once
                 _combine_unit(part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, u * tl.num_programs(1), i, t, h, row_ok, lo, hi,
                               D, BLOCK_Q, SPLIT)
-                tl.atomic_xchg(cnt_ptr + u, 0)  # ready for the next launch (stream order)
-        elif s == 0 and lo >= hi:  # no split is live (no visible slot): the combine's zeros, once
-            _combine_unit(part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, u * tl.num_programs(1), i, t, h, row_ok, lo, hi,
-                          D, BLOCK_Q, SPLIT)
 
 
 @triton.jit(do_not_specialize=["spos_n", "unit0", "QB", "S", "T"])
@@ -410,7 +419,13 @@ def _combine_unit(part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, base, i, t, h, row
         acc, weight_sum = _fold_split(acc, weight_sum, l1, p1, best, (q * 0 + s + 1) < s_hi)
         acc, weight_sum = _fold_split(acc, weight_sum, l2, p2, best, (q * 0 + s + 2) < s_hi)
         acc, weight_sum = _fold_split(acc, weight_sum, l3, p3, best, (q * 0 + s + 3) < s_hi)
-    out = acc / tl.where(weight_sum > 0, weight_sum, 1.0)[:, None]
+    _store_rows(o_ptr, so_n, so_h, so_t, i, t, h, row_ok, acc / tl.where(weight_sum > 0, weight_sum, 1.0)[:, None], D)
+
+
+@triton.jit
+def _store_rows(o_ptr, so_n, so_h, so_t, i, t, h, row_ok, out, D: tl.constexpr):
+    """The tile's real rows of the attention's output (owner i; token t, head h per row), rounded to its dtype."""
+    d = tl.arange(0, D)
     dest = o_ptr + i * so_n + h[:, None] * so_h + t[:, None] * so_t + d[None, :]
     tl.store(dest, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
