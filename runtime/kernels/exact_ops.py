@@ -342,9 +342,10 @@ def _finish_split(acc, top, total, u, s, i, t, h, row_ok, lives, live, lo, hi, p
                   cnt_ptr, D: tl.constexpr, BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr, COMBINE: tl.constexpr):
     """A split's partial (acc / total) and log-sum-exp (top + log total) stored for the tile's rows that are real and
     live; COMBINE: the unit's last live split to finish folds the splits (``_combine_unit``). A unit with one
-    live split (every context of at most SPLIT slots) stores its partial as the output: the fold of one split
-    is that partial to the bit (its weight exp(lse - lse) is 1, its weight sum 1), and the partials' stores,
-    the counter and the fold's loads (three memory round trips) are skipped."""
+    live split (its visible slots in one SPLIT window: any context of at most SPLIT slots) stores its partial
+    as the output: the fold of one split is that partial to the bit (its weight exp(lse - lse) is 1, its
+    weight sum 1), and the partials' stores, the counter and the fold's loads (three memory round trips) are
+    skipped."""
     d = tl.arange(0, D)
     seen = total > 0
     out = acc / tl.where(seen, total, 1.0)[:, None]
