@@ -192,7 +192,8 @@ def check_attention_rows(device: str, dtype: torch.dtype, small: bool, **tile) -
     the owners' row views or whole pools (any rows), for causal (target), windowed and non-causal (draft) layers;
     and with the splits folded in the attention launch (``combine_in_kernel``) or by a second one, also for
     owners with no visible slot and for owner 0's one live split (in the launch its partial is stored as the
-    output, unfolded: the second launch still folds it). ``tile``: ``ExactOps``' block_q / split_slots / block_n (its defaults without)."""
+    output, unfolded: the second launch still folds it). ``tile``: ``ExactOps``' block_q / split_slots / block_n
+    (its defaults without)."""
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
 
     ops, generator = ExactOps(**tile), torch.Generator().manual_seed(12)

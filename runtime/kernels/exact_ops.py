@@ -277,10 +277,25 @@ def _attention_kernel(
     COMBINE: the unit's last live split to finish (a counter per unit) runs ``_combine_unit``, else
     ``_combine_kernel`` does (a second launch): the same fold in the same order either way."""
     enter(PDL)
-    u, s, i, t, h, row_ok, pos, lo, hi, first, last, live, lives, q, kv_row = _split_of(
-        q_ptr, sq_n, sq_h, sq_t, sk_n, sk_h, pos_ptr, spos_n, len_ptr, rows_ptr, unit0, QB, T, G, HKV, window,
-        D, BLOCK_Q, BLOCK_N, SPLIT, CAUSAL, WINDOW, ROWS)
+    u = tl.program_id(0)
+    s = tl.program_id(1)
+    nh = (unit0 + u) // QB
+    qb = (unit0 + u) % QB
+    i = nh // HKV
+    kvh = nh % HKV
+    t, h, row_ok, pos, lo, hi = query_tile(pos_ptr, spos_n, len_ptr, i, qb, T, G, kvh, window, BLOCK_Q, CAUSAL, WINDOW)
+    lo = lo // BLOCK_N * BLOCK_N  # steps at absolute multiples of BLOCK_N
+    first = tl.maximum(s * SPLIT, lo)
+    last = tl.minimum((s + 1) * SPLIT, hi)
+    live = first < last  # else nothing to do: the combine never reads this split
+    # ... as a vector for masks (a vector & a scalar bool is a mask Triton's interpreter rejects)
+    lives = (tl.zeros([BLOCK_Q], dtype=tl.int32) + first) < last
     d = tl.arange(0, D)
+    q = tl.load(q_ptr + i * sq_n + h[:, None] * sq_h + t[:, None] * sq_t + d[None, :], mask=(row_ok & lives)[:, None], other=0.0)
+    if ROWS:  # owner i's cache row is a device input
+        kv_row = tl.load(rows_ptr + i) * sk_n + kvh * sk_h
+    else:
+        kv_row = i * sk_n + kvh * sk_h
     top = tl.full([BLOCK_Q], MASKED, dtype=tl.float32)
     total = tl.zeros([BLOCK_Q], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
@@ -308,36 +323,6 @@ def _attention_kernel(
 
 
 @triton.jit
-def _split_of(q_ptr, sq_n, sq_h, sq_t, sk_n, sk_h, pos_ptr, spos_n, len_ptr, rows_ptr, unit0, QB, T, G, HKV, window,
-              D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, CAUSAL: tl.constexpr,
-              WINDOW: tl.constexpr, ROWS: tl.constexpr):
-    """This program's unit (owner x kv head x query tile) and split: the unit u, the split s, owner i, the tile's rows
-    (token t, head h, whether real, position), its slot range [lo, hi) with lo at a multiple of BLOCK_N (steps at
-    absolute slots), the split's part of it [first, last), whether that is empty (``live``, and per row ``lives``),
-    the rows' queries [BLOCK_Q, D] and the owner's K/V offset for this kv head."""
-    u = tl.program_id(0)
-    s = tl.program_id(1)
-    nh = (unit0 + u) // QB
-    qb = (unit0 + u) % QB
-    i = nh // HKV
-    kvh = nh % HKV
-    t, h, row_ok, pos, lo, hi = query_tile(pos_ptr, spos_n, len_ptr, i, qb, T, G, kvh, window, BLOCK_Q, CAUSAL, WINDOW)
-    lo = lo // BLOCK_N * BLOCK_N  # steps at absolute multiples of BLOCK_N
-    first = tl.maximum(s * SPLIT, lo)
-    last = tl.minimum((s + 1) * SPLIT, hi)
-    live = first < last  # else nothing to do: the combine never reads this split
-    # ... as a vector for masks (a vector & a scalar bool is a mask Triton's interpreter rejects)
-    lives = (tl.zeros([BLOCK_Q], dtype=tl.int32) + first) < last
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + i * sq_n + h[:, None] * sq_h + t[:, None] * sq_t + d[None, :], mask=(row_ok & lives)[:, None], other=0.0)
-    if ROWS:  # owner i's cache row is a device input
-        kv_row = tl.load(rows_ptr + i) * sk_n + kvh * sk_h
-    else:
-        kv_row = i * sk_n + kvh * sk_h
-    return u, s, i, t, h, row_ok, pos, lo, hi, first, last, live, lives, q, kv_row
-
-
-@triton.jit
 def _finish_split(acc, top, total, u, s, i, t, h, row_ok, lives, live, lo, hi, part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t,
                   cnt_ptr, D: tl.constexpr, BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr, COMBINE: tl.constexpr):
     """A split's partial (acc / total) and log-sum-exp (top + log total) stored for the tile's rows that are real and
@@ -349,9 +334,8 @@ def _finish_split(acc, top, total, u, s, i, t, h, row_ok, lives, live, lo, hi, p
     d = tl.arange(0, D)
     seen = total > 0
     out = acc / tl.where(seen, total, 1.0)[:, None]
-    s_lo = lo // SPLIT
-    alone = (lo < hi) & (tl.cdiv(hi, SPLIT) - s_lo == 1)  # the unit has one live split (this one, if live)
-    if COMBINE and alone:
+    splits = tl.cdiv(hi, SPLIT) - lo // SPLIT  # the unit's live splits (when lo < hi)
+    if COMBINE and (lo < hi) & (splits == 1):  # one: this split's, if it is live
         if live:
             _store_rows(o_ptr, so_n, so_h, so_t, i, t, h, row_ok, out, D)
     else:
@@ -365,7 +349,7 @@ def _finish_split(acc, top, total, u, s, i, t, h, row_ok, lives, live, lo, hi, p
             tl.debug_barrier()
             if live:
                 arrived = tl.atomic_add(cnt_ptr + u, 1, sem="acq_rel", scope="gpu")
-                if arrived == tl.cdiv(hi, SPLIT) - s_lo - 1:
+                if arrived == splits - 1:
                     _combine_unit(part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, u * tl.num_programs(1), i, t, h, row_ok, lo,
                                   hi, D, BLOCK_Q, SPLIT)
                     tl.atomic_xchg(cnt_ptr + u, 0)  # ready for the next launch (stream order)
