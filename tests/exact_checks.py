@@ -233,23 +233,26 @@ def check_attention_rows(device: str, dtype: torch.dtype, small: bool, **tile) -
 
 
 def check_attention_rows_split(device: str, dtype: torch.dtype) -> None:
-    """``check_attention_rows`` (small) at another split window and inner step: 128 slots in one 128-slot step."""
-    check_attention_rows(device, dtype, True, split_slots=128, block_n=128)
+    """``check_attention_rows`` (small) at another split window and inner step: 64 slots in two 32-slot steps, so
+    the last owner's query sees nine splits and its fold runs past the eight splits it loads first."""
+    check_attention_rows(device, dtype, True, split_slots=64, block_n=32)
 
 
 def check_attention_reference(device: str, dtype: torch.dtype) -> None:
-    """``attention`` against the reference (``EagerKernels.attention``, fp32) within bf16 rounding."""
+    """``attention`` against the reference (``EagerKernels.attention``, fp32) within bf16 rounding; also at 64-slot
+    splits, where a context of 600 slots folds ten splits (the eight loaded first, then the rest)."""
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
 
     generator = torch.Generator().manual_seed(13)
-    for n, heads, kv_heads, T, D, L, causal, window in ((2, 4, 2, 1, 16, 600, True, 0), (2, 4, 2, 5, 16, 600, True, 0),
-                                                         (3, 5, 1, 16, 64, 520, False, 0), (1, 4, 2, 20, 16, 600, True, 7)):
+    for n, heads, kv_heads, T, D, L, causal, window, split in ((2, 4, 2, 1, 16, 600, True, 0, 256), (2, 4, 2, 5, 16, 600, True, 0, 256),
+                                                                (3, 5, 1, 16, 64, 520, False, 0, 256), (1, 4, 2, 20, 16, 600, True, 7, 256),
+                                                                (3, 4, 2, 5, 16, 600, True, 0, 64)):
         q, k, v = _attention_inputs(generator, device, dtype, n, heads, kv_heads, T, D, L)
         start = torch.tensor([5, L // 2, L - T - 1][:n], device=device)
         positions, kv_len = start[:, None] + torch.arange(T, device=device), start + T
         want = EAGER.attention(q.float(), k.float(), v.float(), None, positions, kv_len, causal, window)
-        got = ExactOps().attention(q, k, v, None, positions, kv_len, causal, window)
-        assert_near(got, want, dtype, f"attention n{n} T{T} D{D} causal {causal} window {window}")
+        got = ExactOps(split_slots=split).attention(q, k, v, None, positions, kv_len, causal, window)
+        assert_near(got, want, dtype, f"attention n{n} T{T} D{D} causal {causal} window {window} split {split}")
 
 
 def check_rope_rows(device: str, dtype: torch.dtype) -> None:
