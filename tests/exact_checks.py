@@ -234,13 +234,13 @@ def check_attention_rows(device: str, dtype: torch.dtype, small: bool, **tile) -
 
 def check_attention_rows_split(device: str, dtype: torch.dtype) -> None:
     """``check_attention_rows`` (small) at another split window and inner step: 64 slots in two 32-slot steps, so
-    the last owner's query sees nine splits and its fold runs past the eight splits it loads first."""
+    the last owner's query sees nine splits (its fold loads four at a time: three rounds)."""
     check_attention_rows(device, dtype, True, split_slots=64, block_n=32)
 
 
 def check_attention_reference(device: str, dtype: torch.dtype) -> None:
     """``attention`` against the reference (``EagerKernels.attention``, fp32) within bf16 rounding; also at 64-slot
-    splits, where a context of 600 slots folds ten splits (the eight loaded first, then the rest)."""
+    splits, where a context of 600 slots folds ten splits (three rounds of the fold's loads)."""
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
 
     generator = torch.Generator().manual_seed(13)

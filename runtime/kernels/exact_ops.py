@@ -380,33 +380,30 @@ def _combine_unit(part_ptr, lse_ptr, o_ptr, so_n, so_h, so_t, base, i, t, h, row
                   D: tl.constexpr, BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr):
     """A unit's live splits (partials at rows (base + s) * BLOCK_Q ..) folded in increasing order, weights
     exp(lse - max lse), stored to its rows. Loads bypass L1 (".cg"): other programs wrote the partials.
-    Loads wait one L2 round trip however many are in flight, so they are issued eight splits at a time
-    before any is used, and the first eight splits' log-sum-exps and partials together: a unit of at most
-    eight live splits (every context up to 2,048 slots) folds after one round trip (the maxima, then the
-    fold, four splits at a time, took four at 2,048). Past eight: the rest's maxima, then their fold, eight
-    splits a round trip. The additions stay one split at a time in increasing order (the same bits)."""
+    The loads of four splits are issued before any of them is used: a loop that loads one split and adds
+    it before loading the next waits one L2 round trip per split (8 at context 2048, twice: the maxima,
+    then the fold). The additions stay one split at a time in increasing order (the same bits)."""
     s_lo = lo // SPLIT
     s_hi = tl.where(lo < hi, tl.cdiv(hi, SPLIT), s_lo)  # the splits the attention pass wrote
     q = tl.arange(0, BLOCK_Q)
-    d = tl.arange(0, D)
-    # padding rows (not row_ok) and splits from s_hi on were not stored: not read either (-inf and zeros)
-    l0, p0 = _split(lse_ptr, part_ptr, base, s_lo, s_hi, q, d, row_ok, D, BLOCK_Q)
-    l1, p1 = _split(lse_ptr, part_ptr, base, s_lo + 1, s_hi, q, d, row_ok, D, BLOCK_Q)
-    l2, p2 = _split(lse_ptr, part_ptr, base, s_lo + 2, s_hi, q, d, row_ok, D, BLOCK_Q)
-    l3, p3 = _split(lse_ptr, part_ptr, base, s_lo + 3, s_hi, q, d, row_ok, D, BLOCK_Q)
-    l4, p4 = _split(lse_ptr, part_ptr, base, s_lo + 4, s_hi, q, d, row_ok, D, BLOCK_Q)
-    l5, p5 = _split(lse_ptr, part_ptr, base, s_lo + 5, s_hi, q, d, row_ok, D, BLOCK_Q)
-    l6, p6 = _split(lse_ptr, part_ptr, base, s_lo + 6, s_hi, q, d, row_ok, D, BLOCK_Q)
-    l7, p7 = _split(lse_ptr, part_ptr, base, s_lo + 7, s_hi, q, d, row_ok, D, BLOCK_Q)
-    best = _max_eight(tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32), l0, l1, l2, l3, l4, l5, l6, l7)
-    for s in range(s_lo + 8, s_hi, 8):  # the maxima past eight splits (exact in any order)
-        best = _max_next_eight(best, lse_ptr, base, s, s_hi, q, row_ok, BLOCK_Q)
+    best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    for s in range(s_lo, s_hi, 4):  # four splits a step; padding rows (not row_ok) were not stored: not read either
+        l0, l1 = _split_lse(lse_ptr, base, s, s_hi, q, row_ok, BLOCK_Q), _split_lse(lse_ptr, base, s + 1, s_hi, q, row_ok, BLOCK_Q)
+        l2, l3 = _split_lse(lse_ptr, base, s + 2, s_hi, q, row_ok, BLOCK_Q), _split_lse(lse_ptr, base, s + 3, s_hi, q, row_ok, BLOCK_Q)
+        best = tl.maximum(tl.maximum(tl.maximum(tl.maximum(best, l0), l1), l2), l3)  # exact in any order
     best = tl.where(best == float("-inf"), 0.0, best)  # a row no split showed a slot (padding)
+    d = tl.arange(0, D)
     acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
     weight_sum = tl.zeros([BLOCK_Q], dtype=tl.float32)
-    acc, weight_sum = _fold_eight(acc, weight_sum, best, s_lo, s_hi, q, l0, p0, l1, p1, l2, p2, l3, p3, l4, p4, l5, p5, l6, p6, l7, p7)
-    for s in range(s_lo + 8, s_hi, 8):  # a split that shows a row nothing adds exact zeros to it
-        acc, weight_sum = _fold_next_eight(acc, weight_sum, best, lse_ptr, part_ptr, base, s, s_hi, q, d, row_ok, D, BLOCK_Q)
+    for s in range(s_lo, s_hi, 4):  # a split that shows a row nothing adds exact zeros to it
+        l0, p0 = _split_lse(lse_ptr, base, s, s_hi, q, row_ok, BLOCK_Q), _split_part(part_ptr, base, s, s_hi, q, d, row_ok, D, BLOCK_Q)
+        l1, p1 = _split_lse(lse_ptr, base, s + 1, s_hi, q, row_ok, BLOCK_Q), _split_part(part_ptr, base, s + 1, s_hi, q, d, row_ok, D, BLOCK_Q)
+        l2, p2 = _split_lse(lse_ptr, base, s + 2, s_hi, q, row_ok, BLOCK_Q), _split_part(part_ptr, base, s + 2, s_hi, q, d, row_ok, D, BLOCK_Q)
+        l3, p3 = _split_lse(lse_ptr, base, s + 3, s_hi, q, row_ok, BLOCK_Q), _split_part(part_ptr, base, s + 3, s_hi, q, d, row_ok, D, BLOCK_Q)
+        acc, weight_sum = _fold_split(acc, weight_sum, l0, p0, best, (q * 0 + s) < s_hi)
+        acc, weight_sum = _fold_split(acc, weight_sum, l1, p1, best, (q * 0 + s + 1) < s_hi)
+        acc, weight_sum = _fold_split(acc, weight_sum, l2, p2, best, (q * 0 + s + 2) < s_hi)
+        acc, weight_sum = _fold_split(acc, weight_sum, l3, p3, best, (q * 0 + s + 3) < s_hi)
     _store_rows(o_ptr, so_n, so_h, so_t, i, t, h, row_ok, acc / tl.where(weight_sum > 0, weight_sum, 1.0)[:, None], D)
 
 
@@ -439,55 +436,6 @@ def _fold_split(acc, weight_sum, lse, part, best, live):
     False past the last split: nothing added."""
     weight = tl.exp(lse - best)
     return tl.where(live[:, None], acc + weight[:, None] * part, acc), tl.where(live, weight_sum + weight, weight_sum)
-
-
-@triton.jit
-def _split(lse_ptr, part_ptr, base, s, s_hi, q, d, row_ok, D: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """Split s's log-sum-exps and partial outputs (``_split_lse``, ``_split_part``)."""
-    return _split_lse(lse_ptr, base, s, s_hi, q, row_ok, BLOCK_Q), _split_part(part_ptr, base, s, s_hi, q, d, row_ok, D, BLOCK_Q)
-
-
-@triton.jit
-def _max_eight(best, l0, l1, l2, l3, l4, l5, l6, l7):
-    """The running maximum of eight splits' log-sum-exps [BLOCK_Q] (exact in any order)."""
-    return tl.maximum(tl.maximum(tl.maximum(tl.maximum(best, l0), tl.maximum(l1, l2)), tl.maximum(l3, l4)),
-                      tl.maximum(tl.maximum(l5, l6), l7))
-
-
-@triton.jit
-def _max_next_eight(best, lse_ptr, base, s, s_hi, q, row_ok, BLOCK_Q: tl.constexpr):
-    """``_max_eight`` over splits s .. s + 7, their loads issued together."""
-    return _max_eight(best, _split_lse(lse_ptr, base, s, s_hi, q, row_ok, BLOCK_Q), _split_lse(lse_ptr, base, s + 1, s_hi, q, row_ok, BLOCK_Q),
-                      _split_lse(lse_ptr, base, s + 2, s_hi, q, row_ok, BLOCK_Q), _split_lse(lse_ptr, base, s + 3, s_hi, q, row_ok, BLOCK_Q),
-                      _split_lse(lse_ptr, base, s + 4, s_hi, q, row_ok, BLOCK_Q), _split_lse(lse_ptr, base, s + 5, s_hi, q, row_ok, BLOCK_Q),
-                      _split_lse(lse_ptr, base, s + 6, s_hi, q, row_ok, BLOCK_Q), _split_lse(lse_ptr, base, s + 7, s_hi, q, row_ok, BLOCK_Q))
-
-
-@triton.jit
-def _fold_eight(acc, weight_sum, best, s, s_hi, q, l0, p0, l1, p1, l2, p2, l3, p3, l4, p4, l5, p5, l6, p6, l7, p7):
-    """Splits s .. s + 7 added to the fold one at a time in increasing order; those from s_hi on add nothing."""
-    acc, weight_sum = _fold_split(acc, weight_sum, l0, p0, best, (q * 0 + s) < s_hi)
-    acc, weight_sum = _fold_split(acc, weight_sum, l1, p1, best, (q * 0 + s + 1) < s_hi)
-    acc, weight_sum = _fold_split(acc, weight_sum, l2, p2, best, (q * 0 + s + 2) < s_hi)
-    acc, weight_sum = _fold_split(acc, weight_sum, l3, p3, best, (q * 0 + s + 3) < s_hi)
-    acc, weight_sum = _fold_split(acc, weight_sum, l4, p4, best, (q * 0 + s + 4) < s_hi)
-    acc, weight_sum = _fold_split(acc, weight_sum, l5, p5, best, (q * 0 + s + 5) < s_hi)
-    acc, weight_sum = _fold_split(acc, weight_sum, l6, p6, best, (q * 0 + s + 6) < s_hi)
-    return _fold_split(acc, weight_sum, l7, p7, best, (q * 0 + s + 7) < s_hi)
-
-
-@triton.jit
-def _fold_next_eight(acc, weight_sum, best, lse_ptr, part_ptr, base, s, s_hi, q, d, row_ok, D: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """``_fold_eight`` over splits s .. s + 7, their loads issued together before any is added."""
-    l0, p0 = _split(lse_ptr, part_ptr, base, s, s_hi, q, d, row_ok, D, BLOCK_Q)
-    l1, p1 = _split(lse_ptr, part_ptr, base, s + 1, s_hi, q, d, row_ok, D, BLOCK_Q)
-    l2, p2 = _split(lse_ptr, part_ptr, base, s + 2, s_hi, q, d, row_ok, D, BLOCK_Q)
-    l3, p3 = _split(lse_ptr, part_ptr, base, s + 3, s_hi, q, d, row_ok, D, BLOCK_Q)
-    l4, p4 = _split(lse_ptr, part_ptr, base, s + 4, s_hi, q, d, row_ok, D, BLOCK_Q)
-    l5, p5 = _split(lse_ptr, part_ptr, base, s + 5, s_hi, q, d, row_ok, D, BLOCK_Q)
-    l6, p6 = _split(lse_ptr, part_ptr, base, s + 6, s_hi, q, d, row_ok, D, BLOCK_Q)
-    l7, p7 = _split(lse_ptr, part_ptr, base, s + 7, s_hi, q, d, row_ok, D, BLOCK_Q)
-    return _fold_eight(acc, weight_sum, best, s, s_hi, q, l0, p0, l1, p1, l2, p2, l3, p3, l4, p4, l5, p5, l6, p6, l7, p7)
 
 
 # --------------------------------------------------------------------------- ops

@@ -604,8 +604,8 @@ def test_exact_rope_write_rows_do_not_depend_on_the_batch(interpreted):
 
 def test_exact_ops_agree_with_the_reference(interpreted):
     """Bug: the exact kernels compute something else than the reference layers (RMSNorm -> Linear, SwiGLU,
-    residual; softmax attention with causal / window / non-causal masks) beyond bf16 rounding; a fold of more
-    than eight splits (ten at 64-slot splits) leaves out or misweighs those past the eight it loads first."""
+    residual; softmax attention with causal / window / non-causal masks) beyond bf16 rounding; a fold of many
+    splits (ten at 64-slot splits: three rounds of its loads) leaves out or misweighs some of them."""
     _passed(interpreted, "linear_reference")
     _passed(interpreted, "attention_reference")
 
@@ -668,8 +668,8 @@ def test_exact_attention_is_batch_invariant_at_every_tile_on_cuda(tile):
 def test_exact_attention_at_another_split_is_batch_invariant(interpreted):
     """Bug: a split window or inner step other than the default (64 slots in two 32-slot steps) makes a query's
     result follow the queries, owners or capacity of its launch (the combine folding another split range, a
-    step that starts at a relative slot), both fold paths alike, also past the eight splits the fold loads
-    first (nine here)."""
+    step that starts at a relative slot), both fold paths alike, also for a unit of nine splits (three rounds
+    of the fold's loads)."""
     _passed(interpreted, "attention_rows_split")
 
 
