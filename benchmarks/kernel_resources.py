@@ -1,0 +1,109 @@
+"""What the exact attention costs a Hopper processor, read from its compile (no GPU): registers, stack, shared memory,
+SASS instructions, and how many programs fit one SM by each limit.
+
+    python benchmarks/kernel_resources.py [--stages 2 3] [--warps 4] [--record]
+
+Compiles ``exact_ops._attention_kernel`` (the splits folded in the launch, and by a second launch) and
+``_combine_kernel`` for sm90 at the Qwen3-8B head shape (head_dim 128, 16-row query tiles, 64-slot steps, 256-slot
+splits, causal, PDL), with the integer strides and pointers a launch passes known 16-divisible, as Triton
+specializes them at a launch: without that it compiles scalar loads and other registers. Run under the Triton the
+GPU will run (the GPU machine's, or a copy of it on ``PYTHONPATH``): compilers differ. Why: a kernel change that
+keeps every bit can still cost a third of its speed by holding more registers (benchmarks/RESULTS.md, "The exact
+attention's fold with eight splits' loads at once": 146 -> 203 registers, three programs per SM -> two, a four-owner
+verify's attention 39.3 -> 47.6 µs per layer). Prints a table and ends with one JSON line; ``--record`` appends one row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import record  # benchmarks/record.py: results.jsonl
+
+# An H100 / H200 SM (sm90): registers, shared memory (less 1 KiB the driver keeps per program), threads, programs
+SM_REGISTERS, SM_SHARED, PROGRAM_RESERVED, SM_THREADS, SM_PROGRAMS = 65536, 233472, 1024, 2048, 32
+SHAPE = {"D": 128, "BLOCK_Q": 16, "BLOCK_N": 64, "SPLIT": 256, "CAUSAL": True, "WINDOW": False, "ROWS": True, "INTERP": False, "PDL": True}
+POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32",
+            "pos_ptr": "*i64", "len_ptr": "*i64", "rows_ptr": "*i64", "cnt_ptr": "*i32"}
+ALIGNED = {"sq_n", "sq_h", "sq_t", "sk_n", "sk_h", "sk_l", "so_n", "so_h", "so_t"}  # multiples of 16 at this shape
+
+
+def signature(kernel, constexprs: dict) -> tuple[dict, dict]:
+    """The kernel's argument types by name (pointers by ``POINTERS``, ``scale`` fp32, other integers i32) and the
+    16-divisible ones (every pointer, the strides in ``ALIGNED``) as Triton's attributes."""
+    names = list(inspect.signature(kernel.fn).parameters)
+    types = {n: "constexpr" if n in constexprs else POINTERS.get(n, "fp32" if n == "scale" else "i32") for n in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in POINTERS or n in ALIGNED}
+    return types, aligned
+
+
+def programs_per_sm(registers: int, shared: int, warps: int) -> dict:
+    """Programs one SM holds by each limit (registers allocated per warp in 256s)."""
+    per_warp = -(-registers * 32 // 256) * 256
+    return {"by_registers": SM_REGISTERS // (per_warp * warps), "by_shared": SM_SHARED // (shared + PROGRAM_RESERVED),
+            "by_threads": min(SM_THREADS // (32 * warps), SM_PROGRAMS)}
+
+
+def resources(kernel, constexprs: dict, warps: int, stages: int) -> dict:
+    """One compile for sm90: registers, stack bytes, shared bytes, SASS instructions, local loads / stores."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    types, aligned = signature(kernel, constexprs)
+    source = ASTSource(fn=kernel, signature=types, constexprs=constexprs, attrs=aligned)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([tool, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+    registers, stack = (int(x) for x in re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
+    shared = compiled.metadata.shared
+    return {"registers": registers, "stack_bytes": stack, "shared_bytes": shared,
+            "sass_instructions": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.MULTILINE)),
+            "local_accesses": len(re.findall(r"\b(?:LDL|STL)\b", sass)), **programs_per_sm(registers, shared, warps)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 3], help="key / value steps in flight (the product: 3 at this shape)")
+    parser.add_argument("--warps", type=int, default=4, help="warps per program (the product's attention: 4)")
+    parser.add_argument("--record", action="store_true", help="append a row to benchmarks/results.jsonl")
+    args = parser.parse_args()
+
+    import triton
+    from dflash_trt.runtime.kernels import exact_ops
+
+    kernels = {"attention, folded in the launch": (exact_ops._attention_kernel, SHAPE | {"COMBINE": True}),
+               "attention, folded by a second launch": (exact_ops._attention_kernel, SHAPE | {"COMBINE": False}),
+               "the second launch's fold": (exact_ops._combine_kernel, {k: SHAPE[k] for k in ("D", "BLOCK_Q", "BLOCK_N", "SPLIT", "CAUSAL", "WINDOW", "PDL")})}
+    rows = []
+    print(f"sm90, Triton {triton.__version__}, {args.warps} warps per program\n")
+    print("| kernel | stages | registers | stack B | shared B | SASS | local ld/st | programs / SM: registers, shared, threads |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for label, (kernel, constexprs) in kernels.items():
+        for stages in args.stages if kernel is exact_ops._attention_kernel else args.stages[-1:]:
+            row = {"kernel": label, "stages": stages, **resources(kernel, constexprs, args.warps, stages)}
+            rows.append(row)
+            print(f"| {label} | {stages} | {row['registers']} | {row['stack_bytes']} | {row['shared_bytes']} | {row['sass_instructions']} | "
+                  f"{row['local_accesses']} | {row['by_registers']}, {row['by_shared']}, {row['by_threads']} |", flush=True)
+    result = {"name": "kernel_resources", "machine": "CPU (compiled for sm90)", "triton": triton.__version__,
+              "command": "python benchmarks/kernel_resources.py " + " ".join(sys.argv[1:]), "warps": args.warps, "rows": rows}
+    if args.record:
+        record.append_rows([result])
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
