@@ -10,7 +10,8 @@ specializes them at a launch: without that it compiles scalar loads and other re
 GPU will run (the GPU machine's, or a copy of it on ``PYTHONPATH``): compilers differ. Why: a kernel change that
 keeps every bit can still cost a third of its speed by holding more registers (benchmarks/RESULTS.md, "The exact
 attention's fold with eight splits' loads at once": 146 -> 203 registers, three programs per SM -> two, a four-owner
-verify's attention 39.3 -> 47.6 µs per layer). Prints a table and ends with one JSON line; ``--record`` appends one row.
+verify's attention 39.3 -> 47.6 µs per layer; ``test_exact_attention_holds_three_programs_per_sm`` now holds the
+product to three). Prints a table and ends with one JSON line; ``--record`` appends one row.
 """
 
 from __future__ import annotations

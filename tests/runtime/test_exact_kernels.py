@@ -434,6 +434,29 @@ def test_exact_attention_pipeline_depth_fits_shared_memory():
     assert exact_attention_stages(128, 2, shared=SM89_SHARED_BYTES) == 2  # on an sm89 GPU: 64 KiB
 
 
+@needs_triton
+def test_exact_attention_holds_three_programs_per_sm():
+    """Bug: a change to the exact attention that keeps every bit raises its registers past what lets an H100 /
+    H200 SM hold three of its programs (the fold's first eight splits loaded at once: 146 -> 203 registers under
+    Triton 3.6), and a four-owner verify's attention runs 20% slower (39.3 -> 47.6 µs per layer at context 2048 on
+    an H100: benchmarks/RESULTS.md, "The exact attention's fold with eight splits' loads at once"). Compiled for
+    sm90 here (``benchmarks/kernel_resources.py``, the launch's alignment), at the Qwen3-8B head shape in bf16
+    with the product's pipeline depth: three programs per SM by registers and by shared memory, no spills."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import kernel_resources
+
+    from dflash_trt.runtime.kernels import exact_ops
+    from dflash_trt.runtime.kernels.plan import exact_attention_stages
+
+    stages = exact_attention_stages(128, 2)  # 3: an H100 / H200's budget
+    try:
+        found = kernel_resources.resources(exact_ops._attention_kernel, kernel_resources.SHAPE | {"COMBINE": True}, 4, stages)
+    except (ImportError, FileNotFoundError) as error:  # a Triton without the NVIDIA backend's compiler or cuobjdump
+        pytest.skip(f"cannot compile for sm90 here: {error!r}"[:200])
+    assert found["by_registers"] >= 3 and found["by_shared"] >= 3, found
+    assert found["stack_bytes"] == 0 and found["local_accesses"] == 0, found
+
+
 def test_exact_linear_pipelines_fit_a_gpus_shared_memory():
     """Bug: the exact linear's pipelines are sized for an H100's shared memory on every GPU: on an sm86 / sm89
     GPU (99 KiB a program) the Qwen3-8B and default-pair weights ask 128-160 KiB and their first launch fails;
