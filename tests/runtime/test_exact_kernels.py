@@ -443,8 +443,7 @@ def test_exact_attention_holds_three_programs_per_sm():
     sm90 here (``benchmarks/kernel_resources.py``, the launch's alignment), at the Qwen3-8B head shape in bf16
     with the product's pipeline depth: three programs per SM by registers and by shared memory, no spills."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import kernel_resources
-
+    import kernel_resources  # benchmarks/kernel_resources.py
     from dflash_trt.runtime.kernels import exact_ops
     from dflash_trt.runtime.kernels.plan import exact_attention_stages
 
