@@ -8,7 +8,7 @@ Compiles ``exact_ops._attention_kernel`` (the splits folded in the launch, and b
 splits, causal, PDL), with the integer strides and pointers a launch passes known 16-divisible, as Triton
 specializes them at a launch: without that it compiles scalar loads and other registers. Run under the Triton the
 GPU will run (the GPU machine's, or a copy of it on ``PYTHONPATH``): compilers differ. Why: a kernel change that
-keeps every bit can still cost a third of its speed by holding more registers (benchmarks/RESULTS.md, "The exact
+keeps every bit can still make a launch a fifth slower by holding more registers (benchmarks/RESULTS.md, "The exact
 attention's fold with eight splits' loads at once": 146 -> 203 registers, three programs per SM -> two, a four-owner
 verify's attention 39.3 -> 47.6 µs per layer; ``test_exact_attention_holds_three_programs_per_sm`` now holds the
 product to three). Prints a table and ends with one JSON line; ``--record`` appends one row.
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import record  # benchmarks/record.py: results.jsonl
 
-# An H100 / H200 SM (sm90): registers, shared memory (less 1 KiB the driver keeps per program), threads, programs
+# An H100 / H200 SM (sm90): registers, shared memory (of which the driver keeps 1 KiB per program), threads, programs
 SM_REGISTERS, SM_SHARED, PROGRAM_RESERVED, SM_THREADS, SM_PROGRAMS = 65536, 233472, 1024, 2048, 32
 SHAPE = {"D": 128, "BLOCK_Q": 16, "BLOCK_N": 64, "SPLIT": 256, "CAUSAL": True, "WINDOW": False, "ROWS": True, "INTERP": False, "PDL": True}
 POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32",
