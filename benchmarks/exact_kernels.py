@@ -114,7 +114,7 @@ def tile_times(backend, reps: int) -> list[dict]:
     return attention_variant_times(backend, reps, "tile", variants, compare=False)
 
 
-SPLITS = ((256, 64), (128, 64), (128, 128), (64, 64))  # (split window, inner step) of the split section
+SPLITS = ((256, 64), (512, 64), (1024, 64), (128, 64), (128, 128), (64, 64))  # (split window, inner step) of the split section
 
 
 def split_times(backend, reps: int) -> list[dict]:
