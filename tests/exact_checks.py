@@ -242,10 +242,11 @@ def check_attention_reference(device: str, dtype: torch.dtype) -> None:
     """``attention`` against the reference (``EagerKernels.attention``, fp32) within bf16 rounding; also at 64-slot
     splits, where a context of 600 slots folds ten splits (three rounds of the fold's loads)."""
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
+    from dflash_trt.runtime.kernels.plan import EXACT_SPLIT_SLOTS
 
-    generator = torch.Generator().manual_seed(13)
-    for n, heads, kv_heads, T, D, L, causal, window, split in ((2, 4, 2, 1, 16, 600, True, 0, 256), (2, 4, 2, 5, 16, 600, True, 0, 256),
-                                                                (3, 5, 1, 16, 64, 520, False, 0, 256), (1, 4, 2, 20, 16, 600, True, 7, 256),
+    generator, default = torch.Generator().manual_seed(13), EXACT_SPLIT_SLOTS  # the product's split window
+    for n, heads, kv_heads, T, D, L, causal, window, split in ((2, 4, 2, 1, 16, 600, True, 0, default), (2, 4, 2, 5, 16, 600, True, 0, default),
+                                                                (3, 5, 1, 16, 64, 520, False, 0, default), (1, 4, 2, 20, 16, 600, True, 7, default),
                                                                 (3, 4, 2, 5, 16, 600, True, 0, 64)):
         q, k, v = _attention_inputs(generator, device, dtype, n, heads, kv_heads, T, D, L)
         start = torch.tensor([5, L // 2, L - T - 1][:n], device=device)
