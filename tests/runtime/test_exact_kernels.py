@@ -456,6 +456,34 @@ def test_exact_attention_holds_three_programs_per_sm():
     assert found["stack_bytes"] == 0 and found["local_accesses"] == 0, found
 
 
+def test_an_exact_kernels_run_records_each_section_it_ran(tmp_path):
+    """Bug: ``benchmarks/exact_kernels.py`` appended only its graph rows to results.jsonl; a section measured on the
+    device (the stages A/B, the graphs' kernel profile) reached it only when copied by hand from ``$OUT``, and a
+    section that failed left no row at all. Run as ``main`` runs them (``gpu_graphs.Report``), one section
+    measured and one failing: the rows are the graph rows, then each section's rows or its error, stamped alike."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import exact_kernels  # benchmarks/exact_kernels.py
+    import gpu_graphs
+
+    report = gpu_graphs.Report(tmp_path / "exact_kernels.json")
+    report.data["graph_rows"] = [{"kernels": "exact", "owners": n, "ar_step_ms": 6.3} for n in (1, 4)]
+    measured = [{"stages": "product", "tokens": 16, "owners": 4, "us_per_layer": 30.5, "same_bits": True}]
+    report.section("stages_us", lambda: measured)
+
+    def broken():
+        raise RuntimeError("no CUDA device")
+
+    report.section("profile_us", broken)
+    stamp = {"date": "2026-12-07 07:00 UTC", "machine": "m", "command": "c", "pdl": True}
+    rows = exact_kernels.result_rows(report.data, ["stages", "profile"], stamp)
+
+    assert [r["name"] for r in rows] == ["exact_kernels", "exact_kernels", "exact_kernels_stages", "exact_kernels_profile"]
+    assert all({k: r[k] for k in stamp} == stamp for r in rows)
+    assert [r["owners"] for r in rows[:2]] == [1, 4]
+    assert rows[2]["rows"] == measured
+    assert rows[3]["failure"] == "RuntimeError: no CUDA device" and "rows" not in rows[3]
+
+
 def test_exact_linear_pipelines_fit_a_gpus_shared_memory():
     """Bug: the exact linear's pipelines are sized for an H100's shared memory on every GPU: on an sm86 / sm89
     GPU (99 KiB a program) the Qwen3-8B and default-pair weights ask 128-160 KiB and their first launch fails;
