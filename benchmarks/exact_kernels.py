@@ -26,7 +26,8 @@ FFN 12288, vocab 151936; draft 5 layers, block 16), then, for kernels = "fast" a
   outside it, and the gaps between kernels (the graph's device time less its kernels' sum).
 
 Prints a table and ends with one JSON line; rows are appended to ``--results`` (default
-benchmarks/results.jsonl: the graph rows, and a row per section with its rows or its failure) and the whole report is written to ``$OUT/exact_kernels.json`` when ``OUT`` is set;
+benchmarks/results.jsonl: the graph rows, then a row per section with its rows or its failure) and the whole
+report is written to ``$OUT/exact_kernels.json`` when ``OUT`` is set;
 with ``--sweep``, the chosen tilings also to ``$OUT/exact_tiles.json`` (and printed as ``plan.EXACT_TILES``
 lines) as soon as the sweep ends. A failing section is recorded and the run goes on.
 """
@@ -361,13 +362,7 @@ def run_sweep(report, fast_backend, args, out_dir, attention: dict):
 def result_rows(data: dict, sections: list[str], stamp: dict) -> list[dict]:
     """The run's results.jsonl rows: one per graph row (``exact_kernels``), then one per section asked for
     (``exact_kernels_<section>``: its rows under ``rows``, or the end of its traceback under ``failure``), each
-    with ``stamp`` (date, machine, command, pdl).
-
-    >>> rows = result_rows({"graph_rows": [{"owners": 1}], "stages_us": [{"us_per_layer": 12.1}], "failures": {"split_us": "...\\nValueError: x"}},
-    ...                    ["stages", "split"], {"date": "d"})
-    >>> [(r["name"], r.get("owners"), r.get("rows"), r.get("failure"), r["date"]) for r in rows]
-    [('exact_kernels', 1, None, None, 'd'), ('exact_kernels_stages', None, [{'us_per_layer': 12.1}], None, 'd'), ('exact_kernels_split', None, None, 'ValueError: x', 'd')]
-    """
+    with ``stamp`` (date, machine, command, pdl); tests/runtime/test_exact_kernels.py runs it on a ``Report``."""
     rows = [{"name": "exact_kernels", **stamp, **r} for r in data.get("graph_rows") or []]
     failures = data.get("failures") or {}
     for name in sections:
