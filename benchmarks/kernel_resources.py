@@ -54,26 +54,27 @@ def programs_per_sm(registers: int, shared: int, warps: int) -> dict:
             "by_threads": min(SM_THREADS // (32 * warps), SM_PROGRAMS)}
 
 
-def resources(kernel, constexprs: dict, warps: int, stages: int) -> dict:
-    """One compile for sm90: registers, stack bytes, shared bytes, SASS instructions, local loads / stores."""
+def resources(kernel, constexprs: dict, warps: int, stages: int, registers: int | None = None) -> dict:
+    """One compile for sm90 (``registers``: the launch's cap, ``maxnreg``): registers, stack bytes, shared bytes, SASS
+    instructions, local loads / stores."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     types, aligned = signature(kernel, constexprs)
     source = ASTSource(fn=kernel, signature=types, constexprs=constexprs, attrs=aligned)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages, **({"maxnreg": registers} if registers else {})})
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
         usage = subprocess.run([tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True, check=True).stdout
         sass = subprocess.run([tool, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
-    registers, stack = (int(x) for x in re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
+    held, stack = (int(x) for x in re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
     shared = compiled.metadata.shared
-    return {"registers": registers, "stack_bytes": stack, "shared_bytes": shared,
+    return {"registers": held, "stack_bytes": stack, "shared_bytes": shared,
             "sass_instructions": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.MULTILINE)),
-            "local_accesses": len(re.findall(r"\b(?:LDL|STL)\b", sass)), **programs_per_sm(registers, shared, warps)}
+            "local_accesses": len(re.findall(r"\b(?:LDL|STL)\b", sass)), **programs_per_sm(held, shared, warps)}
 
 
 def main() -> None:

@@ -66,6 +66,7 @@ from dflash_trt.runtime.kernels.plan import (
     EXACT_WORKSPACE_BYTES,
     ExactLinearPlan,
     exact_attention_block_n,
+    exact_attention_launch,
     exact_attention_stages,
     exact_linear_launch,
     exact_linear_plan,
@@ -586,12 +587,15 @@ class ExactOps(TritonOps):
         stages = self.attention_stages or exact_attention_stages(D, k_cache.element_size(), block_n, self.shared_bytes(q.device))
         for unit0 in range(0, units, per_launch):
             count = min(per_launch, units - unit0)
+            depth, registers = stages, None  # a crowded launch: more programs per SM (the same bits)
+            if self.attention_stages is None:
+                depth, registers = exact_attention_launch(count * splits, self.processors(q.device), stages)
             _attention_kernel[(count, splits)](
                 q, q.stride(0), q.stride(1), q.stride(2), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
                 k_cache.stride(2), q_positions, q_positions.stride(0), kv_len, part, lse,
                 rows if rows is not None else kv_len, out, out.stride(0), out.stride(2), out.stride(1), counters, unit0, tiles, T,
                 group, kv_heads, window, D**-0.5, ROWS=rows is not None, COMBINE=self.combine_in_kernel, INTERP=INTERPRETED,
-                num_warps=self.attention_warps, num_stages=stages, **shape, **self.launch(q.device),
+                num_warps=self.attention_warps, num_stages=depth, **shape, **self.launch(q.device), **({"maxnreg": registers} if registers else {}),
             )
             if not self.combine_in_kernel:
                 _combine_kernel[(count,)](

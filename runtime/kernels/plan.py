@@ -283,6 +283,24 @@ def exact_attention_stages(head_dim: int, element_bytes: int, block_n: int | Non
     return 3 if 3 * tiles <= budget else 2 if 2 * tiles <= budget else 1
 
 
+EXACT_ATTENTION_REGISTERS = 128  # a crowded attention launch's registers per thread: four programs of four warps per SM
+EXACT_ATTENTION_PROGRAMS = 3  # programs per SM the uncapped attention holds (146 registers, 70 KiB at three steps)
+
+
+def exact_attention_launch(programs: int, processors: int, stages: int) -> tuple[int, int | None]:
+    """(key / value steps in flight, register cap or None) of one exact attention launch of ``programs`` programs
+    (units x the grid's splits) on ``processors`` SMs, whose uncapped programs would run ``stages`` steps in flight.
+
+    The kernel is bound by latency at every shape (benchmarks/RESULTS.md, "The exact attention: split windows ...":
+    0.15-0.46 instructions issued per cycle, 14-43% of DRAM): more warps per scheduler is what a launch of more
+    programs than ``EXACT_ATTENTION_PROGRAMS`` per SM lacks. There it runs at two steps in flight (38 KiB of
+    shared memory) and at most ``EXACT_ATTENTION_REGISTERS`` registers (no spills under Triton 3.6 for sm90): four
+    programs per SM instead of three. Loads and registers only: the same bits either way."""
+    if programs > EXACT_ATTENTION_PROGRAMS * processors and stages >= 2:
+        return 2, EXACT_ATTENTION_REGISTERS
+    return stages, None
+
+
 def exact_split_count(max_context: int, split_slots: int = EXACT_SPLIT_SLOTS) -> int:
     """Splits of the exact attention grid: enough for a full cache; the ones past the valid slots exit."""
     return cdiv(max_context, split_slots)

@@ -484,6 +484,34 @@ def test_an_exact_kernels_run_records_each_section_it_ran(tmp_path):
     assert rows[3]["failure"] == "RuntimeError: no CUDA device" and "rows" not in rows[3]
 
 
+def test_a_crowded_exact_attention_launch_holds_four_programs_per_sm():
+    """Bug: a launch of more exact attention programs than three per SM (a four-owner verify at context 2048: 1,024
+    live programs on 132 SMs) waits on latency with three warps per scheduler (benchmarks/RESULTS.md, "The exact
+    attention: split windows ..."); capped at 128 registers and two steps in flight it holds four, and the cap must
+    neither leave four out of reach nor spill more than a few values (none under Triton 3.6, the CUDA builds' own;
+    15 local loads and stores under 3.9). Also the rule: only a crowded launch is capped, an explicit depth of one
+    step is kept."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import kernel_resources  # benchmarks/kernel_resources.py
+    from dflash_trt.runtime.kernels import exact_ops
+    from dflash_trt.runtime.kernels.plan import (
+        EXACT_ATTENTION_PROGRAMS,
+        exact_attention_launch,
+    )
+
+    assert exact_attention_launch(8 * 16, 132, 3) == (3, None)  # the AR step at max_context 4096: 8 units x 16 splits
+    assert exact_attention_launch(EXACT_ATTENTION_PROGRAMS * 132, 132, 3) == (3, None)
+    assert exact_attention_launch(EXACT_ATTENTION_PROGRAMS * 132 + 1, 132, 3) == (2, 128)
+    assert exact_attention_launch(128 * 16, 132, 2) == (2, 128) and exact_attention_launch(128 * 16, 132, 1) == (1, None)
+    stages, registers = exact_attention_launch(128 * 16, 132, 3)
+    try:
+        found = kernel_resources.resources(exact_ops._attention_kernel, kernel_resources.SHAPE | {"COMBINE": True}, 4, stages, registers)
+    except (ImportError, FileNotFoundError) as error:  # a Triton without the NVIDIA backend's compiler or cuobjdump
+        pytest.skip(f"cannot compile for sm90 here: {error!r}"[:200])
+    assert found["by_registers"] >= 4 and found["by_shared"] >= 4, found
+    assert found["local_accesses"] <= 32, found
+
+
 def test_exact_linear_pipelines_fit_a_gpus_shared_memory():
     """Bug: the exact linear's pipelines are sized for an H100's shared memory on every GPU: on an sm86 / sm89
     GPU (99 KiB a program) the Qwen3-8B and default-pair weights ask 128-160 KiB and their first launch fails;
@@ -698,6 +726,31 @@ def test_the_gpus_shared_memory_is_read_and_the_default_pipelines_fit_it():
             tiles, block_n, stages = exact_linear_launch(plan, M, gated, 2, N, processors, shared)
             assert stages * _step_bytes(plan, tiles, block_n, gated, 2) <= limit, (N, K, M)
     assert exact_attention_stages(128, 2, shared=shared) * 2 * exact_attention_block_n(128) * 128 * 2 <= limit
+
+
+@gpu
+def test_a_crowded_exact_attention_launch_gives_each_query_its_lone_bits_on_cuda():
+    """Bug: the register cap and shallower pipeline of a crowded launch (``plan.exact_attention_launch``) change what
+    a query sums (the compiler reorders or contracts its arithmetic under register pressure), so a verify of four
+    owners gives other bits than each position decoded alone, and bf16 DFlash drifts from plain decoding at
+    exactly the owner counts where it runs. Qwen3-8B heads (32 / 8 x 128), a 4,096-slot cache, contexts from 1,000
+    to 3,100: four owners x 16 queries (2,048 programs on the grid: capped) against each query alone (128: not)."""
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+    from dflash_trt.runtime.kernels.plan import exact_attention_launch
+
+    ops, device, generator = ExactOps(), torch.device("cuda"), torch.Generator(device="cuda").manual_seed(21)
+    n, T, L = 4, 16, 4096
+    assert exact_attention_launch(n * 8 * 4 * 16, ops.processors(device), 3)[1] is not None  # the crowded launch is capped here
+    k, v = (torch.randn(n, 8, L, 128, device=device, generator=generator).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(n, 32, T, 128, device=device, generator=generator).to(torch.bfloat16)
+    start = torch.tensor([1000, 1777, 2048, 3100], device=device)
+    positions, kv_len = start[:, None] + torch.arange(T, device=device), start + T
+    crowded = ops.attention(q, k, v, None, positions, kv_len, True, 0)
+    for i in range(n):
+        for t in (0, 7, T - 1):
+            alone = ops.attention(q[i : i + 1, :, t : t + 1].contiguous(), k[i : i + 1], v[i : i + 1], None, positions[i : i + 1, t : t + 1],
+                                  start[i : i + 1] + t + 1, True, 0)
+            assert torch.equal(alone[0, :, 0].view(torch.int16), crowded[i, :, t].view(torch.int16)), (i, t)
 
 
 ATTENTION_TILES = [{"block_q": 32}, {"block_q": 64}, {"split_slots": 128}, {"split_slots": 128, "block_n": 128}, {"split_slots": 64}]
