@@ -138,11 +138,13 @@ def warps_times(backend, reps: int) -> list[dict]:
 
 
 def stages_times(backend, reps: int) -> list[dict]:
-    """The exact attention with 2, 3 and 4 key / value loads in flight per program (``attention_stages``): µs per
-    layer, and whether all give the same bits (they should: the depth moves loads, not sums)."""
+    """The exact attention with 2, 3 and 4 key / value loads in flight per program (``attention_stages``, uncapped
+    registers) and as the product launches it (``plan.exact_attention_launch``: a crowded launch at two steps and 128
+    registers): µs per layer, and whether all give the same bits (they should: the depth and the cap move loads and
+    registers, not sums)."""
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
 
-    variants = {f"stages {s}": ExactOps(attention_stages=s) for s in (2, 3, 4)}
+    variants = {"product": ExactOps()} | {f"stages {s}": ExactOps(attention_stages=s) for s in (2, 3, 4)}
     return attention_variant_times(backend, reps, "stages", variants, compare=True)
 
 
