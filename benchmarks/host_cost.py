@@ -2,7 +2,7 @@
 
     python benchmarks/host_cost.py [--clients 64] [--seconds 6] [--modes on off] [--tau 2.8] [--max-new-tokens 64]
         [--stream-interval-ms 20] [--launch-rounds 1] [--lag 1] [--max-cycles 32] [--device-us 390 230 7.5] [--profile 25]
-        [--profile-out STEM] [--record]
+        [--profile-out STEM] [--repeats R] [--record]
 
 What a serving thread spends in Python between launches decides the engine's throughput once the device is
 fast (benchmarks/RESULTS.md: at 64 streams on the H200 the device is busy a half or less). This measures it
@@ -26,7 +26,12 @@ best; default the server's); the JSON rows also the loop's TTFT and end-to-end p
 ``--profile-out STEM`` writes its whole profile to STEM.MODE.pstats (``python -m pstats``).
 
 Per row also the policy's choices in the window (drafting lanes' launches run as cycles / decode steps).
-Prints one table and ends with one JSON line; ``--record`` appends a row per mode.
+``--repeats R`` runs every mode's window R times, the modes interleaved (on, off, on, off, ..): single windows on a
+shared 2-core box differ by ~15%, so the summary gives each mode's median host µs per token and lane-round with
+their spread, and plain decoding's host µs per token over DFlash's, per repeat (> 1: DFlash's host work per token is
+the smaller: where the serving thread is the limit, its throughput ratio at best).
+Prints one table (and with ``--repeats``, the summary) and ends with one JSON line; ``--record`` appends a row per
+window.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -262,27 +268,54 @@ def main() -> int:
     parser.add_argument("--stream-interval-ms", type=float, default=DEFAULT_STREAM_INTERVAL * 1000, help="the serving loop's delivery tick")
     parser.add_argument("--profile", type=int, default=0, help="print the serving thread's N largest functions (cProfile)")
     parser.add_argument("--profile-out", help="write the serving thread's profile to PROFILE_OUT.MODE.pstats")
+    parser.add_argument("--repeats", type=int, default=1, help="windows per mode, the modes interleaved; the summary gives medians")
     parser.add_argument("--record", action="store_true", help="append the rows to benchmarks/results.jsonl")
     args = parser.parse_args()
-    if args.clients < 1 or args.seconds <= 0 or args.tau <= 1 or (args.max_sessions and args.max_sessions < args.clients):
-        parser.error(f"--clients >= 1, --max-sessions 0 or >= --clients, --seconds > 0 and --tau > 1, got {args.clients}, "
-                     f"{args.max_sessions}, {args.seconds}, {args.tau}")
+    if args.clients < 1 or args.seconds <= 0 or args.tau <= 1 or (args.max_sessions and args.max_sessions < args.clients) or args.repeats < 1:
+        parser.error(f"--clients >= 1, --max-sessions 0 or >= --clients, --seconds > 0, --tau > 1 and --repeats >= 1, got {args.clients}, "
+                     f"{args.max_sessions}, {args.seconds}, {args.tau}, {args.repeats}")
     torch.set_num_threads(1)
-    rows = [measure(mode, args) for mode in args.modes]
-    print("| mode | clients | lag | requests | lane-rounds | lanes / launch | tokens / lane-round | host µs / lane-round | host µs / token | host µs / request | serving CPU % "
-          "| device busy % | tok/s | ITL p50 / p99 ms | policy cycles / decodes |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    rows = [{**measure(mode, args), "repeat": repeat} for repeat in range(1, args.repeats + 1) for mode in args.modes]
+    print("| mode | repeat | clients | lag | requests | lane-rounds | lanes / launch | tokens / lane-round | host µs / lane-round | host µs / token | host µs / request "
+          "| serving CPU % | device busy % | tok/s | ITL p50 / p99 ms | policy cycles / decodes |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['mode']} | {r['clients']} | {r['lag']} | {r['requests']} | {r['lane_rounds']} | {r['lanes_per_launch']} | {r['tokens_per_lane_round']} | {r['host_us_per_lane_round']} "
-              f"| {r['host_us_per_token']} | {r['host_us_per_request']} | {r['serving_cpu_pct']} | {r['device_busy_pct']} | {r['tok_s']:,} | {r['itl_p50_ms']} / {r['itl_p99_ms']} "
-              f"| {r['policy_cycles']} / {r['policy_decodes']} |")
+        print(f"| {r['mode']} | {r['repeat']} | {r['clients']} | {r['lag']} | {r['requests']} | {r['lane_rounds']} | {r['lanes_per_launch']} | {r['tokens_per_lane_round']} "
+              f"| {r['host_us_per_lane_round']} | {r['host_us_per_token']} | {r['host_us_per_request']} | {r['serving_cpu_pct']} | {r['device_busy_pct']} | {r['tok_s']:,} "
+              f"| {r['itl_p50_ms']} / {r['itl_p99_ms']} | {r['policy_cycles']} / {r['policy_decodes']} |")
     for r in rows:
         if "profile" in r:
-            print(f"\n{r['mode']}:\n{r.pop('profile')}")
+            print(f"\n{r['mode']} (repeat {r['repeat']}):\n{r.pop('profile')}")
+    summary = host_medians(rows)
+    if args.repeats > 1:
+        print("\n| mode | windows | host µs / token, median (min – max) | host µs / lane-round, median (min – max) | tok/s, median | plain's host µs / token over this mode's, per repeat |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for m in summary:
+            spread = " / ".join(f"{x}×" for x in m["plain_over_mode"]) if m["plain_over_mode"] else ""
+            print(f"| {m['mode']} | {m['windows']} | {m['host_us_per_token']} ({m['host_us_per_token_min']} – {m['host_us_per_token_max']}) "
+                  f"| {m['host_us_per_lane_round']} ({m['host_us_per_lane_round_min']} – {m['host_us_per_lane_round_max']}) | {m['tok_s']:,} | {spread} |")
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": "CPU", "command": " ".join(["python", *sys.argv])}
     if args.record:
         record.append_rows([{"name": "host_cost", **meta, "seconds": args.seconds, "max_new_tokens": args.max_new_tokens, **row} for row in rows])
-    return record.finish({"name": "host_cost_summary", **meta, "rows": rows}, args.record)
+    return record.finish({"name": "host_cost_summary", **meta, "rows": rows, "medians": summary}, args.record)
+
+
+def host_medians(rows: list[dict]) -> list[dict]:
+    """Per mode (in first-seen order): its windows, the median host µs per token and per lane-round with their
+    smallest and largest window, the median tok/s, and for a drafting mode ``plain_over_mode``: per repeat with an
+    ``off`` window, off's host µs per token over this mode's (rounded to 3 places; empty for ``off``)."""
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    per_token = {(r["mode"], r["repeat"]): r["host_us_per_token"] for r in rows}
+    out = []
+    for mode in modes:
+        mine = [r for r in rows if r["mode"] == mode]
+        token, lane = [r["host_us_per_token"] for r in mine], [r["host_us_per_lane_round"] for r in mine]
+        plain = [round(per_token["off", r["repeat"]] / r["host_us_per_token"], 3) for r in mine if mode != "off" and ("off", r["repeat"]) in per_token]
+        out.append({"mode": mode, "windows": len(mine), "host_us_per_token": round(statistics.median(token), 2), "host_us_per_token_min": min(token),
+                    "host_us_per_token_max": max(token), "host_us_per_lane_round": round(statistics.median(lane), 2),
+                    "host_us_per_lane_round_min": min(lane), "host_us_per_lane_round_max": max(lane),
+                    "tok_s": round(statistics.median(r["tok_s"] for r in mine)), "plain_over_mode": plain})
+    return out
 
 
 if __name__ == "__main__":
