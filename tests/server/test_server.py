@@ -569,10 +569,19 @@ def test_sigterm_drains_then_ends_every_open_request_and_exits_0(default_pair_ca
                 outcomes[i] = [line for line in response.read().decode().splitlines() if line.startswith("data: ")][-1]
 
         threads = [threading.Thread(target=f, args=(i,)) for i, f in enumerate([stream] * 5 + [whole, whole, raw])]
-        for thread in threads:
+        # The four sessions go to streams 0-4 (the fifth queues), then the other three requests queue behind
+        # them: started all at once, a non-stream request could take a session first, and a stream would start
+        # only once another finished (~6 s of 900 tokens on a 2-core box), after the signal's deadline.
+        for thread in threads[:5]:
             thread.start()
-        for _ in range(3):
-            assert started.acquire(timeout=60)  # streams are running
+        for _ in range(4):
+            assert started.acquire(timeout=60)  # four streams hold the sessions
+        for thread in threads[5:]:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while drained.metrics().get(("dflash_trt_requests_queued", "")) != 4:  # the fifth stream and the three others
+            assert time.monotonic() < deadline, drained.metrics()
+            time.sleep(0.02)
         drained.process.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         time.sleep(0.3)
