@@ -95,6 +95,15 @@ class Server:
         families = text_string_to_metric_families(self.get("/metrics")[1])
         return {(s.name, s.labels.get("outcome", "")): s.value for f in families for s in f.samples}
 
+    def wait_queued(self, count: int, timeout: float = 30.0) -> bool:
+        """Whether the server reports ``count`` accepted requests waiting for a session within ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while self.metrics().get(("dflash_trt_requests_queued", "")) != count:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
     @contextmanager
     def reaped(self):
         """The body's server process is killed if it still runs when the body ends (a test that failed
@@ -578,10 +587,7 @@ def test_sigterm_drains_then_ends_every_open_request_and_exits_0(default_pair_ca
             assert started.acquire(timeout=60)  # four streams hold the sessions
         for thread in threads[5:]:
             thread.start()
-        deadline = time.monotonic() + 30
-        while drained.metrics().get(("dflash_trt_requests_queued", "")) != 4:  # the fifth stream and the three others
-            assert time.monotonic() < deadline, drained.metrics()
-            time.sleep(0.02)
+        assert drained.wait_queued(4), drained.metrics()  # the fifth stream and the three others
         drained.process.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         time.sleep(0.3)
@@ -742,10 +748,7 @@ def test_the_serving_process_dying_fails_open_requests_and_the_server_exits_1(de
             thread.start()
         assert started.wait(60)  # a stream holds the one session; the whole request queues behind it
         threads[2].start()
-        queued = re.compile(r"^dflash_trt_requests_queued\{[^}]*\} 2\.0$", re.M)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not queued.search(server.get("/metrics")[1]):
-            time.sleep(0.02)
+        server.wait_queued(2)
         os.kill(pid, signal.SIGKILL)
         health = []
         deadline = time.monotonic() + 10
