@@ -291,9 +291,9 @@ def main() -> int:
         print("\n| mode | windows | host µs / token, median (min – max) | host µs / lane-round, median (min – max) | tok/s, median | plain's host µs / token over this mode's, per repeat |")
         print("| --- | --- | --- | --- | --- | --- |")
         for m in summary:
-            spread = " / ".join(f"{x}×" for x in m["plain_over_mode"]) if m["plain_over_mode"] else ""
+            ratios = " / ".join(f"{x}×" for x in m["plain_over_mode"])  # empty for off
             print(f"| {m['mode']} | {m['windows']} | {m['host_us_per_token']} ({m['host_us_per_token_min']} – {m['host_us_per_token_max']}) "
-                  f"| {m['host_us_per_lane_round']} ({m['host_us_per_lane_round_min']} – {m['host_us_per_lane_round_max']}) | {m['tok_s']:,} | {spread} |")
+                  f"| {m['host_us_per_lane_round']} ({m['host_us_per_lane_round_min']} – {m['host_us_per_lane_round_max']}) | {m['tok_s']:,} | {ratios} |")
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": "CPU", "command": " ".join(["python", *sys.argv])}
     if args.record:
         record.append_rows([{"name": "host_cost", **meta, "seconds": args.seconds, "max_new_tokens": args.max_new_tokens, **row} for row in rows])
