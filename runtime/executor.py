@@ -286,6 +286,10 @@ class Executor:
         self._should_yield: Callable[[int], bool] | None = None
         self._joining: list[_Joining] = []  # prefills launched, their tokens not read yet (``_join``)
         self._launches = 0  # the loop's launches so far (``_launch``: each one's sequence number)
+        # A launch's cost to the policy (``_read``): the serving thread's time since the previous read ended (planning,
+        # admissions, launches, the wait) less the other launches' calls made meanwhile, plus its own call.
+        self._read_mark = 0.0  # perf_counter when the previous read ended (or the run's launches began)
+        self._launched_since = 0.0  # seconds of the launch calls made since then
         self._admit: Callable[[], Sequence[Admission]] | None = None
         self._call_state: _CallState | None = None  # the running execute's inputs and lanes (``_run``)
         self._shapes: dict[tuple[str, int, int], LoopShape] = {}  # _set_kind's, by (kind, proposals, max_cycles)
@@ -816,6 +820,7 @@ class Executor:
             self.loop.stage(rows, anchors, frontiers, drafts, samplings)
             self._launch_prefills(joining)  # stream order: after the staging (their anchors win), before the rounds
             self._drain_ending()  # after the prefills that wrote those rows, before the launches that write them again
+            self._read_mark, self._launched_since = time.perf_counter(), 0.0
             run_launches(lanes, self._pack, self._launch, self._read, self.lag, self._plan_round, self._yield_check(every), admit)
 
     def _admit_lanes(self, candidates: Sequence[Lane]) -> list[Lane]:
@@ -1164,11 +1169,14 @@ class Executor:
         counters["loop_launches"] += 1
         counters["loop_rounds"] += group.rounds
         launch = self.loop.launch(group.kind, group.sampled, group.rows, group.proposals, group.rounds)
-        return launch, time.perf_counter() - started, self._launches - 1
+        launch_s = time.perf_counter() - started
+        self._launched_since += launch_s
+        return launch, launch_s, self._launches - 1
 
     def _read(self, group: Group, launched: tuple[Launch, float, int]) -> None:
         """Host sync (the launch's event): apply its verdict to the sessions, lanes and stats; hand
-        the lanes' new tokens to ``on_tokens``. The launch's wall cost (launch call, wait, this
+        the lanes' new tokens to ``on_tokens``. The launch's wall cost (its call, and the serving thread's
+        time since the previous read less the other calls: the rounds' planning, admissions, the wait, this
         work) and the tokens it yielded go to the policy, charged to the round that chose it
         (``runtime.policy``: why wall time, why per round), and a cycle's acceptances to its
         acceptance by draft position."""
@@ -1177,8 +1185,9 @@ class Executor:
         # the prefill's, not charged to this launch). One launched after it (an admission) is not waited for:
         # it runs behind this program on the stream, and its lanes are in later launches only.
         if self._joining and sequence >= self._joining[0].after:
+            joined = time.perf_counter()
             self._join()
-        started = time.perf_counter()
+            self._read_mark += time.perf_counter() - joined  # a prefill's wait is not this launch's cost
         records, device_ms = self.loop.read(launch)  # [rounds, owners, P+2]
         self.log.counters["loop_device_us"] += round(device_ms * 1000.0)
         rounds = len(records)
@@ -1186,9 +1195,11 @@ class Executor:
         tokens, lanes = read(group, records, device_ms / rounds)
         self._stream(group.lanes)
         choice = next((lane.flight[0].choice for lane in group.lanes if lane.flight[0].choice is not None), None)
+        now = time.perf_counter()
         if choice is not None and choice.measured:  # per round: the policy compares rounds of either kind, whatever a launch runs
-            seconds = launch_s + time.perf_counter() - started
+            seconds = launch_s + (now - self._read_mark - self._launched_since)
             self.policy.observe(choice.round, choice.owners, seconds / rounds, tokens / rounds, lanes / rounds, choice.proposals, group.kind)
+        self._read_mark, self._launched_since = now, 0.0
 
     def _stream(self, lanes: Sequence[Lane]) -> None:
         """The lanes' new tokens to ``on_tokens``: all of them, or on a delivery tick (``execute_outputs``'
