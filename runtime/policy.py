@@ -24,15 +24,15 @@ every cycle's verdicts (``accept``: a cycle verifying k says whether
 d_1..d_i were accepted for i <= k only, nothing past k), as EWMAs per
 position; a length whose positions were never verified is rated by its
 measured tokens per launch instead, and a length's cost is never taken below
-a shorter one's (a superset of the verify rows). Decode rounds are rated by what their decode
-steps yielded per launch, which charges them with split launches and
-launches whose tokens are discarded (a lane that finished). Not with their
-forced drains (lanes whose pending context is full cycle: ``DRAIN``, at the
-best-rated length): a drain is a cycle of lanes that cycle whichever kind
-the round chose, so its cost and tokens rated decode by a blend of both
-kinds, near cycling's whenever cycling pays (on the host proxy 15-23% of
-the lane-rounds decoded where cycles yield twice as much per device second;
-benchmarks/RESULTS.md, "The policy's accounting").
+a shorter one's (a superset of the verify rows). Decode rounds are rated by
+what their decode steps yielded per launch, which charges them with split
+launches and launches whose tokens are discarded (a lane that finished). Not
+with their forced drains (lanes whose pending context is full cycle:
+``DRAIN``, at the best-rated length): a drain is a cycle of lanes that cycle
+whichever kind the round chose, so its cost and tokens rated decode by a
+blend of both kinds, near cycling's whenever cycling pays (on the host proxy
+15-23% of the lane-rounds decoded where cycles yield twice as much per
+device second; benchmarks/RESULTS.md, "The policy's accounting").
 
 Costs are WALL seconds per launch, host work included: a launch is charged
 the serving thread's time from the end of the read before it to the end of
@@ -41,10 +41,11 @@ turning it into tokens, stats and streamed deliveries), less the other
 launch calls made meanwhile, plus its own call. Summed over launches they
 are the loop's wall time (a prefill's wait aside), so the policy maximizes
 what callers receive per second; where the device sets the pace, reads end
-as launches do, and each is charged about its own device time. Device time alone (``runtime.timing``) would miss what a busy serving
-thread spends per launch (benchmarks/RESULTS.md, "policy"); a launch's own
-call, wait and read alone missed ~40% of it (its planning, the admissions),
-which undervalued cycling where the host is the limit. Costs, yields and lanes are kept per
+as launches do, and each is charged about its own device time. Device time
+alone (``runtime.timing``) would miss what a busy serving thread spends per
+launch (benchmarks/RESULTS.md, "policy"); a launch's own call, wait and read
+alone missed ~40% of it (its planning, the admissions), which undervalued
+cycling where the host is the limit. Costs, yields and lanes are kept per
 (round kind, padded lane count, verify length) as EWMAs; the first launch of
 each key is not counted (it warms up: compiles, captures), and a rate is
 known from its second counted launch on. A cost sample counts as at most
@@ -223,8 +224,6 @@ def cycle_ratio(cycle_tokens_per_s: float, decode_tokens_per_s: float) -> float:
 COST_CLIP = 1.5
 HOPELESS_SHARE = 0.05  # ``AdaptivePolicy.hopeless``: the first proposal accepted in fewer than 1 in 20 owner-cycles ...
 HOPELESS_EVIDENCE = 16  # ... of at least this many verified (all 16 rejected by chance at an acceptance of 0.3: 0.3%)
-
-
 
 PROBE_STEP = 1.25  # each factor of this between the estimate and break-even doubles the probe interval
 PROBE_SPREAD = 8  # ... up to this many times ``probe_every``
