@@ -214,7 +214,7 @@ def cycle_ratio(cycle_tokens_per_s: float, decode_tokens_per_s: float) -> float:
 # inside one launch would otherwise raise its round kind's cost estimate many-fold, and the policy would
 # shun that kind until enough probes, each ``probe_interval`` rounds apart, wore the stall off: hundreds of
 # rounds of the slower kind. Per launch kind, not per round kind: a decode round's drain cycles cost more
-# than its decode steps by nature, and are charged to it in full.
+# than its decode steps by nature (they feed the cycles' launch mean, never decode's estimate: ``observe``).
 # 1.5, not more: on a host where one launch in ten stalls (a busy neighbour), a looser clip let stalls raise
 # the estimate of the option run every round while the option only probed kept its last quiet sample: at 3x
 # (and a stall among an option's first samples counted in full: ``Ewma``'s plain-mean phase) 3.5-23% of the
@@ -299,7 +299,7 @@ class AdaptivePolicy:
         lanes took ``seconds`` of wall time, served ``lanes`` lanes whose tokens were kept (default:
         ``owners``) and yielded ``tokens`` (0 for one whose tokens were all discarded); ``launch``: the
         launch's own kind (default ``kind``; a decode round's drain cycles are ``CYCLE`` launches verifying
-        ``proposals``), whose mean bounds the sample (``COST_CLIP``)."""
+        ``proposals``), whose mean bounds the sample (``COST_CLIP``); a drain feeds only that mean."""
         key = (kind, owners, proposals if kind == CYCLE else 0)
         launch = launch or kind
         usual = _ewma(self.launch_costs, (launch, owners, proposals if launch == CYCLE else 0), self.alpha, COST_CLIP)
