@@ -64,6 +64,8 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--pdl", choices=("auto", "off", "on"), default="auto",
                         help="programmatic dependent launch (auto: the ops' default: on where capable unless DFLASH_TRT_PDL=0)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[CONTEXT], help="the attention section's contexts (default 2048)")
+    parser.add_argument("--draft-weights", choices=("model", "fp8"), nargs="+", default=["model"],
+                        help="the exact backend's draft weights; each after the first adds a backend's graph rows (label exact_fp8_draft)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {','.join(SECTIONS)} (the graph rows always run)")
     args = parser.parse_args()
     unknown = set(args.sections.split(",")) - set(SECTIONS)
@@ -316,7 +318,7 @@ def table(data: dict) -> str:
 def summary(data: dict) -> dict:
     by = {(r["kernels"], r["owners"]): r for r in data.get("graph_rows") or []}
     out = {}
-    for label in ("fast", "exact"):
+    for label in ("fast", "exact", "exact_fp8_draft"):
         if (label, 1) in by:
             out[f"{label}_ar_step_ms"] = by[(label, 1)]["ar_step_ms"]
             out[f"{label}_ar_roofline_fraction"] = by[(label, 1)]["ar_roofline_fraction"]
@@ -325,17 +327,17 @@ def summary(data: dict) -> dict:
                 out[f"{label}_cycle_cost_ratio_n{n}"] = by[(label, n)]["cycle_cost_ratio"]
     if data.get("exact_tiles"):
         out["exact_tiles"] = data["exact_tiles"]
-    for label in ("fast", "exact"):
+    for label in ("fast", "exact", "exact_fp8_draft"):
         if data.get(f"{label}_exactness"):
             out[f"{label}_identical_rows"] = {k: v["identical_logits"] for k, v in data[f"{label}_exactness"].items()}
     return out
 
 
-def measure(report, label: str, kernels, target, draft, dims, reps: int):
+def measure(report, label: str, kernels, target, draft, dims, reps: int, draft_weights: str = "model"):
     """One backend: its graph rows, its exactness rows; returns it (open) for the GEMM section."""
     from dflash_trt.runtime.backends import TorchBackend
 
-    backend = TorchBackend(target, draft, dims, max(OWNER_COUNTS), device="cuda", kernels=kernels)
+    backend = TorchBackend(target, draft, dims, max(OWNER_COUNTS), device="cuda", kernels=kernels, draft_weights=draft_weights)
     gg.fill_pools(backend)
     ar = report.section(f"{label}_ar_capture", lambda: gg.ArStep(backend, gg.Feeds(dims, 1, CONTEXT)), keep=False)
     rows = report.section(f"{label}_rows", lambda: gg.graph_rows(backend, dims, [CONTEXT], OWNER_COUNTS, reps, label, ar))
@@ -403,7 +405,11 @@ def main() -> int:
     exact = ExactOps(**attention)
     if args.sweep:
         exact = report.section("sweep", lambda: run_sweep(report, backends["fast"], args, out_dir, attention), keep=False) or exact
-    backends["exact"] = measure(report, "exact", exact, target, draft, dims, args.reps)
+    first, *others = args.draft_weights
+    backends["exact"] = measure(report, "exact" if first == "model" else "exact_fp8_draft", exact, target, draft, dims, args.reps, first)
+    for weights in others:  # the draft's weights another way: graph rows only (the sections run on the first)
+        measure(report, "exact" if weights == "model" else "exact_fp8_draft", ExactOps(**attention), target, draft, dims, args.reps,
+                weights).close()
     sections = {
         "gemm": lambda: gemm_times(backends, args.reps),
         "attention": lambda: gg.attention_times(backends, args.contexts, args.reps),

@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # the engine loads where a command runs it, not where its fla
 
 BACKEND_CHOICES = ("onnxruntime", "torch", "tensorrt")
 KERNEL_CHOICES = ("auto", "fast", "exact", "eager")  # the torch backend's kernels= (torch_backend.KERNELS; not imported here: torch loads late)
+DRAFT_WEIGHTS = ("model", "fp8")  # the torch backend's draft_weights= (kernels.quant.DRAFT_WEIGHTS; not imported here, as above)
 
 
 def default_cache_dir() -> Path:
@@ -115,6 +116,10 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser, target_default: Pa
                         help="torch backend: auto (exact in bf16 on CUDA, fast in other dtypes, eager on the CPU), exact (CUDA: "
                              "rows that do not depend on the batch, so bf16 DFlash output equals plain decoding), fast (CUDA: "
                              "~15%% more throughput at 16 sessions, bf16 output may differ with the batch), eager")
+    parser.add_argument("--draft-weights", choices=DRAFT_WEIGHTS, default="model",
+                        help="torch backend: the draft's weights in the model's dtype (default) or fp8 with a scale per row (half the "
+                             "bytes a draft launch streams; the output is unchanged, the acceptance a little lower: exact kernels on "
+                             "CUDA, the CPU twin with --kernels fast)")
 
 
 # ---------------------------------------------------------------------- backends
@@ -134,6 +139,8 @@ def check_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"--kernels {kernels} applies to --backend torch (got --backend {args.backend})")
     if kernels == "exact" and not (args.device or "cpu").startswith("cuda"):
         raise UsageError(f"--kernels exact runs Triton kernels on a CUDA device: add --device cuda (got --device {args.device or 'cpu'})")
+    if getattr(args, "draft_weights", "model") != "model" and args.backend != "torch":
+        raise UsageError(f"--draft-weights {args.draft_weights} applies to --backend torch (got --backend {args.backend})")
     if (args.dtype is not None or args.max_owners is not None) and not checkpoints:
         raise UsageError("--dtype and --max-owners apply to --backend torch without --artifacts (an artifact set fixes both)")
     if args.backend == "tensorrt" and args.artifacts is None:
@@ -193,7 +200,8 @@ def torch_from_checkpoints(args: argparse.Namespace):
     owners = min(args.max_owners or args.max_sessions, args.max_sessions)
     options = ExportOptions(max_owners=owners, max_sessions=args.max_sessions, dtype=dtype).resolve(args.target, args.draft)
     target, draft = load_pair(args.target, args.draft, dtype=torch_dtype(DTYPES[dtype]))
-    return TorchBackend(target, draft, contract_dims(target, draft, options), args.max_sessions, device=device, kernels=getattr(args, "kernels", "auto"))
+    return TorchBackend(target, draft, contract_dims(target, draft, options), args.max_sessions, device=device, kernels=getattr(args, "kernels", "auto"),
+                        draft_weights=getattr(args, "draft_weights", "model"))
 
 
 CHECKPOINT_SESSIONS = 16  # cache rows of a torch backend run from checkpoints when --max-sessions is not given
@@ -219,7 +227,8 @@ def _open_torch(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or "cpu"
-    return TorchBackend.from_checkpoints(args.target, args.draft, args.artifacts, max_sessions=args.max_sessions, device=device, kernels=getattr(args, "kernels", "auto"))
+    return TorchBackend.from_checkpoints(args.target, args.draft, args.artifacts, max_sessions=args.max_sessions, device=device, kernels=getattr(args, "kernels", "auto"),
+                        draft_weights=getattr(args, "draft_weights", "model"))
 
 
 def _open_tensorrt(args):

@@ -116,6 +116,36 @@ def check_split_rows(device: str, dtype: torch.dtype) -> None:
                     assert_same_bits(part_tap, full_tap[rows], f"split linear tap {plan}: M={M}")
 
 
+def check_fp8_linear(device: str, dtype: torch.dtype) -> None:
+    """fp8 weights (``kernels.quant.fp8_rows``, the draft's ``draft_weights="fp8"``) through the exact linear: each
+    row the same bits for M = 1, 16 and 64 of 70, one split and split-K (summed by a second launch or in-kernel),
+    norm, gated and residual + tap epilogues; within rounding of the fp32 product with the dequantized weight
+    (scale applied per feature); the output in x's dtype."""
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+    from dflash_trt.runtime.kernels.plan import ExactLinearPlan
+    from dflash_trt.runtime.kernels.quant import dequantized, fp8_rows
+
+    generator, total, (N, K) = torch.Generator().manual_seed(16), 70, (40, 192)
+    plans = (None, ExactLinearPlan(16, 32, 32, 4, 2), ExactLinearPlan(32, 16, 64, 4, 3, fixup=True))
+    for plan in plans:
+        ops = ExactOps() if plan is None else ExactOps(linear_plans={(N, K, False): plan, (N, K, True): plan}, workspace_bytes=1)
+        x = _rand(generator, device, dtype, total, K)
+        for name, weight, options, residual in _linear_cases(generator, device, dtype, N, K, total):
+            if name not in ("norm", "gated norm bias (gate|up)", "residual in place + tap (o, down)"):
+                continue
+            q, scale = fp8_rows(weight)
+            full, full_tap = _run_linear(ops, x, q, options | {"scale": scale}, residual)
+            assert full.dtype == dtype, (name, full.dtype)
+            want = _reference_linear(x, dequantized(q, scale), options, residual)
+            assert_near(full, want, dtype, f"fp8 linear {name} {plan} vs the dequantized reference")
+            for M in (1, 16, 64):
+                rows = torch.randperm(total, generator=generator)[:M].to(device)
+                part, part_tap = _run_linear(ops, x[rows], q, options | {"scale": scale}, None if residual is None else residual[rows])
+                assert_same_bits(part, full[rows], f"fp8 linear {name} {plan} {dtype}: M={M} vs M={total}")
+                if full_tap is not None:
+                    assert_same_bits(part_tap, full_tap[rows], f"fp8 linear tap {plan}: M={M}")
+
+
 def check_exact_target(device: str, dtype: torch.dtype) -> None:
     """A three-layer target's features, taps and logits through ``FastTarget`` with ``ExactOps`` against the same
     forward on the pure-torch twin, within rounding (each layer's norm weights its own, away from 1): the exact

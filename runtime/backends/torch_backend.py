@@ -74,6 +74,7 @@ from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, po
 from dflash_trt.runtime.backends.streams import BackendStream, select_device
 from dflash_trt.runtime.kernels import OPS, fast_path, supported
 from dflash_trt.runtime.kernels.modules import DRAFT_CONTEXT_MANY, PREFILL_MANY
+from dflash_trt.runtime.kernels.quant import DRAFT_WEIGHTS
 
 KERNELS = ("auto", "fast", "exact", "eager")
 KERNEL_NOTES = {  # what the start-up line says of the kernels chosen
@@ -101,21 +102,27 @@ class TorchBackend(Backend):
         device: str | torch.device = "cpu",
         cuda_graphs: bool = True,
         kernels="auto",
+        draft_weights: str = "model",
     ) -> None:
         self.dims, self.max_sessions = dims, check_sessions(max_sessions)
         check_models(target, draft, dims)
         self.device = select_device(device)
         self.kernels = choose_kernels(kernels, self.device, target, draft, dims.dtype)
-        LOG.info("torch backend on %s, %s, kernels %s%s", self.device, dims.dtype, self.kernels, KERNEL_NOTES.get(self.kernels, ""))
+        self.draft_weights = draft_weights
+        LOG.info("torch backend on %s, %s, kernels %s%s%s", self.device, dims.dtype, self.kernels, KERNEL_NOTES.get(self.kernels, ""),
+                 ", draft weights fp8" if draft_weights == "fp8" else "")
         dtype = torch_dtype(dims.dtype)
         self.target = target.to(device=self.device, dtype=dtype).eval()
         self.draft = draft.to(device=self.device, dtype=dtype).eval()
         self.specs = c.graph_specs(dims)
         self.modules = {name: graph_module(spec, self.target, self.draft, dims) for name, spec in self.specs.items()}
         self.row_indexed = self.kernels in FUSED
+        ops = None
         if self.row_indexed:
             ops = OPS[self.kernels](self.device) if isinstance(kernels, str) else kernels
-            self.modules |= fast_path(self.specs, self.target, self.draft, dims, ops)
+        check_draft_weights_for(draft_weights, self.kernels, ops)
+        if ops is not None:
+            self.modules |= fast_path(self.specs, self.target, self.draft, dims, ops, draft_weights)
         self.stream = self.pools = self.graphs = None
         try:
             self._allocate(dtype, cuda_graphs)
@@ -314,6 +321,17 @@ def check_models(target: TargetModel, draft: DraftModel, dims: Dims) -> None:
     wrong = [f"{k}: dims {getattr(dims, k)}, models {v}" for k, v in facts.items() if getattr(dims, k) != v]
     if wrong:
         raise EngineError("the models do not match the graph dims: " + "; ".join(wrong))
+
+
+def check_draft_weights_for(draft_weights: str, kernels: str, ops) -> None:
+    """``draft_weights`` in ``kernels.quant.DRAFT_WEIGHTS``; "fp8" needs ops with fp8 products (``fp8_linear``):
+    the exact kernels (CUDA, or Triton's interpreter) or the fast path's torch twin (the CPU)."""
+    if draft_weights not in DRAFT_WEIGHTS:
+        raise EngineError(f"draft_weights must be one of {list(DRAFT_WEIGHTS)}, got {draft_weights!r}")
+    if draft_weights == "fp8" and not getattr(ops, "fp8_linear", False):
+        raise EngineError(f"draft_weights='fp8' runs on the exact kernels (CUDA: kernels='exact', the bf16 default) or the fast "
+                          f"path's torch twin (the CPU: kernels='fast'), got kernels={kernels!r}"
+                          f"{'' if ops is None else ' (' + type(ops).__name__ + ')'}")
 
 
 def choose_kernels(kernels, device: torch.device, target: TargetModel, draft: DraftModel, dtype: str) -> str:

@@ -9,6 +9,7 @@
   plain decoding bit for bit in bf16 (``TorchBackend(..., kernels="exact")``);
 - ``torch_ops``: their pure-torch twin (any device; what the CPU tests run);
 - ``fused``: q|k|v and gate|up weights fused at load, the target/draft forwards over them;
+- ``quant``: the draft's weights in fp8 with a scale per row (``draft_weights="fp8"``);
 - ``modules``: the contract graphs built from those forwards;
 - ``sampling``: the token choice (``torch.ops.dflash_trt.choose``) as fused Triton passes
   (CUDA), registered as the op's CUDA kernel by ``register_cuda_choose()``.
@@ -24,10 +25,11 @@ from dflash_trt.runtime.kernels.fused import FastDraft, FastTarget, supported
 from dflash_trt.runtime.kernels.modules import fast_graph_modules
 
 
-def fast_path(specs, target, draft, dims: Dims, ops) -> dict:
-    """Fuse the pair's weights (in place: the modules' parameters become views) and build the graphs."""
+def fast_path(specs, target, draft, dims: Dims, ops, draft_weights: str = "model") -> dict:
+    """Fuse the pair's weights (in place: the modules' parameters become views) and build the graphs;
+    ``draft_weights="fp8"``: the draft's products in fp8 (``quant``; new tensors beside the model's)."""
     fast_target = FastTarget(target, ops)
-    return fast_graph_modules(specs, fast_target, FastDraft(draft, fast_target, ops), dims)
+    return fast_graph_modules(specs, fast_target, FastDraft(draft, fast_target, ops, draft_weights), dims)
 
 
 def default_ops(device):

@@ -75,6 +75,7 @@ from dflash_trt.runtime.kernels.plan import (
     exact_units_per_launch,
     exact_workspace_rows,
 )
+from dflash_trt.runtime.kernels.quant import FP8
 from dflash_trt.runtime.kernels.triton_ops import MASKED, TritonOps, enter, query_tile, release
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton.jit at import, as here
@@ -109,9 +110,15 @@ def _tile_product(x_ptr, stride_xm, rows, k_off, k_ok, M, wt, wut, acc, acc_u, W
 
 
 @triton.jit
-def _tile_epilogue(acc, acc_u, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm,
-                   GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr):
-    """y = residual + act(acc + bias), rounded to the weight dtype, stored (and tapped)."""
+def _tile_epilogue(acc, acc_u, rows, rn, n_ok, M, N, x_ptr, w_ptr, b_ptr, s_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr,
+                   stride_tm, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
+                   SCALED: tl.constexpr):
+    """y = residual + act(acc * scale + bias), rounded to the weight dtype (SCALED, an fp8 weight: x's), stored
+    (and tapped)."""
+    if SCALED:  # the fp8 weight's scale per feature (``kernels.quant``)
+        acc = acc * tl.load(s_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        if GATED:
+            acc_u = acc_u * tl.load(s_ptr + N + rn, mask=n_ok, other=0.0)[None, :]
     if BIAS:
         acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -121,7 +128,10 @@ def _tile_epilogue(acc, acc_u, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride
     mask = (rows < M)[:, None] & n_ok[None, :]
     if RESIDUAL:
         acc += tl.load(r_ptr + rows[:, None] * stride_rm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = acc.to(w_ptr.dtype.element_ty)  # rounded like the reference Linear's output
+    if SCALED:
+        y = acc.to(x_ptr.dtype.element_ty)
+    else:
+        y = acc.to(w_ptr.dtype.element_ty)  # rounded like the reference Linear's output
     tl.store(o_ptr + rows[:, None] * stride_om + rn[None, :], y.to(o_ptr.dtype.element_ty), mask=mask)
     if TAP:
         tl.store(t_ptr + rows[:, None] * stride_tm + rn[None, :], y.to(t_ptr.dtype.element_ty), mask=mask)
@@ -139,9 +149,9 @@ def _tile_partial(acc, acc_u, local, rn, n_ok, row_ok, ws_ptr, WR, N, s, GATED: 
 
 
 @triton.jit
-def _tile_sum(ws_ptr, WR, local, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm,
-              GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr, SPLITS: tl.constexpr,
-              TM: tl.constexpr, BN: tl.constexpr):
+def _tile_sum(ws_ptr, WR, local, rows, rn, n_ok, M, N, x_ptr, w_ptr, b_ptr, s_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr,
+              stride_tm, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
+              SCALED: tl.constexpr, SPLITS: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr):
     """The splits' fp32 sums of a [TM, BN] tile added in order 0, 1, .., SPLITS - 1 (elementwise: the same bits
     for any tile), then ``_tile_epilogue``. Loads bypass L1 (".cg"): other programs wrote the workspace."""
     row_ok = rows < M
@@ -154,15 +164,15 @@ def _tile_sum(ws_ptr, WR, local, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stri
         acc += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
         if GATED:
             acc_u += tl.load(part + N, mask=mask, other=0.0, cache_modifier=".cg")
-    _tile_epilogue(acc, acc_u, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm,
-                   GATED, BIAS, RESIDUAL, TAP)
+    _tile_epilogue(acc, acc_u, rows, rn, n_ok, M, N, x_ptr, w_ptr, b_ptr, s_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr,
+                   stride_tm, GATED, BIAS, RESIDUAL, TAP, SCALED)
 
 
 @triton.jit(do_not_specialize=["M", "row0", "WR"])  # row counts: one compiled kernel whatever M is
 def _linear_kernel(
-    x_ptr, stride_xm, w_ptr, stride_wn, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm, ws_ptr, WR,
+    x_ptr, stride_xm, w_ptr, stride_wn, b_ptr, s_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm, ws_ptr, WR,
     cnt_ptr, row0, M, N, K, KS,
-    GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
+    GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr, SCALED: tl.constexpr,
     SPLITS: tl.constexpr, FIXUP: tl.constexpr, TILES: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     INTERP: tl.constexpr, PDL: tl.constexpr = False,
 ):
@@ -170,7 +180,8 @@ def _linear_kernel(
     feature block are neighbours (L2). SPLITS == 1: the epilogues here; else the split's sums go to the
     workspace (rows local to row0), then either ``_split_sum_kernel`` adds them (a second launch) or, FIXUP,
     the tile's last split to arrive (a counter per tile) adds them in the same order 0..SPLITS-1 and resets
-    the counter: which program adds never changes what is added, or in which order."""
+    the counter: which program adds never changes what is added, or in which order. SCALED: the weight is
+    fp8, widened to x's dtype as it is loaded (the MMA is x's), its scale applied in the epilogue."""
     enter(PDL)
     local = tl.program_id(0) * (TILES * TM) + tl.arange(0, TM)
     rows = row0 + local
@@ -186,32 +197,32 @@ def _linear_kernel(
         k_ok = k_off < K
         w_mask = n_ok[:, None] & k_ok[None, :]
         wt = tl.trans(tl.load(w_ptr + rn[:, None] * stride_wn + k_off[None, :], mask=w_mask, other=0.0))  # [BK, BN]
+        if SCALED:
+            wt = wt.to(x_ptr.dtype.element_ty)
         if GATED:
             wut = tl.trans(tl.load(w_ptr + (N + rn)[:, None] * stride_wn + k_off[None, :], mask=w_mask, other=0.0))
+            if SCALED:
+                wut = wut.to(x_ptr.dtype.element_ty)
         else:
             wut = wt  # unread
-        acc0, up0 = _tile_product(x_ptr, stride_xm, rows, k_off, k_ok, M, wt, wut, acc0, up0, w_ptr.dtype.element_ty, GATED,
-                                  INTERP)
+        acc0, up0 = _tile_product(x_ptr, stride_xm, rows, k_off, k_ok, M, wt, wut, acc0, up0, wt.dtype, GATED, INTERP)
         if TILES > 1:
-            acc1, up1 = _tile_product(x_ptr, stride_xm, rows + TM, k_off, k_ok, M, wt, wut, acc1, up1, w_ptr.dtype.element_ty,
-                                      GATED, INTERP)
+            acc1, up1 = _tile_product(x_ptr, stride_xm, rows + TM, k_off, k_ok, M, wt, wut, acc1, up1, wt.dtype, GATED, INTERP)
         if TILES > 2:
-            acc2, up2 = _tile_product(x_ptr, stride_xm, rows + 2 * TM, k_off, k_ok, M, wt, wut, acc2, up2,
-                                      w_ptr.dtype.element_ty, GATED, INTERP)
-            acc3, up3 = _tile_product(x_ptr, stride_xm, rows + 3 * TM, k_off, k_ok, M, wt, wut, acc3, up3,
-                                      w_ptr.dtype.element_ty, GATED, INTERP)
+            acc2, up2 = _tile_product(x_ptr, stride_xm, rows + 2 * TM, k_off, k_ok, M, wt, wut, acc2, up2, wt.dtype, GATED, INTERP)
+            acc3, up3 = _tile_product(x_ptr, stride_xm, rows + 3 * TM, k_off, k_ok, M, wt, wut, acc3, up3, wt.dtype, GATED, INTERP)
     release(PDL)
     if SPLITS == 1:
-        _tile_epilogue(acc0, up0, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm,
-                       GATED, BIAS, RESIDUAL, TAP)
+        _tile_epilogue(acc0, up0, rows, rn, n_ok, M, N, x_ptr, w_ptr, b_ptr, s_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr,
+                       stride_tm, GATED, BIAS, RESIDUAL, TAP, SCALED)
         if TILES > 1:
-            _tile_epilogue(acc1, up1, rows + TM, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr,
-                           stride_tm, GATED, BIAS, RESIDUAL, TAP)
+            _tile_epilogue(acc1, up1, rows + TM, rn, n_ok, M, N, x_ptr, w_ptr, b_ptr, s_ptr, r_ptr, stride_rm, o_ptr, stride_om,
+                           t_ptr, stride_tm, GATED, BIAS, RESIDUAL, TAP, SCALED)
         if TILES > 2:
-            _tile_epilogue(acc2, up2, rows + 2 * TM, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
-                           t_ptr, stride_tm, GATED, BIAS, RESIDUAL, TAP)
-            _tile_epilogue(acc3, up3, rows + 3 * TM, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
-                           t_ptr, stride_tm, GATED, BIAS, RESIDUAL, TAP)
+            _tile_epilogue(acc2, up2, rows + 2 * TM, rn, n_ok, M, N, x_ptr, w_ptr, b_ptr, s_ptr, r_ptr, stride_rm, o_ptr,
+                           stride_om, t_ptr, stride_tm, GATED, BIAS, RESIDUAL, TAP, SCALED)
+            _tile_epilogue(acc3, up3, rows + 3 * TM, rn, n_ok, M, N, x_ptr, w_ptr, b_ptr, s_ptr, r_ptr, stride_rm, o_ptr,
+                           stride_om, t_ptr, stride_tm, GATED, BIAS, RESIDUAL, TAP, SCALED)
     else:
         _tile_partial(acc0, up0, local, rn, n_ok, rows < M, ws_ptr, WR, N, s, GATED)
         if TILES > 1:
@@ -220,14 +231,14 @@ def _linear_kernel(
             _tile_partial(acc2, up2, local + 2 * TM, rn, n_ok, rows + 2 * TM < M, ws_ptr, WR, N, s, GATED)
             _tile_partial(acc3, up3, local + 3 * TM, rn, n_ok, rows + 3 * TM < M, ws_ptr, WR, N, s, GATED)
         if FIXUP:
-            _fixup(ws_ptr, WR, cnt_ptr, local, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
-                   t_ptr, stride_tm, GATED, BIAS, RESIDUAL, TAP, SPLITS, TILES, TM, BN)
+            _fixup(ws_ptr, WR, cnt_ptr, local, rows, rn, n_ok, M, N, x_ptr, w_ptr, b_ptr, s_ptr, r_ptr, stride_rm, o_ptr,
+                   stride_om, t_ptr, stride_tm, GATED, BIAS, RESIDUAL, TAP, SCALED, SPLITS, TILES, TM, BN)
 
 
 @triton.jit
-def _fixup(ws_ptr, WR, cnt_ptr, local, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm,
-           GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr, SPLITS: tl.constexpr,
-           TILES: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr):
+def _fixup(ws_ptr, WR, cnt_ptr, local, rows, rn, n_ok, M, N, x_ptr, w_ptr, b_ptr, s_ptr, r_ptr, stride_rm, o_ptr, stride_om,
+           t_ptr, stride_tm, GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
+           SCALED: tl.constexpr, SPLITS: tl.constexpr, TILES: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr):
     """The tile's last split to arrive adds every split's sums. The order of CUTLASS's split-K semaphore: the
     program's stores, a barrier, then one release (acq_rel) count; the last arrival's acquire makes the other
     splits' stores visible to its threads (after the barrier that shares the count)."""
@@ -235,23 +246,23 @@ def _fixup(ws_ptr, WR, cnt_ptr, local, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr
     tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
     if arrived == SPLITS - 1:
-        _tile_sum(ws_ptr, WR, local, rows, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr,
-                  stride_tm, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
+        _tile_sum(ws_ptr, WR, local, rows, rn, n_ok, M, N, x_ptr, w_ptr, b_ptr, s_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr,
+                  stride_tm, GATED, BIAS, RESIDUAL, TAP, SCALED, SPLITS, TM, BN)
         if TILES > 1:
-            _tile_sum(ws_ptr, WR, local + TM, rows + TM, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om,
-                      t_ptr, stride_tm, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
+            _tile_sum(ws_ptr, WR, local + TM, rows + TM, rn, n_ok, M, N, x_ptr, w_ptr, b_ptr, s_ptr, r_ptr, stride_rm, o_ptr,
+                      stride_om, t_ptr, stride_tm, GATED, BIAS, RESIDUAL, TAP, SCALED, SPLITS, TM, BN)
         if TILES > 2:
-            _tile_sum(ws_ptr, WR, local + 2 * TM, rows + 2 * TM, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
-                      stride_om, t_ptr, stride_tm, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
-            _tile_sum(ws_ptr, WR, local + 3 * TM, rows + 3 * TM, rn, n_ok, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr,
-                      stride_om, t_ptr, stride_tm, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
+            _tile_sum(ws_ptr, WR, local + 2 * TM, rows + 2 * TM, rn, n_ok, M, N, x_ptr, w_ptr, b_ptr, s_ptr, r_ptr, stride_rm,
+                      o_ptr, stride_om, t_ptr, stride_tm, GATED, BIAS, RESIDUAL, TAP, SCALED, SPLITS, TM, BN)
+            _tile_sum(ws_ptr, WR, local + 3 * TM, rows + 3 * TM, rn, n_ok, M, N, x_ptr, w_ptr, b_ptr, s_ptr, r_ptr, stride_rm,
+                      o_ptr, stride_om, t_ptr, stride_tm, GATED, BIAS, RESIDUAL, TAP, SCALED, SPLITS, TM, BN)
         tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch (stream order)
 
 
 @triton.jit(do_not_specialize=["M", "row0", "WR"])
 def _split_sum_kernel(
-    ws_ptr, WR, row0, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm,
-    GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr,
+    ws_ptr, WR, row0, M, N, x_ptr, w_ptr, b_ptr, s_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr, stride_tm,
+    GATED: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, TAP: tl.constexpr, SCALED: tl.constexpr,
     SPLITS: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (TM rows from row0, BN features): ``_tile_sum``."""
@@ -259,8 +270,8 @@ def _split_sum_kernel(
     release(PDL)
     local = tl.program_id(0) * TM + tl.arange(0, TM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    _tile_sum(ws_ptr, WR, local, row0 + local, rn, rn < N, M, N, w_ptr, b_ptr, r_ptr, stride_rm, o_ptr, stride_om, t_ptr,
-              stride_tm, GATED, BIAS, RESIDUAL, TAP, SPLITS, TM, BN)
+    _tile_sum(ws_ptr, WR, local, row0 + local, rn, rn < N, M, N, x_ptr, w_ptr, b_ptr, s_ptr, r_ptr, stride_rm, o_ptr, stride_om,
+              t_ptr, stride_tm, GATED, BIAS, RESIDUAL, TAP, SCALED, SPLITS, TM, BN)
 
 
 # --------------------------------------------------------------------------- attention
@@ -471,6 +482,7 @@ class ExactOps(TritonOps):
     """
 
     kind = "exact"  # what TorchBackend(kernels=ExactOps(...)) reports as its kernels
+    fp8_linear = True  # ``linear(..., scale=)``: fp8 weights (``kernels.quant``)
 
     def __init__(self, split_slots: int = EXACT_SPLIT_SLOTS, linear_plans: dict | None = None, partial_bytes: int = EXACT_PARTIAL_BYTES,
                  workspace_bytes: int = EXACT_WORKSPACE_BYTES, combine_in_kernel: bool = True, block_q: int = EXACT_BLOCK_Q,
@@ -493,11 +505,16 @@ class ExactOps(TritonOps):
         self._buffers: dict[tuple, list[torch.Tensor]] = {}
         self._shared: dict[int, int] = {}  # device index -> shared_bytes
 
-    def linear(self, x, weight, bias=None, norm=None, eps=0.0, gated=False, residual=None, out=None, out_dtype=None, tap=None):
+    def linear(self, x, weight, bias=None, norm=None, eps=0.0, gated=False, residual=None, out=None, out_dtype=None, tap=None,
+               scale=None):
         """``TritonOps.linear``'s contract (y [M, N] = epilogue(prologue(x) @ weight.T)), one kernel for every M
         (two with split-K: the splits' sums, then their ordered sum and the epilogues); with ``norm``, the
-        row-local RMSNorm pass first."""
+        row-local RMSNorm pass first. ``scale`` [N or 2N] fp32: ``weight`` is fp8 (``kernels.quant``), the
+        product is multiplied by it per feature and rounded to x's dtype (``TorchOps.linear``'s twin)."""
         M, K = x.shape
+        if scale is not None and (weight.dtype != FP8 or scale.dtype != torch.float32 or scale.shape != (weight.shape[0],)):
+            raise ValueError(f"an fp8 linear takes a float8_e4m3fn weight and a float32 scale per row ({weight.shape[0]}), "
+                             f"got {weight.dtype} and {scale.dtype} {tuple(scale.shape)}")
         N = weight.shape[0] // 2 if gated else weight.shape[0]
         if x.stride(1) != 1 or x.stride(0) != K or x.data_ptr() % 16:
             # One layout of the x tile for every call of a weight: Triton vectorizes its load (and so orders
@@ -506,7 +523,7 @@ class ExactOps(TritonOps):
         if norm is not None:
             x = self.rms_norm(x, norm, eps)  # one program per row: the row's bits whatever M is
         if out is None:
-            out = torch.empty((M, N), dtype=out_dtype or weight.dtype, device=x.device)
+            out = torch.empty((M, N), dtype=out_dtype or (x.dtype if scale is not None else weight.dtype), device=x.device)
         plan = self.linear_plan(N, K, gated, weight.element_size(), x.device)
         splits, width = exact_split_k(K, plan)
         tiles, block_n, stages = exact_linear_launch(plan, M, gated, weight.element_size(), N, self.processors(x.device),
@@ -520,13 +537,15 @@ class ExactOps(TritonOps):
             counters = self.buffer("counters", x.device, triton.cdiv(step, tiles * EXACT_TILE_M) * blocks, torch.int32)
         residual_t = residual if residual is not None else out
         tap_t = tap if tap is not None else out
-        tensors = (weight, bias if bias is not None else weight, residual_t, residual_t.stride(0), out, out.stride(0), tap_t, tap_t.stride(0))
-        flags = dict(GATED=gated, BIAS=bias is not None, RESIDUAL=residual is not None, TAP=tap is not None, SPLITS=splits)
+        tensors = (x, weight, bias if bias is not None else weight, scale if scale is not None else weight, residual_t, residual_t.stride(0),
+                   out, out.stride(0), tap_t, tap_t.stride(0))
+        flags = dict(GATED=gated, BIAS=bias is not None, RESIDUAL=residual is not None, TAP=tap is not None, SCALED=scale is not None,
+                     SPLITS=splits)
         fixup = splits > 1 and plan.fixup
         for row0 in range(0, M, step):
             rows = min(step, M - row0)
             _linear_kernel[(triton.cdiv(rows, tiles * EXACT_TILE_M), blocks, splits)](
-                x, x.stride(0), weight, weight.stride(0), *tensors[1:], workspace, step, counters, row0, row0 + rows, N, K, width,
+                x, x.stride(0), weight, weight.stride(0), *tensors[2:], workspace, step, counters, row0, row0 + rows, N, K, width,
                 **flags, FIXUP=fixup, TILES=tiles, TM=EXACT_TILE_M, BN=block_n, BK=plan.block_k, INTERP=INTERPRETED,
                 num_warps=plan.warps, num_stages=stages, **self.launch(x.device),
             )

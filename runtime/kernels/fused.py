@@ -10,18 +10,21 @@ another norm than its layers' input norm).
 
 ``FastTarget`` / ``FastDraft`` are the target's and the draft's forward
 passes written against an ops object (``TritonOps`` on CUDA, ``TorchOps``
-anywhere): the graph modules of ``kernels.modules`` call them.
+anywhere): the graph modules of ``kernels.modules`` call them. ``fp8_layer``
+and ``FastDraft(weights="fp8")`` hold the draft's products in fp8 (new tensors,
+a scale per row: ``kernels.quant``); the ops then take ``scale=``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from dflash_trt.export.draft import DraftModel
 from dflash_trt.export.layers import DecoderLayer
 from dflash_trt.export.target import TargetModel
+from dflash_trt.runtime.kernels.quant import check_draft_weights, fp8_rows
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,11 @@ class FusedLayer:
     head_dim: int
     causal: bool
     window: int
+    # fp8 weights (``fp8_layer``): each product's scale per output row [rows] fp32; None: weights in the model's dtype
+    qkv_scale: torch.Tensor | None = None
+    o_scale: torch.Tensor | None = None
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
 
     @property
     def kv(self) -> torch.Tensor:
@@ -55,6 +63,10 @@ class FusedLayer:
     @property
     def kv_bias(self) -> torch.Tensor | None:
         return None if self.qkv_bias is None else self.qkv_bias[self.heads * self.head_dim :]
+
+    @property
+    def kv_scale(self) -> torch.Tensor | None:
+        return None if self.qkv_scale is None else self.qkv_scale[self.heads * self.head_dim :]
 
 
 def _adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -118,6 +130,17 @@ def fuse_layer(layer: DecoderLayer) -> FusedLayer:
     )
 
 
+def fp8_layer(layer: FusedLayer) -> FusedLayer:
+    """The layer with its four products' weights in fp8, a scale per output row (``kernels.quant.fp8_rows``);
+    norms and biases unchanged. New tensors: the model's own weights are left as they are."""
+    qkv, qkv_scale = fp8_rows(layer.qkv)
+    o, o_scale = fp8_rows(layer.o)
+    gate_up, gate_up_scale = fp8_rows(layer.gate_up)
+    down, down_scale = fp8_rows(layer.down)
+    return replace(layer, qkv=qkv, qkv_scale=qkv_scale, o=o, o_scale=o_scale, gate_up=gate_up, gate_up_scale=gate_up_scale,
+                   down=down, down_scale=down_scale)
+
+
 def supported(target: TargetModel, draft: DraftModel) -> str | None:
     """Why the fast kernels cannot run this pair (None: they can)."""
     for name, config in (("target", target.config), ("draft", draft.config)):
@@ -128,10 +151,13 @@ def supported(target: TargetModel, draft: DraftModel) -> str | None:
 
 
 class FastLayers:
-    """Decoder layers over fused weights (shared by the target and the draft)."""
+    """Decoder layers over fused weights (shared by the target and the draft); ``fp8``: their products' weights in
+    fp8 (``fp8_layer``: the draft's, never the target's)."""
 
-    def __init__(self, layers, inv_freq: torch.Tensor, ops) -> None:
+    def __init__(self, layers, inv_freq: torch.Tensor, ops, fp8: bool = False) -> None:
         self.layers = [fuse_layer(layer) for layer in layers]
+        if fp8:
+            self.layers = [fp8_layer(layer) for layer in self.layers]
         self.inv_freq = inv_freq.float()
         self.ops = ops
 
@@ -142,15 +168,20 @@ class FastLayers:
         ``lengths`` [n]: owner i writes K/V of its first lengths[i] rows only (a padded ragged batch)."""
         L, ops = self.layers[index], self.ops
         n = x.shape[0] // tokens
-        qkv = ops.linear(x, L.qkv, bias=L.qkv_bias, norm=L.input_norm, eps=L.eps)
+        qkv = ops.linear(x, L.qkv, bias=L.qkv_bias, norm=L.input_norm, eps=L.eps, **_scaled(L.qkv_scale))
         q = ops.qk_rope_write(
             qkv, start, tokens, L.heads, L.kv_heads, L.head_dim, L.q_norm, L.k_norm, L.eps, self.inv_freq, k_cache, v_cache, rows, lengths
         )  # [n, T, Hq, D]
         attended = ops.attention(q.transpose(1, 2), k_cache, v_cache, rows, positions, kv_len, L.causal, L.window)
         attended = attended.transpose(1, 2).reshape(n * tokens, L.heads * L.head_dim)
-        x = ops.linear(attended, L.o, bias=L.o_bias, residual=x, out=x)
-        h = ops.linear(x, L.gate_up, bias=L.gate_up_bias, norm=L.post_norm, eps=L.eps, gated=True)
-        return ops.linear(h, L.down, bias=L.down_bias, residual=x, out=x, tap=tap)
+        x = ops.linear(attended, L.o, bias=L.o_bias, residual=x, out=x, **_scaled(L.o_scale))
+        h = ops.linear(x, L.gate_up, bias=L.gate_up_bias, norm=L.post_norm, eps=L.eps, gated=True, **_scaled(L.gate_up_scale))
+        return ops.linear(h, L.down, bias=L.down_bias, residual=x, out=x, tap=tap, **_scaled(L.down_scale))
+
+
+def _scaled(scale: torch.Tensor | None) -> dict:
+    """``ops.linear``'s ``scale`` where the weight is fp8 (ops without fp8 products never see the keyword)."""
+    return {} if scale is None else {"scale": scale}
 
 
 class FastTarget:
@@ -194,13 +225,22 @@ class FastTarget:
 
 
 class FastDraft:
-    """The draft's context write and block forward on fused weights (embedding and head: the target's)."""
+    """The draft's context write and block forward on fused weights (embedding and head: the target's).
 
-    def __init__(self, draft: DraftModel, target: FastTarget, ops) -> None:
+    ``weights="fp8"``: every product of the draft in fp8 with a scale per output row (``kernels.quant``): its
+    layers, ``fc`` and a copy of the target's LM head of its own (the target keeps its head). Half the bytes
+    per draft launch; only the proposals can change (the target verifies every token)."""
+
+    def __init__(self, draft: DraftModel, target: FastTarget, ops, weights: str = "model") -> None:
         config = draft.config
-        self.stack = FastLayers(draft.layers, draft.rotary.inv_freq, ops)
+        fp8 = check_draft_weights(weights) == "fp8"
+        self.stack = FastLayers(draft.layers, draft.rotary.inv_freq, ops, fp8=fp8)
         self.ops, self.target, self.config = ops, target, config
-        self.fc = draft.fc.weight.detach()
+        self.fc, self.fc_scale = draft.fc.weight.detach(), None
+        self.lm_head, self.lm_head_scale = target.lm_head, None
+        if fp8:
+            self.fc, self.fc_scale = fp8_rows(self.fc)
+            self.lm_head, self.lm_head_scale = fp8_rows(target.lm_head)
         self.hidden_norm, self.norm = draft.hidden_norm.weight.detach(), draft.norm.weight.detach()
         self.eps = draft.norm.eps
 
@@ -208,9 +248,9 @@ class FastDraft:
         """taps [n, C, W] at positions start.. -> context K/V of every layer (``DraftModel.write_context``);
         ``lengths`` [n]: owner i's first lengths[i] rows only."""
         n, C, W = taps.shape
-        context = self.ops.linear(taps.reshape(n * C, W), self.fc)  # [n*C, H]; hidden_norm: in the K|V prologue
+        context = self.ops.linear(taps.reshape(n * C, W), self.fc, **_scaled(self.fc_scale))  # [n*C, H]; hidden_norm: in the K|V prologue
         for index, L in enumerate(self.stack.layers):
-            kv = self.ops.linear(context, L.kv, bias=L.kv_bias, norm=self.hidden_norm, eps=self.eps)
+            kv = self.ops.linear(context, L.kv, bias=L.kv_bias, norm=self.hidden_norm, eps=self.eps, **_scaled(L.kv_scale))
             self.ops.qk_rope_write(
                 kv, start, C, 0, L.kv_heads, L.head_dim, None, L.k_norm, L.eps, self.stack.inv_freq, keys[index], values[index], rows,
                 lengths,
@@ -225,5 +265,5 @@ class FastDraft:
             x = self.stack.layer(index, x, start, B, positions, kv_len, keys[index], values[index], rows=rows)
         # The head over every block row, slot 0 too: the proposal rows 1..P taken as a view afterwards, not
         # copied out first (a launch of its own; a row's logits do not depend on the rows beside it).
-        logits = self.ops.linear(x, self.target.lm_head, norm=self.norm, eps=self.eps)  # [n*B, V], model dtype
+        logits = self.ops.linear(x, self.lm_head, norm=self.norm, eps=self.eps, **_scaled(self.lm_head_scale))  # [n*B, V], model dtype
         return logits.view(n, B, -1)[:, 1 : proposals + 1].argmax(dim=-1)

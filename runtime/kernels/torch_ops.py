@@ -25,6 +25,7 @@ class TorchOps(EagerKernels):
     """Fast-kernel math in plain torch. ``splits`` forces the attention split count (tests)."""
 
     processors = 1  # the attention plan's program target on a CPU
+    fp8_linear = True  # ``linear(..., scale=)``: fp8 weights (``kernels.quant``)
 
     def __init__(self, splits: int | None = None) -> None:
         self.splits = splits
@@ -54,20 +55,26 @@ class TorchOps(EagerKernels):
         out: torch.Tensor | None = None,
         out_dtype: torch.dtype | None = None,
         tap: torch.Tensor | None = None,
+        scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """y [M, N] = epilogue(prologue(x) [M, K] @ weight.T); see ``TritonOps.linear`` for the options.
 
         The result is rounded to the weight dtype (what the reference's Linear returns) before it is
-        stored as ``out_dtype`` (default: the weight dtype).
+        stored as ``out_dtype`` (default: the weight dtype). ``scale`` [N or 2N] fp32: ``weight`` is fp8
+        (``kernels.quant.fp8_rows``), the product is multiplied by it per feature, and the result is rounded
+        to x's dtype instead.
         """
+        rounding = x.dtype if scale is not None else weight.dtype
         xf = x.float()
         if norm is not None:
             # RMSNorm(x) @ W.T == rsqrt(mean(x^2) + eps) * ((x * g) @ W.T): the scale is per row.
-            scale = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-            xf = (xf * norm.float()).to(weight.dtype).float()
+            row_scale = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            xf = (xf * norm.float()).to(rounding).float()
         y = xf @ weight.float().T  # [M, N or 2N]
+        if scale is not None:
+            y = y * scale.float()
         if norm is not None:
-            y = y * scale
+            y = y * row_scale
         if bias is not None:
             y = y + bias.float()
         if gated:
@@ -75,7 +82,7 @@ class TorchOps(EagerKernels):
             y = F.silu(gate) * up
         if residual is not None:
             y = y + residual.float()
-        y = y.to(weight.dtype).to(out_dtype or weight.dtype)
+        y = y.to(rounding).to(out_dtype or rounding)
         if tap is not None:
             tap.copy_(y)
         if out is None:

@@ -148,6 +148,30 @@ def test_build_of_an_fp32_export_exits_2_with_one_line(exported_pair, tmp_path, 
     assert "--dtype bf16" in lines[0] and not out.exists()
 
 
+def test_draft_weights_flag_reaches_the_torch_backend(tmp_path, monkeypatch, capsys):
+    """Guards against `--draft-weights fp8` being parsed but not passed on (the draft silently left in the model's
+    dtype), its choices drifting from the backend's, or it being accepted by a backend that cannot run it."""
+    from dflash_trt.runtime import command
+    from dflash_trt.runtime.backends import torch_backend
+    from dflash_trt.runtime.kernels import quant
+
+    assert command.DRAFT_WEIGHTS == quant.DRAFT_WEIGHTS
+    seen = []
+    real = torch_backend.TorchBackend.__init__
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("draft_weights"))
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch_backend.TorchBackend, "__init__", spy)
+    out = tmp_path / "o"
+    assert main(["run", "--backend", "torch", "--kernels", "fast", "--draft-weights", "fp8", "--limit", "1", "--max-new-tokens", "4",
+                 "--out", str(out)]) == 0
+    assert seen == ["fp8"] and (out / "outputs.jsonl").exists()
+    assert main(["run", "--draft-weights", "fp8", "--limit", "1", "--out", str(tmp_path / "p")]) == 2  # onnxruntime: refused
+    assert "--draft-weights fp8 applies to --backend torch (got --backend onnxruntime)" in capsys.readouterr().err
+
+
 def test_kernels_flag_reaches_the_torch_backend(tmp_path, monkeypatch):
     """Guards against `--kernels` being parsed but not passed on (the torch backend silently running its
     default kernels, so `--kernels exact` would not give the bf16 guarantee it names), and against the

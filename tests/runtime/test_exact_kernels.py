@@ -206,7 +206,7 @@ def test_exact_linear_launches_sum_every_row_in_one_order(monkeypatch):
             assert norms == [(M, 4096)]  # the norm pass: once, over every row, before any launch of the product
             starts = []
             for grid, args, kwargs in linear.launches:
-                ws_rows, row0, end, K, width = args[12], args[14], args[15], args[17], args[18]
+                ws_rows, row0, end, K, width = args[13], args[15], args[16], args[18], args[19]
                 assert grid[2] == kwargs["SPLITS"] and end - row0 <= ws_rows and end <= M and K == 4096
                 seen.add((kwargs["SPLITS"], width, kwargs["BK"], kwargs["num_warps"], kwargs["TM"], ws_rows if M == 1 else None))
                 starts.append((row0, end))
@@ -276,7 +276,7 @@ def _step_bytes(plan, tiles: int, block_n: int, gated: bool, element_bytes: int)
     return ((2 if gated else 1) * block_n + 16 * tiles) * plan.block_k * element_bytes
 
 
-LINEAR_ARGS = ("x_ptr", "stride_xm", "w_ptr", "stride_wn", "b_ptr", "r_ptr", "stride_rm", "o_ptr", "stride_om",
+LINEAR_ARGS = ("x_ptr", "stride_xm", "w_ptr", "stride_wn", "b_ptr", "s_ptr", "r_ptr", "stride_rm", "o_ptr", "stride_om",
                "t_ptr", "stride_tm", "ws_ptr", "WR", "cnt_ptr", "row0", "M", "N", "K", "KS")
 
 
@@ -305,28 +305,34 @@ def _arithmetic(ir: str) -> tuple[tuple, frozenset]:
 
 
 @needs_triton
-def test_exact_linear_compiles_to_one_arithmetic_for_every_row_count():
+@pytest.mark.parametrize("scaled", [False, True], ids=["bf16", "fp8 weights"])
+def test_exact_linear_compiles_to_one_arithmetic_for_every_row_count(scaled):
     """Bug: a row count changes the compiled arithmetic of the exact linear: the feature block, the tiles per
     program or the pipeline stages it picks make Triton reduce in another layout (another order) or pick
     another MMA instruction (wgmma from 64-row tiles), and the decode step and the verify give a row other
     bits. Compiled for sm90 here, bf16, the Qwen3-8B weights and the default pair's (whose many-row launches are
     spread wider: fewer tiles, the few-row feature block), with the spreads of an H100 and of a GPU with 99 KiB of
-    shared memory a program (fewer tiles and narrower blocks, so that two stages fit)."""
+    shared memory a program (fewer tiles and narrower blocks, so that two stages fit). With fp8 weights (the
+    draft's ``draft_weights="fp8"``) likewise: a draft proposal must not depend on how many owners share the launch."""
     from dflash_trt.runtime.kernels.exact_ops import _linear_kernel
 
     args = {name: "*bf16" if name.endswith("_ptr") else "i32" for name in LINEAR_ARGS}
     args["ws_ptr"], args["cnt_ptr"] = "*fp32", "*i32"
+    if scaled:
+        args["w_ptr"], args["s_ptr"] = "*fp8e4nv", "*fp32"
+    element_bytes = 1 if scaled else 2
     aligned = {name for name in LINEAR_ARGS if name not in ("M", "WR", "row0")}  # pointers, strides (K, N...), N, K of the 8B weights
     weights = [WEIGHTS_8B[name] for name in ("qkv", "gate_up", "down")] + list(WEIGHTS_DEFAULT_PAIR.values())
     for N, K, gated, norm in weights:  # the 8B table's tilings: split (q|k|v, down) or not (gate|up); the rule's
         name = (N, K, gated)
-        plan = exact_linear_plan(N, K, gated, 2)
+        plan = exact_linear_plan(N, K, gated, element_bytes)
         compiled = {}
-        launches = sorted({exact_linear_launch(plan, M, gated, 2, N, processors, shared) for M in ROW_COUNTS for processors in (4, 132)
+        launches = sorted({exact_linear_launch(plan, M, gated, element_bytes, N, processors, shared) for M in ROW_COUNTS
+                           for processors in (4, 132)
                            for shared in (EXACT_SHARED_BYTES, SM89_SHARED_BYTES)})
         fixups = (False, True) if plan.splits > 1 else (False,)
         for fixup, (tiles, block_n, stages) in itertools.product(fixups, launches):  # the in-kernel sum: spread only
-            constexprs = dict(GATED=gated, BIAS=False, RESIDUAL=not norm, TAP=False, SPLITS=plan.splits, FIXUP=fixup,
+            constexprs = dict(GATED=gated, BIAS=False, RESIDUAL=not norm, TAP=False, SCALED=scaled, SPLITS=plan.splits, FIXUP=fixup,
                               TILES=tiles, TM=16, BN=block_n, BK=plan.block_k, INTERP=False, PDL=False)
             try:
                 ir = _ttgir(_linear_kernel, args, aligned, constexprs, plan.warps, stages)
@@ -345,8 +351,9 @@ def _launched_kernels() -> list[tuple]:
 
     ints = lambda *names: {name: "i32" for name in names}  # noqa: E731
     linear = {name: "*bf16" if name.endswith("_ptr") else "i32" for name in LINEAR_ARGS} | {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}
-    sums = {"ws_ptr": "*fp32"} | ints("WR", "row0", "M", "N") | {"w_ptr": "*bf16", "b_ptr": "*bf16", "r_ptr": "*bf16",
-           "stride_rm": "i32", "o_ptr": "*bf16", "stride_om": "i32", "t_ptr": "*bf16", "stride_tm": "i32"}
+    sums = {"ws_ptr": "*fp32"} | ints("WR", "row0", "M", "N") | {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "s_ptr": "*bf16",
+           "r_ptr": "*bf16", "stride_rm": "i32", "o_ptr": "*bf16", "stride_om": "i32", "t_ptr": "*bf16", "stride_tm": "i32"}
+    fp8_linear = linear | {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
     q = {"q_ptr": "*bf16"} | ints("sq_n", "sq_h", "sq_t") | {"k_ptr": "*bf16", "v_ptr": "*bf16"} | ints("sk_n", "sk_h", "sk_l")
     q |= {"pos_ptr": "*i64", "spos_n": "i32", "len_ptr": "*i64"}
     fast = q | {"o_ptr": "*bf16"} | ints("so_n", "so_h", "so_t") | {"part_ptr": "*fp32", "lse_ptr": "*fp32", "rows_ptr": "*i64"}
@@ -368,9 +375,11 @@ def _launched_kernels() -> list[tuple]:
     embed = {"tokens_ptr": "*i64", "stride_tn": "i32", "table_ptr": "*bf16", "stride_v": "i32", "start_ptr": "*i64", "x_ptr": "*bf16",
              "pos_ptr": "*i64", "len_ptr": "*i64"} | ints("T", "H", "mask_id")
     return [
-        (exact_ops._linear_kernel, linear, dict(GATED=True, BIAS=True, RESIDUAL=True, TAP=True, SPLITS=2, FIXUP=True, TILES=2, TM=16,
-                                                BN=64, BK=128, INTERP=False)),
-        (exact_ops._split_sum_kernel, sums, dict(GATED=True, BIAS=True, RESIDUAL=True, TAP=True, SPLITS=4, TM=16, BN=256)),
+        (exact_ops._linear_kernel, linear, dict(GATED=True, BIAS=True, RESIDUAL=True, TAP=True, SCALED=False, SPLITS=2, FIXUP=True,
+                                                TILES=2, TM=16, BN=64, BK=128, INTERP=False)),
+        (exact_ops._linear_kernel, fp8_linear, dict(GATED=True, BIAS=True, RESIDUAL=True, TAP=True, SCALED=True, SPLITS=2, FIXUP=True,
+                                                    TILES=2, TM=16, BN=64, BK=128, INTERP=False)),
+        (exact_ops._split_sum_kernel, sums, dict(GATED=True, BIAS=True, RESIDUAL=True, TAP=True, SCALED=False, SPLITS=4, TM=16, BN=256)),
         (exact_ops._attention_kernel, exact, shape | dict(SPLIT=256, ROWS=True, COMBINE=False, INTERP=False)),
         (exact_ops._attention_kernel, exact, shape | dict(SPLIT=256, ROWS=True, COMBINE=True, INTERP=False)),
         (exact_ops._combine_kernel, combine, shape | dict(SPLIT=256)),
@@ -595,7 +604,8 @@ def test_a_kernel_launched_overlapping_waits_for_its_predecessor_before_any_memo
 
 # ------------------------------------------------------------------ the kernels, interpreted (CPU)
 
-CHECKS = ("linear_rows", "split_rows", "attention_rows", "attention_rows_split", "rope_rows", "linear_reference", "attention_reference", "exact_target")
+CHECKS = ("linear_rows", "split_rows", "fp8_linear", "attention_rows", "attention_rows_split", "rope_rows", "linear_reference",
+          "attention_reference", "exact_target")
 INTERPRETED = """
 import json, sys, traceback
 sys.path.insert(0, {tests!r})
@@ -661,6 +671,13 @@ def test_exact_split_k_rows_do_not_depend_on_the_batch(interpreted):
     _passed(interpreted, "split_rows")
 
 
+def test_exact_fp8_linear_rows_do_not_depend_on_the_batch(interpreted):
+    """Bug: an fp8 weight (the draft's ``draft_weights="fp8"``) through the exact linear computes something else than
+    x @ (q * scale).T (the scale missed, applied per row instead of per feature, or to one half of gate|up; the
+    result rounded to fp8), or a row's output depends on the row count or the split-K launch it lands in."""
+    _passed(interpreted, "fp8_linear")
+
+
 def test_the_exact_target_computes_the_twins_forward(interpreted):
     """Bug: the exact kernels, each right alone, do not compose into the target's forward (the attention reading
     the caches the rope kernel wrote at other strides, a norm or tap epilogue in the wrong place, the head's
@@ -693,14 +710,14 @@ def test_exact_ops_agree_with_the_reference(interpreted):
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("check", ["linear_rows", "split_rows", "attention_rows", "rope_rows"])
+@pytest.mark.parametrize("check", ["linear_rows", "split_rows", "fp8_linear", "attention_rows", "rope_rows"])
 def test_exact_kernels_are_batch_invariant_on_cuda(check, dtype):
     """Bug: compiled for the GPU, a row's result depends on the batch after all (tensor-core tiles that round
     a row by its place in the tile, a kernel specialized on the row count, a split chosen from the key count):
     Qwen3-8B weight shapes, M = 1 .. 300 rows, 1 / 16 queries, 1 / 3 owners, two capacities, bit for bit."""
     import exact_checks
 
-    if check in ("rope_rows", "split_rows"):
+    if check in ("rope_rows", "split_rows", "fp8_linear"):
         getattr(exact_checks, f"check_{check}")("cuda", dtype)
     else:
         getattr(exact_checks, f"check_{check}")("cuda", dtype, small=False)
@@ -809,7 +826,7 @@ def test_exact_kernels_agree_with_the_reference_on_cuda(dtype):
     exact_checks.check_attention_reference("cuda", dtype)
 
 
-def _bf16_backend(target_dir, draft_dir, sessions: int, max_context: int, max_chunk: int, kernels="exact"):
+def _bf16_backend(target_dir, draft_dir, sessions: int, max_context: int, max_chunk: int, kernels="exact", draft_weights="model"):
     """The pair in bf16 on CUDA with ``kernels`` (exact), ``sessions`` cache rows, up to ``sessions`` owners per launch."""
     from dflash_trt.export.exporter import ExportOptions, contract_dims
     from dflash_trt.export.pair import load_pair
@@ -817,7 +834,8 @@ def _bf16_backend(target_dir, draft_dir, sessions: int, max_context: int, max_ch
 
     target, draft = load_pair(target_dir, draft_dir, dtype=torch.bfloat16)
     options = ExportOptions(max_owners=sessions, max_context=max_context, max_chunk=max_chunk, proposals=draft.config.block_size - 1, dtype="bf16")
-    return TorchBackend(target, draft, contract_dims(target, draft, options), sessions, device="cuda", kernels=kernels)
+    return TorchBackend(target, draft, contract_dims(target, draft, options), sessions, device="cuda", kernels=kernels,
+                        draft_weights=draft_weights)
 
 
 def _assert_identical(outputs: dict, requests, what: str) -> None:
@@ -901,6 +919,28 @@ def test_dflash_equals_plain_decoding_in_bf16_on_the_default_pair():
         alone = alone or outputs["plain"]
         for i, (one, shared) in enumerate(zip(alone, outputs["plain"])):
             assert one == shared, f"request {i}: 1 vs {sessions} sessions differ at {exact_checks.first_difference(one, shared)}"
+
+
+@gpu
+def test_an_fp8_draft_keeps_bf16_dflash_equal_to_plain_decoding():
+    """Bug: with the draft's weights in fp8 (``draft_weights="fp8"``, compiled fp8 products on the GPU) DFlash's
+    output leaves plain decoding's (greedy or sampled, 4 sessions, the shipped pair in bf16, exact kernels), or
+    the compiled fp8 products break the draft (its acceptance collapses: fewer than 2 tokens per cycle)."""
+    import exact_checks
+
+    from dflash_trt.export.pair import DEFAULT_PAIR_DIR
+    from dflash_trt.runtime.executor import Executor
+    from dflash_trt.runtime.generate import collect, stream
+
+    requests = _default_pair_requests(8, 64)
+    with _bf16_backend(DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft", 4, 1024, 256, draft_weights="fp8") as backend:
+        outputs = exact_checks.serve_both(backend, requests, 4)
+        with Executor(backend, max_sessions=4, policy="always") as executor:
+            collect(stream(executor, requests[:8], 4), 8)  # the greedy half
+            cycles = executor.cycle_stats()
+    _assert_identical(outputs, requests, "default pair, fp8 draft, 4 sessions")
+    tau = (cycles["accepted"].sum() + len(cycles)) / len(cycles)
+    assert tau >= 2.0, tau
 
 
 @gpu

@@ -257,6 +257,70 @@ def test_kernels_option_is_checked(fast_pair, caplog):
         TorchBackend(target, draft, dataclasses.replace(dims, target_head_dim=12), 2, kernels="fast")
 
 
+def test_fp8_rows_keep_every_weight_within_e4m3_rounding():
+    """Bug: the draft's fp8 quantizer loses a row (a scale from the whole tensor rather than the row: small rows
+    flush to zero), overflows e4m3 (values past 448 become NaN), or divides by a zero scale on an all-zero row."""
+    from dflash_trt.runtime.kernels.quant import FP8, FP8_MAX, dequantized, fp8_rows
+
+    g = torch.Generator().manual_seed(6)
+    weight = torch.randn(40, 96, generator=g) * torch.logspace(-4, 2, 40)[:, None]  # rows six decades apart
+    weight[7] = 0.0
+    q, scale = fp8_rows(weight.to(torch.bfloat16))
+    assert q.dtype == FP8 and scale.dtype == torch.float32 and scale.shape == (40,)
+    assert not torch.isnan(q.float()).any() and q.float().abs().max() <= FP8_MAX
+    assert torch.equal(q[7].float(), torch.zeros(96)) and scale[7] == 1.0
+    back, want = dequantized(q, scale), weight.to(torch.bfloat16).float()
+    tolerance = want.abs().amax(dim=1, keepdim=True) * 2.0**-4  # e4m3: 3 mantissa bits, below the normal range steps of 2^-9 amax
+    assert ((back - want).abs() <= tolerance).all()
+    torch.testing.assert_close(back.abs().amax(dim=1), want.abs().amax(dim=1), rtol=1e-6, atol=0)  # each row's largest: 448 x its scale
+    with pytest.raises(ValueError, match="2-D"):
+        fp8_rows(torch.zeros(4))
+
+
+def test_draft_weights_option_is_checked(fast_pair):
+    """Bug: an unknown ``draft_weights`` is ignored, or fp8 is accepted by kernels that have no fp8 products (the
+    eager reference modules, or the fast Triton kernels) and silently runs the draft in the model's dtype."""
+    target_dir, draft_dir, out, _ = fast_pair
+    with pytest.raises(EngineError, match="draft_weights must be one of"):
+        TorchBackend.from_checkpoints(target_dir, draft_dir, out, max_sessions=2, kernels="fast", draft_weights="int4")
+    with pytest.raises(EngineError, match="draft_weights='fp8' runs on the exact kernels.*got kernels='eager'"):
+        TorchBackend.from_checkpoints(target_dir, draft_dir, out, max_sessions=2, kernels="eager", draft_weights="fp8")
+
+
+def test_an_fp8_draft_keeps_dflash_equal_to_plain_decoding():
+    """Bug: the draft's weights in fp8 change what DFlash returns (the target must verify every token whatever the
+    draft proposes), or break the draft (a scale applied to the wrong features, the head's copy wrong): the shipped
+    pair's acceptance must stay within a tenth of the model-dtype draft's. fp32 target on the CPU twin, 8 held-out
+    prompts x 64 tokens, 4 sessions, greedy."""
+    import json
+
+    from dflash_trt.export.exporter import ExportOptions, contract_dims
+    from dflash_trt.export.pair import DEFAULT_PAIR_DIR
+    from dflash_trt.export.tokenizer import Tokenizer
+    from dflash_trt.runtime.executor import Executor
+    from dflash_trt.runtime.generate import collect, stream
+    from dflash_trt.runtime.serving.batcher import Request
+
+    tokenizer = Tokenizer.from_dir(DEFAULT_PAIR_DIR / "target")
+    rows = [json.loads(line) for line in (DEFAULT_PAIR_DIR / "prompts.jsonl").read_text().splitlines() if line.strip()]
+    requests = [Request(tokenizer.encode(row["prompt"])[-160:], 64, tuple(tokenizer.stop_ids)) for row in rows[:8]]
+    options = ExportOptions(max_owners=4, max_sessions=4).resolve(DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft")
+    outputs, tau = {}, {}
+    for weights in ("model", "fp8"):
+        target, draft = load_pair(DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft")
+        with TorchBackend(target, draft, contract_dims(target, draft, options), 4, kernels="fast", draft_weights=weights) as backend:
+            for speculate in (False, True) if weights == "model" else (True,):
+                with Executor(backend, max_sessions=4, speculate=speculate, policy="always") as executor:
+                    outputs[weights, speculate] = [c.tokens for c in collect(stream(executor, requests, 4), len(requests))]
+                    cycles = executor.cycle_stats()
+                if speculate:
+                    tau[weights] = (cycles["accepted"].sum() + len(cycles)) / len(cycles)
+    for i, plain in enumerate(outputs["model", False]):
+        assert outputs["fp8", True][i] == plain, f"request {i}: the fp8 draft's DFlash output differs from plain decoding"
+        assert outputs["model", True][i] == plain, f"request {i}: DFlash output differs from plain decoding"
+    assert tau["fp8"] >= 0.9 * tau["model"] > 1.5, tau
+
+
 @pytest.mark.skipif(not TRITON, reason="needs triton (it ships with the CUDA builds of torch)")
 def test_triton_interpreter_equals_the_twin():
     """Bug: a Triton kernel's indexing, masking or epilogue differs from the twin (checked without a GPU
