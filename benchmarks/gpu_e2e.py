@@ -183,7 +183,8 @@ def case(name: str, models, dtype, sessions: int, options, write):
     target, draft, prompts, stop = models
     count = sessions * (options.rounds or PROMPTS_PER_SESSION.get(sessions, 2))
     dims = dims_of(target, draft, sessions, dtype)
-    backend = TorchBackend(target, draft, dims, sessions, device=options.device, kernels=options.kernels)
+    backend = TorchBackend(target, draft, dims, sessions, device=options.device, kernels=options.kernels,
+                           draft_weights=options.draft_weights)
     temperatures, new_tokens, max_cycles = options.temperatures, options.new_tokens, options.max_cycles
     try:
         for temperature in temperatures:
@@ -195,7 +196,7 @@ def case(name: str, models, dtype, sessions: int, options, write):
             identical = sum(a == b for a, b in zip(ar_tokens, dflash_tokens))
             write(row(name, sessions, temperature, ar, dflash, identical, count, max_cycles)
                   | {"kernels": backend.kernels, "policy": options.policy, "pdl": pdl_on(backend.device), "lag": options.lag,
-                     "loop_glue": options.loop_glue, "launch_rounds": options.launch_rounds})
+                     "loop_glue": options.loop_glue, "launch_rounds": options.launch_rounds, "draft_weights": options.draft_weights})
     finally:
         backend.close()
 
@@ -254,6 +255,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="prompts per session (default: 6 / 4 / 3 at 1 / 4 / 16 sessions)")
     parser.add_argument("--kernels", default="auto", help="the torch backend's kernels: auto, fast, exact (CUDA), reference")
     parser.add_argument("--dtypes", default="fp32,bf16", help="the default pair's dtypes, comma-separated: fp32, bf16")
+    parser.add_argument("--draft-weights", choices=("model", "fp8"), default="model", help="the draft's weights (the torch backend's draft_weights)")
     parser.add_argument("--sessions", help="comma-separated session counts (default: 1,4,16; --quick: 1,16)")
     parser.add_argument("--also-max-cycles", type=int, help="the default pair at 1 session, T=0, once more with this max_cycles")
     parser.add_argument("--repeats", type=int, default=1, help="timed passes per mode; the median pass's figures (and every pass's tokens/s)")
