@@ -527,7 +527,7 @@ class ExactOps(TritonOps):
         plan = self.linear_plan(N, K, gated, weight.element_size(), x.device)
         splits, width = exact_split_k(K, plan)
         tiles, block_n, stages = exact_linear_launch(plan, M, gated, weight.element_size(), N, self.processors(x.device),
-                                                     self.shared_bytes(x.device))
+                                                     self.shared_bytes(x.device), x.element_size())
         blocks = triton.cdiv(N, block_n)
         columns = 2 * N if gated else N
         step = M if splits == 1 else exact_workspace_rows(M, splits, columns, self.workspace_bytes)  # rows per launch

@@ -212,14 +212,15 @@ def exact_workspace_rows(rows: int, splits: int, columns: int, budget: int = EXA
 
 
 def exact_linear_launch(plan: ExactLinearPlan, rows: int, gated: bool, element_bytes: int, out_features: int | None = None,
-                        processors: int = EXACT_PROCESSORS, shared: int = EXACT_SHARED_BYTES) -> tuple[int, int, int]:
+                        processors: int = EXACT_PROCESSORS, shared: int = EXACT_SHARED_BYTES, x_bytes: int | None = None) -> tuple[int, int, int]:
     """(16-row tiles per program, features per program, pipeline stages) for ``rows`` rows: spread only
     (the stages: the plan's, else as many as fit ``EXACT_STAGE_BYTES``, 2 to 4).
 
     ``shared``: what a program's pipelined steps may hold on this GPU (``EXACT_SHARED_BYTES`` on an H100 /
     H200; ~83 KiB on an sm86 / sm89 GPU). Less than ``EXACT_STAGE_BYTES`` lowers the stages' target to it; where
     even two stages do not fit, fewer tiles share a weight load, then the feature block narrows, until they do
-    (all spread: the K steps, so the sums, stay the weight's).
+    (all spread: the K steps, so the sums, stay the weight's). ``x_bytes``: x's element size where it is not the
+    weight's (an fp8 weight under bf16 rows).
 
     With ``out_features``, a small weight under many rows is spread wider: while the launch has fewer
     programs than three quarters of the ``processors``, fewer tiles share a weight load (4 -> 2 -> 1), then,
@@ -230,18 +231,19 @@ def exact_linear_launch(plan: ExactLinearPlan, rows: int, gated: bool, element_b
     block_n = plan.block_n if rows <= EXACT_TILE_M // 2 else plan.block_n_rows
     if out_features is not None:
         tiles, block_n = exact_wider_spread(plan, rows, tiles, block_n, out_features, processors)
-    step = _linear_step_bytes(plan, tiles, block_n, gated, element_bytes)
+    step = _linear_step_bytes(plan, tiles, block_n, gated, element_bytes, x_bytes)
     if plan.stages and plan.stages * step <= shared:
         return tiles, block_n, plan.stages
     while 2 * step > shared and (tiles > 1 or block_n > 16):
         tiles, block_n = (tiles // 2, block_n) if tiles > 1 else (tiles, block_n // 2)
-        step = _linear_step_bytes(plan, tiles, block_n, gated, element_bytes)
+        step = _linear_step_bytes(plan, tiles, block_n, gated, element_bytes, x_bytes)
     return tiles, block_n, max(2, min(4, min(EXACT_STAGE_BYTES, shared) // step))
 
 
-def _linear_step_bytes(plan: ExactLinearPlan, tiles: int, block_n: int, gated: bool, element_bytes: int) -> int:
+def _linear_step_bytes(plan: ExactLinearPlan, tiles: int, block_n: int, gated: bool, element_bytes: int, x_bytes: int | None = None) -> int:
     """Shared memory of one pipelined K step of an exact linear program: its weight block(s) and x tiles."""
-    return ((2 if gated else 1) * block_n + tiles * EXACT_TILE_M) * plan.block_k * element_bytes
+    x_bytes = element_bytes if x_bytes is None else x_bytes
+    return ((2 if gated else 1) * block_n * element_bytes + tiles * EXACT_TILE_M * x_bytes) * plan.block_k
 
 
 def exact_wider_spread(plan: ExactLinearPlan, rows: int, tiles: int, block_n: int, out_features: int, processors: int) -> tuple[int, int]:

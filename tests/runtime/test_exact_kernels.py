@@ -327,7 +327,7 @@ def test_exact_linear_compiles_to_one_arithmetic_for_every_row_count(scaled):
         name = (N, K, gated)
         plan = exact_linear_plan(N, K, gated, element_bytes)
         compiled = {}
-        launches = sorted({exact_linear_launch(plan, M, gated, element_bytes, N, processors, shared) for M in ROW_COUNTS
+        launches = sorted({exact_linear_launch(plan, M, gated, element_bytes, N, processors, shared, 2) for M in ROW_COUNTS
                            for processors in (4, 132)
                            for shared in (EXACT_SHARED_BYTES, SM89_SHARED_BYTES)})
         fixups = (False, True) if plan.splits > 1 else (False,)
