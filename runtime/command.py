@@ -200,8 +200,8 @@ def torch_from_checkpoints(args: argparse.Namespace):
     owners = min(args.max_owners or args.max_sessions, args.max_sessions)
     options = ExportOptions(max_owners=owners, max_sessions=args.max_sessions, dtype=dtype).resolve(args.target, args.draft)
     target, draft = load_pair(args.target, args.draft, dtype=torch_dtype(DTYPES[dtype]))
-    return TorchBackend(target, draft, contract_dims(target, draft, options), args.max_sessions, device=device, kernels=getattr(args, "kernels", "auto"),
-                        draft_weights=getattr(args, "draft_weights", "model"))
+    return TorchBackend(target, draft, contract_dims(target, draft, options), args.max_sessions, device=device,
+                        kernels=getattr(args, "kernels", "auto"), draft_weights=getattr(args, "draft_weights", "model"))
 
 
 CHECKPOINT_SESSIONS = 16  # cache rows of a torch backend run from checkpoints when --max-sessions is not given
@@ -227,8 +227,8 @@ def _open_torch(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or "cpu"
-    return TorchBackend.from_checkpoints(args.target, args.draft, args.artifacts, max_sessions=args.max_sessions, device=device, kernels=getattr(args, "kernels", "auto"),
-                        draft_weights=getattr(args, "draft_weights", "model"))
+    return TorchBackend.from_checkpoints(args.target, args.draft, args.artifacts, max_sessions=args.max_sessions, device=device,
+                                         kernels=getattr(args, "kernels", "auto"), draft_weights=getattr(args, "draft_weights", "model"))
 
 
 def _open_tensorrt(args):

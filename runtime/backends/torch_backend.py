@@ -18,7 +18,9 @@ alone are the same bits and DFlash's output equals plain decoding in bf16 too
 ``export.graph_modules``' reference modules. "auto" (the default) is "exact" on CUDA
 in bf16 and "fast" in other dtypes where the pair is supported, else "eager". An ops object
 (``runtime.kernels.triton_ops.TritonOps(linear_plans=...)``, ``ExactOps(...)``) runs
-the fused graphs with it.
+the fused graphs with it. ``draft_weights="fp8"`` holds the draft's products in fp8 with a
+scale per row (``runtime.kernels.quant``: half the bytes a draft launch streams; the target
+verifies every token, so the output is unchanged): on the exact kernels or the CPU twin.
 
 CPU: eager, synchronous. CUDA: everything is enqueued on the backend's
 device-layer stream (``BackendStream``), and the token choice of ``sample`` /

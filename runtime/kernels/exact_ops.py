@@ -25,6 +25,8 @@ for bit, in bf16 too, so DFlash's output is the target's own plain decoding, tok
                     most processors idle, rows per launch that fit the workspace; pipelines, tiles and
                     blocks that fit the GPU's shared memory per program, ``ExactOps.shared_bytes``): each
                     tile's dot walks the same K steps whatever M is, so that choice changes speed only.
+                    An fp8 weight (``scale=``: a draft's, ``kernels.quant``) is widened to x's dtype as
+                    each K step is loaded, its scale applied per feature in the epilogue; the same rules.
 ``attention``       keys split at a fixed size (``EXACT_SPLIT_SLOTS``): split s covers slots
                     [256 s, 256 s + 256) of the valid range, walked in BLOCK_N steps at absolute slots;
                     the grid covers a full cache and splits past the valid slots do nothing; the
