@@ -20,11 +20,11 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import record  # noqa: E402  (benchmarks/record.py: results.jsonl)
-
-import torch  # noqa: E402
 
 from dflash_trt.export.exporter import ExportOptions, contract_dims  # noqa: E402
 from dflash_trt.export.pair import DEFAULT_PAIR_DIR, load_pair  # noqa: E402
