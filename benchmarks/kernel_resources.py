@@ -2,6 +2,7 @@
 SASS instructions, and how many programs fit one SM by each limit.
 
     python benchmarks/kernel_resources.py [--stages 2 3] [--warps 4] [--record]
+    python benchmarks/kernel_resources.py --linear fp8 [--record]    # the exact linear with fp8 weights instead
 
 Compiles ``exact_ops._attention_kernel`` (the splits folded in the launch, and by a second launch) and
 ``_combine_kernel`` for sm90 at the Qwen3-8B head shape (head_dim 128, 16-row query tiles, 64-slot steps, 256-slot
@@ -11,7 +12,10 @@ GPU will run (the GPU machine's, or a copy of it on ``PYTHONPATH``): compilers d
 keeps every bit can still make a launch a fifth slower by holding more registers (benchmarks/RESULTS.md, "The exact
 attention's fold with eight splits' loads at once": 146 -> 203 registers, three programs per SM -> two, a four-owner
 verify's attention 39.3 -> 47.6 µs per layer; ``test_exact_attention_holds_three_programs_per_sm`` now holds the
-product to three). Prints a table and ends with one JSON line; ``--record`` appends one row.
+product to three). ``--linear fp8`` compiles ``exact_ops._linear_kernel`` instead, with fp8 weights (a draft's
+``draft_weights="fp8"``) at the Qwen3-8B weights' shapes, as the plan launches them at 16 and 64 rows and with the
+64-row launch at 1, 2 and 4 tiles per program (the widened fp8 tiles are held in registers). Prints a table and ends
+with one JSON line; ``--record`` appends one row.
 """
 
 from __future__ import annotations
@@ -38,12 +42,15 @@ POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf1
 ALIGNED = {"sq_n", "sq_h", "sq_t", "sk_n", "sk_h", "sk_l", "so_n", "so_h", "so_t"}  # multiples of 16 at this shape
 
 
-def signature(kernel, constexprs: dict) -> tuple[dict, dict]:
-    """The kernel's argument types by name (pointers by ``POINTERS``, ``scale`` fp32, other integers i32) and the
-    16-divisible ones (every pointer, the strides in ``ALIGNED``) as Triton's attributes."""
+def signature(kernel, constexprs: dict, pointers: dict | None = None, aligned_names: set | None = None) -> tuple[dict, dict]:
+    """The kernel's argument types by name (pointers by ``pointers``, default ``POINTERS``; ``scale`` fp32, other
+    integers i32) and the 16-divisible ones (every pointer, the names in ``aligned_names``, default ``ALIGNED``) as
+    Triton's attributes."""
+    pointers = POINTERS if pointers is None else pointers
+    aligned_names = ALIGNED if aligned_names is None else aligned_names
     names = list(inspect.signature(kernel.fn).parameters)
-    types = {n: "constexpr" if n in constexprs else POINTERS.get(n, "fp32" if n == "scale" else "i32") for n in names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in POINTERS or n in ALIGNED}
+    types = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "scale" else "i32") for n in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in pointers or n in aligned_names}
     return types, aligned
 
 
@@ -54,14 +61,16 @@ def programs_per_sm(registers: int, shared: int, warps: int) -> dict:
             "by_threads": min(SM_THREADS // (32 * warps), SM_PROGRAMS)}
 
 
-def resources(kernel, constexprs: dict, warps: int, stages: int, registers: int | None = None) -> dict:
-    """One compile for sm90 (``registers``: the launch's cap, ``maxnreg``): registers, stack bytes, shared bytes, SASS
+def resources(kernel, constexprs: dict, warps: int, stages: int, registers: int | None = None, pointers: dict | None = None,
+              aligned_names: set | None = None) -> dict:
+    """One compile for sm90 (``registers``: the launch's cap, ``maxnreg``; ``pointers``, ``aligned_names``: as
+    ``signature``'s, for another kernel than the attention): registers, stack bytes, shared bytes, SASS
     instructions, local loads / stores."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    types, aligned = signature(kernel, constexprs)
+    types, aligned = signature(kernel, constexprs, pointers, aligned_names)
     source = ASTSource(fn=kernel, signature=types, constexprs=constexprs, attrs=aligned)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages, **({"maxnreg": registers} if registers else {})})
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -77,12 +86,56 @@ def resources(kernel, constexprs: dict, warps: int, stages: int, registers: int 
             "local_accesses": len(re.findall(r"\b(?:LDL|STL)\b", sass)), **programs_per_sm(held, shared, warps)}
 
 
+LINEAR_POINTERS = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "s_ptr": "*fp32", "r_ptr": "*bf16", "o_ptr": "*bf16",
+                   "t_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+LINEAR_ALIGNED = {"stride_xm", "stride_wn", "stride_rm", "stride_om", "stride_tm", "N", "K", "KS"}  # the 8B weights' sizes
+WEIGHTS_8B = {"q|k|v": (6144, 4096, False, True), "o": (4096, 4096, False, False), "gate|up": (12288, 4096, True, True),
+              "down": (4096, 12288, False, False), "LM head": (151936, 4096, False, True)}  # (N, K, gated, norm prologue)
+
+
+def linear_rows() -> list[dict]:
+    """The exact linear with fp8 weights: each 8B weight's launches at 16 and 64 rows as the plan makes them, and the
+    64-row launch at 1, 2 and 4 tiles per program."""
+    from dataclasses import replace
+
+    from dflash_trt.runtime.kernels import exact_ops
+    from dflash_trt.runtime.kernels.plan import EXACT_SHARED_BYTES, exact_linear_launch, exact_linear_plan
+
+    rows = []
+    for name, (N, K, gated, norm) in WEIGHTS_8B.items():
+        plan = exact_linear_plan(N, K, gated, 1)
+        launches = [(M, "plan", plan) for M in (16, 64)] + [(64, f"{t} tiles", replace(plan, tiles=t)) for t in (1, 2, 4) if t != plan.tiles]
+        for M, label, chosen in launches:
+            tiles, block_n, stages = exact_linear_launch(chosen, M, gated, 1, N, 132, EXACT_SHARED_BYTES, 2)
+            constexprs = dict(GATED=gated, BIAS=False, RESIDUAL=not norm, TAP=False, SCALED=True, SPLITS=chosen.splits, FIXUP=chosen.fixup,
+                              TILES=tiles, TM=16, BN=block_n, BK=chosen.block_k, INTERP=False, PDL=True)
+            found = resources(exact_ops._linear_kernel, constexprs, chosen.warps, stages, pointers=LINEAR_POINTERS, aligned_names=LINEAR_ALIGNED)
+            rows.append({"weight": name, "rows": M, "launch": label, "tiles": tiles, "block_n": block_n, "stages": stages, **found})
+            r = rows[-1]
+            print(f"| {name} | {M} | {label} | {tiles} | {block_n} | {stages} | {r['registers']} | {r['stack_bytes']} | {r['shared_bytes']} | "
+                  f"{r['local_accesses']} | {r['by_registers']}, {r['by_shared']} |", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3], help="key / value steps in flight (the product: 3 at this shape)")
     parser.add_argument("--warps", type=int, default=4, help="warps per program (the product's attention: 4)")
+    parser.add_argument("--linear", choices=("fp8",), help="the exact linear with fp8 weights instead of the attention")
     parser.add_argument("--record", action="store_true", help="append a row to benchmarks/results.jsonl")
     args = parser.parse_args()
+    if args.linear:
+        import triton
+
+        print(f"sm90, Triton {triton.__version__}: the exact linear, fp8 weights, bf16 rows\n")
+        print("| weight | rows | launch | tiles | features | stages | registers | stack B | shared B | local ld/st | programs / SM: registers, shared |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        result = {"name": "kernel_resources_linear_fp8", "machine": "CPU (compiled for sm90)", "triton": triton.__version__,
+                  "command": "python benchmarks/kernel_resources.py " + " ".join(sys.argv[1:]), "rows": linear_rows()}
+        if args.record:
+            record.append_rows([result])
+        print(json.dumps(result))
+        return
 
     import triton
     from dflash_trt.runtime.kernels import exact_ops
