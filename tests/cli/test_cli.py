@@ -148,22 +148,29 @@ def test_build_of_an_fp32_export_exits_2_with_one_line(exported_pair, tmp_path, 
     assert "--dtype bf16" in lines[0] and not out.exists()
 
 
-def test_draft_weights_flag_reaches_the_torch_backend(tmp_path, monkeypatch, capsys):
-    """Guards against `--draft-weights fp8` being parsed but not passed on (the draft silently left in the model's
-    dtype), its choices drifting from the backend's, or it being accepted by a backend that cannot run it."""
-    from dflash_trt.runtime import command
+def _torch_backend_option(monkeypatch, name: str) -> list:
+    """The values of keyword ``name`` every ``TorchBackend`` built from here on receives (the backend still built)."""
     from dflash_trt.runtime.backends import torch_backend
-    from dflash_trt.runtime.kernels import quant
 
-    assert command.DRAFT_WEIGHTS == quant.DRAFT_WEIGHTS
     seen = []
     real = torch_backend.TorchBackend.__init__
 
     def spy(self, *args, **kwargs):
-        seen.append(kwargs.get("draft_weights"))
+        seen.append(kwargs.get(name))
         real(self, *args, **kwargs)
 
     monkeypatch.setattr(torch_backend.TorchBackend, "__init__", spy)
+    return seen
+
+
+def test_draft_weights_flag_reaches_the_torch_backend(tmp_path, monkeypatch, capsys):
+    """Guards against `--draft-weights fp8` being parsed but not passed on (the draft silently left in the model's
+    dtype), its choices drifting from the backend's, or it being accepted by a backend that cannot run it."""
+    from dflash_trt.runtime import command
+    from dflash_trt.runtime.kernels import quant
+
+    assert command.DRAFT_WEIGHTS == quant.DRAFT_WEIGHTS
+    seen = _torch_backend_option(monkeypatch, "draft_weights")
     out = tmp_path / "o"
     assert main(["run", "--backend", "torch", "--kernels", "fast", "--draft-weights", "fp8", "--limit", "1", "--max-new-tokens", "4",
                  "--out", str(out)]) == 0
@@ -180,14 +187,7 @@ def test_kernels_flag_reaches_the_torch_backend(tmp_path, monkeypatch):
     from dflash_trt.runtime.backends import torch_backend
 
     assert command.KERNEL_CHOICES == torch_backend.KERNELS
-    seen = []
-    real = torch_backend.TorchBackend.__init__
-
-    def spy(self, *args, **kwargs):
-        seen.append(kwargs.get("kernels"))
-        real(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch_backend.TorchBackend, "__init__", spy)
+    seen = _torch_backend_option(monkeypatch, "kernels")
     out = tmp_path / "o"
     assert main(["run", "--backend", "torch", "--kernels", "fast", "--limit", "1", "--max-new-tokens", "4", "--out", str(out)]) == 0
     assert seen == ["fast"] and (out / "outputs.jsonl").exists()
