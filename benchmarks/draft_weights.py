@@ -6,7 +6,7 @@
 ``draft_weights="fp8"`` (``runtime/kernels/quant.py``) halves the bytes a draft launch streams; only the proposals
 can change, since the target verifies every token. This measures what that costs: per dtype, plain decoding and
 DFlash (``--policy always``: every round a cycle, so τ is the draft's alone) over the pair's held-out prompts
-(the last 160 tokens of each), with the draft in the model's dtype and in fp8. Per row: τ (tokens per cycle), the
+(``gpu_e2e.default_pair``: the last 192 tokens of each; its dims: verify lengths up to 15), with the draft in the model's dtype and in fp8. Per row: τ (tokens per cycle), the
 cycles, DFlash's outputs identical to plain decoding's, and the seconds the pass took (on the CPU a check, not a
 speed). The CPU runs the fast path's torch twin (``--kernels fast``); ``--device cuda --kernels exact`` the GPU's.
 Prints a table and ends with one JSON line; ``--record`` appends a row per pass to benchmarks/results.jsonl.
@@ -25,10 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import record  # noqa: E402  (benchmarks/record.py: results.jsonl)
+from gpu_e2e import default_pair, dims_of  # noqa: E402  (the shipped pair, its held-out prompts, the export's dims)
 
-from dflash_trt.export.exporter import ExportOptions, contract_dims  # noqa: E402
-from dflash_trt.export.pair import DEFAULT_PAIR_DIR, load_pair  # noqa: E402
-from dflash_trt.export.tokenizer import Tokenizer  # noqa: E402
 from dflash_trt.runtime.backends import TorchBackend  # noqa: E402
 from dflash_trt.runtime.executor import Executor  # noqa: E402
 from dflash_trt.runtime.generate import collect, stream  # noqa: E402
@@ -49,21 +47,14 @@ def arguments() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def requests_of(count: int, new_tokens: int) -> list[Request]:
-    tokenizer = Tokenizer.from_dir(DEFAULT_PAIR_DIR / "target")
-    rows = [json.loads(line) for line in (DEFAULT_PAIR_DIR / "prompts.jsonl").read_text().splitlines() if line.strip()]
-    return [Request(tokenizer.encode(row["prompt"])[-160:], new_tokens, tuple(tokenizer.stop_ids)) for row in rows[:count]]
-
-
-def passes(args, dtype: str, requests: list[Request]) -> list[dict]:
+def passes(args, dtype: str) -> list[dict]:
     """Plain decoding (the model-dtype backend), then DFlash with each draft: one row per DFlash pass."""
-    options = ExportOptions(max_owners=args.sessions, max_sessions=args.sessions, dtype=dtype).resolve(
-        DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft")
     plain, rows = None, []
     for weights in ("model", "fp8"):
-        target, draft = load_pair(DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft", dtype=DTYPES[dtype])
-        with TorchBackend(target, draft, contract_dims(target, draft, options), args.sessions, device=args.device, kernels=args.kernels,
-                          draft_weights=weights) as backend:
+        target, draft, prompts, stop = default_pair(DTYPES[dtype])
+        requests = [Request(prompt, args.max_new_tokens, stop) for prompt in prompts[: args.prompts]]
+        dims = dims_of(target, draft, args.sessions, DTYPES[dtype])
+        with TorchBackend(target, draft, dims, args.sessions, device=args.device, kernels=args.kernels, draft_weights=weights) as backend:
             for speculate in (False, True) if plain is None else (True,):
                 started = time.perf_counter()
                 with Executor(backend, max_sessions=args.sessions, speculate=speculate, policy="always") as executor:
@@ -83,9 +74,8 @@ def passes(args, dtype: str, requests: list[Request]) -> list[dict]:
 
 def main() -> int:
     args = arguments()
-    requests = requests_of(args.prompts, args.max_new_tokens)
     print("dtype | draft weights | kernels | prompts | new tokens | sessions | cycles | τ | identical to plain | s")
-    rows = [row for dtype in args.dtypes for row in passes(args, dtype, requests)]
+    rows = [row for dtype in args.dtypes for row in passes(args, dtype)]
     command = "python benchmarks/draft_weights.py " + " ".join(sys.argv[1:])
     stamp = {"name": "draft_weights", "date": time.strftime("%Y-%m-%d"), "machine": record.machine(), "command": command}
     if args.record:
