@@ -76,7 +76,7 @@ from dflash_trt.runtime.backends.pools import allocate_pools, check_sessions, po
 from dflash_trt.runtime.backends.streams import BackendStream, select_device
 from dflash_trt.runtime.kernels import OPS, fast_path, supported
 from dflash_trt.runtime.kernels.modules import DRAFT_CONTEXT_MANY, PREFILL_MANY
-from dflash_trt.runtime.kernels.quant import DRAFT_WEIGHTS
+from dflash_trt.runtime.kernels.quant import check_draft_weights
 
 KERNELS = ("auto", "fast", "exact", "eager")
 KERNEL_NOTES = {  # what the start-up line says of the kernels chosen
@@ -326,11 +326,9 @@ def check_models(target: TargetModel, draft: DraftModel, dims: Dims) -> None:
 
 
 def check_draft_weights_for(draft_weights: str, kernels: str, ops) -> None:
-    """``draft_weights`` in ``kernels.quant.DRAFT_WEIGHTS``; "fp8" needs ops with fp8 products (``fp8_linear``):
-    the exact kernels (CUDA, or Triton's interpreter) or the fast path's torch twin (the CPU)."""
-    if draft_weights not in DRAFT_WEIGHTS:
-        raise EngineError(f"draft_weights must be one of {list(DRAFT_WEIGHTS)}, got {draft_weights!r}")
-    if draft_weights == "fp8" and not getattr(ops, "fp8_linear", False):
+    """``draft_weights`` in ``kernels.quant.DRAFT_WEIGHTS`` (``check_draft_weights``); "fp8" needs ops with fp8
+    products (``fp8_linear``): the exact kernels (CUDA, or Triton's interpreter) or the fast path's torch twin (the CPU)."""
+    if check_draft_weights(draft_weights) == "fp8" and not getattr(ops, "fp8_linear", False):
         raise EngineError(f"draft_weights='fp8' runs on the exact kernels (CUDA: kernels='exact', the bf16 default) or the fast "
                           f"path's torch twin (the CPU: kernels='fast'), got kernels={kernels!r}"
                           f"{'' if ops is None else ' (' + type(ops).__name__ + ')'}")

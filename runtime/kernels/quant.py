@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from dflash_trt.errors import EngineError
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 DRAFT_WEIGHTS = ("model", "fp8")  # the draft's weights: the model's dtype, or fp8 with a scale per row
@@ -45,8 +47,9 @@ def dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def check_draft_weights(draft_weights: str) -> str:
+    """``draft_weights`` if it is one of ``DRAFT_WEIGHTS``, else an ``EngineError`` naming them."""
     if draft_weights not in DRAFT_WEIGHTS:
-        raise ValueError(f"draft_weights must be one of {list(DRAFT_WEIGHTS)}, got {draft_weights!r}")
+        raise EngineError(f"draft_weights must be one of {list(DRAFT_WEIGHTS)}, got {draft_weights!r}")
     return draft_weights
 
 
