@@ -324,6 +324,23 @@ def serve_both(backend, requests, sessions: int) -> dict:
     return outputs
 
 
+def default_pair_requests(count: int, new_tokens: int) -> list:
+    """``count`` held-out prompts of the default pair (the last 160 tokens), greedy and top-p sampled (fixed seeds)."""
+    import json
+
+    from dflash_trt.export.pair import DEFAULT_PAIR_DIR
+    from dflash_trt.export.sampling import Sampling
+    from dflash_trt.export.tokenizer import Tokenizer
+    from dflash_trt.runtime.serving.batcher import Request
+
+    tokenizer = Tokenizer.from_dir(DEFAULT_PAIR_DIR / "target")
+    rows = [json.loads(line) for line in (DEFAULT_PAIR_DIR / "prompts.jsonl").read_text().splitlines() if line.strip()]
+    prompts = [tokenizer.encode(row["prompt"])[-160:] for row in rows[:count]]
+    stop = tuple(tokenizer.stop_ids)
+    requests = [Request(p, new_tokens, stop, Sampling(0.0, 0, 1.0, 7 + i)) for i, p in enumerate(prompts)]
+    return requests + [Request(p, new_tokens, stop, Sampling(0.8, 0, 0.95, 100 + i)) for i, p in enumerate(prompts)]
+
+
 def first_difference(a: list[int], b: list[int]) -> str:
     """Where two token lists part (for failure messages)."""
     at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

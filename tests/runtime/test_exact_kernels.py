@@ -861,21 +861,6 @@ def test_dflash_equals_plain_decoding_in_bf16_on_the_tiny_pair(exported_pair, se
     _assert_identical(outputs, requests, f"tiny pair, {sessions} sessions")
 
 
-def _default_pair_requests(count: int, new_tokens: int) -> list:
-    """``count`` held-out prompts of the default pair (the last 160 tokens), greedy and top-p sampled (fixed seeds)."""
-    from dflash_trt.export.pair import DEFAULT_PAIR_DIR
-    from dflash_trt.export.sampling import Sampling
-    from dflash_trt.export.tokenizer import Tokenizer
-    from dflash_trt.runtime.serving.batcher import Request
-
-    tokenizer = Tokenizer.from_dir(DEFAULT_PAIR_DIR / "target")
-    rows = [json.loads(line) for line in (DEFAULT_PAIR_DIR / "prompts.jsonl").read_text().splitlines() if line.strip()]
-    prompts = [tokenizer.encode(row["prompt"])[-160:] for row in rows[:count]]
-    stop = tuple(tokenizer.stop_ids)
-    requests = [Request(p, new_tokens, stop, Sampling(0.0, 0, 1.0, 7 + i)) for i, p in enumerate(prompts)]
-    return requests + [Request(p, new_tokens, stop, Sampling(0.8, 0, 0.95, 100 + i)) for i, p in enumerate(prompts)]
-
-
 @gpu
 def test_overlapped_launches_give_the_tokens_of_plain_launches():
     """Bug: with programmatic dependent launch (a kernel's start overlapping the end of the launch before it) some
@@ -891,7 +876,7 @@ def test_overlapped_launches_give_the_tokens_of_plain_launches():
 
     if not pdl_capable(torch.device("cuda")):
         pytest.skip("needs an sm90+ GPU and a Triton with launch_pdl")
-    requests = _default_pair_requests(16, 64)
+    requests = exact_checks.default_pair_requests(16, 64)
     outputs = {}
     for pdl in (False, True):
         with _bf16_backend(DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft", 16, 1024, 256, ExactOps(pdl=pdl)) as backend:
@@ -910,7 +895,7 @@ def test_dflash_equals_plain_decoding_in_bf16_on_the_default_pair():
 
     from dflash_trt.export.pair import DEFAULT_PAIR_DIR
 
-    requests = _default_pair_requests(16, 96)
+    requests = exact_checks.default_pair_requests(16, 96)
     alone = None
     for sessions in (1, 4, 16):
         with _bf16_backend(DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft", sessions, 1024, 256) as backend:
@@ -932,7 +917,7 @@ def test_an_fp8_draft_keeps_bf16_dflash_equal_to_plain_decoding():
     from dflash_trt.runtime.executor import Executor
     from dflash_trt.runtime.generate import collect, stream
 
-    requests = _default_pair_requests(8, 64)
+    requests = exact_checks.default_pair_requests(8, 64)
     with _bf16_backend(DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft", 4, 1024, 256, draft_weights="fp8") as backend:
         outputs = exact_checks.serve_both(backend, requests, 4)
         with Executor(backend, max_sessions=4, policy="always") as executor:

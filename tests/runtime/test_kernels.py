@@ -292,18 +292,14 @@ def test_an_fp8_draft_keeps_dflash_equal_to_plain_decoding():
     draft proposes), or break the draft (a scale applied to the wrong features, the head's copy wrong): the shipped
     pair's acceptance must stay within a tenth of the model-dtype draft's. fp32 target on the CPU twin, 8 held-out
     prompts x 64 tokens, 4 sessions, greedy."""
-    import json
+    import exact_checks
 
     from dflash_trt.export.exporter import ExportOptions, contract_dims
     from dflash_trt.export.pair import DEFAULT_PAIR_DIR
-    from dflash_trt.export.tokenizer import Tokenizer
     from dflash_trt.runtime.executor import Executor
     from dflash_trt.runtime.generate import collect, stream
-    from dflash_trt.runtime.serving.batcher import Request
 
-    tokenizer = Tokenizer.from_dir(DEFAULT_PAIR_DIR / "target")
-    rows = [json.loads(line) for line in (DEFAULT_PAIR_DIR / "prompts.jsonl").read_text().splitlines() if line.strip()]
-    requests = [Request(tokenizer.encode(row["prompt"])[-160:], 64, tuple(tokenizer.stop_ids)) for row in rows[:8]]
+    requests = exact_checks.default_pair_requests(8, 64)[:8]  # the greedy half
     options = ExportOptions(max_owners=4, max_sessions=4).resolve(DEFAULT_PAIR_DIR / "target", DEFAULT_PAIR_DIR / "draft")
     outputs, tau = {}, {}
     for weights in ("model", "fp8"):
