@@ -49,6 +49,7 @@ import exact_sweep  # noqa: E402  (the exact linear's tile sweep)
 import gpu_graphs as gg  # noqa: E402  (the pair, feeds, AR step, cycle and timing helpers)
 
 CONTEXT, MAX_CONTEXT, OWNER_COUNTS, ROWS = 2048, 4096, (1, 4), (1, 16, 64)
+DRAFT_LABELS = {"model": "exact", "fp8": "exact_fp8_draft"}  # an exact backend's graph rows, by its draft's weights
 SECTIONS = ("gemm", "attention", "combine", "tile", "split", "warps", "stages", "profile")  # the kernel sections after the graph rows
 
 
@@ -318,7 +319,7 @@ def table(data: dict) -> str:
 def summary(data: dict) -> dict:
     by = {(r["kernels"], r["owners"]): r for r in data.get("graph_rows") or []}
     out = {}
-    for label in ("fast", "exact", "exact_fp8_draft"):
+    for label in ("fast", *DRAFT_LABELS.values()):
         if (label, 1) in by:
             out[f"{label}_ar_step_ms"] = by[(label, 1)]["ar_step_ms"]
             out[f"{label}_ar_roofline_fraction"] = by[(label, 1)]["ar_roofline_fraction"]
@@ -327,7 +328,7 @@ def summary(data: dict) -> dict:
                 out[f"{label}_cycle_cost_ratio_n{n}"] = by[(label, n)]["cycle_cost_ratio"]
     if data.get("exact_tiles"):
         out["exact_tiles"] = data["exact_tiles"]
-    for label in ("fast", "exact", "exact_fp8_draft"):
+    for label in ("fast", *DRAFT_LABELS.values()):
         if data.get(f"{label}_exactness"):
             out[f"{label}_identical_rows"] = {k: v["identical_logits"] for k, v in data[f"{label}_exactness"].items()}
     return out
@@ -406,10 +407,9 @@ def main() -> int:
     if args.sweep:
         exact = report.section("sweep", lambda: run_sweep(report, backends["fast"], args, out_dir, attention), keep=False) or exact
     first, *others = args.draft_weights
-    backends["exact"] = measure(report, "exact" if first == "model" else "exact_fp8_draft", exact, target, draft, dims, args.reps, first)
+    backends["exact"] = measure(report, DRAFT_LABELS[first], exact, target, draft, dims, args.reps, first)
     for weights in others:  # the draft's weights another way: graph rows only (the sections run on the first)
-        measure(report, "exact" if weights == "model" else "exact_fp8_draft", ExactOps(**attention), target, draft, dims, args.reps,
-                weights).close()
+        measure(report, DRAFT_LABELS[weights], ExactOps(**attention), target, draft, dims, args.reps, weights).close()
     sections = {
         "gemm": lambda: gemm_times(backends, args.reps),
         "attention": lambda: gg.attention_times(backends, args.contexts, args.reps),
