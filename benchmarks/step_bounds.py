@@ -39,8 +39,9 @@ def skipping_ops():
         no_rope = False
         no_attention = False
 
-        def linear(self, x, weight, bias=None, norm=None, eps=0.0, gated=False, residual=None, out=None, out_dtype=None, tap=None):
-            return super().linear(x, weight, bias, None if self.no_norm else norm, eps, gated, residual, out, out_dtype, tap)
+        def linear(self, x, weight, bias=None, norm=None, eps=0.0, gated=False, residual=None, out=None, out_dtype=None, tap=None,
+                   scale=None):
+            return super().linear(x, weight, bias, None if self.no_norm else norm, eps, gated, residual, out, out_dtype, tap, scale)
 
         def qk_rope_write(self, qkv, start, tokens, heads, kv_heads, head_dim, *args, **kwargs):
             if not self.no_rope:

@@ -168,20 +168,15 @@ class FastLayers:
         ``lengths`` [n]: owner i writes K/V of its first lengths[i] rows only (a padded ragged batch)."""
         L, ops = self.layers[index], self.ops
         n = x.shape[0] // tokens
-        qkv = ops.linear(x, L.qkv, bias=L.qkv_bias, norm=L.input_norm, eps=L.eps, **_scaled(L.qkv_scale))
+        qkv = ops.linear(x, L.qkv, bias=L.qkv_bias, norm=L.input_norm, eps=L.eps, scale=L.qkv_scale)
         q = ops.qk_rope_write(
             qkv, start, tokens, L.heads, L.kv_heads, L.head_dim, L.q_norm, L.k_norm, L.eps, self.inv_freq, k_cache, v_cache, rows, lengths
         )  # [n, T, Hq, D]
         attended = ops.attention(q.transpose(1, 2), k_cache, v_cache, rows, positions, kv_len, L.causal, L.window)
         attended = attended.transpose(1, 2).reshape(n * tokens, L.heads * L.head_dim)
-        x = ops.linear(attended, L.o, bias=L.o_bias, residual=x, out=x, **_scaled(L.o_scale))
-        h = ops.linear(x, L.gate_up, bias=L.gate_up_bias, norm=L.post_norm, eps=L.eps, gated=True, **_scaled(L.gate_up_scale))
-        return ops.linear(h, L.down, bias=L.down_bias, residual=x, out=x, tap=tap, **_scaled(L.down_scale))
-
-
-def _scaled(scale: torch.Tensor | None) -> dict:
-    """``ops.linear``'s ``scale`` where the weight is fp8 (ops without fp8 products never see the keyword)."""
-    return {} if scale is None else {"scale": scale}
+        x = ops.linear(attended, L.o, bias=L.o_bias, residual=x, out=x, scale=L.o_scale)
+        h = ops.linear(x, L.gate_up, bias=L.gate_up_bias, norm=L.post_norm, eps=L.eps, gated=True, scale=L.gate_up_scale)
+        return ops.linear(h, L.down, bias=L.down_bias, residual=x, out=x, tap=tap, scale=L.down_scale)
 
 
 class FastTarget:
@@ -248,9 +243,9 @@ class FastDraft:
         """taps [n, C, W] at positions start.. -> context K/V of every layer (``DraftModel.write_context``);
         ``lengths`` [n]: owner i's first lengths[i] rows only."""
         n, C, W = taps.shape
-        context = self.ops.linear(taps.reshape(n * C, W), self.fc, **_scaled(self.fc_scale))  # [n*C, H]; hidden_norm: in the K|V prologue
+        context = self.ops.linear(taps.reshape(n * C, W), self.fc, scale=self.fc_scale)  # [n*C, H]; hidden_norm: in the K|V prologue
         for index, L in enumerate(self.stack.layers):
-            kv = self.ops.linear(context, L.kv, bias=L.kv_bias, norm=self.hidden_norm, eps=self.eps, **_scaled(L.kv_scale))
+            kv = self.ops.linear(context, L.kv, bias=L.kv_bias, norm=self.hidden_norm, eps=self.eps, scale=L.kv_scale)
             self.ops.qk_rope_write(
                 kv, start, C, 0, L.kv_heads, L.head_dim, None, L.k_norm, L.eps, self.stack.inv_freq, keys[index], values[index], rows,
                 lengths,
@@ -265,5 +260,5 @@ class FastDraft:
             x = self.stack.layer(index, x, start, B, positions, kv_len, keys[index], values[index], rows=rows)
         # The head over every block row, slot 0 too: the proposal rows 1..P taken as a view afterwards, not
         # copied out first (a launch of its own; a row's logits do not depend on the rows beside it).
-        logits = self.ops.linear(x, self.lm_head, norm=self.norm, eps=self.eps, **_scaled(self.lm_head_scale))  # [n*B, V], model dtype
+        logits = self.ops.linear(x, self.lm_head, norm=self.norm, eps=self.eps, scale=self.lm_head_scale)  # [n*B, V], model dtype
         return logits.view(n, B, -1)[:, 1 : proposals + 1].argmax(dim=-1)

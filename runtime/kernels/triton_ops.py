@@ -418,14 +418,18 @@ class TritonOps(EagerKernels):
             self._processors[index] = torch.cuda.get_device_properties(index).multi_processor_count
         return self._processors[index]
 
-    def linear(self, x, weight, bias=None, norm=None, eps=0.0, gated=False, residual=None, out=None, out_dtype=None, tap=None):
+    def linear(self, x, weight, bias=None, norm=None, eps=0.0, gated=False, residual=None, out=None, out_dtype=None, tap=None,
+               scale=None):
         """y [M, N] = epilogue(prologue(x) @ weight.T), x [M, K] with unit inner stride.
 
         ``norm`` [K]: RMSNorm weight (x is normalized first); ``gated``: weight is [gate; up] (2N rows)
         and y = silu(x @ gate.T) * (x @ up.T); ``bias`` [N or 2N]; ``residual`` [M, N]: added (``out``
         may be the residual itself: in place); ``tap`` [M, N]: a second destination of y. y is rounded
-        to the weight dtype, then stored as ``out_dtype``. Never syncs.
+        to the weight dtype, then stored as ``out_dtype``. Never syncs. ``scale``: an fp8 weight's scale
+        per row (``kernels.quant``), which these kernels do not take (``fp8_linear``: the exact ones do).
         """
+        if scale is not None:
+            raise ValueError("the fast Triton kernels have no fp8 products (fp8_linear is False): use ExactOps")
         M, K = x.shape
         N = weight.shape[0] // 2 if gated else weight.shape[0]
         if M > 1:

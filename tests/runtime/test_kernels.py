@@ -287,6 +287,19 @@ def test_draft_weights_option_is_checked(fast_pair):
         TorchBackend.from_checkpoints(target_dir, draft_dir, out, max_sessions=2, kernels="eager", draft_weights="fp8")
 
 
+@pytest.mark.skipif(not TRITON, reason="needs triton (it ships with the CUDA builds of torch)")
+def test_the_fast_triton_kernels_refuse_fp8_weights(fast_pair):
+    """Bug: the fast Triton kernels (no fp8 products) are given the draft's fp8 weights and compute them as if they
+    were the model's dtype (their scale dropped), through the backend or a direct ``linear`` call."""
+    from dflash_trt.runtime.kernels.triton_ops import TritonOps
+
+    target_dir, draft_dir, out, _ = fast_pair
+    with pytest.raises(EngineError, match=r"draft_weights='fp8' runs on the exact kernels.*got kernels='fast' \(TritonOps\)"):
+        TorchBackend.from_checkpoints(target_dir, draft_dir, out, max_sessions=2, kernels=TritonOps(), draft_weights="fp8")
+    with pytest.raises(ValueError, match="no fp8 products"):
+        TritonOps().linear(torch.zeros(2, 8), torch.zeros(4, 8), scale=torch.ones(4))
+
+
 def test_an_fp8_draft_keeps_dflash_equal_to_plain_decoding():
     """Bug: the draft's weights in fp8 change what DFlash returns (the target must verify every token whatever the
     draft proposes), or break the draft (a scale applied to the wrong features, the head's copy wrong): the shipped
