@@ -89,8 +89,6 @@ def resources(kernel, constexprs: dict, warps: int, stages: int, registers: int 
 LINEAR_POINTERS = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "b_ptr": "*bf16", "s_ptr": "*fp32", "r_ptr": "*bf16", "o_ptr": "*bf16",
                    "t_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
 LINEAR_ALIGNED = {"stride_xm", "stride_wn", "stride_rm", "stride_om", "stride_tm", "N", "K", "KS"}  # the 8B weights' sizes
-WEIGHTS_8B = {"q|k|v": (6144, 4096, False, True), "o": (4096, 4096, False, False), "gate|up": (12288, 4096, True, True),
-              "down": (4096, 12288, False, False), "LM head": (151936, 4096, False, True)}  # (N, K, gated, norm prologue)
 
 
 def linear_rows() -> list[dict]:
@@ -98,16 +96,18 @@ def linear_rows() -> list[dict]:
     64-row launch at 1, 2 and 4 tiles per program."""
     from dataclasses import replace
 
+    from gpu_graphs import GEMMS  # the 8B step's weights: (N, K, gated, norm prologue, residual, fp32 out)
+
     from dflash_trt.runtime.kernels import exact_ops
     from dflash_trt.runtime.kernels.plan import EXACT_SHARED_BYTES, exact_linear_launch, exact_linear_plan
 
     rows = []
-    for name, (N, K, gated, norm) in WEIGHTS_8B.items():
+    for name, (N, K, gated, norm, residual, _) in GEMMS.items():
         plan = exact_linear_plan(N, K, gated, 1)
         launches = [(M, "plan", plan) for M in (16, 64)] + [(64, f"{t} tiles", replace(plan, tiles=t)) for t in (1, 2, 4) if t != plan.tiles]
         for M, label, chosen in launches:
             tiles, block_n, stages = exact_linear_launch(chosen, M, gated, 1, N, 132, EXACT_SHARED_BYTES, 2)
-            constexprs = dict(GATED=gated, BIAS=False, RESIDUAL=not norm, TAP=False, SCALED=True, SPLITS=chosen.splits, FIXUP=chosen.fixup,
+            constexprs = dict(GATED=gated, BIAS=False, RESIDUAL=residual, TAP=False, SCALED=True, SPLITS=chosen.splits, FIXUP=chosen.fixup,
                               TILES=tiles, TM=16, BN=block_n, BK=chosen.block_k, INTERP=False, PDL=True)
             found = resources(exact_ops._linear_kernel, constexprs, chosen.warps, stages, pointers=LINEAR_POINTERS, aligned_names=LINEAR_ALIGNED)
             rows.append({"weight": name, "rows": M, "launch": label, "tiles": tiles, "block_n": block_n, "stages": stages, **found})
