@@ -50,6 +50,7 @@ import gpu_graphs as gg  # noqa: E402  (the pair, feeds, AR step, cycle and timi
 
 CONTEXT, MAX_CONTEXT, OWNER_COUNTS, ROWS = 2048, 4096, (1, 4), (1, 16, 64)
 DRAFT_LABELS = {"model": "exact", "fp8": "exact_fp8_draft"}  # an exact backend's graph rows, by its draft's weights
+WIDE_LABEL = "exact_wide"  # graph rows of ExactOps(wide_tiles=True) (--wide-tiles)
 SECTIONS = ("gemm", "attention", "combine", "tile", "split", "warps", "stages", "profile")  # the kernel sections after the graph rows
 
 
@@ -67,6 +68,8 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--contexts", type=int, nargs="+", default=[CONTEXT], help="the attention section's contexts (default 2048)")
     parser.add_argument("--draft-weights", choices=("model", "fp8"), nargs="+", default=["model"],
                         help="the exact backend's draft weights; each after the first adds a backend's graph rows (label exact_fp8_draft)")
+    parser.add_argument("--wide-tiles", action="store_true",
+                        help=f"also the exact kernels with one 64-row tile where four 16-row tiles run (ExactOps(wide_tiles=True)): graph rows and exactness, label {WIDE_LABEL}")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {','.join(SECTIONS)} (the graph rows always run)")
     args = parser.parse_args()
     unknown = set(args.sections.split(",")) - set(SECTIONS)
@@ -319,7 +322,7 @@ def table(data: dict) -> str:
 def summary(data: dict) -> dict:
     by = {(r["kernels"], r["owners"]): r for r in data.get("graph_rows") or []}
     out = {}
-    for label in ("fast", *DRAFT_LABELS.values()):
+    for label in ("fast", *DRAFT_LABELS.values(), WIDE_LABEL):
         if (label, 1) in by:
             out[f"{label}_ar_step_ms"] = by[(label, 1)]["ar_step_ms"]
             out[f"{label}_ar_roofline_fraction"] = by[(label, 1)]["ar_roofline_fraction"]
@@ -328,7 +331,7 @@ def summary(data: dict) -> dict:
                 out[f"{label}_cycle_cost_ratio_n{n}"] = by[(label, n)]["cycle_cost_ratio"]
     if data.get("exact_tiles"):
         out["exact_tiles"] = data["exact_tiles"]
-    for label in ("fast", *DRAFT_LABELS.values()):
+    for label in ("fast", *DRAFT_LABELS.values(), WIDE_LABEL):
         if data.get(f"{label}_exactness"):
             out[f"{label}_identical_rows"] = {k: v["identical_logits"] for k, v in data[f"{label}_exactness"].items()}
     return out
@@ -410,6 +413,8 @@ def main() -> int:
     backends["exact"] = measure(report, DRAFT_LABELS[first], exact, target, draft, dims, args.reps, first)
     for weights in others:  # the draft's weights another way: graph rows only (the sections run on the first)
         measure(report, DRAFT_LABELS[weights], ExactOps(**attention), target, draft, dims, args.reps, weights).close()
+    if args.wide_tiles:
+        measure(report, WIDE_LABEL, ExactOps(**attention, wide_tiles=True), target, draft, dims, args.reps).close()
     sections = {
         "gemm": lambda: gemm_times(backends, args.reps),
         "attention": lambda: gg.attention_times(backends, args.contexts, args.reps),

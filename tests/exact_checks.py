@@ -116,6 +116,38 @@ def check_split_rows(device: str, dtype: torch.dtype) -> None:
                     assert_same_bits(part_tap, full_tap[rows], f"split linear tap {plan}: M={M}")
 
 
+def check_wide_rows(device: str, dtype: torch.dtype) -> None:
+    """Four 16-row tiles a program as one 64-row tile (``ExactOps(wide_tiles=True)``: on sm90 Hopper's warp-group
+    MMA instead of 16-row MMAs): every row the same bits as the 16-row tiles' launch of the same rows and as a
+    launch of M = 1 and 16 of them, one split and split-K (summed in-kernel and by a second launch, launches cut at
+    64 rows), every epilogue; 70 and 64 rows (a partial 64-row tile and a full one). On a GPU the Qwen3-8B
+    weights' shapes with their own plans too, 64 / 128 / 300 rows."""
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+    from dflash_trt.runtime.kernels.plan import ExactLinearPlan
+
+    generator = torch.Generator().manual_seed(17)
+    plans = (ExactLinearPlan(16, 32, 32, 4, 1), ExactLinearPlan(16, 32, 32, 4, 2), ExactLinearPlan(32, 16, 64, 4, 3, fixup=True))
+    cases = [((40, 192), plan, 70) for plan in plans]  # four tiles a program at 64 and 70 rows: the wide tile runs
+    if device != "cpu":
+        cases += [(shape, None, total) for shape in ((6144, 4096), (4096, 4096), (12288, 4096), (4096, 12288)) for total in (64, 128, 300)]
+    for (N, K), plan, total in cases:
+        tables = {} if plan is None else {"linear_plans": {(N, K, False): plan, (N, K, True): plan}, "workspace_bytes": 1}
+        narrow, wide = ExactOps(wide_tiles=False, **tables), ExactOps(wide_tiles=True, **tables)
+        x = _rand(generator, device, dtype, total, K)
+        for name, weight, options, residual in _linear_cases(generator, device, dtype, N, K, total):
+            if device != "cpu" and K > 192 and name not in ("norm", "gated norm bias (gate|up)", "residual in place + tap (o, down)"):
+                continue
+            tiles, tiles_tap = _run_linear(narrow, x, weight, options, residual)
+            full, full_tap = _run_linear(wide, x, weight, options, residual)
+            assert_same_bits(full, tiles, f"wide linear {name} {N}x{K} {plan} {dtype}: {total} rows vs 16-row tiles")
+            if full_tap is not None:
+                assert_same_bits(full_tap, tiles_tap, f"wide linear tap {N}x{K} {plan}: {total} rows")
+            for M in (1, 16, 64):
+                rows = torch.randperm(total, generator=generator)[:M].to(device)
+                part, _ = _run_linear(wide, x[rows], weight, options, None if residual is None else residual[rows])
+                assert_same_bits(part, full[rows], f"wide linear {name} {N}x{K} {plan} {dtype}: M={M} vs M={total}")
+
+
 def check_fp8_linear(device: str, dtype: torch.dtype) -> None:
     """fp8 weights (``kernels.quant.fp8_rows``, the draft's ``draft_weights="fp8"``) through the exact linear: each
     row the same bits for M = 1, 16 and 64 of 70, one split and split-K (summed by a second launch or in-kernel),

@@ -480,7 +480,15 @@ class ExactOps(TritonOps):
     value); ``attention_stages``: key / value loads in flight per attention program (the software pipeline's
     depth: when each load is issued, never what is summed; the same bits at every depth; default
     ``plan.exact_attention_stages`` within ``shared_bytes``); ``pdl``: ``TritonOps``' (launch overlap only: the
-    same arithmetic).
+    same arithmetic); ``wide_tiles``: a launch of four 16-row tiles per program computes them as one 64-row tile
+    (one ``tl.dot``, which Triton compiles to Hopper's warp-group MMA, ``wgmma``, instead of four 16-row
+    ``mma.sync``: the same K steps of 16 products in the same order, fp32 accumulate). That the two instructions
+    round a step alike is the hardware's property, not Triton's contract: measured bit-identical on an H100 for
+    every Qwen3-8B weight at 64 and 128 rows and against rows alone (benchmarks/exact_wide_tiles.py), and the
+    gpu-marked batch-invariance tests run it. Default (``None``): on an sm90 GPU for bf16 / fp16 weights (the
+    four-owner verify 0.27 ms shorter there: its o product 22.0 -> 16.5 µs), not for fp8 weights (their widened
+    tiles pass through shared memory to the warp-group MMA: a four-owner fp8 draft 1.68 -> 1.82 ms) nor
+    elsewhere (not measured); ``True`` / ``False``: always / never.
     """
 
     kind = "exact"  # what TorchBackend(kernels=ExactOps(...)) reports as its kernels
@@ -488,7 +496,8 @@ class ExactOps(TritonOps):
 
     def __init__(self, split_slots: int = EXACT_SPLIT_SLOTS, linear_plans: dict | None = None, partial_bytes: int = EXACT_PARTIAL_BYTES,
                  workspace_bytes: int = EXACT_WORKSPACE_BYTES, combine_in_kernel: bool = True, block_q: int = EXACT_BLOCK_Q,
-                 block_n: int | None = None, attention_warps: int = 4, attention_stages: int | None = None, pdl: bool | None = None) -> None:
+                 block_n: int | None = None, attention_warps: int = 4, attention_stages: int | None = None, pdl: bool | None = None,
+                 wide_tiles: bool | None = None) -> None:
         super().__init__(pdl=pdl)
         if attention_warps not in (1, 2, 4, 8):
             raise ValueError(f"attention_warps must be 1, 2, 4 or 8, got {attention_warps}")
@@ -502,10 +511,11 @@ class ExactOps(TritonOps):
             raise ValueError(f"split_slots must be a positive multiple of block_n ({block_n}), got {split_slots}")
         self.block_q, self.block_n, self.attention_warps, self.attention_stages = block_q, block_n, attention_warps, attention_stages
         self.split_slots, self.partial_bytes, self.workspace_bytes = split_slots, partial_bytes, workspace_bytes
-        self.combine_in_kernel = combine_in_kernel
+        self.combine_in_kernel, self.wide_tiles = combine_in_kernel, wide_tiles
         self.exact_plans = dict(linear_plans or {})
         self._buffers: dict[tuple, list[torch.Tensor]] = {}
         self._shared: dict[int, int] = {}  # device index -> shared_bytes
+        self._hopper: dict[int, bool] = {}  # device index -> an sm90 GPU (``wide_tiles``' default)
 
     def linear(self, x, weight, bias=None, norm=None, eps=0.0, gated=False, residual=None, out=None, out_dtype=None, tap=None,
                scale=None):
@@ -530,13 +540,16 @@ class ExactOps(TritonOps):
         splits, width = exact_split_k(K, plan)
         tiles, block_n, stages = exact_linear_launch(plan, M, gated, weight.element_size(), N, self.processors(x.device),
                                                      self.shared_bytes(x.device), x.element_size())
+        tm = EXACT_TILE_M
+        if tiles == 4 and self.wide(x.device, scale is not None):
+            tm, tiles = 4 * EXACT_TILE_M, 1  # the same rows, sums and order: one 64-row tile (wgmma on sm90)
         blocks = triton.cdiv(N, block_n)
         columns = 2 * N if gated else N
         step = M if splits == 1 else exact_workspace_rows(M, splits, columns, self.workspace_bytes)  # rows per launch
         workspace, counters = weight, weight  # unread with one split
         if splits > 1:
             workspace = self.buffer("partials", x.device, splits * step * columns, torch.float32)
-            counters = self.buffer("counters", x.device, triton.cdiv(step, tiles * EXACT_TILE_M) * blocks, torch.int32)
+            counters = self.buffer("counters", x.device, triton.cdiv(step, tiles * tm) * blocks, torch.int32)
         residual_t = residual if residual is not None else out
         tap_t = tap if tap is not None else out
         tensors = (x, weight, bias if bias is not None else weight, scale if scale is not None else weight, residual_t, residual_t.stride(0),
@@ -546,9 +559,9 @@ class ExactOps(TritonOps):
         fixup = splits > 1 and plan.fixup
         for row0 in range(0, M, step):
             rows = min(step, M - row0)
-            _linear_kernel[(triton.cdiv(rows, tiles * EXACT_TILE_M), blocks, splits)](
+            _linear_kernel[(triton.cdiv(rows, tiles * tm), blocks, splits)](
                 x, x.stride(0), weight, weight.stride(0), *tensors[2:], workspace, step, counters, row0, row0 + rows, N, K, width,
-                **flags, FIXUP=fixup, TILES=tiles, TM=EXACT_TILE_M, BN=block_n, BK=plan.block_k, INTERP=INTERPRETED,
+                **flags, FIXUP=fixup, TILES=tiles, TM=tm, BN=block_n, BK=plan.block_k, INTERP=INTERPRETED,
                 num_warps=plan.warps, num_stages=stages, **self.launch(x.device),
             )
             if splits > 1 and not fixup:
@@ -557,6 +570,17 @@ class ExactOps(TritonOps):
                     **self.launch(x.device),
                 )
         return out
+
+    def wide(self, device: torch.device, scaled: bool) -> bool:
+        """Whether a launch of four 16-row tiles runs them as one 64-row tile (``wide_tiles``)."""
+        if self.wide_tiles is not None:
+            return self.wide_tiles
+        if scaled or device.type != "cuda":
+            return False
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._hopper:
+            self._hopper[index] = torch.cuda.get_device_capability(index)[0] == 9
+        return self._hopper[index]
 
     def linear_plan(self, N: int, K: int, gated: bool, element_bytes: int, device: torch.device) -> ExactLinearPlan:
         """The weight's tiling: ``linear_plans`` (sweeps), else ``plan.exact_linear_plan`` for this device."""

@@ -18,6 +18,7 @@ import importlib.util
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -295,11 +296,10 @@ def _ttgir(kernel, args: dict[str, str], aligned: set[str], constexprs: dict, wa
 def _arithmetic(ir: str) -> tuple[tuple, frozenset]:
     """What orders a row's floating-point sums: the layouts every reduction runs in (in program order) and
     the MMA instructions (version, instruction shape) of every dot."""
-    import re
-
     aliases = dict(re.findall(r"^(#\w+) = (.*)$", ir, re.M))
     reductions = tuple(aliases.get(layout, layout) for layout in re.findall(r"\}\) : \(tensor<[^,]+, (#[\w]+)>\) -> ", ir))
-    dots = [re.search(r"-> tensor<[0-9x]+xf32, (#\w+)>", line).group(1) for line in ir.splitlines() if " tt.dot " in line]
+    dots = [re.search(r"-> tensor<[0-9x]+xf32, (#\w+)>", line).group(1) for line in ir.splitlines()
+            if " tt.dot " in line or " ttng.warp_group_dot " in line]  # mma.sync / Hopper's warp-group MMA
     mma = frozenset(re.sub(r"warpsPerCTA = \[[0-9, ]+\], ", "", aliases.get(d, d)) for d in dots)  # warps: who computes, not how
     return reductions, mma
 
@@ -309,11 +309,15 @@ def _arithmetic(ir: str) -> tuple[tuple, frozenset]:
 def test_exact_linear_compiles_to_one_arithmetic_for_every_row_count(scaled):
     """Bug: a row count changes the compiled arithmetic of the exact linear: the feature block, the tiles per
     program or the pipeline stages it picks make Triton reduce in another layout (another order) or pick
-    another MMA instruction (wgmma from 64-row tiles), and the decode step and the verify give a row other
-    bits. Compiled for sm90 here, bf16, the Qwen3-8B weights and the default pair's (whose many-row launches are
-    spread wider: fewer tiles, the few-row feature block), with the spreads of an H100 and of a GPU with 99 KiB of
-    shared memory a program (fewer tiles and narrower blocks, so that two stages fit). With fp8 weights (the
-    draft's ``draft_weights="fp8"``) likewise: a draft proposal must not depend on how many owners share the launch."""
+    another MMA instruction than the launch's kind allows, and the decode step and the verify give a row other
+    bits. Compiled for sm90 here as ``ExactOps`` launches it there, bf16, the Qwen3-8B weights and the default
+    pair's (whose many-row launches are spread wider: fewer tiles, the few-row feature block), with the spreads of
+    an H100 and of a GPU with 99 KiB of shared memory a program (fewer tiles and narrower blocks, so that two
+    stages fit): every launch of one or two 16-row tiles a program compiles to the 16 x 8 ``mma.sync``; a launch of
+    four computes them as one 64-row tile (``wide_tiles``), compiled to the warp-group MMA (``wgmma``, k = 16: the
+    same K steps; that it rounds them as ``mma.sync`` does is the GPU's, compared bit for bit by the gpu-marked
+    ``wide_rows`` check). With fp8 weights (the draft's ``draft_weights="fp8"``, never wide) every launch
+    ``mma.sync``: a draft proposal must not depend on how many owners share the launch."""
     from dflash_trt.runtime.kernels.exact_ops import _linear_kernel
 
     args = {name: "*bf16" if name.endswith("_ptr") else "i32" for name in LINEAR_ARGS}
@@ -323,6 +327,7 @@ def test_exact_linear_compiles_to_one_arithmetic_for_every_row_count(scaled):
     element_bytes = 1 if scaled else 2
     aligned = {name for name in LINEAR_ARGS if name not in ("M", "WR", "row0")}  # pointers, strides (K, N...), N, K of the 8B weights
     weights = [WEIGHTS_8B[name] for name in ("qkv", "gate_up", "down")] + list(WEIGHTS_DEFAULT_PAIR.values())
+    wide_seen = False
     for N, K, gated, norm in weights:  # the 8B table's tilings: split (q|k|v, down) or not (gate|up); the rule's
         name = (N, K, gated)
         plan = exact_linear_plan(N, K, gated, element_bytes)
@@ -332,17 +337,24 @@ def test_exact_linear_compiles_to_one_arithmetic_for_every_row_count(scaled):
                            for shared in (EXACT_SHARED_BYTES, SM89_SHARED_BYTES)})
         fixups = (False, True) if plan.splits > 1 else (False,)
         for fixup, (tiles, block_n, stages) in itertools.product(fixups, launches):  # the in-kernel sum: spread only
+            wide = tiles == 4 and not scaled  # ExactOps.wide on an sm90 GPU
             constexprs = dict(GATED=gated, BIAS=False, RESIDUAL=not norm, TAP=False, SCALED=scaled, SPLITS=plan.splits, FIXUP=fixup,
-                              TILES=tiles, TM=16, BN=block_n, BK=plan.block_k, INTERP=False, PDL=False)
+                              TILES=1 if wide else tiles, TM=64 if wide else 16, BN=block_n, BK=plan.block_k, INTERP=False, PDL=False)
             try:
                 ir = _ttgir(_linear_kernel, args, aligned, constexprs, plan.warps, stages)
             except Exception as error:  # noqa: BLE001 - a Triton without the NVIDIA backend's compiler
                 pytest.skip(f"cannot compile for sm90 here: {error!r}"[:200])
-            compiled[(fixup, tiles, block_n, stages)] = _arithmetic(ir)
-        reductions = {r for r, _ in compiled.values()}
+            compiled[(fixup, tiles, block_n, stages)] = (wide, *_arithmetic(ir))
+        reductions = {r for _, r, _ in compiled.values()}
         assert all(len(set(r)) <= 1 for r in reductions) and len({r[0] for r in reductions if r}) <= 1, (name, compiled)
-        assert len({m for _, m in compiled.values()}) == 1, (name, compiled)
-        assert all("versionMajor = 2" in m and "instrShape = [16, 8]" in m for _, ms in compiled.values() for m in ms), compiled
+        for wide, _, mma in compiled.values():
+            assert len(mma) == 1, (name, compiled)
+            if wide:
+                assert re.search(r"versionMajor = 3, .*instrShape = \[16, \d+, 16\]", next(iter(mma))), (name, compiled)
+            else:
+                assert "versionMajor = 2" in next(iter(mma)) and "instrShape = [16, 8]" in next(iter(mma)), (name, compiled)
+        wide_seen |= any(wide for wide, _, _ in compiled.values())
+    assert wide_seen == (not scaled)  # the 8B weights' many-row launches run four tiles a program
 
 
 def _launched_kernels() -> list[tuple]:
@@ -604,7 +616,7 @@ def test_a_kernel_launched_overlapping_waits_for_its_predecessor_before_any_memo
 
 # ------------------------------------------------------------------ the kernels, interpreted (CPU)
 
-CHECKS = ("linear_rows", "split_rows", "fp8_linear", "attention_rows", "attention_rows_split", "rope_rows", "linear_reference",
+CHECKS = ("linear_rows", "split_rows", "wide_rows", "fp8_linear", "attention_rows", "attention_rows_split", "rope_rows", "linear_reference",
           "attention_reference", "exact_target")
 INTERPRETED = """
 import json, sys, traceback
@@ -671,6 +683,13 @@ def test_exact_split_k_rows_do_not_depend_on_the_batch(interpreted):
     _passed(interpreted, "split_rows")
 
 
+def test_exact_wide_tiles_give_the_16_row_tiles_bits(interpreted):
+    """Bug: computing four 16-row tiles as one 64-row tile (``wide_tiles``: the warp-group MMA on sm90) changes a
+    row's bits or drops rows: its grid, split-K workspace rows or in-kernel sums' counters counted in 16-row tiles,
+    a partial 64-row tile's masks; one split and split-K, every epilogue, 70 rows against the 16-row tiles' launch."""
+    _passed(interpreted, "wide_rows")
+
+
 def test_exact_fp8_linear_rows_do_not_depend_on_the_batch(interpreted):
     """Bug: an fp8 weight (the draft's ``draft_weights="fp8"``) through the exact linear computes something else than
     x @ (q * scale).T (the scale missed, applied per row instead of per feature, or to one half of gate|up; the
@@ -710,14 +729,14 @@ def test_exact_ops_agree_with_the_reference(interpreted):
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("check", ["linear_rows", "split_rows", "fp8_linear", "attention_rows", "rope_rows"])
+@pytest.mark.parametrize("check", ["linear_rows", "split_rows", "wide_rows", "fp8_linear", "attention_rows", "rope_rows"])
 def test_exact_kernels_are_batch_invariant_on_cuda(check, dtype):
     """Bug: compiled for the GPU, a row's result depends on the batch after all (tensor-core tiles that round
     a row by its place in the tile, a kernel specialized on the row count, a split chosen from the key count):
     Qwen3-8B weight shapes, M = 1 .. 300 rows, 1 / 16 queries, 1 / 3 owners, two capacities, bit for bit."""
     import exact_checks
 
-    if check in ("rope_rows", "split_rows", "fp8_linear"):
+    if check in ("rope_rows", "split_rows", "wide_rows", "fp8_linear"):
         getattr(exact_checks, f"check_{check}")("cuda", dtype)
     else:
         getattr(exact_checks, f"check_{check}")("cuda", dtype, small=False)
