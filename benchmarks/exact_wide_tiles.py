@@ -13,7 +13,10 @@ count:
 - ``same``: the wide launch's output bit-identical to the product's (16-row tiles) at that row count, and every
   sampled row's to that row computed alone (one row, padded to a 16-row tile: the decode step's launch);
 - µs per call of both (``exact_spread.call_time``: 50 calls in a CUDA graph; the Qwen3-8B weights streamed from
-  memory) and of cuBLAS (``TritonOps``).
+  memory) and of cuBLAS (``TritonOps``);
+- for a weight whose plan holds at most two tiles a program (the H100 / H200 table's q|k|v and gate|up), the wide
+  launch with the plan's tiles raised to four (``wide_t4_us``, and whether its rows are the same bits: ``same_t4``),
+  what the table's entry would be with wide tiles.
 
 Prints a table and ends with one JSON line (``--record`` appends it to benchmarks/results.jsonl).
 """
@@ -21,6 +24,7 @@ Prints a table and ends with one JSON line (``--record`` appends it to benchmark
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from datetime import datetime, UTC
 from pathlib import Path
@@ -33,6 +37,7 @@ import exact_spread  # noqa: E402  (PAIRS, call_time)
 import record  # noqa: E402  (benchmarks/record.py: results.jsonl)
 
 from dflash_trt.runtime.kernels.exact_ops import ExactOps  # noqa: E402
+from dflash_trt.runtime.kernels.plan import exact_linear_plan  # noqa: E402
 from dflash_trt.runtime.kernels.triton_ops import TritonOps  # noqa: E402
 
 SAMPLED_ROWS = 8  # rows per row count also computed alone
@@ -47,8 +52,9 @@ def arguments() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def same_bits(name: str, spec: tuple, M: int, seed: int) -> dict:
-    """The wide launch's rows against the product's launch of M rows and against sampled rows alone."""
+def same_bits(name: str, spec: tuple, M: int, seed: int, wide: ExactOps | None = None) -> dict:
+    """The wide launch's rows (``wide``: ``ExactOps(wide_tiles=True)`` by default) against the product's launch of
+    M rows and against sampled rows alone."""
     N, K, gated, normed, residual = spec
     generator = torch.Generator(device="cuda").manual_seed(seed)
     w = (torch.randn(((2 * N if gated else N), K), device="cuda", generator=generator) * K**-0.5).to(torch.bfloat16)
@@ -61,7 +67,7 @@ def same_bits(name: str, spec: tuple, M: int, seed: int) -> dict:
         return ops.linear(x[rows], w, norm=norm if normed else None, eps=1e-6, gated=gated,
                           residual=res[rows] if residual else None, out_dtype=out_dtype)
 
-    narrow, wide = ExactOps(), ExactOps(wide_tiles=True)
+    narrow, wide = ExactOps(), wide or ExactOps(wide_tiles=True)
     many, tile = run(narrow, slice(0, M)), run(wide, slice(0, M))
     sampled = sorted({0, M - 1, *torch.randint(0, M, (SAMPLED_ROWS - 2,), generator=generator, device="cuda").tolist()})
     alone = sum(torch.equal(run(narrow, slice(r, r + 1))[0], tile[r]) for r in sampled)
@@ -83,13 +89,19 @@ def main() -> int:
             row = {"weight": name, "rows": M} | same_bits(name, spec, M, seed=M)
             for label, ops in (("tiles_us", narrow), ("wide_us", wide), ("fast_us", fast)):
                 row[label] = round(exact_spread.call_time(ops, name, spec, M, stream, args.reps, streamed), 2)
+            plan = exact_linear_plan(*spec[:3], 2, narrow.processors(torch.device("cuda")))
+            if plan.tiles < 4:
+                four = ExactOps(wide_tiles=True, linear_plans={spec[:3]: dataclasses.replace(plan, tiles=4)})
+                row["same_t4"] = same_bits(name, spec, M, seed=M, wide=four)["same_as_tiles"]
+                row["wide_t4_us"] = round(exact_spread.call_time(four, name, spec, M, stream, args.reps, streamed), 2)
             rows.append(row)
             print(row, flush=True)
     print(exact_spread.table(rows))
     summary = {
         "name": "exact_wide_tiles", "date": datetime.now(UTC).strftime("%Y-%m-%d"), "machine": record.machine(),
         "command": "python benchmarks/exact_wide_tiles.py " + " ".join(sys.argv[1:]), "pair": args.pair, "rows": rows,
-        "all_same": all(r["same_as_tiles"] and r["same_as_alone"].split("/")[0] == r["same_as_alone"].split("/")[1] for r in rows),
+        "all_same": all(r["same_as_tiles"] and r.get("same_t4", True) and r["same_as_alone"].split("/")[0] == r["same_as_alone"].split("/")[1]
+                        for r in rows),
         "us": {label: round(sum(r[label] for r in rows), 2) for label in ("tiles_us", "wide_us", "fast_us")},
     }
     return record.finish(summary, args.record)

@@ -267,6 +267,24 @@ def test_an_exact_ops_object_reports_exact():
     assert choose_kernels(ExactOps(split_slots=128), torch.device("cuda"), *_stub_pair(), "bfloat16") == "exact"
 
 
+@needs_triton
+def test_wide_tiles_are_the_default_only_where_measured(monkeypatch):
+    """Bug: the 64-row warp-group MMA tile (``ExactOps.wide_tiles``) runs where its bits were never compared with
+    the 16-row tiles' (a GPU other than sm90, the CPU interpreter) or where it measured slower (fp8 weights), or an
+    explicit choice is overridden by the default."""
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    for capability, hopper in (((9, 0), True), ((8, 9), False), ((10, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
+        ops = ExactOps()
+        assert ops.wide(cuda, scaled=False) is hopper, capability
+        assert ops.wide(cuda, scaled=True) is False, capability
+        assert ops.wide(cpu, scaled=False) is False
+        assert ExactOps(wide_tiles=True).wide(cuda, scaled=True) is True
+        assert ExactOps(wide_tiles=False).wide(cuda, scaled=False) is False
+
+
 # ------------------------------------------------------------------ the kernels, compiled for sm90 (CPU)
 
 SM89_SHARED_BYTES = 101376 - EXACT_SHARED_HEADROOM  # what an sm86 / sm89 program's pipelined steps may hold (ExactOps.shared_bytes)
