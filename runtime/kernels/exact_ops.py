@@ -25,6 +25,9 @@ for bit, in bf16 too, so DFlash's output is the target's own plain decoding, tok
                     most processors idle, rows per launch that fit the workspace; pipelines, tiles and
                     blocks that fit the GPU's shared memory per program, ``ExactOps.shared_bytes``): each
                     tile's dot walks the same K steps whatever M is, so that choice changes speed only.
+                    On an sm90 GPU a program's four 16-row tiles run as one 64-row tile (``wide_tiles``:
+                    Hopper's warp-group MMA, the same K steps; its bits equal the 16-row MMA's by
+                    measurement, not by contract: the gpu-marked ``wide_rows`` check).
                     An fp8 weight (``scale=``: a draft's, ``kernels.quant``) is widened to x's dtype as
                     each K step is loaded, its scale applied per feature in the epilogue; the same rules.
 ``attention``       keys split at a fixed size (``EXACT_SPLIT_SLOTS``): split s covers slots
@@ -44,7 +47,8 @@ attention) are never chosen from a row, query, owner or slot count; the integer 
 those counts are not specialized on; x is passed 16-byte aligned with row stride K (Triton vectorizes a
 load, and so orders the reductions over it, by the pointer's alignment). Per layer shape a few variants
 compile (tiles per program, feature block: how work is spread), the same arithmetic in each
-(tests/runtime/test_exact_kernels.py compares their sm90 IR).
+(tests/runtime/test_exact_kernels.py compares their sm90 IR: ``mma.sync`` 16 x 8, the warp-group MMA for wide
+tiles).
 Under Triton's CPU interpreter (``TRITON_INTERPRET=1``, the CPU tests) the dots are written out as fp32
 products summed over K in order (``ordered_dot``): the interpreter multiplies bf16 as raw integers, and numpy's
 BLAS rounds a row differently by its place in the tile; everything else is the GPU's code.
