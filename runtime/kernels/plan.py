@@ -158,10 +158,13 @@ class ExactLinearPlan:
 # --sweep`` (its JSON ``table``); weights not listed take ``exact_linear_plan``'s rule.
 EXACT_TILES: dict[tuple[int, int, bool, int, int], ExactLinearPlan] = {
     # The Qwen3-8B weights on an H200 (132 SMs), bf16; benchmarks/RESULTS.md "exact_kernels" (sweeps of 2026-12-01,
-    # and of 2026-12-02 with the norm as its own pass: q|k|v and the LM head changed).
-    (12288, 4096, True, 2, 132): ExactLinearPlan(32, 64, 64, 4, 1, 0, False, 2),  # gate|up
+    # and of 2026-12-02 with the norm as its own pass: q|k|v and the LM head changed). gate|up and q|k|v held two
+    # tiles a program until the wide tiles (``ExactOps.wide_tiles``): with them four tie at 64 rows and win at 128
+    # (H100: gate|up 86.1 against 112.3 µs, q|k|v 36.0 against 43.2; RESULTS.md "One 64-row tile on Hopper's
+    # warp-group MMA").
+    (12288, 4096, True, 2, 132): ExactLinearPlan(32, 64, 64, 4, 1, 0, False, 4),  # gate|up
     (4096, 12288, False, 2, 132): ExactLinearPlan(64, 64, 128, 4, 4, 0, True, 4),  # down
-    (6144, 4096, False, 2, 132): ExactLinearPlan(32, 64, 128, 4, 2, 0, True, 2),  # q|k|v
+    (6144, 4096, False, 2, 132): ExactLinearPlan(32, 64, 128, 4, 2, 0, True, 4),  # q|k|v
     (4096, 4096, False, 2, 132): ExactLinearPlan(32, 64, 128, 4, 2, 0, True, 4),  # o
     (151936, 4096, False, 2, 132): ExactLinearPlan(64, 128, 128, 4, 1, 0, False, 4),  # the LM head
 }
