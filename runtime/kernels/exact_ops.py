@@ -106,7 +106,7 @@ def ordered_dot(a, b, acc, INTERP: tl.constexpr):
 @triton.jit
 def _tile_product(x_ptr, stride_xm, rows, k_off, k_ok, M, wt, wut, acc, acc_u, WTYPE: tl.constexpr, GATED: tl.constexpr,
                   INTERP: tl.constexpr):
-    """One 16-row tile, one K step: acc [TM, BN] += x [TM, BK] @ wt [BK, BN] (and the up half)."""
+    """One tile (16 rows, or 64 with ``wide_tiles``), one K step: acc [TM, BN] += x [TM, BK] @ wt [BK, BN] (and the up half)."""
     mask = (rows < M)[:, None] & k_ok[None, :]
     a = tl.load(x_ptr + rows[:, None] * stride_xm + k_off[None, :], mask=mask, other=0.0).to(WTYPE)
     acc = ordered_dot(a, wt, acc, INTERP)
