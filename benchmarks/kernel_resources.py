@@ -3,6 +3,7 @@ SASS instructions, and how many programs fit one SM by each limit.
 
     python benchmarks/kernel_resources.py [--stages 2 3] [--warps 4] [--record]
     python benchmarks/kernel_resources.py --linear fp8 [--record]    # the exact linear with fp8 weights instead
+    python benchmarks/kernel_resources.py --linear wide [--record]   # bf16: four 16-row tiles against one 64-row tile
 
 Compiles ``exact_ops._attention_kernel`` (the splits folded in the launch, and by a second launch) and
 ``_combine_kernel`` for sm90 at the Qwen3-8B head shape (head_dim 128, 16-row query tiles, 64-slot steps, 256-slot
@@ -14,8 +15,11 @@ attention's fold with eight splits' loads at once": 146 -> 203 registers, three 
 verify's attention 39.3 -> 47.6 µs per layer; ``test_exact_attention_holds_three_programs_per_sm`` now holds the
 product to three). ``--linear fp8`` compiles ``exact_ops._linear_kernel`` instead, with fp8 weights (a draft's
 ``draft_weights="fp8"``) at the Qwen3-8B weights' shapes, as the plan launches them at 16 and 64 rows and with the
-64-row launch at 1, 2 and 4 tiles per program (the widened fp8 tiles are held in registers). Prints a table and ends
-with one JSON line; ``--record`` appends one row.
+64-row launch at 1, 2 and 4 tiles per program (the widened fp8 tiles are held in registers). ``--linear wide`` compiles
+it with bf16 weights at 64 and 128 rows as four 16-row tiles a program and as one 64-row tile (``ExactOps.wide_tiles``:
+the warp-group MMA, whose operands wait in shared memory), at the plan's pipeline depth and one stage less, with the
+launch's programs and the waves they take on 132 SMs at the programs an SM holds. Prints a table and ends with one JSON
+line; ``--record`` appends one row.
 """
 
 from __future__ import annotations
@@ -117,13 +121,56 @@ def linear_rows() -> list[dict]:
     return rows
 
 
+def wide_rows() -> list[dict]:
+    """The exact linear with bf16 weights: each 8B weight's launch of four 16-row tiles a program at 64 and 128 rows
+    (the table's tiles raised to four where it holds fewer), against the same rows as one 64-row tile, at the
+    launch's stages and one less; the programs and the waves they take on 132 SMs."""
+    from dataclasses import replace
+
+    from gpu_graphs import GEMMS
+
+    from dflash_trt.runtime.kernels import exact_ops
+    from dflash_trt.runtime.kernels.plan import EXACT_SHARED_BYTES, cdiv, exact_linear_launch, exact_linear_plan
+
+    pointers = LINEAR_POINTERS | {"w_ptr": "*bf16", "s_ptr": "*bf16"}
+    rows = []
+    for name, (N, K, gated, norm, residual, _) in GEMMS.items():
+        plan = replace(exact_linear_plan(N, K, gated, 2), tiles=4)
+        for M in (64, 128):
+            tiles, block_n, stages = exact_linear_launch(plan, M, gated, 2, N, 132, EXACT_SHARED_BYTES)
+            for label, tm, depth in (("16-row tiles", 16, stages), ("64-row tile", 64, stages), ("64-row tile", 64, stages - 1)):
+                constexprs = dict(GATED=gated, BIAS=False, RESIDUAL=residual, TAP=False, SCALED=False, SPLITS=plan.splits, FIXUP=plan.fixup,
+                                  TILES=tiles * 16 // tm, TM=tm, BN=block_n, BK=plan.block_k, INTERP=False, PDL=True)
+                found = resources(exact_ops._linear_kernel, constexprs, plan.warps, depth, pointers=pointers, aligned_names=LINEAR_ALIGNED)
+                programs = cdiv(M, tiles * 16) * cdiv(N, block_n) * plan.splits
+                held = min(found["by_registers"], found["by_shared"], found["by_threads"])
+                rows.append({"weight": name, "rows": M, "launch": label, "block_n": block_n, "stages": depth, "programs": programs,
+                             "waves": round(programs / (132 * held), 2), **found})
+                r = rows[-1]
+                print(f"| {name} | {M} | {label} | {block_n} | {depth} | {r['registers']} | {r['shared_bytes']} | "
+                      f"{r['by_registers']}, {r['by_shared']} | {programs} | {r['waves']} |", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3], help="key / value steps in flight (the product: 3 at this shape)")
     parser.add_argument("--warps", type=int, default=4, help="warps per program (the product's attention: 4)")
-    parser.add_argument("--linear", choices=("fp8",), help="the exact linear with fp8 weights instead of the attention")
+    parser.add_argument("--linear", choices=("fp8", "wide"), help="the exact linear (fp8 weights; or bf16 in 16-row tiles against one 64-row tile) instead of the attention")
     parser.add_argument("--record", action="store_true", help="append a row to benchmarks/results.jsonl")
     args = parser.parse_args()
+    if args.linear == "wide":
+        import triton
+
+        print(f"sm90, Triton {triton.__version__}: the exact linear, bf16, four 16-row tiles a program against one 64-row tile\n")
+        print("| weight | rows | launch | features | stages | registers | shared B | programs / SM: registers, shared | programs | waves on 132 SMs |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        result = {"name": "kernel_resources_linear_wide", "machine": "CPU (compiled for sm90)", "triton": triton.__version__,
+                  "command": "python benchmarks/kernel_resources.py " + " ".join(sys.argv[1:]), "rows": wide_rows()}
+        if args.record:
+            record.append_rows([result])
+        print(json.dumps(result))
+        return
     if args.linear:
         import triton
 
