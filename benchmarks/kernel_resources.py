@@ -127,10 +127,9 @@ def wide_rows() -> list[dict]:
     launch's stages and one less; the programs and the waves they take on 132 SMs."""
     from dataclasses import replace
 
-    from gpu_graphs import GEMMS
-
     from dflash_trt.runtime.kernels import exact_ops
     from dflash_trt.runtime.kernels.plan import EXACT_SHARED_BYTES, cdiv, exact_linear_launch, exact_linear_plan
+    from gpu_graphs import GEMMS
 
     pointers = LINEAR_POINTERS | {"w_ptr": "*bf16", "s_ptr": "*bf16"}
     rows = []
@@ -139,8 +138,9 @@ def wide_rows() -> list[dict]:
         for M in (64, 128):
             tiles, block_n, stages = exact_linear_launch(plan, M, gated, 2, N, 132, EXACT_SHARED_BYTES)
             for label, tm, depth in (("16-row tiles", 16, stages), ("64-row tile", 64, stages), ("64-row tile", 64, stages - 1)):
-                constexprs = dict(GATED=gated, BIAS=False, RESIDUAL=residual, TAP=False, SCALED=False, SPLITS=plan.splits, FIXUP=plan.fixup,
-                                  TILES=tiles * 16 // tm, TM=tm, BN=block_n, BK=plan.block_k, INTERP=False, PDL=True)
+                constexprs = {"GATED": gated, "BIAS": False, "RESIDUAL": residual, "TAP": False, "SCALED": False, "SPLITS": plan.splits,
+                              "FIXUP": plan.fixup, "TILES": tiles * 16 // tm, "TM": tm, "BN": block_n, "BK": plan.block_k, "INTERP": False,
+                              "PDL": True}
                 found = resources(exact_ops._linear_kernel, constexprs, plan.warps, depth, pointers=pointers, aligned_names=LINEAR_ALIGNED)
                 programs = cdiv(M, tiles * 16) * cdiv(N, block_n) * plan.splits
                 held = min(found["by_registers"], found["by_shared"], found["by_threads"])
