@@ -489,10 +489,10 @@ class ExactOps(TritonOps):
     ``mma.sync``: the same K steps of 16 products in the same order, fp32 accumulate). That the two instructions
     round a step alike is the hardware's property, not Triton's contract: measured bit-identical on an H100 for
     every Qwen3-8B weight at 64 and 128 rows and against rows alone (benchmarks/exact_wide_tiles.py), and the
-    gpu-marked batch-invariance tests run it. Default (``None``): on an sm90 GPU for bf16 / fp16 weights (the
-    four-owner verify 0.27 ms shorter there: its o product 22.0 -> 16.5 µs), not for fp8 weights (their widened
-    tiles pass through shared memory to the warp-group MMA: a four-owner fp8 draft 1.68 -> 1.82 ms) nor
-    elsewhere (not measured); ``True`` / ``False``: always / never.
+    gpu-marked batch-invariance tests run it (bf16 and fp32). Default (``None``): on an sm90 GPU (the four-owner
+    verify 0.27 ms shorter there: its o product 22.0 -> 16.5 µs), but not for fp8 weights (their widened tiles
+    pass through shared memory to the warp-group MMA: a four-owner fp8 draft 1.68 -> 1.82 ms), nor on other GPUs
+    (not measured); ``True`` / ``False``: always / never.
     """
 
     kind = "exact"  # what TorchBackend(kernels=ExactOps(...)) reports as its kernels
