@@ -152,6 +152,15 @@ def wide_rows() -> list[dict]:
     return rows
 
 
+# --linear: (what is compiled, the table's header, the rows' function)
+LINEAR_REPORTS = {
+    "fp8": ("fp8 weights, bf16 rows", "| weight | rows | launch | tiles | features | stages | registers | stack B | shared B | local ld/st | "
+            "programs / SM: registers, shared |", linear_rows),
+    "wide": ("bf16, four 16-row tiles a program against one 64-row tile", "| weight | rows | launch | features | stages | registers | "
+             "shared B | programs / SM: registers, shared | programs | waves on 132 SMs |", wide_rows),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3], help="key / value steps in flight (the product: 3 at this shape)")
@@ -159,26 +168,15 @@ def main() -> None:
     parser.add_argument("--linear", choices=("fp8", "wide"), help="the exact linear (fp8 weights; or bf16 in 16-row tiles against one 64-row tile) instead of the attention")
     parser.add_argument("--record", action="store_true", help="append a row to benchmarks/results.jsonl")
     args = parser.parse_args()
-    if args.linear == "wide":
-        import triton
-
-        print(f"sm90, Triton {triton.__version__}: the exact linear, bf16, four 16-row tiles a program against one 64-row tile\n")
-        print("| weight | rows | launch | features | stages | registers | shared B | programs / SM: registers, shared | programs | waves on 132 SMs |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-        result = {"name": "kernel_resources_linear_wide", "machine": "CPU (compiled for sm90)", "triton": triton.__version__,
-                  "command": "python benchmarks/kernel_resources.py " + " ".join(sys.argv[1:]), "rows": wide_rows()}
-        if args.record:
-            record.append_rows([result])
-        print(json.dumps(result))
-        return
     if args.linear:
         import triton
 
-        print(f"sm90, Triton {triton.__version__}: the exact linear, fp8 weights, bf16 rows\n")
-        print("| weight | rows | launch | tiles | features | stages | registers | stack B | shared B | local ld/st | programs / SM: registers, shared |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-        result = {"name": "kernel_resources_linear_fp8", "machine": "CPU (compiled for sm90)", "triton": triton.__version__,
-                  "command": "python benchmarks/kernel_resources.py " + " ".join(sys.argv[1:]), "rows": linear_rows()}
+        title, header, rows = LINEAR_REPORTS[args.linear]
+        print(f"sm90, Triton {triton.__version__}: the exact linear, {title}\n")
+        print(header)
+        print("|" + " --- |" * header.count(" | ") + " --- |")
+        result = {"name": f"kernel_resources_linear_{args.linear}", "machine": "CPU (compiled for sm90)", "triton": triton.__version__,
+                  "command": "python benchmarks/kernel_resources.py " + " ".join(sys.argv[1:]), "rows": rows()}
         if args.record:
             record.append_rows([result])
         print(json.dumps(result))
