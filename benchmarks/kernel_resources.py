@@ -154,10 +154,11 @@ def wide_rows() -> list[dict]:
 
 # --linear: (what is compiled, the table's header, the rows' function)
 LINEAR_REPORTS = {
-    "fp8": ("fp8 weights, bf16 rows", "| weight | rows | launch | tiles | features | stages | registers | stack B | shared B | local ld/st | "
-            "programs / SM: registers, shared |", linear_rows),
-    "wide": ("bf16, four 16-row tiles a program against one 64-row tile", "| weight | rows | launch | features | stages | registers | "
-             "shared B | programs / SM: registers, shared | programs | waves on 132 SMs |", wide_rows),
+    "fp8": ("fp8 weights, bf16 rows", ("| weight | rows | launch | tiles | features | stages | registers | stack B | shared B | local ld/st | "
+                                       "programs / SM: registers, shared |"), linear_rows),
+    "wide": ("bf16, four 16-row tiles a program against one 64-row tile", ("| weight | rows | launch | features | stages | registers | "
+                                                                            "shared B | programs / SM: registers, shared | programs | "
+                                                                            "waves on 132 SMs |"), wide_rows),
 }
 
 
