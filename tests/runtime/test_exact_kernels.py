@@ -324,7 +324,7 @@ def _arithmetic(ir: str) -> tuple[tuple, frozenset]:
 
 @needs_triton
 @pytest.mark.parametrize("scaled", [False, True], ids=["bf16", "fp8 weights"])
-def test_exact_linear_compiles_to_one_arithmetic_for_every_row_count(scaled):
+def test_exact_linear_compiles_to_one_arithmetic_for_every_row_count(scaled, monkeypatch):
     """Bug: a row count changes the compiled arithmetic of the exact linear: the feature block, the tiles per
     program or the pipeline stages it picks make Triton reduce in another layout (another order) or pick
     another MMA instruction than the launch's kind allows, and the decode step and the verify give a row other
@@ -336,8 +336,10 @@ def test_exact_linear_compiles_to_one_arithmetic_for_every_row_count(scaled):
     same K steps; that it rounds them as ``mma.sync`` does is the GPU's, compared bit for bit by the gpu-marked
     ``wide_rows`` check). With fp8 weights (the draft's ``draft_weights="fp8"``, never wide) every launch
     ``mma.sync``: a draft proposal must not depend on how many owners share the launch."""
-    from dflash_trt.runtime.kernels.exact_ops import _linear_kernel
+    from dflash_trt.runtime.kernels.exact_ops import ExactOps, _linear_kernel
 
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))  # ExactOps' choices on an sm90 GPU
+    wide_here = ExactOps().wide(torch.device("cuda", 0), scaled)
     args = {name: "*bf16" if name.endswith("_ptr") else "i32" for name in LINEAR_ARGS}
     args["ws_ptr"], args["cnt_ptr"] = "*fp32", "*i32"
     if scaled:
@@ -355,7 +357,7 @@ def test_exact_linear_compiles_to_one_arithmetic_for_every_row_count(scaled):
                            for shared in (EXACT_SHARED_BYTES, SM89_SHARED_BYTES)})
         fixups = (False, True) if plan.splits > 1 else (False,)
         for fixup, (tiles, block_n, stages) in itertools.product(fixups, launches):  # the in-kernel sum: spread only
-            wide = tiles == 4 and not scaled  # ExactOps.wide on an sm90 GPU
+            wide = tiles == 4 and wide_here  # as ExactOps.linear launches it
             constexprs = dict(GATED=gated, BIAS=False, RESIDUAL=not norm, TAP=False, SCALED=scaled, SPLITS=plan.splits, FIXUP=fixup,
                               TILES=1 if wide else tiles, TM=64 if wide else 16, BN=block_n, BK=plan.block_k, INTERP=False, PDL=False)
             try:
