@@ -75,8 +75,8 @@ def _check(result, call: str, accept: tuple[str, ...] = ()):
     unless the error is success or one of ``accept`` (then returns its name).
     """
     error, values = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
-    name = _error_name(error)
     if int(error) != 0:
+        name = _error_name(error)  # only on failure: an enum's name costs a look-up on every call
         _clear_last_error()
         if name in accept:
             return name
