@@ -47,7 +47,11 @@ times (on, off, on, off, ...), the servers kept running: a slow stretch of the h
 alike, and no mode's server starts after the other's has served load (in two leases a DFlash server started after a
 plain one ran slow at 64 streams). ``--client-cores N`` pins the client
 processes to N whole physical cores and the server to the others (Linux): with the clients on the same
-host, a client thread on the serving thread's core (or its hyperthread) measures their contention.
+host, a client thread on the serving thread's core (or its hyperthread) measures their contention. A window whose
+pinned clients used 90% of their CPUs or more is flagged under its row (``client_bound`` and ``client_load`` in its
+figures; counted per side in the ratio table): the openai client spends ~2-5 ms of CPU per streamed request, so
+four client cores cap the load at ~1,200-1,700 requests/s, and a window at that cap measures the load generator's
+limit as much as the server's.
 
     python benchmarks/serve_load.py [--clients 8 [1 ...]] [--seconds 30] [--max-tokens 64] [--modes on off]
         [--artifacts DIR] [--backend onnxruntime|torch|tensorrt] [--device cuda] [--serve-args "--max-cycles 4"]
@@ -483,11 +487,11 @@ def main() -> int:
                 server.stop()
     ratios = ratio_rows(list(results.values()))
     if ratios:
-        print("\n| front | mode | clients | windows | median tok/s | off median tok/s | median / off median | per-repeat ratio min – max |\n"
-              "| --- | --- | --- | --- | --- | --- | --- | --- |")
+        print("\n| front | mode | clients | windows | median tok/s | off median tok/s | median / off median | per-repeat ratio min – max "
+              "| client-bound windows (mode / off) |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for row in ratios:
             print(f"| {row['front']} | {row['mode']} | {row['clients']} | {row['windows']} | {row['median']} | {row['off_median']} "
-                  f"| {row['ratio']}× | {row['ratio_min']}× – {row['ratio_max']}× |", flush=True)
+                  f"| {row['ratio']}× | {row['ratio_min']}× – {row['ratio_max']}× | {row['client_bound'][0]} / {row['client_bound'][1]} |", flush=True)
     summary = {"name": "serve_load", "date": time.strftime("%Y-%m-%d"), "machine": machine(),
                "command": " ".join(["python", "benchmarks/serve_load.py", *sys.argv[1:]]), "seconds": args.seconds, "warmup_seconds": args.warmup_seconds,
                "max_tokens": args.max_tokens, "temperature": args.temperature, "max_sessions": args.max_sessions, "backend": args.backend, "device": args.device,
@@ -522,6 +526,8 @@ class Server:
 def window(args, prompts: list[str], results: dict, server: Server, front: str, mode: str, clients: int, repeat: int) -> None:
     """One measured window of ``clients`` on ``server``: its table row printed, its figures into ``results``."""
     figures = load(server.base, args, prompts, clients, server_roles(server.process.pid, server.log), args.server_logs if args.profile_serving else None)
+    load_share = client_load(figures.get("client_cpu_total_pct"), args.client_cpus)
+    figures |= {"client_load": load_share, "client_bound": load_share is not None and load_share >= CLIENT_BOUND}
     key = f"{front}_{mode}_{clients}" + (f"_r{repeat}" if args.repeats > 1 else "")
     results[key] = {"front": front, "mode": mode, "clients": clients, "repeat": repeat, **figures}
     print(f"| {front} | {mode} | {clients} | {figures['requests_per_s']} | {figures['output_tokens_per_s']} | {figures['ttft_p50_ms']} / {figures['ttft_p99_ms']} "
@@ -530,11 +536,29 @@ def window(args, prompts: list[str], results: dict, server: Server, front: str, 
           f"| {figures['policy_cycles']} / {figures['policy_decodes']} | {figures['device_busy_pct']} "
           f"| {figures['front_cpu_pct']} / {figures['serving_cpu_pct']} / {figures['client_cpu_pct']} "
           f"| {figures['serving_thread_run_pct']} / {figures['serving_thread_wait_pct']} |", flush=True)
+    if figures["client_bound"]:
+        print(f"  the clients used {100 * load_share:.0f}% of their {len(args.client_cpus)} CPUs: this window measured the load generator's "
+              "limit as much as the server's (more --client-cores)", flush=True)
     server.failed += figures["errors"]
     if figures["errors"]:
         print(f"  {figures['errors']} failed requests at {clients} clients, e.g. {figures['error_examples'][0]}", flush=True)
     if "serving_profile" in figures:
         print(f"\n{front} {mode} {clients} clients: " + thread_profile.table(figures["serving_profile"]) + "\n", flush=True)
+
+
+CLIENT_BOUND = 0.9  # a window whose pinned clients used this share of their CPUs measured the load generator too
+
+
+def client_load(client_cpu_total_pct: float | None, client_cpus) -> float | None:
+    """The client processes' CPU over a window as a share of the CPUs they were pinned to (``--client-cores``); None
+    when they were not pinned (they then share the host with the server: no capacity of their own to compare with).
+
+    >>> client_load(387.4, {12, 13, 14, 15}), client_load(230.0, {12, 13, 14, 15}), client_load(230.0, None)
+    (0.968, 0.575, None)
+    """
+    if not client_cpus or client_cpu_total_pct is None:
+        return None
+    return round(client_cpu_total_pct / (100.0 * len(client_cpus)), 3)
 
 
 def ratio_rows(runs: list[dict]) -> list[dict]:
@@ -544,9 +568,13 @@ def ratio_rows(runs: list[dict]) -> list[dict]:
     >>> runs = [dict(front="p", mode=m, clients=4, repeat=r, output_tokens_per_s=t)
     ...         for m, r, t in [("on", 1, 30.0), ("off", 1, 20.0), ("on", 2, 33.0), ("off", 2, 30.0), ("on", 3, 36.0), ("off", 3, 24.0)]]
     >>> ratio_rows(runs)
-    [{'front': 'p', 'mode': 'on', 'clients': 4, 'windows': 3, 'median': 33.0, 'off_median': 24.0, 'ratio': 1.375, 'ratio_min': 1.1, 'ratio_max': 1.5}]
+    [{'front': 'p', 'mode': 'on', 'clients': 4, 'windows': 3, 'median': 33.0, 'off_median': 24.0, 'ratio': 1.375, 'ratio_min': 1.1, 'ratio_max': 1.5, 'client_bound': [0, 0]}]
+
+    ``client_bound``: how many of those windows, the mode's and ``off``'s, had their clients at ``CLIENT_BOUND``
+    of their CPUs or more (their ratio measures the load generator's limit as much as the server's).
     """
     rate = {(r["front"], r["mode"], r["clients"], r["repeat"]): r["output_tokens_per_s"] for r in runs}
+    bound = {(r["front"], r["mode"], r["clients"], r["repeat"]): r.get("client_bound") for r in runs}
     rows = []
     for front, mode, clients in sorted({(f, m, c) for f, m, c, _ in rate if m != "off"}, key=lambda key: (key[0], key[1], key[2])):
         repeats = sorted(r for f, m, c, r in rate if (f, m, c) == (front, mode, clients) and (front, "off", clients, r) in rate)
@@ -557,7 +585,8 @@ def ratio_rows(runs: list[dict]) -> list[dict]:
         each = [a / b for a, b in zip(mine, off)]
         rows.append({"front": front, "mode": mode, "clients": clients, "windows": len(repeats), "median": float(np.median(mine)),
                      "off_median": float(np.median(off)), "ratio": round(float(np.median(mine) / np.median(off)), 3),
-                     "ratio_min": round(min(each), 3), "ratio_max": round(max(each), 3)})
+                     "ratio_min": round(min(each), 3), "ratio_max": round(max(each), 3),
+                     "client_bound": [sum(bool(bound[front, m, clients, r]) for r in repeats) for m in (mode, "off")]})
     return rows
 
 
