@@ -50,7 +50,7 @@ processes to N whole physical cores and the server to the others (Linux): with t
 host, a client thread on the serving thread's core (or its hyperthread) measures their contention. A window whose
 pinned clients used 90% of their CPUs or more is flagged under its row (``client_bound`` and ``client_load`` in its
 figures; counted per side in the ratio table): the openai client spends ~2-5 ms of CPU per streamed request, so
-four client cores cap the load at ~1,200-1,700 requests/s, and a window at that cap measures the load generator's
+four client cores held the load at ~850-1,700 requests/s in most 64-stream windows on a GPU host, and a window at that cap measures the load generator's
 limit as much as the server's.
 
     python benchmarks/serve_load.py [--clients 8 [1 ...]] [--seconds 30] [--max-tokens 64] [--modes on off]
