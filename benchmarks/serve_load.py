@@ -48,10 +48,10 @@ alike, and no mode's server starts after the other's has served load (in two lea
 plain one ran slow at 64 streams). ``--client-cores N`` pins the client
 processes to N whole physical cores and the server to the others (Linux): with the clients on the same
 host, a client thread on the serving thread's core (or its hyperthread) measures their contention. A window whose
-pinned clients used 90% of their CPUs or more is flagged under its row (``client_bound`` and ``client_load`` in its
+pinned clients used 90% of their cores or more is flagged under its row (``client_bound`` and ``client_load`` in its
 figures; counted per side in the ratio table): the openai client spends ~2-5 ms of CPU per streamed request, so
-four client cores held the load at ~850-1,700 requests/s in most 64-stream windows on a GPU host, and a window at that cap measures the load generator's
-limit as much as the server's.
+four client cores held the load at ~850-1,700 requests/s in most 64-stream windows on a GPU host, and a window at
+that cap measures the load generator's limit as much as the server's.
 
     python benchmarks/serve_load.py [--clients 8 [1 ...]] [--seconds 30] [--max-tokens 64] [--modes on off]
         [--artifacts DIR] [--backend onnxruntime|torch|tensorrt] [--device cuda] [--serve-args "--max-cycles 4"]
@@ -526,7 +526,7 @@ class Server:
 def window(args, prompts: list[str], results: dict, server: Server, front: str, mode: str, clients: int, repeat: int) -> None:
     """One measured window of ``clients`` on ``server``: its table row printed, its figures into ``results``."""
     figures = load(server.base, args, prompts, clients, server_roles(server.process.pid, server.log), args.server_logs if args.profile_serving else None)
-    load_share = client_load(figures.get("client_cpu_total_pct"), args.client_cpus)
+    load_share = client_load(figures.get("client_cpu_total_pct"), args.client_cores)
     figures |= {"client_load": load_share, "client_bound": load_share is not None and load_share >= CLIENT_BOUND}
     key = f"{front}_{mode}_{clients}" + (f"_r{repeat}" if args.repeats > 1 else "")
     results[key] = {"front": front, "mode": mode, "clients": clients, "repeat": repeat, **figures}
@@ -537,7 +537,7 @@ def window(args, prompts: list[str], results: dict, server: Server, front: str, 
           f"| {figures['front_cpu_pct']} / {figures['serving_cpu_pct']} / {figures['client_cpu_pct']} "
           f"| {figures['serving_thread_run_pct']} / {figures['serving_thread_wait_pct']} |", flush=True)
     if figures["client_bound"]:
-        print(f"  the clients used {100 * load_share:.0f}% of their {len(args.client_cpus)} CPUs: this window measured the load generator's "
+        print(f"  the clients used {100 * load_share:.0f}% of their {args.client_cores} cores: this window measured the load generator's "
               "limit as much as the server's (more --client-cores)", flush=True)
     server.failed += figures["errors"]
     if figures["errors"]:
@@ -546,19 +546,20 @@ def window(args, prompts: list[str], results: dict, server: Server, front: str, 
         print(f"\n{front} {mode} {clients} clients: " + thread_profile.table(figures["serving_profile"]) + "\n", flush=True)
 
 
-CLIENT_BOUND = 0.9  # a window whose pinned clients used this share of their CPUs measured the load generator too
+CLIENT_BOUND = 0.9  # a window whose pinned clients used this share of their cores measured the load generator too
 
 
-def client_load(client_cpu_total_pct: float | None, client_cpus) -> float | None:
-    """The client processes' CPU over a window as a share of the CPUs they were pinned to (``--client-cores``); None
+def client_load(client_cpu_total_pct: float | None, client_cores: int | None) -> float | None:
+    """The client processes' CPU over a window (% of one CPU, all of them) as a share of the physical cores they were
+    pinned to (``--client-cores``; a core's hyperthreads count as that core: the share may pass 1 on such hosts); None
     when they were not pinned (they then share the host with the server: no capacity of their own to compare with).
 
-    >>> client_load(387.4, {12, 13, 14, 15}), client_load(230.0, {12, 13, 14, 15}), client_load(230.0, None)
+    >>> client_load(387.4, 4), client_load(230.0, 4), client_load(230.0, None)
     (0.968, 0.575, None)
     """
-    if not client_cpus or client_cpu_total_pct is None:
+    if not client_cores or client_cpu_total_pct is None:
         return None
-    return round(client_cpu_total_pct / (100.0 * len(client_cpus)), 3)
+    return round(client_cpu_total_pct / (100.0 * client_cores), 3)
 
 
 def ratio_rows(runs: list[dict]) -> list[dict]:
