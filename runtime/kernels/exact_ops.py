@@ -518,8 +518,6 @@ class ExactOps(TritonOps):
         self.combine_in_kernel, self.wide_tiles = combine_in_kernel, wide_tiles
         self.exact_plans = dict(linear_plans or {})
         self._buffers: dict[tuple, list[torch.Tensor]] = {}
-        self._shared: dict[int, int] = {}  # device index -> shared_bytes
-        self._hopper: dict[int, bool] = {}  # device index -> an sm90 GPU (``wide_tiles``' default)
 
     def linear(self, x, weight, bias=None, norm=None, eps=0.0, gated=False, residual=None, out=None, out_dtype=None, tap=None,
                scale=None):
@@ -581,10 +579,7 @@ class ExactOps(TritonOps):
             return self.wide_tiles
         if scaled or device.type != "cuda":
             return False
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in self._hopper:
-            self._hopper[index] = torch.cuda.get_device_capability(index)[0] == 9
-        return self._hopper[index]
+        return self.device_fact("sm90", device, lambda index: torch.cuda.get_device_capability(index)[0] == 9)
 
     def linear_plan(self, N: int, K: int, gated: bool, element_bytes: int, device: torch.device) -> ExactLinearPlan:
         """The weight's tiling: ``linear_plans`` (sweeps), else ``plan.exact_linear_plan`` for this device."""
@@ -611,10 +606,7 @@ class ExactOps(TritonOps):
         sm86 / sm89 GPU); ``EXACT_SHARED_BYTES`` under Triton's interpreter, which allocates nothing."""
         if device.type != "cuda":
             return EXACT_SHARED_BYTES
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in self._shared:
-            self._shared[index] = max_shared_mem(index) - EXACT_SHARED_HEADROOM
-        return self._shared[index]
+        return self.device_fact("shared_bytes", device, lambda index: max_shared_mem(index) - EXACT_SHARED_HEADROOM)
 
     def attention(self, q, k_cache, v_cache, rows, q_positions, kv_len, causal, window):
         """``TritonOps.attention``'s contract (q [n, Hq, T, D] -> [n, Hq, T, D]) with fixed-size key splits."""

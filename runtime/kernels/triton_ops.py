@@ -397,7 +397,7 @@ class TritonOps(EagerKernels):
         self.splits = splits
         self.linear_plans = dict(linear_plans or {})
         self.pdl = pdl
-        self._processors: dict[int, int] = {}
+        self._device_facts: dict[tuple[str, int], object] = {}  # (fact, CUDA device index) -> value (``device_fact``)
         self._launch: dict[str, dict] = {}
 
     def launch(self, device: torch.device) -> dict:
@@ -410,13 +410,17 @@ class TritonOps(EagerKernels):
             self._launch[key] = {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
         return self._launch[key]
 
+    def device_fact(self, fact: str, device: torch.device, read):
+        """``read(index)`` of CUDA ``device`` (its index), read once per ops and device: launches ask per layer."""
+        key = (fact, device.index if device.index is not None else torch.cuda.current_device())
+        if key not in self._device_facts:
+            self._device_facts[key] = read(key[1])
+        return self._device_facts[key]
+
     def processors(self, device: torch.device) -> int:
         if device.type != "cuda":
             return 4  # Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in self._processors:
-            self._processors[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        return self._processors[index]
+        return self.device_fact("processors", device, lambda index: torch.cuda.get_device_properties(index).multi_processor_count)
 
     def linear(self, x, weight, bias=None, norm=None, eps=0.0, gated=False, residual=None, out=None, out_dtype=None, tap=None,
                scale=None):
