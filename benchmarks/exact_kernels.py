@@ -51,6 +51,7 @@ import gpu_graphs as gg  # noqa: E402  (the pair, feeds, AR step, cycle and timi
 CONTEXT, MAX_CONTEXT, OWNER_COUNTS, ROWS = 2048, 4096, (1, 4), (1, 16, 64)
 DRAFT_LABELS = {"model": "exact", "fp8": "exact_fp8_draft"}  # an exact backend's graph rows, by its draft's weights
 WIDE_LABEL = "exact_wide"  # graph rows of ExactOps(wide_tiles=True) (--wide-tiles)
+GRAPH_LABELS = ("fast", *DRAFT_LABELS.values(), WIDE_LABEL)  # every backend's graph rows, in the summary's order
 SECTIONS = ("gemm", "attention", "combine", "tile", "split", "warps", "stages", "profile")  # the kernel sections after the graph rows
 
 
@@ -322,7 +323,7 @@ def table(data: dict) -> str:
 def summary(data: dict) -> dict:
     by = {(r["kernels"], r["owners"]): r for r in data.get("graph_rows") or []}
     out = {}
-    for label in ("fast", *DRAFT_LABELS.values(), WIDE_LABEL):
+    for label in GRAPH_LABELS:
         if (label, 1) in by:
             out[f"{label}_ar_step_ms"] = by[(label, 1)]["ar_step_ms"]
             out[f"{label}_ar_roofline_fraction"] = by[(label, 1)]["ar_roofline_fraction"]
@@ -331,7 +332,7 @@ def summary(data: dict) -> dict:
                 out[f"{label}_cycle_cost_ratio_n{n}"] = by[(label, n)]["cycle_cost_ratio"]
     if data.get("exact_tiles"):
         out["exact_tiles"] = data["exact_tiles"]
-    for label in ("fast", *DRAFT_LABELS.values(), WIDE_LABEL):
+    for label in GRAPH_LABELS:
         if data.get(f"{label}_exactness"):
             out[f"{label}_identical_rows"] = {k: v["identical_logits"] for k, v in data[f"{label}_exactness"].items()}
     return out
