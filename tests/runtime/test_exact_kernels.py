@@ -17,13 +17,12 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import background
 import pytest
 import torch
 
@@ -658,27 +657,27 @@ print("RESULTS " + json.dumps(results))
 """
 
 
+def BACKGROUND_JOBS() -> dict[str, list[str]]:
+    """``interpreted``'s two processes (tests/background.py: started at the end of a run's collection)."""
+    if not TRITON:
+        return {}
+    tests = str(Path(__file__).parents[1])
+    return {f"exact {dtype}": background.python(INTERPRETED.format(tests=tests, checks=CHECKS, dtype=dtype)) for dtype in ("float32", "bfloat16")}
+
+
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
-    """Every kernel check of exact_checks, fp32 and bf16, under Triton's interpreter: one process per dtype, both
-    at once (one thread each: the two cores of a CI box; 45 s to 5 min in one process, by how fast the box is)."""
+    """Every kernel check of exact_checks, fp32 and bf16, under Triton's interpreter: one process per dtype (one
+    thread each; 45 s to 5 min in one process, by how fast the box is), in the background from the end of
+    collection (tests/background.py)."""
     if not TRITON:
         pytest.skip("needs triton (it ships with the CUDA builds of torch)")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    runs = [subprocess.Popen([sys.executable, "-c", INTERPRETED.format(tests=str(Path(__file__).parents[1]), checks=CHECKS, dtype=dtype)],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for dtype in ("float32", "bfloat16")]
     results = {}
-    try:
-        for run in runs:
-            stdout, stderr = run.communicate(timeout=600)
-            line = next((l for l in stdout.splitlines() if l.startswith("RESULTS ")), None)
-            assert line is not None, stdout[-3000:] + stderr[-3000:]
-            results |= json.loads(line[len("RESULTS "):])
-    finally:
-        for run in runs:  # one failed or timed out: the other is not left running
-            if run.poll() is None:
-                run.kill()
-                run.wait()
+    for key, argv in BACKGROUND_JOBS().items():
+        stdout, stderr = background.output(key, argv)
+        line = next((l for l in stdout.splitlines() if l.startswith("RESULTS ")), None)
+        assert line is not None, stdout[-3000:] + stderr[-3000:]
+        results |= json.loads(line[len("RESULTS "):])
     return results
 
 

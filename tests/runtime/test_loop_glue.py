@@ -7,11 +7,9 @@ The checks live in tests/loop_checks.py: on the CPU they run in one subprocess u
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import background
 import pytest
 import torch
 
@@ -44,16 +42,23 @@ print("RESULTS " + json.dumps(results))
 """
 
 
+def BACKGROUND_JOBS() -> dict[str, list[str]]:
+    """``interpreted``'s process (tests/background.py: started at the end of a run's collection)."""
+    if not TRITON:
+        return {}
+    return {"loop glue": background.python(INTERPRETED.format(tests=str(Path(__file__).parents[1]), checks=CHECKS))}
+
+
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
-    """Every check of loop_checks on CPU tensors, Triton interpreted, in one subprocess."""
+    """Every check of loop_checks on CPU tensors, Triton interpreted, in one subprocess (in the background from
+    the end of collection: tests/background.py)."""
     if not TRITON:
         pytest.skip("needs triton (it ships with the CUDA builds of torch)")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    script = INTERPRETED.format(tests=str(Path(__file__).parents[1]), checks=CHECKS)
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    line = next((l for l in run.stdout.splitlines() if l.startswith("RESULTS ")), None)
-    assert line is not None, run.stdout[-3000:] + run.stderr[-3000:]
+    ((key, argv),) = BACKGROUND_JOBS().items()
+    stdout, stderr = background.output(key, argv, timeout=600)
+    line = next((l for l in stdout.splitlines() if l.startswith("RESULTS ")), None)
+    assert line is not None, stdout[-3000:] + stderr[-3000:]
     return json.loads(line[len("RESULTS "):])
 
 

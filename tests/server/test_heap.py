@@ -25,7 +25,8 @@ def test_freezing_the_heap_keeps_no_garbage_and_later_cycles_are_still_collected
         live = Node()
         frozen = command.freeze_heap()
         assert dead_before() is None
-        assert frozen == gc.get_freeze_count() > 0
+        # What the freeze moved, less any frozen object that died since (a thread an earlier test left may free some).
+        assert 0 < gc.get_freeze_count() <= frozen
         assert all(obj is not live for obj in gc.get_objects())  # in the permanent generation: never walked
         dead_after = weakref.ref(Node())
         gc.collect()
