@@ -2,10 +2,11 @@
 works on them while the first runs other tests (the checks under Triton's interpreter take ~2 minutes of a
 core each run; run by their module fixtures when needed, they held both cores while the tests waited).
 
-A test module lists its jobs in ``BACKGROUND_JOBS() -> {key: argv}`` (``python(script)``: at a lower priority) (called once its items are selected;
-{} when the jobs cannot run here); conftest.py starts every selected module's jobs at a lower priority, and
-the module's fixture takes a job's output with ``output(key, argv)``, which starts it then if nothing did
-(a single test run, a deselected module collected later)."""
+A test module lists its jobs in ``background_jobs() -> {key: argv}`` ({} where they cannot run; ``python(script)``
+makes a job's argv, at a lower priority than the tests). conftest.py starts the jobs of every module with a test
+selected; the module's fixture takes a job's output with ``output(key, argv)``, which starts the job then if
+nothing did (a run that selected no test of the module at collection, e.g. a fixture shared elsewhere).
+"""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def python(script: str) -> list[str]:
 
 
 def start(key: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-    """Start ``argv`` as job ``key`` unless it was started."""
+    """Start ``argv`` as job ``key`` unless it was started; ``env`` None: ``interpreted_env()`` (every job's so far)."""
     if key in _jobs:
         return
     out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # noqa: SIM115  (closed by stop_all)

@@ -52,7 +52,7 @@ def pytest_collection_finish(session):
     config = session.config
     modules = {item.module for item in session.items if getattr(item, "module", None) is not None}
     for module in sorted(modules, key=lambda module: module.__name__):
-        for key, argv in getattr(module, "BACKGROUND_JOBS", dict)().items():
+        for key, argv in getattr(module, "background_jobs", dict)().items():
             background.start(key, argv)
     if len(session.items) < PREBUILD_MIN_TESTS or os.environ.get("DFLASH_TRT_TEST_PREBUILD") == "0":
         return
@@ -79,7 +79,7 @@ def _late(item) -> int:
     """A full run's module order: 0 most, 1 those with background jobs (tests/background.py), 2 LATE_MODULES."""
     if item.path.name in LATE_MODULES:
         return 2
-    return int(hasattr(getattr(item, "module", None), "BACKGROUND_JOBS"))
+    return int(hasattr(getattr(item, "module", None), "background_jobs"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -657,7 +657,7 @@ print("RESULTS " + json.dumps(results))
 """
 
 
-def BACKGROUND_JOBS() -> dict[str, list[str]]:
+def background_jobs() -> dict[str, list[str]]:
     """``interpreted``'s two processes (tests/background.py: started at the end of a run's collection)."""
     if not TRITON:
         return {}
@@ -673,7 +673,7 @@ def interpreted() -> dict[str, str]:
     if not TRITON:
         pytest.skip("needs triton (it ships with the CUDA builds of torch)")
     results = {}
-    for key, argv in BACKGROUND_JOBS().items():
+    for key, argv in background_jobs().items():
         stdout, stderr = background.output(key, argv)
         line = next((l for l in stdout.splitlines() if l.startswith("RESULTS ")), None)
         assert line is not None, stdout[-3000:] + stderr[-3000:]

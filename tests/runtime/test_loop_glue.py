@@ -42,7 +42,7 @@ print("RESULTS " + json.dumps(results))
 """
 
 
-def BACKGROUND_JOBS() -> dict[str, list[str]]:
+def background_jobs() -> dict[str, list[str]]:
     """``interpreted``'s process (tests/background.py: started at the end of a run's collection)."""
     if not TRITON:
         return {}
@@ -55,7 +55,7 @@ def interpreted() -> dict[str, str]:
     the end of collection: tests/background.py)."""
     if not TRITON:
         pytest.skip("needs triton (it ships with the CUDA builds of torch)")
-    ((key, argv),) = BACKGROUND_JOBS().items()
+    ((key, argv),) = background_jobs().items()
     stdout, stderr = background.output(key, argv, timeout=600)
     line = next((l for l in stdout.splitlines() if l.startswith("RESULTS ")), None)
     assert line is not None, stdout[-3000:] + stderr[-3000:]
