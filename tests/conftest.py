@@ -17,7 +17,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import background  # noqa: E402
 import prebuilt  # noqa: E402
 from build_cache import cache_root, cached_build  # noqa: E402
 from prebuilt import EXPORT_NEW_TOKENS  # noqa: E402
@@ -46,14 +45,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_finish(session):
-    """The selected modules' long CPU checks start in the background (tests/background.py); a full run
-    builds its expensive artifacts (tests/prebuilt.py) in a background process too, so the second core
-    exports and compiles while the first runs tests."""
+    """A full run builds its expensive artifacts (tests/prebuilt.py) in a background process,
+    so the second core exports and compiles while the first runs tests."""
     config = session.config
-    modules = {item.module for item in session.items if getattr(item, "module", None) is not None}
-    for module in sorted(modules, key=lambda module: module.__name__):
-        for key, argv in getattr(module, "background_jobs", dict)().items():
-            background.start(key, argv)
     if len(session.items) < PREBUILD_MIN_TESTS or os.environ.get("DFLASH_TRT_TEST_PREBUILD") == "0":
         return
     root = config.dflash_cache_root
@@ -66,7 +60,6 @@ def pytest_collection_finish(session):
 
 
 def pytest_unconfigure(config):
-    background.stop_all()
     prebuilder = getattr(config, "dflash_prebuilder", None)
     if prebuilder is not None and prebuilder.poll() is None:
         prebuilder.terminate()  # a cut-short run: whatever it had not finished is never published
@@ -75,16 +68,9 @@ def pytest_unconfigure(config):
         shutil.rmtree(config.dflash_cold_cache, ignore_errors=True)
 
 
-def _late(item) -> int:
-    """A full run's module order: 0 most, 1 those with background jobs (tests/background.py), 2 LATE_MODULES."""
-    if item.path.name in LATE_MODULES:
-        return 2
-    return int(hasattr(getattr(item, "module", None), "background_jobs"))
-
-
 def pytest_collection_modifyitems(config, items):
-    if len(items) >= PREBUILD_MIN_TESTS:  # a full run: the modules needing prebuilt artifacts go last, those
-        items.sort(key=_late)  # taking background jobs' results before them (their jobs get the run's idle core)
+    if len(items) >= PREBUILD_MIN_TESTS:  # a full run: the modules needing prebuilt artifacts go last
+        items.sort(key=lambda item: item.path.name in LATE_MODULES)
     if not config.getoption("--long"):
         skip_long = pytest.mark.skip(reason="long run: pass --long")
         for item in items:

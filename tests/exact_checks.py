@@ -249,12 +249,13 @@ def _attention_inputs(generator, device, dtype, n, heads, kv_heads, T, D, L):
     return q, k, v
 
 
-def check_attention_rows(device: str, dtype: torch.dtype, small: bool, **tile) -> None:
+def check_attention_rows(device: str, dtype: torch.dtype, small: bool, slots: int = 520, **tile) -> None:
     """A query's attention is the same bits with 1 or 16 queries per owner, 1 or 3 owners, two capacities,
     the owners' row views or whole pools (any rows), for causal (target), windowed and non-causal (draft) layers;
     and with the splits folded in the attention launch (``combine_in_kernel``) or by a second one, also for
     owners with no visible slot and for owner 0's one live split (in the launch its partial is stored as the
-    output, unfolded: the second launch still folds it). ``tile``: ``ExactOps``' block_q / split_slots / block_n
+    output, unfolded: the second launch still folds it). ``slots``: the cache's capacity (520: 3 splits of 256
+    slots, the default, then 4 with the larger capacity); ``tile``: ``ExactOps``' block_q / split_slots / block_n
     (its defaults without)."""
     from dflash_trt.runtime.kernels.exact_ops import ExactOps
 
@@ -264,7 +265,7 @@ def check_attention_rows(device: str, dtype: torch.dtype, small: bool, **tile) -
         cases += [(32, 8, 128, 16, True, 0), (32, 8, 128, 16, False, 0)]
     elif dtype == torch.float32:
         cases = cases[:2]  # the interpreter's time: fp32 checks the target's and the draft's layer kind
-    L, extra = 520, 300  # 3 splits of 256 slots (the default), then 4
+    L, extra = slots, 300
     for heads, kv_heads, D, T, causal, window in cases:
         what = f"attention Hq{heads}/{kv_heads} D{D} T{T} causal {causal} window {window} {dtype}"
         q, k, v = _attention_inputs(generator, device, dtype, 3, heads, kv_heads, T, D, L)
@@ -296,8 +297,9 @@ def check_attention_rows(device: str, dtype: torch.dtype, small: bool, **tile) -
 
 def check_attention_rows_split(device: str, dtype: torch.dtype) -> None:
     """``check_attention_rows`` (small) at another split window and inner step: 64 slots in two 32-slot steps, so
-    the last owner's query sees nine splits (its fold loads four at a time: three rounds)."""
-    check_attention_rows(device, dtype, True, split_slots=64, block_n=32)
+    the last owner's query sees five splits (its fold loads four at a time: two rounds; ten splits, three rounds,
+    in ``check_attention_reference``). A capacity of 296, not 520: the interpreter's time."""
+    check_attention_rows(device, dtype, True, slots=296, split_slots=64, block_n=32)
 
 
 def check_attention_reference(device: str, dtype: torch.dtype) -> None:

@@ -17,12 +17,13 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import background
 import pytest
 import torch
 
@@ -637,6 +638,13 @@ def test_a_kernel_launched_overlapping_waits_for_its_predecessor_before_any_memo
 
 CHECKS = ("linear_rows", "split_rows", "wide_rows", "fp8_linear", "attention_rows", "attention_rows_split", "rope_rows", "linear_reference",
           "attention_reference", "exact_target")
+# The (check, dtype) pairs in two processes of about equal time (one core each; on a 2-core box ~88 and ~94 s of a
+# core; one process per dtype had bf16's take ~1.5x fp32's while the other core idled).
+PROCESSES = (
+    [(name, "bfloat16") for name in ("linear_rows", "wide_rows", "attention_rows", "attention_rows_split", "rope_rows", "linear_reference",
+                                     "attention_reference")],
+    [(name, "float32") for name in CHECKS] + [(name, "bfloat16") for name in ("split_rows", "fp8_linear", "exact_target")],
+)
 INTERPRETED = """
 import json, sys, traceback
 sys.path.insert(0, {tests!r})
@@ -644,9 +652,8 @@ import torch
 torch.set_num_threads(1)
 import exact_checks
 results = {{}}
-dtype = getattr(torch, {dtype!r})  # one dtype per process (the fixture runs one process per dtype)
-for name in {checks!r}:
-    check = getattr(exact_checks, "check_" + name)
+for name, dtype_name in {jobs!r}:
+    check, dtype = getattr(exact_checks, "check_" + name), getattr(torch, dtype_name)
     args = ("cpu", dtype, True) if name in ("linear_rows", "attention_rows") else ("cpu", dtype)
     try:
         check(*args)
@@ -657,27 +664,27 @@ print("RESULTS " + json.dumps(results))
 """
 
 
-def background_jobs() -> dict[str, list[str]]:
-    """``interpreted``'s two processes (tests/background.py: started at the end of a run's collection)."""
-    if not TRITON:
-        return {}
-    tests = str(Path(__file__).parents[1])
-    return {f"exact {dtype}": background.python(INTERPRETED.format(tests=tests, checks=CHECKS, dtype=dtype)) for dtype in ("float32", "bfloat16")}
-
-
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
-    """Every kernel check of exact_checks, fp32 and bf16, under Triton's interpreter: one process per dtype (one
-    thread each; 45 s to 5 min in one process, by how fast the box is), in the background from the end of
-    collection (tests/background.py)."""
+    """Every kernel check of exact_checks, fp32 and bf16, under Triton's interpreter: two processes at once
+    (``PROCESSES``; one thread each: the two cores of a CI box; 45 s to 5 min each, by how fast the box is)."""
     if not TRITON:
         pytest.skip("needs triton (it ships with the CUDA builds of torch)")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    runs = [subprocess.Popen([sys.executable, "-c", INTERPRETED.format(tests=str(Path(__file__).parents[1]), jobs=jobs)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for jobs in PROCESSES]
     results = {}
-    for key, argv in background_jobs().items():
-        stdout, stderr = background.output(key, argv)
-        line = next((l for l in stdout.splitlines() if l.startswith("RESULTS ")), None)
-        assert line is not None, stdout[-3000:] + stderr[-3000:]
-        results |= json.loads(line[len("RESULTS "):])
+    try:
+        for run in runs:
+            stdout, stderr = run.communicate(timeout=600)
+            line = next((l for l in stdout.splitlines() if l.startswith("RESULTS ")), None)
+            assert line is not None, stdout[-3000:] + stderr[-3000:]
+            results |= json.loads(line[len("RESULTS "):])
+    finally:
+        for run in runs:  # one failed or timed out: the other is not left running
+            if run.poll() is None:
+                run.kill()
+                run.wait()
     return results
 
 

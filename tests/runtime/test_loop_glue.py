@@ -7,9 +7,11 @@ The checks live in tests/loop_checks.py: on the CPU they run in one subprocess u
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-import background
 import pytest
 import torch
 
@@ -42,24 +44,32 @@ print("RESULTS " + json.dumps(results))
 """
 
 
-def background_jobs() -> dict[str, list[str]]:
-    """``interpreted``'s process (tests/background.py: started at the end of a run's collection)."""
-    if not TRITON:
-        return {}
-    return {"loop glue": background.python(INTERPRETED.format(tests=str(Path(__file__).parents[1]), checks=CHECKS))}
+# Two processes at once, about equal (the executor's check ~19 s of a core on a 2-core box, the others ~9).
+PROCESSES = (("executor",), ("programs", "verdict"))
 
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
-    """Every check of loop_checks on CPU tensors, Triton interpreted, in one subprocess (in the background from
-    the end of collection: tests/background.py)."""
+    """Every check of loop_checks on CPU tensors, Triton interpreted, in two subprocesses (``PROCESSES``)."""
     if not TRITON:
         pytest.skip("needs triton (it ships with the CUDA builds of torch)")
-    ((key, argv),) = background_jobs().items()
-    stdout, stderr = background.output(key, argv, timeout=600)
-    line = next((l for l in stdout.splitlines() if l.startswith("RESULTS ")), None)
-    assert line is not None, stdout[-3000:] + stderr[-3000:]
-    return json.loads(line[len("RESULTS "):])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    tests = str(Path(__file__).parents[1])
+    runs = [subprocess.Popen([sys.executable, "-c", INTERPRETED.format(tests=tests, checks=checks)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for checks in PROCESSES]
+    results = {}
+    try:
+        for run in runs:
+            stdout, stderr = run.communicate(timeout=600)
+            line = next((l for l in stdout.splitlines() if l.startswith("RESULTS ")), None)
+            assert line is not None, stdout[-3000:] + stderr[-3000:]
+            results |= json.loads(line[len("RESULTS "):])
+    finally:
+        for run in runs:  # one failed or timed out: the other is not left running
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+    return results
 
 
 def _passed(results: dict[str, str], name: str) -> None:
