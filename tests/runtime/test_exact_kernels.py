@@ -17,15 +17,15 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+
+from interpreted import run_interpreted
 
 from dflash_trt.errors import EngineError
 from dflash_trt.runtime.backends.torch_backend import choose_kernels
@@ -670,22 +670,8 @@ def interpreted() -> dict[str, str]:
     (``PROCESSES``; one thread each: the two cores of a CI box; 45 s to 5 min each, by how fast the box is)."""
     if not TRITON:
         pytest.skip("needs triton (it ships with the CUDA builds of torch)")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    runs = [subprocess.Popen([sys.executable, "-c", INTERPRETED.format(tests=str(Path(__file__).parents[1]), jobs=jobs)],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for jobs in PROCESSES]
-    results = {}
-    try:
-        for run in runs:
-            stdout, stderr = run.communicate(timeout=600)
-            line = next((l for l in stdout.splitlines() if l.startswith("RESULTS ")), None)
-            assert line is not None, stdout[-3000:] + stderr[-3000:]
-            results |= json.loads(line[len("RESULTS "):])
-    finally:
-        for run in runs:  # one failed or timed out: the other is not left running
-            if run.poll() is None:
-                run.kill()
-                run.wait()
-    return results
+    tests = str(Path(__file__).parents[1])
+    return run_interpreted([INTERPRETED.format(tests=tests, jobs=jobs) for jobs in PROCESSES])
 
 
 def _passed(results: dict[str, str], name: str) -> None:

@@ -1,19 +1,17 @@
 """The device loop's Triton glue (runtime/kernels/loop_ops.py) leaves what its torch glue leaves.
 
-The checks live in tests/loop_checks.py: on the CPU they run in one subprocess under Triton's interpreter
+The checks live in tests/loop_checks.py: on the CPU they run in two subprocesses under Triton's interpreter
 (``TRITON_INTERPRET=1`` must be set before triton is imported), on a GPU compiled.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from interpreted import run_interpreted
 
 from dflash_trt.errors import InputError
 from dflash_trt.runtime.device_loop import DeviceLoop
@@ -53,23 +51,8 @@ def interpreted() -> dict[str, str]:
     """Every check of loop_checks on CPU tensors, Triton interpreted, in two subprocesses (``PROCESSES``)."""
     if not TRITON:
         pytest.skip("needs triton (it ships with the CUDA builds of torch)")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
     tests = str(Path(__file__).parents[1])
-    runs = [subprocess.Popen([sys.executable, "-c", INTERPRETED.format(tests=tests, checks=checks)], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for checks in PROCESSES]
-    results = {}
-    try:
-        for run in runs:
-            stdout, stderr = run.communicate(timeout=600)
-            line = next((l for l in stdout.splitlines() if l.startswith("RESULTS ")), None)
-            assert line is not None, stdout[-3000:] + stderr[-3000:]
-            results |= json.loads(line[len("RESULTS "):])
-    finally:
-        for run in runs:  # one failed or timed out: the other is not left running
-            if run.poll() is None:
-                run.kill()
-                run.wait()
-    return results
+    return run_interpreted([INTERPRETED.format(tests=tests, checks=checks) for checks in PROCESSES])
 
 
 def _passed(results: dict[str, str], name: str) -> None:
