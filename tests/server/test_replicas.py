@@ -178,14 +178,20 @@ def test_errors_are_the_single_servers(cluster):
 def test_a_client_that_goes_away_cancels_its_request_on_its_replica(cluster, prompts):
     """Guards against Ray Serve's proxy not passing a disconnect on to the replica: a stream closed after
     its first event and a request whose client timed out must be cancelled in their replica's serving
-    loop (their sessions freed), not decoded to the end (three requests: an odd total over two replicas)."""
+    loop (their sessions freed), not decoded to the end (three requests: an odd total over two replicas).
+    The timeout is half what the same request took to its end just before, routing included: a fixed one
+    (0.5 s) could expire before a loaded machine's proxy had handed the request to a replica (nothing
+    there to cancel), or after an idle one had decoded it (~1.2 s for its 900 tokens here)."""
     client = cluster.client()
+    started = time.monotonic()
+    client.completions.create(model=MODEL, prompt=prompts[2], max_tokens=LONG, temperature=0)
+    whole = time.monotonic() - started
+    with pytest.raises(openai.APITimeoutError):
+        client.with_options(timeout=whole / 2).completions.create(model=MODEL, prompt=prompts[2], max_tokens=LONG, temperature=0)
     for prompt in prompts[:2]:
         stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=LONG, temperature=0, stream=True)
         next(iter(stream))
         stream.close()
-    with pytest.raises(openai.APITimeoutError):
-        client.with_options(timeout=0.5).completions.create(model=MODEL, prompt=prompts[2], max_tokens=LONG, temperature=0)
     seen = cluster.per_replica("cancelled", 3)  # cancelled at the next gap between executes
     assert len(seen) == 2 and sum(seen) == 3, seen
 
