@@ -2,7 +2,7 @@
 
     python benchmarks/serve_engine.py [--clients 16 64] [--seconds 6] [--max-new-tokens 64] [--max-sessions 128]
         [--joins gap running] [--modes on off] [--device cuda] [--kernels auto] [--launch-rounds 1 2] [--lag 1 2]
-        [--record]
+        [--policies always adaptive 3 7] [--record]
 
 The default pair (bf16 on CUDA, fp32 on the CPU) on the torch backend, one ``ServingLoop`` per (mode,
 join): DFlash (the default policy) or plain decoding, with queued requests joining between executes
@@ -12,7 +12,10 @@ warm-up of ``--seconds`` / 2, then a window of ``--seconds``. What the engine an
 deliver without the HTTP fronts, and how its launches are shaped: per row tokens/s (completed requests'
 tokens over the window), requests/s, executes/s, loop launches per second and the rounds each ran
 (``--launch-rounds``: the executor's most per launch, default 1; ``--lag``: the launches each lane keeps
-queued beyond the one read, default 1, adjacent windows per mode), owners per round (lanes per loop round:
+queued beyond the one read, default 1, adjacent windows per mode; ``--policies``: DFlash's speculation policies,
+each in turn: ``always``, the executor's default, cycling at the draft's P, ``adaptive``, serve's default, or a
+verify length k of the export's (``Dims.verify_proposals``: every drafting lane cycles verifying the first k
+proposals, for what a shorter verify costs the device), owners per round (lanes per loop round:
 the executes' cycle and decode-step lane counts over their rounds), the rounds' padded owner counts' mean
 (from the cycle table: DFlash's cycle rounds; in plain decoding every target row's round, each request's first
 token, read with its prefill, counting as a round of one), device ms per loop
@@ -25,6 +28,7 @@ Prints one table and ends with one JSON line; ``--record`` appends a row per (mo
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import threading
 import time
@@ -40,8 +44,31 @@ from gpu_e2e import default_pair, dims_of, machine  # noqa: E402
 from dflash_trt.runtime.backends.torch_backend import TorchBackend  # noqa: E402
 from dflash_trt.runtime.device_loop import padded  # noqa: E402
 from dflash_trt.runtime.executor import Executor  # noqa: E402
+from dflash_trt.runtime.policy import CYCLE, FIXED, Choice
 from dflash_trt.runtime.serving.loop import ServingLoop  # noqa: E402
 from dflash_trt.runtime.serving.metrics import MetricsRecorder  # noqa: E402
+
+
+class FixedVerify:
+    """A speculation policy for measuring: every drafting lane cycles, verifying the first ``k`` proposals."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def observe(self, *args, **kwargs) -> None:
+        pass
+
+    def choose(self, owners: int) -> Choice:
+        return Choice(CYCLE, FIXED, math.nan, CYCLE, owners, proposals=self.k)
+
+
+def policy_of(name: str, dims) -> str | FixedVerify:
+    """``--policies``' value as ``Executor(policy=)`` takes it: a policy's name, or ``FixedVerify`` for a verify length."""
+    if not name.isdigit():
+        return name
+    if int(name) not in dims.verify_proposals:
+        raise SystemExit(f"--policies: a verify length must be one of the export's {list(dims.verify_proposals)}, got {name}")
+    return FixedVerify(int(name))
 
 
 def clients_for(serving: ServingLoop, prompts: list[list[int]], clients: int, seconds: float, max_new: int) -> tuple[int, int]:
@@ -107,6 +134,7 @@ def measure(executor: Executor, prompts: list[list[int]], clients: int, args, jo
         "launches_per_s": round(launches / wall), "owners_per_launch": round(lane_rounds / max(loop_rounds, 1), 2),
         "padded_owners": round(sum(padded(min(int(n), most), most) for n in owners) / max(rounds, 1), 2),
         "device_ms_per_launch": round(device_ms / max(launches, 1), 3), "device_busy_pct": round(100 * device_ms / 1e3 / wall, 1),
+        "device_us_per_token": round(1e3 * device_ms / max(tokens, 1), 2), "serving_us_per_token": round(1e6 * cpu / max(tokens, 1), 2),
         "ttft_p50_ms": round(metrics.ttft_s.p50 * 1e3, 2), "ttft_p99_ms": round(metrics.ttft_s.p99 * 1e3, 2),
         "serving_cpu_pct": round(100 * cpu / wall, 1),
     }
@@ -119,11 +147,14 @@ def run(args: argparse.Namespace) -> list[dict]:
     backend = TorchBackend(target, draft, dims, args.max_sessions, device=args.device, kernels=args.kernels)
     rows = []
     try:
-        for launch_rounds, mode, lag in [(r, m, lag) for r in args.launch_rounds for m in args.modes for lag in args.lag]:
-            with Executor(backend, max_sessions=args.max_sessions, speculate=mode == "on", launch_rounds=launch_rounds, lag=lag) as executor:
+        runs = [(r, m, lag, p) for r in args.launch_rounds for m in args.modes for lag in args.lag for p in (args.policies if m == "on" else ["-"])]
+        for launch_rounds, mode, lag, policy in runs:
+            with Executor(backend, max_sessions=args.max_sessions, speculate=mode == "on", launch_rounds=launch_rounds, lag=lag,
+                          policy=policy_of(policy, dims) if mode == "on" else "always") as executor:
                 for clients in args.clients:
                     for join in args.joins:
-                        row = {"mode": mode, "join": join, "clients": clients, "kernels": backend.kernels, **measure(executor, prompts, clients, args, join == "running")}
+                        row = {"mode": mode, "policy": policy, "join": join, "clients": clients, "kernels": backend.kernels,
+                               **measure(executor, prompts, clients, args, join == "running")}
                         rows.append(row)
                         print(row, flush=True)
     finally:
@@ -143,18 +174,21 @@ def main() -> int:
     parser.add_argument("--kernels", default="auto", help="the torch backend's kernels (auto, exact, fast, ...)")
     parser.add_argument("--launch-rounds", type=int, nargs="+", default=[1], help="the executor's launch_rounds, each in turn (default 1)")
     parser.add_argument("--lag", type=int, nargs="+", default=[1], help="the executor's lag, each in turn per mode (default 1)")
+    parser.add_argument("--policies", nargs="+", default=["always"],
+                        help="DFlash's policies, each in turn: always (the executor's default), adaptive (serve's), or a verify length k")
     parser.add_argument("--record", action="store_true", help="append the rows to benchmarks/results.jsonl")
     args = parser.parse_args()
     if min(args.clients) < 1 or max(args.clients) > args.max_sessions or args.seconds <= 0:
         parser.error(f"--clients must lie in [1, --max-sessions {args.max_sessions}] and --seconds > 0, got {args.clients}, {args.seconds}")
     rows = run(args)
-    print("| mode | lag | join | clients | rounds / launch (most) | tok/s | requests/s | executes/s | launches/s | owners / round | padded owners "
-          "| device ms / launch | device busy % | TTFT p50 / p99 ms | serving CPU % |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| mode | policy | lag | join | clients | rounds / launch (most) | tok/s | requests/s | executes/s | launches/s | owners / round "
+          "| padded owners | device ms / launch | device µs / token | serving µs / token | device busy % | TTFT p50 / p99 ms | serving CPU % |")
+    print("|" + " --- |" * 18)
     for r in rows:
-        print(f"| {r['mode']} | {r['lag']} | {r['join']} | {r['clients']} | {r['rounds_per_launch']} ({r['launch_rounds']}) | {r['tok_s']:,} | {r['requests_per_s']} "
-              f"| {r['executes_per_s']} | {r['launches_per_s']:,} "
-              f"| {r['owners_per_launch']} | {r['padded_owners']} | {r['device_ms_per_launch']} | {r['device_busy_pct']} | {r['ttft_p50_ms']} / {r['ttft_p99_ms']} | {r['serving_cpu_pct']} |")
+        print(f"| {r['mode']} | {r['policy']} | {r['lag']} | {r['join']} | {r['clients']} | {r['rounds_per_launch']} ({r['launch_rounds']}) | {r['tok_s']:,} "
+              f"| {r['requests_per_s']} | {r['executes_per_s']} | {r['launches_per_s']:,} | {r['owners_per_launch']} | {r['padded_owners']} "
+              f"| {r['device_ms_per_launch']} | {r['device_us_per_token']} | {r['serving_us_per_token']} | {r['device_busy_pct']} "
+              f"| {r['ttft_p50_ms']} / {r['ttft_p99_ms']} | {r['serving_cpu_pct']} |")
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "command": " ".join(["python", *sys.argv])}
     if args.record:
         record.append_rows([{"name": "serve_engine", **meta, "seconds": args.seconds, "max_new_tokens": args.max_new_tokens, **row} for row in rows])
