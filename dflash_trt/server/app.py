@@ -419,9 +419,11 @@ class _Stream(EventSourceResponse):
         finally:
             for task in (streaming, watching):
                 task.cancel()
+            # Before any await: a second cancellation of this task while it awaits below (a server that cancels
+            # the response of a client that left, and again on its disconnect) would skip what follows it.
+            self.handle.cancel()
             await asyncio.wait((streaming, watching))  # both ended before the generator is closed
             await self.body_iterator.aclose()
-            self.handle.cancel()
         if not streaming.cancelled() and streaming.exception() is not None:
             error = streaming.exception()
             raise ClientDisconnect() if isinstance(error, OSError) else error

@@ -556,6 +556,45 @@ def test_a_stream_whose_client_left_before_its_first_event_cancels_its_request()
     assert cancels == [CANCELLED]
 
 
+def test_a_stream_whose_response_is_cancelled_twice_still_cancels_its_request():
+    """Guards against a request decoding to its end for nobody when the server cancels an SSE response's task
+    twice (Ray Serve's replicas cancel the response of a client that left; a second cancellation reached it
+    while its ``finally`` awaited its send and disconnect tasks): the request was cancelled only after those
+    awaits, so the second cancellation skipped it (``test_replicas``' cancel test, on a loaded CPU box, saw
+    one of three requests whose clients left not cancelled on its replica 30 s later)."""
+    import asyncio
+    from contextlib import suppress
+
+    from dflash_trt.runtime.serving.handle import RequestHandle
+    from dflash_trt.server import app as app_module
+
+    cancels: list[str] = []
+    handle = RequestHandle(1, [1, 2], lambda _handle, finish=CANCELLED: cancels.append(finish))
+
+    async def serve_one() -> None:
+        shutdown = type("Shutdown", (), {"aborted": asyncio.get_running_loop().create_future()})()
+        response = app_module._stream(app_module._completion_events(handle, "cmpl-1", "m", False, shutdown), {}, handle)
+        never = asyncio.Event()
+
+        async def receive() -> dict:
+            await never.wait()  # the client has not left as far as the response can see
+            return {"type": "http.disconnect"}
+
+        async def send(_message: dict) -> None:
+            await asyncio.sleep(TIMEOUT_S)  # a send that waits for the client
+
+        task = asyncio.ensure_future(response({"type": "http"}, receive, send))
+        await asyncio.sleep(0.05)  # the response runs, its first send waiting
+        task.cancel()
+        await asyncio.sleep(0)  # its finally starts and awaits its two tasks
+        task.cancel()
+        with suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, TIMEOUT_S)
+
+    asyncio.run(serve_one())
+    assert cancels == [CANCELLED]
+
+
 def test_two_fronts_share_one_serving_process_and_a_closing_front_cancels_only_its_requests(tiny):
     """Guards against ``serve --fronts``' pipes mixing requests up (two fronts use the same keys: a
     delivery or a cancel reaching the other front's request), and against a front that ends (its process
