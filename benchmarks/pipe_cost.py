@@ -12,9 +12,9 @@ in a thread here, the product's senders, ``ForwardingHandle``) over host_cost's 
 fed by ``--fronts`` processes speaking ``server.wire`` as the HTTP fronts do: ``--clients`` closed-loop requests
 in all (each finished request is submitted again at once), greedy, no stop tokens.
 
-Per mode it prints tokens/s and requests/s the fronts received in the window, the CPU of the serving thread and of
-the pipe threads (the main loop and the senders), each per request and per token, and the CPU of the whole
-process. The pipe threads' CPU per request is what a serving process spends beside the serving thread for each
+Per mode it prints tokens/s and requests/s the fronts received in the window, the lanes' rounds per loop launch
+(the whole run's: how whole the served load keeps a launch), the CPU of the serving thread and of the pipe threads
+(the main loop and the senders), each per request and per token, and the CPU of the whole process. The pipe threads' CPU per request is what a serving process spends beside the serving thread for each
 request; where the process is bound by its GIL (the serving thread's CPU + the pipe threads' ≈ one core), every
 µs of it comes out of the serving thread's time.
 Prints one table and ends with one JSON line; ``--record`` appends a row per mode.
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import record  # noqa: E402  (benchmarks/record.py: results.jsonl)
 from host_cost import PROMPT_TOKENS, VOCAB, DeviceClock, DeviceQueue, stand_in_prefill, stand_in_program, tiny_pair, with_device  # noqa: E402
-from serve_engine import thread_cpu_s  # noqa: E402
+from serve_engine import lane_rounds_of, thread_cpu_s  # noqa: E402
 
 from dflash_trt.export.sampling import GREEDY  # noqa: E402
 from dflash_trt.runtime import device_loop  # noqa: E402
@@ -135,6 +135,8 @@ def measure(mode: str, args, context) -> dict:
             f.join(5)
         backend.close()
     tokens, requests = sum(g[0] for g in got), sum(g[1] for g in got)
+    executes = executor.execute_stats()  # the whole run's launches (warm-up and drain too): their shape, not a rate
+    launches, lane_rounds = int(executes["loop_launches"].sum()), lane_rounds_of(executes)
     serving_cpu = cpu["serving"] - stand_in  # the stand-in device's own CPU is no host work
     cpu["pipes"] = cpu["main"] + cpu["senders"]
     return {
@@ -145,6 +147,7 @@ def measure(mode: str, args, context) -> dict:
         "serving_us_per_request": round(1e6 * serving_cpu / max(requests, 1), 1), "pipes_us_per_request": round(1e6 * cpu["pipes"] / max(requests, 1), 1),
         "main_us_per_request": round(1e6 * cpu["main"] / max(requests, 1), 1), "senders_us_per_request": round(1e6 * cpu["senders"] / max(requests, 1), 1),
         "serving_us_per_token": round(1e6 * serving_cpu / max(tokens, 1), 2), "pipes_us_per_token": round(1e6 * cpu["pipes"] / max(tokens, 1), 2),
+        "lane_rounds_per_launch": round(lane_rounds / max(launches, 1), 2), "rounds_per_launch": round(int(executes["loop_rounds"].sum()) / max(launches, 1), 2),
     }
 
 
@@ -170,11 +173,11 @@ def main() -> int:
     torch.set_num_threads(1)
     context = multiprocessing.get_context("spawn")
     rows = [measure(mode, args, context) for mode in args.modes]
-    print("| mode | clients | fronts | tok/s | requests/s | serving thread CPU % | pipe threads CPU % | process CPU % "
+    print("| mode | clients | fronts | tok/s | requests/s | lane-rounds / launch | serving thread CPU % | pipe threads CPU % | process CPU % "
           "| serving µs / request | pipes µs / request (main + senders) | serving µs / token | pipes µs / token |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("|" + " --- |" * 13)
     for r in rows:
-        print(f"| {r['mode']} | {r['clients']} | {r['fronts']} | {r['tok_s']:,} | {r['requests_per_s']} | {r['serving_cpu_pct']} | {r['pipes_cpu_pct']} "
+        print(f"| {r['mode']} | {r['clients']} | {r['fronts']} | {r['tok_s']:,} | {r['requests_per_s']} | {r['lane_rounds_per_launch']} | {r['serving_cpu_pct']} | {r['pipes_cpu_pct']} "
               f"| {r['process_cpu_pct']} | {r['serving_us_per_request']} | {r['pipes_us_per_request']} ({r['main_us_per_request']} + {r['senders_us_per_request']}) | {r['serving_us_per_token']} | {r['pipes_us_per_token']} |")
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": "CPU", "command": " ".join(["python", *sys.argv])}
     if args.record:
