@@ -14,9 +14,10 @@ in all (each finished request is submitted again at once), greedy, no stop token
 
 Per mode it prints tokens/s and requests/s the fronts received in the window, the lanes' rounds per loop launch
 (the whole run's: how whole the served load keeps a launch), the CPU of the serving thread and of the pipe threads
-(the main loop and the senders), each per request and per token, and the CPU of the whole process. The pipe threads' CPU per request is what a serving process spends beside the serving thread for each
-request; where the process is bound by its GIL (the serving thread's CPU + the pipe threads' ≈ one core), every
-µs of it comes out of the serving thread's time.
+(the main loop and the senders), each per request and per token, and the CPU of the whole process. The pipe
+threads' CPU per request is what a serving process spends beside the serving thread for each request; where the
+process is bound by its GIL (the serving thread's CPU + the pipe threads' ≈ one core), every µs of it comes out
+of the serving thread's time.
 Prints one table and ends with one JSON line; ``--record`` appends a row per mode.
 """
 

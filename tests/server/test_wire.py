@@ -558,10 +558,11 @@ def test_a_stream_whose_client_left_before_its_first_event_cancels_its_request()
 
 def test_a_stream_whose_response_is_cancelled_twice_still_cancels_its_request():
     """Guards against a request decoding to its end for nobody when the server cancels an SSE response's task
-    twice (Ray Serve's replicas cancel the response of a client that left; a second cancellation reached it
-    while its ``finally`` awaited its send and disconnect tasks): the request was cancelled only after those
-    awaits, so the second cancellation skipped it (``test_replicas``' cancel test, on a loaded CPU box, saw
-    one of three requests whose clients left not cancelled on its replica 30 s later)."""
+    twice (a Ray Serve replica has more than one path that cancels the response of a client that left; a
+    second cancellation reaching it while its ``finally`` awaited its send and disconnect tasks): the request
+    was cancelled only after those awaits, so a second cancellation skipped it (``test_replicas``' cancel test,
+    on a loaded CPU box, saw one of three requests whose clients left not cancelled on its replica 30 s later;
+    this is the one way found for that)."""
     import asyncio
     from contextlib import suppress
 
