@@ -410,12 +410,24 @@ def figures(records: list[dict], before: dict, after: dict, seconds: float) -> d
         # The device's busy share: its loop launches' device time over the window (counted as each execute ends).
         "device_busy_pct": round(100.0 * (after["dflash_trt_device_seconds_total"] - before["dflash_trt_device_seconds_total"]) / seconds, 1)
         if "dflash_trt_device_seconds_total" in after else None,
+        **launch_shape(before, after, seconds),
     }
 
 
 def _bucket_ms(q: float, name: str, before: dict, after: dict) -> float | None:
     seconds = histogram_quantile(q, name, before, after)
     return None if seconds is None else round(seconds * 1000.0, 2)
+
+
+def launch_shape(before: dict, after: dict, seconds: float) -> dict:
+    """The engine's loop launches in the window (two /metrics scrapes): per second, rounds per launch, lanes per
+    round (None for a server without these counters)."""
+    if "dflash_trt_loop_launches_total" not in after:
+        return {"launches_per_s": None, "rounds_per_launch": None, "lanes_per_round": None}
+    launches, rounds, lanes = (after[f"dflash_trt_{name}_total"] - before.get(f"dflash_trt_{name}_total", 0.0)
+                               for name in ("loop_launches", "loop_rounds", "lane_rounds"))
+    return {"launches_per_s": round(launches / seconds, 1), "rounds_per_launch": round(rounds / launches, 2) if launches else None,
+            "lanes_per_round": round(lanes / rounds, 2) if rounds else None}
 
 
 def _ms(values: list[float], q: float) -> float | None:
@@ -463,8 +475,8 @@ def main() -> int:
     rows = [json.loads(line) for line in (ROOT / "export" / "default_pair" / "prompts.jsonl").read_text().splitlines() if line.strip()]
     prompts = [row["prompt"][-args.prompt_chars :] for row in rows]
     results = {}
-    print("| front | mode | clients | requests/s | output tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 / p99 ms | server TTFT / ITL p99 ms | τ | policy cycles / decodes | device busy % | CPU % front / serving / client | serving thread run / wait % |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    print("| front | mode | clients | requests/s | output tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 / p99 ms | server TTFT / ITL p99 ms | τ | policy cycles / decodes | device busy % | launches/s / rounds per launch / lanes per round | CPU % front / serving / client "
+          "| serving thread run / wait % |\n" + "|" + " --- |" * 15, flush=True)
     if args.keep_servers:
         servers: dict[tuple[str, str], Server] = {}
         try:
@@ -534,6 +546,7 @@ def window(args, prompts: list[str], results: dict, server: Server, front: str, 
           f"| {figures['itl_p50_ms']} / {figures['itl_p99_ms']} | {figures['tpot_p50_ms']} / {figures['tpot_p99_ms']} "
           f"| {figures['server_ttft_p99_ms']} / {figures['server_itl_p99_ms']} | {figures['tau']} "
           f"| {figures['policy_cycles']} / {figures['policy_decodes']} | {figures['device_busy_pct']} "
+          f"| {figures['launches_per_s']} / {figures['rounds_per_launch']} / {figures['lanes_per_round']} "
           f"| {figures['front_cpu_pct']} / {figures['serving_cpu_pct']} / {figures['client_cpu_pct']} "
           f"| {figures['serving_thread_run_pct']} / {figures['serving_thread_wait_pct']} |", flush=True)
     if figures["client_bound"]:

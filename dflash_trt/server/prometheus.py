@@ -17,6 +17,7 @@ them: ``histogram_quantile(0.99, rate(dflash_trt_time_to_first_token_seconds_buc
 | dflash_trt_policy_verified_proposals_total | counter (proposals the policy's cycles verified: Σ verify length k; over ``choice="cycle"``, the mean k) | model |
 | dflash_trt_drafting_stopped_total | counter (sessions that stopped drafting for good: decode by estimate, cycling losing) | model |
 | dflash_trt_device_seconds_total | counter (device time of the engine's loop launches: ``rate()`` of it is how busy the device runs) | model |
+| dflash_trt_loop_launches_total, _loop_rounds_total, _lane_rounds_total | counter (the engine's loop launches, the rounds they ran, the lanes' rounds in them: rounds per launch and lanes per round, the launches' shape under load) | model |
 | dflash_trt_queue_wait_seconds, _time_to_first_token_seconds, _inter_token_latency_seconds, _e2e_request_latency_seconds | histogram | model, le |
 """
 
@@ -70,6 +71,9 @@ class ServingCollector(Collector):
         yield self._counter("policy_verified_proposals", "Proposals the speculation policy's cycles verified (sum of verify lengths)", m.policy_verified)
         yield self._counter("drafting_stopped", "Sessions that stopped drafting for good where cycling lost (speculation policy)", m.drafting_stopped)
         yield self._counter("device_seconds", "Device time of the engine's loop launches (rate: the device's busy share)", m.device_s)
+        yield self._counter("loop_launches", "The engine's loop launches (programs of owner groups)", m.loop_launches)
+        yield self._counter("loop_rounds", "Rounds the engine's loop launches ran (several per launch: --launch-rounds)", m.loop_rounds)
+        yield self._counter("lane_rounds", "Lanes' rounds in the engine's loop launches (owner-cycles and decode steps)", m.lane_rounds)
         yield self._gauge("acceptance_length", "Mean tokens per cycle (tau), bonus included; NaN before the first cycle", m.tau if m.tau is not None else float("nan"))
         for name, doc, key in HISTOGRAMS:
             yield self._histogram(name, doc, m.histograms[key])

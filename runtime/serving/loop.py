@@ -522,20 +522,25 @@ class ExecuteCursor:
     rows dropped or drained by someone else before this read are not counted.
     """
 
-    COLUMNS = ("cycles", "accepted", "ok", "policy_cycles", "policy_decodes", "policy_verified", "drafting_stopped", "loop_device_us")
+    COLUMNS = ("cycles", "accepted", "ok", "policy_cycles", "policy_decodes", "policy_verified", "drafting_stopped", "loop_device_us",
+               "loop_launches", "loop_rounds", "target_decode_steps")
 
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
         self.next_batch = executor.execute_rows(None, ()).next_batch
 
-    def read(self) -> tuple[int, int, int, int, dict[str, int], int, int, float]:
+    def read(self) -> tuple[int, int, int, int, dict[str, int], int, int, float, int, int, int]:
         """(owner-cycles, accepted proposals, executes, failed executes, the policy's choices by kind, the
         proposals its cycles verified, the sessions that stopped drafting, the loop's launches' device
-        seconds) since the last read."""
+        seconds, those launches, the rounds they ran, the lanes' rounds in them: owner-cycles and decode
+        steps) since the last read."""
         rows = self.executor.execute_rows(self.next_batch, self.COLUMNS)
         self.next_batch = rows.next_batch
         columns = rows.columns
         choices = {"cycle": sum(columns["policy_cycles"]), "decode": sum(columns["policy_decodes"])}
         executes, failed = len(columns["ok"]), sum(not ok for ok in columns["ok"])
         verified, stopped = sum(columns["policy_verified"]), sum(columns["drafting_stopped"])
-        return sum(columns["cycles"]), sum(columns["accepted"]), executes, failed, choices, verified, stopped, sum(columns["loop_device_us"]) / 1e6
+        cycles, launches, rounds = sum(columns["cycles"]), sum(columns["loop_launches"]), sum(columns["loop_rounds"])
+        lane_rounds = cycles + sum(columns["target_decode_steps"])
+        return (cycles, sum(columns["accepted"]), executes, failed, choices, verified, stopped, sum(columns["loop_device_us"]) / 1e6,
+                launches, rounds, lane_rounds)

@@ -125,6 +125,9 @@ class ServingMetrics:
     policy_verified: int  # proposals the policy's cycles verified (Σ verify length k per owner): / policy_choices["cycle"] = mean k
     drafting_stopped: int  # sessions that stopped drafting for good: the policy's decode estimate, cycling losing (``Choice.stop``)
     device_s: float  # device time of the executor's loop launches, since start (its share of the wall time: how busy the device ran)
+    loop_launches: int  # the executor's loop launches (programs of owner groups), since start
+    loop_rounds: int  # ... the rounds they ran (a launch runs 1 or ``launch_rounds``): / loop_launches = rounds per launch
+    lane_rounds: int  # ... the lanes' rounds in them (owner-cycles and decode steps): / loop_rounds = lanes per round
     uptime_s: float
     queue_wait_s: Percentiles  # over the recent window
     ttft_s: Percentiles
@@ -156,6 +159,7 @@ class MetricsRecorder:
         self.policy_verified = 0
         self.drafting_stopped = 0
         self.device_s = 0.0
+        self.loop = dict.fromkeys(("loop_launches", "loop_rounds", "lane_rounds"), 0)
         self.latencies = {name: _Latency() for name in LATENCIES}
         self.deliveries: deque[list] = deque()  # [bucket start, tokens] within RATE_WINDOW_S
 
@@ -188,7 +192,7 @@ class MetricsRecorder:
 
     def executed(
         self, cycles: int, accepted: int, executes: int, failed: int, choices: dict[str, int] | None = None, verified: int = 0,
-        stopped: int = 0, device_s: float = 0.0,
+        stopped: int = 0, device_s: float = 0.0, launches: int = 0, rounds: int = 0, lane_rounds: int = 0,
     ) -> None:
         with self.lock:
             totals = self.executor_totals
@@ -201,6 +205,9 @@ class MetricsRecorder:
             self.policy_verified += verified
             self.drafting_stopped += stopped
             self.device_s += device_s
+            self.loop["loop_launches"] += launches
+            self.loop["loop_rounds"] += rounds
+            self.loop["lane_rounds"] += lane_rounds
 
     def snapshot(self, running: int, queued: int) -> ServingMetrics:
         now = time.perf_counter()
@@ -209,7 +216,7 @@ class MetricsRecorder:
             window = min(RATE_WINDOW_S, now - self.started)
             rate = sum(n for _, n in self.deliveries) / window if window > 0 else 0.0
             totals, counts, choices, verified = dict(self.executor_totals), dict(self.counts), dict(self.policy_choices), self.policy_verified
-            stopped, device_s = self.drafting_stopped, self.device_s
+            stopped, device_s, loop = self.drafting_stopped, self.device_s, dict(self.loop)
             recent = {name: latency.recent(now) for name, latency in self.latencies.items()}
             histograms = {name: latency.histogram() for name, latency in self.latencies.items()}
         cycles = totals["cycles"]
@@ -226,6 +233,7 @@ class MetricsRecorder:
             policy_verified=verified,
             drafting_stopped=stopped,
             device_s=device_s,
+            **loop,
             uptime_s=now - self.started,
             **{name: percentiles(samples) for name, samples in recent.items()},
             histograms=histograms,

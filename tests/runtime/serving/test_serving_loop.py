@@ -433,6 +433,36 @@ def test_the_devices_busy_time_reaches_the_metrics_and_prometheus(tiny):
     assert [s.value for f in families for s in f.samples if s.name == "dflash_trt_device_seconds_total"] == [pytest.approx(device_us / 1e6)]
 
 
+def test_the_launches_shape_reaches_the_metrics_and_prometheus(tiny):
+    """Guards against a server that cannot say how its launches are shaped under load (lanes per round,
+    rounds per launch: what the serving thread's work per launch is spread over): the execute table's
+    ``loop_launches``, ``loop_rounds`` and lane-rounds (owner-cycles and decode steps) must reach the serving
+    metrics and /metrics as the same sums, for a drafting executor of several rounds per launch and a plain one."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dflash_trt.server.prometheus import ServingCollector
+
+    for speculate in (True, False):
+        executor = Executor(tiny.ort, tiny.dims, 4, speculate=speculate, launch_rounds=2)
+        serving = ServingLoop(executor)
+        handles = [serving.submit(prompt, 20) for prompt in ([5, 6, 7], [9, 10, 11, 12], [4, 4])]
+        assert all(len(h.result(60).tokens) == 20 for h in handles)
+        serving.close()  # joins the loop: every execute row is recorded
+        executes = executor.execute_stats()
+        expected = {"loop_launches": int(executes["loop_launches"].sum()), "loop_rounds": int(executes["loop_rounds"].sum()),
+                    "lane_rounds": int(executes["cycles"].sum() + executes["target_decode_steps"].sum())}
+        assert 0 < expected["loop_launches"] <= expected["loop_rounds"] <= expected["lane_rounds"], expected
+        assert (expected["loop_rounds"] > expected["loop_launches"]) and ((executes["cycles"].sum() > 0) == speculate), expected
+        metrics = serving.metrics()
+        assert {key: getattr(metrics, key) for key in expected} == expected
+        registry = CollectorRegistry()
+        registry.register(ServingCollector(serving, "tiny"))
+        families = text_string_to_metric_families(generate_latest(registry).decode())
+        scraped = {s.name.removeprefix("dflash_trt_").removesuffix("_total"): s.value for f in families for s in f.samples}
+        assert {key: scraped[key] for key in expected} == expected
+
+
 def test_metrics_memory_is_bounded_by_count_and_age_without_reads():
     """Guards against the metrics recorder growing without bound when nobody reads it (deliveries were
     trimmed only by snapshot()), and against histograms that disagree with the samples they count."""
