@@ -154,12 +154,11 @@ class MetricsRecorder:
         self.lock = threading.Lock()
         self.started = time.perf_counter()
         self.counts = dict.fromkeys(("submitted", *OUTCOMES, "prompt_tokens", "output_tokens"), 0)
-        self.executor_totals = dict.fromkeys(("cycles", "accepted", "executes", "failed_executes"), 0)
+        self.executor_totals = dict.fromkeys(("cycles", "accepted", "executes", "failed_executes", "loop_launches", "loop_rounds", "lane_rounds"), 0)
         self.policy_choices = {"cycle": 0, "decode": 0}
         self.policy_verified = 0
         self.drafting_stopped = 0
         self.device_s = 0.0
-        self.loop = dict.fromkeys(("loop_launches", "loop_rounds", "lane_rounds"), 0)
         self.latencies = {name: _Latency() for name in LATENCIES}
         self.deliveries: deque[list] = deque()  # [bucket start, tokens] within RATE_WINDOW_S
 
@@ -205,9 +204,9 @@ class MetricsRecorder:
             self.policy_verified += verified
             self.drafting_stopped += stopped
             self.device_s += device_s
-            self.loop["loop_launches"] += launches
-            self.loop["loop_rounds"] += rounds
-            self.loop["lane_rounds"] += lane_rounds
+            totals["loop_launches"] += launches
+            totals["loop_rounds"] += rounds
+            totals["lane_rounds"] += lane_rounds
 
     def snapshot(self, running: int, queued: int) -> ServingMetrics:
         now = time.perf_counter()
@@ -216,7 +215,7 @@ class MetricsRecorder:
             window = min(RATE_WINDOW_S, now - self.started)
             rate = sum(n for _, n in self.deliveries) / window if window > 0 else 0.0
             totals, counts, choices, verified = dict(self.executor_totals), dict(self.counts), dict(self.policy_choices), self.policy_verified
-            stopped, device_s, loop = self.drafting_stopped, self.device_s, dict(self.loop)
+            stopped, device_s = self.drafting_stopped, self.device_s
             recent = {name: latency.recent(now) for name, latency in self.latencies.items()}
             histograms = {name: latency.histogram() for name, latency in self.latencies.items()}
         cycles = totals["cycles"]
@@ -233,7 +232,9 @@ class MetricsRecorder:
             policy_verified=verified,
             drafting_stopped=stopped,
             device_s=device_s,
-            **loop,
+            loop_launches=totals["loop_launches"],
+            loop_rounds=totals["loop_rounds"],
+            lane_rounds=totals["lane_rounds"],
             uptime_s=now - self.started,
             **{name: percentiles(samples) for name, samples in recent.items()},
             histograms=histograms,
