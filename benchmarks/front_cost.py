@@ -116,6 +116,7 @@ class StandIn:
         """One round: queued requests take free sessions, every running one gets its tokens (one
         Deliveries message per front)."""
         from dflash_trt.runtime.finish import LENGTH
+        from dflash_trt.runtime.serving.metrics import ExecuteTotals
         from dflash_trt.server import wire
 
         now = time.perf_counter()
@@ -138,7 +139,7 @@ class StandIn:
                 self.recorder.finished("completed", now - job[1])
         delivered = [item for front_items in items.values() for item in front_items]
         if delivered:
-            self.recorder.executed(len(delivered), sum(len(t) for _, t, _ in delivered) - len(delivered), 1, 0)
+            self.recorder.executed(ExecuteTotals(cycles=len(delivered), accepted=sum(len(t) for _, t, _ in delivered) - len(delivered), executes=1))
         for front, front_items in items.items():
             try:
                 self.conns[front].send(wire.Deliveries(tuple(front_items)))

@@ -63,6 +63,12 @@ SCHEMA_VERSION = 6
 STATIC, DYNAMIC, TARGET = "static", "dynamic", "target"  # the values of the cycle table's ``mode``
 TAU_LENGTH = "accepted + 1"  # τ = mean of this over speculative rows (``analysis.acceptance.TAU``)
 
+
+def lane_rounds(cycles: int, decode_steps: int) -> int:
+    """The lanes' rounds of a device loop's launches, from the execute table's counters: owner-cycles and plain
+    decode steps (a prompt's prefill is not a round). Over the launches' rounds (``loop_rounds``): lanes per round."""
+    return cycles + decode_steps
+
 CYCLE_SCHEMA: dict[str, pl.DataType] = {
     "batch_id": pl.Int64(),
     "cycle_id": pl.Int64(),

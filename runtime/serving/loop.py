@@ -59,7 +59,8 @@ from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.finish import LENGTH, STOP
 from dflash_trt.runtime.serving.batcher import ADMIT_TOKENS_PER_ROUND, Batcher, Chunk, Request, check_request
 from dflash_trt.runtime.serving.handle import CANCELLED, Completion, Delta, RequestHandle
-from dflash_trt.runtime.serving.metrics import ServingMetrics, MetricsRecorder
+from dflash_trt.runtime.serving.metrics import ExecuteTotals, MetricsRecorder, ServingMetrics
+from dflash_trt.runtime.stats import lane_rounds
 from dflash_trt.runtime.serving.text import TextStream, detokenize, stop_strings
 
 __all__ = ["CANCELLED", "Delta", "ServingLoop", "RequestHandle"]
@@ -489,7 +490,7 @@ class ServingLoop:
         self.recorder.count("failed", len(jobs))
 
     def _record_executes(self) -> None:
-        self.recorder.executed(*self._executes.read())
+        self.recorder.executed(self._executes.read())
 
     def _stop_everything(self, error: BaseException) -> None:
         with self._cond:
@@ -529,18 +530,22 @@ class ExecuteCursor:
         self.executor = executor
         self.next_batch = executor.execute_rows(None, ()).next_batch
 
-    def read(self) -> tuple[int, int, int, int, dict[str, int], int, int, float, int, int, int]:
-        """(owner-cycles, accepted proposals, executes, failed executes, the policy's choices by kind, the
-        proposals its cycles verified, the sessions that stopped drafting, the loop's launches' device
-        seconds, those launches, the rounds they ran, the lanes' rounds in them: owner-cycles and decode
-        steps) since the last read."""
+    def read(self) -> ExecuteTotals:
+        """The counters of the executes that ended since the last read."""
         rows = self.executor.execute_rows(self.next_batch, self.COLUMNS)
         self.next_batch = rows.next_batch
         columns = rows.columns
-        choices = {"cycle": sum(columns["policy_cycles"]), "decode": sum(columns["policy_decodes"])}
-        executes, failed = len(columns["ok"]), sum(not ok for ok in columns["ok"])
-        verified, stopped = sum(columns["policy_verified"]), sum(columns["drafting_stopped"])
-        cycles, launches, rounds = sum(columns["cycles"]), sum(columns["loop_launches"]), sum(columns["loop_rounds"])
-        lane_rounds = cycles + sum(columns["target_decode_steps"])
-        return (cycles, sum(columns["accepted"]), executes, failed, choices, verified, stopped, sum(columns["loop_device_us"]) / 1e6,
-                launches, rounds, lane_rounds)
+        cycles = sum(columns["cycles"])
+        return ExecuteTotals(
+            cycles=cycles,
+            accepted=sum(columns["accepted"]),
+            executes=len(columns["ok"]),
+            failed=sum(not ok for ok in columns["ok"]),
+            choices={"cycle": sum(columns["policy_cycles"]), "decode": sum(columns["policy_decodes"])},
+            verified=sum(columns["policy_verified"]),
+            stopped=sum(columns["drafting_stopped"]),
+            device_s=sum(columns["loop_device_us"]) / 1e6,
+            launches=sum(columns["loop_launches"]),
+            rounds=sum(columns["loop_rounds"]),
+            lane_rounds=lane_rounds(cycles, sum(columns["target_decode_steps"])),
+        )

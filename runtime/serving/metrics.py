@@ -30,7 +30,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -139,6 +139,26 @@ class ServingMetrics:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class ExecuteTotals:
+    """What executes did, summed over those read at once (``ServingLoop``'s ``ExecuteCursor``): owner-cycles,
+    accepted proposals, executes and the failed ones among them, the policy's choices by kind, the proposals its
+    cycles verified, the sessions that stopped drafting, the loop launches' device seconds, those launches, the
+    rounds they ran and the lanes' rounds in them (``stats.lane_rounds``)."""
+
+    cycles: int = 0
+    accepted: int = 0
+    executes: int = 0
+    failed: int = 0
+    choices: dict[str, int] = field(default_factory=dict)
+    verified: int = 0
+    stopped: int = 0
+    device_s: float = 0.0
+    launches: int = 0
+    rounds: int = 0
+    lane_rounds: int = 0
+
+
 def percentiles(samples) -> Percentiles:
     values = np.fromiter(samples, dtype=np.float64)
     if values.size == 0:
@@ -189,24 +209,22 @@ class MetricsRecorder:
             self.counts[outcome] += 1
             self.latencies["e2e_s"].observe(time.perf_counter(), latency_s)
 
-    def executed(
-        self, cycles: int, accepted: int, executes: int, failed: int, choices: dict[str, int] | None = None, verified: int = 0,
-        stopped: int = 0, device_s: float = 0.0, launches: int = 0, rounds: int = 0, lane_rounds: int = 0,
-    ) -> None:
+    def executed(self, done: ExecuteTotals) -> None:
+        """The executor's counters of executes that ended since the last call (``ExecuteCursor.read``)."""
         with self.lock:
             totals = self.executor_totals
-            totals["cycles"] += cycles
-            totals["accepted"] += accepted
-            totals["executes"] += executes
-            totals["failed_executes"] += failed
-            for kind, count in (choices or {}).items():
+            totals["cycles"] += done.cycles
+            totals["accepted"] += done.accepted
+            totals["executes"] += done.executes
+            totals["failed_executes"] += done.failed
+            for kind, count in done.choices.items():
                 self.policy_choices[kind] += count
-            self.policy_verified += verified
-            self.drafting_stopped += stopped
-            self.device_s += device_s
-            totals["loop_launches"] += launches
-            totals["loop_rounds"] += rounds
-            totals["lane_rounds"] += lane_rounds
+            self.policy_verified += done.verified
+            self.drafting_stopped += done.stopped
+            self.device_s += done.device_s
+            totals["loop_launches"] += done.launches
+            totals["loop_rounds"] += done.rounds
+            totals["lane_rounds"] += done.lane_rounds
 
     def snapshot(self, running: int, queued: int) -> ServingMetrics:
         now = time.perf_counter()
