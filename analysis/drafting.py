@@ -7,14 +7,17 @@ or ``target`` (no draft: plain decode). A high dynamic share means the
 runtime spends its time draining context instead of speculating.
 
 A row's ``policy`` says why its launch was a cycle or a plain decode step
-(``runtime.policy``): ``policy_choices`` counts them.
+(``runtime.policy``): ``policy_choices`` counts them. A cycle's ``proposed``
+is its verify length k (the policy's choice among the export's lengths):
+``verify_lengths`` shows what each length yielded and cost the device.
 """
 
 from __future__ import annotations
 
 import polars as pl
 
-from dflash_trt.analysis.throughput import calls
+from dflash_trt.analysis.acceptance import LENGTH, speculative
+from dflash_trt.analysis.throughput import calls, ratio
 
 
 def mode_share(cycles: pl.LazyFrame) -> pl.LazyFrame:
@@ -66,4 +69,46 @@ def policy_choices(cycles: pl.LazyFrame) -> pl.LazyFrame:
         .agg(pl.len().alias("rows"), pl.col("emitted").cast(pl.Int64).sum(), pl.col("policy_ratio").fill_nan(None).mean().alias("mean_ratio"))
         .with_columns((pl.col("rows") / pl.col("rows").sum()).alias("row_share"))
         .sort("policy", "mode")
+    )
+
+
+def verify_lengths(cycles: pl.LazyFrame) -> pl.LazyFrame:
+    """Speculative cycles per verify length k: what they yielded and what they cost the device.
+
+    Time is per call (a round's device time once, not per owner row: ``throughput.calls``), owners are the
+    call's packed owners (finished lanes' discarded rows included: the device ran them too). A shorter verify
+    costs fewer target rows per owner, for fewer tokens per owner-cycle: the two columns the policy trades.
+
+    | column | dtype | meaning |
+    | --- | --- | --- |
+    | proposed | Int32 | verify length k |
+    | calls | UInt32 | cycle calls (rounds) of that length |
+    | rows | UInt32 | owner-cycles |
+    | tau | Float64 | mean accepted + 1 per owner-cycle |
+    | owners_per_call | Float64 | mean packed owners per call |
+    | device_ms_per_call | Float64 | mean draft_ms + verify_ms per call |
+    | device_us_per_owner | Float64 | Σ device ms / Σ packed owners, in µs: one owner's cycle |
+    | tokens_per_device_ms | Float64 | Σ emitted / Σ device ms (null where no time was logged) |
+    """
+    per_call = speculative(cycles).group_by("cycle_id").agg(
+        pl.col("proposed").first(),
+        pl.col("owners").first().cast(pl.Int64),
+        pl.len().alias("rows"),
+        LENGTH.sum().alias("length"),
+        pl.col("emitted").cast(pl.Int64).sum(),
+        (pl.col("draft_ms").first() + pl.col("verify_ms").first()).alias("device_ms"),
+    )
+    device_ms, owners = pl.col("device_ms").sum(), pl.col("owners").sum()
+    return (
+        per_call.group_by("proposed")
+        .agg(
+            pl.len().alias("calls"),
+            pl.col("rows").sum(),
+            (pl.col("length").sum() / pl.col("rows").sum()).alias("tau"),
+            owners.truediv(pl.len()).alias("owners_per_call"),
+            pl.col("device_ms").mean().alias("device_ms_per_call"),
+            ratio(1000.0 * device_ms, owners).alias("device_us_per_owner"),
+            ratio(pl.col("emitted").sum(), device_ms).alias("tokens_per_device_ms"),
+        )
+        .sort("proposed")
     )

@@ -47,6 +47,7 @@ class Summary:
     | latency, latency_by_owners | ``throughput.latency_breakdown``, ``throughput.latency_by`` |
     | modes | ``drafting.mode_share`` |
     | policy | ``drafting.policy_choices`` |
+    | verify_lengths | ``drafting.verify_lengths`` |
     | counters, cross_check | ``counters.*``; None without an executes table |
     | comparison | ``compare.compare``; None without baseline or compared runs |
     """
@@ -64,6 +65,7 @@ class Summary:
     latency_by_owners: pl.DataFrame
     modes: pl.DataFrame
     policy: pl.DataFrame
+    verify_lengths: pl.DataFrame
     counters: pl.DataFrame | None = None
     cross_check: pl.DataFrame | None = None
     comparison: pl.DataFrame | None = None
@@ -83,6 +85,7 @@ def summarize(run: Run, baseline: Run | None = None, others: Sequence[Run] = (),
         "latency_by_owners": throughput.latency_by(cycles, "owners"),
         "modes": drafting.mode_share(cycles),
         "policy": drafting.policy_choices(cycles),
+        "verify_lengths": drafting.verify_lengths(cycles),
     }
     if run.executes is not None:
         queries["counters"] = counters.execute_totals(run.executes)
@@ -194,6 +197,7 @@ def markdown(summary: Summary, files: dict[str, Path] | None = None) -> str:
     sections += _section("Latency per call by owners (mean ms)", summary.latency_by_owners)
     sections += _section("Draft modes", summary.modes)
     sections += _section("Speculation policy (why each row's launch was a cycle or a plain decode step)", summary.policy)
+    sections += _section("Cycles by verify length (what each length yielded per owner-cycle and cost the device)", summary.verify_lengths)
     if summary.counters is not None:
         sections += ["## Execute counters (totals)", _figures_table(summary.counters.row(0, named=True))]
         sections += _section("Cross-check: cycles table vs counters", summary.cross_check)

@@ -331,3 +331,49 @@ def test_tables_agree_with_tau(rows):
     assert math.isclose((hist["length"] * hist["share"]).sum(), tau, rel_tol=1e-12)
     assert math.isclose(rates.sum(), tau - 1, rel_tol=1e-12, abs_tol=1e-12)
     assert hist.height == max(proposed) + 1 and rates.len() == max(proposed)
+
+
+call_strategy = st.tuples(
+    st.sampled_from([3, 7, 15]),  # the call's verify length
+    st.integers(1, 4),  # packed owners, finished ones included
+    st.floats(0.05, 2.0),  # the call's device ms
+    st.lists(st.integers(0, 15), min_size=1, max_size=4),  # its rows' accepted counts (clipped to k, to the owners)
+    st.booleans(),  # a plain decode step follows (a target row, outside every length)
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(call_strategy, min_size=1, max_size=12))
+def test_verify_lengths_agree_with_brute_force(calls):
+    """Guards against a verify-length table that sums a call's device time once per owner row (a 4-owner
+    call counted four times), lets plain decode steps into a length's τ or cost, or divides the device time
+    by the rows seen instead of the owners the device ran (a finished owner's row is discarded, not free)."""
+    columns = {name: [] for name in ("cycle_id", "mode", "proposed", "accepted", "owners", "verify_ms")}
+    expected: dict[int, dict] = {}
+    call_id = 0
+    for k, owners, ms, accepted, decode_after in calls:
+        accepted = [min(a, k) for a in accepted][:owners]
+        for a in accepted:
+            for name, value in zip(columns, (call_id, "static", k, a, owners, ms), strict=True):
+                columns[name].append(value)
+        e = expected.setdefault(k, {"calls": 0, "rows": 0, "length": 0, "owners": 0, "ms": 0.0})
+        e["calls"] += 1
+        e["rows"] += len(accepted)
+        e["length"] += sum(a + 1 for a in accepted)
+        e["owners"] += owners
+        e["ms"] += ms
+        call_id += 1
+        if decode_after:
+            for name, value in zip(columns, (call_id, "target", 0, 0, 3, 9.0), strict=True):
+                columns[name].append(value)
+            call_id += 1
+    table = drafting.verify_lengths(cycles(**columns)).collect()
+    assert table["proposed"].to_list() == sorted(expected)
+    for row in table.iter_rows(named=True):
+        e = expected[row["proposed"]]
+        assert (row["calls"], row["rows"]) == (e["calls"], e["rows"])
+        assert row["tau"] == pytest.approx(e["length"] / e["rows"])
+        assert row["owners_per_call"] == pytest.approx(e["owners"] / e["calls"])
+        assert row["device_ms_per_call"] == pytest.approx(e["ms"] / e["calls"])
+        assert row["device_us_per_owner"] == pytest.approx(1000.0 * e["ms"] / e["owners"])
+        assert row["tokens_per_device_ms"] == pytest.approx(e["length"] / e["ms"])  # emitted = accepted + 1 here
