@@ -60,8 +60,8 @@ from dflash_trt.runtime.finish import LENGTH, STOP
 from dflash_trt.runtime.serving.batcher import ADMIT_TOKENS_PER_ROUND, Batcher, Chunk, Request, check_request
 from dflash_trt.runtime.serving.handle import CANCELLED, Completion, Delta, RequestHandle
 from dflash_trt.runtime.serving.metrics import ExecuteTotals, MetricsRecorder, ServingMetrics
-from dflash_trt.runtime.stats import lane_rounds
 from dflash_trt.runtime.serving.text import TextStream, detokenize, stop_strings
+from dflash_trt.runtime.stats import lane_rounds
 
 __all__ = ["CANCELLED", "Delta", "ServingLoop", "RequestHandle"]
 
