@@ -93,6 +93,11 @@ def clients_for(serving: ServingLoop, prompts: list[list[int]], clients: int, se
     return sum(d[0] for d in done), sum(d[1] for d in done)
 
 
+def lane_rounds_of(executes) -> int:
+    """The lanes' rounds the execute rows count (``stats.lane_rounds``: no prompt rows)."""
+    return stats.lane_rounds(int(executes["cycles"].sum()), int(executes["target_decode_steps"].sum()))
+
+
 def thread_cpu_s(thread: threading.Thread) -> float:
     """CPU seconds of a Python thread so far (Linux), 0.0 where unknown."""
     try:
@@ -123,8 +128,7 @@ def measure(executor: Executor, prompts: list[list[int]], clients: int, args, jo
     launches, most = int(executes["loop_launches"].sum()), executor.dims.max_owners
     # Lanes per loop round from the executes' counters: the cycle table also holds a row per request for its
     # first token (a round id of its own), which would halve plain decoding's figure.
-    lane_rounds = stats.lane_rounds(int(executes["cycles"].sum()), int(executes["target_decode_steps"].sum()))
-    loop_rounds = int(executes["loop_rounds"].sum())
+    lane_rounds, loop_rounds = lane_rounds_of(executes), int(executes["loop_rounds"].sum())
     return {
         "launch_rounds": executor.loop.most_rounds, "lag": executor.lag, "rounds_per_launch": round(loop_rounds / max(launches, 1), 2),
         "tok_s": round(tokens / wall), "requests_per_s": round(requests / wall, 1), "executes_per_s": round(executes.height / wall, 1),
