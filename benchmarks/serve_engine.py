@@ -17,8 +17,8 @@ each in turn: ``always``, the executor's default, cycling at the draft's P, ``ad
 verify length k of the export's (``Dims.verify_proposals``: every drafting lane cycles verifying the first k
 proposals, for what a shorter verify costs the device), owners per round (lanes per loop round:
 the executes' cycle and decode-step lane counts over their rounds), the rounds' padded owner counts' mean
-(from the cycle table: DFlash's cycle rounds; in plain decoding every target row's round, each request's first
-token, read with its prefill, counting as a round of one), device ms per loop
+(from the cycle table: DFlash's cycle rounds; none in plain decoding, whose table gives each request's first
+token, read with its prefill, a round of one of its own: ``-``), device ms per loop
 launch and the device's busy share of the window (loop launches only: the joining prompts' prefills
 are not timed), TTFT p50 / p99 (the loop's own), and the serving thread's CPU share.
 
@@ -133,7 +133,7 @@ def measure(executor: Executor, prompts: list[list[int]], clients: int, args, jo
         "launch_rounds": executor.loop.most_rounds, "lag": executor.lag, "rounds_per_launch": round(loop_rounds / max(launches, 1), 2),
         "tok_s": round(tokens / wall), "requests_per_s": round(requests / wall, 1), "executes_per_s": round(executes.height / wall, 1),
         "launches_per_s": round(launches / wall), "owners_per_launch": round(lane_rounds / max(loop_rounds, 1), 2),
-        "padded_owners": round(sum(padded(min(int(n), most), most) for n in owners) / max(rounds, 1), 2),
+        "padded_owners": round(sum(padded(min(int(n), most), most) for n in owners) / max(rounds, 1), 2) if executor.speculate else None,
         "device_ms_per_launch": round(device_ms / max(launches, 1), 3), "device_busy_pct": round(100 * device_ms / 1e3 / wall, 1),
         "device_us_per_token": round(1e3 * device_ms / max(tokens, 1), 2), "serving_us_per_token": round(1e6 * cpu / max(tokens, 1), 2),
         "ttft_p50_ms": round(metrics.ttft_s.p50 * 1e3, 2), "ttft_p99_ms": round(metrics.ttft_s.p99 * 1e3, 2),
@@ -187,7 +187,7 @@ def main() -> int:
     print("|" + " --- |" * 18)
     for r in rows:
         print(f"| {r['mode']} | {r['policy']} | {r['lag']} | {r['join']} | {r['clients']} | {r['rounds_per_launch']} ({r['launch_rounds']}) | {r['tok_s']:,} "
-              f"| {r['requests_per_s']} | {r['executes_per_s']} | {r['launches_per_s']:,} | {r['owners_per_launch']} | {r['padded_owners']} "
+              f"| {r['requests_per_s']} | {r['executes_per_s']} | {r['launches_per_s']:,} | {r['owners_per_launch']} | {'-' if r['padded_owners'] is None else r['padded_owners']} "
               f"| {r['device_ms_per_launch']} | {r['device_us_per_token']} | {r['serving_us_per_token']} | {r['device_busy_pct']} "
               f"| {r['ttft_p50_ms']} / {r['ttft_p99_ms']} | {r['serving_cpu_pct']} |")
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "command": " ".join(["python", *sys.argv])}
