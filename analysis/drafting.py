@@ -90,15 +90,10 @@ def verify_lengths(cycles: pl.LazyFrame) -> pl.LazyFrame:
     | device_us_per_owner | Float64 | Σ device ms / Σ packed owners, in µs: one owner's cycle |
     | tokens_per_device_ms | Float64 | Σ emitted / Σ device ms (null where no time was logged) |
     """
-    per_call = speculative(cycles).group_by("cycle_id").agg(
-        pl.col("proposed").first(),
-        pl.col("owners").first().cast(pl.Int64),
-        pl.len().alias("rows"),
-        LENGTH.sum().alias("length"),
-        pl.col("emitted").cast(pl.Int64).sum(),
-        (pl.col("draft_ms").first() + pl.col("verify_ms").first()).alias("device_ms"),
+    per_call = calls(speculative(cycles), pl.col("proposed").first(), LENGTH.sum().alias("length")).with_columns(
+        (pl.col("draft_ms") + pl.col("verify_ms")).alias("device_ms"),
     )
-    device_ms, owners = pl.col("device_ms").sum(), pl.col("owners").sum()
+    device_ms, owners = pl.col("device_ms").sum(), pl.col("owners").cast(pl.Int64).sum()
     return (
         per_call.group_by("proposed")
         .agg(

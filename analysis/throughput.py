@@ -20,8 +20,9 @@ from dflash_trt.runtime.stats import DYNAMIC
 PHASES = ("draft_ms", "verify_ms", "host_ms")
 
 
-def calls(cycles: pl.LazyFrame) -> pl.LazyFrame:
-    """One row per device call (cycle_id): shared columns once, tokens summed over owners.
+def calls(cycles: pl.LazyFrame, *extra: pl.Expr) -> pl.LazyFrame:
+    """One row per device call (cycle_id): shared columns once, tokens summed over owners; ``extra``: more
+    per-call aggregations (e.g. ``pl.col("proposed").first()``), as columns after these.
 
     The one group-by over every row keyed by call. With ``cycle_id`` flagged
     sorted (``load.in_call_order``) Polars streams it in constant memory;
@@ -45,6 +46,7 @@ def calls(cycles: pl.LazyFrame) -> pl.LazyFrame:
         pl.len().alias("rows"),
         pl.col("emitted").cast(pl.Int64).sum(),
         *(pl.col(phase).first() for phase in PHASES),
+        *extra,
     )
 
 
