@@ -30,7 +30,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
@@ -158,6 +158,14 @@ class ExecuteTotals:
     rounds: int = 0
     lane_rounds: int = 0
 
+    def __add__(self, other: ExecuteTotals) -> ExecuteTotals:
+        """Both reads' totals: every count summed, the choices by kind too."""
+        summed = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self) if f.name != "choices"}
+        choices = dict(self.choices)
+        for kind, count in other.choices.items():
+            choices[kind] = choices.get(kind, 0) + count
+        return ExecuteTotals(**summed, choices=choices)
+
 
 def percentiles(samples) -> Percentiles:
     values = np.fromiter(samples, dtype=np.float64)
@@ -174,11 +182,7 @@ class MetricsRecorder:
         self.lock = threading.Lock()
         self.started = time.perf_counter()
         self.counts = dict.fromkeys(("submitted", *OUTCOMES, "prompt_tokens", "output_tokens"), 0)
-        self.executor_totals = dict.fromkeys(("cycles", "accepted", "executes", "failed_executes", "loop_launches", "loop_rounds", "lane_rounds"), 0)
-        self.policy_choices = {"cycle": 0, "decode": 0}
-        self.policy_verified = 0
-        self.drafting_stopped = 0
-        self.device_s = 0.0
+        self.executed_totals = ExecuteTotals(choices={"cycle": 0, "decode": 0})  # every execute read since start
         self.latencies = {name: _Latency() for name in LATENCIES}
         self.deliveries: deque[list] = deque()  # [bucket start, tokens] within RATE_WINDOW_S
 
@@ -212,19 +216,7 @@ class MetricsRecorder:
     def executed(self, done: ExecuteTotals) -> None:
         """The executor's counters of executes that ended since the last call (``ExecuteCursor.read``)."""
         with self.lock:
-            totals = self.executor_totals
-            totals["cycles"] += done.cycles
-            totals["accepted"] += done.accepted
-            totals["executes"] += done.executes
-            totals["failed_executes"] += done.failed
-            for kind, count in done.choices.items():
-                self.policy_choices[kind] += count
-            self.policy_verified += done.verified
-            self.drafting_stopped += done.stopped
-            self.device_s += done.device_s
-            totals["loop_launches"] += done.launches
-            totals["loop_rounds"] += done.rounds
-            totals["lane_rounds"] += done.lane_rounds
+            self.executed_totals += done
 
     def snapshot(self, running: int, queued: int) -> ServingMetrics:
         now = time.perf_counter()
@@ -232,27 +224,25 @@ class MetricsRecorder:
             _expire(self.deliveries, now - RATE_WINDOW_S)
             window = min(RATE_WINDOW_S, now - self.started)
             rate = sum(n for _, n in self.deliveries) / window if window > 0 else 0.0
-            totals, counts, choices, verified = dict(self.executor_totals), dict(self.counts), dict(self.policy_choices), self.policy_verified
-            stopped, device_s = self.drafting_stopped, self.device_s
+            done, counts = self.executed_totals, dict(self.counts)  # done: immutable, replaced by each read
             recent = {name: latency.recent(now) for name, latency in self.latencies.items()}
             histograms = {name: latency.histogram() for name, latency in self.latencies.items()}
-        cycles = totals["cycles"]
         return ServingMetrics(
             running=running,
             queued=queued,
             **counts,
             output_tokens_per_s=rate,
-            cycles=cycles,
-            tau=1.0 + totals["accepted"] / cycles if cycles else None,
-            executes=totals["executes"],
-            failed_executes=totals["failed_executes"],
-            policy_choices=choices,
-            policy_verified=verified,
-            drafting_stopped=stopped,
-            device_s=device_s,
-            loop_launches=totals["loop_launches"],
-            loop_rounds=totals["loop_rounds"],
-            lane_rounds=totals["lane_rounds"],
+            cycles=done.cycles,
+            tau=1.0 + done.accepted / done.cycles if done.cycles else None,
+            executes=done.executes,
+            failed_executes=done.failed,
+            policy_choices=dict(done.choices),
+            policy_verified=done.verified,
+            drafting_stopped=done.stopped,
+            device_s=done.device_s,
+            loop_launches=done.launches,
+            loop_rounds=done.rounds,
+            lane_rounds=done.lane_rounds,
             uptime_s=now - self.started,
             **{name: percentiles(samples) for name, samples in recent.items()},
             histograms=histograms,

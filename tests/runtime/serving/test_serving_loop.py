@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import polars as pl
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from dflash_trt.errors import InputError, PoisonedError, QueueFullError, SamplingError, ServingClosedError, TokenizerError
 from dflash_trt.export import contract as c
@@ -19,7 +20,7 @@ from dflash_trt.export.tokenizer import Tokenizer
 from dflash_trt.runtime.executor import Executor
 from dflash_trt.runtime.finish import CONTEXT, LENGTH, STOP
 from dflash_trt.runtime.serving.loop import CANCELLED, ServingLoop
-from dflash_trt.runtime.serving.metrics import LATENCY_BUCKETS_S, RATE_BUCKET_S, RATE_WINDOW_S, WINDOW_S, WINDOW_SAMPLES, MetricsRecorder
+from dflash_trt.runtime.serving.metrics import LATENCY_BUCKETS_S, RATE_BUCKET_S, RATE_WINDOW_S, WINDOW_S, WINDOW_SAMPLES, ExecuteTotals, MetricsRecorder
 from executor_fixtures import SERVING_REQUESTS as REQUESTS, CharTokenizer, RecordingBackend
 
 
@@ -461,6 +462,34 @@ def test_the_launches_shape_reaches_the_metrics_and_prometheus(tiny):
         families = text_string_to_metric_families(generate_latest(registry).decode())
         scraped = {s.name.removeprefix("dflash_trt_").removesuffix("_total"): s.value for f in families for s in f.samples}
         assert {key: scraped[key] for key in expected} == expected
+
+
+_counts = st.integers(0, 10**6)
+_reads = st.builds(ExecuteTotals, cycles=_counts, accepted=_counts, executes=_counts, failed=_counts,
+                   choices=st.dictionaries(st.sampled_from(("cycle", "decode")), _counts), verified=_counts, stopped=_counts,
+                   device_s=st.floats(0, 10, allow_nan=False), launches=_counts, rounds=_counts, lane_rounds=_counts)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(_reads, max_size=6))
+def test_the_recorders_executor_totals_are_the_sums_of_its_reads(reads):
+    """Guards against an executor counter lost on its way to the metrics (a field of ``ExecuteTotals`` not added
+    up, a choice kind missing from one read dropped or overwriting the other's, a total read from the wrong field):
+    after any sequence of reads the snapshot must show each counter's plain sum over them."""
+    recorder = MetricsRecorder()
+    for read in reads:
+        recorder.executed(read)
+    metrics = recorder.snapshot(running=0, queued=0)
+
+    def total(name):
+        return sum(getattr(read, name) for read in reads)
+
+    assert (metrics.cycles, metrics.executes, metrics.failed_executes) == (total("cycles"), total("executes"), total("failed"))
+    assert (metrics.policy_verified, metrics.drafting_stopped) == (total("verified"), total("stopped"))
+    assert (metrics.loop_launches, metrics.loop_rounds, metrics.lane_rounds) == (total("launches"), total("rounds"), total("lane_rounds"))
+    assert metrics.device_s == pytest.approx(total("device_s"))
+    assert metrics.policy_choices == {kind: sum(read.choices.get(kind, 0) for read in reads) for kind in ("cycle", "decode")}
+    assert metrics.tau == (1.0 + total("accepted") / total("cycles") if total("cycles") else None)
 
 
 def test_metrics_memory_is_bounded_by_count_and_age_without_reads():
