@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import interpreted  # noqa: E402
 import prebuilt  # noqa: E402
 from build_cache import cache_root, cached_build  # noqa: E402
 from prebuilt import EXPORT_NEW_TOKENS  # noqa: E402
@@ -44,9 +45,19 @@ def pytest_configure(config):
     config.dflash_prebuilder = None
 
 
+def _interpreted_modules(items) -> dict:
+    """By name, the modules of ``items`` whose tests use an ``interpreted`` fixture fed by ``interpreted_scripts()``
+    (checks run under Triton's interpreter, tests/interpreted.py)."""
+    return {item.module.__name__: item.module for item in items
+            if "interpreted" in getattr(item, "fixturenames", ()) and hasattr(item.module, "interpreted_scripts")}
+
+
 def pytest_collection_finish(session):
-    """A full run builds its expensive artifacts (tests/prebuilt.py) in a background process,
-    so the second core exports and compiles while the first runs tests."""
+    """The interpreted kernel checks start in the background, niced (tests/interpreted.py); a full run also builds
+    its expensive artifacts (tests/prebuilt.py) in a background process, so the second core exports and compiles
+    while the first runs tests."""
+    for name, module in _interpreted_modules(session.items).items():
+        interpreted.start(name, module.interpreted_scripts())
     config = session.config
     if len(session.items) < PREBUILD_MIN_TESTS or os.environ.get("DFLASH_TRT_TEST_PREBUILD") == "0":
         return
@@ -60,6 +71,7 @@ def pytest_collection_finish(session):
 
 
 def pytest_unconfigure(config):
+    interpreted.stop()  # a cut-short run's background checks
     prebuilder = getattr(config, "dflash_prebuilder", None)
     if prebuilder is not None and prebuilder.poll() is None:
         prebuilder.terminate()  # a cut-short run: whatever it had not finished is never published
@@ -69,8 +81,11 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if len(items) >= PREBUILD_MIN_TESTS:  # a full run: the modules needing prebuilt artifacts go last
-        items.sort(key=lambda item: item.path.name in LATE_MODULES)
+    if len(items) >= PREBUILD_MIN_TESTS:
+        # A full run: the interpreted checks' modules late (their background processes get the idle core longest),
+        # the modules needing prebuilt artifacts last.
+        late = _interpreted_modules(items)
+        items.sort(key=lambda item: 2 if item.path.name in LATE_MODULES else int(getattr(item, "module", None) in late.values()))
     if not config.getoption("--long"):
         skip_long = pytest.mark.skip(reason="long run: pass --long")
         for item in items:

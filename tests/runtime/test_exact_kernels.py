@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from interpreted import run_interpreted
+from interpreted import results as interpreted_results
 
 from dflash_trt.errors import EngineError
 from dflash_trt.runtime.backends.torch_backend import choose_kernels
@@ -664,14 +664,20 @@ print("RESULTS " + json.dumps(results))
 """
 
 
+def interpreted_scripts() -> list[str]:
+    """The interpreted checks' scripts (``PROCESSES``), none without Triton (conftest starts them at collection)."""
+    tests = str(Path(__file__).parents[1])
+    return [INTERPRETED.format(tests=tests, jobs=jobs) for jobs in PROCESSES] if TRITON else []
+
+
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
     """Every kernel check of exact_checks, fp32 and bf16, under Triton's interpreter: two processes at once
-    (``PROCESSES``; one thread each: the two cores of a CI box; 45 s to 5 min each, by how fast the box is)."""
+    (``PROCESSES``; one thread each: the two cores of a CI box; 45 s to 5 min each, by how fast the box is),
+    started in the background as the run was collected (tests/interpreted.py)."""
     if not TRITON:
         pytest.skip("needs triton (it ships with the CUDA builds of torch)")
-    tests = str(Path(__file__).parents[1])
-    return run_interpreted([INTERPRETED.format(tests=tests, jobs=jobs) for jobs in PROCESSES])
+    return interpreted_results(__name__, interpreted_scripts())
 
 
 def _passed(results: dict[str, str], name: str) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from interpreted import run_interpreted
+from interpreted import results as interpreted_results
 
 from dflash_trt.errors import InputError
 from dflash_trt.runtime.device_loop import DeviceLoop
@@ -46,13 +46,19 @@ print("RESULTS " + json.dumps(results))
 PROCESSES = (("executor",), ("programs", "verdict"))
 
 
+def interpreted_scripts() -> list[str]:
+    """The interpreted checks' scripts (``PROCESSES``), none without Triton (conftest starts them at collection)."""
+    tests = str(Path(__file__).parents[1])
+    return [INTERPRETED.format(tests=tests, checks=checks) for checks in PROCESSES] if TRITON else []
+
+
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
-    """Every check of loop_checks on CPU tensors, Triton interpreted, in two subprocesses (``PROCESSES``)."""
+    """Every check of loop_checks on CPU tensors, Triton interpreted, in two subprocesses (``PROCESSES``), started
+    in the background as the run was collected (tests/interpreted.py)."""
     if not TRITON:
         pytest.skip("needs triton (it ships with the CUDA builds of torch)")
-    tests = str(Path(__file__).parents[1])
-    return run_interpreted([INTERPRETED.format(tests=tests, checks=checks) for checks in PROCESSES])
+    return interpreted_results(__name__, interpreted_scripts())
 
 
 def _passed(results: dict[str, str], name: str) -> None:
