@@ -214,6 +214,51 @@ def test_replica_resources_follow_the_device():
     assert isinstance(replicas.builder({"flags": "--replicas 2 --backend torch --threads 2"}), serve.Application)
 
 
+def test_the_port_is_held_while_the_local_cluster_starts(monkeypatch):
+    """Guards against Ray's own servers taking the serving port: bound only to check it, the port was free while
+    ``ray.init`` started the cluster's gRPC servers on ports the kernel handed out, and one took a ``--port`` in
+    that range (the health checks then read a gRPC frame, Serve's proxy could not bind it). A stand-in cluster binds
+    the port as a gRPC server would (SO_REUSEADDR and SO_REUSEPORT) during ``ray.init`` and must be refused; Serve's
+    proxy, started next, must find it free."""
+    port = free_port()
+    seen = {}
+
+    def binds() -> bool:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            try:
+                sock.bind(("127.0.0.1", port))
+                sock.listen()
+            except OSError:
+                return False
+            return True
+
+    class Ray:
+        def init(self, **_):
+            seen["during ray.init"] = binds()
+
+        def shutdown(self):
+            seen["stopped"] = True
+
+    class Serve:
+        def start(self, http_options):
+            seen["at serve.start"] = binds()
+
+        def run(self, *_, **__):
+            raise KeyboardInterrupt  # as a signal would, once serving
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.setattr(replicas, "_ray", lambda: (Ray(), Serve()))
+    monkeypatch.setattr(replicas, "prepare", lambda args: None)  # no artifacts: the port is what is tested
+    monkeypatch.setattr(replicas, "application", lambda args: None)
+    args = build_parser("serve").parse_args(["serve", "--replicas", "2", "--host", "127.0.0.1", "--port", str(port), *FLAGS])
+    assert replicas.run(args) == 0
+    assert seen == {"during ray.init": False, "at serve.start": True, "stopped": True}
+
+
 def replica_pids(root: int) -> set[int]:
     """The Ray Serve replica processes under ``root`` (the serve subprocess), by their process titles."""
     parents, titles = {}, {}
