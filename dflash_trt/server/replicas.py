@@ -154,15 +154,16 @@ def prepare(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     """Start a local Ray cluster, serve ``args.replicas`` replicas on host:port, and wait for SIGINT/SIGTERM."""
     ray, serve = _ray()
-    held = hold_port(args.host, args.port)  # a busy or bad port fails before anything loads
-    try:
-        prepare(args)
-        per_replica = actor_options(args).get("num_cpus", 1)
-        # A local cluster: at least one logical CPU per replica's threads, however many cores there are.
+    from dflash_trt.server import command
+
+    command.bind(args.host, args.port).close()  # a busy or bad port fails before anything loads
+    prepare(args)
+    per_replica = actor_options(args).get("num_cpus", 1)
+    # A local cluster: at least one logical CPU per replica's threads, however many cores there are. Its servers
+    # start here, the port held from them; Serve's proxy binds it next.
+    with hold_port(args.host, args.port):
         ray.init(num_cpus=max(os.cpu_count() or 1, per_replica * args.replicas + 1), include_dashboard=False,
                  logging_level=args.log_level.upper())
-    finally:
-        held.close()  # Serve's proxy binds it next
     previous = signal.signal(signal.SIGTERM, _interrupt), signal.signal(signal.SIGINT, _interrupt)
     try:
         serve.start(http_options={"host": args.host, "port": args.port, "keep_alive_timeout_s": int(args.keep_alive_timeout)})
@@ -185,7 +186,8 @@ def hold_port(host: str, port: int) -> socket.socket:
     """The serving port, listened on (never accepted) while the local Ray cluster starts: Ray's own servers bind
     ports the kernel hands out, and where ``--port`` lies in that range one of them could take it before Serve's
     proxy binds it (the proxy then fails, and clients reach a gRPC server). A listening socket shares its port with
-    no other bind; not inherited by Ray's processes, it is gone once closed. ServingError naming the port if busy."""
+    no other bind; not inherited by Ray's processes, it is gone once closed (clients that connect meanwhile are
+    reset then: only ``ray.init`` runs under it). ServingError naming the port if busy."""
     from dflash_trt.server import command
 
     held = command.bind(host, port)
